@@ -1,0 +1,366 @@
+"""Safe parser for UI-TARS model outputs, and the coordinate maths that goes with it.
+
+    Thought: The Save button is at the top right.
+    Action: click(start_box='<|box_start|>(912,40)<|box_end|>')
+
+The text comes from a policy under RL, so it is adversarial by construction: it is never evaluated (no eval, exec
+or ast), only scanned once, left to right, by hand-written code plus a few regexes that cannot backtrack
+catastrophically. Any input string either parses or raises ParseError, never anything else; the actor turns a
+ParseError into a format penalty instead of a crash.
+
+Grammar (a superset of what ui-tars' parse_action_to_structure_output accepts for these actions):
+    output  := [thought] ["Action:"] call (ws ["Action:"] call)*
+    call    := NAME "(" [NAME "=" STRING ("," NAME "=" STRING)* [","]] ")"
+    STRING  := '...' | "..."   with \\n \\t \\r \\\\ \\' \\" escapes; other backslashes stay as written
+Coordinates: '<point>x y</point>', '(x,y)', '<|box_start|>(x,y)<|box_end|>', '<bbox>x1 y1 x2 y2</bbox>' and
+4-number boxes '(x1,y1,x2,y2)' (-> their centre). Points stay in the model's coordinate space; `to_screen` maps them.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+# Same tuple as envd.base.ACTION_TYPES (a test checks); kept here so the actor does not import the env daemon.
+ACTION_TYPES = ("click", "left_double", "right_single", "drag", "hotkey", "type", "scroll", "wait", "finished", "call_user")
+DIRECTIONS = ("up", "down", "left", "right")
+# UI-TARS emits one action a turn, rarely a few; a long run of calls is degenerate output, and stopping early also
+# bounds the work (and the env steps) one answer can cause.
+MAX_ACTIONS = 16
+
+_START_KEYS = ("start_box", "point", "start_point")   # synonyms across UI-TARS versions (1.0 boxes, 1.5 points)
+_END_KEYS = ("end_box", "end_point")
+_CLICKS = ("click", "left_double", "right_single")
+# Which keyword arguments each action takes; anything else is a format error (a signal the policy should get).
+_ALLOWED = {
+    **{a: (*_START_KEYS, "target") for a in _CLICKS},
+    "drag": (*_START_KEYS, *_END_KEYS),
+    "hotkey": ("key",),
+    "type": ("content",),
+    "scroll": (*_START_KEYS, "direction", "target"),
+    "wait": (),
+    "finished": ("content",),
+    "call_user": ("content",),
+}
+# Tokens an engine may leave on the end of a decode; they are not part of the answer.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "[EOS]", "</s>")
+
+# Every regex below is either anchored at a line start or made of single character classes, so each match attempt
+# is bounded by the line or run it looks at and a whole search is linear in the input.
+_ACTION_AT_LINE = re.compile(r"^[ \t]*Action[ \t]*[:：]", re.M)
+_ACTION_ANY = re.compile(r"Action[ \t]*[:：]")
+_ACTION_LABEL = re.compile(r"Action[ \t]*[:：]")
+_CALL_AT_LINE = re.compile(r"^[ \t]*(?:" + "|".join(ACTION_TYPES) + r")[ \t]*\(", re.M)
+_CALL_AT_START = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*[ \t]*\(")
+_THOUGHT_LABEL = re.compile(r"\s*Thought[ \t]*[:：]")
+_SUMMARY_LABEL = re.compile(r"^[ \t]*Action_Summary[ \t]*[:：]", re.M)
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_WS = re.compile(r"\s*")
+_PLAIN = {"'": re.compile(r"[^\\']*"), '"': re.compile(r'[^\\"]*')}
+_NUM = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+_NUM_SPLIT = re.compile(r"[\s,]+")
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
+
+
+class ParseError(ValueError):
+    """The model's text is not a well-formed action; str(e) is a short reason."""
+
+
+Point = tuple[float, float]
+
+
+@dataclass
+class ParsedAction:
+    type: str
+    point: Point | None = None        # model coordinates (see to_screen); None for text-addressed or pointless actions
+    end_point: Point | None = None    # drag only
+    content: str = ""                 # type / finished / call_user; a trailing "\n" on `type` means "press Enter"
+    key: str = ""                     # hotkey, e.g. "ctrl c"
+    direction: str = ""               # scroll: up|down|left|right
+    target: str = ""                  # our text-addressed extension: element label or ref
+    raw: str = ""                     # the call as the model wrote it, for logs
+
+    @property
+    def submit(self) -> bool:
+        return self.type == "type" and self.content.endswith("\n")
+
+    def to_env(self) -> dict[str, Any]:
+        """The envd action dict (envd/base.py); empty fields are left out, as the proto leaves them unset."""
+        d: dict[str, Any] = {"type": self.type}
+        if self.point is not None:
+            d["point"] = [float(self.point[0]), float(self.point[1])]
+        if self.end_point is not None:
+            d["end_point"] = [float(self.end_point[0]), float(self.end_point[1])]
+        for f in ("content", "key", "direction", "target"):
+            if getattr(self, f):
+                d[f] = getattr(self, f)
+        return d
+
+    def on_screen(self, mode: str, screen_w: float, screen_h: float, image_w: int | None = None,
+                  image_h: int | None = None, **resize: int) -> ParsedAction:
+        """A copy with point/end_point mapped by `to_screen`."""
+        def m(p: Point | None) -> Point | None:
+            return None if p is None else to_screen(p, mode, screen_w, screen_h, image_w, image_h, **resize)
+        return replace(self, point=m(self.point), end_point=m(self.end_point))
+
+
+# ---------------------------------------------------------------------------------------------- text -> actions
+def parse_response(text: str) -> tuple[str, list[ParsedAction]]:
+    """Model output -> (thought, actions). Raises ParseError (and only ParseError) when it is not well formed."""
+    if not isinstance(text, str):
+        raise ParseError(f"expected str, got {type(text).__name__}")
+    body = _unwrap(text)
+    if not body.strip():
+        raise ParseError("empty output")
+    pre, start = _split(body)
+    # UI-TARS 1.0 also wrote "Reflection: ...\nAction_Summary: ..."; like ui-tars, the summary is the thought.
+    m = _THOUGHT_LABEL.match(pre) or _SUMMARY_LABEL.search(pre)
+    thought = (pre[m.end():] if m else pre).strip()
+    actions = _calls(body, start)
+    if not actions:
+        raise ParseError("no action after 'Action:'")
+    return thought, actions
+
+
+def _unwrap(text: str) -> str:
+    """Drop end-of-turn tokens and a ``` fence around the whole answer (the prompt shows the format fenced)."""
+    lo, hi = 0, len(text)
+    changed = True
+    while changed:   # indices, not slicing: a long run of end tokens must not cost quadratic copying
+        changed = False
+        while hi > lo and text[hi - 1].isspace():
+            hi -= 1
+        for tok in _END_TOKENS:
+            if text.endswith(tok, lo, hi):
+                hi -= len(tok)
+                changed = True
+    while lo < hi and text[lo].isspace():
+        lo += 1
+    if text.startswith("```", lo, hi):   # the opening fence may carry a language tag: drop its whole line
+        nl = text.find("\n", lo, hi)
+        lo = hi if nl < 0 else nl + 1
+    if text.endswith("```", lo, hi):
+        hi -= 3
+    return text[lo:hi]
+
+
+def _split(body: str) -> tuple[str, int]:
+    """(thought text, index where the first call starts)."""
+    # An "Action:" at a line start wins over one inside a sentence of the thought ("... the next Action: ...");
+    # the first one wins over later ones, which can only be inside typed content or a second action.
+    m = _ACTION_AT_LINE.search(body)
+    if m:
+        return body[:m.start()], m.end()
+    m = _CALL_AT_LINE.match(body)   # a bare call, e.g. type(content='Action: x'): its content is not a label
+    if m:
+        return "", 0
+    m = _ACTION_ANY.search(body)
+    if m:
+        return body[:m.start()], m.end()
+    # No "Action:" label: the action is the first line that starts with a known call; the rest before it is thought.
+    m = _CALL_AT_LINE.search(body)
+    if m:
+        return body[:m.start()], m.start()
+    # Still nothing: if the whole answer looks like a call, parse it anyway so the error names what is wrong.
+    if _CALL_AT_START.match(body):
+        return "", 0
+    raise ParseError("no 'Action:' and no action call found")
+
+
+def _calls(s: str, i: int) -> list[ParsedAction]:
+    out: list[ParsedAction] = []
+    n = len(s)
+    while True:
+        i = _WS.match(s, i).end()
+        if i >= n:
+            return out
+        if out:   # a repeated "Action:" label between actions is tolerated
+            m = _ACTION_LABEL.match(s, i)
+            if m:
+                i = _WS.match(s, m.end()).end()
+        if len(out) >= MAX_ACTIONS:
+            raise ParseError(f"more than {MAX_ACTIONS} actions")
+        a, i = _call(s, i)
+        out.append(a)
+
+
+def _call(s: str, i: int) -> tuple[ParsedAction, int]:
+    start = i
+    m = _IDENT.match(s, i)
+    if not m:
+        raise ParseError(f"expected an action call, got {_peek(s, i)}")
+    name = m.group()
+    if name not in _ALLOWED:
+        raise ParseError(f"unknown action {name[:40]!r}")
+    i = _WS.match(s, m.end()).end()
+    if not s.startswith("(", i):
+        raise ParseError(f"expected '(' after {name}")
+    i += 1
+    args: dict[str, str] = {}
+    while True:
+        i = _WS.match(s, i).end()
+        if s.startswith(")", i):
+            i += 1
+            break
+        m = _IDENT.match(s, i)
+        if not m:
+            raise ParseError(f"{name}: expected an argument name, got {_peek(s, i)}")
+        key = m.group()
+        i = _WS.match(s, m.end()).end()
+        if not s.startswith("=", i):
+            raise ParseError(f"{name}: expected '=' after {key[:40]!r}")
+        i = _WS.match(s, i + 1).end()
+        if i >= len(s) or s[i] not in "'\"":
+            raise ParseError(f"{name}: the value of {key[:40]!r} must be a quoted string")
+        value, i = _string(s, i + 1, s[i])
+        if key in args:
+            raise ParseError(f"{name}: {key!r} given twice")
+        args[key] = value
+        i = _WS.match(s, i).end()
+        if s.startswith(",", i):
+            i += 1
+        elif s.startswith(")", i):
+            i += 1
+            break
+        else:
+            raise ParseError(f"{name}: expected ',' or ')', got {_peek(s, i)}")
+    return _build(name, args, s[start:i]), i
+
+
+def _string(s: str, i: int, q: str) -> tuple[str, int]:
+    """Read a quoted string whose opening quote is at i-1; returns (value, index after the closing quote).
+
+    A quote only closes the string when the next non-space character is ',' or ')' (or the text ends): models
+    often forget to escape an apostrophe in typed text (type(content='it's')), and this reading recovers it at no
+    ambiguity for well-formed calls. Each character is looked at a bounded number of times, so this is linear.
+    """
+    plain, n, parts = _PLAIN[q], len(s), []
+    while True:
+        j = plain.match(s, i).end()
+        parts.append(s[i:j])
+        if j >= n:
+            raise ParseError("unterminated string")
+        if s[j] == "\\":
+            if j + 1 >= n:
+                raise ParseError("unterminated string")
+            c = s[j + 1]
+            parts.append(_ESCAPES.get(c, "\\" + c))
+            i = j + 2
+            continue
+        k = _WS.match(s, j + 1).end()
+        if k >= n or s[k] in ",)":
+            return "".join(parts), j + 1
+        parts.append(q)   # an unescaped quote inside the text
+        i = j + 1
+
+
+def _build(name: str, args: dict[str, str], raw: str) -> ParsedAction:
+    allowed = _ALLOWED[name]
+    for k in args:
+        if k not in allowed:
+            raise ParseError(f"{name}: unexpected argument {k[:40]!r}")
+    a = ParsedAction(type=name, raw=raw)
+    starts = [k for k in _START_KEYS if k in args]
+    ends = [k for k in _END_KEYS if k in args]
+    if len(starts) > 1 or len(ends) > 1:
+        raise ParseError(f"{name}: more than one start or end point")
+    if starts:
+        a.point = parse_point(args[starts[0]])
+    if ends:
+        a.end_point = parse_point(args[ends[0]])
+    a.target = args.get("target", "").strip()
+    if name in _CLICKS and a.point is None and not a.target:
+        raise ParseError(f"{name}: needs start_box/point or target")
+    if name == "drag" and (a.point is None or a.end_point is None):
+        raise ParseError("drag: needs a start and an end point")
+    if name == "hotkey":
+        a.key = args.get("key", "").strip()
+        if not a.key:
+            raise ParseError("hotkey: needs key")
+    if name == "type":
+        if "content" not in args:
+            raise ParseError("type: needs content")
+        a.content = args["content"]   # verbatim: leading spaces and the trailing "\n" (submit) mean something
+    if name in ("finished", "call_user"):
+        a.content = args.get("content", "")
+    if name == "scroll":
+        a.direction = args.get("direction", "").strip().lower()
+        if a.direction not in DIRECTIONS:
+            raise ParseError(f"scroll: direction must be one of {DIRECTIONS}")
+    return a
+
+
+def parse_point(value: str) -> Point:
+    """One coordinate argument -> (x, y) in model space; a 4-number box gives its centre."""
+    v = value.strip()
+    for pre, post in (("<|box_start|>", "<|box_end|>"),):
+        if v.startswith(pre):
+            v = v[len(pre):]
+            if v.endswith(post):
+                v = v[:-len(post)]
+            v = v.strip()
+    for pre, post in (("<point>", "</point>"), ("<bbox>", "</bbox>"), ("(", ")"), ("[", "]")):
+        if v.startswith(pre) and v.endswith(post) and len(v) >= len(pre) + len(post):
+            v = v[len(pre):len(v) - len(post)]
+            break
+    toks = [t for t in _NUM_SPLIT.split(v.strip()) if t]
+    if len(toks) not in (2, 4):
+        raise ParseError(f"a point needs 2 numbers (or a box 4), got {len(toks)}")
+    nums = []
+    for t in toks:
+        # Non-negative decimals only; the length cap keeps float() cheap and rejects absurd values early.
+        if len(t) > 24 or not _NUM.fullmatch(t):
+            raise ParseError(f"bad coordinate {t[:24]!r}")
+        nums.append(float(t))
+    if not all(math.isfinite(x) for x in nums):
+        raise ParseError("bad coordinate")
+    if len(nums) == 4:
+        return ((nums[0] + nums[2]) / 2, (nums[1] + nums[3]) / 2)
+    return (nums[0], nums[1])
+
+
+def _peek(s: str, i: int) -> str:
+    return repr(s[i:i + 20]) if i < len(s) else "end of text"
+
+
+# ---------------------------------------------------------------------------------------------- coordinates
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
+                 max_pixels: int = 14 * 14 * 4 * 1280) -> tuple[int, int]:
+    """(height, width) the Qwen2-VL image processor resizes an image to: both sides multiples of `factor`, the
+    area within [min_pixels, max_pixels], the aspect ratio kept as well as that allows. Same maths as
+    qwen_vl_utils / ui-tars, so "absolute" model coordinates can be mapped back exactly."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio must be at most 200, got {max(height, width) / min(height, width):.1f}")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def to_screen(point: Point, mode: str, screen_w: float, screen_h: float, image_w: int | None = None,
+              image_h: int | None = None, *, factor: int = 28, min_pixels: int = 56 * 56,
+              max_pixels: int = 14 * 14 * 4 * 1280) -> Point:
+    """Model coordinates -> screen pixels (floats, not clamped: an off-screen point is the env's to reject).
+
+    mode "relative": UI-TARS 1.0 / Qwen2-VL style, 0..1000 in each axis whatever the image size.
+    mode "absolute": UI-TARS 1.5 / Qwen2.5-VL style, pixels of the image the model saw, i.e. the screenshot
+    (image_w x image_h, default the screen size) after smart_resize; pass the processor's max_pixels if it is not
+    the Qwen2-VL default (UI-TARS 1.5 deployments often use 16384*28*28).
+    """
+    x, y = float(point[0]), float(point[1])
+    if mode == "relative":
+        return x / 1000.0 * screen_w, y / 1000.0 * screen_h
+    if mode == "absolute":
+        rh, rw = smart_resize(int(image_h or screen_h), int(image_w or screen_w), factor, min_pixels, max_pixels)
+        return x / rw * screen_w, y / rh * screen_h
+    raise ValueError(f"mode must be 'relative' or 'absolute', got {mode!r}")

@@ -1,0 +1,107 @@
+"""Env id -> backend resolution.
+
+An env id is `<prefix>/<name>` (or a bare `<prefix>`): `builtin/click`, later `gym/CartPole-v1`,
+`miniwob/click-button`, `browser`, ... Each prefix maps to a factory `(name, options) -> Env`. The longest
+registered prefix wins, so `miniwob/v2` can override part of `miniwob`.
+
+Backends are imported lazily inside their factory: a daemon that never serves browsers must not need playwright,
+and a broken optional backend must not stop the others from loading.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Callable, Iterable
+
+from envd.base import Env
+
+Factory = Callable[[str, dict[str, str]], Env]
+Names = Callable[[], Iterable[str]]
+
+_lock = threading.Lock()  # factories run in worker threads; registration may happen at any time
+_factories: dict[str, tuple[Factory, Names | None]] = {}
+
+
+def register(prefix: str, factory: Factory, names: Iterable[str] | Names | None = None) -> None:
+    """Serve env ids under `prefix` with `factory(name, options)`.
+
+    `names` lists the env names the backend offers (for ListEnvs): an iterable, a callable returning one (evaluated
+    on every ListEnvs, so it may import lazily), or None when the set is open-ended. Registering a prefix again
+    replaces the previous factory.
+    """
+    prefix = prefix.strip().strip("/")
+    if not prefix:
+        raise ValueError("an env prefix must not be empty")
+    if names is not None and not callable(names):
+        frozen = tuple(names)
+        names = lambda: frozen  # noqa: E731
+    with _lock:
+        _factories[prefix] = (factory, names)
+
+
+def unregister(prefix: str) -> None:
+    with _lock:
+        _factories.pop(prefix.strip().strip("/"), None)
+
+
+def resolve(env_id: str) -> tuple[str, str, Factory]:
+    """(prefix, name, factory) for an env id; KeyError when no prefix serves it."""
+    env_id = env_id.strip()
+    with _lock:
+        table = dict(_factories)
+    best = ""
+    for prefix in table:
+        if (env_id == prefix or env_id.startswith(prefix + "/")) and len(prefix) > len(best):
+            best = prefix
+    if not best:
+        raise KeyError(f"unknown env id {env_id!r}: no backend serves it (known prefixes: {sorted(table)})")
+    return best, env_id[len(best) + 1:], table[best][0]
+
+
+def make(env_id: str, options: dict[str, str] | None = None) -> Env:
+    """A fresh Env for `env_id`. KeyError: unknown id; ValueError: bad options; anything else: backend failure."""
+    _, name, factory = resolve(env_id)
+    env = factory(name, dict(options or {}))
+    if not isinstance(env, Env):
+        raise TypeError(f"the factory for {env_id!r} returned {type(env).__name__}, not an envd.base.Env")
+    if not env.env_id:
+        env.env_id = env_id
+    return env
+
+
+def list_env_ids() -> list[str]:
+    """Every concrete env id the registered backends announce (open-ended backends list just their prefix)."""
+    with _lock:
+        table = dict(_factories)
+    out: list[str] = []
+    for prefix, (_, names) in sorted(table.items()):
+        if names is None:
+            out.append(prefix)
+            continue
+        try:
+            out.extend(f"{prefix}/{n}" if n else prefix for n in names())
+        except ImportError:
+            continue  # an optional backend that is not installed offers nothing
+    return out
+
+
+# ---- built-in backends ------------------------------------------------------------------------------------
+
+def _builtin_factory(task: str, options: dict[str, str]) -> Env:
+    from envd import builtin
+
+    if task not in builtin.TASKS:
+        raise KeyError(f"unknown env id 'builtin/{task}': builtin tasks are {list(builtin.TASKS)}")
+    # envd.builtin.make takes options as an optional second argument; stay compatible with a one-argument make.
+    if len(inspect.signature(builtin.make).parameters) >= 2:
+        return builtin.make(task, options)
+    return builtin.make(task)
+
+
+def _builtin_names() -> list[str]:
+    from envd import builtin
+
+    return list(builtin.TASKS)
+
+
+register("builtin", _builtin_factory, _builtin_names)

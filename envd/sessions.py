@@ -1,0 +1,209 @@
+"""Session state, the worker pool that runs blocking backend calls, and StepResult <-> proto conversion for envd.
+
+Backends are synchronous and not thread-safe, so every call on one Env goes through its session's asyncio.Lock and
+runs in a bounded thread pool with a deadline. A call whose deadline passed (or whose RPC was cancelled) keeps
+running in its thread: Python cannot kill it. `Workers.run` therefore remembers the session's in-flight call and
+lets the next call on the same Env start only once it has finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from envd.base import RUNNING, TERMINATED, TRUNCATED, Env, StepResult
+from tars.v1 import common_pb2, env_pb2
+
+log = logging.getLogger("envd")
+
+_OUTCOMES = {RUNNING: common_pb2.RUNNING, TERMINATED: common_pb2.TERMINATED, TRUNCATED: common_pb2.TRUNCATED}
+_ACTION_SCALARS = ("type", "content", "key", "direction", "target", "raw")
+
+
+class BackendTimeout(Exception):
+    """A backend call ran past its deadline; its thread may still be running."""
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    env_id: str
+    env: Env
+    options: dict[str, str]
+    ttl_s: float
+    client_id: str = ""
+    seed: int = 0                       # default seed for a Reset that sends 0
+    expires: float = 0.0                # time.monotonic() deadline of the lease
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last: StepResult | None = None      # the latest reset/step/restore result (None until the first reset)
+    inflight: concurrent.futures.Future | None = None
+    created: float = field(default_factory=time.monotonic)
+    steps: int = 0                      # steps over the session's life, all episodes
+    episodes: int = 0
+    closed: bool = False
+
+    def renew(self, ttl_s: float = 0.0) -> None:
+        # max(): a heartbeat asking for a long lease must not be shortened by the next step's default renewal.
+        self.expires = max(self.expires, time.monotonic() + (ttl_s or self.ttl_s))
+
+    def expired(self, now: float) -> bool:
+        return self.expires <= now
+
+    @property
+    def busy(self) -> bool:
+        return self.lock.locked() or (self.inflight is not None and not self.inflight.done())
+
+    @property
+    def episode_over(self) -> bool:
+        return self.last is not None and self.last.outcome in (TERMINATED, TRUNCATED)
+
+    def lease_expires_unix_ms(self) -> int:
+        return int((time.time() + (self.expires - time.monotonic())) * 1000)
+
+    def close_quietly(self) -> None:
+        """Close the env from whatever thread this runs in; a failing close is logged, never raised."""
+        try:
+            self.env.close()
+        except Exception as e:
+            log.warning("closing session %s (%s) failed: %s: %s", self.id, self.env_id, type(e).__name__, e)
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "id": self.id, "env_id": self.env_id, "client_id": self.client_id, "age_s": round(now - self.created, 3),
+            "lease_left_s": round(self.expires - now, 3), "steps": self.steps, "episodes": self.episodes,
+            "outcome": self.last.outcome if self.last is not None else "", "busy": self.busy,
+        }
+
+
+class LatencyWindow:
+    """The last `size` latencies (ms); percentiles are computed on demand (status calls are rare, steps are not)."""
+
+    def __init__(self, size: int):
+        self._v: collections.deque[float] = collections.deque(maxlen=max(1, size))
+
+    def add(self, ms: float) -> None:
+        self._v.append(ms)
+
+    def __len__(self) -> int:
+        return len(self._v)
+
+    def percentile(self, q: float) -> float:
+        if not self._v:
+            return 0.0
+        v = sorted(self._v)
+        return v[min(len(v) - 1, int(q / 100.0 * len(v)))]
+
+
+class Workers:
+    """A bounded thread pool for blocking backend calls, each with a deadline."""
+
+    def __init__(self, n: int):
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, n), thread_name_prefix="envd-backend")
+        self._running = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def running(self) -> int:
+        """Backend calls executing right now (including abandoned ones still stuck in their thread)."""
+        return self._running
+
+    def _job(self, fn: Callable, args: tuple, timed: bool) -> Any:
+        with self._count_lock:
+            self._running += 1
+        try:
+            if not timed:
+                return fn(*args)
+            t0 = time.perf_counter()  # measured in the thread: backend time only, no queueing or loop latency
+            r = fn(*args)
+            return r, (time.perf_counter() - t0) * 1e3
+        finally:
+            with self._count_lock:
+                self._running -= 1
+
+    async def run(self, fn: Callable, *args: Any, timeout: float, session: Session | None = None,
+                  orphan: Callable[[Any], None] | None = None, timed: bool = False, name: str = "") -> Any:
+        """fn(*args) in a worker thread; with `timed`, (result, ms inside fn). BackendTimeout past `timeout` s
+        (queueing included).
+
+        With `session`, first wait for the session's previous call if it is still running (the Env is not
+        thread-safe). `orphan(result)` is called in the worker if the call finishes after its deadline, so that a
+        late result that owns resources (a freshly built Env) can be released.
+        """
+        if session is not None and session.inflight is not None and not session.inflight.done():
+            await self._wait(session.inflight, timeout, "the previous call on this session is still running")
+        cf = self.pool.submit(self._job, fn, args, timed)
+        if session is not None:
+            session.inflight = cf
+        try:
+            return await self._wait(cf, timeout, f"{name or getattr(fn, '__name__', fn)} took longer than {timeout:g}s")
+        except (BackendTimeout, asyncio.CancelledError):
+            if orphan is not None:
+                cf.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or _safe(orphan, f.result()))
+            raise
+
+    @staticmethod
+    async def _wait(cf: concurrent.futures.Future, timeout: float, what: str) -> Any:
+        fut = asyncio.wrap_future(cf)
+        # shield(): on timeout the thread keeps running; nobody may then read the future, so consume its exception
+        # to keep "exception was never retrieved" noise out of the log.
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise BackendTimeout(what) from None
+
+    def shutdown(self) -> None:
+        # Threads stuck in a backend cannot be joined; queued work is dropped.
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _safe(fn: Callable[[Any], None], arg: Any) -> None:
+    try:
+        fn(arg)
+    except Exception:
+        log.exception("cleanup of a late backend result failed")
+
+
+# ---- wire conversion ----------------------------------------------------------------------------------------
+
+def action_to_dict(a: env_pb2.Action) -> dict:
+    """The proto Action as the backend's action dict; unset fields are left out."""
+    d: dict = {"type": a.type} if a.type else {}
+    if len(a.point):
+        d["point"] = list(a.point)
+    if len(a.end_point):
+        d["end_point"] = list(a.end_point)
+    for name in _ACTION_SCALARS[1:]:
+        v = getattr(a, name)
+        if v:
+            d[name] = v
+    return d
+
+
+def check_result(r: object) -> StepResult:
+    """A backend that breaks the StepResult contract is treated like a crashing one."""
+    if not isinstance(r, StepResult):
+        raise TypeError(f"backend returned {type(r).__name__}, not a StepResult")
+    if r.outcome not in _OUTCOMES:
+        raise RuntimeError(f"backend reported outcome {r.outcome!r}" + (f": {r.info}" if r.info else ""))
+    if not math.isfinite(float(r.reward)):
+        raise RuntimeError(f"backend returned a non-finite reward {r.reward!r}")
+    return r
+
+
+def to_response(r: StepResult, step_ms: float, lease_ms: int, reward: float | None = None) -> env_pb2.StepResponse:
+    obs = env_pb2.Observation(text=r.text, step=r.step, width=r.width, height=r.height, instruction=r.instruction)
+    for im in r.images:
+        obs.images.add(data=im.data, mime=im.mime, sha256=im.sha256, width=im.width, height=im.height)
+    return env_pb2.StepResponse(
+        observation=obs, reward=float(r.reward if reward is None else reward), outcome=_OUTCOMES[r.outcome],
+        info_json=json.dumps(r.info, default=str) if r.info else "", lease_expires_unix_ms=lease_ms, step_ms=step_ms,
+    )

@@ -1,0 +1,289 @@
+"""The `local` inference engine: an embedded torch CausalLM behind a continuous-batching scheduler thread.
+
+Callers (the gRPC front, tests, benchmarks) submit requests from any thread and get a concurrent Future;
+everything that touches the model or the KV caches runs in the one scheduler thread (inference_server.scheduler),
+so the model needs no locks and weight updates land exactly between two steps.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tars.config import InferenceConfig
+from tars.model import CausalLM
+
+STOP, LENGTH = "stop", "length"
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at cfg.max_queue (RESOURCE_EXHAUSTED): back off and retry."""
+
+
+class WeightLoadError(RuntimeError):
+    """New weights could not be read or do not fit the model (FAILED_PRECONDITION)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed while the request was pending (UNAVAILABLE)."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # 0 or 1 = off
+    top_k: int = 0                    # 0 = off
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0                     # 0 = the engine's shared generator
+
+
+@dataclass
+class GenerateOutput:
+    output_ids: list[int]
+    logprobs: list[float]             # behaviour logprob of each output token (see inference_server.sampling)
+    versions: list[int]               # weight version that produced each output token
+    finish_reason: str                # "stop" | "length"
+    prompt_tokens: int
+    cached_tokens: int                # prompt tokens served from the prefix cache
+    interruptions: int                # weight updates survived while in flight
+    recomputed_tokens: int            # tokens re-prefilled because a weight update invalidated the KV
+
+
+# on_token(token_id, logprob, version), called in the scheduler thread right after the token is sampled.
+TokenCallback = Callable[[int, float, int], None]
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation and its progress; mutated only by the scheduler thread once submitted."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    trajectory_id: str
+    max_stale_versions: int
+    future: Future
+    on_token: TokenCallback | None = None
+    stop_ids: frozenset = frozenset()
+    generator: torch.Generator | None = None
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    interruptions: int = 0
+    recomputed_tokens: int = 0
+    kv_version: int = 0               # oldest weight version in this request's KV
+    prefix_kv: list | None = None     # RowKV from the prefix cache, consumed by prefill
+    prefix_len: int = 0
+    t_submit: float = 0.0
+
+    def sequence(self) -> list[int]:
+        return self.input_ids + self.out
+
+
+@dataclass
+class _Update:
+    version: int
+    state_dict: dict
+    future: Future
+    t0: float
+
+
+class LocalEngine:
+    """Continuous batching over one CausalLM with a per-trajectory prefix cache and versioned weights."""
+
+    def __init__(self, cfg: InferenceConfig, model: CausalLM | str, version: int = 0, start: bool = True, name: str = "local"):
+        self.cfg = cfg
+        self.model = (CausalLM.load_hf(model) if isinstance(model, str) else model).eval()
+        self.name = name
+        self.version = int(version)
+        self._target_version = self.version
+        torch.set_num_threads(max(1, cfg.threads))
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._updates: collections.deque[_Update] = collections.deque()
+        self._update_lock = threading.Lock()
+        self._closed = False
+        self._shapes = {k: tuple(v.shape) for k, v in self.model.hf_state_dict().items()}
+        self.stats = collections.Counter()
+        self.batch_hist = collections.Counter()
+        self.started = time.monotonic()
+        from inference_server.scheduler import Scheduler
+
+        self._sched = Scheduler(self)
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._sched.run, name="tars-engine", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler; pending and running requests fail with EngineClosed."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._sched.fail_all(EngineClosed("engine closed"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def validate(self, input_ids: list[int], p: SamplingParams) -> None:
+        """Raise ValueError (INVALID_ARGUMENT) with a message naming the offending field."""
+        V = self.vocab_size
+        if not input_ids:
+            raise ValueError("input_ids is empty")
+        bad = next((t for t in input_ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {V})")
+        if p.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {p.max_new_tokens}")
+        if len(input_ids) + p.max_new_tokens > self.cfg.max_context:
+            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {self.cfg.max_context}")
+        if not p.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {p.temperature}")
+        if not 0 <= p.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {p.top_p}")
+        if p.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {p.top_k}")
+        bad = next((t for t in p.stop_token_ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {V})")
+
+    def submit(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
+               max_stale_versions: int | None = None, on_token: TokenCallback | None = None) -> Future:
+        """Queue a request; the Future resolves to a GenerateOutput. Cancel the Future to stop the request.
+
+        Raises ValueError for a bad request and QueueFull when cfg.max_queue requests are already waiting.
+        """
+        params = params or SamplingParams()
+        input_ids = [int(t) for t in input_ids]
+        self.validate(input_ids, params)
+        stale = self.cfg.max_stale_versions if max_stale_versions is None else int(max_stale_versions)
+        if stale < 0:
+            raise ValueError(f"max_stale_versions must be >= 0, got {stale}")
+        gen = torch.Generator().manual_seed(int(params.seed)) if params.seed else None
+        req = Request(input_ids, params, trajectory_id, stale, Future(), on_token, frozenset(int(t) for t in params.stop_token_ids),
+                      gen, t_submit=time.monotonic())
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("engine closed")
+            if len(self._waiting) >= self.cfg.max_queue:
+                self.stats["rejected_queue_full"] += 1
+                raise QueueFull(f"{len(self._waiting)} requests waiting (max_queue={self.cfg.max_queue})")
+            self._waiting.append(req)
+            self.stats["requests"] += 1
+            self._cv.notify()
+        return req.future
+
+    def generate(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
+                 max_stale_versions: int | None = None, timeout: float | None = 60.0) -> GenerateOutput:
+        """Blocking convenience around submit(); cancels the request if the timeout passes."""
+        fut = self.submit(input_ids, params, trajectory_id, max_stale_versions)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def update_weights(self, version: int, path: str | None = None, state_dict: dict | None = None,
+                       timeout: float | None = 120.0, wait: bool = True):
+        """Install new weights between two scheduler steps and return {version, load_ms, interrupted_requests, ...}.
+
+        Reading and checking the weights happens in the calling thread so decoding goes on meanwhile. With
+        wait=False the Future of that info is returned (safe to call from an on_token callback).
+        Raises ValueError when version is not newer, WeightLoadError when the weights do not fit.
+        """
+        t0 = time.monotonic()
+        version = int(version)
+        with self._update_lock:
+            if version <= self._target_version:
+                raise ValueError(f"version {version} is not newer than the current version {self._target_version}")
+            if state_dict is None:
+                if not path:
+                    raise WeightLoadError("update_weights needs a path or a state_dict")
+                state_dict = load_state_dict(path)
+            self._check_weights(state_dict)
+            upd = _Update(version, state_dict, Future(), t0)
+            with self._cv:
+                if self._closed:
+                    raise EngineClosed("engine closed")
+                self._updates.append(upd)
+                self._target_version = version
+                self._cv.notify()
+        if self._thread is None:  # not started (tests): apply inline so the caller is not stuck
+            self._sched.apply_pending()
+        if not wait:
+            return upd.future
+        return upd.future.result(timeout)
+
+    def _check_weights(self, sd: dict) -> None:
+        sd = {k: v for k, v in sd.items() if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)}
+        missing = sorted(set(self._shapes) - set(sd))
+        unexpected = sorted(set(sd) - set(self._shapes))
+        if missing or unexpected:
+            raise WeightLoadError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        wrong = [(k, tuple(v.shape), self._shapes[k]) for k, v in sd.items() if tuple(v.shape) != self._shapes[k]]
+        if wrong:
+            raise WeightLoadError(f"weight shapes do not match the model, e.g. {wrong[0][0]}: {wrong[0][1]} vs {wrong[0][2]}")
+
+    # ---- metrics -------------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        s = self.stats
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        steps = s["decode_steps"]
+        prompt = s["cache_hit_tokens"] + s["prefill_tokens"]
+        return {
+            "engine": self.name,
+            "version": self.version,
+            "requests": s["requests"],
+            "requests_finished": s["finished"],
+            "requests_cancelled": s["cancelled"],
+            "requests_rejected_queue_full": s["rejected_queue_full"],
+            "waiting": len(self._waiting),
+            "running": self._sched.active(),
+            "tokens_generated": s["tokens"],
+            "tokens_per_s": s["tokens"] / elapsed,
+            "decode_steps": steps,
+            "batch_mean": s["batch_rows"] / steps if steps else 0.0,
+            "batch_hist": {k: self.batch_hist[k] for k in sorted(self.batch_hist, key=lambda x: int(x.split("-")[0]))},
+            "prefill_tokens": s["prefill_tokens"],
+            "cache_hit_tokens": s["cache_hit_tokens"],
+            "cache_hit_share": s["cache_hit_tokens"] / prompt if prompt else 0.0,
+            "cache_entries": len(self._sched.cache),
+            "cache_bytes": self._sched.cache.nbytes,
+            "weight_updates": s["weight_updates"],
+            "interrupted_requests": s["interrupted"],
+            "recomputed_tokens": s["recomputed_tokens"],
+            "stale_kv_kept": s["stale_kept"],
+            "idle_share": self._sched.idle_s / elapsed,
+            "step_errors": s["step_errors"],
+        }
+
+
+def load_state_dict(path: str) -> dict:
+    """An HF directory (model.safetensors) or a .safetensors file -> state dict; WeightLoadError if unreadable."""
+    import pathlib
+
+    from safetensors.torch import load_file
+
+    p = pathlib.Path(path)
+    f = p / "model.safetensors" if p.is_dir() else p
+    try:
+        return load_file(str(f))
+    except Exception as e:  # missing file, truncated write, not safetensors: all mean "cannot load"
+        raise WeightLoadError(f"cannot load weights from {f}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,292 @@
+"""The scheduler thread of LocalEngine: admission, batched prefill, batched decode, weight updates.
+
+One iteration: apply pending weight updates -> drop cancelled requests -> admit waiting requests (prefix-cache
+lookup) -> prefill one group of new / interrupted requests -> one decode step for every running request.
+Running requests share one right-aligned batched KV cache (see inference_server.kvcache) that is re-packed only
+when the batch membership changes.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from concurrent.futures import InvalidStateError
+
+import torch
+
+from inference_server.engine import LENGTH, STOP, EngineClosed, GenerateOutput, Request, _Update
+from inference_server.kvcache import KV, PrefixCache, cat_rows, common_prefix, compact_right, pack, row_kv, take_rows, valid_from_lengths
+from inference_server.sampling import RowParams, sample
+
+log = logging.getLogger("tars.inference.scheduler")
+
+
+def _bucket(b: int) -> str:
+    lo = 1 << (b.bit_length() - 1)
+    return str(lo) if lo == 1 else f"{lo}-{2 * lo - 1}"
+
+
+def _resolve(fut, result=None, exc: BaseException | None = None) -> bool:
+    """Set a Future unless its caller cancelled it meanwhile (a race the scheduler cannot prevent)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+        return True
+    except InvalidStateError:
+        return False
+
+
+class Scheduler:
+    def __init__(self, engine):
+        self.eng = engine
+        self.model = engine.model
+        self.cfg = engine.cfg
+        self.cache = PrefixCache(self.cfg.cache_capacity, self.cfg.cache_max_bytes)
+        self.rows: list[Request] = []              # running requests, row i of self.kv
+        self.kv: KV | None = None
+        self.lengths: torch.Tensor | None = None   # [B] tokens held in each row's KV
+        self.rp: RowParams | None = None           # sampling params of self.rows, None = rebuild
+        self.prefill: collections.deque[Request] = collections.deque()  # admitted, KV not computed yet
+        self.idle_s = 0.0
+        # Unseeded requests share one generator seeded from the OS, so two engines never draw the same stream.
+        self.gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def active(self) -> int:
+        return len(self.rows) + len(self.prefill)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        eng = self.eng
+        with torch.inference_mode():
+            while True:
+                with eng._cv:
+                    if not (eng._closed or eng._waiting or eng._updates or self.rows or self.prefill):
+                        t0 = time.monotonic()
+                        while not (eng._closed or eng._waiting or eng._updates):
+                            eng._cv.wait(0.5)
+                        self.idle_s += time.monotonic() - t0
+                    if eng._closed:
+                        break
+                    updates = list(eng._updates)
+                    eng._updates.clear()
+                    room = max(0, self.cfg.max_batch - self.active())
+                    admit = [eng._waiting.popleft() for _ in range(min(room, len(eng._waiting)))]
+                try:
+                    for u in updates:
+                        self._apply(u)
+                    self._drop_cancelled()
+                    for r in admit:
+                        self._admit(r)
+                    if self.prefill:
+                        self._prefill_step()
+                    if self.rows:
+                        self._decode_step()
+                except Exception as e:  # a bug or OOM in one step fails the requests in it, not the engine
+                    log.exception("engine step failed")
+                    eng.stats["step_errors"] += 1
+                    self._fail_active(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
+        self.fail_all(EngineClosed("engine closed"))
+
+    def apply_pending(self) -> None:
+        """Apply queued weight updates from the calling thread (only while the loop thread is not running)."""
+        with self.eng._cv:
+            updates = list(self.eng._updates)
+            self.eng._updates.clear()
+        with torch.inference_mode():
+            for u in updates:
+                self._apply(u)
+
+    def fail_all(self, exc: BaseException) -> None:
+        self._fail_active(exc)
+        with self.eng._cv:
+            waiting, updates = list(self.eng._waiting), list(self.eng._updates)
+            self.eng._waiting.clear()
+            self.eng._updates.clear()
+        for r in waiting:
+            _resolve(r.future, exc=exc)
+        for u in updates:
+            _resolve(u.future, exc=exc)
+
+    def _fail_active(self, exc: BaseException) -> None:
+        for r in [*self.rows, *self.prefill]:
+            _resolve(r.future, exc=exc)
+        self.rows, self.kv, self.lengths, self.rp = [], None, None, None
+        self.prefill.clear()
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def _apply(self, u: _Update) -> None:
+        eng, t0 = self.eng, time.monotonic()
+        try:
+            self.model.load_weights(u.state_dict)
+        except Exception as e:  # checked by the caller already; a failure here leaves the old weights' version
+            _resolve(u.future, exc=e)
+            return
+        eng.version = u.version
+        interrupted, keep, redo = 0, [], []
+        for i, r in enumerate(self.rows):
+            r.interruptions += 1
+            interrupted += 1
+            # Stale KV is kept only within the request's own staleness budget; otherwise recompute it all.
+            (keep if r.max_stale_versions >= u.version - r.kv_version else redo).append(i)
+        for r in self.prefill:
+            if r.out:  # an earlier interruption is still waiting for its re-prefill
+                r.interruptions += 1
+                interrupted += 1
+            if r.prefix_kv is not None and r.max_stale_versions < u.version - r.kv_version:
+                r.prefix_kv, r.prefix_len, r.cached_tokens = None, 0, 0
+        if redo:
+            redo_reqs = [self.rows[i] for i in redo]
+            self.kv, self.lengths = take_rows(self.kv, self.lengths, keep)
+            self.rows = [self.rows[i] for i in keep]
+            self.rp = None
+            for r in reversed(redo_reqs):  # first in line for the next prefill, in their old order
+                n = len(r.input_ids) + len(r.out)
+                r.recomputed_tokens += n
+                eng.stats["recomputed_tokens"] += n
+                self.prefill.appendleft(r)
+        eng.stats["weight_updates"] += 1
+        eng.stats["interrupted"] += interrupted
+        eng.stats["stale_kept"] += len(keep)
+        _resolve(u.future, {
+            "version": u.version, "load_ms": (time.monotonic() - u.t0) * 1e3, "apply_ms": (time.monotonic() - t0) * 1e3,
+            "interrupted_requests": interrupted, "recomputed_requests": len(redo), "stale_kv_kept": len(keep),
+        })
+
+    # ---- admission and prefill -----------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        dead = [i for i, r in enumerate(self.rows) if r.future.cancelled()]
+        if dead:
+            gone = set(dead)
+            keep = [i for i in range(len(self.rows)) if i not in gone]
+            self.kv, self.lengths = take_rows(self.kv, self.lengths, keep)
+            self.rows = [self.rows[i] for i in keep]
+            self.rp = None
+        before = len(self.prefill)
+        if any(r.future.cancelled() for r in self.prefill):
+            self.prefill = collections.deque(r for r in self.prefill if not r.future.cancelled())
+        self.eng.stats["cancelled"] += len(dead) + before - len(self.prefill)
+
+    def _admit(self, r: Request) -> None:
+        if r.future.cancelled():
+            self.eng.stats["cancelled"] += 1
+            return
+        e = self.cache.get(r.trajectory_id) if r.trajectory_id else None
+        if e is not None:
+            if self.eng.version - e.version > r.max_stale_versions:
+                self.cache.pop(r.trajectory_id)  # computed by weights too old for this request: recompute
+            else:
+                # At least one prompt token must be fed to get next-token logits.
+                n = min(common_prefix(e.ids, r.input_ids), len(r.input_ids) - 1)
+                if n > 0:
+                    r.prefix_kv, r.prefix_len, r.cached_tokens, r.kv_version = e.kv, n, n, e.version
+        self.prefill.append(r)
+
+    def _suffix_len(self, r: Request) -> int:
+        return len(r.input_ids) + len(r.out) - r.prefix_len
+
+    def _take_group(self) -> list[Request]:
+        """The oldest pending prefill plus the ones closest to it in length, within the padded-token budget."""
+        anchor = self.prefill[0]
+        ta = self._suffix_len(anchor)
+        group, maxt, total = [anchor], ta, ta
+        for r in sorted(list(self.prefill)[1:], key=lambda r: abs(self._suffix_len(r) - ta)):
+            t = self._suffix_len(r)
+            m = max(maxt, t)
+            # Stay within the budget, and let padding at most double the work.
+            if (len(group) + 1) * m > self.cfg.prefill_batch_tokens or (len(group) + 1) * m > 2 * (total + t) + 64:
+                continue
+            group.append(r)
+            maxt, total = m, total + t
+        chosen = set(map(id, group))
+        self.prefill = collections.deque(r for r in self.prefill if id(r) not in chosen)
+        return group
+
+    def _prefill_step(self) -> None:
+        eng, group = self.eng, self._take_group()
+        B = len(group)
+        seqs = [r.sequence() for r in group]
+        P_i = [r.prefix_len for r in group]
+        T_i = [len(s) - p for s, p in zip(seqs, P_i)]
+        P, T = max(P_i), max(T_i)
+        # Suffixes left-padded so every row's last real token is in the last column.
+        ids = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        for i, (s, p, t) in enumerate(zip(seqs, P_i, T_i)):
+            ids[i, T - t:] = torch.tensor(s[p:], dtype=torch.long)
+            pos[i, T - t:] = torch.arange(p, p + t)
+        key_valid = torch.cat([valid_from_lengths(torch.tensor(P_i), P), valid_from_lengths(torch.tensor(T_i), T)], 1)
+        past = pack([r.prefix_kv for r in group], P_i) if P > 0 else None
+        h, kv = self.model.hidden(ids, pos, key_valid, past)
+        logits = self.model.lm_head(h[:, -1])  # [B, V]: only the last position is sampled
+        kv, lengths = compact_right(kv, key_valid)
+        for r, p, t in zip(group, P_i, T_i):
+            if not r.out:  # first prefill; re-prefills are counted as recomputed_tokens instead
+                eng.stats["prefill_tokens"] += t
+                eng.stats["cache_hit_tokens"] += p
+            if not p:
+                r.kv_version = eng.version
+            r.prefix_kv, r.prefix_len = None, 0
+        rp = RowParams.build([r.params.temperature for r in group], [r.params.top_p for r in group],
+                             [r.params.top_k for r in group], [r.generator for r in group])
+        tok, lp = sample(logits, rp, self.gen)
+        keep = self._emit_all(group, kv, lengths, tok.tolist(), lp.tolist())
+        if keep:
+            kv, lengths = take_rows(kv, lengths, keep)
+            self.kv, self.lengths = cat_rows(self.kv, self.lengths, kv, lengths)
+            self.rows.extend(group[i] for i in keep)
+            self.rp = None
+
+    # ---- decode --------------------------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        eng, rows = self.eng, self.rows
+        B = len(rows)
+        if self.rp is None:
+            self.rp = RowParams.build([r.params.temperature for r in rows], [r.params.top_p for r in rows],
+                                      [r.params.top_k for r in rows], [r.generator for r in rows])
+        toks = torch.tensor([r.out[-1] for r in rows], dtype=torch.long)[:, None]
+        S = self.kv[0][0].shape[2]
+        key_valid = valid_from_lengths(self.lengths + 1, S + 1)
+        logits, self.kv = self.model(toks, self.lengths[:, None], key_valid, self.kv)
+        self.lengths = self.lengths + 1
+        tok, lp = sample(logits[:, -1], self.rp, self.gen)
+        eng.stats["decode_steps"] += 1
+        eng.stats["batch_rows"] += B
+        eng.batch_hist[_bucket(B)] += 1
+        keep = self._emit_all(rows, self.kv, self.lengths, tok.tolist(), lp.tolist())
+        if len(keep) < B:
+            self.kv, self.lengths = take_rows(self.kv, self.lengths, keep)
+            self.rows = [rows[i] for i in keep]
+            self.rp = None
+
+    def _emit_all(self, rows: list[Request], kv: KV, lengths: torch.Tensor, toks: list[int], lps: list[float]) -> list[int]:
+        """Append one token to each row; finish the rows that are done; return the indices still running."""
+        eng, version, keep = self.eng, self.eng.version, []
+        max_ctx = self.cfg.max_context
+        for i, (r, t, lp) in enumerate(zip(rows, toks, lps)):
+            r.out.append(t)
+            r.logprobs.append(lp)
+            r.versions.append(version)
+            if r.on_token is not None:
+                try:
+                    r.on_token(t, lp, version)
+                except Exception:  # a broken stream consumer must not stop the batch
+                    log.exception("on_token callback failed")
+            if t in r.stop_ids:
+                self._finish(r, STOP, kv, lengths, i)
+            elif len(r.out) >= r.params.max_new_tokens or len(r.input_ids) + len(r.out) >= max_ctx:
+                self._finish(r, LENGTH, kv, lengths, i)
+            else:
+                keep.append(i)
+        eng.stats["tokens"] += len(toks)
+        return keep
+
+    def _finish(self, r: Request, reason: str, kv: KV, lengths: torch.Tensor, i: int) -> None:
+        if r.trajectory_id and self.cfg.cache_capacity > 0 and not r.future.cancelled():
+            n = int(lengths[i])  # the KV holds the sequence minus its last (sampled, never fed) token
+            self.cache.put(r.trajectory_id, r.sequence()[:n], row_kv(kv, lengths, i), r.kv_version)
+        out = GenerateOutput(r.out, r.logprobs, r.versions, reason, len(r.input_ids), r.cached_tokens,
+                             r.interruptions, r.recomputed_tokens)
+        self.eng.stats["finished" if _resolve(r.future, out) else "cancelled"] += 1

@@ -1,0 +1,212 @@
+"""The gRPC front of the inference server: InferenceService over an engine, plus Control, health and reflection.
+
+Engine calls that block (submit is quick; update_weights waits for a step boundary) stay off the event loop:
+results come back through concurrent Futures wrapped with asyncio.wrap_future, tokens for streams through
+loop.call_soon_threadsafe. A call whose deadline passes or whose client goes away cancels its engine request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+
+from inference_server.engine import EngineClosed, GenerateOutput, LocalEngine, QueueFull, SamplingParams, WeightLoadError
+from tars import rpc
+from tars.config import InferenceConfig
+from tars.control import ControlServicer, add_control
+from tars.proc import die_with_parent, write_ready
+from tars.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger("tars.inference.server")
+SERVICE = "tars.v1.InferenceService"
+CONTROL = "tars.v1.ControlService"
+_FINISH = {"stop": inference_pb2.STOP, "length": inference_pb2.LENGTH}
+
+
+def _params(s: inference_pb2.SamplingParams) -> SamplingParams:
+    # proto3 zero values: top_p 0 means "off"; max_new_tokens 0 is left to validation (INVALID_ARGUMENT).
+    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
+                          top_k=s.top_k, stop_token_ids=tuple(s.stop_token_ids), seed=s.seed)
+
+
+def _response(out: GenerateOutput, replica: str) -> inference_pb2.GenerateResponse:
+    return inference_pb2.GenerateResponse(
+        output_ids=out.output_ids, logprobs=out.logprobs, versions=out.versions, finish_reason=_FINISH[out.finish_reason],
+        prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=len(out.output_ids),
+        interruptions=out.interruptions, replica=replica)
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, cfg: InferenceConfig, engine: LocalEngine, model_name: str = ""):
+        self.cfg, self.engine, self.model_name = cfg, engine, model_name
+        self.replica = ""
+        self.images_ignored = 0
+
+    async def _submit(self, request, context, on_token=None):
+        if request.images:
+            self.images_ignored += len(request.images)  # the local engine is a text model
+        try:
+            return self.engine.submit(list(request.input_ids), _params(request.sampling), request.trajectory_id,
+                                      request.max_stale_versions or self.cfg.max_stale_versions, on_token)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except EngineClosed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def _abort_for(self, context, e: BaseException):
+        if isinstance(e, EngineClosed):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    async def Generate(self, request, context):
+        fut = await self._submit(request, context)
+        try:
+            out = await asyncio.wait_for(asyncio.wrap_future(fut), context.time_remaining())
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished")
+        except (EngineClosed, RuntimeError) as e:
+            await self._abort_for(context, e)
+        finally:
+            fut.cancel()  # no-op when done; stops the engine work when the call was cancelled or timed out
+        return _response(out, self.replica)
+
+    async def GenerateStream(self, request, context):
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()  # bounded by the request's max_new_tokens (+1 end marker)
+
+        def on_token(t: int, lp: float, v: int) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, (t, lp, v))
+
+        fut = await self._submit(request, context, on_token)
+        # Runs after the last on_token of this request, in the same thread, so the marker arrives last.
+        fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(q.put_nowait, None))
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else loop.time() + remaining
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(q.get(), None if deadline is None else max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished")
+                items = [item]
+                while not q.empty():  # coalesce what arrived meanwhile into one chunk
+                    items.append(q.get_nowait())
+                toks = [x for x in items if x is not None]
+                chunk = inference_pb2.GenerateChunk(output_ids=[t for t, _, _ in toks], logprobs=[lp for _, lp, _ in toks],
+                                                    versions=[v for _, _, v in toks])
+                if None in items:
+                    if fut.cancelled():
+                        await context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
+                    if fut.exception() is not None:
+                        await self._abort_for(context, fut.exception())
+                    out = fut.result()
+                    chunk.finish_reason = _FINISH[out.finish_reason]
+                    chunk.prompt_tokens, chunk.cached_tokens = out.prompt_tokens, out.cached_tokens
+                    yield chunk
+                    return
+                yield chunk
+        finally:
+            fut.cancel()
+
+    async def UpdateWeights(self, request, context):
+        sd = None
+        if request.safetensors:
+            try:
+                from safetensors.torch import load as st_load
+
+                sd = await asyncio.to_thread(st_load, bytes(request.safetensors))
+            except Exception as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read inline safetensors: {type(e).__name__}: {e}")
+        elif not request.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights needs a path or inline safetensors")
+        try:
+            info = await asyncio.to_thread(self.engine.update_weights, request.version, request.path or None, sd, self.cfg.update_timeout_s)
+        except (ValueError, WeightLoadError) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"update not applied within {self.cfg.update_timeout_s}s (it still will be)")
+        except EngineClosed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return inference_pb2.UpdateWeightsResponse(version=info["version"], load_ms=info["load_ms"],
+                                                   interrupted_requests=info["interrupted_requests"])
+
+    async def GetVersion(self, request, context):
+        return inference_pb2.GetVersionResponse(version=self.engine.version, model=self.model_name)
+
+
+class InferenceServer:
+    """InferenceService + ControlService + health + reflection on one grpc.aio server. Owns no engine lifetime."""
+
+    def __init__(self, cfg: InferenceConfig, engine: LocalEngine, model_name: str = ""):
+        self.cfg, self.engine = cfg, engine
+        self.servicer = InferenceServicer(cfg, engine, model_name)
+        self.control = ControlServicer("inference", self.status, lambda: engine.version)
+        self.control.on("update_weights", self._cmd_update)
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self._health = None
+
+    def status(self) -> dict:
+        return {**self.engine.metrics(), "images_ignored": self.servicer.images_ignored, "address": self.address}
+
+    async def _cmd_update(self, args: dict[str, str]):
+        info = await asyncio.to_thread(self.engine.update_weights, int(args["version"]), args["path"], None, self.cfg.update_timeout_s)
+        return info
+
+    async def start(self) -> int:
+        self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token)
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
+        add_control(self.server, self.control)
+        self._health = rpc.add_health_and_reflection(self.server, [SERVICE, CONTROL])
+        port = rpc.bind(self.server, self.cfg.host, self.cfg.port)
+        self.address = f"{self.cfg.host}:{port}"
+        self.servicer.replica = self.address
+        await self.server.start()
+        await rpc.set_serving(*self._health, [SERVICE, CONTROL], True)
+        return port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop taking calls; in-flight ones get `grace` seconds to finish."""
+        if self.server is None:
+            return
+        await rpc.set_serving(*self._health, [SERVICE, CONTROL], False)
+        await self.server.stop(grace)
+        self.server = None
+
+
+async def serve(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None, stop: asyncio.Event | None = None) -> None:
+    """Run an inference server until `stop` is set (or SIGTERM / SIGINT), then shut down gracefully."""
+    if cfg.engine != "local":
+        raise ValueError(f"engine {cfg.engine!r} is not available in this server; use engine=local")
+    engine = await asyncio.to_thread(LocalEngine, cfg, model_path, version)
+    srv = InferenceServer(cfg, engine, model_name=model_path)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
+    try:
+        await srv.start()
+        write_ready(ready_file, {"role": "inference", "address": srv.address, "version": engine.version})
+        log.info("inference server on %s (version %d)", srv.address, engine.version)
+        await stop.wait()
+    finally:
+        await srv.stop()
+        await asyncio.to_thread(engine.close)
+
+
+def main(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None) -> int:
+    die_with_parent()
+    try:
+        asyncio.run(serve(cfg, model_path, version, ready_file))
+    except (ValueError, OSError) as e:
+        print(f"inference_server: {e}", file=sys.stderr)
+        return 2
+    return 0

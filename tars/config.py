@@ -1,0 +1,271 @@
+"""Typed configuration: one dataclass per role, help text on every field, YAML presets, `--set a.b=c` overrides.
+
+The resolved config is written into every run directory (config.yaml) so a run can be reproduced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+PRESETS = pathlib.Path(__file__).parent / "presets"
+
+
+def f(default: Any, help: str, **kw):
+    """A dataclass field with help text (mutable defaults are copied)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    """The policy network: a Qwen2-style decoder created from scratch or loaded from an HF directory."""
+
+    path: str = f("", "HF-layout directory to start from; empty = create a fresh tiny model")
+    hidden_size: int = f(64, "width of a fresh model")
+    intermediate_size: int = f(256, "MLP width of a fresh model")
+    num_layers: int = f(2, "decoder layers of a fresh model")
+    num_heads: int = f(4, "attention heads of a fresh model")
+    num_kv_heads: int = f(4, "key/value heads of a fresh model (GQA when fewer than num_heads)")
+    max_positions: int = f(1024, "context length")
+    init_std: float = f(0.02, "init scale of a fresh model")
+    seed: int = f(0, "init seed of a fresh model")
+
+
+@dataclass
+class EnvdConfig:
+    """envd: the environment daemon."""
+
+    host: str = f("127.0.0.1", "bind address (loopback by default)")
+    port: int = f(0, "gRPC port; 0 = pick a free one")
+    max_sessions: int = f(4096, "session cap; CreateSession beyond it answers RESOURCE_EXHAUSTED")
+    lease_ttl_s: float = f(60.0, "default session lease; renewed by every step and heartbeat")
+    gc_interval_s: float = f(1.0, "how often expired leases are collected")
+    workers: int = f(8, "threads for blocking backends")
+    max_message_bytes: int = f(16 << 20, "largest gRPC message accepted")
+    auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>`")
+    step_timeout_s: float = f(60.0, "deadline of one blocking backend call (create, reset, step, ...); past it the "
+                                    "session ends as INFRA_ERROR")
+    shutdown_grace_s: float = f(2.0, "on SIGTERM, how long in-flight RPCs may finish before envs are closed")
+    latency_window: int = f(4096, "recent steps kept for the step latency p50/p99 in ControlService status")
+
+
+@dataclass
+class InferenceConfig:
+    """inference_server: the gRPC front over an engine pool."""
+
+    host: str = f("127.0.0.1", "bind address (loopback by default)")
+    port: int = f(0, "gRPC port; 0 = pick a free one")
+    engine: str = f("local", "local (embedded torch engine) | sglang (SGLang servers over HTTP)")
+    sglang_urls: list = f([], "SGLang base URLs for engine=sglang")
+    max_batch: int = f(256, "most sequences decoded together in one step")
+    max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED")
+    max_context: int = f(1024, "longest prompt + output; longer prompts answer INVALID_ARGUMENT")
+    threads: int = f(1, "torch intra-op threads of the local engine")
+    cache_capacity: int = f(4096, "trajectories whose KV prefix is kept (LRU)")
+    max_stale_versions: int = f(0, "default staleness budget for keeping KV across a weight update (0 = recompute)")
+    auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>`")
+    cache_max_bytes: int = f(1 << 30, "memory bound of the per-trajectory KV prefix cache (LRU), in bytes")
+    prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
+    max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
+    update_timeout_s: float = f(120.0, "longest wait for a weight update to be applied between two steps")
+
+
+@dataclass
+class ActorConfig:
+    """actor: asyncio episode runners."""
+
+    concurrency: int = f(64, "episodes run at once by one actor process")
+    env_ids: list = f(["builtin/mixed"], "env ids to sample episodes from (uniformly)")
+    env_options: dict = f({}, "options passed to CreateSession")
+    max_turns: int = f(6, "step budget per episode; beyond it the episode is truncated")
+    max_new_tokens: int = f(16, "generation budget per turn")
+    temperature: float = f(1.0, "sampling temperature")
+    prompt_style: str = f("tiny", "tiny | computer | browser | mobile (UI-TARS templates)")
+    history_images: int = f(1, "screenshots kept as images in the prompt; older ones are replaced by text")
+    format_penalty: float = f(-0.1, "reward added to a turn whose output does not parse")
+    on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)")
+    group_size: int = f(1, "episodes per task seed (GRPO groups); 1 = independent")
+    rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
+    retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
+    admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
+    send_window: int = f(256, "unacknowledged trajectories kept for re-send before the actor stops starting episodes")
+
+
+@dataclass
+class LearnerConfig:
+    """learner: consumes trajectories, trains, publishes weights."""
+
+    algo: str = f("ppo", "ppo (decoupled PPO with a critic and GAE) | grpo (group-normalised, no critic)")
+    batch_size: int = f(64, "trajectories per policy update (B in the staleness rule)")
+    eta: int = f(2, "staleness bound: started trajectories <= B * (version + 1 + eta); 0 = synchronous")
+    max_lag: int = f(8, "trajectories whose oldest token is more versions behind than this are dropped")
+    lr: float = f(1e-3, "policy learning rate (AdamW)")
+    critic_lr: float = f(2e-3, "critic learning rate")
+    weight_decay: float = f(0.0, "AdamW weight decay")
+    warmup_steps: int = f(5, "linear learning-rate warm-up, in updates")
+    eps_low: float = f(0.2, "PPO clip, lower side")
+    eps_high: float = f(0.28, "PPO clip, upper side (clip-higher)")
+    behav_cap: float = f(5.0, "cap of the decoupled behaviour weight pi_prox / pi_behav")
+    gamma: float = f(1.0, "discount")
+    lam_policy: float = f(0.95, "GAE lambda for advantages")
+    lam_critic: float = f(1.0, "GAE lambda for value targets (decoupled GAE)")
+    length_adaptive: bool = f(False, "lambda_policy = 1 - 1/(alpha * response length) (VAPO)")
+    length_alpha: float = f(0.05, "alpha of length-adaptive GAE")
+    value_clip: float = f(0.2, "clip range of the value loss")
+    value_pretrain_steps: int = f(0, "critic-only updates before PPO starts (value pretraining)")
+    value_pretrain_ev: float = f(0.5, "stop value pretraining early once explained variance passes this")
+    epochs: int = f(1, "passes over each batch")
+    minibatches: int = f(1, "minibatches per pass")
+    grad_clip: float = f(1.0, "gradient norm clip")
+    adv_norm: bool = f(True, "normalise advantages over the batch's generated tokens")
+    entropy_coef: float = f(0.0, "entropy bonus")
+    checkpoint_every: int = f(20, "checkpoint every N updates (and at the end)")
+    keep_weights: int = f(3, "published weight versions kept on disk")
+    stream_host: str = f("127.0.0.1", "bind address of the trajectory stream")
+    stream_port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one")
+    credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
+    max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
+    threads: int = f(1, "torch intra-op threads")
+
+
+@dataclass
+class SFTConfig:
+    """Warm start by supervised fine-tuning on scripted demonstrations, inside `tars up`."""
+
+    steps: int = f(0, "SFT updates; 0 = no warm start")
+    batch_size: int = f(32, "demonstration turns per update")
+    lr: float = f(3e-3, "SFT learning rate")
+    demonstrator: str = f("noisy:0.2", "oracle | noisy:P (oracle with probability P, else a random visible widget)")
+    eval_episodes: int = f(256, "episodes sampled at temperature 1 to measure success after SFT")
+
+
+@dataclass
+class RunConfig:
+    """A whole `tars up` run."""
+
+    name: str = f("run", "a name for logs")
+    seed: int = f(0, "global seed")
+    max_versions: int = f(1000, "stop after this many policy updates")
+    wall_budget_s: float = f(480.0, "stop RL after this many seconds")
+    target_success: float = f(0.0, "stop early once the rolling success rate reaches this (0 = never)")
+    actors: int = f(1, "actor processes")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    envd: EnvdConfig = field(default_factory=EnvdConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        return from_dict(tp, value, where)
+    if tp is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{where}: {value!r} is not a boolean")
+        return bool(value)
+    if tp in (int, float):
+        try:
+            return tp(value) if not (tp is int and isinstance(value, float) and not value.is_integer()) else _fail(where, value, tp)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: {value!r} is not {tp.__name__}") from None
+    if tp is str:
+        return str(value)
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list")
+        return value
+    if tp is dict or origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        return value
+    return value
+
+
+def _fail(where, value, tp):
+    raise ConfigError(f"{where}: {value!r} is not {tp.__name__}")
+
+
+def from_dict(cls, d: dict, where: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {fl.name for fl in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)} in {where or cls.__name__}")
+    kw = {k: _coerce(hints[k], v, f"{where}.{k}".lstrip(".")) for k, v in d.items()}
+    return cls(**kw)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_override(d: dict, key: str, value: str) -> None:
+    parts = key.split(".")
+    cur = d
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+        if not isinstance(cur, dict):
+            raise ConfigError(f"{key}: {p} is not a section")
+    cur[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+
+
+def load(preset: str | None = None, path: str | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Preset (by name) or YAML file, then `key=value` overrides, into a checked RunConfig."""
+    d: dict = {}
+    if preset:
+        p = PRESETS / f"{preset}.yaml"
+        if not p.exists():
+            raise ConfigError(f"no preset {preset!r}; have: {sorted(x.stem for x in PRESETS.glob('*.yaml'))}")
+        d = yaml.safe_load(p.read_text()) or {}
+    if path:
+        d = _merge(d, yaml.safe_load(pathlib.Path(path).read_text()) or {})
+    for o in overrides:
+        if "=" not in o:
+            raise ConfigError(f"override {o!r} is not key=value")
+        k, v = o.split("=", 1)
+        apply_override(d, k.strip(), v)
+    return from_dict(RunConfig, d)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def save(cfg, path: str | pathlib.Path) -> None:
+    pathlib.Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def help_text(cls=RunConfig, prefix: str = "") -> str:
+    lines = []
+    for fl in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(fl.default_factory() if fl.default_factory is not dataclasses.MISSING else None):
+            lines.append(help_text(type(fl.default_factory()), prefix + fl.name + "."))
+        else:
+            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
+            lines.append(f"  {prefix}{fl.name} = {default!r}\n      {fl.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""Throughput of the trajectory stream vs a raw DEALER->ROUTER msgpack link, same payloads, same process, same run.
+
+Both paths do the same useful work: encode each Trajectory on the actor, decode + validate it on the learner, hand it
+to a consumer thread through a bounded queue. The stream adds credits, the WAL (append + batched fdatasync), acks and
+the outbox. Run: `python -m tars.stream_bench [n] [payload_bytes]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from tars.schema import Trajectory, Turn
+from tars.stream_wal import WriteAheadLog
+
+
+def _trajs(n: int, payload_bytes: int) -> list[Trajectory]:
+    T = max(8, payload_bytes // 13)  # 4 + 4 + 4 + 1 bytes per token
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32000, T).astype(np.int32)
+    lp = -rng.random(T, dtype=np.float32)
+    return [Trajectory(id=f"b{i}", env_id="bench", outcome="terminated", tokens=tokens, logprobs=lp,
+                       versions=np.zeros(T, np.int32), mask=np.ones(T, np.uint8),
+                       turns=[Turn("text:1", "x", {}, 1.0, 0, T)], ret=1.0) for i in range(n)]
+
+
+def _consume(get, n: int, done: threading.Event, on_item=None) -> None:
+    got = 0
+    while got < n:
+        tr = get(1.0)
+        if tr is not None:
+            got += 1
+            if on_item:
+                on_item(tr)
+    done.set()
+
+
+def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int) -> float:
+    from learner.staleness import StalenessManager
+    from tars.stream import TrajectoryReceiver, TrajectorySender
+
+    stal = StalenessManager(batch_size=64, eta=10**9)
+    rx = TrajectoryReceiver("tcp://127.0.0.1:0", os.path.join(tmp, f"wal-{time.monotonic_ns()}"), stal,
+                            credits=credits, queue_size=queue_size, fsync=fsync)
+    addr = rx.start()
+    done = threading.Event()
+    con = threading.Thread(target=_consume, args=(rx.get, len(trajs), done, lambda t: stal.on_accepted(1)),
+                           daemon=True)
+    con.start()
+
+    async def main() -> float:
+        s = TrajectorySender(addr, "bench", window=credits)
+        await s.start()
+        t0 = time.perf_counter()
+        for tr in trajs:
+            await s.send(tr, timeout=60)
+        await s.flush(timeout=60)
+        await asyncio.to_thread(done.wait, 60)
+        dt = time.perf_counter() - t0
+        await s.close()
+        return dt
+
+    try:
+        return asyncio.run(main())
+    finally:
+        rx.stop()
+
+
+def _run_raw(trajs, queue_size: int) -> float:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    q: queue.Queue = queue.Queue(maxsize=queue_size)
+    stop = threading.Event()
+
+    def rx_loop():
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(5):
+                while True:
+                    try:
+                        _, _, hdr, payload = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    msgpack.unpackb(hdr)
+                    q.put(Trajectory.decode(payload), timeout=60)  # blocking put: the raw link has no flow control
+
+    def get(timeout):
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    th = threading.Thread(target=rx_loop, daemon=True)
+    th.start()
+    done = threading.Event()
+    con = threading.Thread(target=_consume, args=(get, len(trajs), done), daemon=True)
+    con.start()
+
+    async def main() -> float:
+        actx = zmq.asyncio.Context()
+        d = actx.socket(zmq.DEALER)
+        d.linger = 0
+        d.connect(f"tcp://127.0.0.1:{port}")
+        t0 = time.perf_counter()
+        for i, tr in enumerate(trajs):
+            await d.send_multipart([b"T", msgpack.packb({"seq": i, "id": tr.id}), tr.encode()], copy=False)
+        await asyncio.to_thread(done.wait, 60)
+        dt = time.perf_counter() - t0
+        d.close(0)
+        actx.term()
+        return dt
+
+    try:
+        return asyncio.run(main())
+    finally:
+        stop.set()
+        th.join(2)
+        router.close(0)
+        ctx.term()
+
+
+def _breakdown(trajs, tmp: str) -> dict:
+    """Per-trajectory cost of the pieces, measured alone (microseconds)."""
+    k = min(len(trajs), 500)
+    t0 = time.perf_counter()
+    frames = [tr.encode() for tr in trajs[:k]]
+    t1 = time.perf_counter()
+    for fr in frames:
+        Trajectory.decode(fr)
+    t2 = time.perf_counter()
+    wal = WriteAheadLog(os.path.join(tmp, "breakdown.wal")).open()
+    for tr, fr in zip(trajs[:k], frames):
+        wal.append(tr.id, fr)
+    t3 = time.perf_counter()
+    for _ in range(20):
+        wal.append(f"x{_}", frames[0])
+        wal.sync()
+    t4 = time.perf_counter()
+    wal.close()
+    return {"encode_us": (t1 - t0) / k * 1e6, "decode_validate_us": (t2 - t1) / k * 1e6,
+            "wal_append_us": (t3 - t2) / k * 1e6, "fdatasync_us": (t4 - t3) / 20 * 1e6}
+
+
+def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync: bool = True,
+          credits: int = 512, queue_size: int = 4096, tmp_dir: str | None = None) -> dict:
+    """Trajectories/s through TrajectorySender -> TrajectoryReceiver and through a raw link; best of `repeats`."""
+    trajs = _trajs(n, payload_bytes)
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
+        stream, raw = [], []
+        for _ in range(repeats):  # interleaved, so drift in machine load hits both alike
+            raw.append(_run_raw(trajs, queue_size))
+            stream.append(_run_stream(trajs, tmp, fsync, credits, queue_size))
+        parts = _breakdown(trajs, tmp)
+    s_rate, r_rate = n / min(stream), n / min(raw)
+    return {"n": n, "payload_bytes": len(trajs[0].encode()), "fsync": fsync,
+            "stream_per_s": round(s_rate, 1), "raw_per_s": round(r_rate, 1), "ratio": round(s_rate / r_rate, 3),
+            "stream_MB_s": round(s_rate * payload_bytes / 1e6, 1), "raw_MB_s": round(r_rate * payload_bytes / 1e6, 1),
+            **{k: round(v, 1) for k, v in parts.items()}}
+
+
+if __name__ == "__main__":
+    a = [int(x) for x in sys.argv[1:3]]
+    print(json.dumps(bench(*a), indent=1))

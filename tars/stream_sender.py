@@ -1,0 +1,327 @@
+"""The trajectory stream, actor side: an asyncio DEALER that sends within its credit and keeps everything until acked.
+
+An encoded trajectory stays in the outbox (and, with spool_dir, in a file) until the learner acks it, i.e. until it
+is fsynced in the learner's WAL. The outbox is re-sent whenever the learner may have lost it:
+  * WELCOME after a HELLO (start, a WHO from a learner that does not know us, a PONG with a new run_id, or silence
+    longer than dead_after_s): the learner first acks the pending ids it already has, so only the rest is re-sent;
+  * an entry unacked for resend_after_s (a lost ack on a bounced connection); the learner dedupes by id.
+Re-sends go before new trajectories and spend credit like any TRAJ. Every wait has a deadline (TimeoutError).
+With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories its previous process never got acked.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import itertools
+import logging
+import os
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from tars import stream_proto as P
+from tars.schema import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    frame: bytes
+    seq: int
+    sent_at: float = 0.0    # monotonic time of the last transmission; 0 = waiting in the re-send queue
+
+
+class TrajectorySender:
+    def __init__(self, address: str, actor_id: str, window: int = 256, *, spool_dir: str | None = None,
+                 heartbeat_s: float = 0.5, dead_after_s: float = 5.0, resend_after_s: float = 30.0,
+                 curve_server_key: bytes | None = None, curve_public_key: bytes | None = None,
+                 curve_secret_key: bytes | None = None):
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.address = address
+        self.actor_id = actor_id
+        self.window = window
+        self.spool_dir = spool_dir
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.resend_after_s = resend_after_s
+        self._curve = (curve_server_key, curve_public_key, curve_secret_key)
+        self.incarnation = uuid.uuid4().hex
+        self.run_id: str | None = None        # the learner's, from WELCOME
+        self.version = 0                      # latest policy version heard of
+        self.max_frame_bytes = 64 << 20       # the learner's limit, from WELCOME
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock = None
+        self._outbox: dict[str, _Entry] = {}
+        self._resend: collections.deque[str] = collections.deque()
+        self._credit = 0
+        self._ready = False                   # WELCOME received since the last HELLO
+        self._inflight = 0                    # admitted episodes not yet sent (told to the learner in HELLO)
+        self._seq = itertools.count(1)
+        self._rid = itertools.count(1)
+        self._grants: dict[int, asyncio.Future] = {}
+        self._cond: asyncio.Condition | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._last_rx = 0.0
+        self._last_hello = 0.0
+        self._hello_id = 0                    # WELCOMEs answering an older HELLO are ignored (their credit is void)
+        self._closed = False
+        self._stats = dict.fromkeys(("sent", "acked", "resent", "nacked", "retried", "hellos", "restarts_seen",
+                                     "spooled", "unspooled"), 0)
+
+    # --- public API -----------------------------------------------------------------------------------------------
+    async def start(self, timeout: float = 10.0) -> None:
+        """Connect, load the spool, introduce ourselves; returns once the learner answered (WELCOME)."""
+        self._cond = asyncio.Condition()
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.routing_id = self.actor_id.encode("utf-8")
+        self._sock.linger = 0
+        # Credits bound what is in flight, so unlimited HWMs never buffer more than window + control messages.
+        self._sock.sndhwm = self._sock.rcvhwm = 0
+        P.curve_client(self._sock, *self._curve)
+        self._sock.connect(self.address)
+        if self.spool_dir:
+            self._load_spool()
+        self._tasks = [asyncio.create_task(self._reader(), name=f"sender-rx-{self.actor_id}"),
+                       asyncio.create_task(self._heartbeat(), name=f"sender-hb-{self.actor_id}"),
+                       asyncio.create_task(self._pump(), name=f"sender-pump-{self.actor_id}")]
+        await self._hello()
+        await self._wait(lambda: self._ready, time.monotonic() + timeout, "learner did not answer HELLO")
+
+    async def admit(self, n: int, timeout: float) -> tuple[int, int]:
+        """Ask the learner's staleness manager for n episode starts; returns (granted, policy version)."""
+        rid = next(self._rid)
+        fut = asyncio.get_running_loop().create_future()
+        self._grants[rid] = fut
+        try:
+            await self._sock.send_multipart([P.ADMIT, P.pack({"rid": rid, "n": n})])
+            granted, version = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._grants.pop(rid, None)
+        self._inflight += granted
+        return granted, version
+
+    async def lost(self, n: int) -> None:
+        """Give back n admitted episodes that will never be sent (FINISHED_LOST)."""
+        n = min(n, self._inflight)
+        if n > 0:
+            self._inflight -= n
+            await self._sock.send_multipart([P.LOST, P.pack({"n": n})])
+
+    async def send(self, traj: Trajectory, timeout: float) -> None:
+        await self.send_frame(traj.id, traj.encode(), timeout)
+
+    async def send_frame(self, tid: str, frame: bytes, timeout: float) -> None:
+        """Send an encoded trajectory; waits (until timeout -> TimeoutError) for credit and outbox room."""
+        if len(frame) > self.max_frame_bytes:
+            raise ValueError(f"trajectory {tid} is {len(frame)} bytes; the learner takes at most {self.max_frame_bytes}")
+        deadline = time.monotonic() + timeout
+        await self._wait(lambda: self._ready and self._credit > 0 and not self._resend
+                         and len(self._outbox) < self.window, deadline, f"no credit to send {tid}")
+        self._credit -= 1
+        e = self._outbox[tid] = _Entry(frame, next(self._seq), time.monotonic())
+        if self.spool_dir:
+            self._spool(tid, frame)
+        self._inflight = max(0, self._inflight - 1)
+        await self._transmit(tid, e)
+        self._stats["sent"] += 1
+
+    async def flush(self, timeout: float) -> None:
+        """Wait until every trajectory sent so far is acked (or NACKed)."""
+        await self._wait(lambda: not self._outbox, time.monotonic() + timeout,
+                         lambda: f"{len(self._outbox)} trajectories still unacked")
+
+    def pending(self) -> int:
+        return len(self._outbox)
+
+    def stats(self) -> dict:
+        return {**self._stats, "pending": len(self._outbox), "credit": self._credit, "inflight": self._inflight,
+                "resend_queue": len(self._resend), "version": self.version}
+
+    async def close(self) -> None:
+        """Stop at once; unacked trajectories are lost unless spooled (flush first to wait for them)."""
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        for fut in self._grants.values():
+            fut.cancel()
+        if self._sock is not None:
+            self._sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # --- internals ------------------------------------------------------------------------------------------------
+    async def _wait(self, pred, deadline: float, what) -> None:
+        async with self._cond:
+            while not pred():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(what() if callable(what) else what)
+                try:
+                    await asyncio.wait_for(self._cond.wait(), None if left == float("inf") else left)
+                except TimeoutError:
+                    pass  # re-check the predicate once more, then raise above
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def _transmit(self, tid: str, e: _Entry) -> None:
+        e.sent_at = time.monotonic()
+        await self._sock.send_multipart([P.TRAJ, P.pack({"seq": e.seq, "id": tid}), e.frame], copy=False)
+
+    async def _hello(self) -> None:
+        self._ready = False
+        self._last_hello = time.monotonic()
+        self._hello_id += 1
+        self._stats["hellos"] += 1
+        await self._sock.send_multipart([P.HELLO, P.pack({
+            "actor": self.actor_id, "incarnation": self.incarnation, "hello_id": self._hello_id,
+            "pending_ids": list(self._outbox),
+            "inflight": self._inflight})])
+
+    async def _reader(self) -> None:
+        while True:
+            msg = await self._sock.recv_multipart()
+            self._last_rx = time.monotonic()
+            if len(msg) < 2:
+                continue
+            tag = msg[0]
+            try:
+                body = P.unpack(msg[1])
+            except ValueError:
+                log.warning("bad message from learner (tag %r)", tag)
+                continue
+            if tag == P.ACK:
+                for tid in body.get("ids", ()):
+                    if self._outbox.pop(tid, None) is not None:
+                        self._stats["acked"] += 1
+                        if self.spool_dir:
+                            self._unspool(tid)
+            elif tag == P.CREDIT:
+                if self._ready:  # credit from before our last HELLO is void (WELCOME resets it)
+                    self._credit += int(body.get("n", 0))
+            elif tag == P.WELCOME:
+                if body.get("hello_id") == self._hello_id:
+                    self._welcome(body)
+            elif tag == P.NACK:
+                tid = body.get("id")
+                if body.get("retry") and tid in self._outbox:
+                    self._stats["retried"] += 1
+                    self._outbox[tid].sent_at = 0.0
+                    self._resend.append(tid)
+                elif self._outbox.pop(tid, None) is not None:
+                    self._stats["nacked"] += 1
+                    log.warning("learner rejected trajectory %s: %s", tid, body.get("reason"))
+                    if self.spool_dir:
+                        self._unspool(tid)
+            elif tag == P.GRANT:
+                fut = self._grants.get(body.get("rid"))
+                if fut is not None and not fut.done():
+                    fut.set_result((int(body.get("granted", 0)), int(body.get("version", 0))))
+                self.version = int(body.get("version", self.version))
+            elif tag == P.VERSION:
+                self.version = int(body.get("v", self.version))
+            elif tag == P.PONG:
+                if self.run_id is not None and body.get("run_id") != self.run_id:
+                    await self._hello()
+            elif tag == P.WHO:
+                if time.monotonic() - self._last_hello > 0.05 or self._ready:  # one HELLO per burst of WHOs
+                    await self._hello()
+            await self._notify()
+
+    def _welcome(self, body: dict) -> None:
+        rid = body.get("run_id")
+        if self.run_id is not None and rid != self.run_id:
+            self._stats["restarts_seen"] += 1
+            log.info("learner restarted (run %s -> %s): re-sending %d trajectories", self.run_id, rid,
+                     len(self._outbox))
+        self.run_id = rid
+        self.version = int(body.get("version", self.version))
+        self.max_frame_bytes = int(body.get("max_frame_bytes", self.max_frame_bytes))
+        self._credit = int(body.get("credit", 0))
+        # The learner acked what it already had just before WELCOME, so everything left must be sent again.
+        self._resend = collections.deque(sorted(self._outbox, key=lambda t: self._outbox[t].seq))
+        for tid in self._resend:
+            self._outbox[tid].sent_at = 0.0
+        self._ready = True
+
+    async def _pump(self) -> None:
+        """Re-sends, in order, ahead of new trajectories and within credit."""
+        while True:
+            await self._wait(lambda: self._ready and self._credit > 0 and self._resend, float("inf"), "")
+            tid = self._resend.popleft()
+            e = self._outbox.get(tid)
+            if e is None:
+                continue  # acked meanwhile
+            self._credit -= 1
+            await self._transmit(tid, e)
+            self._stats["resent"] += 1
+            if not self._resend:
+                await self._notify()  # new sends wait for the re-send queue to empty
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            now = time.monotonic()
+            if now - self._last_rx > self.dead_after_s and now - self._last_hello > self.dead_after_s:
+                await self._hello()  # the learner went silent: maybe restarted on a new address/port binding
+            else:
+                await self._sock.send_multipart([P.PING, b"\x80"])  # msgpack {}
+            if self._ready and self.resend_after_s > 0:
+                stale = [t for t, e in self._outbox.items() if e.sent_at and now - e.sent_at > self.resend_after_s]
+                if stale:
+                    for t in sorted(stale, key=lambda t: self._outbox[t].seq):
+                        self._outbox[t].sent_at = 0.0
+                        self._resend.append(t)
+                    await self._notify()
+
+    # --- spool: the outbox on disk, so a killed actor's unacked trajectories survive into its restart ------------
+    def _spool_path(self, tid: str) -> str:
+        return os.path.join(self.spool_dir, hashlib.sha1(tid.encode()).hexdigest() + ".traj")
+
+    def _spool(self, tid: str, frame: bytes) -> None:
+        # Written without fsync: it protects against the actor process dying, not against the machine losing power.
+        p = self._spool_path(tid)
+        idb = tid.encode()
+        with open(p + ".tmp", "wb") as f:
+            f.write(struct.pack("<I", len(idb)) + idb)
+            f.write(frame)
+        os.replace(p + ".tmp", p)
+        self._stats["spooled"] += 1
+
+    def _unspool(self, tid: str) -> None:
+        try:
+            os.unlink(self._spool_path(tid))
+            self._stats["unspooled"] += 1
+        except FileNotFoundError:
+            pass
+
+    def _load_spool(self) -> None:
+        os.makedirs(self.spool_dir, exist_ok=True)
+        files = []
+        for name in os.listdir(self.spool_dir):
+            p = os.path.join(self.spool_dir, name)
+            if not name.endswith(".traj"):
+                if name.endswith(".tmp"):
+                    os.unlink(p)  # died mid-write: that trajectory was never sent
+                continue
+            files.append((os.stat(p).st_mtime_ns, p))
+        for _, p in sorted(files):  # oldest first, roughly the original order
+            with open(p, "rb") as f:
+                data = f.read()
+            (n,) = struct.unpack_from("<I", data)
+            tid = data[4:4 + n].decode()
+            self._outbox[tid] = _Entry(data[4 + n:], next(self._seq), 0.0)

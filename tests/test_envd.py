@@ -1,0 +1,326 @@
+"""envd daemon behaviour: caps, drain, auth, crash isolation, restarts, health, limits, control plane."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from envd import registry
+from envd.base import RUNNING, ActionError, Env, StepResult
+from envd.server import ENV_SERVICE, action_to_dict, serve
+from envd_compliance import envd_client, expect_code, run
+from tars import rpc
+from tars.config import EnvdConfig
+from tars.v1 import common_pb2, control_pb2, control_pb2_grpc, env_pb2, env_pb2_grpc
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FragileEnv(Env):
+    """Steps: wait (fine), crash (raises), hang (sleeps past the deadline), slow (checks steps never overlap)."""
+
+    closed: list[str] = []          # class-level: the tests check that envd closes what it created
+    action_space = "wait | crash | hang | slow"
+
+    def __init__(self, name: str, options: dict[str, str]):
+        if name == "bad-options":
+            raise ValueError("option 'x' must be an integer")
+        if name == "broken":
+            raise RuntimeError("cannot reach the browser")
+        self.name, self.active = name, 0
+
+    def reset(self, seed: int, options: dict[str, str]) -> StepResult:
+        return StepResult(text=f"fragile {self.name} seed {seed}")
+
+    def step(self, action: dict) -> StepResult:
+        self.active += 1
+        try:
+            kind = action["type"]
+            if kind == "crash":
+                raise RuntimeError("segfault in the emulator")
+            if kind == "hang":
+                time.sleep(1.0)
+            if kind == "slow":
+                time.sleep(0.02)
+                if self.active != 1:
+                    raise AssertionError("two steps ran at once on one env")
+            if kind not in ("wait", "hang", "slow"):
+                raise ActionError(f"unsupported {kind!r}")
+            return StepResult(text="ok", outcome=RUNNING)
+        finally:
+            self.active -= 1
+
+    def close(self) -> None:
+        FragileEnv.closed.append(self.name)
+
+
+registry.register("test-fragile", FragileEnv)
+
+
+def _create(c, env_id="test-fragile/a", **kw):
+    return c.CreateSession(env_pb2.CreateSessionRequest(env_id=env_id, **kw))
+
+
+async def _started(c, env_id="test-fragile/a", **kw) -> str:
+    sid = (await _create(c, env_id, **kw)).session_id
+    await c.Reset(env_pb2.ResetRequest(session_id=sid))
+    return sid
+
+
+def _step(c, sid, kind="wait", **kw):
+    return c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type=kind), **kw))
+
+
+def _control(c):
+    return control_pb2_grpc.ControlServiceStub(c.channel)
+
+
+async def _status(c) -> dict:
+    return json.loads((await _control(c).Status(control_pb2.StatusRequest(), timeout=5)).metrics_json)
+
+
+async def _health(channel, service="") -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+
+
+def test_action_to_dict_omits_empty_fields():
+    a = env_pb2.Action(type="drag", point=[1, 2], end_point=[3, 4.5], raw="drag(...)")
+    assert action_to_dict(a) == {"type": "drag", "point": [1.0, 2.0], "end_point": [3.0, 4.5], "raw": "drag(...)"}
+    assert action_to_dict(env_pb2.Action(type="hotkey", key="ctrl c")) == {"type": "hotkey", "key": "ctrl c"}
+
+
+def test_registry_resolution():
+    registry.register("test-reg", lambda name, opts: FragileEnv(name, opts), ["x"])
+    registry.register("test-reg/deep", lambda name, opts: FragileEnv("deep:" + name, opts))
+    try:
+        assert registry.make("test-reg/x", {}).name == "x"
+        assert registry.make("test-reg/deep/y", {}).name == "deep:y"  # the longest prefix wins
+        assert registry.make("test-reg/x", {}).env_id == "test-reg/x"
+        with pytest.raises(KeyError, match="unknown env id"):
+            registry.make("test-regx/x", {})
+        ids = registry.list_env_ids()
+        assert "test-reg/x" in ids and "test-reg/deep" in ids
+    finally:
+        registry.unregister("test-reg")
+        registry.unregister("test-reg/deep")
+
+
+def test_health_serving_and_ping():
+    async def body():
+        async with envd_client() as c:
+            assert await _health(c.channel) == health_pb2.HealthCheckResponse.SERVING
+            assert await _health(c.channel, ENV_SERVICE) == health_pb2.HealthCheckResponse.SERVING
+            r = await c.Ping(env_pb2.PingRequest(payload=b"abc"))
+            assert r.payload == b"abc" and r.run_id == c.run_id
+    run(body())
+
+
+def test_session_cap():
+    async def body():
+        async with envd_client(max_sessions=2) as c:
+            a = await _started(c)
+            await _started(c)
+            await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, _create(c))
+            await c.Close(env_pb2.SessionRef(session_id=a))
+            await _started(c)
+    run(body())
+
+
+def test_create_errors():
+    async def body():
+        async with envd_client() as c:
+            await expect_code(grpc.StatusCode.NOT_FOUND, _create(c, "nope/a"))
+            await expect_code(grpc.StatusCode.INVALID_ARGUMENT, _create(c, "test-fragile/bad-options"))
+            e = await expect_code(grpc.StatusCode.INTERNAL, _create(c, "test-fragile/broken"))
+            assert "cannot reach the browser" in e.details()
+            await expect_code(grpc.StatusCode.INVALID_ARGUMENT, _create(c, lease_ttl_s=-1))
+            sid = (await _create(c)).session_id
+            await expect_code(grpc.StatusCode.FAILED_PRECONDITION, _step(c, sid))  # no Reset yet
+            assert not (await _status(c))["infra_errors"]
+    run(body())
+
+
+def test_drain_keeps_existing_sessions():
+    async def body():
+        async with envd_client() as c:
+            sid = await _started(c)
+            ctl = _control(c)
+            await ctl.Command(control_pb2.CommandRequest(name="drain"), timeout=5)
+            await expect_code(grpc.StatusCode.UNAVAILABLE, _create(c))
+            await expect_code(grpc.StatusCode.UNAVAILABLE, c.Fork(env_pb2.SessionRef(session_id=sid)))
+            assert (await _step(c, sid)).outcome == common_pb2.RUNNING
+            assert (await _status(c))["draining"] is True
+            assert await _health(c.channel, ENV_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await _health(c.channel) == health_pb2.HealthCheckResponse.SERVING
+            await ctl.Command(control_pb2.CommandRequest(name="undrain"), timeout=5)
+            await _started(c)
+            assert await _health(c.channel, ENV_SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    run(body())
+
+
+def test_auth_token():
+    async def body():
+        async with envd_client(auth_token="s3cret") as c:  # the helper's channel carries the token
+            assert (await c.Ping(env_pb2.PingRequest(payload=b"x"))).run_id == c.run_id
+            for token in ("", "wrong"):
+                ch = rpc.channel(c.server.address, token)
+                try:
+                    await expect_code(grpc.StatusCode.UNAUTHENTICATED,
+                                      env_pb2_grpc.EnvServiceStub(ch).Ping(env_pb2.PingRequest(), timeout=5))
+                    await expect_code(grpc.StatusCode.UNAUTHENTICATED, _health(ch))
+                finally:
+                    await ch.close()
+    run(body())
+
+
+def test_backend_crash_is_infra_error_and_daemon_survives():
+    async def body():
+        async with envd_client() as c:
+            sid = await _started(c, "test-fragile/crashy")
+            other = await _started(c)
+            r = await _step(c, sid, "crash")
+            assert r.outcome == common_pb2.INFRA_ERROR and r.reward == 0.0
+            info = json.loads(r.info_json)
+            assert "segfault in the emulator" in info["error"] and info["op"] == "step"
+            await expect_code(grpc.StatusCode.NOT_FOUND, _step(c, sid))
+            assert (await _step(c, other)).outcome == common_pb2.RUNNING  # other sessions are unaffected
+            assert await _health(c.channel) == health_pb2.HealthCheckResponse.SERVING
+            await _started(c)
+            assert (await _status(c))["infra_errors"] == 1
+            await asyncio.sleep(0.05)
+            assert "crashy" in FragileEnv.closed
+            await expect_code(grpc.StatusCode.INVALID_ARGUMENT, _step(c, other, "teleport"))
+            assert (await _step(c, other)).outcome == common_pb2.RUNNING
+    run(body())
+
+
+def test_hanging_backend_times_out():
+    async def body():
+        async with envd_client(step_timeout_s=0.2) as c:
+            sid = await _started(c, "test-fragile/hangs")
+            t0 = time.monotonic()
+            r = await _step(c, sid, "hang")
+            assert r.outcome == common_pb2.INFRA_ERROR and "took longer" in json.loads(r.info_json)["error"]
+            assert time.monotonic() - t0 < 0.9  # answered before the stuck call returned
+            await expect_code(grpc.StatusCode.NOT_FOUND, _step(c, sid))
+            # The stuck thread is not interrupted; the env is closed once its call returns.
+            for _ in range(150):
+                if "hangs" in FragileEnv.closed:
+                    break
+                await asyncio.sleep(0.02)
+            assert "hangs" in FragileEnv.closed
+    run(body())
+
+
+def test_steps_of_one_session_are_serialised():
+    async def body():
+        async with envd_client(workers=8) as c:
+            sid = await _started(c)
+            rs = await asyncio.gather(*(_step(c, sid, "slow") for _ in range(8)))
+            assert all(r.outcome == common_pb2.RUNNING for r in rs)
+            assert (await _status(c))["steps"] == 8
+    run(body())
+
+
+def test_run_id_mismatch():
+    async def body():
+        async with envd_client() as c:
+            sid = await _started(c)
+            e = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, _step(c, sid, run_id="0123abcd"))
+            assert "daemon restarted" in e.details()
+            await expect_code(grpc.StatusCode.FAILED_PRECONDITION,
+                              c.Observe(env_pb2.SessionRef(session_id=sid, run_id="0123abcd")))
+            assert (await _step(c, sid, run_id=c.run_id)).outcome == common_pb2.RUNNING
+    run(body())
+
+
+def test_oversize_message_rejected():
+    async def body():
+        async with envd_client(max_message_bytes=64 << 10) as c:
+            big = rpc.channel(c.server.address, max_message_bytes=4 << 20)  # the client would send it
+            try:
+                stub = env_pb2_grpc.EnvServiceStub(big)
+                await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  stub.Ping(env_pb2.PingRequest(payload=b"x" * (128 << 10)), timeout=5))
+                assert (await stub.Ping(env_pb2.PingRequest(payload=b"x" * 1024), timeout=5)).payload
+            finally:
+                await big.close()
+            assert await _health(c.channel) == health_pb2.HealthCheckResponse.SERVING
+    run(body())
+
+
+def test_control_status_and_session_commands():
+    async def body():
+        async with envd_client() as c:
+            sid = await _started(c)
+            for _ in range(5):
+                await _step(c, sid)
+            st = await _control(c).Status(control_pb2.StatusRequest(), timeout=5)
+            assert st.role == "envd" and st.run_id == c.run_id
+            m = json.loads(st.metrics_json)
+            assert m["sessions"] == 1 and m["steps"] == 5 and m["infra_errors"] == 0 and m["draining"] is False
+            assert 0 < m["step_ms_p50"] <= m["step_ms_p99"]
+            ctl = _control(c)
+            listed = json.loads((await ctl.Command(control_pb2.CommandRequest(name="sessions_list"), timeout=5)).result_json)
+            assert [s["id"] for s in listed] == [sid] and listed[0]["steps"] == 5
+            await expect_code(grpc.StatusCode.INVALID_ARGUMENT, ctl.Command(
+                control_pb2.CommandRequest(name="sessions_kill"), timeout=5))
+            r = await ctl.Command(control_pb2.CommandRequest(name="sessions_kill", args={"id": "nope"}), timeout=5)
+            assert not r.ok
+            r = await ctl.Command(control_pb2.CommandRequest(name="sessions_kill", args={"id": sid}), timeout=5)
+            assert r.ok
+            await expect_code(grpc.StatusCode.NOT_FOUND, _step(c, sid))
+            await expect_code(grpc.StatusCode.UNIMPLEMENTED, ctl.Command(control_pb2.CommandRequest(name="nope"), timeout=5))
+    run(body())
+
+
+def test_serve_writes_ready_file_and_stops(tmp_path):
+    ready = tmp_path / "envd.ready"
+
+    async def body():
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve(EnvdConfig(port=0), str(ready), stop))
+        for _ in range(200):
+            if ready.exists():
+                break
+            await asyncio.sleep(0.01)
+        info = json.loads(ready.read_text())
+        assert info["role"] == "envd" and info["pid"] == os.getpid()
+        ch = rpc.channel(info["address"])
+        stub = env_pb2_grpc.EnvServiceStub(ch)
+        sid = (await stub.CreateSession(env_pb2.CreateSessionRequest(env_id="test-fragile/served"), timeout=5)).session_id
+        assert (await stub.Ping(env_pb2.PingRequest(), timeout=5)).run_id == info["run_id"]
+        await ch.close()
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        assert "served" in FragileEnv.closed and sid
+
+    run(body())
+
+
+def test_main_exits_cleanly_on_sigterm(tmp_path):
+    ready = tmp_path / "envd.ready"
+    code = ("import sys; from envd.server import main; from tars.config import EnvdConfig; "
+            f"sys.exit(main(EnvdConfig(port=0), {str(ready)!r}))")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 15
+        while not ready.exists():
+            assert p.poll() is None, p.stderr.read().decode()
+            assert time.monotonic() < deadline, "envd did not become ready"
+            time.sleep(0.02)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

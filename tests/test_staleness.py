@@ -1,0 +1,134 @@
+"""StalenessManager: AReaL's admission rule, accounting, thread safety, live eta, and the lag histogram."""
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from learner.staleness import StalenessManager
+
+
+def test_capacity_formula_and_version_bump():
+    s = StalenessManager(batch_size=4, eta=1)
+    assert s.capacity() == 8                       # (eta + version + 1) * B
+    assert s.try_admit(10) == 8
+    assert s.capacity() == 0 and s.try_admit(1) == 0
+    s.on_accepted(4)                               # moving running -> accepted frees nothing
+    assert s.capacity() == 0
+    s.set_version(1)
+    assert s.capacity() == 4
+    s.on_rejected(2)                               # rejected episodes give their budget back
+    assert s.capacity() == 6
+    s.on_lost(2)
+    st = s.stats()
+    assert (st["running"], st["accepted"], st["rejected"], st["lost"], st["capacity"]) == (0, 4, 2, 2, 8)
+
+
+def test_max_concurrent_caps_running():
+    s = StalenessManager(batch_size=100, eta=2, max_concurrent=5)
+    assert s.try_admit(10) == 5
+    s.on_accepted(3)
+    assert s.capacity() == 3
+    assert s.try_admit(10) == 3
+
+
+def test_eta_zero_is_synchronous():
+    B = 8
+    s = StalenessManager(batch_size=B, eta=0)
+    for v in range(5):
+        s.set_version(v)
+        got = sum(s.try_admit(3) for _ in range(10))
+        assert got == B                            # exactly one batch per version, never more
+        s.on_accepted(B)                           # the batch trains -> next version
+    assert s.stats()["accepted"] == 5 * B
+
+
+def test_live_eta_change():
+    s = StalenessManager(batch_size=4, eta=0)
+    assert s.try_admit(100) == 4
+    s.set_eta(2)
+    assert s.capacity() == 8 and s.try_admit(100) == 8
+    s.set_eta(0)                                   # lowering stops admissions; running episodes stay
+    assert s.capacity() == 0 and s.stats()["running"] == 12
+    s.on_accepted(12)
+    s.set_version(3)
+    assert s.capacity() == 4
+    with pytest.raises(ValueError):
+        s.set_eta(-1)
+
+
+def test_double_finish_is_an_error():
+    s = StalenessManager(batch_size=2, eta=0)
+    s.try_admit(1)
+    s.on_accepted(1)
+    with pytest.raises(ValueError):
+        s.on_accepted(1)
+    with pytest.raises(ValueError):
+        s.on_lost(1)
+    s.adopt(2)                                     # a restarted learner adopts episodes admitted before
+    s.on_rejected(2)
+    assert s.stats()["running"] == 0
+
+
+def test_state_dict_round_trip():
+    s = StalenessManager(batch_size=4, eta=1)
+    s.try_admit(4)
+    s.on_accepted(3)
+    s.on_rejected(1)
+    s.set_version(2)
+    t = StalenessManager(batch_size=4, eta=1)
+    t.load_state_dict(s.state_dict())
+    assert t.stats()["accepted"] == 3 and t.version == 2 and t.stats()["running"] == 0
+    assert t.capacity() == (1 + 2 + 1) * 4 - 3
+
+
+def test_thread_safety_invariants_hold():
+    B, eta, maxc = 16, 1, 24
+    s = StalenessManager(batch_size=B, eta=eta, max_concurrent=maxc)
+    stop = threading.Event()
+    violations = []
+    bump = threading.Lock()
+
+    def monitor():
+        while not stop.is_set():
+            st = s.stats()  # one atomic snapshot under the manager's lock
+            if not (0 <= st["running"] <= maxc and st["accepted"] + st["running"] <= (eta + st["version"] + 1) * B):
+                violations.append(st)
+
+    def worker(seed):
+        rng = random.Random(seed)
+        for _ in range(400):
+            g = s.try_admit(rng.randint(1, 3))
+            for _ in range(g):
+                r = rng.random()
+                (s.on_accepted if r < 0.7 else s.on_rejected if r < 0.9 else s.on_lost)(1)
+            with bump:  # the "learner": one update per B accepted
+                st = s.stats()
+                if st["accepted"] >= (st["version"] + 1) * B:
+                    s.set_version(st["version"] + 1)
+
+    mon = threading.Thread(target=monitor)
+    mon.start()
+    ws = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.join(30)
+    stop.set()
+    mon.join(5)
+    st = s.stats()
+    assert not violations, violations[:3]
+    assert st["running"] == 0
+    assert st["admitted"] == st["accepted"] + st["rejected"] + st["lost"]
+    assert st["version"] > 10
+
+
+def test_staleness_histogram():
+    s = StalenessManager(batch_size=4, eta=1, max_lag=3)
+    s.record_staleness(np.array([-1, 5, 5, 4, 0], np.int32), train_version=5)   # lags 0, 0, 1, 5 (-1 = not generated)
+    s.record_staleness(np.array([3, 6]), train_version=5)                      # lags 2, -1
+    h = s.histogram()
+    assert h["bins"] == [2, 1, 1, 0] and h["overflow"] == 1 and h["negative"] == 1
+    assert h["tokens"] == 6 and h["max"] == 5 and h["mean"] == pytest.approx((0 + 0 + 1 + 5 + 2) / 5)
+    s.record_staleness(np.array([], np.int32), train_version=1)                # no-op
+    assert s.histogram()["tokens"] == 6
