@@ -55,10 +55,32 @@ def collate(trajs: list[Trajectory], pad_id: int = 0) -> Batch:
     return Batch(tokens, valid, mask, behav, versions, rewards, rets, [t.group or t.id for t in trajs], [t.id for t in trajs])
 
 
-def shifted_values(critic: CausalLM, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """V(state before token t) for every t -> [B, T]: the value head read at position t-1."""
-    v = critic.values(tokens, key_valid=valid)  # [B, T]
-    return torch.nn.functional.pad(v[:, :-1], (1, 0))
+def at(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x [B, T] read at the generated positions t >= 1 of mask -> [N], in the order logprobs_at uses."""
+    return x[:, 1:][mask[:, 1:] > 0]
+
+
+def put(values: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of `at`: [N] -> [B, T], zeros elsewhere."""
+    out = torch.zeros_like(like, dtype=values.dtype)
+    out[:, 1:][mask[:, 1:] > 0] = values
+    return out
+
+
+def length_chunks(lengths: torch.Tensor, idx: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """Split trajectory indices into chunks of similar length so a padded chunk holds <= max_tokens tokens."""
+    order = idx[torch.argsort(lengths[idx], descending=True)]
+    chunks, cur, cur_max = [], [], 0
+    for i in order.tolist():
+        L = int(lengths[i])
+        if cur and max(cur_max, L) * (len(cur) + 1) > max_tokens:
+            chunks.append(torch.tensor(cur))
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, L)
+    if cur:
+        chunks.append(torch.tensor(cur))
+    return chunks
 
 
 def lr_lambda(warmup: int):
@@ -74,6 +96,7 @@ class PPOTrainer:
         if critic is not None:
             self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=(0.9, 0.99))
         self.updates = 0
+        self.chunk_tokens = 4096  # padded tokens per forward chunk
 
     # ---- advantages ----------------------------------------------------------------------------------------
     def advantages(self, b: Batch, values: torch.Tensor | None):
@@ -94,13 +117,24 @@ class PPOTrainer:
         return A.decoupled_gae(b.rewards, values, b.mask, cfg.gamma, lam, cfg.lam_critic)
 
     # ---- the update ----------------------------------------------------------------------------------------
+    def _forward_old(self, b: Batch, chunks):
+        """pi_prox and V for every generated token, with the weights before this update -> [B, T] each."""
+        prox, values = torch.zeros_like(b.behav_logp), torch.zeros_like(b.behav_logp) if self.critic is not None else None
+        with torch.no_grad():
+            for c in chunks:
+                T = int(b.valid[c].sum(1).max())
+                tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
+                prox[c, :T] = put(self.policy.logprobs_at(tok, val, msk), msk, msk)
+                if values is not None:
+                    values[c, :T] = put(self.critic.values_at(tok, val, msk), msk, msk)
+        return prox, values
+
     def step(self, trajs: list[Trajectory], version: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         b = collate(trajs, self.pad_id)
+        lengths = b.valid.sum(1)
         self.policy.eval()
-        with torch.no_grad():
-            prox = self.policy.token_logprobs(b.tokens, key_valid=b.valid)  # [B, T] pi_prox, before this update
-            values = shifted_values(self.critic, b.tokens, b.valid) * b.mask if self.critic is not None else None
+        prox, values = self._forward_old(b, length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens))
         adv, targets = self.advantages(b, values)
         if cfg.adv_norm:
             adv = A.masked_whiten(adv, b.mask)
@@ -109,42 +143,47 @@ class PPOTrainer:
              "behav_prox_kl": float(A.masked_mean(b.behav_logp - prox, b.mask))}
         self.policy.train()
         B = len(trajs)
-        order = torch.arange(B)
-        mb = max(1, math.ceil(B / max(1, cfg.minibatches)))
         stats: dict[str, list[float]] = {"pg_loss": [], "clipfrac": [], "entropy": [], "v_loss": [], "grad_norm": []}
         for _ in range(cfg.epochs):
-            order = order[torch.randperm(B)] if cfg.minibatches > 1 else order
-            for s in range(0, B, mb):
-                idx = order[s:s + mb]
-                T = int(b.valid[idx].sum(1).max())
-                tok, val, msk = b.tokens[idx, :T], b.valid[idx, :T], b.mask[idx, :T]
-                logits, _ = self.policy(tok, key_valid=val)
-                logits = logits[:, :-1].float()
-                logp = torch.nn.functional.pad(A.token_logprobs_from_logits(logits, tok[:, 1:]), (1, 0))
-                loss = A.decoupled_ppo_loss(logp, prox[idx, :T], b.behav_logp[idx, :T], adv[idx, :T], msk,
-                                            cfg.eps_low, cfg.eps_high, cfg.behav_cap)
-                ent = A.masked_mean(torch.nn.functional.pad(A.entropy_from_logits(logits), (1, 0)), msk)
-                if cfg.entropy_coef:
-                    loss = loss - cfg.entropy_coef * ent
+            perm = torch.randperm(B) if cfg.minibatches > 1 else torch.arange(B)
+            for idx in perm.chunk(max(1, cfg.minibatches)):
+                n_tok = float(b.mask[idx].sum().clamp(min=1))
                 self.opt.zero_grad(set_to_none=True)
-                loss.backward()
+                if self.critic is not None:
+                    self.critic_opt.zero_grad(set_to_none=True)
+                sums = {"pg_loss": 0.0, "clipfrac": 0.0, "entropy": 0.0, "v_loss": 0.0}
+                # Length-bucketed chunks with gradient accumulation: the same gradient as one padded batch
+                # (each chunk's token-mean loss weighted by its share of the minibatch's tokens), less padding.
+                for c in length_chunks(lengths, idx, self.chunk_tokens):
+                    T = int(lengths[c].max())
+                    tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
+                    w = float(msk.sum()) / n_tok
+                    logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True)
+                    ones = torch.ones_like(logp)
+                    p_old, a = at(prox[c, :T], msk), at(adv[c, :T], msk)
+                    loss = A.decoupled_ppo_loss(logp, p_old, at(b.behav_logp[c, :T], msk), a, ones,
+                                                cfg.eps_low, cfg.eps_high, cfg.behav_cap)
+                    if cfg.entropy_coef:
+                        loss = loss - cfg.entropy_coef * ent.mean()
+                    (loss * w).backward()
+                    with torch.no_grad():
+                        ratio = torch.exp(logp - p_old)
+                        sums["clipfrac"] += w * float(((ratio > 1 + cfg.eps_high) | (ratio < 1 - cfg.eps_low)).float().mean())
+                        sums["pg_loss"] += w * float(loss)
+                        sums["entropy"] += w * float(ent.mean())
+                    if self.critic is not None:
+                        v = self.critic.values_at(tok, val, msk)
+                        vl = A.clipped_value_loss(v, at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.value_clip)
+                        (vl * w).backward()
+                        sums["v_loss"] += w * float(vl)
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
                 self.opt.step()
-                with torch.no_grad():
-                    ratio = torch.exp(logp - prox[idx, :T])
-                    clipped = ((ratio > 1 + cfg.eps_high) | (ratio < 1 - cfg.eps_low)).float()
-                stats["pg_loss"].append(float(loss))
-                stats["clipfrac"].append(float(A.masked_mean(clipped, msk)))
-                stats["entropy"].append(float(ent))
-                stats["grad_norm"].append(float(gn))
                 if self.critic is not None:
-                    v = shifted_values(self.critic, tok, val)
-                    vl = A.clipped_value_loss(v, values[idx, :T], targets[idx, :T], msk, cfg.value_clip)
-                    self.critic_opt.zero_grad(set_to_none=True)
-                    vl.backward()
                     torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.grad_clip)
                     self.critic_opt.step()
-                    stats["v_loss"].append(float(vl))
+                for k, v in sums.items():
+                    stats[k].append(v)
+                stats["grad_norm"].append(float(gn))
         self.sched.step()
         self.updates += 1
         self.policy.eval()
@@ -158,19 +197,26 @@ class PPOTrainer:
     def value_pretrain_step(self, trajs: list[Trajectory]) -> dict:
         """Critic only, Monte Carlo targets (lambda = 1), the policy untouched (value pretraining)."""
         b = collate(trajs, self.pad_id)
-        with torch.no_grad():
-            old = shifted_values(self.critic, b.tokens, b.valid) * b.mask
+        lengths = b.valid.sum(1)
+        chunks = length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens)
+        _, old = self._forward_old(b, chunks)
         _, targets = A.decoupled_gae(b.rewards, old, b.mask, self.cfg.gamma, 1.0, 1.0)
-        v = shifted_values(self.critic, b.tokens, b.valid)
-        vl = A.clipped_value_loss(v, old, targets, b.mask, clip=1e9)
+        n_tok = float(b.mask.sum().clamp(min=1))
         self.critic_opt.zero_grad(set_to_none=True)
-        vl.backward()
+        total = 0.0
+        for c in chunks:
+            T = int(lengths[c].max())
+            tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
+            v = self.critic.values_at(tok, val, msk)
+            vl = 0.5 * ((v - at(targets[c, :T], msk)) ** 2).mean()
+            w = float(msk.sum()) / n_tok
+            (vl * w).backward()
+            total += w * float(vl)
         torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
         self.critic_opt.step()
-        return {"v_loss": float(vl), "explained_variance": float(A.explained_variance(old, targets, b.mask))}
+        return {"v_loss": total, "explained_variance": float(A.explained_variance(old, targets, b.mask))}
 
 
 def sft_loss(policy: CausalLM, tokens: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Token-level cross-entropy over the masked (answer) tokens."""
-    lp = policy.token_logprobs(tokens, key_valid=valid)
-    return -(lp * mask).sum() / mask.sum().clamp(min=1)
+    return -policy.logprobs_at(tokens, valid, mask).mean()

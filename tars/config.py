@@ -131,6 +131,9 @@ class LearnerConfig:
     stream_port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one")
     credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
     max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
+    stream_queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")
+    stream_ack_interval_s: float = f(0.002, "WAL fsync / ack batching interval of the trajectory stream")
+    stream_fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
     threads: int = f(1, "torch intra-op threads")
 
 

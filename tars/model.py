@@ -228,6 +228,26 @@ class CausalLM(nn.Module):
         lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         return F.pad(lp, (1, 0))
 
+    def logprobs_at(self, input_ids, key_valid, mask, with_entropy: bool = False):
+        """Logprobs of input_ids[:, t] for the positions where mask[:, t] > 0 only -> [N] (row-major order).
+
+        The vocabulary projection runs only where it is needed (generated tokens are a small share of a
+        multi-turn conversation), which is most of the cost of a full-sequence forward for a small model.
+        """
+        h, _ = self.hidden(input_ids, key_valid=key_valid)
+        sel = mask[:, 1:] > 0                              # [B, T-1]: token t predicted from position t-1
+        logits = self.lm_head(h[:, :-1][sel]).float()       # [N, V]
+        lp_all = torch.log_softmax(logits, dim=-1)
+        lp = lp_all.gather(-1, input_ids[:, 1:][sel][:, None]).squeeze(-1)  # [N]
+        if not with_entropy:
+            return lp
+        return lp, -(lp_all.exp() * lp_all).sum(-1)
+
+    def values_at(self, input_ids, key_valid, mask):
+        """Critic values V(state before token t) for the positions where mask[:, t] > 0 -> [N]."""
+        h, _ = self.hidden(input_ids, key_valid=key_valid)
+        return self.score(h[:, :-1][mask[:, 1:] > 0]).squeeze(-1)
+
     # ---- HF layout -------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         sd = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("score.")}

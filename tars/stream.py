@@ -77,13 +77,18 @@ class TrajectoryReceiver:
         self._actors: dict[bytes, _Actor] = {}
         self._pending_acks: dict[bytes, list[str]] = {}
         self._ack_due = 0.0
+        # One fdatasync at a time runs on the syncer thread while the io thread keeps receiving; its batch of acks
+        # comes back through _sync_done and is sent by the io thread (which owns the socket), in order.
+        self._sync_req: queue.Queue = queue.Queue(maxsize=1)
+        self._sync_done: queue.Queue = queue.Queue(maxsize=1)
+        self._syncing: dict[bytes, list[str]] | None = None
+        self._syncer: threading.Thread | None = None
         self._replay: list[str] = []
         self._version_sent = -1
         self._stats = dict.fromkeys(
             ("received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked",
              "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
              "protocol_errors", "wal_syncs", "queue_max"), 0)
-        self._stats_lock = threading.Lock()
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
@@ -97,6 +102,8 @@ class TrajectoryReceiver:
             # These were admitted by a previous learner; the training loop will resolve each with on_accepted/rejected.
             self.staleness.adopt(len(self._replay))
         self._replay.reverse()  # popped from the end, so replay goes in file (arrival) order
+        self._syncer = threading.Thread(target=self._sync_loop, name="traj-wal-sync", daemon=True)
+        self._syncer.start()
         self._thread = threading.Thread(target=self._run, name="traj-receiver", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -137,8 +144,7 @@ class TrajectoryReceiver:
         return {"kept": kept, "dropped": dropped}
 
     def stats(self) -> dict:
-        with self._stats_lock:
-            s = dict(self._stats)
+        s = dict(self._stats)
         s["queue"] = self._q.qsize()
         s["wal_entries"] = len(self.wal)
         s["replay_pending"] = len(self._replay)
@@ -152,12 +158,18 @@ class TrajectoryReceiver:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("trajectory receiver thread did not stop within %.1fs", timeout)
+        if self._syncer:
+            try:
+                self._sync_req.put(None, timeout=timeout)
+            except queue.Full:
+                pass
+            self._syncer.join(timeout)
         self.wal.close()
 
     # --- io thread ------------------------------------------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._stats[key] += n
+        # Only the io thread writes counters, so no lock: stats() copies the dict, which is safe against value updates.
+        self._stats[key] += n
 
     def _warn(self, reason: str, msg: str, *args) -> None:
         """Rate-limited logging: a flood of bad frames must not flood the log too."""
@@ -168,6 +180,18 @@ class TrajectoryReceiver:
             self._last_log[reason] = now
         else:
             self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+
+    def _sync_loop(self) -> None:
+        while True:
+            batch = self._sync_req.get()
+            if batch is None:
+                return
+            try:
+                self.wal.sync()
+            except OSError:
+                log.exception("WAL fdatasync failed; these trajectories stay unacked and will be re-sent")
+                batch = {}
+            self._sync_done.put(batch)
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -194,7 +218,8 @@ class TrajectoryReceiver:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                wait = 0.005 if not self._pending_acks else max(0.0, self._ack_due - now)
+                wait = (0.001 if self._syncing is not None else
+                        0.005 if not self._pending_acks else max(0.0, self._ack_due - now))
                 if poller.poll(wait * 1000):
                     # Drain a bounded burst, then tick so acks and credit go out even under constant load.
                     for _ in range(256):
@@ -362,19 +387,42 @@ class TrajectoryReceiver:
 
     def _note_qsize(self) -> None:
         n = self._q.qsize()
-        with self._stats_lock:
-            if n > self._stats["queue_max"]:
-                self._stats["queue_max"] = n
+        if n > self._stats["queue_max"]:
+            self._stats["queue_max"] = n
+
+    def _send_acks(self, sock, batch: dict[bytes, list[str]]) -> None:
+        for ident, ids in batch.items():
+            self._send(sock, ident, P.ACK, {"ids": ids})
+            self._count("acked", len(ids))
+
+    def _collect_sync(self, sock, timeout: float | None) -> bool:
+        """Send the acks of a finished background sync; timeout=None polls. False if one is still running."""
+        if self._syncing is None:
+            return True
+        try:
+            batch = self._sync_done.get(timeout=timeout) if timeout else self._sync_done.get_nowait()
+        except queue.Empty:
+            return False
+        self._syncing = None
+        self._send_acks(sock, batch)
+        return True
+
+    def _start_sync(self) -> None:
+        """Hand the pending acks to the syncer (one sync in flight at a time keeps acks in order)."""
+        self._syncing, self._pending_acks, self._ack_due = self._pending_acks, {}, 0.0
+        self._count("wal_syncs")
+        self._sync_req.put_nowait(self._syncing)
 
     def _flush_acks(self, sock) -> None:
-        """One fsync for everything appended since the last flush, then the acks it makes true."""
+        """Synchronous: everything appended so far is fsynced and acked when this returns (HELLO, stop)."""
+        if not self._collect_sync(sock, timeout=30.0):
+            log.error("WAL sync took over 30s; acks delayed")
+            return
         if not self._pending_acks:
             return
         self.wal.sync()
         self._count("wal_syncs")
-        for ident, ids in self._pending_acks.items():
-            self._send(sock, ident, P.ACK, {"ids": ids})
-            self._count("acked", len(ids))
+        self._send_acks(sock, self._pending_acks)
         self._pending_acks = {}
         self._ack_due = 0.0
 
@@ -384,8 +432,8 @@ class TrajectoryReceiver:
 
     def _tick(self, sock) -> None:
         now = time.monotonic()
-        if self._pending_acks and (now >= self._ack_due or self._stop.is_set()):
-            self._flush_acks(sock)
+        if self._collect_sync(sock, None) and self._pending_acks and now >= self._ack_due:
+            self._start_sync()
         free = self._free_slots()
         # WAL replay first: a restarted learner trains on what it had before taking anything new.
         while self._replay and free > 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import queue
 import sys
@@ -45,9 +46,74 @@ def _consume(get, n: int, done: threading.Event, on_item=None) -> None:
     done.set()
 
 
-def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int) -> float:
+async def _stream_actor(addr: str, trajs, credits: int, go=None) -> None:
+    from tars.stream import TrajectorySender
+    s = TrajectorySender(addr, "bench", window=credits)
+    await s.start()
+    if go is not None:
+        go()
+    for tr in trajs:
+        await s.send(tr, timeout=60)
+    await s.flush(timeout=60)
+    await s.close()
+
+
+async def _raw_actor(addr: str, trajs, go=None) -> None:
+    ctx = zmq.asyncio.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.linger = -1  # deliver everything before close returns
+    d.connect(addr)
+    if go is not None:
+        go()
+    for i, tr in enumerate(trajs):
+        await d.send_multipart([b"T", msgpack.packb({"seq": i, "id": tr.id}), tr.encode()], copy=False)
+    d.close()
+    ctx.term()
+
+
+def _child(kind: str, addr: str, n: int, payload_bytes: int, credits: int, conn) -> None:
+    trajs = _trajs(n, payload_bytes)
+
+    def go():
+        conn.send("ready")
+        conn.recv()  # wait for the parent's start signal so only the transfer is timed
+
+    coro = _stream_actor(addr, trajs, credits, go) if kind == "stream" else _raw_actor(addr, trajs, go)
+    asyncio.run(coro)
+
+
+def _drive(kind: str, addr: str, trajs, credits: int, done: threading.Event, subprocess: bool,
+           payload_bytes: int) -> float:
+    """Time from start signal until the consumer has all n: actor in this process (asyncio) or in a child process."""
+    if not subprocess:
+        async def main() -> float:
+            t = [0.0]
+            coro = (_stream_actor(addr, trajs, credits, lambda: t.__setitem__(0, time.perf_counter()))
+                    if kind == "stream" else _raw_actor(addr, trajs, lambda: t.__setitem__(0, time.perf_counter())))
+            await coro
+            await asyncio.to_thread(done.wait, 60)
+            return time.perf_counter() - t[0]
+        return asyncio.run(main())
+    mp = multiprocessing.get_context("spawn")
+    a, b = mp.Pipe()
+    p = mp.Process(target=_child, args=(kind, addr, len(trajs), payload_bytes, credits, b), daemon=True)
+    p.start()
+    if not a.poll(60):
+        raise TimeoutError("bench actor did not start")
+    a.recv()
+    t0 = time.perf_counter()
+    a.send("go")
+    if not done.wait(60):
+        raise TimeoutError("bench consumer did not get everything")
+    dt = time.perf_counter() - t0
+    p.join(30)
+    return dt
+
+
+def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, subprocess: bool,
+                payload_bytes: int) -> float:
     from learner.staleness import StalenessManager
-    from tars.stream import TrajectoryReceiver, TrajectorySender
+    from tars.stream import TrajectoryReceiver
 
     stal = StalenessManager(batch_size=64, eta=10**9)
     rx = TrajectoryReceiver("tcp://127.0.0.1:0", os.path.join(tmp, f"wal-{time.monotonic_ns()}"), stal,
@@ -57,26 +123,13 @@ def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int) -> 
     con = threading.Thread(target=_consume, args=(rx.get, len(trajs), done, lambda t: stal.on_accepted(1)),
                            daemon=True)
     con.start()
-
-    async def main() -> float:
-        s = TrajectorySender(addr, "bench", window=credits)
-        await s.start()
-        t0 = time.perf_counter()
-        for tr in trajs:
-            await s.send(tr, timeout=60)
-        await s.flush(timeout=60)
-        await asyncio.to_thread(done.wait, 60)
-        dt = time.perf_counter() - t0
-        await s.close()
-        return dt
-
     try:
-        return asyncio.run(main())
+        return _drive("stream", addr, trajs, credits, done, subprocess, payload_bytes)
     finally:
         rx.stop()
 
 
-def _run_raw(trajs, queue_size: int) -> float:
+def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int) -> float:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
@@ -108,23 +161,8 @@ def _run_raw(trajs, queue_size: int) -> float:
     done = threading.Event()
     con = threading.Thread(target=_consume, args=(get, len(trajs), done), daemon=True)
     con.start()
-
-    async def main() -> float:
-        actx = zmq.asyncio.Context()
-        d = actx.socket(zmq.DEALER)
-        d.linger = 0
-        d.connect(f"tcp://127.0.0.1:{port}")
-        t0 = time.perf_counter()
-        for i, tr in enumerate(trajs):
-            await d.send_multipart([b"T", msgpack.packb({"seq": i, "id": tr.id}), tr.encode()], copy=False)
-        await asyncio.to_thread(done.wait, 60)
-        dt = time.perf_counter() - t0
-        d.close(0)
-        actx.term()
-        return dt
-
     try:
-        return asyncio.run(main())
+        return _drive("raw", f"tcp://127.0.0.1:{port}", trajs, 0, done, subprocess, payload_bytes)
     finally:
         stop.set()
         th.join(2)
@@ -155,17 +193,21 @@ def _breakdown(trajs, tmp: str) -> dict:
 
 
 def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync: bool = True,
-          credits: int = 512, queue_size: int = 4096, tmp_dir: str | None = None) -> dict:
-    """Trajectories/s through TrajectorySender -> TrajectoryReceiver and through a raw link; best of `repeats`."""
+          credits: int = 512, queue_size: int = 4096, subprocess: bool = True, tmp_dir: str | None = None) -> dict:
+    """Trajectories/s through TrajectorySender -> TrajectoryReceiver and through a raw link; best of `repeats`.
+
+    subprocess=True runs the actor side in a child process, as in deployment (actor and learner never share a GIL);
+    subprocess=False runs everything in this process, where both links compete for one GIL.
+    """
     trajs = _trajs(n, payload_bytes)
     with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
         stream, raw = [], []
         for _ in range(repeats):  # interleaved, so drift in machine load hits both alike
-            raw.append(_run_raw(trajs, queue_size))
-            stream.append(_run_stream(trajs, tmp, fsync, credits, queue_size))
+            raw.append(_run_raw(trajs, queue_size, subprocess, payload_bytes))
+            stream.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes))
         parts = _breakdown(trajs, tmp)
     s_rate, r_rate = n / min(stream), n / min(raw)
-    return {"n": n, "payload_bytes": len(trajs[0].encode()), "fsync": fsync,
+    return {"n": n, "payload_bytes": len(trajs[0].encode()), "fsync": fsync, "subprocess": subprocess,
             "stream_per_s": round(s_rate, 1), "raw_per_s": round(r_rate, 1), "ratio": round(s_rate / r_rate, 3),
             "stream_MB_s": round(s_rate * payload_bytes / 1e6, 1), "raw_MB_s": round(r_rate * payload_bytes / 1e6, 1),
             **{k: round(v, 1) for k, v in parts.items()}}

@@ -67,6 +67,7 @@ class TrajectorySender:
         self._rid = itertools.count(1)
         self._grants: dict[int, asyncio.Future] = {}
         self._cond: asyncio.Condition | None = None
+        self._waiters = 0                     # tasks inside _wait; _notify skips the condition when there are none
         self._tasks: list[asyncio.Task] = []
         self._last_rx = 0.0
         self._last_hello = 0.0
@@ -164,6 +165,15 @@ class TrajectorySender:
 
     # --- internals ------------------------------------------------------------------------------------------------
     async def _wait(self, pred, deadline: float, what) -> None:
+        if pred():  # fast path: one event loop, so nothing can change between this check and the caller's next line
+            return
+        self._waiters += 1
+        try:
+            await self._wait_slow(pred, deadline, what)
+        finally:
+            self._waiters -= 1
+
+    async def _wait_slow(self, pred, deadline: float, what) -> None:
         async with self._cond:
             while not pred():
                 left = deadline - time.monotonic()
@@ -175,6 +185,8 @@ class TrajectorySender:
                     pass  # re-check the predicate once more, then raise above
 
     async def _notify(self) -> None:
+        if not self._waiters:
+            return
         async with self._cond:
             self._cond.notify_all()
 

@@ -29,6 +29,7 @@ class WriteAheadLog:
         self.path = os.fspath(path)
         self.fsync = fsync
         self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # taken before _lock, never after it
         self.index: dict[str, tuple[int, int]] = {}   # id -> (payload offset, payload length), file order
         self._fd = -1
         self._end = 0
@@ -86,11 +87,16 @@ class WriteAheadLog:
             self._dirty = True
 
     def sync(self) -> None:
-        """Make every appended record durable (one fsync for however many records came since the last)."""
-        with self._lock:
-            if self._dirty and self.fsync:
-                os.fdatasync(self._fd)
-            self._dirty = False
+        """Make every record appended before this call durable (one fdatasync however many came since the last).
+
+        The append lock is not held during fdatasync, so the io thread keeps appending while a syncer thread waits
+        on the disk; _sync_lock keeps compact/close from swapping the fd underneath.
+        """
+        with self._sync_lock:
+            with self._lock:
+                fd, dirty, self._dirty = self._fd, self._dirty, False
+            if dirty and self.fsync and fd >= 0:
+                os.fdatasync(fd)
 
     def read(self, tid: str) -> bytes:
         with self._lock:
@@ -99,7 +105,7 @@ class WriteAheadLog:
 
     def compact(self, drop: set[str] | frozenset[str]) -> tuple[int, int]:
         """Rewrite the log without the records in `drop` (atomic rename); returns (kept, dropped)."""
-        with self._lock:
+        with self._sync_lock, self._lock:
             keep = [(t, o, n) for t, (o, n) in self.index.items() if t not in drop]
             dropped = len(self.index) - len(keep)
             if not dropped:
@@ -136,7 +142,7 @@ class WriteAheadLog:
             return len(keep), dropped
 
     def close(self) -> None:
-        with self._lock:
+        with self._sync_lock, self._lock:
             if self._fd >= 0:
                 if self._dirty and self.fsync:
                     os.fdatasync(self._fd)

@@ -1,6 +1,7 @@
 """Trajectory stream over real sockets on 127.0.0.1: delivery, flow control, bad frames, dedupe, restarts, admission."""
 import asyncio
 import collections
+import os
 import threading
 import time
 
@@ -326,5 +327,4 @@ def test_spool_resends_a_killed_actors_unacked_trajectories(tmp_path):
     rx2.stop()
     assert sorted(ids) == ["acked"] + [f"s{i}" for i in range(5)]  # "acked" replayed from the WAL (never consumed)
     assert st["resent"] == 5 and st["pending"] == 0
-    import os
     assert os.listdir(spool) == []

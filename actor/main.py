@@ -1,0 +1,177 @@
+"""The actor process, top to bottom: admission -> many concurrent episodes -> trajectories onto the stream.
+
+Episodes start only when the learner's staleness manager admits them (AReaL's rule), run concurrently on one
+event loop (bounded by `concurrency`), and each finished trajectory stays in the sender's outbox until the
+learner has written it durably. Pause/resume come over the ControlService.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import random
+import signal
+import time
+import uuid
+
+from actor.envclient import EnvClient
+from actor.episode import EpisodeContext, run_episode
+from inference_server.client import InferenceClient
+from tars import proc, rpc
+from tars.config import RunConfig
+from tars.control import ControlServicer, add_control
+from tars.stream_sender import TrajectorySender
+from tars.tokenizer import Tokenizer
+
+log = logging.getLogger("tars.actor")
+
+
+class Actor:
+    def __init__(self, cfg: RunConfig, actor_id: str, envd: list[str], inference: list[str], stream: str,
+                 tokenizer: Tokenizer, spool_dir: str | None = None):
+        self.cfg, self.acfg, self.actor_id = cfg, cfg.actor, actor_id
+        self.envs = [EnvClient(a, cfg.envd.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries) for a in envd]
+        self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries)
+        self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir)
+        self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id)
+        self.rng = random.Random(f"{cfg.seed}-{actor_id}")
+        self.paused = False
+        self.version = 0
+        self.counter = itertools.count()
+        self.running: set[asyncio.Task] = set()
+        self.sending: set[asyncio.Task] = set()
+        self.stats = collections.Counter()
+        self.recent = collections.deque(maxlen=512)  # (success, outcome) of the latest episodes
+        self.t0 = time.monotonic()
+
+    # ---- status / control ------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        ok = [s for s, o in self.recent if o != "infra_error"]
+        el = time.monotonic() - self.t0
+        return {"running": len(self.running), "paused": self.paused, **self.stats,
+                "episodes_per_s": self.stats["episodes"] / el if el > 0 else 0.0,
+                "success_recent": sum(ok) / len(ok) if ok else None, "sender": self.sender.stats()}
+
+    def control(self) -> ControlServicer:
+        c = ControlServicer("actor", self.status, lambda: self.version)
+        c.on("pause", lambda a: self._set_paused(True))
+        c.on("resume", lambda a: self._set_paused(False))
+        return c
+
+    def _set_paused(self, p: bool) -> dict:
+        self.paused = p
+        return {"paused": p}
+
+    # ---- episodes --------------------------------------------------------------------------------------------
+    def _new_episode(self, group: str, seed: int, env_id: str) -> None:
+        # Fixed-width counter + random suffix: no trajectory id is a prefix of another (SGLang matches rids by prefix).
+        tid = f"{self.actor_id}-{next(self.counter):09d}-{uuid.uuid4().hex[:8]}"
+        env = min(self.envs, key=lambda e: e.inflight)  # least-loaded daemon; the episode then sticks to it
+        task = asyncio.create_task(run_episode(self.ctx, env, tid, env_id, seed, self.version, group))
+        self.running.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.running.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # a bug, not an environment failure: count it and give the admission back
+            log.error("episode crashed: %r", exc)
+            self.stats["episode_crashes"] += 1
+            asyncio.ensure_future(self.sender.lost(1))
+            return
+        tr = task.result()
+        self.stats["episodes"] += 1
+        self.stats[tr.outcome] += 1
+        self.stats["successes"] += int(tr.success)
+        self.recent.append((tr.success, tr.outcome))
+        s = asyncio.create_task(self.sender.send(tr, timeout=self.acfg.admission_timeout_s))
+        self.sending.add(s)
+        s.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self.sending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("send failed: %r", task.exception())
+            self.stats["send_failures"] += 1
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.sender.start(timeout=60.0)
+        k = max(1, self.acfg.group_size)
+        while not stop.is_set():
+            free = self.acfg.concurrency - len(self.running)
+            if self.paused or free < k:
+                await _wait_any(self.running, stop, 0.2)
+                continue
+            try:
+                granted, self.version = await self.sender.admit((free // k) * k, timeout=5.0)
+            except TimeoutError:
+                continue
+            self.version = max(self.version, self.sender.version)
+            whole = (granted // k) * k
+            if granted > whole:  # a partial group cannot run: give the admissions back
+                await self.sender.lost(granted - whole)
+            for _ in range(whole // k):
+                seed, env_id = self.rng.randrange(1 << 31), self.rng.choice(self.acfg.env_ids)
+                group = f"{self.actor_id}-g{seed}" if k > 1 else ""
+                for _ in range(k):
+                    self._new_episode(group, seed, env_id)
+            if whole == 0:
+                await _wait_any(self.running, stop, 0.1)
+        await self.shutdown()
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        # Episodes still running are abandoned: their admissions go back to the learner.
+        for t in list(self.running):
+            t.cancel()
+        if self.running:
+            n = len(self.running)
+            await asyncio.wait(self.running, timeout=grace_s)
+            await self.sender.lost(n)
+        if self.sending:
+            await asyncio.wait(self.sending, timeout=grace_s)
+        try:
+            await self.sender.flush(timeout=grace_s)
+        except TimeoutError:
+            log.warning("%d trajectories unacknowledged at exit (kept in the spool if one is set)", self.sender.pending())
+        await self.sender.close()
+        await self.infer.close()
+        for e in self.envs:
+            await e.close()
+
+
+async def _wait_any(tasks: set, stop: asyncio.Event, timeout: float) -> None:
+    waiters = [*tasks, asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiters[-1].cancel()
+
+
+async def serve(cfg: RunConfig, envd: list[str], inference: list[str], stream: str, tokenizer_path: str,
+                actor_id: str = "", control_port: int = 0, ready_file: str | None = None,
+                spool_dir: str | None = None) -> None:
+    actor_id = actor_id or f"actor-{uuid.uuid4().hex[:6]}"
+    actor = Actor(cfg, actor_id, envd, inference, stream, Tokenizer.load(tokenizer_path), spool_dir)
+    server = rpc.make_server(auth_token=cfg.envd.auth_token)
+    add_control(server, actor.control())
+    port = rpc.bind(server, "127.0.0.1", control_port)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    proc.write_ready(ready_file, {"role": "actor", "address": f"127.0.0.1:{port}", "actor_id": actor_id})
+    try:
+        await actor.run(stop)
+    finally:
+        await server.stop(1.0)
+
+
+def main(cfg: RunConfig, envd: list[str], inference: list[str], stream: str, tokenizer_path: str,
+         actor_id: str = "", ready_file: str | None = None, spool_dir: str | None = None) -> int:
+    proc.die_with_parent()
+    asyncio.run(serve(cfg, envd, inference, stream, tokenizer_path, actor_id, 0, ready_file, spool_dir))
+    return 0

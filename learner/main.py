@@ -1,0 +1,251 @@
+"""The learner process, top to bottom: stream -> staleness filter -> update -> publish weights -> checkpoint.
+
+Trajectories arrive on the acked ZMQ stream (tars/stream.py). infra_error episodes and trajectories past the
+maximum lag are counted and never reach the loss. Each update bumps the policy version; the new weights are written
+in HF layout to a versioned directory (write, then rename) and every inference server is told to load them.
+A checkpoint stores the model, optimizers, RNG, version and the ids of every trajectory consumed, so a killed
+learner restarted with --resume loses nothing and trains on nothing twice.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import threading
+import time
+
+import numpy as np
+import torch
+
+from learner.ppo import PPOTrainer
+from learner.staleness import StalenessManager
+from tars import proc, rpc
+from tars.config import RunConfig
+from tars.control import ControlServicer, add_control
+from tars.model import CausalLM
+from tars.stream import TrajectoryReceiver
+from tars.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger("tars.learner")
+
+
+class Learner:
+    def __init__(self, cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], resume: bool = False):
+        self.cfg, self.lcfg = cfg, cfg.learner
+        self.run = pathlib.Path(run_dir)
+        self.model_dir = pathlib.Path(model_dir)
+        torch.set_num_threads(max(1, self.lcfg.threads))
+        torch.manual_seed(cfg.seed)
+        self.policy = CausalLM.load_hf(model_dir)
+        self.critic = None
+        if self.lcfg.algo == "ppo":
+            self.critic = CausalLM(self.policy.config, value_head=True)
+            self.critic.load_state_dict(self.policy.state_dict(), strict=False)  # critic starts from the policy trunk
+            torch.nn.init.zeros_(self.critic.score.weight)
+            torch.nn.init.zeros_(self.critic.score.bias)
+        self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id)
+        self.version = 0
+        self.value_pretrain_left = self.lcfg.value_pretrain_steps
+        self.staleness = StalenessManager(self.lcfg.batch_size, self.lcfg.eta, max_lag=self.lcfg.max_lag)
+        consumed: set[str] = set()
+        if resume and (self.run / "ckpt" / "meta.json").exists():
+            consumed = self._load_checkpoint()
+        self.receiver = TrajectoryReceiver(
+            f"tcp://{self.lcfg.stream_host}:{self.lcfg.stream_port}", str(self.run / "stream.wal"), self.staleness,
+            credits=self.lcfg.credits, queue_size=max(self.lcfg.credits, 2 * self.lcfg.batch_size),
+            max_frame_bytes=self.lcfg.max_frame_bytes, consumed_ids=consumed)
+        self.inference = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, cfg.inference.auth_token, 512 << 20)) for a in inference]
+        self.stop = threading.Event()
+        self.checkpoint_requested = threading.Event()
+        self.counters = {"received": 0, "trained": 0, "infra_error": 0, "too_stale": 0, "publish_failures": 0}
+        self.last_metrics: dict = {}
+        self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
+        self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        self.staleness.set_version(self.version)
+        self._publish(self.version, initial=True)
+        while not self.stop.is_set() and self.version < self.cfg.max_versions:
+            batch = self._collect(self.lcfg.batch_size)
+            if batch is None:
+                break
+            t0 = time.perf_counter()
+            if self.value_pretrain_left > 0:  # critic only; the policy (and so the behaviour) is unchanged
+                m = self.trainer.value_pretrain_step(batch)
+                self.value_pretrain_left -= 1
+                if m["explained_variance"] >= self.lcfg.value_pretrain_ev:
+                    self.value_pretrain_left = 0
+                m["phase"] = "value_pretrain"
+            else:
+                m = self.trainer.step(batch, self.version)
+                m["phase"] = "ppo" if self.critic is not None else "grpo"
+            for tr in batch:
+                self.staleness.record_staleness(tr.versions[tr.mask.astype(bool)], self.version)
+            self.version += 1
+            publish_s = self._publish(self.version)
+            self.staleness.set_version(self.version)
+            self.receiver.mark_consumed(tr.id for tr in batch)
+            self.counters["trained"] += len(batch)
+            m.update(version=self.version, t=time.time(), step_s=time.perf_counter() - t0, publish_s=publish_s,
+                     success=float(np.mean([tr.success for tr in batch])), ret=float(np.mean([tr.ret for tr in batch])),
+                     max_staleness=int(max(self.version - 1 - int(tr.versions[tr.mask.astype(bool)].min(initial=self.version - 1)) for tr in batch)),
+                     queue=self.receiver.qsize())
+            self.last_metrics = m
+            self.metrics_log.write(json.dumps(m) + "\n")
+            if self.version % self.lcfg.checkpoint_every == 0 or self.checkpoint_requested.is_set():
+                self.checkpoint()
+        self.checkpoint()
+        self.export(self.run / "final")
+
+    def _collect(self, n: int):
+        batch = []
+        while len(batch) < n:
+            if self.stop.is_set():
+                return None
+            tr = self.receiver.get(timeout=0.5)
+            if tr is None:
+                continue
+            self.counters["received"] += 1
+            gen = tr.versions[tr.mask.astype(bool)]
+            lag = self.version - int(gen.min()) if len(gen) else 0
+            self.episodes.write(json.dumps({
+                "t": time.time(), "id": tr.id, "env_id": tr.env_id, "outcome": tr.outcome, "success": tr.success,
+                "return": tr.ret, "turns": len(tr.turns), "start_version": tr.start_version,
+                "vmin": int(gen.min()) if len(gen) else -1, "vmax": int(gen.max()) if len(gen) else -1,
+                "train_version": self.version, "error": tr.error}) + "\n")
+            if tr.outcome == "infra_error":  # never a reward of 0: kept out of the loss entirely
+                self.counters["infra_error"] += 1
+                self.staleness.on_rejected(1)
+                self.receiver.mark_consumed([tr.id])
+                continue
+            if lag > self.lcfg.max_lag:
+                self.counters["too_stale"] += 1
+                self.staleness.on_rejected(1)
+                self.receiver.mark_consumed([tr.id])
+                continue
+            self.staleness.on_accepted(1)
+            batch.append(tr)
+        return batch
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+    def _publish(self, version: int, initial: bool = False) -> float:
+        """Write weights/v{version} atomically and tell every inference server to load it."""
+        t0 = time.perf_counter()
+        wdir = self.run / "weights"
+        wdir.mkdir(exist_ok=True)
+        path = wdir / f"v{version:06d}"
+        if initial:
+            if version == 0:
+                return 0.0  # the servers started from model_dir at version 0
+        self.policy.save_hf(path)
+        for stub in self.inference:
+            try:
+                stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=version, path=str(path)), timeout=60.0)
+            except Exception as e:  # a dead replica must not stop training; it reloads the latest on restart
+                self.counters["publish_failures"] += 1
+                log.warning("publish v%d failed: %s", version, e)
+        keep = sorted(wdir.glob("v*"))[: -max(1, self.lcfg.keep_weights)]
+        for old in keep:
+            shutil.rmtree(old, ignore_errors=True)
+        return time.perf_counter() - t0
+
+    def export(self, path: pathlib.Path) -> None:
+        tok = (self.model_dir / "tars_tokenizer.json").read_text()
+        self.policy.save_hf(path, extra_files={"tars_tokenizer.json": tok})
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        self.checkpoint_requested.clear()
+        ck = self.run / "ckpt"
+        tmp = self.run / "ckpt.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.policy.save_hf(tmp / "policy")
+        state = {"opt": self.trainer.opt.state_dict(), "sched": self.trainer.sched.state_dict(),
+                 "torch_rng": torch.get_rng_state()}
+        if self.critic is not None:
+            state.update(critic=self.critic.state_dict(), critic_opt=self.trainer.critic_opt.state_dict())
+        torch.save(state, tmp / "train_state.pt")
+        meta = {"version": self.version, "updates": self.trainer.updates, "value_pretrain_left": self.value_pretrain_left,
+                "staleness": self.staleness.state_dict(), **self.receiver.checkpoint_state(), "t": time.time()}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        shutil.rmtree(ck, ignore_errors=True)
+        os.replace(tmp, ck)
+        self.receiver.compact_wal()
+
+    def _load_checkpoint(self) -> set[str]:
+        ck = self.run / "ckpt"
+        meta = json.loads((ck / "meta.json").read_text())
+        self.policy.load_weights(CausalLM.load_hf(ck / "policy").hf_state_dict())
+        state = torch.load(ck / "train_state.pt", weights_only=False)
+        self.trainer.opt.load_state_dict(state["opt"])
+        self.trainer.sched.load_state_dict(state["sched"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.critic is not None and "critic" in state:
+            self.critic.load_state_dict(state["critic"])
+            self.trainer.critic_opt.load_state_dict(state["critic_opt"])
+        self.version = int(meta["version"])
+        self.trainer.updates = int(meta["updates"])
+        self.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
+        log.info("resumed from checkpoint at version %d (%d trajectories consumed)", self.version, len(meta["consumed_ids"]))
+        return set(meta["consumed_ids"])
+
+    # ---- control ---------------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        return {"version": self.version, "counters": self.counters, "staleness": self.staleness.stats(),
+                "staleness_histogram": self.staleness.histogram(), "stream": self.receiver.stats(),
+                "queue": self.receiver.qsize(), "last": self.last_metrics}
+
+    def control(self) -> ControlServicer:
+        c = ControlServicer("learner", self.status, lambda: self.version)
+        c.on("set_eta", lambda a: (self.staleness.set_eta(int(a["eta"])), {"eta": int(a["eta"])})[1])
+        c.on("checkpoint", lambda a: (self.checkpoint_requested.set(), {"requested": True})[1])
+        c.on("stop", lambda a: (self.stop.set(), {"stopping": True})[1])
+        return c
+
+
+def _control_thread(learner: Learner, ready: dict, port: int = 0) -> threading.Thread:
+    started = threading.Event()
+
+    def run():
+        async def main():
+            server = rpc.make_server(auth_token=learner.cfg.envd.auth_token)
+            add_control(server, learner.control())
+            ready["control"] = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', port)}"
+            await server.start()
+            started.set()
+            while not learner.stop.is_set():
+                await asyncio.sleep(0.2)
+            await server.stop(0.5)
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=run, name="learner-control", daemon=True)
+    t.start()
+    if not started.wait(10.0):
+        raise TimeoutError("learner control server did not start")
+    return t
+
+
+def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], ready_file: str | None = None,
+         resume: bool = False) -> int:
+    proc.die_with_parent()
+    learner = Learner(cfg, run_dir, model_dir, inference, resume=resume)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: learner.stop.set())
+    address = learner.receiver.start()
+    info = {"role": "learner", "stream": address, "version": learner.version}
+    ctl = _control_thread(learner, info)
+    proc.write_ready(ready_file, {**info, "address": info["control"]})
+    try:
+        learner.train()
+    finally:
+        learner.stop.set()
+        learner.receiver.stop()
+        ctl.join(timeout=5.0)
+    return 0

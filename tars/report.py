@@ -1,0 +1,132 @@
+"""Run monitoring and the run report: reads the learner's episodes.jsonl / learner.jsonl as they grow.
+
+report.json (stable, read by outside checks):
+  episodes          trajectories received by the learner (infra_error included, counted apart)
+  success_first     success rate over the first 10 % of scored episodes (infra_error excluded)
+  success_last      success rate over the last 10 %
+  success_sft       success of episodes generated entirely by the warm-started policy (version 0), or null
+  policy_version    final policy version
+  wall_s            whole command, set-up of the model and SFT included
+  trajectories_per_s episodes per second of RL time
+  max_staleness     largest (train version - oldest token version) seen in a training batch
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+
+class Monitor:
+    def __init__(self, run_dir: pathlib.Path):
+        self.run = pathlib.Path(run_dir)
+        self.eps: list[dict] = []
+        self.steps: list[dict] = []
+        self._pos = {"episodes.jsonl": 0, "learner.jsonl": 0}
+
+    def _tail(self, name: str, into: list) -> None:
+        p = self.run / name
+        if not p.exists():
+            return
+        with open(p, "rb") as f:
+            f.seek(self._pos[name])
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # only whole lines; a half-written one waits for the next poll
+        for line in data[:end].splitlines():
+            try:
+                into.append(json.loads(line))
+            except ValueError:
+                pass
+        self._pos[name] += end
+
+    def poll(self) -> None:
+        self._tail("episodes.jsonl", self.eps)
+        self._tail("learner.jsonl", self.steps)
+
+    @property
+    def episodes(self) -> int:
+        return len(self.eps)
+
+    def scored(self) -> list[dict]:
+        return [e for e in self.eps if e["outcome"] != "infra_error"]
+
+    def rolling_success(self, n: int = 256) -> float | None:
+        s = self.scored()[-n:]
+        return float(np.mean([e["success"] for e in s])) if s else None
+
+    def progress_line(self, elapsed: float) -> str:
+        v = self.steps[-1]["version"] if self.steps else 0
+        st = self.steps[-1].get("max_staleness", 0) if self.steps else 0
+        rs = self.rolling_success()
+        infra = sum(e["outcome"] == "infra_error" for e in self.eps)
+        return (f"t={elapsed:5.0f}s  episodes={len(self.eps):6d}  success(last 256)="
+                f"{'-' if rs is None else f'{rs:.3f}'}  version={v:4d}  staleness={st}  "
+                f"traj/s={len(self.eps) / max(elapsed, 1e-9):6.1f}  infra_errors={infra}")
+
+
+def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: bool, sft_s: float | None,
+                 status: str) -> dict:
+    scored = mon.scored()
+    k = max(1, len(scored) // 10)
+    first = [e["success"] for e in scored[:k]]
+    last = [e["success"] for e in scored[-k:]]
+    v0 = [e["success"] for e in scored if e["vmax"] == 0]
+    t0 = mon.eps[0]["t"] if mon.eps else 0.0
+    rl_s = (mon.eps[-1]["t"] - t0) if len(mon.eps) > 1 else 0.0
+    rep = {
+        "episodes": len(mon.eps),
+        "scored_episodes": len(scored),
+        "infra_errors": len(mon.eps) - len(scored),
+        "success_first": float(np.mean(first)) if first else None,
+        "success_last": float(np.mean(last)) if last else None,
+        "success_sft": (float(np.mean(v0)) if v0 else None) if sft_used else None,
+        "policy_version": mon.steps[-1]["version"] if mon.steps else 0,
+        "wall_s": wall_s,
+        "rl_s": rl_s,
+        "sft_s": sft_s,
+        "trajectories_per_s": len(mon.eps) / rl_s if rl_s > 0 else 0.0,
+        "max_staleness": max((s.get("max_staleness", 0) for s in mon.steps), default=0),
+        "status": status,
+    }
+    (run_dir / "report.json").write_text(json.dumps(rep, indent=2))
+    plot(run_dir / "learning.png", mon)
+    return rep
+
+
+def plot(path: pathlib.Path, mon: Monitor) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scored = mon.scored()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    if scored:
+        t0 = scored[0]["t"]
+        t = np.array([e["t"] - t0 for e in scored])
+        s = np.array([float(e["success"]) for e in scored])
+        r = np.array([e["return"] for e in scored])
+        w = max(1, min(256, len(s) // 10))
+        kern = np.ones(w) / w
+        sm, rm = np.convolve(s, kern, "valid"), np.convolve(r, kern, "valid")
+        axes[0].plot(t[w - 1:], sm, label="success")
+        axes[0].plot(t[w - 1:], rm, label="return", alpha=0.7)
+        axes[0].set_xlabel("seconds of RL")
+        axes[0].set_title(f"rolling mean over {w} episodes")
+        axes[0].legend()
+        axes[0].set_ylim(-0.15, 1.05)
+    if mon.steps:
+        v = [m["version"] for m in mon.steps]
+        axes[1].plot(v, [m["success"] for m in mon.steps], ".", alpha=0.4, label="batch success")
+        axes[1].plot(v, [m["ret"] for m in mon.steps], "-", alpha=0.6, label="batch return")
+        axes[1].set_xlabel("policy version")
+        axes[1].set_ylim(-0.15, 1.05)
+        axes[1].legend()
+        axes[2].plot(v, [m.get("max_staleness", 0) for m in mon.steps], label="max staleness")
+        axes[2].plot(v, [m.get("entropy", 0) for m in mon.steps], label="entropy")
+        axes[2].set_xlabel("policy version")
+        axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,183 @@
+"""`tars up`: a whole training run on one machine, every role a separate process on loopback.
+
+    tokenizer + policy (fresh, or loaded) -> optional SFT warm start -> envd, inference server, learner, actors
+    -> live progress -> stop (budget, max versions, Ctrl-C) -> report.json, learning.png, final/ (HF layout)
+
+Processes are started with PDEATHSIG and announce themselves through ready files; on the way out they are stopped
+in order (actors, learner, inference, envd) with deadlines, and anything left is killed, so no orphans remain.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from tars import config as C
+from tars import report
+from tars.model import CausalLM, DecoderConfig
+from tars.tokenizer import Tokenizer
+
+ROLE_ORDER = ("actor", "learner", "inference", "envd")  # shutdown order
+
+
+class RunError(RuntimeError):
+    pass
+
+
+class Child:
+    def __init__(self, role: str, argv: list[str], out: pathlib.Path, ready: pathlib.Path):
+        self.role, self.ready = role, ready
+        self.log = open(out / "logs" / f"{ready.stem}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready.exists():
+                return json.loads(self.ready.read_text())
+            if self.p.poll() is not None:
+                raise RunError(f"{self.role} exited with {self.p.returncode} before it was ready; see {self.log.name}")
+            time.sleep(0.05)
+        raise RunError(f"{self.role} not ready after {timeout:.0f} s; see {self.log.name}")
+
+    def stop(self, timeout: float) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(5)
+        self.log.close()
+
+
+def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path, float | None]:
+    """Tokenizer + policy into out/model (HF layout), after the SFT warm start if configured."""
+    from envd import builtin
+
+    torch.manual_seed(cfg.seed)
+    tok = Tokenizer.build(builtin.VOCABULARY)
+    if cfg.model.path:
+        policy = CausalLM.load_hf(cfg.model.path)
+        tok = Tokenizer.load(cfg.model.path)
+    else:
+        m = cfg.model
+        dc = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                           num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                           num_key_value_heads=m.num_kv_heads, max_position_embeddings=m.max_positions,
+                           bos_token_id=tok.eos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+        policy = CausalLM(dc).init_weights(m.seed, m.init_std)
+    sft_s = None
+    if cfg.sft.steps > 0:
+        from learner.sft import demonstrations, train_sft
+
+        t0 = time.perf_counter()
+        torch.set_num_threads(2)
+        demos = demonstrations(tok, cfg.actor.env_ids, max(2000, cfg.sft.steps * 4), cfg.sft.demonstrator, cfg.seed,
+                               cfg.actor.max_turns)
+        say(f"SFT warm start: {len(demos)} scripted demonstrations ({cfg.sft.demonstrator}), {cfg.sft.steps} steps")
+        train_sft(policy, demos, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, tok.pad_id, log=say)
+        sft_s = time.perf_counter() - t0
+    path = out / "model"
+    policy.save_hf(path, extra_files={"tars_tokenizer.json": tok.to_json()})
+    return path, sft_s
+
+
+def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
+    out_p = pathlib.Path(out).resolve()
+    (out_p / "logs").mkdir(parents=True, exist_ok=True)
+    run = out_p / "run"
+    run.mkdir(exist_ok=True)
+    for f in run.glob("*.json"):
+        f.unlink()
+    C.save(cfg, out_p / "config.yaml")
+    tty = sys.stdout.isatty() and not quiet
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(("\r\033[K" if tty else "") + f"[tars up] {msg}", flush=True)
+
+    t_start = time.time()
+    model_dir, sft_s = build_model(cfg, out_p, say)
+    conf = ["--config", str(out_p / "config.yaml")]
+    py = [sys.executable, "-m", "tars.cli"]
+    children: dict[str, list[Child]] = {r: [] for r in ROLE_ORDER}
+    interrupted = False
+
+    def on_sigint(*_):
+        nonlocal interrupted
+        interrupted = True
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, on_sigint)
+    status = "done"
+    try:
+        envd = Child("envd", [*py, "envd", *conf, "--ready-file", str(run / "envd.json")], out_p, run / "envd.json")
+        children["envd"].append(envd)
+        inf = Child("inference", [*py, "serve", *conf, "--model", str(model_dir), "--ready-file", str(run / "inference.json")], out_p, run / "inference.json")
+        children["inference"].append(inf)
+        envd_addr = envd.wait_ready(60)["address"]
+        inf_addr = inf.wait_ready(120)["address"]
+        lrn = Child("learner", [*py, "learner", *conf, "--run-dir", str(out_p), "--model", str(model_dir),
+                                "--inference", inf_addr, "--ready-file", str(run / "learner.json")], out_p, run / "learner.json")
+        children["learner"].append(lrn)
+        stream = lrn.wait_ready(120)["stream"]
+        for i in range(cfg.actors):
+            a = Child("actor", [*py, "actor", *conf, "--envd", envd_addr, "--inference", inf_addr, "--stream", stream,
+                                "--tokenizer", str(model_dir / "tars_tokenizer.json"), "--actor-id", f"actor{i}",
+                                "--spool-dir", str(out_p / "spool" / f"actor{i}"), "--ready-file", str(run / f"actor{i}.json")],
+                      out_p, run / f"actor{i}.json")
+            children["actor"].append(a)
+            a.wait_ready(60)
+        say(f"running: envd {envd_addr}, inference {inf_addr}, learner {stream}, {cfg.actors} actor(s); Ctrl-C stops")
+        t_rl = time.time()
+        mon = report.Monitor(out_p)
+        last_print = 0.0
+        while True:
+            time.sleep(0.5)
+            mon.poll()
+            now = time.time()
+            if tty or now - last_print > 10:
+                line = mon.progress_line(now - t_rl)
+                print(("\r\033[K" + line) if tty else f"[tars up] {line}", end="" if tty else "\n", flush=True)
+                last_print = now
+            if interrupted:
+                status = "interrupted"
+                break
+            if lrn.p.poll() is not None:
+                status = "done" if lrn.p.returncode == 0 else f"learner exited with {lrn.p.returncode}"
+                break
+            dead = [c.role for r in ("envd", "inference", "actor") for c in children[r] if c.p.poll() is not None]
+            if dead:
+                status = f"{', '.join(dead)} exited unexpectedly"
+                break
+            if now - t_rl > cfg.wall_budget_s:
+                status = "wall budget reached"
+                break
+            if cfg.target_success and mon.rolling_success() is not None and mon.rolling_success() >= cfg.target_success and mon.episodes >= 10 * cfg.learner.batch_size:
+                status = "target success reached"
+                break
+        if tty:
+            print()
+        say(f"stopping ({status})")
+    except RunError as e:
+        status = f"failed: {e}"
+        say(status)
+    finally:
+        for role in ROLE_ORDER:
+            for c in children[role]:
+                c.stop(timeout=60 if role == "learner" else 15)
+        signal.signal(signal.SIGINT, old)
+    mon = report.Monitor(out_p)
+    mon.poll()
+    rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s, status=status)
+    say(f"report: {json.dumps({k: rep[k] for k in ('episodes', 'success_first', 'success_last', 'success_sft', 'policy_version', 'wall_s')})}")
+    say(f"wrote {out_p / 'report.json'}, {out_p / 'learning.png'}, {out_p / 'final'}")
+    return 0 if status in ("done", "wall budget reached", "target success reached", "interrupted") else 1
