@@ -56,6 +56,18 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def masked_scale(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """x / sqrt(E[x^2] + eps) over masked entries: unit scale, the sign of every entry kept.
+
+    Advantage normalisation for multi-turn episodes. Whitening (subtracting the token-weighted mean) is biased
+    when episode length correlates with the outcome: long failing episodes dominate the mean, and subtracting it
+    turns zero advantages (e.g. a GRPO group where every sample failed) into positive ones, rewarding whatever
+    makes episodes long. Scaling alone keeps A = 0 at 0."""
+    m = _valid(mask)
+    out = x * torch.rsqrt(masked_mean(x * x, m) + eps)
+    return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 # --------------------------------------------------------------------------- GAE
 @torch.no_grad()
 def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float, lam: float,

@@ -137,7 +137,7 @@ class PPOTrainer:
         prox, values = self._forward_old(b, length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens))
         adv, targets = self.advantages(b, values)
         if cfg.adv_norm:
-            adv = A.masked_whiten(adv, b.mask)
+            adv = A.masked_scale(adv, b.mask)
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask)),
              "behav_prox_kl": float(A.masked_mean(b.behav_logp - prox, b.mask))}

@@ -492,3 +492,15 @@ def test_kl_k3():
     s = torch.multinomial(pi, 200000, replacement=True)
     est = kl_k3(pi.log()[s], ref.log()[s]).mean().item()
     assert est == pytest.approx((pi * (pi.log() - ref.log())).sum().item(), rel=0.03)
+
+
+def test_masked_scale_keeps_zero_advantages_at_zero():
+    from learner.algorithms import masked_scale
+
+    x = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, -1.0, 0.0, 5.0]])
+    m = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    y = masked_scale(x, m)
+    assert torch.all(y[0] == 0) and y[1, 2] == 0 and y[1, 3] == 0
+    assert torch.sign(y[1, :2]).tolist() == [1.0, -1.0]
+    sel = y[m.bool()]
+    assert torch.isclose((sel ** 2).mean(), torch.tensor(1.0), atol=1e-5)

@@ -1,0 +1,141 @@
+"""Contracts and shared pieces: generated code in sync, schema, tokenizer, config, model vs transformers."""
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tars import config as C
+from tars.model import CausalLM, DecoderConfig
+from tars.schema import SCHEMA_VERSION, SchemaError, Trajectory, Turn, turn_rewards
+from tars.tokenizer import Tokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_generated_code_in_sync():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_protos_reserve_and_status_enums():
+    env = (ROOT / "proto" / "tars" / "v1" / "common.proto").read_text()
+    assert "INFRA_ERROR" in env and "TRUNCATED" in env and "TERMINATED" in env
+
+
+def _traj(n=12, **kw):
+    m = np.zeros(n, np.uint8)
+    m[5:9] = 1
+    d = dict(id="a-1", env_id="builtin/click", outcome="terminated", tokens=np.arange(n, dtype=np.int32),
+             logprobs=np.where(m, -0.5, 0.0).astype(np.float32), versions=np.where(m, 3, -1).astype(np.int32),
+             mask=m, turns=[Turn("text:x", "click(target='A')", {"type": "click", "target": "A"}, 1.0, 5, 9)], ret=1.0, success=True)
+    d.update(kw)
+    return Trajectory(**d)
+
+
+def test_schema_round_trip():
+    t = _traj(images={"ab": b"\x89PNG"})
+    u = Trajectory.decode(t.encode())
+    assert u.id == t.id and u.outcome == "terminated" and u.success
+    np.testing.assert_array_equal(u.tokens, t.tokens)
+    np.testing.assert_array_equal(u.versions, t.versions)
+    assert u.turns[0].action == {"type": "click", "target": "A"}
+    assert u.images == {"ab": b"\x89PNG"}
+    assert u.versions_spanned == (3, 3)
+    r = turn_rewards(u)
+    assert r[8] == 1.0 and r.sum() == 1.0
+
+
+@pytest.mark.parametrize("frame,why", [
+    (b"\xc1garbage", "not msgpack"),
+    (b"\x92\x01\x02", "expected a map"),
+])
+def test_schema_rejects_garbage(frame, why):
+    with pytest.raises(SchemaError, match=why):
+        Trajectory.decode(frame)
+
+
+def test_schema_rejects_bad_content():
+    import msgpack
+
+    d = _traj().to_dict()
+    with pytest.raises(SchemaError, match="unknown schema version"):
+        Trajectory.from_dict({**d, "schema": SCHEMA_VERSION + 1})
+    with pytest.raises(SchemaError, match="outcome"):
+        Trajectory.from_dict({**d, "outcome": "crashed"})
+    with pytest.raises(SchemaError, match="entries"):
+        Trajectory.from_dict({**d, "mask": b"\x01"})
+    bad = _traj(versions=np.full(12, -1, np.int32))
+    with pytest.raises(SchemaError, match="no policy version"):
+        Trajectory.decode(bad.encode())
+    with pytest.raises(SchemaError, match="exceeds"):
+        Trajectory.decode(msgpack.packb(d), max_bytes=10)
+
+
+def test_tokenizer_round_trips_any_text():
+    tok = Tokenizer.build(["Save", "Open"])
+    for s in ["click(target='Save')", "Screen: [button Open] Goal: click Save", "ünïcödé 漢字 \n\t", ""]:
+        assert tok.decode(tok.encode(s)) == s
+    ids = tok.encode("click(target='Save')")
+    assert len(ids) == 3  # grammar pieces are single tokens
+    with pytest.raises(ValueError):
+        tok.decode([tok.vocab_size + 5])
+
+
+def test_tokenizer_save_load(tmp_path):
+    tok = Tokenizer.build(["Save"])
+    tok.save(tmp_path / "t.json")
+    assert Tokenizer.load(tmp_path / "t.json").pieces == tok.pieces
+
+
+def test_config_overrides_and_errors(tmp_path):
+    cfg = C.load("quickstart", None, ["learner.eta=5", "actor.env_ids=[builtin/click,builtin/menu]", "learner.adv_norm=false"])
+    assert cfg.learner.eta == 5 and cfg.actor.env_ids == ["builtin/click", "builtin/menu"] and cfg.learner.adv_norm is False
+    C.save(cfg, tmp_path / "c.yaml")
+    assert C.load(None, str(tmp_path / "c.yaml")).learner.eta == 5
+    with pytest.raises(C.ConfigError, match="unknown config key"):
+        C.load(None, None, ["learner.etaa=1"])
+    with pytest.raises(C.ConfigError, match="not int"):
+        C.load(None, None, ["learner.batch_size=abc"])
+    with pytest.raises(C.ConfigError, match="no preset"):
+        C.load("nope")
+
+
+def test_every_config_field_has_help():
+    import dataclasses
+
+    for cls in (C.RunConfig, C.ModelConfig, C.EnvdConfig, C.InferenceConfig, C.ActorConfig, C.LearnerConfig, C.SFTConfig):
+        for f in dataclasses.fields(cls):
+            if not dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else None) and f.name not in ("model", "envd", "inference", "actor", "learner", "sft"):
+                assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+
+
+def test_model_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    m = CausalLM(DecoderConfig(vocab_size=300, num_key_value_heads=2)).init_weights(1, std=0.1)
+    m.save_hf(tmp_path / "ck")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype=torch.float32)
+    ids = torch.randint(0, 300, (2, 17))
+    with torch.no_grad():
+        assert torch.allclose(m(ids)[0], hf(ids).logits, atol=1e-4)
+
+
+def test_model_cache_padding_and_logprobs_at():
+    m = CausalLM(DecoderConfig(vocab_size=300)).init_weights(2, std=0.1)
+    ids = torch.randint(0, 300, (2, 17))
+    with torch.no_grad():
+        full = m(ids)[0]
+        a, past = m(ids[:, :10])
+        b, _ = m(ids[:, 10:], past=past)
+        assert torch.allclose(torch.cat([a, b], 1), full, atol=1e-5)
+        valid = torch.ones(2, 17, dtype=torch.bool)
+        valid[0, :3] = False
+        pos = (valid.cumsum(1) - 1).clamp(min=0)
+        assert torch.allclose(m(ids, positions=pos, key_valid=valid)[0][0, 3:], m(ids[:1, 3:])[0][0], atol=1e-5)
+        mask = torch.zeros(2, 17)
+        mask[:, 12:15] = 1
+        lp = m.logprobs_at(ids, torch.ones(2, 17, dtype=torch.bool), mask)
+        ref = m.token_logprobs(ids)[:, 12:15].reshape(-1)
+        assert torch.allclose(lp, ref, atol=1e-5)
