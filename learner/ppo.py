@@ -169,13 +169,13 @@ class PPOTrainer:
                     with torch.no_grad():
                         ratio = torch.exp(logp - p_old)
                         sums["clipfrac"] += w * float(((ratio > 1 + cfg.eps_high) | (ratio < 1 - cfg.eps_low)).float().mean())
-                        sums["pg_loss"] += w * float(loss)
+                        sums["pg_loss"] += w * float(loss.detach())
                         sums["entropy"] += w * float(ent.mean())
                     if self.critic is not None:
                         v = self.critic.values_at(tok, val, msk)
                         vl = A.clipped_value_loss(v, at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.value_clip)
                         (vl * w).backward()
-                        sums["v_loss"] += w * float(vl)
+                        sums["v_loss"] += w * float(vl.detach())
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
                 self.opt.step()
                 if self.critic is not None:

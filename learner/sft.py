@@ -85,7 +85,7 @@ def train_sft(policy: CausalLM, demos, steps: int, batch_size: int, lr: float, s
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if log and (s % 50 == 0 or s == steps - 1):
             log(f"sft step {s + 1}/{steps} loss {np.mean(losses[-50:]):.3f}")
     policy.eval()

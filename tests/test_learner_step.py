@@ -55,10 +55,18 @@ def test_stale_samples_are_corrected_not_trusted():
     for i, t in enumerate(batch):  # pretend an older policy produced half of them, with other logprobs
         t.logprobs = t.logprobs.copy()
         t.logprobs[-1] = t.logprobs[-1] - (1.0 if i % 2 else 0.0)
+        t.ret = t.turns[0].reward = float(i % 3 == 0)  # rewards that do not depend on the sampled token
     a, b = copy.deepcopy(pol), copy.deepcopy(pol)
-    PPOTrainer(a, None, LearnerConfig(algo="grpo", behav_cap=5.0), 0).step(batch, 1)
-    PPOTrainer(b, None, LearnerConfig(algo="grpo", behav_cap=1.0), 0).step(batch, 1)
-    diff = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    for t in batch:
+        t.group = "g"
+    ta = PPOTrainer(a, None, LearnerConfig(algo="grpo", behav_cap=5.0), 0)
+    tb = PPOTrainer(b, None, LearnerConfig(algo="grpo", behav_cap=1.0), 0)
+    for tr in (ta, tb):  # plain SGD: Adam's scale invariance would hide a uniform reweighting
+        tr.opt = torch.optim.SGD(tr.policy.parameters(), lr=0.1)
+        tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+    ta.step(batch, 1)
+    tb.step(batch, 1)
+    diff = max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
     assert diff > 1e-6
 
 
