@@ -106,12 +106,15 @@ def _layout(widgets: list[Widget]) -> None:
 class BuiltinEnv(Env):
     """One session of a built-in task."""
 
-    def __init__(self, task: str, max_steps: int = 6):
+    def __init__(self, task: str, max_steps: int = 6, strict_targets: bool = False):
         if task not in TASKS:
             raise KeyError(f"no builtin task {task!r}; have {TASKS}")
         self.task = task
         self.env_id = f"builtin/{task}"
         self.max_steps = max_steps
+        # strict_targets: a click on a label that is not on the screen is rejected (INVALID_ARGUMENT), as
+        # ref-addressed browser tools do, instead of being a click on empty space that changes nothing.
+        self.strict_targets = strict_targets
         self.action_space = "click(target=LABEL | start_box='(x,y)'), type(content='TEXT'), wait(), finished()"
         self.s: Screen | None = None
 
@@ -231,11 +234,14 @@ class BuiltinEnv(Env):
             raise ActionError(f"unknown action type {kind!r}; expected one of {ACTION_TYPES}")
         if s.done:
             raise ActionError("the episode is over; reset first")
+        # Resolve the target before changing any state: a rejected action leaves the session as it was.
+        w = self._find(action) if kind in ("click", "left_double") else None
+        if kind in ("click", "left_double") and w is None and action.get("target") and self.strict_targets:
+            raise ActionError(f"no element labelled {action['target']!r} on the screen")
         s.steps += 1
         reward = 0.0
         g = s.goal
         if kind in ("click", "left_double"):
-            w = self._find(action)
             if w is None:
                 pass  # a click on empty space changes nothing
             elif w.kind == "menu":
@@ -304,5 +310,10 @@ class BuiltinEnv(Env):
 
 
 def make(task: str, options: dict[str, str] | None = None) -> BuiltinEnv:
-    max_steps = int((options or {}).get("max_steps", 6))
-    return BuiltinEnv(task, max_steps=max_steps)
+    options = options or {}
+    try:
+        max_steps = int(options.get("max_steps", 6))
+    except ValueError:
+        raise ValueError(f"max_steps={options['max_steps']!r} is not an integer") from None
+    strict = str(options.get("strict_targets", "0")).lower() in ("1", "true", "yes")
+    return BuiltinEnv(task, max_steps=max_steps, strict_targets=strict)

@@ -9,7 +9,6 @@ and a broken optional backend must not stop the others from loading.
 """
 from __future__ import annotations
 
-import inspect
 import threading
 from typing import Callable, Iterable
 
@@ -92,10 +91,7 @@ def _builtin_factory(task: str, options: dict[str, str]) -> Env:
 
     if task not in builtin.TASKS:
         raise KeyError(f"unknown env id 'builtin/{task}': builtin tasks are {list(builtin.TASKS)}")
-    # envd.builtin.make takes options as an optional second argument; stay compatible with a one-argument make.
-    if len(inspect.signature(builtin.make).parameters) >= 2:
-        return builtin.make(task, options)
-    return builtin.make(task)
+    return builtin.make(task, options)
 
 
 def _builtin_names() -> list[str]:

@@ -83,3 +83,14 @@ def test_snapshot_restore():
     assert other.step(other.oracle_action()).info["success"]
     with pytest.raises(ActionError):
         other.restore(b"not json")
+
+
+def test_strict_targets_rejects_missing_labels_without_changing_state():
+    env = builtin.make("click", {"strict_targets": "1"})
+    env.reset(4)
+    with pytest.raises(ActionError, match="no element labelled"):
+        env.step({"type": "click", "target": "NoSuchLabel"})
+    assert env.observe().step == 0
+    loose = builtin.make("click")
+    loose.reset(4)
+    assert loose.step({"type": "click", "target": "NoSuchLabel"}).outcome == "running"
