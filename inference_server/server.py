@@ -40,7 +40,8 @@ def _response(out: GenerateOutput, replica: str) -> inference_pb2.GenerateRespon
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, cfg: InferenceConfig, engine: LocalEngine, model_name: str = ""):
+    def __init__(self, cfg: InferenceConfig, engine, model_name: str = ""):
+        # engine: LocalEngine or SGLangEngine (inference_server.sglang_engine); same interface.
         self.cfg, self.engine, self.model_name = cfg, engine, model_name
         self.replica = ""
         self.images_ignored = 0
@@ -142,7 +143,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 class InferenceServer:
     """InferenceService + ControlService + health + reflection on one grpc.aio server. Owns no engine lifetime."""
 
-    def __init__(self, cfg: InferenceConfig, engine: LocalEngine, model_name: str = ""):
+    def __init__(self, cfg: InferenceConfig, engine, model_name: str = ""):
         self.cfg, self.engine = cfg, engine
         self.servicer = InferenceServicer(cfg, engine, model_name)
         self.control = ControlServicer("inference", self.status, lambda: engine.version)
@@ -179,11 +180,28 @@ class InferenceServer:
         self.server = None
 
 
+def make_engine(cfg: InferenceConfig, model_path: str, version: int = 0):
+    """The engine cfg.engine names: `local` (LocalEngine over model_path) or `sglang` (SGLangEngine over
+    cfg.sglang_urls; model_path, if it holds a config.json, only supplies the vocabulary size for validation)."""
+    if cfg.engine == "local":
+        return LocalEngine(cfg, model_path, version)
+    if cfg.engine == "sglang":
+        import json
+        import pathlib
+
+        from inference_server.sglang_engine import SGLangEngine
+
+        if not cfg.sglang_urls:
+            raise ValueError("engine=sglang needs sglang_urls (base URLs of running SGLang servers)")
+        conf = pathlib.Path(model_path or ".") / "config.json"
+        vocab = json.loads(conf.read_text()).get("vocab_size") if model_path and conf.is_file() else None
+        return SGLangEngine(cfg, list(cfg.sglang_urls), version, vocab_size=vocab)
+    raise ValueError(f"engine {cfg.engine!r} is not available in this server; use engine=local or engine=sglang")
+
+
 async def serve(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None, stop: asyncio.Event | None = None) -> None:
     """Run an inference server until `stop` is set (or SIGTERM / SIGINT), then shut down gracefully."""
-    if cfg.engine != "local":
-        raise ValueError(f"engine {cfg.engine!r} is not available in this server; use engine=local")
-    engine = await asyncio.to_thread(LocalEngine, cfg, model_path, version)
+    engine = await asyncio.to_thread(make_engine, cfg, model_path, version)
     srv = InferenceServer(cfg, engine, model_name=model_path)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

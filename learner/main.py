@@ -9,6 +9,7 @@ learner restarted with --resume loses nothing and trains on nothing twice.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -61,7 +62,9 @@ class Learner:
         self.inference = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, cfg.inference.auth_token, 512 << 20)) for a in inference]
         self.stop = threading.Event()
         self.checkpoint_requested = threading.Event()
-        self.counters = {"received": 0, "trained": 0, "infra_error": 0, "too_stale": 0, "publish_failures": 0}
+        self.counters = collections.Counter()
+        self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
+        self.group_timeout_s = 120.0
         self.last_metrics: dict = {}
         self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
@@ -103,34 +106,62 @@ class Learner:
         self.export(self.run / "final")
 
     def _collect(self, n: int):
-        batch = []
+        """The next batch of at least n trajectories, in whole groups when episodes are sampled in groups.
+
+        Group members finish at different times (successes are often shorter), so a batch cut by arrival would
+        split groups and normalise partial ones (all-success or all-failure halves get advantage 0). A group is
+        released once all `group_size` members have arrived (infra_error members count as arrived, never trained);
+        a group incomplete after group_timeout_s is released as it is, so a lost actor cannot stall training.
+        """
+        k = max(1, self.cfg.actor.group_size)
+        batch: list = []
         while len(batch) < n:
             if self.stop.is_set():
                 return None
             tr = self.receiver.get(timeout=0.5)
+            now = time.monotonic()
+            for g, (t0, arrived, members) in list(self.pending_groups.items()):
+                if now - t0 > self.group_timeout_s:
+                    del self.pending_groups[g]
+                    self.counters["groups_timed_out"] += 1
+                    batch += members
             if tr is None:
                 continue
-            self.counters["received"] += 1
-            gen = tr.versions[tr.mask.astype(bool)]
-            lag = self.version - int(gen.min()) if len(gen) else 0
-            self.episodes.write(json.dumps({
-                "t": time.time(), "id": tr.id, "env_id": tr.env_id, "outcome": tr.outcome, "success": tr.success,
-                "return": tr.ret, "turns": len(tr.turns), "start_version": tr.start_version,
-                "vmin": int(gen.min()) if len(gen) else -1, "vmax": int(gen.max()) if len(gen) else -1,
-                "train_version": self.version, "error": tr.error}) + "\n")
-            if tr.outcome == "infra_error":  # never a reward of 0: kept out of the loss entirely
-                self.counters["infra_error"] += 1
-                self.staleness.on_rejected(1)
-                self.receiver.mark_consumed([tr.id])
+            keep = self._admit(tr)
+            if k == 1 or not tr.group:
+                batch += [tr] if keep else []
                 continue
-            if lag > self.lcfg.max_lag:
-                self.counters["too_stale"] += 1
-                self.staleness.on_rejected(1)
-                self.receiver.mark_consumed([tr.id])
-                continue
-            self.staleness.on_accepted(1)
-            batch.append(tr)
+            t0, arrived, members = self.pending_groups.get(tr.group, (now, 0, []))
+            arrived += 1
+            members = members + ([tr] if keep else [])
+            if arrived >= k:
+                self.pending_groups.pop(tr.group, None)
+                batch += members
+            else:
+                self.pending_groups[tr.group] = (t0, arrived, members)
         return batch
+
+    def _admit(self, tr) -> bool:
+        """Log one arrival; count and drop it (False) if it is an infra_error or too stale to train on."""
+        self.counters["received"] += 1
+        gen = tr.versions[tr.mask.astype(bool)]
+        lag = self.version - int(gen.min()) if len(gen) else 0
+        self.episodes.write(json.dumps({
+            "t": time.time(), "id": tr.id, "env_id": tr.env_id, "outcome": tr.outcome, "success": tr.success,
+            "return": tr.ret, "turns": len(tr.turns), "start_version": tr.start_version,
+            "vmin": int(gen.min()) if len(gen) else -1, "vmax": int(gen.max()) if len(gen) else -1,
+            "train_version": self.version, "group": tr.group, "error": tr.error,
+            "outputs": [t.output[:80] for t in tr.turns[:8]]}) + "\n")
+        if tr.outcome == "infra_error":  # never a reward of 0: kept out of the loss entirely
+            self.counters["infra_error"] += 1
+        elif lag > self.lcfg.max_lag:
+            self.counters["too_stale"] += 1
+        else:
+            self.staleness.on_accepted(1)
+            return True
+        self.staleness.on_rejected(1)
+        self.receiver.mark_consumed([tr.id])
+        return False
 
     # ---- weights ---------------------------------------------------------------------------------------------
     def _publish(self, version: int, initial: bool = False) -> float:

@@ -74,6 +74,14 @@ class InferenceConfig:
     prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
     max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
     update_timeout_s: float = f(120.0, "longest wait for a weight update to be applied between two steps")
+    sglang_pause_mode: str = f("abort", "engine=sglang: pause_generation mode around a weight update: abort (in-flight requests "
+                               "come back and are resumed from their tokens) | retract | in_place (the server keeps them)")
+    sglang_request_timeout_s: float = f(600.0, "engine=sglang: longest a generation may take, resumes included")
+    sglang_health_interval_s: float = f(2.0, "engine=sglang: seconds between GET /health_generate rounds")
+    sglang_health_timeout_s: float = f(25.0, "engine=sglang: health check timeout (SGLang's own check waits up to 20 s)")
+    sglang_health_failures: int = f(1, "engine=sglang: failed health checks in a row that take a replica out")
+    sglang_max_resumes: int = f(32, "engine=sglang: aborts / replica failures one request survives before it fails")
+    sglang_max_concurrency: int = f(256, "engine=sglang: HTTP calls in flight at once (threads of the client pool)")
 
 
 @dataclass

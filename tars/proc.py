@@ -6,16 +6,41 @@ import json
 import os
 import pathlib
 import signal
+import socket
+
+
+def sd_notify(state: str) -> bool:
+    """Send `state` (e.g. "READY=1\nSTATUS=...") to systemd's $NOTIFY_SOCKET (Type=notify units).
+
+    A unix datagram to the path in $NOTIFY_SOCKET ('@' = Linux abstract namespace). Returns True when sent;
+    False (and does nothing) when the variable is unset, the socket is gone or the send fails.
+    """
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if not addr or not state:
+        return False
+    if addr[0] == "@":
+        addr = "\0" + addr[1:]
+    elif addr[0] != "/":
+        return False  # vsock:… and other schemes are not supported here
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError:
+        return False
 
 
 def write_ready(path: str | os.PathLike | None, info: dict) -> None:
-    """Announce a started server: atomically write {role, address, pid, ...} as JSON to `path` (if given)."""
-    if not path:
-        return
-    p = pathlib.Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
-    os.replace(tmp, p)
+    """Announce a started server: atomically write {role, address, pid, ...} as JSON to `path` (if given), and
+    tell systemd (READY=1) when run as a Type=notify unit."""
+    if path:
+        p = pathlib.Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
+        os.replace(tmp, p)
+    status = " ".join(f"{k}={info[k]}" for k in ("role", "address", "stream", "version") if k in info)
+    sd_notify(f"READY=1\nSTATUS=listening {status}")
 
 
 def die_with_parent() -> None:

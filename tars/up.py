@@ -144,7 +144,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
             time.sleep(0.5)
             mon.poll()
             now = time.time()
-            if tty or now - last_print > 10:
+            if not quiet and (tty or now - last_print > 10):
                 line = mon.progress_line(now - t_rl)
                 print(("\r\033[K" + line) if tty else f"[tars up] {line}", end="" if tty else "\n", flush=True)
                 last_print = now

@@ -1,0 +1,310 @@
+"""The SGLang stand-in (inference_server.sglang_conformance) and SGLangEngine against it, over real sockets."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from inference_server.engine import LocalEngine, SamplingParams
+from inference_server.sglang_conformance import ConformanceServer
+from inference_server.sglang_engine import SGLangEngine, http_json
+from tars.config import InferenceConfig
+from tars.model import CausalLM, DecoderConfig
+
+DC = DecoderConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512)
+PROMPT = list(range(2, 22))  # 20 tokens (the stand-in's prefix-cache key is the first 16)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang")
+    paths = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        CausalLM(DC).init_weights(seed, std=0.1).save_hf(d / name)
+        paths[name] = str(d / name)
+    return paths
+
+
+@pytest.fixture
+def servers(models):
+    made = []
+
+    def make(model="a", port=0, **kw):
+        s = ConformanceServer(models[model], port=port, cfg=InferenceConfig(max_context=256, max_stale_versions=1 << 30), **kw)
+        s.start()
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def greedy(path: str, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The local engine's greedy continuation (the reference)."""
+    e = LocalEngine(InferenceConfig(max_context=256), path)
+    try:
+        out = e.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0), timeout=30)
+        return out.output_ids, out.logprobs
+    finally:
+        e.close()
+
+
+def gen_body(rid=None, n=8, **sp):
+    b = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": -1,
+         "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, **sp}}
+    if rid:
+        b["rid"] = rid
+    return b
+
+
+def in_thread(fn, *a):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", fn(*a)), daemon=True)
+    t.start()
+    return t, box
+
+
+def wait_for(cond, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        time.sleep(0.005)
+
+
+# ---- the conformance server -------------------------------------------------------------------------
+def test_generate_shapes_logprobs_and_finish_reasons(servers, models):
+    s = servers()
+    st, r = http_json(s.url, "/generate", gen_body("r1", 10))
+    assert st == 200 and set(r) == {"output_ids", "meta_info"}
+    m = r["meta_info"]
+    ref_ids, ref_lps = greedy(models["a"], PROMPT, 10)
+    assert r["output_ids"] == ref_ids
+    assert [x[1] for x in m["output_token_logprobs"]] == ref_ids and all(x[2] is None for x in m["output_token_logprobs"])
+    assert max(abs(x[0] - y) for x, y in zip(m["output_token_logprobs"], ref_lps)) < 1e-5
+    assert m["id"] == "r1" and m["finish_reason"] == {"type": "length", "length": 10}
+    assert (m["prompt_tokens"], m["completion_tokens"], m["weight_version"]) == (20, 10, "default")
+    assert m["weight_versions"] == [{"version": "default", "start": 0, "end": 10}]
+    # A stop token ends the output (kept in it) with {"type": "stop", "matched": id}; top_k 0 is rejected (400).
+    st, r = http_json(s.url, "/generate", gen_body(None, 10, stop_token_ids=[ref_ids[2]]))
+    assert r["output_ids"] == ref_ids[:3] and r["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref_ids[2]}
+    assert http_json(s.url, "/generate", gen_body(None, 4, top_k=0))[0] == 400
+    st, info = http_json(s.url, "/get_model_info")
+    assert st == 200 and info["weight_version"] == "default"
+    assert http_json(s.url, "/health_generate")[0] == 200
+
+
+def test_abort_returns_partial_output_and_matches_rids_by_prefix(servers):
+    s = servers(token_delay_s=0.01)
+    calls = {rid: in_thread(http_json, s.url, "/generate", gen_body(rid, 200)) for rid in ("t#1", "t#10", "t#2")}
+    wait_for(lambda: len(s.reqs) == 3 and all(len(r.out) > 0 for r in list(s.reqs.values())))
+    assert http_json(s.url, "/abort_request", {"rid": "t#"})[0] == 200      # not an in-flight rid: dropped (1 worker)
+    time.sleep(0.05)
+    assert len(s.reqs) == 3
+    http_json(s.url, "/abort_request", {"rid": "t#1"})                       # aborts t#1 AND t#10 (prefix)
+    for rid in ("t#1", "t#10"):
+        calls[rid][0].join(5)
+        st, r = calls[rid][1]["r"]
+        m = r["meta_info"]
+        assert st == 200 and m["finish_reason"]["type"] == "abort"
+        assert 0 < len(r["output_ids"]) < 200 and len(m["output_token_logprobs"]) == len(r["output_ids"])
+    assert list(s.reqs) == ["t#2"]
+    http_json(s.url, "/abort_request", {"abort_all": True})
+    calls["t#2"][0].join(5)
+    assert calls["t#2"][1]["r"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_pause_abort_holds_new_requests_until_continue(servers):
+    s = servers(token_delay_s=0.01)
+    t, box = in_thread(http_json, s.url, "/generate", gen_body("p1", 200))
+    wait_for(lambda: s.tokens_in_flight() > 2)
+    assert http_json(s.url, "/pause_generation", {"mode": "abort"})[1]["status"] == "ok"
+    t.join(5)
+    assert box["r"][1]["meta_info"]["finish_reason"]["type"] == "abort" and box["r"][1]["output_ids"]
+    t2, box2 = in_thread(http_json, s.url, "/generate", gen_body("p2", 3))
+    time.sleep(0.3)
+    assert "r" not in box2                                   # waits while paused
+    http_json(s.url, "/continue_generation", {})
+    t2.join(5)
+    assert box2["r"][1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_retract_and_in_place_carry_requests_across_an_update(servers, models, mode):
+    s = servers(token_delay_s=0.01)
+    t, box = in_thread(http_json, s.url, "/generate", gen_body("q", 40))
+    wait_for(lambda: s.tokens_in_flight() >= 5)
+    http_json(s.url, "/pause_generation", {"mode": mode})
+    time.sleep(0.05)
+    k = s.tokens_in_flight()
+    st, r = http_json(s.url, "/update_weights_from_disk", {"model_path": models["b"], "weight_version": "7"})
+    assert st == 200 and r["success"], r
+    time.sleep(0.1)
+    assert "r" not in box and s.tokens_in_flight() == k       # nothing moves while paused
+    http_json(s.url, "/continue_generation", {})
+    t.join(10)
+    out = box["r"][1]
+    m = out["meta_info"]
+    assert m["finish_reason"] == {"type": "length", "length": 40}
+    assert m["weight_versions"] == [{"version": "default", "start": 0, "end": k}, {"version": "7", "start": k, "end": 40}]
+    assert m["weight_version"] == "7"
+    ids = out["output_ids"]
+    assert ids[:k] == greedy(models["a"], PROMPT, k)[0]
+    if mode == "retract":  # re-prefilled from the tokens so far under the new weights
+        assert m["num_retractions"] == 1
+        assert ids[k:] == greedy(models["b"], PROMPT + ids[:k], 40 - k)[0]
+
+
+def test_update_weights_from_disk_sets_version_and_flushes_cache(servers, models):
+    s = servers()
+    first = http_json(s.url, "/generate", gen_body(None, 6))[1]
+    body = gen_body(None, 6)
+    body["input_ids"] = PROMPT + first["output_ids"] + [7]
+    assert http_json(s.url, "/generate", body)[1]["meta_info"]["cached_tokens"] > 0
+    st, r = http_json(s.url, "/update_weights_from_disk", {"model_path": models["b"], "weight_version": "1"})
+    assert st == 200 and r["success"] and "Weight version updated to 1" in r["message"]
+    assert http_json(s.url, "/get_model_info")[1]["weight_version"] == "1"
+    again = http_json(s.url, "/generate", body)[1]
+    assert again["meta_info"]["cached_tokens"] == 0 and again["meta_info"]["weight_version"] == "1"
+    assert again["output_ids"] == greedy(models["b"], body["input_ids"], 6)[0]
+    st, r = http_json(s.url, "/update_weights_from_disk", {"model_path": models["a"] + "/missing", "weight_version": "2"})
+    assert st == 400 and r["success"] is False
+    assert http_json(s.url, "/flush_cache", {})[0] == 200
+
+
+# ---- SGLangEngine against the stand-in --------------------------------------------------------------
+def engine(urls, **kw) -> SGLangEngine:
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=urls, **kw)
+    return SGLangEngine(cfg, urls, vocab_size=DC.vocab_size, health_thread=False)
+
+
+def test_engine_generates_like_the_local_engine(servers, models):
+    s = servers(weight_version="0")
+    e = engine([s.url])
+    try:
+        out = e.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=0.0), "traj")
+        ref_ids, ref_lps = greedy(models["a"], PROMPT, 12)
+        assert out.output_ids == ref_ids and max(abs(a - b) for a, b in zip(out.logprobs, ref_lps)) < 1e-5
+        assert out.versions == [0] * 12 and out.finish_reason == "length" and out.prompt_tokens == 20
+        stop = e.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(ref_ids[3],)), "traj")
+        assert stop.output_ids == ref_ids[:4] and stop.finish_reason == "stop"
+        with pytest.raises(ValueError):
+            e.submit([1, 400], SamplingParams(max_new_tokens=2))
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_engine_resumes_across_a_weight_update(servers, models, mode):
+    s = servers(weight_version="0", token_delay_s=0.01)
+    e = engine([s.url], sglang_pause_mode=mode)
+    try:
+        fut = e.submit(PROMPT, SamplingParams(max_new_tokens=40, temperature=0.0), "traj")
+        wait_for(lambda: s.tokens_in_flight() >= 5)
+        info = e.update_weights(1, models["b"])
+        assert info["version"] == 1 and info["interrupted_requests"] == 1 and e.version == 1
+        out = fut.result(20)
+        assert out.finish_reason == "length" and len(out.output_ids) == 40 and out.interruptions >= 1
+        k = out.versions.index(1)
+        assert 5 <= k < 40 and out.versions == [0] * k + [1] * (40 - k)
+        assert out.output_ids[:k] == greedy(models["a"], PROMPT, k)[0]
+        ref_ids, ref_lps = greedy(models["b"], PROMPT + out.output_ids[:k], 40 - k)
+        assert out.output_ids[k:] == ref_ids and max(abs(a - b) for a, b in zip(out.logprobs[k:], ref_lps)) < 1e-4
+        assert e.metrics()["resumed_requests"] == (1 if mode == "abort" else 0)
+    finally:
+        e.close()
+
+
+def test_engine_sticky_and_load_aware_routing(servers):
+    a, b = servers(weight_version="0", token_delay_s=0.01), servers(weight_version="0", token_delay_s=0.01)
+    e = engine([a.url, b.url])
+    try:
+        # Two long trajectories at once land on different replicas (fewest in flight).
+        f1 = e.submit(PROMPT, SamplingParams(max_new_tokens=30, temperature=0.0), "t1")
+        wait_for(lambda: a.tokens_in_flight() + b.tokens_in_flight() > 0)
+        f2 = e.submit(PROMPT, SamplingParams(max_new_tokens=30, temperature=0.0), "t2")
+        f1.result(20), f2.result(20)
+        assert e.route("t1").url != e.route("t2").url
+        for turn in range(3):  # later turns of each trajectory go where its first turn went
+            for t in ("t1", "t2"):
+                e.generate(PROMPT + [turn], SamplingParams(max_new_tokens=2, temperature=0.0), t)
+        assert a.engine.stats["requests"] == 4 and b.engine.stats["requests"] == 4
+        assert {r["url"]: r["requests"] for r in e.metrics()["replicas"]} == {a.url: 4, b.url: 4}
+    finally:
+        e.close()
+
+
+def test_engine_takes_a_dead_replica_out_and_back_in(servers, models):
+    a, b = servers(weight_version="0"), servers(weight_version="0")
+    e = engine([a.url, b.url])
+    try:
+        e.generate(PROMPT, SamplingParams(max_new_tokens=2, temperature=0.0), "t")
+        home = e.route("t")
+        dead, live = (a, b) if home.url == a.url else (b, a)
+        port = dead.port
+        dead.stop()
+        out = e.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.0), "t")
+        assert len(out.output_ids) == 4 and e.route("t").url == live.url
+        assert [r["healthy"] for r in e.metrics()["replicas"] if r["url"] == dead.url] == [False]
+        e.update_weights(1, models["b"])                        # only the live replica gets it
+        revived = servers(port=port, weight_version="0")
+        e.check_health()
+        rep = {r["url"]: r for r in e.metrics()["replicas"]}[revived.url]
+        assert rep["healthy"] and rep["version"] == 1           # brought up to date before it was let back in
+        assert http_json(revived.url, "/get_model_info")[1]["weight_version"] == "1"
+        revived.stop()
+        e.check_health()
+        assert not {r["url"]: r for r in e.metrics()["replicas"]}[revived.url]["healthy"]
+    finally:
+        e.close()
+
+
+def test_grpc_front_serves_the_sglang_engine(servers, models):
+    from inference_server.client import InferenceClient
+    from inference_server.server import InferenceServer, make_engine
+
+    s = servers(weight_version="0")
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=0.5)
+
+    async def main():
+        eng = make_engine(cfg, models["a"])
+        srv = InferenceServer(cfg, eng, model_name="sglang")
+        await srv.start()
+        client = InferenceClient([srv.address])
+        try:
+            r = await client.generate("t", PROMPT, 5, temperature=0.0)
+            assert r.output_ids == greedy(models["a"], PROMPT, 5)[0] and r.versions == [0] * 5
+            ups = await client.update_weights(1, models["b"])
+            assert ups[0]["version"] == 1 and await client.get_version() == 1
+        finally:
+            await client.close()
+            await srv.stop()
+            eng.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_launchable_as_a_process_that_prints_nothing(models):
+    import socket
+    import subprocess
+    import sys
+
+    from inference_server.sglang_engine import wait_healthy
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "inference_server.sglang_conformance", "--model", models["a"], "--port", str(port),
+                          "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy([url], 30)
+        st, r = http_json(url, "/generate", gen_body(None, 3))
+        assert st == 200 and r["output_ids"] == greedy(models["a"], PROMPT, 3)[0]
+    finally:
+        p.terminate()
+        out, err = p.communicate(timeout=10)
+    assert out == b"" and err == b""
