@@ -4,6 +4,7 @@ from __future__ import annotations
 import grpc
 from grpc import aio
 
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 
 
@@ -16,7 +17,7 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):
-    """Rejects every RPC that lacks `authorization: Bearer <token>` (health checks included)."""
+    """Rejects every RPC that lacks `authorization: Bearer <token>`, except grpc.health.v1 health checks."""
 
     def __init__(self, token: str):
         self._want = f"Bearer {token}"
@@ -29,7 +30,8 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         md = dict(handler_call_details.invocation_metadata or ())
-        if md.get("authorization") == self._want:
+        # Health checks carry no secrets and orchestrators' probes (Kubernetes gRPC probes) cannot send a token.
+        if md.get("authorization") == self._want or handler_call_details.method.startswith(HEALTH_PREFIX):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
