@@ -107,7 +107,11 @@ class PPOTrainer:
             for i, g in enumerate(b.groups):
                 groups.setdefault(g, []).append(i)
             for idx in groups.values():
-                adv_traj[idx] = A.grpo_advantages(b.returns[idx]) if len(idx) > 1 else b.returns[idx] - b.returns.mean()
+                # Centred within the group, not divided by its std (as Dr. GRPO): dividing by a tiny std turns
+                # -0.1 format penalties in an all-failed group into advantages as large as a success.
+                # The batch-level scaling below sets the size.
+                r = b.returns[idx]
+                adv_traj[idx] = r - r.mean() if len(idx) > 1 else r - b.returns.mean()
             adv = adv_traj[:, None] * b.mask
             return adv, torch.zeros_like(adv)
         lam = cfg.lam_policy
@@ -138,6 +142,7 @@ class PPOTrainer:
         adv, targets = self.advantages(b, values)
         if cfg.adv_norm:
             adv = A.masked_scale(adv, b.mask)
+        has_signal = bool((adv * b.mask).abs().max() > 0)
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask)),
              "behav_prox_kl": float(A.masked_mean(b.behav_logp - prox, b.mask))}
@@ -177,7 +182,8 @@ class PPOTrainer:
                         (vl * w).backward()
                         sums["v_loss"] += w * float(vl.detach())
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
-                self.opt.step()
+                if has_signal:  # Adam's momentum would still move the weights on a batch with no advantage signal
+                    self.opt.step()
                 if self.critic is not None:
                     torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.grad_clip)
                     self.critic_opt.step()
@@ -191,6 +197,7 @@ class PPOTrainer:
         if values is not None:
             m["explained_variance"] = float(A.explained_variance(values, targets, b.mask))
         m["update_s"] = time.perf_counter() - t0
+        m["policy_step_skipped"] = not has_signal
         m["lr"] = self.sched.get_last_lr()[0]
         return m
 

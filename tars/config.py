@@ -116,7 +116,7 @@ class LearnerConfig:
     lr: float = f(1e-3, "policy learning rate (AdamW)")
     critic_lr: float = f(2e-3, "critic learning rate")
     weight_decay: float = f(0.0, "AdamW weight decay")
-    warmup_steps: int = f(5, "linear learning-rate warm-up, in updates")
+    warmup_steps: int = f(20, "linear learning-rate warm-up, in updates")
     eps_low: float = f(0.2, "PPO clip, lower side")
     eps_high: float = f(0.28, "PPO clip, upper side (clip-higher)")
     behav_cap: float = f(5.0, "cap of the decoupled behaviour weight pi_prox / pi_behav")

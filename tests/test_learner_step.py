@@ -98,3 +98,22 @@ def test_chunked_update_equals_one_padded_batch():
         assert torch.allclose(x, y, atol=1e-6)
     for x, y in zip(results[0][1].parameters(), results[1][1].parameters()):
         assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_no_policy_step_without_advantage_signal():
+    """A batch whose advantages are all zero (every group member equal) leaves the policy exactly as it was,
+    even after earlier steps filled Adam's momentum."""
+    torch.manual_seed(0)
+    pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
+    tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=1e-2, warmup_steps=1), 0)
+    batch, _ = sample(pol, 32)
+    for i, t in enumerate(batch):
+        t.group, t.ret = "g", float(i % 2)
+        t.turns[0].reward = t.ret
+    tr.step(batch, 0)  # a real update: momentum is now non-zero
+    for t in batch:
+        t.ret = t.turns[0].reward = 0.0
+    before = [p.detach().clone() for p in pol.parameters()]
+    m = tr.step(batch, 1)
+    assert m["policy_step_skipped"]
+    assert all(torch.equal(a, b) for a, b in zip(before, pol.parameters()))
