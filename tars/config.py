@@ -94,8 +94,6 @@ class ActorConfig:
     max_turns: int = f(6, "step budget per episode; beyond it the episode is truncated")
     max_new_tokens: int = f(16, "generation budget per turn")
     temperature: float = f(1.0, "sampling temperature")
-    prompt_style: str = f("tiny", "tiny | computer | browser | mobile (UI-TARS templates)")
-    history_images: int = f(1, "screenshots kept as images in the prompt; older ones are replaced by text")
     format_penalty: float = f(-0.1, "reward added to a turn whose output does not parse")
     on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)")
     group_size: int = f(1, "episodes per task seed (GRPO groups); 1 = independent")
@@ -153,7 +151,6 @@ class SFTConfig:
     batch_size: int = f(32, "demonstration turns per update")
     lr: float = f(3e-3, "SFT learning rate")
     demonstrator: str = f("noisy:0.2", "oracle | noisy:P (oracle with probability P, else a random visible widget)")
-    eval_episodes: int = f(256, "episodes sampled at temperature 1 to measure success after SFT")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SMALL = ["--set", "sft.steps=5", "--set", "sft.eval_episodes=0", "--set", "learner.batch_size=16",
+SMALL = ["--set", "sft.steps=5", "--set", "learner.batch_size=16",
          "--set", "actor.concurrency=32", "--set", "learner.checkpoint_every=5"]
 
 
