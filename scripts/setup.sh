@@ -8,19 +8,30 @@ DEV=0
 [[ "${1:-}" == "--dev" ]] && DEV=1
 PY=${PYTHON:-python3}
 
-need_apt=()
+need_apt=()      # required: set-up fails without them
+want_apt=()      # optional: the tests that need them skip with a reason when they are missing
 if [[ $DEV == 1 ]]; then
-  for pair in chromium:chromium chromedriver:chromium-driver bwrap:bubblewrap Xvfb:xvfb xdotool:xdotool xterm:xterm xclock:x11-apps systemd-analyze:systemd kubectl:kubectl; do
+  for pair in chromium:chromium chromedriver:chromium-driver bwrap:bubblewrap Xvfb:xvfb xdotool:xdotool xterm:xterm xclock:x11-apps; do
     cmd=${pair%%:*}; pkg=${pair##*:}
     command -v "$cmd" >/dev/null 2>&1 || need_apt+=("$pkg")
   done
+  for pair in systemd-analyze:systemd kubectl:kubernetes-client; do
+    cmd=${pair%%:*}; pkg=${pair##*:}
+    command -v "$cmd" >/dev/null 2>&1 || want_apt+=("$pkg")
+  done
 fi
 if ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then need_apt+=(python3-venv); fi
-if (( ${#need_apt[@]} )); then
+if (( ${#need_apt[@]} + ${#want_apt[@]} )); then
   if [[ $(id -u) != 0 ]]; then SUDO=sudo; else SUDO=; fi
-  echo "[setup] apt-get install ${need_apt[*]}"
   $SUDO apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  if (( ${#need_apt[@]} )); then
+    echo "[setup] apt-get install ${need_apt[*]}"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  fi
+  for pkg in "${want_apt[@]}"; do
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null 2>&1 \
+      && echo "[setup] installed $pkg" || echo "[setup] optional package $pkg not available; its tests will skip"
+  done
 fi
 
 if [[ ! -x .venv/bin/python ]]; then
