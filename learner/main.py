@@ -73,7 +73,7 @@ class Learner:
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
         self.staleness.set_version(self.version)
-        self._publish(self.version, initial=True)
+        self._publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
         while not self.stop.is_set() and self.version < self.cfg.max_versions:
             batch = self._collect(self.lcfg.batch_size)
             if batch is None:
@@ -165,15 +165,14 @@ class Learner:
         return False
 
     # ---- weights ---------------------------------------------------------------------------------------------
-    def _publish(self, version: int, initial: bool = False) -> float:
+    def _publish(self, version: int) -> float:
         """Write weights/v{version} atomically and tell every inference server to load it."""
+        if version == 0:
+            return 0.0  # the servers started from model_dir at version 0
         t0 = time.perf_counter()
         wdir = self.run / "weights"
         wdir.mkdir(exist_ok=True)
         path = wdir / f"v{version:06d}"
-        if initial:
-            if version == 0:
-                return 0.0  # the servers started from model_dir at version 0
         self.policy.save_hf(path)
         for stub in self.inference:
             try:

@@ -214,11 +214,6 @@ class CausalLM(nn.Module):
         h, new = self.hidden(input_ids, positions, key_valid, past)
         return self.lm_head(h), new
 
-    def values(self, input_ids, key_valid=None):
-        """Critic values [B, T] for every position."""
-        h, _ = self.hidden(input_ids, key_valid=key_valid)
-        return self.score(h).squeeze(-1)
-
     def token_logprobs(self, input_ids, key_valid=None, temperature: float = 1.0):
         """logprob of input_ids[:, t] given the prefix, for t >= 1 -> [B, T] (position 0 gets 0)."""
         logits, _ = self.forward(input_ids, key_valid=key_valid)
@@ -303,8 +298,4 @@ class CausalLM(nn.Module):
             params.update(dict(self.named_buffers()))
             for k, v in sd.items():
                 params[k].copy_(v.to(params[k].dtype))
-
-
-def num_params(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
 

@@ -95,7 +95,7 @@ class Tokenizer:
         return "".join(out)
 
     def save(self, path: str | os.PathLike) -> None:
-        pathlib.Path(path).write_text(json.dumps({"type": "tars-longest-match", "version": 1, "pieces": self.pieces}))
+        pathlib.Path(path).write_text(self.to_json())
 
     def to_json(self) -> str:
         return json.dumps({"type": "tars-longest-match", "version": 1, "pieces": self.pieces})
