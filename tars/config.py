@@ -33,6 +33,9 @@ class ModelConfig:
     num_heads: int = f(4, "attention heads of a fresh model")
     num_kv_heads: int = f(4, "key/value heads of a fresh model (GQA when fewer than num_heads)")
     max_positions: int = f(1024, "context length")
+    rope_theta: float = f(100.0, "RoPE base of a fresh model; a small base separates nearby positions sharply, "
+                                 "which short GUI prompts need more than long-range reach")
+    tie_embeddings: bool = f(False, "share the input embedding and the output projection of a fresh model")
     init_std: float = f(0.02, "init scale of a fresh model")
     seed: int = f(0, "init seed of a fresh model")
 

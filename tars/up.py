@@ -72,6 +72,7 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
         dc = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                            num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
                            num_key_value_heads=m.num_kv_heads, max_position_embeddings=m.max_positions,
+                           rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
                            bos_token_id=tok.eos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
         policy = CausalLM(dc).init_weights(m.seed, m.init_std)
     sft_s = None
