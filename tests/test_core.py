@@ -112,9 +112,10 @@ def test_every_config_field_has_help():
                 assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
 
 
-def test_model_matches_transformers(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"tie_word_embeddings": False, "rope_theta": 100.0}])
+def test_model_matches_transformers(tmp_path, extra):
     transformers = pytest.importorskip("transformers")
-    m = CausalLM(DecoderConfig(vocab_size=300, num_key_value_heads=2)).init_weights(1, std=0.1)
+    m = CausalLM(DecoderConfig(vocab_size=300, num_key_value_heads=2, **extra)).init_weights(1, std=0.1)
     m.save_hf(tmp_path / "ck")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype=torch.float32)
     ids = torch.randint(0, 300, (2, 17))
