@@ -134,6 +134,8 @@ class LearnerConfig:
     grad_clip: float = f(1.0, "gradient norm clip")
     adv_norm: bool = f(True, "normalise advantages over the batch's generated tokens")
     entropy_coef: float = f(0.0, "entropy bonus")
+    kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
+                            "tokens; anchors the output format at higher learning rates")
     checkpoint_every: int = f(20, "checkpoint every N updates (and at the end)")
     keep_weights: int = f(3, "published weight versions kept on disk")
     stream_host: str = f("127.0.0.1", "bind address of the trajectory stream")
