@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from typing import Any
 
 from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
@@ -251,6 +252,7 @@ class MiniWoBEnv(Env):
         if task.startswith("flight."):
             kwargs["base_url"] = _flight_base_url()
         self._dir = tempfile.mkdtemp(prefix="tars-miniwob-")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
         self.browser = ChromiumProcess(self._dir, timeout)
         try:
             self.gym = _hooked(load_env_creator(spec.entry_point))(browser=self.browser, **kwargs)
@@ -330,9 +332,10 @@ class MiniWoBEnv(Env):
         if record:
             self._elements = elements
         if done:
-            text = f"(episode over: {info.get('reason') or 'done'}; reward {float(info.get('env_reward') or 0):.3f})"
+            body = f"(episode over: {info.get('reason') or 'done'}; reward {float(info.get('env_reward') or 0):.3f})"
         else:
-            text = render(elements, self.max_text_chars) or "(no elements)"
+            body = render(elements, self.max_text_chars) or "(no elements)"
+        text = f"instruction: {self._utterance}\n{body}"
         shot = obs["screenshot"]
         h, w = int(shot.shape[0]), int(shot.shape[1])
         png = encode_rgb(shot.astype("uint8", copy=False).tobytes(), w, h)
