@@ -101,3 +101,31 @@ def _builtin_names() -> list[str]:
 
 
 register("builtin", _builtin_factory, _builtin_names)
+
+
+# ---- miniwob: the MiniWoB++ tasks on headless Chromium (envd/miniwob_backend.py) ----------------------------
+
+def _miniwob_factory(task: str, options: dict[str, str]) -> Env:
+    from envd import miniwob_backend
+
+    return miniwob_backend.make(task, options)
+
+
+def _miniwob_names() -> list[str]:
+    from envd import miniwob_backend
+
+    return miniwob_backend.task_names()
+
+
+register("miniwob", _miniwob_factory, _miniwob_names)
+
+
+# ---- desktop: an Xvfb desktop with real apps per session (envd/desktop.py) -----------------------------------
+
+def _desktop_factory(name: str, options: dict[str, str]) -> Env:
+    from envd import desktop
+
+    return desktop.make(name, options)
+
+
+register("desktop", _desktop_factory, [""])

@@ -1,0 +1,449 @@
+"""`desktop`: a real X desktop per session: Xvfb, real applications (xterm and xedit by default), input through
+xdotool, screenshots through mss.
+
+Per session: `Xvfb :N -screen 0 WxHx24 -nolisten tcp` on a free display number (Xvfb's own lock file decides: a
+taken number makes it exit and we try the next), a private MIT-MAGIC-COOKIE in the session's XAUTHORITY file, and
+the apps started in a workspace directory (their cwd and HOME). Everything runs in the X server's process group
+(plus what the apps spawn, like xterm's shell), killed as a whole on close; Xvfb and the apps get SIGKILL if the
+daemon dies. There is no window manager: keyboard input goes to the window under the pointer, so click a window
+before typing into it.
+
+The desktop has no task of its own: reward is 0, `finished`/`call_user` end the episode (terminated), `max_steps`
+truncates it. Options: width, height (default 1024x768), apps (comma list from APPS, default "xterm,xedit"),
+workspace (a directory to share with other sessions, e.g. a sandboxed terminal; default a fresh temp dir, emptied
+on every reset), max_steps (0 = none), settle_s (pause before the screenshot after an action, default 0.15),
+instruction (text shown as the task), command_timeout_s (deadline of each X tool call, default 10).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import re
+import secrets
+import select
+import shutil
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any
+
+from envd.base import ACTION_TYPES, RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
+from envd.png import encode_rgb
+from envd.proctree import alive, kill_session, with_parent_death_signal
+
+APPS = ("xterm", "xedit", "xcalc", "xclock")
+FIRST_DISPLAY = 100        # leave the low numbers to real desktops
+SCROLL_CLICKS = 3          # wheel clicks per scroll action
+TYPE_DELAY_MS = 8
+_BUTTONS = {"up": 4, "down": 5, "left": 6, "right": 7}
+
+_display_lock = threading.Lock()   # threads of one daemon pick numbers one at a time (other processes: Xvfb's lock)
+_next_display = FIRST_DISPLAY + secrets.randbelow(400)
+_env_lock = threading.Lock()       # XAUTHORITY is read from the process environment when mss connects
+
+
+def write_xauthority(path: str, cookie: bytes) -> None:
+    """An Xauthority file with one MIT-MAGIC-COOKIE-1 entry for any host and display (FamilyWild): the file is
+    private to one session, so it needs no address."""
+    def counted(b: bytes) -> bytes:
+        return struct.pack(">H", len(b)) + b
+    data = struct.pack(">H", 0xFFFF) + counted(b"") + counted(b"") + counted(b"MIT-MAGIC-COOKIE-1") + counted(cookie)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+class XServer:
+    """One Xvfb in its own process group; `env` is what an X client needs to reach it."""
+
+    def __init__(self, workdir: str, width: int, height: int, timeout_s: float = 10.0, tries: int = 20):
+        global _next_display
+        self.auth = os.path.join(workdir, "Xauthority")
+        write_xauthority(self.auth, secrets.token_bytes(16))
+        last_err = ""
+        for _ in range(tries):
+            with _display_lock:
+                n, _next_display = _next_display, FIRST_DISPLAY + (_next_display + 1 - FIRST_DISPLAY) % 900
+            if os.path.exists(f"/tmp/.X{n}-lock") or os.path.exists(f"/tmp/.X11-unix/X{n}"):
+                continue  # taken (or stale: Xvfb would check the pid, but another number is cheaper)
+            r, w = os.pipe()
+            try:
+                argv = ["Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-auth", self.auth,
+                        "-noreset", "-displayfd", str(w)]
+                with open(os.path.join(workdir, "xvfb.log"), "ab") as log:
+                    self.proc = subprocess.Popen(with_parent_death_signal(argv), pass_fds=[w], process_group=0,
+                                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                os.close(w)
+                w = -1
+                got = self._read_ready(r, timeout_s)
+            finally:
+                os.close(r)
+                if w >= 0:
+                    os.close(w)
+            if got == str(n):
+                self.display = f":{n}"
+                self.env = {"DISPLAY": self.display, "XAUTHORITY": self.auth, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+                return
+            last_err = f"Xvfb :{n} did not start ({got or 'exited'})"
+            kill_session(self.proc.pid, {self.proc.pid})
+            self.proc.wait(timeout=5)
+        raise RuntimeError(f"no free X display after {tries} tries: {last_err}")
+
+    @staticmethod
+    def _read_ready(fd: int, timeout_s: float) -> str:
+        """Xvfb writes its display number to -displayfd once it accepts connections; EOF means it exited."""
+        deadline, buf = time.monotonic() + timeout_s, b""
+        while not buf.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return "timed out"
+            chunk = os.read(fd, 64)
+            if not chunk:
+                return ""
+            buf += chunk
+        return buf.decode().strip()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and alive(self.proc.pid)
+
+
+# ---- keys ------------------------------------------------------------------------------------------------------
+
+_MODIFIERS = {"ctrl": "ctrl", "control": "ctrl", "shift": "shift", "alt": "alt", "option": "alt", "meta": "super",
+              "cmd": "super", "command": "super", "super": "super", "win": "super"}
+_NAMES = {"enter": "Return", "return": "Return", "esc": "Escape", "escape": "Escape", "backspace": "BackSpace",
+          "tab": "Tab", "delete": "Delete", "del": "Delete", "space": "space", "up": "Up", "down": "Down",
+          "left": "Left", "right": "Right", "arrowup": "Up", "arrowdown": "Down", "arrowleft": "Left",
+          "arrowright": "Right", "pageup": "Page_Up", "pagedown": "Page_Down", "home": "Home", "end": "End",
+          "insert": "Insert", **{f"f{i}": f"F{i}" for i in range(1, 13)}}
+_PUNCT = {"+": "plus", "-": "minus", "=": "equal", ",": "comma", ".": "period", "/": "slash", ";": "semicolon",
+          "'": "apostrophe", "[": "bracketleft", "]": "bracketright", "\\": "backslash", "`": "grave", " ": "space"}
+_libx11 = None
+
+
+def _is_keysym(name: str) -> bool:
+    global _libx11
+    if _libx11 is None:
+        path = ctypes.util.find_library("X11") or "libX11.so.6"
+        _libx11 = ctypes.CDLL(path)
+        _libx11.XStringToKeysym.argtypes = [ctypes.c_char_p]
+        _libx11.XStringToKeysym.restype = ctypes.c_ulong
+    return _libx11.XStringToKeysym(name.encode()) != 0
+
+
+def xdotool_key(key: str) -> str:
+    """'ctrl c' / 'ctrl+c' / 'Enter' -> xdotool's 'ctrl+c' / 'Return'. ActionError for names X does not know."""
+    k = key.strip()
+    parts = ["space"] if key and not k else [k] if k == "+" else [p for p in re.split(r"[\s+]+", k) if p]
+    if not parts:
+        raise ActionError("hotkey needs a key, e.g. key='ctrl c'")
+    out = []
+    for i, p in enumerate(parts):
+        low = p.lower()
+        if i < len(parts) - 1 and low in _MODIFIERS:
+            out.append(_MODIFIERS[low])
+        elif low in _NAMES:
+            out.append(_NAMES[low])
+        elif p in _PUNCT:
+            out.append(_PUNCT[p])
+        elif len(p) == 1 or (re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", p) and _is_keysym(p)):
+            out.append(p)
+        else:
+            raise ActionError(f"unknown key {p!r} in hotkey {key!r}")
+    return "+".join(out)
+
+
+# ---- the env -------------------------------------------------------------------------------------------------
+
+def _opt(options: dict[str, str], name: str, default, kind=int, low=None, high=None):
+    try:
+        v = kind(options.get(name, default))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={options.get(name)!r} is not a valid {kind.__name__}") from None
+    if (low is not None and v < low) or (high is not None and v > high):
+        raise ValueError(f"{name}={v} is outside [{low}, {high}]")
+    return v
+
+
+_WINDOW = re.compile(r'^\s+(0x[0-9a-f]+) "(.*)": \((?:"([^"]*)" "([^"]*)")?\)\s+(\d+)x(\d+)\+(-?\d+)\+(-?\d+)')
+
+
+class DesktopEnv(Env):
+    """One Xvfb desktop with real apps."""
+
+    def __init__(self, name: str = "", options: dict[str, str] | None = None):
+        options = dict(options or {})
+        if name:
+            raise KeyError(f"unknown env id 'desktop/{name}': the desktop backend is just 'desktop'")
+        self.env_id = "desktop"
+        self.width = _opt(options, "width", 1024, int, 200, 4096)
+        self.height = _opt(options, "height", 768, int, 200, 4096)
+        self.apps = [a.strip() for a in str(options.get("apps", "xterm,xedit")).split(",") if a.strip()]
+        bad = [a for a in self.apps if a not in APPS]
+        if bad or not self.apps:
+            raise ValueError(f"apps={options.get('apps')!r}: choose from {APPS}")
+        missing = [a for a in ["Xvfb", "xdotool", "xwininfo", *self.apps] if shutil.which(a) is None]
+        if missing:
+            raise RuntimeError(f"desktop needs {missing} installed (scripts/setup.sh --dev)")
+        self.max_steps = _opt(options, "max_steps", 0, int, 0)
+        self.settle_s = _opt(options, "settle_s", 0.15, float, 0.0, 10.0)
+        self.timeout_s = _opt(options, "command_timeout_s", 10.0, float, 0.5, 120.0)
+        self.instruction = str(options.get("instruction", ""))
+        self.action_space = (f"{self.width}x{self.height} X desktop: click/left_double/right_single(start_box='(x,y)' "
+                             "| target=window title), drag, type(content), hotkey(key), scroll(direction), wait(), "
+                             "finished()")
+        self._dir = tempfile.mkdtemp(prefix="tars-desktop-")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
+        self._owns_workspace = not options.get("workspace")
+        self.workspace = os.path.abspath(options.get("workspace") or os.path.join(self._dir, "home"))
+        os.makedirs(self.workspace, exist_ok=True)
+        self._app_procs: list[subprocess.Popen] = []
+        self._shot = None
+        self._steps, self._done, self._last = 0, True, None
+        try:
+            self.x = XServer(self._dir, self.width, self.height, timeout_s=self.timeout_s)
+            import mss
+
+            with _env_lock:  # mss (libxcb) reads XAUTHORITY from the environment while it connects
+                saved = os.environ.get("XAUTHORITY")
+                os.environ["XAUTHORITY"] = self.x.auth
+                try:
+                    self._shot = mss.MSS(display=self.x.display)
+                finally:
+                    if saved is None:
+                        os.environ.pop("XAUTHORITY", None)
+                    else:
+                        os.environ["XAUTHORITY"] = saved
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- processes -------------------------------------------------------------------------------------------
+    @property
+    def display(self) -> str:
+        return self.x.display
+
+    def client_env(self) -> dict[str, str]:
+        """Environment for a program that should run on this desktop (DISPLAY, XAUTHORITY, HOME = workspace)."""
+        return {**self.x.env, "HOME": self.workspace, "LANG": "C.UTF-8", "SHELL": "/bin/bash", "PS1": "$ "}
+
+    def _check_x(self) -> None:
+        if not self.x.alive():
+            raise RuntimeError(f"the X server {self.x.display} exited (code {self.x.proc.poll()})")
+
+    def _app_argv(self, app: str, i: int) -> list[str]:
+        # No window manager: tile the apps in columns so none hides another.
+        cw, x0 = self.width // len(self.apps), (self.width // len(self.apps)) * i
+        if app == "xterm":  # geometry in characters of the default 6x13 font
+            cols, rows = max(20, min(120, cw // 6 - 2)), max(5, min(50, self.height // 13 - 2))
+            return ["xterm", "-title", "xterm", "-geometry", f"{cols}x{rows}+{x0}+0", "-e", "/bin/bash", "--noprofile",
+                    "--norc"]
+        return [app, "-geometry", f"{cw - 10}x{min(self.height - 10, 600)}+{x0}+0"]
+
+    def _stop_apps(self) -> None:
+        pids = {p.pid for p in self._app_procs}
+        if pids:
+            kill_session(0, pids)  # the apps and what they spawned (xterm's shell has its own session)
+            for p in self._app_procs:
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+        self._app_procs = []
+
+    def _start_apps(self) -> None:
+        log = open(os.path.join(self._dir, "apps.log"), "ab")
+        try:
+            for i, app in enumerate(self.apps):
+                self._app_procs.append(subprocess.Popen(
+                    with_parent_death_signal(self._app_argv(app, i)), cwd=self.workspace, env=self.client_env(),
+                    process_group=self.x.pid, stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.timeout_s
+        while len(self.windows()) < len(self.apps):
+            self._check_x()
+            dead = [a for a, p in zip(self.apps, self._app_procs) if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"apps did not show their windows: {dead or self.apps} (see {self._dir}/apps.log)")
+            time.sleep(0.05)
+
+    # ---- X tools -------------------------------------------------------------------------------------------------
+    def _run(self, *argv: str) -> str:
+        try:
+            r = subprocess.run(argv, env=self.x.env, capture_output=True, text=True, timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{argv[0]} took longer than {self.timeout_s:g}s on {self.x.display}") from None
+        if r.returncode != 0:
+            self._check_x()
+            raise RuntimeError(f"{' '.join(argv[:3])} failed ({r.returncode}): {r.stderr.strip()[:300]}")
+        return r.stdout
+
+    def windows(self) -> list[dict[str, Any]]:
+        """The visible, named top-level windows: title, class, geometry."""
+        visible = set(self._run("xdotool", "search", "--onlyvisible", "--maxdepth", "1", "--name", "").split())
+        out = []
+        for line in self._run("xwininfo", "-root", "-children").splitlines():
+            m = _WINDOW.match(line)
+            if m and m.group(2) and str(int(m.group(1), 16)) in visible:
+                out.append({"id": m.group(1), "title": m.group(2), "class": m.group(4) or "",
+                            "x": int(m.group(7)), "y": int(m.group(8)), "w": int(m.group(5)), "h": int(m.group(6))})
+        return out
+
+    def _point(self, action: dict, key: str = "point") -> tuple[int, int]:
+        if key == "point" and action.get("target"):
+            for w in self.windows():
+                if w["title"] == str(action["target"]).strip():
+                    return w["x"] + w["w"] // 2, w["y"] + w["h"] // 2
+            raise ActionError(f"no window titled {action['target']!r}")
+        p = action.get(key)
+        try:
+            x, y = (int(round(float(v))) for v in p)
+        except (TypeError, ValueError):
+            raise ActionError(f"{action.get('type')} needs {key} [x, y], got {p!r}") from None
+        if not (0 <= x < self.width and 0 <= y < self.height):
+            raise ActionError(f"{key} ({x}, {y}) is outside the {self.width}x{self.height} screen")
+        return x, y
+
+    # ---- episodes --------------------------------------------------------------------------------------------
+    def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
+        options = dict(options or {})
+        self.max_steps = _opt(options, "max_steps", self.max_steps, int, 0)
+        self.instruction = str(options.get("instruction", self.instruction))
+        self._check_x()
+        self._stop_apps()
+        if self._owns_workspace:  # a fresh episode starts in an empty home; a shared workspace is not ours to wipe
+            shutil.rmtree(self.workspace, ignore_errors=True)
+            os.makedirs(self.workspace, exist_ok=True)
+        self._start_apps()
+        self._run("xdotool", "mousemove", str(self.width // 2), str(self.height // 2))
+        self._steps, self._done = 0, False
+        self._last = self._observe(0.0, RUNNING)
+        return self._last
+
+    def step(self, action: dict[str, Any]) -> StepResult:
+        if self._done or self._last is None:
+            raise ActionError("the episode is over; reset first" if self._last else "reset the environment first")
+        kind = action.get("type")
+        if kind not in ACTION_TYPES:
+            raise ActionError(f"unknown action type {kind!r}; expected one of {ACTION_TYPES}")
+        self._check_x()
+        commands = self._commands(kind, action)  # validated in full before any input reaches the desktop
+        for argv in commands:
+            self._run("xdotool", *argv)
+        self._steps += 1
+        outcome = RUNNING
+        if kind in ("finished", "call_user"):
+            outcome = TERMINATED
+        elif self.max_steps and self._steps >= self.max_steps:
+            outcome = TRUNCATED
+        self._done = outcome != RUNNING
+        if commands and self.settle_s:
+            time.sleep(self.settle_s)  # let the apps redraw before the screenshot
+        self._last = self._observe(0.0, outcome)
+        return self._last
+
+    def _commands(self, kind: str, action: dict) -> list[list[str]]:
+        if kind in ("click", "left_double", "right_single"):
+            x, y = self._point(action)
+            button, repeat = ("3", "1") if kind == "right_single" else ("1", "2" if kind == "left_double" else "1")
+            return [["mousemove", str(x), str(y), "click", "--repeat", repeat, "--delay", "60", button]]
+        if kind == "drag":
+            (x0, y0), (x1, y1) = self._point(action), self._point(action, "end_point")
+            mx, my = (x0 + x1) // 2, (y0 + y1) // 2
+            return [["mousemove", str(x0), str(y0), "mousedown", "1", "sleep", "0.05", "mousemove", str(mx), str(my),
+                     "sleep", "0.05", "mousemove", str(x1), str(y1), "sleep", "0.05", "mouseup", "1"]]
+        if kind == "type":
+            content = str(action.get("content", ""))
+            if not content:
+                raise ActionError("type needs non-empty content")
+            out: list[list[str]] = []
+            for i, line in enumerate(content.split("\n")):
+                if i:
+                    out.append(["key", "Return"])
+                if line:
+                    out.append(["type", "--delay", str(TYPE_DELAY_MS), "--", line])
+            return out
+        if kind == "hotkey":
+            return [["key", "--delay", "30", xdotool_key(str(action.get("key") or action.get("content") or ""))]]
+        if kind == "scroll":
+            direction = str(action.get("direction", "")).lower()
+            if direction not in _BUTTONS:
+                raise ActionError(f"scroll direction must be one of {list(_BUTTONS)}, got {direction!r}")
+            x, y = self._point(action) if action.get("point") or action.get("target") else (self.width // 2, self.height // 2)
+            return [["mousemove", str(x), str(y), "click", "--repeat", str(SCROLL_CLICKS), "--delay", "30",
+                     str(_BUTTONS[direction])]]
+        return []  # wait, finished, call_user: no input
+
+    # ---- observation -----------------------------------------------------------------------------------------
+    def screenshot(self) -> Screenshot:
+        self._check_x()
+        img = self._shot.grab(self._shot.monitors[0])
+        w, h = img.size
+        return Screenshot(data=encode_rgb(img.rgb, w, h, level=1), width=w, height=h)
+
+    def _observe(self, reward: float, outcome: str) -> StepResult:
+        wins = self.windows()
+        lines = [f"desktop {self.width}x{self.height}, home {self.workspace}", "windows:"]
+        lines += [f'  "{w["title"]}" ({w["class"]}) @({w["x"]},{w["y"]} {w["w"]}x{w["h"]})' for w in wins]
+        if not wins:
+            lines.append("  (none)")
+        shot = self.screenshot()
+        return StepResult(text="\n".join(lines), instruction=self.instruction, reward=reward, outcome=outcome,
+                          images=[shot], width=shot.width, height=shot.height, step=self._steps,
+                          info={"success": False, "display": self.x.display, "windows": len(wins)})
+
+    def observe(self) -> StepResult:
+        if self._last is None:
+            raise ActionError("reset the environment first")
+        return self._observe(0.0, self._last.outcome)
+
+    def snapshot(self) -> bytes:
+        raise NotImplementedError("desktop sessions cannot be snapshotted: their state is a live X server and "
+                                  "running programs, which cannot be serialised")
+
+    def restore(self, state: bytes) -> StepResult:
+        raise NotImplementedError("desktop sessions cannot be restored: there are no desktop snapshots")
+
+    @property
+    def pids(self) -> set[int]:
+        x = getattr(self, "x", None)
+        return ({x.pid} if x is not None else set()) | {p.pid for p in self._app_procs}
+
+    def close(self) -> None:
+        shot, self._shot = getattr(self, "_shot", None), None
+        if shot is not None:
+            try:
+                shot.close()
+            except Exception:
+                pass
+        x = getattr(self, "x", None)
+        roots = {p.pid for p in getattr(self, "_app_procs", [])}
+        if x is not None:
+            kill_session(x.pid, roots | {x.pid})
+            try:
+                x.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        elif roots:
+            kill_session(0, roots)
+        for p in getattr(self, "_app_procs", []):
+            try:
+                p.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        self._app_procs = []
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)  # the owned workspace lives inside it
+
+
+def make(name: str = "", options: dict[str, str] | None = None) -> DesktopEnv:
+    return DesktopEnv(name, options)

@@ -1,0 +1,379 @@
+"""`miniwob/<task>`: the 128 MiniWoB++ tasks (PyPI `miniwob`, gymnasium ids `miniwob/<task>-v1`) on headless
+Debian Chromium, offline.
+
+One session = one chromedriver + one Chromium, in their own process group under a private directory (profile,
+crash-handler database, cache), all killed on close. Reward and episode end are MiniWoB's own: reward is
+time-decayed (`info.raw_reward` holds the undecayed value, `info.success` = raw reward > 0), a task that runs out
+of time ends with reward -1. Actions are UI-TARS dicts mapped onto MiniWoB's action space by
+envd.miniwob_actions; observations are the element list as text, the task-area screenshot as PNG, and its size.
+
+Options (CreateSession / Reset):
+  action_space    MiniWoB preset: all_supported (default), shi17, liu18, humphreys22
+  max_steps       steps after which the episode is truncated (default 0: only MiniWoB's time limit ends it)
+  episode_time_s  override the task's time limit (MiniWoB: 10 s for most tasks); the reward decays over it
+  data_mode       MiniWoB data mode, "train" (default) or "test"
+  max_text_chars  bound on the element-list text (default 6000)
+  command_timeout_s  deadline of each WebDriver command (default 30)
+"""
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import weakref
+from typing import Any
+
+from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
+from envd.miniwob_actions import Translator, flatten_dom, render
+from envd.miniwob_oracle import oracle_action
+from envd.png import encode_rgb
+from envd.proctree import kill_session, with_parent_death_signal
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+# The flags that work in a container without a GPU or network. --remote-debugging-pipe: Chromium talks to
+# chromedriver over a pipe and exits when chromedriver dies, so a killed daemon cannot leave a browser behind.
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage", "--disable-sync",
+                  "--remote-debugging-pipe")
+PRESETS = ("all_supported", "shi17", "liu18", "humphreys22")
+_ID = re.compile(r"^miniwob/(.+)-v(\d+)$")
+
+
+def configure_offline() -> None:
+    """Point the miniwob package at the Debian browser and driver, so nothing (Selenium Manager) looks for them on
+    the network. The package insists that both variables are set or neither."""
+    if not os.environ.get("MINIWOB_CHROME_BINARY") and not os.environ.get("MINIWOB_CHROMEDRIVER"):
+        os.environ["MINIWOB_CHROME_BINARY"], os.environ["MINIWOB_CHROMEDRIVER"] = CHROMIUM, CHROMEDRIVER
+
+
+@functools.cache
+def _gym():
+    import gymnasium
+    import miniwob
+
+    gymnasium.register_envs(miniwob)
+    return gymnasium
+
+
+def task_names() -> list[str]:
+    """Every MiniWoB task registered with gymnasium (128 in miniwob 1.1.0), without the `-v1` suffix."""
+    return sorted({m.group(1) for env_id in _gym().registry if (m := _ID.match(env_id))})
+
+
+# ---- the browser --------------------------------------------------------------------------------------------
+
+class ChromiumProcess:
+    """chromedriver + Chromium for one session: own process group, private directory, bounded commands."""
+
+    def __init__(self, workdir: str, command_timeout_s: float):
+        self.workdir, self.command_timeout_s = workdir, command_timeout_s
+        self.service = None
+        self.driver = None
+
+    def start(self, window: tuple[int, int]):
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        argv = with_parent_death_signal([os.environ.get("MINIWOB_CHROMEDRIVER") or CHROMEDRIVER])
+
+        class _Service(Service):  # chromedriver behind setpriv: prepend the rest of argv to chromedriver's args
+            def command_line_args(self) -> list[str]:
+                return [*argv[1:], *super().command_line_args()] if self.path == argv[0] else super().command_line_args()
+
+        # HOME/XDG dirs: Chromium's crash handler and caches write here, not in the daemon user's home.
+        env = {**os.environ, "HOME": self.workdir, "XDG_CONFIG_HOME": os.path.join(self.workdir, "config"),
+               "XDG_CACHE_HOME": os.path.join(self.workdir, "cache")}
+        opts = webdriver.ChromeOptions()
+        opts.binary_location = os.environ.get("MINIWOB_CHROME_BINARY") or CHROMIUM
+        for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={self.workdir}/profile", f"--window-size={window[0]},{window[1]}"):
+            opts.add_argument(flag)
+        # start_new_session: chromedriver and Chromium get their own process group, killed as one on close.
+        self.service = _Service(executable_path=argv[0], env=env, log_output=subprocess.DEVNULL,
+                                popen_kw={"start_new_session": True})
+        self.driver = webdriver.Chrome(service=self.service, options=opts)
+        self.driver.command_executor.client_config.timeout = self.command_timeout_s
+        self.driver.set_page_load_timeout(self.command_timeout_s)
+        self.driver.set_script_timeout(self.command_timeout_s)
+        return self.driver
+
+    @property
+    def pid(self) -> int:
+        p = getattr(self.service, "process", None)
+        return p.pid if p is not None else 0
+
+    def stop(self) -> None:
+        """Quit politely (bounded), then SIGKILL whatever is left of the session's processes."""
+        driver, self.driver = self.driver, None
+        if driver is not None:
+            try:
+                driver.command_executor.client_config.timeout = 5
+                driver.quit()
+            except Exception:
+                pass  # a dead browser cannot be quit; the kill below is what counts
+        pid = self.pid
+        kill_session(pid, {pid} if pid else set(), needle=self.workdir)
+        if pid:
+            try:
+                self.service.process.wait(timeout=5)
+            except Exception:
+                pass
+
+
+def _instance_class():
+    from miniwob.selenium_instance import SeleniumInstance
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    class ChromiumInstance(SeleniumInstance):
+        """SeleniumInstance whose driver is a ChromiumProcess (the package's own launch has no way to add flags,
+        a process group or timeouts)."""
+
+        def __init__(self, *, browser: ChromiumProcess, **kwargs):
+            self.browser = browser
+            super().__init__(**kwargs)
+
+        def create_driver(self):
+            self.driver = self.browser.start((self.window_width, self.window_height))
+            self.driver.implicitly_wait(5)
+            self.driver.get(self.url)
+            try:
+                WebDriverWait(self.driver, self.browser.command_timeout_s).until(
+                    EC.element_to_be_clickable((By.ID, self.SYNC_SCREEN_ID)))
+            except TimeoutException:
+                raise RuntimeError(f"MiniWoB page {self.url} did not load") from None
+            # Headless windows lose ~160 px to (invisible) browser UI: grow the window until the viewport holds the
+            # page the task expects, else the screenshot has a black band and clicks there fall off the page.
+            for _ in range(3):
+                self.inner_width, self.inner_height = self.driver.execute_script(
+                    "return [window.innerWidth, window.innerHeight];")
+                short_w, short_h = self.window_width - self.inner_width, self.window_height - self.inner_height
+                if short_w <= 0 and short_h <= 0:
+                    break
+                size = self.driver.get_window_size()
+                self.driver.set_window_size(size["width"] + max(0, short_w), size["height"] + max(0, short_h))
+
+        def close(self):
+            self.browser.stop()
+            self.died = True
+
+    return ChromiumInstance
+
+
+@functools.cache
+def _hooked(env_cls: type) -> type:
+    """The task's gymnasium env class, launching its browser through ChromiumInstance."""
+    instance_cls = _instance_class()
+
+    def __init__(self, *, browser: ChromiumProcess, **kwargs):
+        self._browser = browser
+        env_cls.__init__(self, **kwargs)
+
+    def _hard_reset_instance(self):
+        if getattr(self, "instance", None):
+            self.instance.close()
+        self.instance = instance_cls(index=0, browser=self._browser, **self.instance_kwargs)
+        self.instance.start()
+
+    return type(f"Tars{env_cls.__name__}", (env_cls,), {"__init__": __init__, "_hard_reset_instance": _hard_reset_instance})
+
+
+_http_lock = threading.Lock()
+_http_base: str | None = None
+
+
+def _flight_base_url() -> str:
+    """FlightWoB pages need http://: one static file server per process, on loopback only."""
+    global _http_base
+    with _http_lock:
+        if _http_base is None:
+            from miniwob.selenium_instance import HTML_DIR
+
+            class Quiet(http.server.SimpleHTTPRequestHandler):
+                def log_message(self, *args):
+                    pass
+
+            httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(HTML_DIR)))
+            threading.Thread(target=httpd.serve_forever, name="miniwob-http", daemon=True).start()
+            _http_base = f"http://127.0.0.1:{httpd.server_address[1]}/"
+        return _http_base
+
+
+# ---- the env ------------------------------------------------------------------------------------------------
+
+def _int_opt(options: dict[str, str], name: str, default: int, low: int = 0) -> int:
+    try:
+        v = int(options.get(name, default))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={options.get(name)!r} is not an integer") from None
+    if v < low:
+        raise ValueError(f"{name} must be >= {low}, got {v}")
+    return v
+
+
+def _float_opt(options: dict[str, str], name: str, default: float) -> float:
+    try:
+        v = float(options.get(name, default))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={options.get(name)!r} is not a number") from None
+    if not v >= 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v
+
+
+class MiniWoBEnv(Env):
+    """One MiniWoB task in its own Chromium."""
+
+    def __init__(self, task: str, options: dict[str, str] | None = None):
+        options = dict(options or {})
+        gym = _gym()
+        env_id = f"miniwob/{task}-v1"
+        if env_id not in gym.registry:
+            raise KeyError(f"unknown env id 'miniwob/{task}': not a MiniWoB task (see ListEnvs)")
+        preset = options.get("action_space", "all_supported")
+        if preset not in PRESETS:
+            raise ValueError(f"action_space={preset!r}: expected one of {PRESETS}")
+        self.task, self.env_id = task, f"miniwob/{task}"
+        self.max_steps = _int_opt(options, "max_steps", 0)
+        self.max_text_chars = _int_opt(options, "max_text_chars", 6000, low=200)
+        timeout = _float_opt(options, "command_timeout_s", 30.0) or 30.0
+        self._episode_options(options)  # validate now: bad options fail CreateSession, not the first Reset
+        configure_offline()
+        from gymnasium.envs.registration import load_env_creator
+
+        spec = gym.spec(env_id)
+        kwargs = dict(spec.kwargs or {}, action_space_config=preset, data_mode=options.get("data_mode", "train"))
+        if task.startswith("flight."):
+            kwargs["base_url"] = _flight_base_url()
+        self._dir = tempfile.mkdtemp(prefix="tars-miniwob-")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
+        self.browser = ChromiumProcess(self._dir, timeout)
+        try:
+            self.gym = _hooked(load_env_creator(spec.entry_point))(browser=self.browser, **kwargs)
+        except BaseException:
+            self.close()
+            raise
+        inst = self.gym.unwrapped.instance
+        self.width, self.height = int(inst.task_width), int(inst.task_height)
+        self.translator = Translator(self.gym.action_space_config, self.gym.action_space, self.width, self.height)
+        self.action_space = (f"MiniWoB {preset} on a {self.width}x{self.height} screen: click(target='[ref]'|'text' | "
+                             "start_box='(x,y)'), left_double, drag, type(content), hotkey(key), scroll(up|down), wait()")
+        self._last: StepResult | None = None
+        self._elements: list = []
+        self._utterance, self._fields = "", {}
+        self._steps, self._done = 0, True
+
+    # ---- episodes ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _episode_options(options: dict[str, str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if options.get("episode_time_s"):
+            out["episode_ms"] = int(_float_opt(options, "episode_time_s", 0.0) * 1000)
+        if "data_mode" in options:
+            if options["data_mode"] not in ("train", "test"):
+                raise ValueError(f"data_mode={options['data_mode']!r}: expected train or test")
+            out["data_mode"] = options["data_mode"]
+        if "max_steps" in options:
+            out["max_steps"] = _int_opt(options, "max_steps", 0)
+        return out
+
+    def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
+        opts = self._episode_options(dict(options or {}))
+        self.max_steps = opts.get("max_steps", self.max_steps)
+        if "data_mode" in opts:
+            self.gym.unwrapped.set_data_mode(opts["data_mode"])
+        if opts.get("episode_ms"):
+            self.gym.unwrapped.instance.driver.execute_script(f"core.EPISODE_MAX_TIME = {opts['episode_ms']};")
+        obs, info = self.gym.reset(seed=int(seed))
+        self._utterance, self._fields = obs["utterance"], dict(obs["fields"])
+        self._steps, self._done = 0, False
+        self._last = self._result(obs, info, 0.0, False)
+        return self._last
+
+    def step(self, action: dict[str, Any]) -> StepResult:
+        if self._done:
+            raise ActionError("the episode is over; reset first")
+        # Translate (and check against the action space) before anything runs: a rejected action changes nothing.
+        actions = self.translator.translate(action, self._elements)
+        reward, done = 0.0, False
+        for a in actions:
+            obs, reward, done, _, info = self.gym.step(a)
+            if done:
+                break
+        self._steps += 1
+        truncated = not done and self.max_steps > 0 and self._steps >= self.max_steps
+        self._done = done or truncated
+        self._last = self._result(obs, info, float(reward), done, truncated)
+        return self._last
+
+    def observe(self) -> StepResult:
+        if self._last is None:
+            raise ActionError("reset the environment first")
+        if self._done:
+            return self._last
+        inst = self.gym.unwrapped.instance
+        meta = inst.get_metadata()
+        if meta["done"]:  # ran out of time since the last step: the next step reports it (with MiniWoB's reward)
+            obs = inst.get_empty_observation()
+            return self._result(obs, meta, 0.0, True, record=False)
+        obs, extra = inst.get_observation(use_cached_fields=True)
+        return self._result(obs, {**meta, **extra}, 0.0, False)
+
+    # ---- rendering -----------------------------------------------------------------------------------------
+    def _result(self, obs: dict, info: dict, reward: float, done: bool, truncated: bool = False,
+                record: bool = True) -> StepResult:
+        elements = flatten_dom(info["root_dom"]) if not done and info.get("root_dom") is not None else []
+        if record:
+            self._elements = elements
+        if done:
+            body = f"(episode over: {info.get('reason') or 'done'}; reward {float(info.get('env_reward') or 0):.3f})"
+        else:
+            body = render(elements, self.max_text_chars) or "(no elements)"
+        text = f"instruction: {self._utterance}\n{body}"
+        shot = obs["screenshot"]
+        h, w = int(shot.shape[0]), int(shot.shape[1])
+        png = encode_rgb(shot.astype("uint8", copy=False).tobytes(), w, h)
+        raw = float(info.get("raw_reward") or 0.0)
+        outcome = TERMINATED if done else TRUNCATED if truncated else RUNNING
+        meta = {"success": raw > 0, "raw_reward": raw, "env_reward": float(info.get("env_reward") or 0.0),
+                "reason": info.get("reason"), "task": self.task}
+        if "elapsed" in info:
+            meta["elapsed_s"] = round(float(info["elapsed"]), 3)
+        return StepResult(text=text, instruction=self._utterance, reward=reward, outcome=outcome,
+                          images=[Screenshot(data=png, width=w, height=h)], info=meta, width=w, height=h,
+                          step=self._steps)
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+    def oracle_action(self) -> dict[str, Any]:
+        """The scripted oracle's next action (envd.miniwob_oracle; NotImplementedError for tasks it cannot do)."""
+        if self._done or self._last is None:
+            raise ActionError("no running episode; reset first")
+        return oracle_action(self.task, self._utterance, self._fields, self._elements)
+
+    @property
+    def pids(self) -> set[int]:
+        """chromedriver's pid (its process group holds the browser), for tests and accounting."""
+        return {self.browser.pid} if getattr(self, "browser", None) and self.browser.pid else set()
+
+    def close(self) -> None:
+        gym = getattr(self, "gym", None)
+        self.gym = None
+        if gym is not None:
+            try:
+                gym.unwrapped.instance.close()
+            except Exception:
+                pass
+        if getattr(self, "browser", None) is not None:
+            self.browser.stop()
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def make(task: str, options: dict[str, str] | None = None) -> MiniWoBEnv:
+    return MiniWoBEnv(task, options)

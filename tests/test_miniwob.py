@@ -1,0 +1,245 @@
+"""The miniwob backend: UI-TARS -> MiniWoB action mapping (pure), the envd compliance suite over a real server with
+real Chromium, the DOM oracle solving tasks, bad actions leaving the page alone, a killed browser as infra_error,
+and no browser processes left after close or daemon stop. Browsers are started sparingly (one per test at most,
+module-scoped where tests can share one)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import time
+
+import grpc
+import pytest
+
+from envd import proctree, registry
+from envd.base import ActionError
+from envd_compliance import EnvCompliance, envd_client, expect_code, run
+from tars.v1 import common_pb2, env_pb2
+
+pytest.importorskip("miniwob", reason="the miniwob package is not installed")
+if not (shutil.which("chromium") and shutil.which("chromedriver")):
+    pytest.skip("Debian chromium and chromium-driver are needed (scripts/setup.sh --dev)", allow_module_level=True)
+
+from envd import miniwob_backend  # noqa: E402
+from envd.miniwob_actions import Element, Translator, miniwob_key, render, resolve_target  # noqa: E402
+
+
+def _session_gone(env, deadline_s: float = 10.0) -> set[int]:
+    """Poll until nothing of `env`'s browser runs; returns what is left at the deadline."""
+    pid, workdir = env.browser.pid, env._dir
+    deadline = time.monotonic() + deadline_s
+    while True:
+        left = proctree.session_processes(pid, {pid}, needle=workdir)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+# ---- pure mapping -------------------------------------------------------------------------------------------
+
+def _translator(preset: str = "all_supported") -> Translator:
+    from miniwob.action import ActionSpaceConfig
+
+    cfg = ActionSpaceConfig.get_preset(preset)
+    cfg.screen_width, cfg.screen_height = 160, 210
+    return Translator(cfg, cfg.get_action_space(), 160, 210)
+
+
+PAGE = [
+    Element(ref=4, tag="button", text="Ok", value=None, left=2, top=74, width=34, height=21),
+    Element(ref=5, tag="input_text", text="", value="", left=17, top=100, width=128, height=21),
+    Element(ref=6, tag="button", text="3", value=None, left=40, top=74, width=20, height=21),
+    Element(ref=-1, tag="t", text="label text", value=None, left=10, top=150, width=50, height=11, parent=7),
+    Element(ref=8, tag="div", text="", value=None, left=-5000, top=0, width=10, height=10, leaf=False),
+]
+
+
+def test_keys_map_to_miniwob_syntax():
+    assert miniwob_key("ctrl c") == "C-c" and miniwob_key("Ctrl+A") == "C-A" and miniwob_key("enter") == "<Enter>"
+    assert miniwob_key("shift a") == "A" and miniwob_key("pagedown") == "<PageDown>" and miniwob_key("x") == "x"
+    for bad in ("", "ctrl", "hyper x", "notakey"):
+        with pytest.raises(ActionError):
+            miniwob_key(bad)
+
+
+def test_targets_resolve_by_ref_then_text():
+    assert resolve_target(PAGE, "[4]").ref == 4 and resolve_target(PAGE, "ref=5").ref == 5
+    assert resolve_target(PAGE, "Ok").ref == 4
+    assert resolve_target(PAGE, "3").ref == 6  # a bare number is text first: buttons labelled "3" exist
+    assert resolve_target(PAGE, "5").ref == 5  # ... and a ref when no text matches
+    assert resolve_target(PAGE, "label  text").ref == -1
+    for bad in ("[99]", "Cancel", "  "):
+        with pytest.raises(ActionError):
+            resolve_target(PAGE, bad)
+
+
+def test_actions_translate_to_the_action_space():
+    tr = _translator()
+    kinds = lambda out: [tr.types[a["action_type"]] for a in out]  # noqa: E731
+    assert kinds(tr.translate({"type": "click", "target": "Ok"}, PAGE)) == ["CLICK_ELEMENT"]
+    click_text = tr.translate({"type": "click", "target": "label text"}, PAGE)  # a text run is clicked where it is
+    assert kinds(click_text) == ["CLICK_COORDS"] and list(click_text[0]["coords"]) == [35.0, 155.5]
+    assert kinds(tr.translate({"type": "left_double", "point": [3, 4]}, PAGE)) == ["DBLCLICK_COORDS"]
+    assert kinds(tr.translate({"type": "drag", "point": [1, 2], "end_point": [50, 60]}, PAGE)) == [
+        "MOUSEDOWN_COORDS", "MOVE_COORDS", "MOUSEUP_COORDS"]
+    typed = tr.translate({"type": "type", "content": "a" * 70 + "\nb"}, PAGE)  # 64-char chunks, Enter between lines
+    assert kinds(typed) == ["TYPE_TEXT", "TYPE_TEXT", "PRESS_KEY", "TYPE_TEXT"]
+    assert [a["text"] for a in typed if tr.types[a["action_type"]] == "TYPE_TEXT"] == ["a" * 64, "a" * 6, "b"]
+    into = tr.translate({"type": "type", "target": "[5]", "content": "hi\n"}, PAGE)
+    assert kinds(into) == ["FOCUS_ELEMENT_AND_TYPE_TEXT", "PRESS_KEY"] and into[0]["ref"] == 5
+    assert kinds(tr.translate({"type": "hotkey", "key": "ctrl a"}, PAGE)) == ["PRESS_KEY"]
+    assert kinds(tr.translate({"type": "scroll", "direction": "down"}, PAGE)) == ["SCROLL_DOWN_COORDS"]
+    assert kinds(tr.translate({"type": "wait"}, PAGE)) == ["NONE"]
+    for bad in ({"type": "right_single", "point": [1, 1]}, {"type": "finished"}, {"type": "teleport"},
+                {"type": "click", "point": [161, 5]}, {"type": "click"}, {"type": "scroll", "direction": "left"},
+                {"type": "hotkey", "key": "ctrl shift t"}, {"type": "type", "content": ""},
+                {"type": "type", "target": "label text", "content": "x"}, {"type": "drag", "point": [1, 1]}):
+        with pytest.raises(ActionError):
+            tr.translate(bad, PAGE)
+    # A narrower preset rejects what it cannot express.
+    liu = _translator("liu18")
+    with pytest.raises(ActionError, match="no CLICK_COORDS"):
+        liu.translate({"type": "click", "point": [5, 5]}, PAGE)
+    assert [liu.types[a["action_type"]] for a in liu.translate({"type": "click", "target": "Ok"}, PAGE)] == ["CLICK_ELEMENT"]
+
+
+def test_render_is_bounded_and_skips_offscreen_and_containers():
+    text = render(PAGE, 10_000)
+    assert '[4] button "Ok" @(2,74 34x21)' in text and 't "label text"' in text and "[8]" not in text
+    many = [Element(ref=i, tag="button", text=f"b{i}", value=None, left=0, top=0, width=5, height=5) for i in range(1, 500)]
+    short = render(many, 300)
+    assert len(short) <= 360 and "more elements not shown" in short
+
+
+def test_all_tasks_are_listed():
+    names = miniwob_backend.task_names()
+    assert len(names) == 128 and "click-button" in names and "flight.AA" in names
+    ids = registry.list_env_ids()
+    assert sum(i.startswith("miniwob/") for i in ids) == 128 and "miniwob/click-button" in ids
+
+
+def test_bad_ids_and_options_fail_before_a_browser_starts():
+    with pytest.raises(KeyError):
+        registry.make("miniwob/no-such-task", {})
+    for opts in ({"action_space": "nope"}, {"max_steps": "x"}, {"data_mode": "dev"}):
+        with pytest.raises(ValueError):
+            registry.make("miniwob/click-button", opts)
+
+
+# ---- real browser ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def enter_text():
+    env = miniwob_backend.make("enter-text")
+    yield env
+    env.close()
+    assert not _session_gone(env) and not os.path.exists(env._dir)
+
+
+def test_coordinates_typing_and_rejected_actions(enter_text):
+    env = enter_text
+    r = env.reset(7)
+    assert r.width == 160 and r.height == 210 and r.images[0].data.startswith(b"\x89PNG")
+    word = re.search(r'"(.+)"', r.instruction).group(1)
+    m = re.search(r"\[(\d+)\] input_text #tt @\((\d+),(\d+) (\d+)x(\d+)\)", r.text)
+    assert m, r.text
+    x, y = int(m.group(2)) + int(m.group(4)) // 2, int(m.group(3)) + int(m.group(5)) // 2
+    r = env.step({"type": "click", "point": [x, y]})
+    assert "focused" in r.text and r.outcome == "running"
+    # Rejected actions change nothing: same page, same step count, and the episode goes on.
+    for bad in ({"type": "right_single", "point": [x, y]}, {"type": "click", "point": [x, 999]},
+                {"type": "hotkey", "key": "ctrl t"}, {"type": "click", "target": "[999]"}):
+        with pytest.raises(ActionError):
+            env.step(bad)
+    assert env.observe().text == r.text and env.observe().step == 1
+    r = env.step({"type": "type", "content": word})
+    assert f'value="{word}"' in r.text
+    r = env.step({"type": "click", "target": "Submit"})
+    assert r.outcome == "terminated" and r.info["success"] and r.info["raw_reward"] == 1.0
+    assert 0 < r.reward <= 1.0  # MiniWoB's time-decayed reward
+    with pytest.raises(ActionError, match="over"):
+        env.step({"type": "wait"})
+
+
+def test_wrong_answer_fails_and_max_steps_truncates(enter_text):
+    env = enter_text
+    env.reset(8)
+    r = env.step({"type": "type", "target": "[5]", "content": "definitely wrong"})
+    r = env.step({"type": "click", "target": "Submit"})
+    assert r.outcome == "terminated" and not r.info["success"] and r.reward < 0
+    r = env.reset(9, {"max_steps": "2"})
+    r = env.step({"type": "wait"})
+    assert r.outcome == "running"
+    r = env.step({"type": "wait"})
+    assert r.outcome == "truncated" and r.reward == 0.0
+    env.reset(10, {"max_steps": "0"})
+
+
+@pytest.mark.parametrize("task", ["click-button", "click-checkboxes", "login-user"])
+def test_oracle_solves_tasks(task):
+    env = miniwob_backend.make(task)
+    try:
+        for seed in range(3):
+            r, steps = env.reset(seed), 0
+            while r.outcome == "running" and steps < 10:
+                r, steps = env.step(env.oracle_action()), steps + 1
+            assert r.outcome == "terminated" and r.info["success"], (task, seed, r.instruction, r.info)
+    finally:
+        env.close()
+
+
+# ---- over a real envd -----------------------------------------------------------------------------------------
+
+def _click_asked_button(obs) -> dict:
+    m = re.search(r'Click on the "(.+)" button', obs.instruction)
+    return {"type": "click", "target": m.group(1)} if m else {"type": "wait"}
+
+
+class TestMiniWoBCompliance(EnvCompliance):
+    env_id = "miniwob/click-button"
+    valid_action = staticmethod(_click_asked_button)
+    invalid_action = {"type": "right_single", "point": [5, 5]}
+    max_episode_steps = 3
+
+    def client(self, **overrides):
+        return envd_client(gc_interval_s=0.05, step_timeout_s=60.0, **overrides)
+
+    def test_concurrent_sessions(self):
+        super().test_concurrent_sessions(n=2)  # each session is a browser: keep the machine usable
+
+
+def _chromium_main(env) -> int:
+    for pid in proctree.descendants({env.browser.pid}):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"chromium") and not any(a.startswith(b"--type=") for a in argv):
+            return pid
+    raise AssertionError("no chromium under chromedriver")
+
+
+def test_killed_browser_is_infra_error_and_nothing_outlives_the_daemon():
+    async def body():
+        async with envd_client(gc_interval_s=0.05) as c:
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="miniwob/click-button"))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1))
+            env = c.server.servicer.sessions[sid].env
+            os.kill(_chromium_main(env), signal.SIGKILL)
+            r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="wait")))
+            assert r.outcome == common_pb2.INFRA_ERROR and "error" in r.info_json
+            await expect_code(grpc.StatusCode.NOT_FOUND, c.Step(env_pb2.StepRequest(
+                session_id=sid, action=env_pb2.Action(type="wait"))))
+            assert not await asyncio.to_thread(_session_gone, env)
+            # The daemon keeps serving: a new session works, and is still open when the daemon stops.
+            sid2 = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="miniwob/click-button"))).session_id
+            r = await c.Reset(env_pb2.ResetRequest(session_id=sid2, seed=2))
+            assert r.outcome == common_pb2.RUNNING and r.observation.width == 160
+            return c.server.servicer.sessions[sid2].env
+        # (leaving the block stops the daemon)
+
+    live = run(body(), timeout=90)
+    assert not _session_gone(live) and not os.path.exists(live._dir)
