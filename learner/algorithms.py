@@ -68,6 +68,18 @@ def masked_scale(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def asymmetric_advantages(adv: Tensor, neg_weight: float) -> Tensor:
+    """adv [B, T] -> adv with negative entries scaled by neg_weight (positive ones unchanged).
+
+    neg_weight in [0, 1]: 1 is the usual symmetric policy gradient, 0 learns from better-than-expected samples only
+    (self-imitation). In between, failed samples still push probability away from their choices, but less: with a
+    weak baseline most tokens of a failed turn (the output format, shared with successful turns) carry a negative
+    advantage, and at high learning rates those pushes spread probability mass off the format."""
+    if not 0.0 <= neg_weight <= 1.0:
+        raise ValueError(f"neg_weight must be in [0, 1], got {neg_weight}")
+    return torch.where(adv < 0, adv * neg_weight, adv)
+
+
 # --------------------------------------------------------------------------- GAE
 @torch.no_grad()
 def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float, lam: float,

@@ -146,6 +146,8 @@ class PPOTrainer:
         adv, targets = self.advantages(b, values)
         if cfg.adv_norm:
             adv = A.masked_scale(adv, b.mask)
+        if cfg.neg_adv_weight != 1.0:
+            adv = A.asymmetric_advantages(adv, cfg.neg_adv_weight)
         has_signal = bool((adv * b.mask).abs().max() > 0)
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask)),

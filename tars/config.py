@@ -133,6 +133,9 @@ class LearnerConfig:
     minibatches: int = f(1, "minibatches per pass")
     grad_clip: float = f(1.0, "gradient norm clip")
     adv_norm: bool = f(True, "normalise advantages over the batch's generated tokens")
+    neg_adv_weight: float = f(1.0, "scale of negative advantages (1 = symmetric PPO); below 1, updates away from failed "
+                                   "samples are tempered, which keeps the shared output-format tokens stable at learning "
+                                   "rates where symmetric updates break them (asymmetric REINFORCE)")
     entropy_coef: float = f(0.0, "entropy bonus")
     kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
                             "tokens; anchors the output format at higher learning rates")

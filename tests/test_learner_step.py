@@ -142,3 +142,27 @@ def test_kl_anchor_keeps_the_policy_near_its_start():
     anchored, m_anchored = run(5.0)
     assert "kl_ref" not in m_free and m_anchored["kl_ref"] >= 0.0
     assert anchored < 0.7 * free, (anchored, free)
+
+
+
+def test_negative_advantages_can_be_tempered():
+    """neg_adv_weight scales only the pushes away from failed samples, and the bandit is still learned at 0.2."""
+    from learner.algorithms import asymmetric_advantages
+
+    a = torch.tensor([[1.5, -2.0, 0.0], [-0.5, 0.25, -1.0]])
+    ref = torch.tensor([[x if x > 0 else 0.2 * x for x in row] for row in a.tolist()])
+    assert torch.allclose(asymmetric_advantages(a, 0.2), ref)
+    assert torch.equal(asymmetric_advantages(a, 1.0), a)
+    with pytest.raises(ValueError):
+        asymmetric_advantages(a, 1.5)
+
+    torch.manual_seed(0)
+    pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
+    tr = PPOTrainer(pol, CausalLM(pol.config, value_head=True).init_weights(1),
+                    LearnerConfig(lr=3e-3, warmup_steps=1, neg_adv_weight=0.2), 0)
+    g = torch.Generator().manual_seed(0)
+    _, p0 = sample(pol, 1)
+    for v in range(40):
+        tr.step(sample(pol, 64, v, g)[0], v)
+    _, p1 = sample(pol, 1)
+    assert p0 < 0.1 and p1 > 0.5, (p0, p1)
