@@ -1,0 +1,496 @@
+"""A bash shell in a bubblewrap sandbox, driven through a pseudo-terminal (the `terminal` backend's engine).
+
+Layout inside the sandbox: /usr, /bin, /lib*, /etc/alternatives and /etc/ld.so.cache read-only from the host; a
+generated /etc/passwd, /etc/group, /etc/hosts and bash rc file (read-only); the session workspace read-write at
+/workspace; a fresh size-limited tmpfs at /tmp; a new /proc and a minimal /dev. Nothing else of the host exists in
+there: not the repo, not /root or /home, not /run or /sys. `--unshare-all --unshare-user` gives new user, pid,
+network (loopback only, not the host's), ipc, uts and cgroup namespaces; `--new-session` keeps the sandbox off any
+terminal of the daemon; `--die-with-parent` plus `setpriv --pdeathsig KILL` tie its life to the daemon's.
+
+rlimits are set by `prlimit` before bwrap starts (no preexec_fn: forking Python in a threaded daemon can deadlock):
+CPU seconds, address space, processes, file size, open files, no core dumps. Because bwrap creates a user namespace,
+the kernel counts RLIMIT_NPROC per sandbox when the daemon runs as root; as another user the sandbox shares the
+daemon user's count, so the limit is set that many tasks above the user's current count.
+
+Command boundaries: the shell is interactive (job control, so each command line is its own process group and
+`ctrl c` reaches it through the terminal) and its PS1/PS2 print sentinels carrying the exit status and the cwd.
+PS1, PS2 and PROMPT_COMMAND are read-only; PROMPT_COMMAND kills every other process in the sandbox (`kill -9 -1`
+from the shell spares only itself and the namespace's init), so background jobs and fork bombs end with the command
+line that started them. A watchdog thread enforces the per-command wall timeout and the workspace disk quota:
+it kills the foreground process group, or interrupts the shell itself (a busy loop of builtins) and, if that does
+not bring a prompt back within a grace period, kills the whole sandbox (the caller starts a new one).
+"""
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import fcntl
+import os
+import pathlib
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import termios
+import threading
+import time
+from dataclasses import dataclass
+
+SANDBOX_WORKSPACE = "/workspace"
+ROWS, COLS = 40, 160
+_PROMPT, _CONT, _END = b"\x1e", b"\x1d", b"\x1f"   # PS1 = \x1e<status> <cwd>\x1f, PS2 = \x1d\x1f
+_MAX_SENTINEL = 4096                             # a \x1e without its \x1f this far on is plain output
+_GRACE_S = 1.0                                   # SIGINT first; SIGKILL the job after this; the sandbox after 3x
+_RC = r"""
+PS1=$'\x1e$? ${PWD}\x1f'
+PS2=$'\x1d\x1f'
+PROMPT_COMMAND='builtin kill -9 -1 2>/dev/null; builtin wait 2>/dev/null'
+readonly PS1 PS2 PROMPT_COMMAND
+unset HISTFILE
+set +o histexpand
+"""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not start or broke in a way a new shell cannot fix."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-session limits; every field is also a CreateSession option (a string) with the bounds in LIMIT_BOUNDS."""
+
+    timeout_s: float = 30.0      # wall time of one command line; past it its processes are killed
+    wait_s: float = 10.0         # how long one step waits for a command to finish before returning "running"
+    cpu_s: int = 30              # RLIMIT_CPU of every process in the sandbox
+    memory_mb: int = 512         # RLIMIT_AS (address space) of every process
+    nproc: int = 64              # RLIMIT_NPROC: processes (threads included) in the sandbox
+    fsize_mb: int = 64           # RLIMIT_FSIZE: largest file a process may write
+    nofile: int = 256            # RLIMIT_NOFILE
+    tmp_mb: int = 64             # size of the /tmp tmpfs (it is memory)
+    disk_mb: int = 256           # workspace quota, checked while a command runs and after it
+    output_bytes: int = 16384    # output kept per command line (head and tail); the rest is dropped, and said so
+
+    @classmethod
+    def from_options(cls, options: dict[str, str], base: "Limits | None" = None) -> "Limits":
+        """Limits from string options (ValueError on a malformed or out-of-bounds value)."""
+        base = base or cls()
+        changes = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in options:
+                continue
+            kind = float if f.type in (float, "float") else int
+            try:
+                v = kind(str(options[f.name]).strip())
+            except ValueError:
+                raise ValueError(f"option {f.name}={options[f.name]!r} is not a number") from None
+            lo, hi = LIMIT_BOUNDS[f.name]
+            if not lo <= v <= hi:
+                raise ValueError(f"option {f.name}={v} is outside [{lo}, {hi}]")
+            changes[f.name] = v
+        return dataclasses.replace(base, **changes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Ceilings keep a client from asking for an unbounded sandbox (options come over the wire).
+LIMIT_BOUNDS = {
+    "timeout_s": (0.1, 600.0), "wait_s": (0.0, 30.0), "cpu_s": (1, 3600), "memory_mb": (32, 16384),
+    "nproc": (8, 4096), "fsize_mb": (1, 4096), "nofile": (16, 4096), "tmp_mb": (1, 1024), "disk_mb": (1, 16384),
+    "output_bytes": (256, 1 << 20),
+}
+
+
+def missing_tools() -> list[str]:
+    """The host programs the sandbox needs that are not installed."""
+    return [t for t in ("bwrap", "prlimit", "setpriv", "setsid", "bash") if shutil.which(t) is None]
+
+
+def workspace_usage(root: pathlib.Path, max_entries: int = 100_000) -> tuple[int, int]:
+    """(bytes, entries) under `root`, not following symlinks; stops counting at max_entries entries."""
+    total = entries = 0
+    stack = [str(root)]
+    while stack and entries < max_entries:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                entries += 1
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+    return total, entries
+
+
+def _uid_task_count(uid: int) -> int:
+    """Tasks (threads included, as RLIMIT_NPROC counts them) of `uid` on this host."""
+    n = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/status", "rb") as f:
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        if int(fields.get("Uid", "-1 0").split()[0]) == uid:
+            n += int(fields.get("Threads", "1").strip() or 1)
+    return n
+
+
+@dataclass
+class Event:
+    kind: str            # "out" (text), "prompt" (the shell waits for a command), "cont" (PS2), "exit" (shell gone)
+    text: str = ""
+    status: int = 0      # prompt: $? of the last command line; exit: the sandbox's exit status
+    cwd: str = ""
+    note: str = ""       # prompt/exit: why the sandbox killed the command line ("" when it did not)
+
+
+class _Segment:
+    """Output between two prompts, capped: the first `head` bytes go out as they come, the last `tail` are kept."""
+
+    def __init__(self, cap: int):
+        self.tail_cap = cap // 4
+        self.head_left = cap - self.tail_cap
+        self.tail = bytearray()
+        self.dropped = self.total = 0
+
+    def add(self, data: bytes) -> bytes:
+        """The part of `data` to show now; the rest is held in the tail or dropped."""
+        self.total += len(data)
+        shown, data = data[:self.head_left], data[self.head_left:]
+        self.head_left -= len(shown)
+        if data:
+            self.tail += data
+            if len(self.tail) > self.tail_cap:
+                cut = len(self.tail) - self.tail_cap
+                self.dropped += cut
+                del self.tail[:cut]
+        return shown
+
+    def close(self, cap: int) -> bytes:
+        if not self.dropped:
+            return bytes(self.tail)
+        note = f"\n[... {self.dropped} bytes of output dropped (output cap {cap} bytes per command) ...]\n"
+        return note.encode() + bytes(self.tail)
+
+
+class ShellSandbox:
+    """One sandboxed interactive bash on a pty, with a reader thread that parses its output and polices limits.
+
+    The caller (one thread) writes input and consumes events with `wait`; the reader thread owns the pty's output.
+    """
+
+    def __init__(self, workspace: str | os.PathLike, private_dir: str | os.PathLike, limits: Limits):
+        self.workspace = pathlib.Path(workspace)
+        self.private_dir = pathlib.Path(private_dir)
+        self.limits = limits
+        self.proc: subprocess.Popen | None = None
+        self.master = -1
+        self.shell_pgid = 0
+        self._cond = threading.Condition()
+        self._events: list[Event] = []      # produced by the reader, consumed by `wait`; bounded by _MAX_EVENTS
+        self._seq = 0                       # bumped on every new output or event (for `wait`'s quiet detection)
+        self.at_prompt = False              # the shell waits for a new command line (PS1 or PS2 shown)
+        self._reader: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def _write_etc(self) -> pathlib.Path:
+        etc = self.private_dir / "etc"
+        etc.mkdir(parents=True, exist_ok=True)
+        uid, gid = os.getuid(), os.getgid()
+        name = "root" if uid == 0 else "user"
+        (etc / "passwd").write_text(f"{name}:x:{uid}:{gid}:{name}:{SANDBOX_WORKSPACE}:/bin/bash\n")
+        (etc / "group").write_text(f"{name}:x:{gid}:\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+        (etc / "bashrc").write_text(_RC)
+        return etc
+
+    def _argv(self, cwd: str) -> list[str]:
+        lim = self.limits
+        nproc = lim.nproc if os.getuid() == 0 else lim.nproc + _uid_task_count(os.getuid())
+        etc = self._write_etc()
+        argv = ["setpriv", "--pdeathsig", "KILL", "--",
+                "prlimit", f"--cpu={lim.cpu_s}", f"--as={lim.memory_mb << 20}", f"--nproc={nproc}",
+                f"--fsize={lim.fsize_mb << 20}", f"--nofile={lim.nofile}", "--core=0", "--",
+                "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+                "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            p = pathlib.Path("/") / name
+            if p.is_symlink():               # merged-/usr systems: /bin -> usr/bin
+                argv += ["--symlink", os.readlink(p), str(p)]
+            elif p.is_dir():
+                argv += ["--ro-bind", str(p), str(p)]
+        for extra in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime"):
+            if os.path.exists(extra):        # alternatives: /usr/bin/awk -> /etc/alternatives/awk -> mawk
+                argv += ["--ro-bind", extra, extra]
+        for name in ("passwd", "group", "hosts"):
+            argv += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+        argv += ["--ro-bind", str(etc / "bashrc"), "/etc/tars.bashrc", "--proc", "/proc", "--dev", "/dev",
+                 "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
+                 "--bind", str(self.workspace), SANDBOX_WORKSPACE, "--chdir", cwd,
+                 "--", "setsid", "-c", "bash", "--noprofile", "--rcfile", "/etc/tars.bashrc", "--noediting", "-i"]
+        return argv
+
+    def start(self, cwd: str = SANDBOX_WORKSPACE, timeout: float = 10.0) -> str:
+        """Start the shell in `cwd` (a path inside the sandbox) and wait for its first prompt; returns its output."""
+        if missing := missing_tools():
+            raise SandboxError(f"the terminal sandbox needs {', '.join(missing)} on the host "
+                               "(apt: bubblewrap, util-linux)")
+        self.stop()
+        master, slave = os.openpty()
+        try:
+            attrs = termios.tcgetattr(slave)
+            attrs[3] &= ~(termios.ECHO | termios.ECHONL)     # the transcript shows typed commands itself
+            attrs[1] &= ~termios.ONLCR                        # \n stays \n
+            termios.tcsetattr(slave, termios.TCSANOW, attrs)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_WORKSPACE, "TERM": "dumb",
+                   "LANG": "C.UTF-8", "USER": "root" if os.getuid() == 0 else "user", "SHELL": "/bin/bash",
+                   "TMPDIR": "/tmp", "PAGER": "cat", "GIT_PAGER": "cat", "COLUMNS": str(COLS), "LINES": str(ROWS)}
+            self.proc = subprocess.Popen(self._argv(cwd), stdin=slave, stdout=slave, stderr=slave, env=env,
+                                         close_fds=True, start_new_session=True)
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)  # the shell holds the only slave fds: its exit reads as EIO on the master
+        os.set_blocking(master, False)
+        self.master, self._events, self.at_prompt, self.shell_pgid = master, [], False, 0
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, args=(master, self._stop), name="terminal-reader",
+                                        daemon=True)
+        self._reader.start()
+        events = self.wait(time.monotonic() + timeout)
+        out = "".join(e.text for e in events if e.kind == "out")
+        if not events or events[-1].kind != "prompt":
+            self.stop()
+            raise SandboxError(f"the sandboxed shell did not start: {out.strip()[-2000:] or 'no output'}")
+        self.shell_pgid = self._foreground_pgrp()
+        return out
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Kill the sandbox (the namespace's init dies, taking every process in it) and release the pty."""
+        self._stop.set()
+        if self.proc is not None:
+            _killpg(self.proc.pid, signal.SIGKILL)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass  # SIGKILL was sent; the reader thread or a later stop() reaps it
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+        self._reader = None
+        if self.master >= 0:
+            os.close(self.master)
+        self.master, self.shell_pgid, self.at_prompt = -1, 0, False
+
+    # ---- input ---------------------------------------------------------------------------------------------
+    def write(self, data: bytes, timeout: float = 2.0) -> int:
+        """Write to the terminal; returns the bytes written (fewer when the reader does not drain its input)."""
+        done, deadline = 0, time.monotonic() + timeout
+        while done < len(data) and time.monotonic() < deadline:
+            _, w, _ = select.select([], [self.master], [], max(0.0, deadline - time.monotonic()))
+            if not w:
+                break
+            try:
+                done += os.write(self.master, data[done:done + 1024])
+            except BlockingIOError:
+                time.sleep(0.01)
+            except OSError:
+                break
+        return done
+
+    def submit(self, line: str) -> bool:
+        """Send one command line to the shell waiting at its prompt; arms the wall timeout."""
+        data = line.encode() + b"\n"
+        with self._cond:
+            self.at_prompt = False
+            self._deadline = time.monotonic() + self.limits.timeout_s
+            self._expired_at = 0.0
+            self._note = ""
+        return self.write(data) == len(data)
+
+    # ---- output --------------------------------------------------------------------------------------------
+    def wait(self, until: float, settle: float = 0.0) -> list[Event]:
+        """Consume events until the shell shows a prompt (PS1/PS2) or exits, or `until` (monotonic) passes.
+        With `settle` > 0, also return once output has been quiet that long after some arrived."""
+        with self._cond:
+            seen, quiet_since = self._seq, time.monotonic()
+            while True:
+                if self._events and self._events[-1].kind in ("prompt", "cont", "exit"):
+                    break
+                now = time.monotonic()
+                if self._seq != seen:
+                    seen, quiet_since = self._seq, now
+                if now >= until or (settle and self._events and now - quiet_since >= settle):
+                    break
+                self._cond.wait(min(until - now, 0.05))
+            out, self._events = self._events, []
+            return out
+
+    def _push(self, ev: Event) -> None:
+        """Append an event (caller holds the condition); consecutive output coalesces."""
+        self._seq += 1
+        self._cond.notify_all()
+        if ev.kind == "out":
+            if not ev.text:
+                return
+            if self._events and self._events[-1].kind == "out":
+                self._events[-1].text += ev.text
+                return
+        self._events.append(ev)
+        if len(self._events) > _MAX_EVENTS:   # a client that never reads: keep the newest
+            del self._events[:len(self._events) - _MAX_EVENTS]
+
+    def _foreground_pgrp(self) -> int:
+        try:
+            return os.tcgetpgrp(self.master)
+        except OSError:
+            return 0
+
+    # ---- signals -------------------------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """SIGINT to the foreground process group: what ctrl-c does, even if the program turned ISIG off."""
+        pg = self._foreground_pgrp()
+        if pg > 0:
+            _killpg(pg, signal.SIGINT)
+
+    def kill_foreground(self) -> None:
+        """SIGKILL the foreground job unless the foreground is the shell itself."""
+        pg = self._foreground_pgrp()
+        if pg > 0 and pg != self.shell_pgid:
+            _killpg(pg, signal.SIGKILL)
+
+    # ---- the reader thread ---------------------------------------------------------------------------------
+    _deadline = 0.0        # monotonic deadline of the submitted command line; 0 when none is running
+    _expired_at = 0.0      # when the deadline (or the quota, or the flood limit) fired
+    _note = ""             # why the command line is being killed
+
+    def _read_loop(self, master: int, stop: threading.Event) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        buf = b""
+        seg = _Segment(self.limits.output_bytes)
+        flood = max(8 << 20, 64 * self.limits.output_bytes)
+        next_disk = 0.0
+        fg_seen = (0, 0.0)
+        while not stop.is_set():
+            try:
+                r, _, _ = select.select([master], [], [], 0.1)
+                chunk = os.read(master, 65536) if r else None
+            except BlockingIOError:
+                chunk = None
+            except OSError:           # EIO: every slave fd is closed, the shell is gone
+                chunk = b""
+            with self._cond:
+                if chunk == b"":
+                    self._push(Event("out", decoder.decode(buf + seg.close(self.limits.output_bytes), final=True)))
+                    status = _reap(self.proc)
+                    self._push(Event("exit", status=status, note=self._note))
+                    self.at_prompt = False
+                    return
+                if chunk:
+                    buf += chunk
+                    buf = self._parse(buf, seg, decoder)
+                    if self.at_prompt:
+                        seg = _Segment(self.limits.output_bytes)
+                    elif seg.total > flood and not self._expired_at:
+                        self._expire(f"output flood: more than {flood} bytes")
+                now = time.monotonic()
+                fg_seen = self._police(now, fg_seen)
+                if (self._deadline or fg_seen[0]) and now >= next_disk:
+                    next_disk = now + 1.0
+                    if workspace_usage(self.workspace)[0] > self.limits.disk_mb << 20 and not self._expired_at:
+                        self._expire(f"workspace over its {self.limits.disk_mb} MiB quota")
+
+    def _parse(self, buf: bytes, seg: _Segment, decoder) -> bytes:
+        """Turn raw output into events (caller holds the condition); returns the unparsed rest."""
+        while buf:
+            starts = [j for j in (buf.find(_PROMPT), buf.find(_CONT)) if j >= 0]
+            i = min(starts) if starts else len(buf)
+            if i:
+                self._push(Event("out", decoder.decode(seg.add(buf[:i]))))
+                buf = buf[i:]
+                continue
+            end = buf.find(_END)
+            if end < 0:
+                if len(buf) <= _MAX_SENTINEL:
+                    return buf  # the rest of the sentinel is still on its way
+                self._push(Event("out", decoder.decode(seg.add(buf[:1]))))
+                buf = buf[1:]
+                continue
+            kind, body, buf = buf[:1], buf[1:end], buf[end + 1:]
+            status, sep, cwd = body.partition(b" ")
+            if kind == _CONT and not body:
+                self._push(Event("cont"))
+                self.at_prompt = True
+            elif kind == _PROMPT and sep and status.isdigit() and cwd.startswith(b"/"):
+                self._push(Event("out", decoder.decode(seg.close(self.limits.output_bytes))))
+                self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"), note=self._note))
+                self.at_prompt = True
+                self._deadline = self._expired_at = 0.0
+                self._note = ""
+                seg.__init__(self.limits.output_bytes)
+            else:  # a look-alike without the shape of ours: plain output
+                self._push(Event("out", decoder.decode(seg.add(kind + body + _END))))
+        return buf
+
+    def _expire(self, why: str) -> None:
+        """Start killing the running command line: SIGINT now; the policing loop escalates (caller holds _cond)."""
+        self._note = self._note or why
+        self._expired_at = time.monotonic()
+        self.interrupt()
+
+    def _police(self, now: float, fg_seen: tuple[int, float]) -> tuple[int, float]:
+        """Enforce the wall timeout (caller holds the condition). Returns the foreground job being timed."""
+        if self._deadline and not self._expired_at and now >= self._deadline:
+            self._expire(f"timed out after {self.limits.timeout_s:g}s")
+        pg = self._foreground_pgrp()
+        if self._expired_at and now - self._expired_at > _GRACE_S:
+            if pg > 0 and pg != self.shell_pgid:
+                _killpg(pg, signal.SIGKILL)   # ignored SIGINT, or a later job of the same command line
+            if now - self._expired_at > 3 * _GRACE_S and self.proc is not None:
+                _killpg(self.proc.pid, signal.SIGKILL)  # the shell itself will not come back: new sandbox
+        # A foreground job the timeout does not cover (typed ahead, or after a prompt look-alike) is timed here.
+        if pg <= 0 or pg == self.shell_pgid or not self.shell_pgid:
+            return 0, 0.0
+        if fg_seen[0] != pg:
+            return pg, now
+        if now - fg_seen[1] > self.limits.timeout_s and not self._deadline:
+            self._note = self._note or f"timed out after {self.limits.timeout_s:g}s"
+            _killpg(pg, signal.SIGKILL)
+        return fg_seen
+
+
+_MAX_EVENTS = 1024
+
+
+def _reap(proc: subprocess.Popen | None) -> int:
+    if proc is None:
+        return -1
+    try:
+        return proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        _killpg(proc.pid, signal.SIGKILL)
+        return -signal.SIGKILL
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
