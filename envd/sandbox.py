@@ -52,6 +52,47 @@ set +o histexpand
 """
 
 
+INNER_ID = 1000                      # the uid/gid the shell has inside the sandbox
+SANDBOX_UID_BASE = 2_000_000_000     # host uids for sandboxes of a root daemon: far above any real user's
+_uid_lock = threading.Lock()
+_uids_in_use: set[int] = set()
+
+
+def allocate_uid() -> int | None:
+    """A host uid of its own for a new sandbox when the daemon is root (None otherwise). Spread by pid so that two
+    daemons on one host rarely meet; a collision would only merge two sandboxes' process counts."""
+    if os.getuid() != 0:
+        return None
+    with _uid_lock:
+        start = (os.getpid() * 7919) % 1_000_000
+        for i in range(1_000_000):
+            uid = SANDBOX_UID_BASE + (start + i) % 1_000_000
+            if uid not in _uids_in_use:
+                _uids_in_use.add(uid)
+                return uid
+    raise SandboxError("no free sandbox uid")
+
+
+def release_uid(uid: int | None) -> None:
+    with _uid_lock:
+        _uids_in_use.discard(uid)
+
+
+def chown_tree(root: pathlib.Path, uid: int) -> None:
+    """Give the sandbox's uid the workspace (a root daemon writes seeded and restored files as root)."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.chown(root_fd, uid, uid)
+        for _, dirnames, filenames, dfd in os.fwalk(dir_fd=root_fd, follow_symlinks=False):
+            for name in dirnames + filenames:
+                try:
+                    os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+    finally:
+        os.close(root_fd)
+
+
 class SandboxError(RuntimeError):
     """The sandbox could not start or broke in a way a new shell cannot fix."""
 
@@ -194,6 +235,7 @@ class ShellSandbox:
         self.workspace = pathlib.Path(workspace)
         self.private_dir = pathlib.Path(private_dir)
         self.limits = limits
+        self.uid = allocate_uid()           # the host uid the shell runs as (None: the daemon's own)
         self.proc: subprocess.Popen | None = None
         self.master = -1
         self.shell_pgid = 0
@@ -207,23 +249,34 @@ class ShellSandbox:
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def _write_etc(self) -> pathlib.Path:
         etc = self.private_dir / "etc"
-        etc.mkdir(parents=True, exist_ok=True)
-        uid, gid = os.getuid(), os.getgid()
-        name = "root" if uid == 0 else "user"
-        (etc / "passwd").write_text(f"{name}:x:{uid}:{gid}:{name}:{SANDBOX_WORKSPACE}:/bin/bash\n")
-        (etc / "group").write_text(f"{name}:x:{gid}:\n")
-        (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
-        (etc / "bashrc").write_text(_RC)
+        etc.mkdir(mode=0o755, parents=True, exist_ok=True)
+        files = {"passwd": f"user:x:{INNER_ID}:{INNER_ID}:user:{SANDBOX_WORKSPACE}:/bin/bash\n"
+                           "nobody:x:65534:65534:nobody:/:/usr/sbin/nologin\n",
+                 "group": f"user:x:{INNER_ID}:\nnogroup:x:65534:\n",
+                 "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n", "bashrc": _RC}
+        for name, text in files.items():
+            (etc / name).write_text(text)
+            os.chmod(etc / name, 0o644)
         return etc
 
     def _argv(self, cwd: str) -> list[str]:
         lim = self.limits
-        nproc = lim.nproc if os.getuid() == 0 else lim.nproc + _uid_task_count(os.getuid())
         etc = self._write_etc()
-        argv = ["setpriv", "--pdeathsig", "KILL", "--",
+        if self.uid is not None:
+            # Root daemon: the sandbox runs as its own unprivileged uid. RLIMIT_NPROC is never enforced for uid 0
+            # (not even inside a user namespace), and a uid of its own makes the count per sandbox.
+            drop = [f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
+            nproc = lim.nproc
+        else:
+            # Unprivileged daemon: the sandbox shares the daemon user's process count, so leave room for it.
+            drop, nproc = [], lim.nproc + _uid_task_count(os.getuid())
+        argv = ["setpriv", *drop, "--pdeathsig", "KILL", "--",
                 "prlimit", f"--cpu={lim.cpu_s}", f"--as={lim.memory_mb << 20}", f"--nproc={nproc}",
                 f"--fsize={lim.fsize_mb << 20}", f"--nofile={lim.nofile}", "--core=0", "--",
-                "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+                # --cap-drop ALL: capabilities in the sandbox's user namespace would allow mounts (an unbounded
+                # tmpfs) and more; --disable-userns: no nested namespace in which to regain them.
+                "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
+                "--uid", str(INNER_ID), "--gid", str(INNER_ID), "--die-with-parent", "--new-session",
                 "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
         for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             p = pathlib.Path("/") / name
@@ -237,8 +290,11 @@ class ShellSandbox:
         for name in ("passwd", "group", "hosts"):
             argv += ["--ro-bind", str(etc / name), f"/etc/{name}"]
         argv += ["--ro-bind", str(etc / "bashrc"), "/etc/tars.bashrc", "--proc", "/proc", "--dev", "/dev",
+                 "--size", str(min(lim.tmp_mb, 16) << 20), "--tmpfs", "/dev/shm",
                  "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
-                 "--bind", str(self.workspace), SANDBOX_WORKSPACE, "--chdir", cwd,
+                 "--bind", str(self.workspace), SANDBOX_WORKSPACE,
+                 # bwrap's root and /dev are tmpfs (memory, unbounded): read-only once the mounts are in place.
+                 "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd,
                  "--", "setsid", "-c", "bash", "--noprofile", "--rcfile", "/etc/tars.bashrc", "--noediting", "-i"]
         return argv
 
@@ -248,6 +304,9 @@ class ShellSandbox:
             raise SandboxError(f"the terminal sandbox needs {', '.join(missing)} on the host "
                                "(apt: bubblewrap, util-linux)")
         self.stop()
+        if self.uid is not None:
+            os.chmod(self.private_dir, 0o711)      # the sandbox uid must reach etc/ and the workspace in here
+            chown_tree(self.workspace, self.uid)
         master, slave = os.openpty()
         try:
             attrs = termios.tcgetattr(slave)
@@ -256,7 +315,7 @@ class ShellSandbox:
             termios.tcsetattr(slave, termios.TCSANOW, attrs)
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
             env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_WORKSPACE, "TERM": "dumb",
-                   "LANG": "C.UTF-8", "USER": "root" if os.getuid() == 0 else "user", "SHELL": "/bin/bash",
+                   "LANG": "C.UTF-8", "USER": "user", "SHELL": "/bin/bash",
                    "TMPDIR": "/tmp", "PAGER": "cat", "GIT_PAGER": "cat", "COLUMNS": str(COLS), "LINES": str(ROWS)}
             self.proc = subprocess.Popen(self._argv(cwd), stdin=slave, stdout=slave, stderr=slave, env=env,
                                          close_fds=True, start_new_session=True)
@@ -282,6 +341,12 @@ class ShellSandbox:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def release(self) -> None:
+        """Stop the sandbox for good and give its uid back."""
+        self.stop()
+        release_uid(self.uid)
+        self.uid = None
 
     def stop(self) -> None:
         """Kill the sandbox (the namespace's init dies, taking every process in it) and release the pty."""

@@ -412,7 +412,7 @@ class TerminalEnv(Env):
         return self._result()
 
     def close(self) -> None:
-        self.sandbox.stop()
+        self.sandbox.release()
         _rmtree(self.private_dir)   # holds the workspace only when this env made it
 
 
