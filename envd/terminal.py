@@ -58,8 +58,15 @@ def clean_terminal_text(text: str) -> str:
     for line in text.split("\n"):
         if "\r" in line:
             line = [seg for seg in line.split("\r") if seg][-1] if line.strip("\r") else ""
-        while "\b" in line:
-            line = re.sub(r"[^\b]\b", "", line, count=1) if re.search(r"[^\b]\b", line) else line.replace("\b", "")
+        if "\b" in line:
+            kept: list[str] = []
+            for ch in line:
+                if ch == "\b":
+                    if kept:
+                        kept.pop()
+                else:
+                    kept.append(ch)
+            line = "".join(kept)
         lines.append(_CTRL.sub("", line))
     return "\n".join(lines)
 
@@ -96,6 +103,12 @@ class TerminalEnv(Env):
         self.workspace.mkdir(mode=0o755, exist_ok=True)
         self.reset_clears_workspace = reset_clears_workspace
         self.sandbox = ShellSandbox(self.workspace, self.private_dir, self.limits)
+        if self.sandbox.uid is not None and not self.owns_workspace:
+            blocked = [str(p) for p in self.workspace.parents if not os.stat(p).st_mode & 0o001]
+            if blocked:
+                self.close()
+                raise ValueError(f"the shared workspace {self.workspace} must be reachable by the sandbox's own uid, "
+                                 f"but {blocked[0]} is not searchable by others (chmod o+x, or put it elsewhere)")
         self.spec: terminal_tasks.TaskSpec | None = None
         self.transcript = ""
         self.cwd = SANDBOX_WORKSPACE

@@ -107,7 +107,8 @@ def _check_name(name: str) -> str:
 
 def _check_link(name: str, target: str) -> None:
     if not target or target.startswith("/") or "\x00" in target:
-        raise ActionError(f"symlink {name!r} -> {target!r}: only relative targets are allowed")
+        raise ActionError(f"symlink {name!r} -> {target!r} points outside the workspace (only relative targets "
+                          "are allowed)")
     resolved = posixpath.normpath(posixpath.join(posixpath.dirname(name), target))
     if resolved != ROOT and not resolved.startswith(ROOT + "/"):
         raise ActionError(f"symlink {name!r} -> {target!r} points outside the workspace")
