@@ -49,21 +49,23 @@ STATE_ATTRS = {
 }
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=256)
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except Exception:  # noqa: BLE001 - a parent package failing to import (no mujoco, box2d) means "not here"
+        return False
+
+
 def env_names() -> list[str]:
-    """Registered gymnasium ids whose entry-point module imports here (mujoco, box2d, ... may be missing)."""
+    """Registered gymnasium ids whose entry point imports here (mujoco, box2d, ... may be missing)."""
     import gymnasium
 
     names = []
     for env_id, spec in sorted(gymnasium.registry.items()):
         ep = spec.entry_point
-        if not isinstance(ep, str) or ":" not in ep:
-            continue
-        try:
-            if importlib.util.find_spec(ep.split(":")[0]) is not None:
-                names.append(env_id)
-        except Exception:  # noqa: BLE001 - a parent package failing to import means the env is not available
-            continue
+        if callable(ep) or (isinstance(ep, str) and ":" in ep and _importable(ep.split(":")[0])):
+            names.append(env_id)
     return names
 
 
@@ -146,9 +148,11 @@ def _decode_like(raw: Any, like: Any, what: str) -> Any:
     """Decode `raw` into a value of the same kind as `like` (the fresh env's own value): an array of the same
     dtype and shape, a list of numbers, or a number (None allowed: some envs use it as 'not yet')."""
     if isinstance(like, np.ndarray):
-        if not isinstance(raw, dict) or raw.get("dtype") != str(like.dtype):
-            raise ActionError(f"{what}: expected an array of {like.dtype}")
-        a = np.asarray(raw["ndarray"], dtype=like.dtype)
+        # The dtype may differ from a fresh env's (MountainCarContinuous: float64 after reset, float32 after a
+        # step), but not its kind.
+        if not isinstance(raw, dict) or np.dtype(str(raw.get("dtype"))).kind != like.dtype.kind:
+            raise ActionError(f"{what}: expected an array of {like.dtype.kind} numbers")
+        a = np.asarray(raw["ndarray"], dtype=np.dtype(str(raw["dtype"])))
         if a.shape != like.shape or (a.dtype.kind == "f" and not np.isfinite(a).all()):
             raise ActionError(f"{what}: expected a finite array of shape {list(like.shape)}")
         return a
