@@ -1,34 +1,33 @@
 """A bash shell in a bubblewrap sandbox, driven through a pseudo-terminal (the `terminal` backend's engine).
 
-Layout inside the sandbox: /usr, /bin, /lib*, /etc/alternatives and /etc/ld.so.cache read-only from the host; a
-generated /etc/passwd, /etc/group, /etc/hosts and bash rc file (read-only); the session workspace read-write at
-/workspace; a fresh size-limited tmpfs at /tmp; a new /proc and a minimal /dev. Nothing else of the host exists in
-there: not the repo, not /root or /home, not /run or /sys. `--unshare-all --unshare-user` gives new user, pid,
-network (loopback only, not the host's), ipc, uts and cgroup namespaces; `--new-session` keeps the sandbox off any
-terminal of the daemon; `--die-with-parent` plus `setpriv --pdeathsig KILL` tie its life to the daemon's.
+Inside: /usr, /bin, /lib*, /etc/alternatives and /etc/ld.so.cache read-only from the host; a generated /etc/passwd,
+/etc/group, /etc/hosts and bash rc file (read-only); the session workspace read-write at /workspace; fresh
+size-limited tmpfs at /tmp and /dev/shm; a new /proc and a minimal /dev; the root and /dev read-only. Nothing else
+of the host exists in there: not the repo, not /root or /home, not /run, /sys or /var. `--unshare-all
+--unshare-user` gives new user, pid, network (a loopback of its own), ipc, uts and cgroup namespaces; all
+capabilities are dropped and no nested user namespace can be made; `--new-session` keeps the sandbox off any
+terminal of the daemon; `--die-with-parent` and `setpriv --pdeathsig KILL` tie its life to the daemon's.
 
-rlimits are set by `prlimit` before bwrap starts (no preexec_fn: forking Python in a threaded daemon can deadlock):
-CPU seconds, address space, processes, file size, open files, no core dumps. Because bwrap creates a user namespace,
-the kernel counts RLIMIT_NPROC per sandbox when the daemon runs as root; as another user the sandbox shares the
-daemon user's count, so the limit is set that many tasks above the user's current count.
+Limits (envd/sandbox_limits.py) are set by `prlimit` before bwrap starts (no preexec_fn: forking Python in a
+threaded daemon can deadlock): CPU seconds, address space, processes, file size, open files, no core dumps. A root
+daemon runs every sandbox as an unprivileged uid of its own.
 
-Command boundaries: the shell is interactive (job control, so each command line is its own process group and
-`ctrl c` reaches it through the terminal) and its PS1/PS2 print sentinels carrying the exit status and the cwd.
-PS1, PS2 and PROMPT_COMMAND are read-only; PROMPT_COMMAND kills every other process in the sandbox (`kill -9 -1`
-from the shell spares only itself and the namespace's init), so background jobs and fork bombs end with the command
-line that started them. A watchdog thread enforces the per-command wall timeout and the workspace disk quota:
-it kills the foreground process group, or interrupts the shell itself (a busy loop of builtins) and, if that does
-not bring a prompt back within a grace period, kills the whole sandbox (the caller starts a new one).
+Command boundaries: the shell is interactive (job control: each command line is its own process group, and ctrl-c
+reaches it through the terminal); PS1/PS2 print sentinels carrying the exit status and the cwd. PS1, PS2 and
+PROMPT_COMMAND are read-only, and PROMPT_COMMAND kills every other process in the sandbox (`kill -9 -1` from the
+shell spares only itself and the namespace's init), so background jobs and fork bombs end with the command line
+that started them. A reader thread owns the pty's output: it parses it into events, caps what each command line
+may print, and polices the limits that need a clock: past the wall timeout (or the disk quota, or an output flood)
+the foreground job gets SIGINT, then SIGKILL after a grace period; a shell that still does not come back (a busy
+loop of builtins with SIGINT ignored) has its whole sandbox killed, and the caller starts a new one.
 """
 from __future__ import annotations
 
 import codecs
-import dataclasses
 import fcntl
 import os
 import pathlib
 import select
-import shutil
 import signal
 import struct
 import subprocess
@@ -36,6 +35,11 @@ import termios
 import threading
 import time
 from dataclasses import dataclass
+
+from envd.sandbox_limits import (INNER_ID, Limits, SandboxError, uid_task_count, allocate_uid, chown_tree,
+                                 missing_tools, release_uid, workspace_usage)
+
+__all__ = ["SANDBOX_WORKSPACE", "Event", "Limits", "SandboxError", "ShellSandbox", "missing_tools", "workspace_usage"]
 
 SANDBOX_WORKSPACE = "/workspace"
 ROWS, COLS = 40, 160
@@ -50,141 +54,6 @@ readonly PS1 PS2 PROMPT_COMMAND
 unset HISTFILE
 set +o histexpand
 """
-
-
-INNER_ID = 1000                      # the uid/gid the shell has inside the sandbox
-SANDBOX_UID_BASE = 2_000_000_000     # host uids for sandboxes of a root daemon: far above any real user's
-_uid_lock = threading.Lock()
-_uids_in_use: set[int] = set()
-
-
-def allocate_uid() -> int | None:
-    """A host uid of its own for a new sandbox when the daemon is root (None otherwise). Spread by pid so that two
-    daemons on one host rarely meet; a collision would only merge two sandboxes' process counts."""
-    if os.getuid() != 0:
-        return None
-    with _uid_lock:
-        start = (os.getpid() * 7919) % 1_000_000
-        for i in range(1_000_000):
-            uid = SANDBOX_UID_BASE + (start + i) % 1_000_000
-            if uid not in _uids_in_use:
-                _uids_in_use.add(uid)
-                return uid
-    raise SandboxError("no free sandbox uid")
-
-
-def release_uid(uid: int | None) -> None:
-    with _uid_lock:
-        _uids_in_use.discard(uid)
-
-
-def chown_tree(root: pathlib.Path, uid: int) -> None:
-    """Give the sandbox's uid the workspace (a root daemon writes seeded and restored files as root)."""
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.chown(root_fd, uid, uid)
-        for _, dirnames, filenames, dfd in os.fwalk(dir_fd=root_fd, follow_symlinks=False):
-            for name in dirnames + filenames:
-                try:
-                    os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    pass
-    finally:
-        os.close(root_fd)
-
-
-class SandboxError(RuntimeError):
-    """The sandbox could not start or broke in a way a new shell cannot fix."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-session limits; every field is also a CreateSession option (a string) with the bounds in LIMIT_BOUNDS."""
-
-    timeout_s: float = 30.0      # wall time of one command line; past it its processes are killed
-    wait_s: float = 10.0         # how long one step waits for a command to finish before returning "running"
-    cpu_s: int = 30              # RLIMIT_CPU of every process in the sandbox
-    memory_mb: int = 512         # RLIMIT_AS (address space) of every process
-    nproc: int = 64              # RLIMIT_NPROC: processes (threads included) in the sandbox
-    fsize_mb: int = 64           # RLIMIT_FSIZE: largest file a process may write
-    nofile: int = 256            # RLIMIT_NOFILE
-    tmp_mb: int = 64             # size of the /tmp tmpfs (it is memory)
-    disk_mb: int = 256           # workspace quota, checked while a command runs and after it
-    output_bytes: int = 16384    # output kept per command line (head and tail); the rest is dropped, and said so
-
-    @classmethod
-    def from_options(cls, options: dict[str, str], base: "Limits | None" = None) -> "Limits":
-        """Limits from string options (ValueError on a malformed or out-of-bounds value)."""
-        base = base or cls()
-        changes = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in options:
-                continue
-            kind = float if f.type in (float, "float") else int
-            try:
-                v = kind(str(options[f.name]).strip())
-            except ValueError:
-                raise ValueError(f"option {f.name}={options[f.name]!r} is not a number") from None
-            lo, hi = LIMIT_BOUNDS[f.name]
-            if not lo <= v <= hi:
-                raise ValueError(f"option {f.name}={v} is outside [{lo}, {hi}]")
-            changes[f.name] = v
-        return dataclasses.replace(base, **changes)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-# Ceilings keep a client from asking for an unbounded sandbox (options come over the wire).
-LIMIT_BOUNDS = {
-    "timeout_s": (0.1, 600.0), "wait_s": (0.0, 30.0), "cpu_s": (1, 3600), "memory_mb": (32, 16384),
-    "nproc": (8, 4096), "fsize_mb": (1, 4096), "nofile": (16, 4096), "tmp_mb": (1, 1024), "disk_mb": (1, 16384),
-    "output_bytes": (256, 1 << 20),
-}
-
-
-def missing_tools() -> list[str]:
-    """The host programs the sandbox needs that are not installed."""
-    return [t for t in ("bwrap", "prlimit", "setpriv", "setsid", "bash") if shutil.which(t) is None]
-
-
-def workspace_usage(root: pathlib.Path, max_entries: int = 100_000) -> tuple[int, int]:
-    """(bytes, entries) under `root`, not following symlinks; stops counting at max_entries entries."""
-    total = entries = 0
-    stack = [str(root)]
-    while stack and entries < max_entries:
-        try:
-            it = os.scandir(stack.pop())
-        except OSError:
-            continue
-        with it:
-            for e in it:
-                entries += 1
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                total += st.st_blocks * 512
-                if e.is_dir(follow_symlinks=False):
-                    stack.append(e.path)
-    return total, entries
-
-
-def _uid_task_count(uid: int) -> int:
-    """Tasks (threads included, as RLIMIT_NPROC counts them) of `uid` on this host."""
-    n = 0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/status", "rb") as f:
-                text = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-        if int(fields.get("Uid", "-1 0").split()[0]) == uid:
-            n += int(fields.get("Threads", "1").strip() or 1)
-    return n
 
 
 @dataclass
@@ -269,7 +138,7 @@ class ShellSandbox:
             nproc = lim.nproc
         else:
             # Unprivileged daemon: the sandbox shares the daemon user's process count, so leave room for it.
-            drop, nproc = [], lim.nproc + _uid_task_count(os.getuid())
+            drop, nproc = [], lim.nproc + uid_task_count(os.getuid())
         argv = ["setpriv", *drop, "--pdeathsig", "KILL", "--",
                 "prlimit", f"--cpu={lim.cpu_s}", f"--as={lim.memory_mb << 20}", f"--nproc={nproc}",
                 f"--fsize={lim.fsize_mb << 20}", f"--nofile={lim.nofile}", "--core=0", "--",
@@ -464,22 +333,21 @@ class ShellSandbox:
             with self._cond:
                 if chunk == b"":
                     self._push(Event("out", decoder.decode(buf + seg.close(self.limits.output_bytes), final=True)))
-                    status = _reap(self.proc)
-                    self._push(Event("exit", status=status, note=self._note))
+                    self._push(Event("exit", status=_reap(self.proc), note=self._note))
                     self.at_prompt = False
                     return
                 if chunk:
-                    buf += chunk
-                    buf = self._parse(buf, seg, decoder)
-                    if self.at_prompt:
-                        seg = _Segment(self.limits.output_bytes)
-                    elif seg.total > flood and not self._expired_at:
+                    buf = self._parse(buf + chunk, seg, decoder)
+                    if seg.total > flood and not self._expired_at:
                         self._expire(f"output flood: more than {flood} bytes")
                 now = time.monotonic()
                 fg_seen = self._police(now, fg_seen)
-                if (self._deadline or fg_seen[0]) and now >= next_disk:
-                    next_disk = now + 1.0
-                    if workspace_usage(self.workspace)[0] > self.limits.disk_mb << 20 and not self._expired_at:
+                check_disk = bool(self._deadline or fg_seen[0]) and now >= next_disk
+            if check_disk:                # a tree walk: outside the lock, so `wait` is never held up by it
+                next_disk = now + 1.0
+                over = workspace_usage(self.workspace)[0] > self.limits.disk_mb << 20
+                with self._cond:
+                    if over and not self._expired_at and self._deadline:
                         self._expire(f"workspace over its {self.limits.disk_mb} MiB quota")
 
     def _parse(self, buf: bytes, seg: _Segment, decoder) -> bytes:

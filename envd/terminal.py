@@ -182,6 +182,10 @@ class TerminalEnv(Env):
         kind = action.get("type")
         if kind == "type":
             content = self._check_content(action.get("content"))
+            if self.state != "running" or self.queued:
+                line = (self.pending + content).split("\n", 1)[0]
+                if len(line.encode()) > MAX_LINE:
+                    raise ActionError(f"the line being typed would be longer than {MAX_LINE} bytes")
             self.steps += 1
             self._type(content)
         elif kind == "hotkey":
@@ -354,13 +358,15 @@ class TerminalEnv(Env):
             tail = "[episode over]"
         if text and not text.endswith("\n"):
             text += "\n"
+        tail = tail[-self.screen_chars:]
         budget = self.screen_chars - len(tail)
         if len(text) > budget:
             marker = "[... earlier output scrolled away ...]\n"
-            cut = text[-max(0, budget - len(marker)):]
+            keep = budget - len(marker)
+            cut = text[-keep:] if keep > 0 else ""
             if "\n" in cut[:-1]:
                 cut = cut[cut.find("\n") + 1:]   # start on a whole line
-            text = marker + cut
+            text = marker + cut if keep > 0 else ""
         return text + tail
 
     def _result(self, reward: float = 0.0) -> StepResult:
