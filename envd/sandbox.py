@@ -111,6 +111,10 @@ class ShellSandbox:
         self._cond = threading.Condition()
         self._events: list[Event] = []      # produced by the reader, consumed by `wait`; bounded by _MAX_EVENTS
         self._seq = 0                       # bumped on every new output or event (for `wait`'s quiet detection)
+        # Policing state, shared with the reader thread under _cond:
+        self._deadline = 0.0                # monotonic deadline of the submitted command line; 0 when none runs
+        self._expired_at = 0.0              # when the deadline (or the quota, or the flood limit) fired
+        self._note = ""                     # why the command line is being killed
         self.at_prompt = False              # the shell waits for a new command line (PS1 or PS2 shown)
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
@@ -311,9 +315,6 @@ class ShellSandbox:
             _killpg(pg, signal.SIGKILL)
 
     # ---- the reader thread ---------------------------------------------------------------------------------
-    _deadline = 0.0        # monotonic deadline of the submitted command line; 0 when none is running
-    _expired_at = 0.0      # when the deadline (or the quota, or the flood limit) fired
-    _note = ""             # why the command line is being killed
 
     def _read_loop(self, master: int, stop: threading.Event) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

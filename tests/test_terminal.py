@@ -77,6 +77,13 @@ def test_running_command_wait_input_and_interrupt(env):
     r = typed(env, "ada\n")                                      # goes to the program waiting for input
     finish_running(env)
     assert "hello ada\n[exit 0]" in env.render()
+    typed(env, "cat\n")
+    r = typed(env, "abc\n")
+    assert r.text.endswith("abc\nabc\n[running: wait() for more output, hotkey(key='ctrl c') to interrupt; killed "
+                           "after 30s]")                        # typed (echoed by us), then cat's copy
+    r = env.step({"type": "hotkey", "key": "ctrl d"})           # end of input: cat exits
+    assert env.state == "prompt" and r.text.endswith("abc\n[exit 0]\n/workspace$ ")
+    assert env.step({"type": "hotkey", "key": "ctrl l"}).text == "/workspace$ "
     typed(env, "sleep 30\n")
     r = env.step({"type": "hotkey", "key": "Ctrl+C"})
     assert env.state == "prompt" and "^C" in r.text and "[exit 130]" in r.text
