@@ -417,8 +417,12 @@ class TerminalEnv(Env):
                 name=task, instruction=str(spec["instruction"]), answer=dict(spec["answer"]))
             transcript, cwd, pending = str(meta["transcript"]), str(meta["cwd"]), str(meta["pending"])
             steps, state = int(meta["steps"]), str(meta["state"])
-            if state not in ("prompt", "over") or len(transcript) > 8 * self.screen_chars or len(pending) > MAX_LINE:
+            if state not in ("prompt", "over") or len(transcript) > 8 * self.screen_chars or len(pending) > MAX_LINE \
+                    or not 0 <= steps <= self.max_steps:
                 raise ValueError("inconsistent session state")
+            if self.spec and not (isinstance(self.spec.answer.get("number"), int)
+                                  or isinstance(self.spec.answer.get("text"), str)):
+                raise ValueError("the task's answer must hold an integer `number` or a string `text`")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ActionError(f"not a terminal snapshot: {type(e).__name__}: {e}") from None
         if state == "over":
