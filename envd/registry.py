@@ -129,3 +129,33 @@ def _desktop_factory(name: str, options: dict[str, str]) -> Env:
 
 
 register("desktop", _desktop_factory, [""])
+
+
+def _terminal_factory(task: str, options: dict[str, str]) -> Env:
+    from envd import terminal
+
+    return terminal.make(task, options)
+
+
+def _terminal_names() -> list[str]:
+    from envd import terminal_tasks
+
+    return ["", *terminal_tasks.TASKS]
+
+
+register("terminal", _terminal_factory, _terminal_names)
+
+
+def _gym_factory(name: str, options: dict[str, str]) -> Env:
+    from envd import gym_backend
+
+    return gym_backend.make(name, options)
+
+
+def _gym_names() -> list[str]:
+    from envd import gym_backend
+
+    return gym_backend.env_names()
+
+
+register("gym", _gym_factory, _gym_names)

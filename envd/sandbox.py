@@ -1,0 +1,430 @@
+"""A bash shell in a bubblewrap sandbox, driven through a pseudo-terminal (the `terminal` backend's engine).
+
+Inside: /usr, /bin, /lib*, /etc/alternatives and /etc/ld.so.cache read-only from the host; a generated /etc/passwd,
+/etc/group, /etc/hosts and bash rc file (read-only); the session workspace read-write at /workspace; fresh
+size-limited tmpfs at /tmp and /dev/shm; a new /proc and a minimal /dev; the root and /dev read-only. Nothing else
+of the host exists in there: not the repo, not /root or /home, not /run, /sys or /var. `--unshare-all
+--unshare-user` gives new user, pid, network (a loopback of its own), ipc, uts and cgroup namespaces; all
+capabilities are dropped and no nested user namespace can be made; `--new-session` keeps the sandbox off any
+terminal of the daemon; `--die-with-parent` and `setpriv --pdeathsig KILL` tie its life to the daemon's.
+
+Limits (envd/sandbox_limits.py) are set by `prlimit` before bwrap starts (no preexec_fn: forking Python in a
+threaded daemon can deadlock): CPU seconds, address space, processes, file size, open files, no core dumps. A root
+daemon runs every sandbox as an unprivileged uid of its own.
+
+Command boundaries: the shell is interactive (job control: each command line is its own process group, and ctrl-c
+reaches it through the terminal); PS1/PS2 print sentinels carrying the exit status and the cwd. PS1, PS2 and
+PROMPT_COMMAND are read-only, and PROMPT_COMMAND kills every other process in the sandbox (`kill -9 -1` from the
+shell spares only itself and the namespace's init), so background jobs and fork bombs end with the command line
+that started them. A reader thread owns the pty's output: it parses it into events, caps what each command line
+may print, and polices the limits that need a clock: past the wall timeout (or the disk quota, or an output flood)
+the foreground job gets SIGINT, then SIGKILL after a grace period; a shell that still does not come back (a busy
+loop of builtins with SIGINT ignored) has its whole sandbox killed, and the caller starts a new one.
+"""
+from __future__ import annotations
+
+import codecs
+import fcntl
+import os
+import pathlib
+import select
+import signal
+import struct
+import subprocess
+import termios
+import threading
+import time
+from dataclasses import dataclass
+
+from envd.sandbox_limits import (INNER_ID, Limits, SandboxError, uid_task_count, allocate_uid, chown_tree,
+                                 missing_tools, release_uid, workspace_usage)
+
+__all__ = ["SANDBOX_WORKSPACE", "Event", "Limits", "SandboxError", "ShellSandbox", "missing_tools", "workspace_usage"]
+
+SANDBOX_WORKSPACE = "/workspace"
+ROWS, COLS = 40, 160
+_PROMPT, _CONT, _END = b"\x1e", b"\x1d", b"\x1f"   # PS1 = \x1e<status> <cwd>\x1f, PS2 = \x1d\x1f
+_MAX_SENTINEL = 4096                             # a \x1e without its \x1f this far on is plain output
+_GRACE_S = 1.0                                   # SIGINT first; SIGKILL the job after this; the sandbox after 3x
+_RC = r"""
+PS1=$'\x1e$? ${PWD}\x1f'
+PS2=$'\x1d\x1f'
+PROMPT_COMMAND='builtin kill -9 -1 2>/dev/null; builtin wait 2>/dev/null'
+readonly PS1 PS2 PROMPT_COMMAND
+unset HISTFILE
+set +o histexpand
+"""
+
+
+@dataclass
+class Event:
+    kind: str            # "out" (text), "prompt" (the shell waits for a command), "cont" (PS2), "exit" (shell gone)
+    text: str = ""
+    status: int = 0      # prompt: $? of the last command line; exit: the sandbox's exit status
+    cwd: str = ""
+    note: str = ""       # prompt/exit: why the sandbox killed the command line ("" when it did not)
+
+
+class _Segment:
+    """Output between two prompts, capped: the first `head` bytes go out as they come, the last `tail` are kept."""
+
+    def __init__(self, cap: int):
+        self.tail_cap = cap // 4
+        self.head_left = cap - self.tail_cap
+        self.tail = bytearray()
+        self.dropped = self.total = 0
+
+    def add(self, data: bytes) -> bytes:
+        """The part of `data` to show now; the rest is held in the tail or dropped."""
+        self.total += len(data)
+        shown, data = data[:self.head_left], data[self.head_left:]
+        self.head_left -= len(shown)
+        if data:
+            self.tail += data
+            if len(self.tail) > self.tail_cap:
+                cut = len(self.tail) - self.tail_cap
+                self.dropped += cut
+                del self.tail[:cut]
+        return shown
+
+    def close(self, cap: int) -> bytes:
+        if not self.dropped:
+            return bytes(self.tail)
+        note = f"\n[... {self.dropped} bytes of output dropped (output cap {cap} bytes per command) ...]\n"
+        return note.encode() + bytes(self.tail)
+
+
+class ShellSandbox:
+    """One sandboxed interactive bash on a pty, with a reader thread that parses its output and polices limits.
+
+    The caller (one thread) writes input and consumes events with `wait`; the reader thread owns the pty's output.
+    """
+
+    def __init__(self, workspace: str | os.PathLike, private_dir: str | os.PathLike, limits: Limits):
+        self.workspace = pathlib.Path(workspace)
+        self.private_dir = pathlib.Path(private_dir)
+        self.limits = limits
+        self.uid = allocate_uid()           # the host uid the shell runs as (None: the daemon's own)
+        self.proc: subprocess.Popen | None = None
+        self.master = -1
+        self.shell_pgid = 0
+        self._cond = threading.Condition()
+        self._events: list[Event] = []      # produced by the reader, consumed by `wait`; bounded by _MAX_EVENTS
+        self._seq = 0                       # bumped on every new output or event (for `wait`'s quiet detection)
+        # Policing state, shared with the reader thread under _cond:
+        self._deadline = 0.0                # monotonic deadline of the submitted command line; 0 when none runs
+        self._expired_at = 0.0              # when the deadline (or the quota, or the flood limit) fired
+        self._note = ""                     # why the command line is being killed
+        self.at_prompt = False              # the shell waits for a new command line (PS1 or PS2 shown)
+        self._reader: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def _write_etc(self) -> pathlib.Path:
+        etc = self.private_dir / "etc"
+        etc.mkdir(mode=0o755, parents=True, exist_ok=True)
+        files = {"passwd": f"user:x:{INNER_ID}:{INNER_ID}:user:{SANDBOX_WORKSPACE}:/bin/bash\n"
+                           "nobody:x:65534:65534:nobody:/:/usr/sbin/nologin\n",
+                 "group": f"user:x:{INNER_ID}:\nnogroup:x:65534:\n",
+                 "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n", "bashrc": _RC}
+        for name, text in files.items():
+            (etc / name).write_text(text)
+            os.chmod(etc / name, 0o644)
+        return etc
+
+    def _argv(self, cwd: str) -> list[str]:
+        lim = self.limits
+        etc = self._write_etc()
+        if self.uid is not None:
+            # Root daemon: the sandbox runs as its own unprivileged uid. RLIMIT_NPROC is never enforced for uid 0
+            # (not even inside a user namespace), and a uid of its own makes the count per sandbox.
+            drop = [f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
+            nproc = lim.nproc
+        else:
+            # Unprivileged daemon: the sandbox shares the daemon user's process count, so leave room for it.
+            drop, nproc = [], lim.nproc + uid_task_count(os.getuid())
+        argv = ["setpriv", *drop, "--pdeathsig", "KILL", "--",
+                "prlimit", f"--cpu={lim.cpu_s}", f"--as={lim.memory_mb << 20}", f"--nproc={nproc}",
+                f"--fsize={lim.fsize_mb << 20}", f"--nofile={lim.nofile}", "--core=0", "--",
+                # --cap-drop ALL: capabilities in the sandbox's user namespace would allow mounts (an unbounded
+                # tmpfs) and more; --disable-userns: no nested namespace in which to regain them.
+                "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
+                "--uid", str(INNER_ID), "--gid", str(INNER_ID), "--die-with-parent", "--new-session",
+                "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            p = pathlib.Path("/") / name
+            if p.is_symlink():               # merged-/usr systems: /bin -> usr/bin
+                argv += ["--symlink", os.readlink(p), str(p)]
+            elif p.is_dir():
+                argv += ["--ro-bind", str(p), str(p)]
+        for extra in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime"):
+            if os.path.exists(extra):        # alternatives: /usr/bin/awk -> /etc/alternatives/awk -> mawk
+                argv += ["--ro-bind", extra, extra]
+        for name in ("passwd", "group", "hosts"):
+            argv += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+        argv += ["--ro-bind", str(etc / "bashrc"), "/etc/tars.bashrc", "--proc", "/proc", "--dev", "/dev",
+                 "--size", str(min(lim.tmp_mb, 16) << 20), "--tmpfs", "/dev/shm",
+                 "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
+                 "--bind", str(self.workspace), SANDBOX_WORKSPACE,
+                 # bwrap's root and /dev are tmpfs (memory, unbounded): read-only once the mounts are in place.
+                 "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd,
+                 "--", "setsid", "-c", "bash", "--noprofile", "--rcfile", "/etc/tars.bashrc", "--noediting", "-i"]
+        return argv
+
+    def start(self, cwd: str = SANDBOX_WORKSPACE, timeout: float = 10.0) -> str:
+        """Start the shell in `cwd` (a path inside the sandbox) and wait for its first prompt; returns its output."""
+        if missing := missing_tools():
+            raise SandboxError(f"the terminal sandbox needs {', '.join(missing)} on the host "
+                               "(apt: bubblewrap, util-linux)")
+        self.stop()
+        if self.uid is not None:
+            os.chmod(self.private_dir, 0o711)      # the sandbox uid must reach etc/ and the workspace in here
+            chown_tree(self.workspace, self.uid)
+        master, slave = os.openpty()
+        try:
+            attrs = termios.tcgetattr(slave)
+            attrs[3] &= ~(termios.ECHO | termios.ECHONL)     # the transcript shows typed commands itself
+            attrs[1] &= ~termios.ONLCR                        # \n stays \n
+            termios.tcsetattr(slave, termios.TCSANOW, attrs)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_WORKSPACE, "TERM": "dumb",
+                   "LANG": "C.UTF-8", "USER": "user", "SHELL": "/bin/bash",
+                   "TMPDIR": "/tmp", "PAGER": "cat", "GIT_PAGER": "cat", "COLUMNS": str(COLS), "LINES": str(ROWS)}
+            self.proc = subprocess.Popen(self._argv(cwd), stdin=slave, stdout=slave, stderr=slave, env=env,
+                                         close_fds=True, start_new_session=True)
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)  # the shell holds the only slave fds: its exit reads as EIO on the master
+        os.set_blocking(master, False)
+        self.master, self._events, self.at_prompt, self.shell_pgid = master, [], False, 0
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, args=(master, self._stop), name="terminal-reader",
+                                        daemon=True)
+        self._reader.start()
+        events = self.wait(time.monotonic() + timeout)
+        out = "".join(e.text for e in events if e.kind == "out")
+        if not events or events[-1].kind != "prompt":
+            self.stop()
+            raise SandboxError(f"the sandboxed shell did not start: {out.strip()[-2000:] or 'no output'}")
+        self.shell_pgid = self._foreground_pgrp()
+        return out
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def release(self) -> None:
+        """Stop the sandbox for good and give its uid back."""
+        self.stop()
+        release_uid(self.uid)
+        self.uid = None
+
+    def stop(self) -> None:
+        """Kill the sandbox (the namespace's init dies, taking every process in it) and release the pty."""
+        self._stop.set()
+        if self.proc is not None:
+            _killpg(self.proc.pid, signal.SIGKILL)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass  # SIGKILL was sent; the reader thread or a later stop() reaps it
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+        self._reader = None
+        if self.master >= 0:
+            os.close(self.master)
+        self.master, self.shell_pgid, self.at_prompt = -1, 0, False
+
+    # ---- input ---------------------------------------------------------------------------------------------
+    def write(self, data: bytes, timeout: float = 2.0) -> int:
+        """Write to the terminal; returns the bytes written (fewer when the reader does not drain its input)."""
+        done, deadline = 0, time.monotonic() + timeout
+        while done < len(data) and time.monotonic() < deadline:
+            _, w, _ = select.select([], [self.master], [], max(0.0, deadline - time.monotonic()))
+            if not w:
+                break
+            try:
+                done += os.write(self.master, data[done:done + 1024])
+            except BlockingIOError:
+                time.sleep(0.01)
+            except OSError:
+                break
+        return done
+
+    def submit(self, line: str) -> bool:
+        """Send one command line to the shell waiting at its prompt; arms the wall timeout."""
+        data = line.encode() + b"\n"
+        with self._cond:
+            self.at_prompt = False
+            self._deadline = time.monotonic() + self.limits.timeout_s
+            self._expired_at = 0.0
+            self._note = ""
+        return self.write(data) == len(data)
+
+    # ---- output --------------------------------------------------------------------------------------------
+    def wait(self, until: float, settle: float = 0.0) -> list[Event]:
+        """Consume events until the shell shows a prompt (PS1/PS2) or exits, or `until` (monotonic) passes.
+        With `settle` > 0, also return once output has been quiet that long after some arrived."""
+        with self._cond:
+            seen, quiet_since = self._seq, time.monotonic()
+            while True:
+                if self._events and self._events[-1].kind in ("prompt", "cont", "exit"):
+                    break
+                now = time.monotonic()
+                if self._seq != seen:
+                    seen, quiet_since = self._seq, now
+                if now >= until or (settle and self._events and now - quiet_since >= settle):
+                    break
+                self._cond.wait(min(until - now, 0.05))
+            out, self._events = self._events, []
+            return out
+
+    def _push(self, ev: Event) -> None:
+        """Append an event (caller holds the condition); consecutive output coalesces."""
+        self._seq += 1
+        self._cond.notify_all()
+        if ev.kind == "out":
+            if not ev.text:
+                return
+            if self._events and self._events[-1].kind == "out":
+                self._events[-1].text += ev.text
+                return
+        self._events.append(ev)
+        if len(self._events) > _MAX_EVENTS:   # a client that never reads: keep the newest
+            del self._events[:len(self._events) - _MAX_EVENTS]
+
+    def _foreground_pgrp(self) -> int:
+        try:
+            return os.tcgetpgrp(self.master)
+        except OSError:
+            return 0
+
+    # ---- signals -------------------------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """SIGINT to the foreground process group: what ctrl-c does, even if the program turned ISIG off."""
+        pg = self._foreground_pgrp()
+        if pg > 0:
+            _killpg(pg, signal.SIGINT)
+
+    def kill_foreground(self) -> None:
+        """SIGKILL the foreground job unless the foreground is the shell itself."""
+        pg = self._foreground_pgrp()
+        if pg > 0 and pg != self.shell_pgid:
+            _killpg(pg, signal.SIGKILL)
+
+    # ---- the reader thread ---------------------------------------------------------------------------------
+
+    def _read_loop(self, master: int, stop: threading.Event) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        buf = b""
+        seg = _Segment(self.limits.output_bytes)
+        flood = max(8 << 20, 64 * self.limits.output_bytes)
+        next_disk = 0.0
+        fg_seen = (0, 0.0)
+        while not stop.is_set():
+            try:
+                r, _, _ = select.select([master], [], [], 0.1)
+                chunk = os.read(master, 65536) if r else None
+            except BlockingIOError:
+                chunk = None
+            except OSError:           # EIO: every slave fd is closed, the shell is gone
+                chunk = b""
+            with self._cond:
+                if chunk == b"":
+                    self._push(Event("out", decoder.decode(buf + seg.close(self.limits.output_bytes), final=True)))
+                    self._push(Event("exit", status=_reap(self.proc), note=self._note))
+                    self.at_prompt = False
+                    return
+                if chunk:
+                    buf = self._parse(buf + chunk, seg, decoder)
+                    if seg.total > flood and not self._expired_at:
+                        self._expire(f"output flood: more than {flood} bytes")
+                now = time.monotonic()
+                fg_seen = self._police(now, fg_seen)
+                check_disk = bool(self._deadline or fg_seen[0]) and now >= next_disk
+            if check_disk:                # a tree walk: outside the lock, so `wait` is never held up by it
+                next_disk = now + 1.0
+                over = workspace_usage(self.workspace)[0] > self.limits.disk_mb << 20
+                with self._cond:
+                    if over and not self._expired_at and self._deadline:
+                        self._expire(f"workspace over its {self.limits.disk_mb} MiB quota")
+
+    def _parse(self, buf: bytes, seg: _Segment, decoder) -> bytes:
+        """Turn raw output into events (caller holds the condition); returns the unparsed rest."""
+        while buf:
+            starts = [j for j in (buf.find(_PROMPT), buf.find(_CONT)) if j >= 0]
+            i = min(starts) if starts else len(buf)
+            if i:
+                self._push(Event("out", decoder.decode(seg.add(buf[:i]))))
+                buf = buf[i:]
+                continue
+            end = buf.find(_END)
+            if end < 0:
+                if len(buf) <= _MAX_SENTINEL:
+                    return buf  # the rest of the sentinel is still on its way
+                self._push(Event("out", decoder.decode(seg.add(buf[:1]))))
+                buf = buf[1:]
+                continue
+            kind, body, buf = buf[:1], buf[1:end], buf[end + 1:]
+            status, sep, cwd = body.partition(b" ")
+            if kind == _CONT and not body:
+                self._push(Event("cont"))
+                self.at_prompt = True
+            elif kind == _PROMPT and sep and status.isdigit() and cwd.startswith(b"/"):
+                self._push(Event("out", decoder.decode(seg.close(self.limits.output_bytes))))
+                self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"), note=self._note))
+                self.at_prompt = True
+                self._deadline = self._expired_at = 0.0
+                self._note = ""
+                seg.__init__(self.limits.output_bytes)
+            else:  # a look-alike without the shape of ours: plain output
+                self._push(Event("out", decoder.decode(seg.add(kind + body + _END))))
+        return buf
+
+    def _expire(self, why: str) -> None:
+        """Start killing the running command line: SIGINT now; the policing loop escalates (caller holds _cond)."""
+        self._note = self._note or why
+        self._expired_at = time.monotonic()
+        self.interrupt()
+
+    def _police(self, now: float, fg_seen: tuple[int, float]) -> tuple[int, float]:
+        """Enforce the wall timeout (caller holds the condition). Returns the foreground job being timed."""
+        if self._deadline and not self._expired_at and now >= self._deadline:
+            self._expire(f"timed out after {self.limits.timeout_s:g}s")
+        pg = self._foreground_pgrp()
+        if self._expired_at and now - self._expired_at > _GRACE_S:
+            if pg > 0 and pg != self.shell_pgid:
+                _killpg(pg, signal.SIGKILL)   # ignored SIGINT, or a later job of the same command line
+            if now - self._expired_at > 3 * _GRACE_S and self.proc is not None:
+                _killpg(self.proc.pid, signal.SIGKILL)  # the shell itself will not come back: new sandbox
+        # A foreground job the timeout does not cover (typed ahead, or after a prompt look-alike) is timed here.
+        if pg <= 0 or pg == self.shell_pgid or not self.shell_pgid:
+            return 0, 0.0
+        if fg_seen[0] != pg:
+            return pg, now
+        if now - fg_seen[1] > self.limits.timeout_s and not self._deadline:
+            self._note = self._note or f"timed out after {self.limits.timeout_s:g}s"
+            _killpg(pg, signal.SIGKILL)
+        return fg_seen
+
+
+_MAX_EVENTS = 1024
+
+
+def _reap(proc: subprocess.Popen | None) -> int:
+    if proc is None:
+        return -1
+    try:
+        return proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        _killpg(proc.pid, signal.SIGKILL)
+        return -signal.SIGKILL
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

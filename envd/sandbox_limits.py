@@ -1,0 +1,148 @@
+"""Limits of a terminal sandbox, and the host-side helpers that account for them (envd/sandbox.py runs the shell).
+
+When the daemon runs as root each sandbox gets a host uid of its own (`allocate_uid`): the kernel never enforces
+RLIMIT_NPROC for uid 0, not even inside a user namespace, and a uid per sandbox makes the process count per
+sandbox. As another user the sandbox shares that user's count, so the limit is raised by the user's current count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import threading
+from dataclasses import dataclass
+
+INNER_ID = 1000                      # the uid/gid the shell has inside the sandbox
+SANDBOX_UID_BASE = 2_000_000_000     # host uids for sandboxes of a root daemon: far above any real user's
+_uid_lock = threading.Lock()
+_uids_in_use: set[int] = set()
+
+
+def allocate_uid() -> int | None:
+    """A host uid of its own for a new sandbox when the daemon is root (None otherwise). Spread by pid so that two
+    daemons on one host rarely meet; a collision would only merge two sandboxes' process counts."""
+    if os.getuid() != 0:
+        return None
+    with _uid_lock:
+        start = (os.getpid() * 7919) % 1_000_000
+        for i in range(1_000_000):
+            uid = SANDBOX_UID_BASE + (start + i) % 1_000_000
+            if uid not in _uids_in_use:
+                _uids_in_use.add(uid)
+                return uid
+    raise SandboxError("no free sandbox uid")
+
+
+def release_uid(uid: int | None) -> None:
+    with _uid_lock:
+        _uids_in_use.discard(uid)
+
+
+def chown_tree(root: pathlib.Path, uid: int) -> None:
+    """Give the sandbox's uid the workspace (a root daemon writes seeded and restored files as root)."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.chown(root_fd, uid, uid)
+        for _, dirnames, filenames, dfd in os.fwalk(dir_fd=root_fd, follow_symlinks=False):
+            for name in dirnames + filenames:
+                try:
+                    os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+    finally:
+        os.close(root_fd)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not start or broke in a way a new shell cannot fix."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-session limits; every field is also a CreateSession option (a string) with the bounds in LIMIT_BOUNDS."""
+
+    timeout_s: float = 30.0      # wall time of one command line; past it its processes are killed
+    wait_s: float = 10.0         # how long one step waits for a command to finish before returning "running"
+    cpu_s: int = 30              # RLIMIT_CPU of every process in the sandbox
+    memory_mb: int = 512         # RLIMIT_AS (address space) of every process
+    nproc: int = 64              # RLIMIT_NPROC: processes (threads included) in the sandbox
+    fsize_mb: int = 64           # RLIMIT_FSIZE: largest file a process may write
+    nofile: int = 256            # RLIMIT_NOFILE
+    tmp_mb: int = 64             # size of the /tmp tmpfs (it is memory)
+    disk_mb: int = 256           # workspace quota, checked while a command runs and after it
+    output_bytes: int = 16384    # output kept per command line (head and tail); the rest is dropped, and said so
+
+    @classmethod
+    def from_options(cls, options: dict[str, str], base: "Limits | None" = None) -> "Limits":
+        """Limits from string options (ValueError on a malformed or out-of-bounds value)."""
+        base = base or cls()
+        changes = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in options:
+                continue
+            kind = float if f.type in (float, "float") else int
+            try:
+                v = kind(str(options[f.name]).strip())
+            except ValueError:
+                raise ValueError(f"option {f.name}={options[f.name]!r} is not a number") from None
+            lo, hi = LIMIT_BOUNDS[f.name]
+            if not lo <= v <= hi:
+                raise ValueError(f"option {f.name}={v} is outside [{lo}, {hi}]")
+            changes[f.name] = v
+        return dataclasses.replace(base, **changes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Ceilings keep a client from asking for an unbounded sandbox (options come over the wire).
+LIMIT_BOUNDS = {
+    "timeout_s": (0.1, 600.0), "wait_s": (0.0, 30.0), "cpu_s": (1, 3600), "memory_mb": (32, 16384),
+    "nproc": (8, 4096), "fsize_mb": (1, 4096), "nofile": (16, 4096), "tmp_mb": (1, 1024), "disk_mb": (1, 16384),
+    "output_bytes": (256, 1 << 20),
+}
+
+
+def missing_tools() -> list[str]:
+    """The host programs the sandbox needs that are not installed."""
+    return [t for t in ("bwrap", "prlimit", "setpriv", "setsid", "bash") if shutil.which(t) is None]
+
+
+def workspace_usage(root: pathlib.Path, max_entries: int = 100_000) -> tuple[int, int]:
+    """(bytes, entries) under `root`, not following symlinks; stops counting at max_entries entries."""
+    total = entries = 0
+    stack = [str(root)]
+    while stack and entries < max_entries:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                entries += 1
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+    return total, entries
+
+
+def uid_task_count(uid: int) -> int:
+    """Tasks (threads included, as RLIMIT_NPROC counts them) of `uid` on this host."""
+    n = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/status", "rb") as f:
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        if int(fields.get("Uid", "-1 0").split()[0]) == uid:
+            n += int(fields.get("Threads", "1").strip() or 1)
+    return n

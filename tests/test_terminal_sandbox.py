@@ -1,0 +1,242 @@
+"""Containment of the terminal sandbox: network, filesystem, fork/memory/CPU bombs, output floods, timeouts.
+
+Every test drives a real bubblewrap sandbox through TerminalEnv (and one through a real envd), then checks both the
+attack's failure and that the session keeps working afterwards.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import socket
+import time
+
+import pytest
+
+from envd.base import TRUNCATED
+from envd.sandbox import missing_tools
+from envd.terminal import TerminalEnv
+
+pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"sandbox tools missing: {missing_tools()}")
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def sh(env: TerminalEnv, cmd: str) -> tuple[str, int, str]:
+    """Run one command line to its prompt (or timeout kill): (output, exit status, the [exit] line's note)."""
+    before = len(env.transcript)
+    r = env.step({"type": "type", "content": cmd + "\n"})
+    deadline = time.monotonic() + 60
+    while env.state == "running" and time.monotonic() < deadline:
+        r = env.step({"type": "wait"})
+    assert env.state == "prompt", f"{cmd!r} did not finish: {r.text[-500:]}"
+    new = env.transcript[before:]
+    m = list(re.finditer(r"^\[exit (\d+)\](?: \((.*)\))?$", new, re.M))
+    assert m, f"no exit line for {cmd!r}: {new[-500:]!r}"
+    body = new.split("\n", 1)[1] if "\n" in new else ""
+    return body[:body.rfind("[exit ")], int(m[-1].group(1)), m[-1].group(2) or ""
+
+
+def make_env(**opts: str) -> TerminalEnv:
+    options = {"timeout_s": "2", "wait_s": "5", "screen_chars": "100000", "max_steps": "1000"} | opts
+    env = TerminalEnv(options=options)
+    env.reset(1, {})
+    return env
+
+
+@pytest.fixture
+def env():
+    e = make_env()
+    yield e
+    e.close()
+
+
+def test_no_network_to_host_loopback_or_outside(env):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    try:
+        out, status, _ = sh(env, f"echo hi > /dev/tcp/127.0.0.1/{port}")
+        assert status != 0 and "refused" in out.lower(), out
+        with pytest.raises(socket.timeout):      # nothing reached the host's listener
+            listener.accept()
+        out, status, _ = sh(env, "echo hi > /dev/tcp/192.0.2.1/80")   # TEST-NET: an outside address
+        assert status != 0 and "unreachable" in out.lower(), out
+        out, _, _ = sh(env, "cat /proc/net/dev")
+        interfaces = {line.split(":")[0].strip() for line in out.splitlines() if ":" in line}
+        assert interfaces == {"lo"}, out
+    finally:
+        listener.close()
+
+
+def test_writes_outside_workspace_fail(env):
+    for path in ("/usr/evil", "/etc/evil", "/evil", "/bin/evil", "/proc/evil", "/dev/evil"):
+        _, status, _ = sh(env, f"echo x > {path}")
+        assert status != 0, path
+    _, status, _ = sh(env, "echo inside > /workspace/ok.txt && echo t > /tmp/tars-sandbox-probe")
+    assert status == 0
+    assert (env.workspace / "ok.txt").read_text() == "inside\n"
+    assert not pathlib.Path("/tmp/tars-sandbox-probe").exists()   # the sandbox's /tmp is its own tmpfs
+
+
+def test_host_paths_are_not_visible(env):
+    for path in ("/work", "/root", "/home", "/run", "/opt", "/var", "/sys", str(REPO), str(env.private_dir)):
+        out, status, _ = sh(env, f"ls -d {path}")
+        assert status != 0 and "No such file" in out, (path, out)
+    out, _, _ = sh(env, "ls /")
+    assert set(out.split()) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr",
+                                "workspace"}, out
+    out, _, _ = sh(env, "grep CapEff /proc/self/status")
+    assert out.split()[-1] == "0000000000000000", out   # no capabilities inside
+
+
+def test_fork_bomb_is_contained(env):
+    _, status, _ = sh(env, ":(){ :|:& };:")          # background bomb: killed when the prompt comes back
+    out, status, _ = sh(env, "unset -f :; echo ok; ps -e | wc -l")
+    assert status == 0 and out.split()[0] == "ok" and int(out.split()[1]) <= 6, out
+    # A bomb that keeps the command line in the foreground: the wall timeout kills it.
+    out, status, note = sh(env, "bash -c ':(){ :|:& };:; sleep 100'")
+    assert "timed out" in note
+    out, status, _ = sh(env, "echo still-ok")
+    assert (out.strip(), status) == ("still-ok", 0)
+
+
+def test_nproc_limit_applies():
+    env = make_env(nproc="20")
+    try:
+        out, _, _ = sh(env, "ulimit -u")
+        assert int(out) >= 20 and (os.getuid() != 0 or int(out) == 20)
+        forker = ["import os, time", "n = 0", "try:", " while n < 200:", "  if os.fork() == 0:",
+                  "   time.sleep(3)", "   os._exit(0)", "  n += 1", "except OSError as e:", " print(\"stopped\", n, e.errno)"]
+        sh(env, "printf '%s\\n' " + " ".join(f"'{line}'" for line in forker) + " > forker.py")
+        out, _, _ = sh(env, "python3 forker.py")
+        words = out.split()
+        assert words[0] == "stopped" and int(words[1]) < 20 and int(words[2]) == 11, out   # EAGAIN
+        out, status, _ = sh(env, "echo fine")
+        assert (out.strip(), status) == ("fine", 0)
+    finally:
+        env.close()
+
+
+def test_memory_bomb_is_contained():
+    env = make_env(memory_mb="128")
+    try:
+        out, status, _ = sh(env, "python3 -c 'x = bytearray(1 << 30)' || head -c 400000000 /dev/zero | "
+                                 "bash -c 'x=$(tr \"\\0\" x)'")
+        assert status != 0 and ("MemoryError" in out or "allocate" in out), out
+        # In the shell itself: bash dies of it; a new shell comes up on the same workspace.
+        r = env.step({"type": "type", "content": "x=$(head -c 400000000 /dev/zero | tr '\\0' x)\n"})
+        while env.state == "running":
+            r = env.step({"type": "wait"})
+        out, status, _ = sh(env, "echo alive")
+        assert (out.strip(), status) == ("alive", 0), r.text[-800:]
+    finally:
+        env.close()
+
+
+def test_busy_loop_in_the_shell_is_interrupted(env):
+    out, status, note = sh(env, "while :; do :; done")
+    assert "timed out" in note and status != 0
+    out, status, _ = sh(env, "echo next")
+    assert (out.strip(), status) == ("next", 0)
+
+
+def test_shell_ignoring_sigint_is_replaced(env):
+    env.step({"type": "type", "content": "trap '' INT; while :; do :; done\n"})
+    deadline = time.monotonic() + 60
+    while "new shell started" not in env.transcript and time.monotonic() < deadline:
+        env.step({"type": "wait"})
+    assert "new shell started" in env.transcript
+    out, status, _ = sh(env, "echo fresh")
+    assert (out.strip(), status) == ("fresh", 0)
+
+
+def test_cpu_limit_kills_a_busy_child():
+    env = make_env(cpu_s="1", timeout_s="60")
+    try:
+        out, status, note = sh(env, "bash -c 'while :; do :; done'")
+        assert status in (128 + 9, 128 + 24) and not note, (out, status, note)   # SIGKILL / SIGXCPU, not the timeout
+    finally:
+        env.close()
+
+
+def test_output_flood_is_capped():
+    env = make_env(output_bytes="4096", screen_chars="3000")
+    try:
+        r = env.step({"type": "type", "content": "head -c 200000 /dev/zero | tr '\\0' a; echo\n"})
+        assert "bytes of output dropped" in r.text and len(r.text) <= 3000
+        assert max(len(line) for line in env.transcript.splitlines()) < 8192
+        out, status, note = sh(env, "yes")                       # endless: killed by the flood limit
+        assert "output flood" in note or "timed out" in note, note
+        out, status, _ = sh(env, "echo after")
+        assert (out.strip(), status) == ("after", 0)
+    finally:
+        env.close()
+
+
+def test_file_size_tmp_and_disk_limits():
+    env = make_env(fsize_mb="1", tmp_mb="1", disk_mb="2")
+    try:
+        out, status, _ = sh(env, "head -c 3M /dev/zero > big")
+        assert status != 0 and (env.workspace / "big").stat().st_size <= 1 << 20
+        out, status, _ = sh(env, "head -c 900K /dev/zero > /tmp/a && head -c 900K /dev/zero > /tmp/b")
+        assert status != 0 and "No space left" in out
+        r = env.step({"type": "type", "content": "for i in 1 2 3; do head -c 1000K /dev/zero > f$i; done\n"})
+        assert r.outcome == TRUNCATED and "quota" in r.text
+    finally:
+        env.close()
+
+
+def _host_processes(prefix: bytes) -> list[str]:
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            if pathlib.Path(f"/proc/{d}/cmdline").read_bytes().startswith(prefix):
+                found.append(d)
+        except OSError:
+            continue
+    return found
+
+
+def test_timeout_kills_children(env):
+    out, status, note = sh(env, "sleep 3171 & sleep 3172 & bash -c 'sleep 3173 & sleep 3174'")
+    assert "timed out" in note
+    assert _host_processes(b"sleep\x00317") == []
+    out, _, _ = sh(env, "ps -e -o comm=")
+    assert "sleep" not in out and out.split().count("bash") == 1, out
+
+
+def test_close_kills_everything():
+    env = make_env(timeout_s="60", wait_s="0.3")
+    env.step({"type": "type", "content": "sleep 3181 & sleep 3182\n"})
+    assert env.state == "running"
+    deadline = time.monotonic() + 10
+    while len(_host_processes(b"sleep\x00318")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_host_processes(b"sleep\x00318")) == 2
+    pid = env.sandbox.proc.pid
+    env.close()
+    assert not os.path.exists(f"/proc/{pid}")      # reaped, not a zombie
+    assert _host_processes(b"sleep\x00318") == []
+
+
+def test_containment_over_a_real_envd():
+    from envd_compliance import envd_client, run
+    from tars.v1 import common_pb2, env_pb2
+
+    async def body():
+        async with envd_client() as c:
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(
+                env_id="terminal", options={"timeout_s": "2", "wait_s": "8"}))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1))
+            for cmd in (":(){ :|:& };:", "bash -c ':(){ :|:& };:; sleep 100'", "while :; do :; done", "yes"):
+                r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="type",
+                                                                                           content=cmd + "\n")),
+                                 timeout=30)
+                assert r.outcome == common_pb2.RUNNING
+            r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(
+                type="type", content="echo daemon-ok\n")), timeout=30)
+            assert "daemon-ok\n[exit 0]" in r.observation.text, r.observation.text[-1000:]
+            assert (await c.Ping(env_pb2.PingRequest(payload=b"x"))).payload == b"x"
+    run(body(), timeout=120)
