@@ -46,10 +46,14 @@ def _leftovers(env) -> set[int]:
 
 
 def _closed_cleanly(env) -> bool:
+    """No process of either side is left and both private directories are gone (polled: a daemon closes a failed
+    session in a worker thread)."""
+    def done():
+        return not _leftovers(env) and not os.path.exists(env._dir) and not os.path.exists(env.desktop._dir)
     deadline = time.monotonic() + 10
-    while _leftovers(env) and time.monotonic() < deadline:
+    while not done() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _leftovers(env) and not os.path.exists(env._dir) and not os.path.exists(env.desktop._dir)
+    return done()
 
 
 def _read(path) -> str:
