@@ -68,8 +68,9 @@ class XServer:
         for _ in range(tries):
             with _display_lock:
                 n, _next_display = _next_display, FIRST_DISPLAY + (_next_display + 1 - FIRST_DISPLAY) % 900
-            if os.path.exists(f"/tmp/.X{n}-lock") or os.path.exists(f"/tmp/.X11-unix/X{n}"):
+            if os.path.exists(f"/tmp/.X{n}-lock"):
                 continue  # taken (or stale: Xvfb would check the pid, but another number is cheaper)
+            # A socket without a lock file is left over from a killed Xvfb: Xvfb takes the lock and replaces it.
             r, w = os.pipe()
             try:
                 argv = ["Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-auth", self.auth,
@@ -113,6 +114,17 @@ class XServer:
 
     def alive(self) -> bool:
         return self.proc.poll() is None and alive(self.proc.pid)
+
+    def remove_stale_files(self) -> None:
+        """A SIGKILLed Xvfb leaves its socket (and lock file) behind, and the display picker skips numbers that have
+        one: without this every closed session would use up a display number for good."""
+        if getattr(self, "display", "") and self.proc.poll() is not None:
+            n = self.display[1:]
+            for path in (f"/tmp/.X11-unix/X{n}", f"/tmp/.X{n}-lock"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
 
 # ---- keys ------------------------------------------------------------------------------------------------------
@@ -433,6 +445,7 @@ class DesktopEnv(Env):
                 x.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+            x.remove_stale_files()
         elif roots:
             kill_session(0, roots)
         for p in getattr(self, "_app_procs", []):

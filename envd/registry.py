@@ -159,3 +159,18 @@ def _gym_names() -> list[str]:
 
 
 register("gym", _gym_factory, _gym_names)
+
+
+def _hybrid_factory(task: str, options: dict[str, str]) -> Env:
+    from envd import hybrid
+
+    return hybrid.make(task, options)
+
+
+def _hybrid_names() -> list[str]:
+    from envd import terminal_tasks
+
+    return ["", *terminal_tasks.TASKS]
+
+
+register("hybrid", _hybrid_factory, _hybrid_names)

@@ -1,0 +1,227 @@
+"""`hybrid`: a GUI desktop (envd/desktop.py) and a sandboxed terminal (envd/terminal.py) on ONE shared workspace,
+in the spirit of UI-TARS-2's GUI-SDK: a file the GUI apps save is visible to the shell and the other way round.
+
+Env ids: `hybrid` (an open desktop + shell, reward 0) and `hybrid/<terminal task>` (a task of envd/terminal_tasks.py,
+solved through either side; its verifier judges the shared workspace at `finished()`).
+
+Action routing
+  An action whose `target` is "terminal" goes to the terminal, with the terminal's action set:
+    type(content='ls\\n', target='terminal'), hotkey(key='ctrl c', target='terminal'), wait(target='terminal').
+  Every other action goes to the desktop (click/left_double/right_single/drag/type/hotkey/scroll/wait; a `target`
+  there is a window title, as in the desktop backend). The desktop has no window manager: click a window (e.g.
+  the xterm) before typing into it.
+  finished() ends the episode on both sides: with a task the terminal's verifier decides the reward (1 or 0),
+  without one the reward is 0. call_user() ends it with reward 0. `max_steps` (default 50) truncates it.
+  A bad action is an ActionError and changes neither side.
+
+Observation: the desktop's screenshot; text = the desktop's window list (at most WINDOW_CHARS characters) followed
+by the terminal transcript (at most the terminal's `screen_chars`).
+
+Workspace: the env makes it itself (never an option: a client naming host directories would defeat the sandbox),
+inside a private directory of mode 0o711 so the sandbox uid can reach it without listing its neighbours. The
+workspace belongs to the sandbox's uid (the terminal chowns it at each shell start) with mode 0o755; no 0o1777
+is needed because the GUI apps run as the daemon user, which is either root (bypasses file permissions) or, for a
+non-root daemon, the very uid the sandbox runs as. Files the GUI writes as root are handed to the sandbox uid
+before each terminal action so the shell can also modify them, not only read them. Reset stops the GUI apps,
+clears the workspace, seeds the task's files, then starts a fresh shell and fresh apps.
+
+Options: the desktop's (width, height, apps, settle_s, command_timeout_s, instruction), the terminal's (verify,
+screen_chars and the sandbox limits of envd/sandbox_limits.py), and max_steps. Snapshots: UNIMPLEMENTED (a live X
+server cannot be serialised). A crashed X server or a sandbox that died between steps ends the session as
+infra_error.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+import weakref
+from typing import Any
+
+from envd import terminal_tasks
+from envd.base import ACTION_TYPES, RUNNING, TERMINATED, TRUNCATED, ActionError, Env, StepResult
+from envd.desktop import DesktopEnv
+from envd.sandbox_limits import Limits, chown_tree
+from envd.terminal import TerminalEnv, _rmtree
+
+DESKTOP_OPTIONS = {"width", "height", "apps", "settle_s", "command_timeout_s"}
+TERMINAL_OPTIONS = {"verify", "screen_chars", *Limits.__dataclass_fields__}
+WINDOW_CHARS = 2000          # bound of the window list in the text (GUI programs can open many windows)
+TERMINAL_TARGET = "terminal"
+
+
+def _split_options(options: dict[str, str]) -> tuple[dict[str, str], dict[str, str], int, str]:
+    unknown = set(options) - DESKTOP_OPTIONS - TERMINAL_OPTIONS - {"max_steps", "instruction", "task"}
+    if unknown:
+        raise ValueError(f"unknown hybrid option(s) {sorted(unknown)}; known: "
+                         f"{sorted(DESKTOP_OPTIONS | TERMINAL_OPTIONS | {'max_steps', 'instruction', 'task'})}")
+    try:
+        max_steps = int(options.get("max_steps", 50))
+    except ValueError:
+        raise ValueError(f"max_steps={options.get('max_steps')!r} is not an integer") from None
+    if not 1 <= max_steps <= 10_000:
+        raise ValueError("max_steps must be in [1, 10000]")
+    desk = {k: v for k, v in options.items() if k in DESKTOP_OPTIONS}
+    term = {k: v for k, v in options.items() if k in TERMINAL_OPTIONS}
+    # The hybrid env counts steps itself; the children must never end an episode on their own count.
+    desk["max_steps"], term["max_steps"] = "0", "10000"
+    return desk, term, max_steps, str(options.get("instruction", ""))
+
+
+class HybridEnv(Env):
+    """An Xvfb desktop and a bubblewrap terminal sharing one workspace."""
+
+    def __init__(self, task: str = "", options: dict[str, str] | None = None):
+        options = dict(options or {})
+        if "workspace" in options:
+            raise ValueError("hybrid makes its own shared workspace; option `workspace` is not accepted")
+        self.task = options.get("task", "") or task
+        if task and self.task != task:
+            raise ValueError(f"env id names task {task!r} but option task={self.task!r}")
+        if self.task and self.task not in terminal_tasks.TASKS:
+            raise KeyError(f"unknown env id 'hybrid/{self.task}': tasks are {list(terminal_tasks.TASKS)}")
+        self.env_id = f"hybrid/{task}" if task else "hybrid"
+        desk_opts, term_opts, self.max_steps, self.instruction = _split_options(options)
+        self.desktop: DesktopEnv | None = None
+        self.terminal: TerminalEnv | None = None
+        # 0o711: the sandbox uid may pass through to the workspace but not list this directory.
+        self._dir = pathlib.Path(tempfile.mkdtemp(prefix="tars-hybrid-"))
+        weakref.finalize(self, _rmtree, self._dir)
+        os.chmod(self._dir, 0o711)
+        self.workspace = self._dir / "workspace"
+        self.workspace.mkdir(mode=0o755)
+        self.steps, self.outcome, self._over, self._started = 0, RUNNING, False, False
+        try:
+            self.terminal = TerminalEnv(self.task, term_opts, workspace=self.workspace, reset_clears_workspace=True)
+            self.desktop = DesktopEnv("", {**desk_opts, "workspace": str(self.workspace)})
+        except BaseException:
+            self.close()
+            raise
+        self.action_space = (f"{self.desktop.action_space}; with target='terminal': {TerminalEnv.action_space} "
+                             "go to the sandboxed shell on the same workspace")
+
+    # ---- health ----------------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        """Either side gone is an infrastructure failure (never a reward of 0)."""
+        self.desktop._check_x()
+        t = self.terminal
+        if t.state in ("prompt", "cont", "running") and not t.sandbox.alive:
+            raise RuntimeError("the terminal's sandbox exited between steps")
+
+    # ---- episodes --------------------------------------------------------------------------------------------
+    def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
+        options = dict(options or {})
+        if options:
+            if "workspace" in options:
+                raise ValueError("hybrid makes its own shared workspace; option `workspace` is not accepted")
+            if options.get("task", self.task) != self.task:
+                raise ValueError(f"{self.env_id} runs task {self.task!r}, not {options['task']!r}")
+            _, term_opts, self.max_steps, instruction = _split_options(options)
+            self.instruction = instruction or self.instruction
+        else:
+            term_opts = {}
+        self.desktop._check_x()
+        self.desktop._stop_apps()   # nothing from the old episode may write into the workspace being cleared
+        self.terminal.reset(seed, term_opts or None)      # clears the workspace, seeds the task, starts a shell
+        d = self.desktop.reset(seed, {"instruction": self.instruction})
+        self.steps, self.outcome, self._over, self._started = 0, RUNNING, False, True
+        return self._compose(d, reward=0.0)
+
+    def step(self, action: dict[str, Any]) -> StepResult:
+        if not self._started:
+            raise ActionError("reset the environment first")
+        if self._over:
+            raise ActionError("the episode is over; reset first")
+        kind = action.get("type")
+        if kind not in ACTION_TYPES:
+            raise ActionError(f"unknown action type {kind!r}; expected one of {ACTION_TYPES}")
+        self._check_alive()
+        to_terminal = str(action.get("target") or "").strip().lower() == TERMINAL_TARGET
+        if kind in ("finished", "call_user"):
+            return self._end_episode(verify=kind == "finished")
+        reward = 0.0
+        if to_terminal:
+            term_action = {k: v for k, v in action.items() if k != "target"}
+            if self.terminal.sandbox.uid is not None:
+                chown_tree(self.workspace, self.terminal.sandbox.uid)   # GUI (root) files become the shell's
+            t = self.terminal.step(term_action)       # validates before acting: ActionError leaves it unchanged
+            d = self.desktop.observe()
+        else:
+            d = self.desktop.step(action)             # validates before any input reaches the X server
+            t = self.terminal._after_step()           # verify=step, disk quota: the GUI writes the same workspace
+        self.steps += 1
+        if t.outcome != RUNNING:                      # verify=step passed, or the disk quota was exceeded
+            self._close_desktop_episode()
+            self.outcome, reward = t.outcome, t.reward
+        elif self.steps >= self.max_steps:
+            self.terminal._end(TRUNCATED, success=False)
+            self._close_desktop_episode()
+            self.outcome = TRUNCATED
+        return self._compose(d, reward=reward)
+
+    def _end_episode(self, verify: bool) -> StepResult:
+        if verify:
+            t = self.terminal.step({"type": "finished"})      # stops the shell, then the task's verifier judges
+        else:
+            t = self.terminal._end(TERMINATED, success=False)
+        d = self._close_desktop_episode()
+        self.steps += 1
+        self.outcome = TERMINATED
+        return self._compose(d, reward=t.reward if self.terminal.spec else 0.0)
+
+    def _close_desktop_episode(self) -> StepResult:
+        self._over = True
+        if not self.desktop._done:
+            return self.desktop.step({"type": "finished"})
+        return self.desktop.observe()
+
+    # ---- observation -----------------------------------------------------------------------------------------
+    def _compose(self, d: StepResult, reward: float) -> StepResult:
+        t = self.terminal._result()
+        windows = d.text if len(d.text) <= WINDOW_CHARS else d.text[:WINDOW_CHARS] + "\n[... more windows ...]"
+        text = f"{windows}\nterminal (target='terminal'), workspace {self.workspace} = /workspace:\n{t.text}"
+        info = {"display": d.info.get("display"), "windows": d.info.get("windows"), "workspace": str(self.workspace),
+                "terminal": {k: v for k, v in t.info.items() if k in ("cwd", "exit_status", "state")}}
+        if self.terminal.spec:
+            info["success"] = bool(t.info.get("success"))
+            if "verifier" in t.info:
+                info["verifier"] = t.info["verifier"]
+        else:
+            info["success"] = False
+        return StepResult(text=text, instruction=t.instruction or self.instruction, reward=reward,
+                          outcome=self.outcome, images=d.images, info=info, width=d.width, height=d.height,
+                          step=self.steps)
+
+    def observe(self) -> StepResult:
+        if not self._started:
+            raise ActionError("reset the environment first")
+        self._check_alive() if not self._over else self.desktop._check_x()
+        return self._compose(self.desktop.observe(), reward=0.0)
+
+    def snapshot(self) -> bytes:
+        raise NotImplementedError("hybrid sessions cannot be snapshotted: the desktop half is a live X server "
+                                  "with running programs, which cannot be serialised")
+
+    def restore(self, state: bytes) -> StepResult:
+        raise NotImplementedError("hybrid sessions cannot be restored: there are no hybrid snapshots")
+
+    @property
+    def pids(self) -> set[int]:
+        out = set(self.desktop.pids) if self.desktop else set()
+        if self.terminal and self.terminal.sandbox.proc is not None:
+            out.add(self.terminal.sandbox.proc.pid)
+        return out
+
+    def close(self) -> None:
+        for child in (getattr(self, "terminal", None), getattr(self, "desktop", None)):
+            if child is not None:
+                try:
+                    child.close()
+                except Exception:
+                    pass
+        if getattr(self, "_dir", None):
+            _rmtree(self._dir)   # the sandbox may have left unreadable directories in the workspace
+
+
+def make(name: str = "", options: dict[str, str] | None = None) -> HybridEnv:
+    return HybridEnv(name, options)

@@ -1,0 +1,183 @@
+"""The hybrid backend: an X desktop and a sandboxed terminal on one workspace. Files cross both ways (xterm ->
+shell, shell -> host and xterm), terminal tasks are judged at finished() whichever side solved them, actions route
+by target, bad actions change neither side, a dead X server or sandbox is infra_error, and nothing outlives close."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+import grpc
+import pytest
+
+from envd import proctree
+from envd.base import ActionError
+from envd.sandbox import missing_tools
+from envd_compliance import EnvCompliance, envd_client, expect_code, run
+from tars.v1 import common_pb2, env_pb2
+
+_NEEDED = ["Xvfb", "xdotool", "xwininfo", "xterm", "xedit"]
+if any(shutil.which(b) is None for b in _NEEDED) or missing_tools():
+    pytest.skip(f"the hybrid backend needs {_NEEDED} and the sandbox tools {missing_tools()} (scripts/setup.sh --dev)",
+                allow_module_level=True)
+pytest.importorskip("mss", reason="mss is not installed")
+
+from envd import hybrid  # noqa: E402
+
+SMALL = {"width": "640", "height": "480", "settle_s": "0.05", "apps": "xterm", "wait_s": "5"}
+
+
+def _poll(cond, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _leftovers(env) -> set[int]:
+    x = env.desktop.x.pid
+    return proctree.session_processes(x, {x, *env.pids}) | {p for p in env.pids if proctree.alive(p)}
+
+
+def _closed_cleanly(env) -> bool:
+    """No process of either side is left and both private directories are gone (polled: a daemon closes a failed
+    session in a worker thread)."""
+    def done():
+        return not _leftovers(env) and not os.path.exists(env._dir) and not os.path.exists(env.desktop._dir)
+    deadline = time.monotonic() + 10
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return done()
+
+
+def _read(path) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_bad_options_and_ids():
+    with pytest.raises(ValueError, match="workspace"):
+        hybrid.make("", {"workspace": "/etc"})       # a client may not name host directories
+    with pytest.raises(ValueError, match="unknown hybrid option"):
+        hybrid.make("", {"colour": "red"})
+    with pytest.raises(ValueError):
+        hybrid.make("", {"max_steps": "0"})
+    with pytest.raises(KeyError):
+        hybrid.make("no_such_task", {})
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = hybrid.make("hello", SMALL)
+    yield e
+    e.close()
+    assert _closed_cleanly(e)
+
+
+def test_workspace_round_trip_between_gui_and_shell(env):
+    r = env.reset(0)
+    ws = env.workspace
+    assert r.images[0].width == 640 and '"xterm" (XTerm)' in r.text and r.text.endswith("/workspace$ ")
+    assert "hello.txt" in r.instruction and os.stat(env._dir).st_mode & 0o777 == 0o711
+    env.step({"type": "click", "target": "xterm"})      # no window manager: keys go to the window under the pointer
+    env.step({"type": "type", "content": "echo gui > from_gui.txt\n"})
+    _poll(lambda: _read(ws / "from_gui.txt") == "gui\n", what="the xterm to write from_gui.txt")
+    r = env.step({"type": "type", "content": "cat from_gui.txt\n", "target": "terminal"})
+    assert "$ cat from_gui.txt\ngui\n[exit 0]" in r.text
+    # The shell may also change what the GUI wrote, and writes files the GUI side sees.
+    r = env.step({"type": "type", "content": "echo more >> from_gui.txt && echo shell > from_shell.txt\n",
+                  "target": "terminal"})
+    assert r.info["terminal"]["exit_status"] == 0 and _read(ws / "from_gui.txt") == "gui\nmore\n"
+    assert _read(ws / "from_shell.txt") == "shell\n"
+    env.step({"type": "type", "content": "cat from_shell.txt > seen_by_gui.txt\n"})    # the xterm reads it
+    _poll(lambda: _read(ws / "seen_by_gui.txt") == "shell\n", what="the xterm to copy from_shell.txt")
+    r = env.step({"type": "finished"})
+    assert r.outcome == "terminated" and r.reward == 0.0 and r.info["success"] is False   # hello.txt was not made
+    assert "hello.txt is missing" in r.info["verifier"]
+    with pytest.raises(ActionError, match="over"):
+        env.step({"type": "wait"})
+    r = env.reset(1)                                     # a new episode: the workspace is empty again
+    assert sorted(os.listdir(ws)) == [] and r.step == 0 and r.outcome == "running"
+
+
+def test_bad_actions_change_neither_side(env):
+    r = env.reset(2)
+    env.step({"type": "type", "content": "echo x", "target": "terminal"})   # pending on the prompt line
+    before = env.observe()
+    for bad in ({"type": "click", "point": [900, 10]}, {"type": "teleport"}, {"type": "hotkey", "key": "ctrl nope"},
+                {"type": "click", "target": "terminal"}, {"type": "hotkey", "key": "alt f4", "target": "terminal"},
+                {"type": "type", "content": "", "target": "terminal"}, {"type": "scroll", "target": "Terminal"},
+                {"type": "type", "content": "a\x07b", "target": "TERMINAL"}):
+        with pytest.raises(ActionError):
+            env.step(bad)
+    after = env.observe()
+    assert (after.text, after.step) == (before.text, before.step) and after.text.endswith("/workspace$ echo x")
+    assert env.terminal.pending == "echo x" and r.step == 0
+
+
+def test_task_solved_through_either_side(env):
+    env.reset(3)
+    env.step({"type": "type", "content": "echo hi > hello.txt\n", "target": "terminal"})
+    r = env.step({"type": "finished"})
+    assert r.reward == 1.0 and r.outcome == "terminated" and r.info["success"] is True
+    env.reset(4)
+    env.step({"type": "click", "target": "xterm"})
+    env.step({"type": "type", "content": "echo hi > hello.txt\n"})
+    _poll(lambda: _read(env.workspace / "hello.txt") == "hi\n", what="the xterm to write hello.txt")
+    r = env.step({"type": "finished"})
+    assert r.reward == 1.0 and r.info["success"] is True
+
+
+def test_dead_sandbox_is_an_infra_failure():
+    e = hybrid.make("", SMALL)
+    try:
+        e.reset(0)
+        os.killpg(e.terminal.sandbox.proc.pid, signal.SIGKILL)
+        _poll(lambda: not e.terminal.sandbox.alive, what="the sandbox to die")
+        with pytest.raises(RuntimeError, match="sandbox") as ei:
+            e.step({"type": "wait"})
+        assert not isinstance(ei.value, ActionError)
+    finally:
+        e.close()
+    assert _closed_cleanly(e)
+
+
+class TestHybridCompliance(EnvCompliance):
+    env_id = "hybrid"
+    options = {**SMALL, "max_steps": "3", "settle_s": "0"}
+    valid_action = {"type": "type", "content": "echo hi\n", "target": "terminal"}
+    invalid_action = {"type": "click", "point": [5000, 5]}
+    max_episode_steps = 4
+
+    def test_concurrent_sessions(self):
+        super().test_concurrent_sessions(n=3)  # each session is an X server, an xterm and a sandbox
+
+
+def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
+    async def body():
+        async with envd_client(gc_interval_s=0.05) as c:
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="hybrid/hello", options=SMALL))).session_id
+            r = await c.Reset(env_pb2.ResetRequest(session_id=sid))
+            assert r.outcome == common_pb2.RUNNING and "hello.txt" in r.observation.instruction
+            env = c.server.servicer.sessions[sid].env
+            os.kill(env.desktop.x.pid, signal.SIGKILL)
+            r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(
+                type="type", content="echo hi > hello.txt\n", target="terminal")))
+            assert r.outcome == common_pb2.INFRA_ERROR and "X server" in r.info_json
+            await expect_code(grpc.StatusCode.NOT_FOUND, c.Observe(env_pb2.SessionRef(session_id=sid)))
+            assert await asyncio.to_thread(_closed_cleanly, env)   # the daemon closes it in a worker thread
+            sid2 = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="hybrid", options=SMALL))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid2))
+            return c.server.servicer.sessions[sid2].env   # still open when the daemon stops
+
+    live = run(body(), timeout=60)
+    assert _closed_cleanly(live)
