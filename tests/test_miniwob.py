@@ -225,8 +225,9 @@ def _chromium_main(env) -> int:
 def test_killed_browser_is_infra_error_and_nothing_outlives_the_daemon():
     async def body():
         async with envd_client(gc_interval_s=0.05) as c:
-            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="miniwob/click-button"))).session_id
-            await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1))
+            # Starting Chromium is the slow part: a generous deadline, so a loaded machine does not fail the test.
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="miniwob/click-button"), timeout=60)).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1), timeout=60)
             env = c.server.servicer.sessions[sid].env
             os.kill(_chromium_main(env), signal.SIGKILL)
             r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="wait")))
@@ -235,11 +236,11 @@ def test_killed_browser_is_infra_error_and_nothing_outlives_the_daemon():
                 session_id=sid, action=env_pb2.Action(type="wait"))))
             assert not await asyncio.to_thread(_session_gone, env)
             # The daemon keeps serving: a new session works, and is still open when the daemon stops.
-            sid2 = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="miniwob/click-button"))).session_id
-            r = await c.Reset(env_pb2.ResetRequest(session_id=sid2, seed=2))
+            sid2 = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="miniwob/click-button"), timeout=60)).session_id
+            r = await c.Reset(env_pb2.ResetRequest(session_id=sid2, seed=2), timeout=60)
             assert r.outcome == common_pb2.RUNNING and r.observation.width == 160
             return c.server.servicer.sessions[sid2].env
         # (leaving the block stops the daemon)
 
-    live = run(body(), timeout=90)
+    live = run(body(), timeout=180)
     assert not _session_gone(live) and not os.path.exists(live._dir)
