@@ -274,8 +274,8 @@ class ModelPolicy(Policy):
             c = getattr(self, name, None)
             if c is not None:
                 await c.close()
-        for c in reversed(self.children):
-            await asyncio.to_thread(c.stop, 15)
+        # Nothing talks to either daemon any more: stop them together (each has its own deadline, then SIGKILL).
+        await asyncio.gather(*(asyncio.to_thread(c.stop, 15) for c in self.children))
         self.children = []
 
 
