@@ -1,4 +1,4 @@
-"""The `tars` command: up | envd | serve | actor | learner | ctl | config."""
+"""The `tars` command: up | eval | envd | serve | actor | learner | ctl | config."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--quiet", action="store_true")
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint, an inference server or a baseline on a suite")
+    _config_args(p)
+    p.add_argument("--suite", help="a shipped suite (builtin, miniwob, miniwob-oracle) or a suite YAML file")
+    p.add_argument("--model", help="checkpoint directory (HF layout), inference host:port, random or oracle")
+    p.add_argument("--out", help="results directory (resumed if it holds episodes of the same suite and model)")
+    p.add_argument("--episodes", type=int, help="episodes per task (overrides the suite)")
+    p.add_argument("--tasks", help="only these tasks (names or env ids), comma-separated")
+    p.add_argument("--concurrency", type=int, default=8, help="episodes run at once")
+    p.add_argument("--tokenizer", default="", help="tars_tokenizer.json (needed with --model host:port)")
+    p.add_argument("--envd", default="", help="use this envd (host:port) instead of starting one")
+    p.add_argument("--retry-infra", action="store_true", help="on resume, run infra-error episodes again")
+    p.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"), help="compare two result directories")
 
     p = sub.add_parser("envd", help="run the environment daemon")
     _config_args(p)
@@ -94,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         from tars.up import up
 
         return up(cfg, a.out, quiet=a.quiet)
+    if a.cmd == "eval":
+        from tars.eval import main as eval_main
+
+        return eval_main(a, cfg)
     if a.cmd == "envd":
         from envd.server import main as envd_main
         from tars.proc import die_with_parent

@@ -1,0 +1,430 @@
+"""`tars eval`: run a policy on a benchmark suite, resumably, and write results.json / results.md / results.png.
+
+    tars eval --suite builtin --model runs/q/final --out evals/q [--episodes K] [--tasks a,b] [--concurrency N]
+    tars eval --compare evals/a evals/b
+
+Policies (--model):
+  a checkpoint directory (HF layout + tars_tokenizer.json)  -> `tars serve` (local engine) started as a child process
+  host:port                                          -> an inference server already running (any engine);
+                                                        --tokenizer names its tars_tokenizer.json
+  random | oracle                                    -> scripted baselines
+
+Model policies run exactly the training path: envd (started as a child `tars envd`, or --envd host:port) holds the
+sessions, actor.episode.run_episode builds the prompts, parses the output and steps the env, and the reward and
+success are the env's own. So evaluation and training cannot disagree about prompts, parsing or rewards.
+
+Scripted baselines need env-side knowledge (the oracle reads the backend's state), which envd does not expose over
+the wire on purpose. They therefore run the backend in-process (envd.registry.make, the same factories envd uses)
+and call its `oracle_action()` / `random_action(rng)`; a backend without `random_action` gets uniform random clicks
+on its screen. Each episode runs in a worker thread under a deadline. An oracle that does not know a task (or a
+page state) ends the episode as a failure with the reason in `error`.
+
+Infra errors (a crashed env, a lost daemon, a failed inference call) are recorded with outcome infra_error, counted
+apart and excluded from every rate. Results are appended to DIR/episodes.jsonl as episodes finish; a rerun of the
+same command skips the (task, episode) pairs already there (--retry-infra re-runs the infra errors).
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import sys
+import time
+import uuid
+
+from tars import evalsuite as S
+from tars.config import RunConfig
+
+ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
+
+
+class EvalError(RuntimeError):
+    pass
+
+
+def _info(info_json: str) -> dict:
+    try:
+        d = json.loads(info_json or "{}")
+        return d if isinstance(d, dict) else {}
+    except ValueError:
+        return {}
+
+
+def _record(task: S.TaskSpec, episode: int, seed: int, outcome: str, success: bool, ret: float, steps: int,
+            error: str, wall_s: float, info: dict) -> dict:
+    r = {"task": task.name, "episode": episode, "env_id": task.env_id, "seed": seed, "outcome": outcome,
+         "success": bool(success) and outcome != S.INFRA, "return": float(ret), "steps": int(steps),
+         "error": error[:500], "wall_s": round(wall_s, 3), "t": time.time()}
+    for k in ("score", "human_score"):
+        if isinstance(info.get(k), (int, float)) and not isinstance(info.get(k), bool):
+            r[k] = float(info[k])
+    return r
+
+
+class Policy(abc.ABC):
+    name: str
+
+    async def start(self, out: pathlib.Path) -> None:
+        pass
+
+    @abc.abstractmethod
+    async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict: ...
+
+    async def close(self) -> None:
+        pass
+
+
+# ---- scripted baselines (in-process backends) -------------------------------------------------------------
+
+class ScriptedPolicy(Policy):
+    def __init__(self, kind: str, cfg: RunConfig, concurrency: int):
+        if kind not in ("oracle", "random"):
+            raise EvalError(f"no scripted policy {kind!r}")
+        self.name, self.cfg = kind, cfg
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, concurrency), thread_name_prefix=f"eval-{kind}")
+
+    def _max_turns(self, task: S.TaskSpec) -> int:
+        return task.max_turns or self.cfg.actor.max_turns
+
+    async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
+        # The whole episode has a deadline: a backend call stuck past it makes the episode an infra error (the
+        # thread cannot be killed; the backend's own command timeouts end it).
+        deadline = self._max_turns(task) * self.cfg.envd.step_timeout_s + 60.0
+        t0 = time.monotonic()
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, self._run, task, episode, seed)
+        try:
+            return await asyncio.wait_for(fut, deadline)
+        except TimeoutError:
+            return _record(task, episode, seed, S.INFRA, False, 0.0, 0, f"episode passed its {deadline:.0f} s deadline",
+                           time.monotonic() - t0, {})
+
+    def _act(self, env, last, rng: random.Random) -> dict:
+        if self.name == "oracle":
+            fn = getattr(env, "oracle_action", None)
+            if fn is None:
+                raise NotImplementedError(f"{env.env_id} has no oracle")
+            return fn()
+        fn = getattr(env, "random_action", None)
+        if fn is not None:
+            return fn(rng)
+        w, h = last.width or 640, last.height or 400
+        return {"type": "click", "point": [rng.uniform(0, w - 1), rng.uniform(0, h - 1)]}
+
+    def _run(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
+        from envd import registry
+        from envd.base import RUNNING, ActionError
+
+        t0 = time.monotonic()
+        rng = random.Random(f"{self.name}-{seed}")
+        env, steps, ret, info, outcome, error = None, 0, 0.0, {}, "truncated", ""
+        try:
+            env = registry.make(task.env_id, task.options)
+            last = env.reset(seed, dict(task.options))
+            info = last.info
+            while steps < self._max_turns(task):
+                try:
+                    action = self._act(env, last, rng)
+                except NotImplementedError as e:  # the oracle gives up: a policy failure, not an infra error
+                    error = f"oracle: {e}"
+                    break
+                steps += 1
+                try:
+                    last = env.step(action)
+                except ActionError as e:  # same accounting as the model path: a wasted turn with a penalty
+                    ret += self.cfg.actor.format_penalty
+                    error = f"action rejected: {e}"
+                    continue
+                ret += last.reward
+                info = last.info
+                if last.outcome != RUNNING:
+                    outcome = last.outcome
+                    break
+            success = bool(info.get("success", False))
+        except Exception as e:  # noqa: BLE001 - any backend failure is an infra error, never a reward of 0
+            return _record(task, episode, seed, S.INFRA, False, ret, steps, f"{type(e).__name__}: {e}",
+                           time.monotonic() - t0, info)
+        finally:
+            if env is not None:
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001 - closing a broken env must not hide the result
+                    pass
+        return _record(task, episode, seed, outcome, success, ret, steps, error, time.monotonic() - t0, info)
+
+    async def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- model policies (envd + inference + actor.episode) ----------------------------------------------------
+
+class _RecordingEnv:
+    """Wraps the shared EnvClient for one episode and keeps the last step's info (score, human_score)."""
+
+    def __init__(self, env):
+        self.env, self.info_json = env, ""
+
+    async def create(self, *a):
+        return await self.env.create(*a)
+
+    async def reset(self, *a):
+        o = await self.env.reset(*a)
+        self.info_json = o.info_json
+        return o
+
+    async def step(self, *a, **kw):
+        o = await self.env.step(*a, **kw)
+        self.info_json = o.info_json
+        return o
+
+    async def close_session(self, sid):
+        await self.env.close_session(sid)
+
+
+class ModelPolicy(Policy):
+    def __init__(self, model: str, cfg: RunConfig, tokenizer: str = "", envd: str = ""):
+        self.cfg, self.model, self.envd_addr = cfg, model, envd
+        p = pathlib.Path(model)
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise EvalError(f"{model}: not an HF-layout checkpoint (no config.json)")
+            self.checkpoint = p.resolve()
+            self.tokenizer = tokenizer or str(p / "tars_tokenizer.json")
+            self.inference_addr = ""
+        elif ADDRESS.match(model):
+            if not tokenizer:
+                raise EvalError("--model host:port needs --tokenizer (the policy's tars_tokenizer.json)")
+            self.checkpoint, self.tokenizer, self.inference_addr = None, tokenizer, model
+        else:
+            raise EvalError(f"--model {model!r}: not a checkpoint directory, a host:port address, 'random' or 'oracle'")
+        if not pathlib.Path(self.tokenizer).is_file():
+            raise EvalError(f"tokenizer {self.tokenizer} does not exist")
+        self.name = str(self.checkpoint or model)
+        self.children = []
+
+    async def start(self, out: pathlib.Path) -> None:
+        from actor.envclient import EnvClient
+        from actor.episode import EpisodeContext
+        from inference_server.client import InferenceClient
+        from tars import config as C
+        from tars.tokenizer import Tokenizer
+        from tars.up import Child
+
+        run = out / "run"
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        run.mkdir(exist_ok=True)
+        for f in run.glob("*.json"):
+            f.unlink()
+        C.save(self.cfg, out / "config.yaml")
+        py, conf = [sys.executable, "-m", "tars.cli"], ["--config", str(out / "config.yaml")]
+        try:
+            pending = []
+            if not self.envd_addr:
+                c = Child("envd", [*py, "envd", *conf, "--ready-file", str(run / "envd.json")], out, run / "envd.json")
+                self.children.append(c)
+                pending.append(("envd", c, 60))
+            if not self.inference_addr:
+                c = Child("inference", [*py, "serve", *conf, "--model", str(self.checkpoint), "--ready-file",
+                                        str(run / "inference.json")], out, run / "inference.json")
+                self.children.append(c)
+                pending.append(("inference", c, 120))
+            for role, c, timeout in pending:
+                addr = (await asyncio.to_thread(c.wait_ready, timeout))["address"]
+                if role == "envd":
+                    self.envd_addr = addr
+                else:
+                    self.inference_addr = addr
+        except Exception as e:
+            await self.close()
+            raise EvalError(str(e)) from None
+        a = self.cfg.actor
+        self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries)
+        self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries)
+        self.tok = Tokenizer.load(self.tokenizer)
+        self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval")
+
+    async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
+        from actor.episode import run_episode
+
+        # Per-task step budget and env options; everything else (temperature, penalties, parse rules) is the
+        # training config's, so a checkpoint is scored the way it was trained.
+        acfg = dataclasses.replace(self.cfg.actor, max_turns=task.max_turns or self.cfg.actor.max_turns,
+                                   env_options={**self.cfg.actor.env_options, **task.options})
+        env = _RecordingEnv(self.env)
+        t0 = time.monotonic()
+        tid = f"eval-{episode:06d}-{uuid.uuid4().hex[:8]}"
+        try:
+            tr = await run_episode(self._ctx(acfg), env, tid, task.env_id, seed, 0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. CreateSession refused the options: not a policy failure
+            return _record(task, episode, seed, S.INFRA, False, 0.0, 0, f"{type(e).__name__}: {e}",
+                           time.monotonic() - t0, {})
+        return _record(task, episode, seed, tr.outcome, tr.success, tr.ret, len(tr.turns), tr.error,
+                       time.monotonic() - t0, _info(env.info_json))
+
+    async def close(self) -> None:
+        for name in ("infer", "env"):
+            c = getattr(self, name, None)
+            if c is not None:
+                await c.close()
+        # Nothing talks to either daemon any more: stop them together (each has its own deadline, then SIGKILL).
+        await asyncio.gather(*(asyncio.to_thread(c.stop, 15) for c in self.children))
+        self.children = []
+
+
+def make_policy(model: str, cfg: RunConfig, concurrency: int, tokenizer: str = "", envd: str = "") -> Policy:
+    if model in ("random", "oracle"):
+        return ScriptedPolicy(model, cfg, concurrency)
+    return ModelPolicy(model, cfg, tokenizer, envd)
+
+
+# ---- the runner -------------------------------------------------------------------------------------------
+
+def _open_log(path: pathlib.Path):
+    # A crash can leave half a line: cut it off so the next record starts on a line of its own.
+    if path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+    return open(path, "ab")
+
+
+def _check_meta(out: pathlib.Path, meta: dict) -> None:
+    p = out / "eval.json"
+    if p.exists():
+        old = json.loads(p.read_text())
+        for k in ("suite", "model"):
+            if old.get(k) != meta[k]:
+                raise EvalError(f"{out} holds an evaluation of {k} {old.get(k)!r}, not {meta[k]!r}: "
+                                "use another --out (results are resumed from the directory)")
+    p.write_text(json.dumps(meta, indent=2))
+
+
+async def evaluate(suite: S.Suite, policy: Policy, out: str | pathlib.Path, concurrency: int = 8,
+                   retry_infra: bool = False, stop: asyncio.Event | None = None, say=print) -> dict:
+    """Run every (task, episode) not yet in out/episodes.jsonl, then write the results. Returns results.json."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"suite": suite.name, "suite_path": suite.path, "model": policy.name}
+    _check_meta(out, meta)
+    log_path = out / "episodes.jsonl"
+    done = S.latest(S.read_episodes(log_path))
+    todo = [(t, i) for i in range(max(t.episodes for t in suite.tasks)) for t in suite.tasks  # round-robin: a
+            if i < t.episodes and ((t.name, i) not in done or (retry_infra and done[(t.name, i)]["outcome"] == S.INFRA))]
+    total = sum(t.episodes for t in suite.tasks)
+    stop = stop or asyncio.Event()
+    n_done = {"new": 0, "ok": 0, "scored": 0, "infra": 0}
+    t0 = time.monotonic()
+    tty = sys.stdout.isatty()
+    last_line = [0.0]
+
+    def progress(final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - last_line[0] < (0.5 if tty else 10.0):
+            return
+        last_line[0] = now
+        el = now - t0
+        rate = n_done["new"] / el if el > 0 else 0.0
+        left = len(todo) - n_done["new"]
+        sr = n_done["ok"] / n_done["scored"] if n_done["scored"] else None
+        line = (f"[tars eval] {total - left}/{total} episodes  success={'-' if sr is None else f'{sr:.3f}'}  "
+                f"infra_errors={n_done['infra']}  {rate:.2f} ep/s  eta {left / rate if rate else 0:.0f}s")
+        if tty and say is print:
+            print("\r\033[K" + line, end="\n" if final else "", flush=True)
+        elif say:
+            say(line)
+
+    if done:
+        say and say(f"[tars eval] resuming: {total - len(todo)}/{total} episodes already in {log_path}")
+    it = iter(todo)
+    with _open_log(log_path) as log:
+        async def worker() -> None:
+            for task, i in it:
+                if stop.is_set():
+                    return
+                rec = await policy.episode(task, i, suite.seed_of(task.name, i))
+                log.write((json.dumps(rec) + "\n").encode())
+                log.flush()
+                os.fsync(log.fileno())  # a finished episode survives a crash of this process
+                n_done["new"] += 1
+                if rec["outcome"] == S.INFRA:
+                    n_done["infra"] += 1
+                else:
+                    n_done["scored"] += 1
+                    n_done["ok"] += int(rec["success"])
+                progress()
+
+        workers = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(todo))))]
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            running = set(workers)
+            while running and not stop.is_set():
+                _, running = await asyncio.wait([*running, stopper], return_when=asyncio.FIRST_COMPLETED)
+                running.discard(stopper)
+        finally:
+            stopper.cancel()
+            for w in workers:  # interrupted: episodes in flight are abandoned and run again on resume
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            for w in workers:
+                if not w.cancelled() and w.exception() is not None:
+                    raise w.exception()
+    progress(final=True)
+    res = S.summarise(suite, S.read_episodes(log_path), {**meta, "complete": not stop.is_set()})
+    S.write_results(out, res)
+    return res
+
+
+def main(a, cfg: RunConfig) -> int:
+    """The `tars eval` command (arguments from tars.cli)."""
+    if a.compare:
+        try:
+            text = S.compare(a.compare[0], a.compare[1], a.out)
+        except S.SuiteError as e:
+            print(f"tars eval: {e}", file=sys.stderr)
+            return 2
+        print(text, end="")
+        return 0
+    if not (a.suite and a.model and a.out):
+        print("tars eval: --suite, --model and --out are needed (or --compare DIR_A DIR_B)", file=sys.stderr)
+        return 2
+    try:
+        only = [x for x in (a.tasks or "").split(",") if x]
+        suite = S.load_suite(a.suite, a.episodes, only or None)
+        S.check_env_ids(suite)
+        policy = make_policy(a.model, cfg, a.concurrency, a.tokenizer, a.envd)
+    except (S.SuiteError, EvalError) as e:
+        print(f"tars eval: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_run(suite, policy, a.out, a.concurrency, a.retry_infra))
+
+
+async def _run(suite: S.Suite, policy: Policy, out: str, concurrency: int, retry_infra: bool) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await policy.start(pathlib.Path(out).resolve())
+        res = await evaluate(suite, policy, out, concurrency, retry_infra, stop)
+    except EvalError as e:
+        print(f"tars eval: {e}", file=sys.stderr)
+        return 2
+    finally:
+        await policy.close()
+    o = res["overall"]
+    sr = "-" if o["success_rate"] is None else f"{o['success_rate']:.3f}"
+    print(f"[tars eval] {suite.name} / {policy.name}: success {sr} over {o['tasks']} tasks, "
+          f"{o['scored']} scored episodes, {o['infra_errors']} infra errors; wrote {out}/results.json, results.md, results.png")
+    if not res["complete"]:
+        print(f"[tars eval] interrupted after {o['episodes']}/{o['planned']} episodes: rerun the same command to resume")
+        return 130
+    return 0

@@ -1,0 +1,314 @@
+"""Benchmark suites and their results: suite files -> task list; episodes.jsonl -> results.json / .md / .png;
+two result directories -> a comparison.
+
+A suite is a YAML file (shipped ones live in tars/suites/, users pass their own path):
+
+    name: builtin
+    description: the built-in widget tasks
+    episodes: 20            # per task, unless a task says otherwise (the CLI's --episodes overrides all)
+    max_turns: 6            # step budget per episode (default: the config's actor.max_turns)
+    seed: 0                 # episode i of task t always gets the same env seed, whatever the policy
+    options: {}             # env options for every task (CreateSession options)
+    tasks:
+      - builtin/click                       # a bare env id
+      - env: builtin/menu                   # or a mapping
+        name: menu-long                     # result key (default: the env id); must be unique
+        episodes: 10
+        max_turns: 8
+        options: {max_steps: 8}
+        human_score: 120.0                  # optional: reported as a human-normalised score
+
+Human-normalised score: when a task has a human score (from the suite, or `human_score` in the env's final info),
+each episode's agent score (the env's `score` in its final info if it reports one, else the episode return) is
+averaged per task, normalised = 100 * agent / human, and the overall figure averages that over such tasks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+SUITES = pathlib.Path(__file__).parent / "suites"
+INFRA = "infra_error"
+
+
+class SuiteError(ValueError):
+    """A suite file is missing or malformed; the message says which file and which entry."""
+
+
+@dataclass
+class TaskSpec:
+    name: str
+    env_id: str
+    episodes: int
+    max_turns: int | None = None
+    options: dict[str, str] = field(default_factory=dict)
+    human_score: float | None = None
+
+
+@dataclass
+class Suite:
+    name: str
+    path: str
+    tasks: list[TaskSpec]
+    seed: int = 0
+    description: str = ""
+
+    def seed_of(self, task: str, episode: int) -> int:
+        # Stable across runs and policies (not Python's salted hash): baselines and models see the same episodes.
+        h = hashlib.sha256(f"{self.seed}:{task}:{episode}".encode()).digest()
+        return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in SUITES.glob("*.yaml"))
+
+
+def _positive_int(v: Any, what: str, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise SuiteError(f"{where}: {what} must be a positive integer, got {v!r}")
+    return v
+
+
+def _options(v: Any, where: str) -> dict[str, str]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise SuiteError(f"{where}: options must be a mapping of name -> value, got {type(v).__name__}")
+    return {str(k): str(x) for k, x in v.items()}
+
+
+def load_suite(name_or_path: str, episodes: int | None = None, only: list[str] | None = None) -> Suite:
+    """Load a shipped suite by name or a suite file by path; `episodes` overrides every task's count; `only`
+    keeps the named tasks (by name or env id) and fails on names the suite does not have."""
+    p = pathlib.Path(name_or_path)
+    if not p.suffix and not p.exists():
+        p = SUITES / f"{name_or_path}.yaml"
+        if not p.exists():
+            raise SuiteError(f"no suite {name_or_path!r}: shipped suites are {available()}; or pass a YAML file path")
+    if not p.is_file():
+        raise SuiteError(f"suite file {str(p)!r} does not exist")
+    try:
+        d = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise SuiteError(f"{p}: not valid YAML: {e}") from None
+    where = str(p)
+    if not isinstance(d, dict) or not isinstance(d.get("tasks"), list) or not d["tasks"]:
+        raise SuiteError(f"{where}: a suite is a mapping with a non-empty `tasks` list")
+    unknown = set(d) - {"name", "description", "episodes", "max_turns", "seed", "options", "tasks"}
+    if unknown:
+        raise SuiteError(f"{where}: unknown keys {sorted(unknown)}")
+    default_eps = _positive_int(d.get("episodes", 10), "episodes", where)
+    default_turns = d.get("max_turns")
+    if default_turns is not None:
+        _positive_int(default_turns, "max_turns", where)
+    base_opts = _options(d.get("options"), where)
+    seed = d.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SuiteError(f"{where}: seed must be an integer, got {seed!r}")
+    tasks: list[TaskSpec] = []
+    for i, t in enumerate(d["tasks"]):
+        at = f"{where}: tasks[{i}]"
+        if isinstance(t, str):
+            t = {"env": t}
+        if not isinstance(t, dict) or not isinstance(t.get("env"), str) or not t["env"].strip():
+            raise SuiteError(f"{at}: a task is an env id string or a mapping with an `env` id, got {t!r}")
+        bad = set(t) - {"env", "name", "episodes", "max_turns", "options", "human_score"}
+        if bad:
+            raise SuiteError(f"{at}: unknown keys {sorted(bad)}")
+        hs = t.get("human_score")
+        if hs is not None and (isinstance(hs, bool) or not isinstance(hs, (int, float)) or hs == 0):
+            raise SuiteError(f"{at}: human_score must be a non-zero number, got {hs!r}")
+        mt = t.get("max_turns", default_turns)
+        tasks.append(TaskSpec(
+            name=str(t.get("name") or t["env"]).strip(), env_id=t["env"].strip(),
+            episodes=_positive_int(t.get("episodes", default_eps), "episodes", at),
+            max_turns=None if mt is None else _positive_int(mt, "max_turns", at),
+            options={**base_opts, **_options(t.get("options"), at)},
+            human_score=None if hs is None else float(hs)))
+    names = [t.name for t in tasks]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise SuiteError(f"{where}: task names must be unique; repeated: {dup} (give repeats a `name`)")
+    if only:
+        known = {t.name for t in tasks} | {t.env_id for t in tasks}
+        missing = [x for x in only if x not in known]
+        if missing:
+            raise SuiteError(f"{where}: --tasks names {missing} are not in the suite")
+        tasks = [t for t in tasks if t.name in only or t.env_id in only]
+    if episodes is not None:
+        tasks = [dataclasses.replace(t, episodes=_positive_int(episodes, "--episodes", "command line")) for t in tasks]
+    return Suite(name=str(d.get("name") or p.stem), path=str(p.resolve()), tasks=tasks, seed=seed,
+                 description=str(d.get("description") or ""))
+
+
+def check_env_ids(suite: Suite) -> None:
+    """Every task's env id must have a backend (checked before anything starts)."""
+    from envd import registry
+
+    for t in suite.tasks:
+        try:
+            registry.resolve(t.env_id)
+        except KeyError as e:
+            raise SuiteError(f"{suite.path}: task {t.name!r}: {e.args[0]}") from None
+
+
+# ---- episodes.jsonl ---------------------------------------------------------------------------------------
+
+def read_episodes(path: pathlib.Path) -> list[dict]:
+    """Every whole record; a line cut short by a crash is skipped."""
+    out = []
+    if path.exists():
+        for line in path.read_bytes().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and "task" in r and "episode" in r:
+                out.append(r)
+    return out
+
+
+def latest(records: list[dict]) -> dict[tuple[str, int], dict]:
+    """(task, episode) -> its last record (a retried infra_error is replaced by the retry)."""
+    return {(r["task"], int(r["episode"])): r for r in records}
+
+
+# ---- aggregation ------------------------------------------------------------------------------------------
+
+def _mean(xs: list[float]) -> float | None:
+    return float(sum(xs) / len(xs)) if xs else None
+
+
+def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> dict:
+    """results.json: per task and overall. Infra errors are counted apart and left out of every rate."""
+    by = latest(records)
+    tasks: dict[str, dict] = {}
+    norm: list[float] = []
+    for t in suite.tasks:
+        rs = [r for (name, i), r in sorted(by.items()) if name == t.name and i < t.episodes]
+        ok = [r for r in rs if r["outcome"] != INFRA]
+        human = t.human_score
+        if human is None:
+            hs = [r["human_score"] for r in ok if isinstance(r.get("human_score"), (int, float)) and r["human_score"]]
+            human = _mean(hs)
+        row = {
+            "env_id": t.env_id, "planned": t.episodes, "episodes": len(rs), "scored": len(ok),
+            "infra_errors": len(rs) - len(ok),
+            "success_rate": _mean([float(bool(r["success"])) for r in ok]),
+            "mean_return": _mean([float(r["return"]) for r in ok]),
+            "mean_steps": _mean([float(r["steps"]) for r in ok]),
+        }
+        if human is not None:
+            agent = _mean([float(r["score"] if r.get("score") is not None else r["return"]) for r in ok])
+            row["human_score"] = human
+            row["agent_score"] = agent
+            row["normalised_score"] = None if agent is None else 100.0 * agent / human
+            if row["normalised_score"] is not None:
+                norm.append(row["normalised_score"])
+        tasks[t.name] = row
+    scored = [r for r in tasks.values() if r["success_rate"] is not None]
+    all_ok = [r for k, r in by.items() if r["outcome"] != INFRA and k[0] in tasks]
+    overall = {
+        "tasks": len(tasks), "episodes": sum(r["episodes"] for r in tasks.values()),
+        "planned": sum(r["planned"] for r in tasks.values()),
+        "scored": sum(r["scored"] for r in tasks.values()),
+        "infra_errors": sum(r["infra_errors"] for r in tasks.values()),
+        # the suite's headline: every task weighs the same, however many episodes it ran
+        "success_rate": _mean([r["success_rate"] for r in scored]),
+        "episode_success_rate": _mean([float(bool(r["success"])) for r in all_ok]),
+        "mean_return": _mean([r["mean_return"] for r in scored]),
+        "mean_steps": _mean([r["mean_steps"] for r in scored]),
+    }
+    if norm:
+        overall["normalised_score"] = _mean(norm)
+        overall["normalised_tasks"] = len(norm)
+    return {"suite": suite.name, **(meta or {}), "overall": overall, "tasks": tasks}
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def markdown(res: dict) -> str:
+    has_norm = any("normalised_score" in r for r in res["tasks"].values())
+    head = ["task", "episodes", "success", "mean return", "mean steps", "infra errors"] + (["normalised"] if has_norm else [])
+    lines = [f"# {res['suite']}: {res.get('model', '')}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = [*res["tasks"].items(), ("**overall**", res["overall"])]
+    for name, r in rows:
+        cells = [name, str(r["episodes"]), _f(r["success_rate"]), _f(r["mean_return"]), _f(r["mean_steps"], ".2f"),
+                 str(r["infra_errors"])]
+        if has_norm:
+            cells.append(_f(r.get("normalised_score"), ".1f"))
+        lines.append("| " + " | ".join(cells) + " |")
+    o = res["overall"]
+    lines += ["", f"Overall success is the mean of per-task success rates over {o['tasks']} tasks "
+              f"({o['scored']} scored episodes; {o['infra_errors']} infra errors excluded)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["tasks"])
+    vals = [res["tasks"][n]["success_rate"] or 0.0 for n in names]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * len(names) + 2), 4.5))
+    ax.bar(range(len(names)), vals, color="tab:blue")
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=7 if len(names) > 20 else 9)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("success rate (infra errors excluded)")
+    o = res["overall"]
+    ax.set_title(f"{res['suite']} - {res.get('model', '')}: overall {_f(o['success_rate'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_results(out: pathlib.Path, res: dict) -> None:
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(res, indent=2))
+    tmp.replace(out / "results.json")
+    (out / "results.md").write_text(markdown(res))
+    plot(res, out / "results.png")
+
+
+# ---- comparison -------------------------------------------------------------------------------------------
+
+def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
+    """A side-by-side Markdown table of two results.json (B - A per task), also written to OUT/compare.md
+    (default: DIR_B/compare.md)."""
+    res = []
+    for d in (dir_a, dir_b):
+        p = pathlib.Path(d) / "results.json"
+        if not p.is_file():
+            raise SuiteError(f"{d}: no results.json (run `tars eval ... --out {d}` first)")
+        res.append(json.loads(p.read_text()))
+    a, b = res
+    la, lb = a.get("model", dir_a), b.get("model", dir_b)
+    lines = [f"# compare: A = {la} ({dir_a}), B = {lb} ({dir_b})", "",
+             "| task | A success | B success | B - A | A return | B return | A infra | B infra |",
+             "|---|---|---|---|---|---|---|---|"]
+    names = list(a["tasks"]) + [n for n in b["tasks"] if n not in a["tasks"]]
+    for n, ra, rb in [*((n, a["tasks"].get(n), b["tasks"].get(n)) for n in names),
+                      ("**overall**", a["overall"], b["overall"])]:
+        sa = ra["success_rate"] if ra else None
+        sb = rb["success_rate"] if rb else None
+        diff = None if sa is None or sb is None else sb - sa
+        lines.append(f"| {n} | {_f(sa)} | {_f(sb)} | {'-' if diff is None else f'{diff:+.3f}'} | "
+                     f"{_f(ra['mean_return'] if ra else None)} | {_f(rb['mean_return'] if rb else None)} | "
+                     f"{ra['infra_errors'] if ra else '-'} | {rb['infra_errors'] if rb else '-'} |")
+    text = "\n".join(lines) + "\n"
+    dest = pathlib.Path(out or dir_b)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "compare.md").write_text(text)
+    return text

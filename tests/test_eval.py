@@ -1,0 +1,298 @@
+"""`tars eval`: suites, scripted baselines, a real checkpoint through envd + inference, resume, infra-error
+accounting, human-normalised scores, comparison, and clear errors for bad suites."""
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from envd import registry
+from envd.base import RUNNING, TERMINATED, ActionError, Env, StepResult
+from tars import config as C
+from tars import eval as E
+from tars import evalsuite as S
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _suite(tmp_path, text: str, name: str = "suite.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(x) for x in pathlib.Path(path).read_text().splitlines()]
+
+
+def _run(suite, policy, out, **kw):
+    return asyncio.run(E.evaluate(suite, policy, out, say=None, **kw))
+
+
+# ---- a fake backend the tests register: succeeds on "click OK"; crashes on odd seeds; optional slowness -----
+
+class FakeEnv(Env):
+    actions: list = []
+    lock = threading.Lock()
+
+    def __init__(self, name: str, options: dict):
+        self.mode = name
+        self.delay = float(options.get("delay", 0))
+        self.seed = 0
+
+    def reset(self, seed, options=None):
+        self.seed = seed
+        return StepResult(text="[button OK]", instruction="click OK", width=100, height=50)
+
+    def step(self, action):
+        time.sleep(self.delay)
+        with FakeEnv.lock:
+            FakeEnv.actions.append(action)
+        if self.mode == "crashy" and self.seed % 2:
+            raise RuntimeError("the browser died")
+        if action.get("type") != "click":
+            raise ActionError("only clicks here")
+        info = {"success": True}
+        if self.mode == "game":  # a game that reports its score and a human reference
+            info.update(score=float(self.seed % 10), human_score=20.0)
+        return StepResult(text="done", instruction="click OK", reward=1.0, outcome=TERMINATED, info=info)
+
+    def oracle_action(self):
+        return {"type": "click", "target": "OK"}
+
+
+@pytest.fixture
+def fake_env():
+    registry.register("evaltest", lambda name, opts: FakeEnv(name, opts), ["ok", "crashy", "game"])
+    FakeEnv.actions = []
+    yield
+    registry.unregister("evaltest")
+
+
+def _cfg():
+    return C.load(None, None, [])
+
+
+# ---- scripted baselines -----------------------------------------------------------------------------------
+
+def test_builtin_suite_oracle_solves_and_random_does_not(tmp_path):
+    suite = S.load_suite("builtin", episodes=10)
+    assert [t.env_id for t in suite.tasks] == ["builtin/click", "builtin/menu", "builtin/form", "builtin/dialog"]
+    cfg = _cfg()
+    oracle = _run(suite, E.ScriptedPolicy("oracle", cfg, 4), tmp_path / "oracle")
+    rand = _run(suite, E.ScriptedPolicy("random", cfg, 4), tmp_path / "random")
+    assert oracle["overall"]["success_rate"] == 1.0 and oracle["overall"]["episodes"] == 40
+    assert oracle["tasks"]["builtin/menu"]["mean_steps"] == 2.0
+    assert rand["overall"]["success_rate"] < 0.4 and rand["overall"]["infra_errors"] == 0
+    # both policies saw the same episodes (seeds depend on the suite, task and index only)
+    seeds = lambda d: {(r["task"], r["episode"]): r["seed"] for r in _lines(d / "episodes.jsonl")}  # noqa: E731
+    assert seeds(tmp_path / "oracle") == seeds(tmp_path / "random")
+    for d in ("oracle", "random"):
+        res = json.loads((tmp_path / d / "results.json").read_text())
+        assert res["model"] == d and set(res["tasks"]) == {t.name for t in suite.tasks}
+        assert "| builtin/click | 10 |" in (tmp_path / d / "results.md").read_text()
+        assert (tmp_path / d / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_random_policy_clicks_inside_the_screen_of_a_backend_without_random_action(tmp_path, fake_env):
+    suite = S.load_suite(_suite(tmp_path, "episodes: 5\ntasks: [evaltest/ok]\n"))
+    res = _run(suite, E.ScriptedPolicy("random", _cfg(), 2), tmp_path / "out")
+    assert res["overall"]["success_rate"] == 1.0
+    assert len(FakeEnv.actions) == 5
+    for a in FakeEnv.actions:
+        assert a["type"] == "click" and 0 <= a["point"][0] < 100 and 0 <= a["point"][1] < 50
+
+
+# ---- infra errors -----------------------------------------------------------------------------------------
+
+def test_infra_errors_are_counted_apart_and_excluded_from_rates(tmp_path, fake_env):
+    suite = S.load_suite(_suite(tmp_path, "episodes: 12\ntasks: [evaltest/crashy, evaltest/ok]\n"))
+    crashes = sum(suite.seed_of("evaltest/crashy", i) % 2 for i in range(12))
+    assert 0 < crashes < 12  # the seeds exercise both paths
+    res = _run(suite, E.ScriptedPolicy("oracle", _cfg(), 3), tmp_path / "out")
+    t = res["tasks"]["evaltest/crashy"]
+    assert t["infra_errors"] == crashes and t["scored"] == 12 - crashes and t["episodes"] == 12
+    assert t["success_rate"] == 1.0  # the crashes are not failures
+    assert res["overall"]["infra_errors"] == crashes and res["overall"]["success_rate"] == 1.0
+    bad = [r for r in _lines(tmp_path / "out" / "episodes.jsonl") if r["outcome"] == "infra_error"]
+    assert len(bad) == crashes and all("the browser died" in r["error"] and not r["success"] for r in bad)
+
+
+# ---- resume -----------------------------------------------------------------------------------------------
+
+def test_interrupted_run_resumes_without_rerunning_finished_episodes(tmp_path, fake_env):
+    suite = S.load_suite(_suite(tmp_path, "episodes: 6\noptions: {delay: 0.05}\ntasks: [evaltest/ok, evaltest/game]\n"))
+    out = tmp_path / "out"
+    log = out / "episodes.jsonl"
+
+    async def interrupted():
+        stop = asyncio.Event()
+
+        async def stop_after_some():
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+                await asyncio.sleep(0.01)
+            stop.set()
+
+        s = asyncio.create_task(stop_after_some())
+        res = await E.evaluate(suite, E.ScriptedPolicy("oracle", _cfg(), 2), out, concurrency=2, stop=stop, say=None)
+        await s
+        return res
+
+    res = asyncio.run(interrupted())
+    first = _lines(log)
+    assert 3 <= len(first) < 12 and res["complete"] is False
+    assert res["overall"]["episodes"] == len(first)
+    with open(log, "ab") as f:  # a crash in the middle of a write leaves half a line
+        f.write(b'{"task": "evaltest/ok", "epis')
+    FakeEnv.actions = []
+    res = _run(suite, E.ScriptedPolicy("oracle", _cfg(), 2), out, concurrency=2)
+    after = _lines(log)
+    assert res["complete"] is True and res["overall"]["episodes"] == 12
+    assert len(after) == 12 and after[:len(first)] == first
+    assert len({(r["task"], r["episode"]) for r in after}) == 12
+    assert len(FakeEnv.actions) == 12 - len(first)  # only the missing episodes ran
+    # a third run has nothing left to do
+    FakeEnv.actions = []
+    _run(suite, E.ScriptedPolicy("oracle", _cfg(), 2), out)
+    assert FakeEnv.actions == [] and len(_lines(log)) == 12
+
+
+def test_resuming_into_a_directory_of_another_model_is_refused(tmp_path):
+    suite = S.load_suite("builtin", episodes=1, only=["builtin/click"])
+    _run(suite, E.ScriptedPolicy("oracle", _cfg(), 1), tmp_path)
+    with pytest.raises(E.EvalError, match="model 'oracle', not 'random'"):
+        _run(suite, E.ScriptedPolicy("random", _cfg(), 1), tmp_path)
+
+
+# ---- human-normalised scores ------------------------------------------------------------------------------
+
+def test_normalised_score_from_env_info_and_from_the_suite(tmp_path, fake_env):
+    suite = S.load_suite(_suite(tmp_path, "episodes: 4\ntasks:\n  - evaltest/game\n"
+                                          "  - {env: evaltest/ok, human_score: 4}\n  - builtin/click\n"))
+    res = _run(suite, E.ScriptedPolicy("oracle", _cfg(), 2), tmp_path / "out")
+    game = res["tasks"]["evaltest/game"]
+    agent = sum(suite.seed_of("evaltest/game", i) % 10 for i in range(4)) / 4  # the env's `score`, not the return
+    assert game["agent_score"] == pytest.approx(agent) and game["human_score"] == 20.0
+    assert game["normalised_score"] == pytest.approx(100 * agent / 20)
+    ok = res["tasks"]["evaltest/ok"]  # no score in info: the return (1.0) against the suite's human score
+    assert ok["normalised_score"] == pytest.approx(25.0)
+    assert "normalised_score" not in res["tasks"]["builtin/click"]
+    assert res["overall"]["normalised_tasks"] == 2
+    assert res["overall"]["normalised_score"] == pytest.approx((100 * agent / 20 + 25.0) / 2)
+    assert "| normalised |" in (tmp_path / "out" / "results.md").read_text()
+
+
+# ---- compare ----------------------------------------------------------------------------------------------
+
+def test_compare_prints_and_writes_per_task_differences(tmp_path):
+    suite = S.load_suite("builtin", episodes=8)
+    _run(suite, E.ScriptedPolicy("random", _cfg(), 2), tmp_path / "a")
+    _run(suite, E.ScriptedPolicy("oracle", _cfg(), 2), tmp_path / "b")
+    r = subprocess.run([sys.executable, "-m", "tars.cli", "eval", "--compare", str(tmp_path / "a"), str(tmp_path / "b")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    row = next(x for x in r.stdout.splitlines() if x.startswith("| builtin/form |"))
+    diff = 1.0 - a["tasks"]["builtin/form"]["success_rate"]
+    assert f"{diff:+.3f}" in row and "| 1.000 |" in row
+    assert (tmp_path / "b" / "compare.md").read_text() == r.stdout
+    assert "**overall**" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tars.cli", "eval", "--compare", str(tmp_path / "a"), str(tmp_path / "nope")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no results.json" in r.stderr
+
+
+# ---- bad suites -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,message", [
+    ("tasks: []\n", "non-empty `tasks` list"),
+    ("- builtin/click\n", "non-empty `tasks` list"),
+    ("tasks: [builtin/click]\nepisodes: 0\n", "episodes must be a positive integer"),
+    ("tasks: [{name: x}]\n", "tasks[0]: a task is an env id"),
+    ("tasks: [{env: builtin/click, episods: 3}]\n", "unknown keys ['episods']"),
+    ("tasks: [builtin/click, builtin/click]\n", "repeated: ['builtin/click']"),
+    ("tasks: [builtin/click\n", "not valid YAML"),
+    ("tasks: [{env: builtin/click, human_score: 0}]\n", "human_score must be a non-zero number"),
+])
+def test_bad_suite_files_give_clear_errors(tmp_path, text, message):
+    with pytest.raises(S.SuiteError) as e:
+        S.load_suite(_suite(tmp_path, text))
+    assert message in str(e.value) and "suite.yaml" in str(e.value)
+
+
+def test_unknown_suites_tasks_and_env_ids_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(S.SuiteError, match="shipped suites are .*builtin.*miniwob"):
+        S.load_suite("no-such-suite")
+    with pytest.raises(S.SuiteError, match=r"--tasks names \['builtin/nope'\]"):
+        S.load_suite("builtin", only=["builtin/nope"])
+    with pytest.raises(S.SuiteError, match="unknown env id 'nobackend/x'"):
+        S.check_env_ids(S.load_suite(_suite(tmp_path, "tasks: [nobackend/x]\n")))
+    r = subprocess.run([sys.executable, "-m", "tars.cli", "eval", "--suite", _suite(tmp_path, "tasks: 3\n"),
+                        "--model", "oracle", "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "tars eval:" in r.stderr and "tasks" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_shipped_suites_load_and_name_registered_backends():
+    for name in S.available():
+        suite = S.load_suite(name)
+        S.check_env_ids(suite)
+    from envd.miniwob_oracle import ORACLE_TASKS
+
+    assert {t.env_id for t in S.load_suite("miniwob-oracle").tasks} == {f"miniwob/{t}" for t in ORACLE_TASKS}
+    assert len(S.load_suite("miniwob").tasks) == 128
+
+
+# ---- a real checkpoint through envd + inference + run_episode ---------------------------------------------
+
+def _tiny_checkpoint(path: pathlib.Path) -> pathlib.Path:
+    from envd import builtin
+    from tars.model import CausalLM, DecoderConfig
+    from tars.tokenizer import Tokenizer
+
+    tok = Tokenizer.build(builtin.VOCABULARY)
+    dc = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                       bos_token_id=tok.eos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    CausalLM(dc).init_weights(0, 0.02).save_hf(path, extra_files={"tars_tokenizer.json": tok.to_json()})
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (ProcessLookupError, OSError):
+        return False
+
+
+def test_fresh_checkpoint_runs_through_envd_and_inference(tmp_path):
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "tars.cli", "eval", "--suite", "builtin", "--model", str(ckpt),
+                        "--out", str(out), "--episodes", "2", "--tasks", "builtin/click,builtin/menu",
+                        "--concurrency", "4"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"] == str(ckpt.resolve()) and res["complete"] is True
+    assert set(res["tasks"]) == {"builtin/click", "builtin/menu"}
+    assert res["overall"]["episodes"] == 4 and res["overall"]["infra_errors"] == 0
+    recs = _lines(out / "episodes.jsonl")
+    # the model generated every turn (the suite's max_turns of 6 bounds them); an untrained model mostly writes
+    # text that does not parse, which costs the format penalty per turn, exactly as in training
+    assert len(recs) == 4 and all(1 <= r["steps"] <= 6 for r in recs)
+    assert all(r["return"] >= 6 * C.load(None, None, []).actor.format_penalty - 1e-9 for r in recs)
+    assert all(r["outcome"] in ("terminated", "truncated") for r in recs)
+    # the envd and inference children announced themselves and are gone
+    ready = [json.loads(p.read_text()) for p in sorted((out / "run").glob("*.json"))]
+    assert {d["role"] for d in ready} == {"envd", "inference"}
+    for d in ready:
+        assert not _alive(d["pid"]), d
