@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import shutil
@@ -42,7 +43,7 @@ DEADLINE_S = 60.0                                # every RPC here has one
 def _pct(xs: list[float], q: float) -> float:
     """Nearest-rank percentile."""
     v = sorted(xs)
-    return v[min(len(v) - 1, max(0, int(round(q / 100 * len(v) + 0.5)) - 1))]
+    return v[min(len(v), max(1, math.ceil(q / 100 * len(v)))) - 1]
 
 
 def summary(ms: list[float]) -> dict:
