@@ -306,9 +306,11 @@ def bench_memory(env_id: str, options: dict[str, str], sessions: int) -> dict:
         finally:
             channel.close()
     one, many = rows[1], rows[sessions]
-    per = round((many["pss_mb"] - one["pss_mb"]) / (sessions - 1), 1) if sessions > 1 else one["pss_mb"]
+    extra = max(1, sessions - 1)
+    per = round((many["pss_mb"] - one["pss_mb"]) / extra, 1) if sessions > 1 else one["pss_mb"]
     return figure(f"PSS added per {env_id} session (daemon's process tree, 1 -> {sessions} sessions)", per, "MB",
-                  None, at_1=one, **{f"at_{sessions}": many}, first_session_pss_mb=one["pss_mb"])
+                  None, at_1=one, **{f"at_{sessions}": many}, first_session_pss_mb=one["pss_mb"],
+                  chromium_pss_per_session_mb=round((many["chromium_pss_mb"] - one["chromium_pss_mb"]) / extra, 1))
 
 
 def _backend_missing(env_id: str) -> str | None:
