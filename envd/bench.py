@@ -210,7 +210,7 @@ def _miniwob_inprocess(task: str, steps: int) -> tuple[list[float], list[float]]
     env = miniwob_backend.make(task, MINIWOB_OPTIONS)
     backend = []
     try:
-        env.reset(0)
+        env.reset(0, MINIWOB_OPTIONS)  # the time limit is an episode option: make() alone does not apply it
         for i in range(steps + 5):
             t0 = time.perf_counter()
             r = env.step({"type": "click", "target": f"[{MINIWOB_REF}]"})
