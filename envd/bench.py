@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -203,63 +204,46 @@ def bench_concurrent(d: Daemon, sessions: int, steps_each: int, inflight: int, m
 
 # ---- MiniWoB step: envd vs in-process ------------------------------------------------------------------------------
 
-def _miniwob_inprocess(task: str, steps: int) -> tuple[list[float], list[float]]:
-    """(backend step ms, stock gymnasium env step ms) for the same task, seed and action."""
+def bench_miniwob(task: str, steps: int) -> dict:
+    """The same task, seed and action three ways, one step of each in turn (so load drift hits all alike): through
+    envd, on the backend in-process, and on the stock gymnasium env (for reference)."""
     from envd import miniwob_backend
 
-    env = miniwob_backend.make(task, MINIWOB_OPTIONS)
-    backend = []
-    try:
-        env.reset(0, MINIWOB_OPTIONS)  # the time limit is an episode option: make() alone does not apply it
-        for i in range(steps + 5):
-            t0 = time.perf_counter()
-            r = env.step({"type": "click", "target": f"[{MINIWOB_REF}]"})
-            if i >= 5:
-                backend.append((time.perf_counter() - t0) * 1e3)
-            if r.outcome != "running":
-                raise RuntimeError(f"in-process step ended the episode: {r.info}")
-    finally:
-        env.close()
     miniwob_backend.configure_offline()
-    gym = miniwob_backend._gym().make(f"miniwob/{task}-v1", disable_env_checker=True)
-    stock = []
-    try:
+    timed: dict[str, list[float]] = {"envd": [], "in_process": [], "stock_gymnasium": [], "inside_envd": []}
+    with Daemon() as d, contextlib.ExitStack() as stack:
+        stub = env_pb2_grpc.EnvServiceStub(stack.enter_context(rpc.sync_channel(d.address)))
+        sid = stub.CreateSession(env_pb2.CreateSessionRequest(env_id=f"miniwob/{task}", options=MINIWOB_OPTIONS),
+                                 timeout=DEADLINE_S).session_id
+        _check(stub.Reset(env_pb2.ResetRequest(session_id=sid, seed=0, options=MINIWOB_OPTIONS), timeout=DEADLINE_S))
+        req = env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="click", target=f"[{MINIWOB_REF}]"))
+        env = miniwob_backend.make(task, MINIWOB_OPTIONS)
+        stack.callback(env.close)
+        env.reset(0, MINIWOB_OPTIONS)  # the time limit is an episode option: make() alone does not apply it
+        gym = miniwob_backend._gym().make(f"miniwob/{task}-v1", disable_env_checker=True)
+        stack.callback(gym.close)
         gym.unwrapped.instance.driver.execute_script("core.EPISODE_MAX_TIME = 600000;")
         gym.reset(seed=0)
-        action = gym.unwrapped.create_action("CLICK_ELEMENT", ref=MINIWOB_REF)
-        for i in range(steps + 5):
+        gym_action = gym.unwrapped.create_action("CLICK_ELEMENT", ref=MINIWOB_REF)
+        for i in range(steps + 5):  # the first 5 of each warm up
             t0 = time.perf_counter()
-            gym.step(action)
+            r = _check(stub.Step(req, timeout=DEADLINE_S))
+            t1 = time.perf_counter()
+            local = env.step({"type": "click", "target": f"[{MINIWOB_REF}]"})
+            t2 = time.perf_counter()
+            gym.step(gym_action)
+            t3 = time.perf_counter()
+            if local.outcome != "running":
+                raise RuntimeError(f"in-process step ended the episode: {local.info}")
             if i >= 5:
-                stock.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        gym.close()
-    return backend, stock
-
-
-def bench_miniwob(task: str, steps: int) -> dict:
-    backend, stock = _miniwob_inprocess(task, steps)
-    with Daemon() as d:
-        stub = env_pb2_grpc.EnvServiceStub(channel := rpc.sync_channel(d.address))
-        try:
-            sid = stub.CreateSession(env_pb2.CreateSessionRequest(env_id=f"miniwob/{task}", options=MINIWOB_OPTIONS),
-                                     timeout=DEADLINE_S).session_id
-            _check(stub.Reset(env_pb2.ResetRequest(session_id=sid, seed=0, options=MINIWOB_OPTIONS), timeout=DEADLINE_S))
-            req = env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="click", target=f"[{MINIWOB_REF}]"))
-            envd_ms, inside_ms = [], []
-            for i in range(steps + 5):
-                t0 = time.perf_counter()
-                r = _check(stub.Step(req, timeout=DEADLINE_S))
-                if i >= 5:
-                    envd_ms.append((time.perf_counter() - t0) * 1e3)
-                    inside_ms.append(r.step_ms)
-            stub.Close(env_pb2.SessionRef(session_id=sid), timeout=DEADLINE_S)
-        finally:
-            channel.close()
-    e, b = summary(envd_ms), summary(backend)
+                for k, v in (("envd", t1 - t0), ("in_process", t2 - t1), ("stock_gymnasium", t3 - t2)):
+                    timed[k].append(v * 1e3)
+                timed["inside_envd"].append(r.step_ms)
+    e, b = summary(timed["envd"]), summary(timed["in_process"])
     return figure(f"MiniWoB {task} step p50 through envd / the same step on the backend in-process",
                   ratio(e["p50_ms"], b["p50_ms"]), "ratio", ("<=", 1.1), envd=e, in_process=b,
-                  envd_backend_step_p50_ms=round(_pct(inside_ms, 50), 4), stock_gymnasium=summary(stock))
+                  envd_backend_step_p50_ms=round(_pct(timed["inside_envd"], 50), 4),
+                  stock_gymnasium=summary(timed["stock_gymnasium"]))
 
 
 # ---- memory per session ------------------------------------------------------------------------------------------
