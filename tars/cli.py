@@ -1,4 +1,4 @@
-"""The `tars` command: up | eval | envd | serve | actor | learner | ctl | config."""
+"""The `tars` command: up | eval | envd | serve | actor | learner | ctl | config | bench."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,27 @@ def _load(a):
 
 def _split(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
+
+
+def _bench_inference(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tars bench inference", description="tokens/s of the engine direct vs through gRPC")
+    ap.add_argument("--json", metavar="FILE", help="write the figures here as JSON")
+    a = ap.parse_args(argv)
+    from inference_server.bench import run
+
+    print(json.dumps(run(a.json), indent=2))
+    return 0
+
+
+def _bench_env(argv: list[str]) -> int:
+    from envd.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+# `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
+# top-level parser imports none of them.
+BENCHES = {"env": _bench_env, "inference": _bench_inference}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="print every config field with its help")
     _config_args(p)
+
+    p = sub.add_parser("bench", help="benchmarks: figures against baselines and goals, as a table and JSON",
+                       description="tars bench NAME [--help | ARGS]: " + ", ".join(BENCHES))
+    p.add_argument("which", choices=sorted(BENCHES), metavar="NAME", help=" | ".join(sorted(BENCHES)))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (see tars bench NAME --help)")
     return ap
 
 
@@ -99,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             from tars import ctl
 
             return ctl.main(a)
+        if a.cmd == "bench":
+            return BENCHES[a.which](a.args)
         cfg = _load(a)
     except ConfigError as e:
         print(f"tars: config error: {e}", file=sys.stderr)
