@@ -9,6 +9,7 @@ and a broken optional backend must not stop the others from loading.
 """
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Callable, Iterable
 
@@ -101,3 +102,9 @@ def _builtin_names() -> list[str]:
 
 
 register("builtin", _builtin_factory, _builtin_names)
+
+
+# ---- browser and games (envd/browser.py, envd/games.py) ----------------------------------------------------------
+register("browser", lambda name, options: importlib.import_module("envd.browser").make(name, options), [""])
+register("games", lambda name, options: importlib.import_module("envd.games").make(name, options),
+         lambda: importlib.import_module("envd.games").names())
