@@ -98,9 +98,13 @@ class GameEnv(BrowserEnv):
         """Run exactly `ms` of game time (every timer due inside it fires), then stand still again."""
         await self.page.clock.run_for(ms)
 
-    def clock(self, ms: int) -> None:
-        """Advance the game clock by `ms` outside of a step (tests, tools)."""
-        self._call(self.advance_clock, ms)
+    def game_state(self) -> dict:
+        """The game's own state (window.__tars_get_state()), read without side effects (no reward consumed)."""
+        return self._call(self._game_state)
+
+    async def _game_state(self) -> dict:
+        self._check_alive()
+        return await self.page.evaluate("window.__tars_get_state()")
 
 
 def make(name: str, options: dict[str, str]) -> GameEnv:
