@@ -26,7 +26,7 @@ def _bool(v: str) -> bool:
     raise ValueError(f"not a boolean: {v!r}")
 
 
-def _int_in(lo: int, hi: int):
+def int_in(lo: int, hi: int):
     def parse(v: str) -> int:
         try:
             n = int(str(v).strip())
@@ -83,43 +83,32 @@ class BrowserOptions:
     timeout_s: float = 30.0     # deadline of one backend call on the browser (launch excluded)
 
     _PARSERS = {
-        "url": str, "html": str, "allow_any_url": _bool, "width": _int_in(64, 4096), "height": _int_in(64, 4096),
-        "format": _choice("png", "jpeg"), "quality": _int_in(1, 100), "instruction": str, "verify_js": str,
-        "max_steps": _int_in(1, 100_000), "max_text_chars": _int_in(256, 1_000_000), "boxes": _bool,
-        "settle_ms": _int_in(0, 10_000), "wait_ms": _int_in(0, 60_000), "scroll_px": _int_in(1, 10_000),
+        "url": str, "html": str, "allow_any_url": _bool, "width": int_in(64, 4096), "height": int_in(64, 4096),
+        "format": _choice("png", "jpeg"), "quality": int_in(1, 100), "instruction": str, "verify_js": str,
+        "max_steps": int_in(1, 100_000), "max_text_chars": int_in(256, 1_000_000), "boxes": _bool,
+        "settle_ms": int_in(0, 10_000), "wait_ms": int_in(0, 60_000), "scroll_px": int_in(1, 10_000),
         "timeout_s": _float_in(1.0, 600.0),
     }
 
     @classmethod
-    def parse(cls, options: dict[str, str], extra: tuple[str, ...] = ()) -> "BrowserOptions":
-        """Options from the wire; ValueError (-> INVALID_ARGUMENT) names the bad one. Keys in `extra` belong to a
-        subclass backend and are skipped here."""
+    def parse(cls, options: dict[str, str]) -> "BrowserOptions":
+        """Options from the wire; ValueError (-> INVALID_ARGUMENT) names the bad one."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known - set(extra))
+        unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"unknown option(s) {unknown}; known: {sorted(known | set(extra))}")
+            raise ValueError(f"unknown option(s) {unknown}; known: {sorted(known)}")
         kw: dict[str, Any] = {}
         for k, v in options.items():
-            if k in known:
-                try:
-                    kw[k] = cls._PARSERS[k](v)
-                except ValueError as e:
-                    raise ValueError(f"option {k}: {e}") from None
+            try:
+                kw[k] = cls._PARSERS[k](v)
+            except ValueError as e:
+                raise ValueError(f"option {k}: {e}") from None
         o = cls(**kw)
         if o.url and o.html:
             raise ValueError("give url or html, not both")
         if o.url:
             check_url(o.url, o.allow_any_url, top_level=True)
         return o
-
-    def wire(self) -> dict[str, str]:
-        """The options as wire strings again (what snapshots carry): parse(o.wire()) == o."""
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v != f.default:
-                out[f.name] = ("1" if v else "0") if isinstance(v, bool) else str(v)
-        return out
 
 
 def _loopback(host: str) -> bool:

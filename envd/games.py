@@ -29,7 +29,7 @@ import json
 import pathlib
 
 from envd.browser import BrowserEnv
-from envd.browser_input import BrowserOptions, _int_in
+from envd.browser_input import BrowserOptions, int_in
 
 GAMES_DIR = pathlib.Path(__file__).with_name("games")
 CLOCK_START_S = 1_735_689_600  # 2025-01-01 UTC: every game session starts at the same wall-clock date
@@ -69,7 +69,7 @@ class GameEnv(BrowserEnv):
         if bad:
             raise ValueError(f"option(s) {bad} do not apply to games; they take step_ms and {list(_GAME_OPTIONS)}")
         try:
-            step_ms = _int_in(1, 60_000)(raw.get("step_ms", self.info.get("step_ms", 100)))
+            step_ms = int_in(1, 60_000)(raw.get("step_ms", self.info.get("step_ms", 100)))
         except ValueError as e:
             raise ValueError(f"option step_ms: {e}") from None
         defaults = {k: str(self.info[k]) for k in ("instruction", "max_steps", "width", "height") if k in self.info}
