@@ -170,8 +170,10 @@ class BrowserEnv(Env):
     async def _step(self, a: dict) -> StepResult:
         self._check_alive()
         t, info = a["type"], {}
-        if t in ("finished", "call_user"):
-            info["answer" if t == "finished" else "call_user"] = a.get("content", "") if t == "finished" else True
+        if t == "finished":
+            info["answer"] = a.get("content", "")
+        elif t == "call_user":
+            info["call_user"] = True
         else:
             await self._act_and_settle(a)
         reward, done = 0.0, False

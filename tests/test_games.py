@@ -30,7 +30,7 @@ class TestSnakeCompliance(EnvCompliance):
     invalid_action = {"type": "hotkey", "key": "warp"}
     max_episode_steps = 4
 
-    def test_concurrent_sessions(self, n: int = 8):
+    def test_concurrent_sessions(self, n: int = 4):
         super().test_concurrent_sessions(n)
 
 
@@ -109,7 +109,7 @@ def test_2048_is_seeded_and_step_rewards_sum_to_the_score():
         assert e.reset(11, {}).text == first and e.reset(12, {}).text != first
         e.reset(11, {})
         total, r = 0.0, None
-        for k in range(40):
+        for k in range(24):
             if k % 8 == 7:  # now and then by clicking the on-screen button instead of a key
                 r = e.step({"type": "click", "target": "Up"})
             else:
