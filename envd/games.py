@@ -32,7 +32,7 @@ from envd.browser import BrowserEnv
 from envd.browser_input import BrowserOptions, int_in
 
 GAMES_DIR = pathlib.Path(__file__).with_name("games")
-CLOCK_START_S = 1_735_689_600  # 2025-01-01 UTC: every game session starts at the same wall-clock date
+CLOCK_START_S = 1_735_689_600  # 2025-01-01 00:00 UTC; games start paused at 01:00 that day, every session
 # Options a game session may set beyond step_ms; url, html, verify_js and the real-time waits belong to the game.
 _GAME_OPTIONS = ("width", "height", "format", "quality", "instruction", "max_steps", "max_text_chars", "boxes",
                  "timeout_s")
@@ -80,8 +80,10 @@ class GameEnv(BrowserEnv):
 
     async def _before_load(self, page) -> None:
         # Installed before the page's scripts run, and paused from the start: no game time passes while loading.
+        # The installed clock runs in real time until paused, and pause_at may not go back in time: pause an hour
+        # ahead so that no delay between the two calls can put the target in the past.
         await page.clock.install(time=CLOCK_START_S)
-        await page.clock.pause_at(CLOCK_START_S + 1)
+        await page.clock.pause_at(CLOCK_START_S + 3600)
 
     async def _prepare(self, seed: int, snap: dict | None) -> None:
         # Restart the game now that the clock stands still: its timers start at the same phase whatever happened
