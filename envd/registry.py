@@ -174,3 +174,27 @@ def _hybrid_names() -> list[str]:
 
 
 register("hybrid", _hybrid_factory, _hybrid_names)
+
+
+# ---- browser and games (envd/browser.py, envd/games.py) ----------------------------------------------------------
+
+def _browser_factory(name: str, options: dict[str, str]) -> Env:
+    from envd import browser
+
+    return browser.make(name, options)
+
+
+def _games_factory(name: str, options: dict[str, str]) -> Env:
+    from envd import games
+
+    return games.make(name, options)
+
+
+def _games_names() -> list[str]:
+    from envd import games
+
+    return games.names()
+
+
+register("browser", _browser_factory, [""])
+register("games", _games_factory, _games_names)
