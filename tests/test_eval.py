@@ -248,6 +248,10 @@ def test_shipped_suites_load_and_name_registered_backends():
 
     assert {t.env_id for t in S.load_suite("miniwob-oracle").tasks} == {f"miniwob/{t}" for t in ORACLE_TASKS}
     assert len(S.load_suite("miniwob").tasks) == 128
+    from envd.games import game_info, names
+
+    games = S.load_suite("games")  # every game, with the human reference stored beside it
+    assert {t.env_id: t.human_score for t in games.tasks} == {f"games/{n}": game_info(n)["human_score"] for n in names()}
 
 
 # ---- a real checkpoint through envd + inference + run_episode ---------------------------------------------
