@@ -54,6 +54,9 @@ class Env(abc.ABC):
 
     env_id: str = ""
     action_space: str = "UI-TARS actions"
+    # True only for backends whose reset/step are pure in-memory computation that cannot block (microseconds):
+    # the daemon then calls them on its event loop instead of a worker thread, so they get no deadline.
+    nonblocking: bool = False
 
     @abc.abstractmethod
     def reset(self, seed: int, options: dict[str, str]) -> StepResult: ...

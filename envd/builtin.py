@@ -106,6 +106,8 @@ def _layout(widgets: list[Widget]) -> None:
 class BuiltinEnv(Env):
     """One session of a built-in task."""
 
+    nonblocking = True  # pure Python over a few dozen widgets: served on envd's event loop
+
     def __init__(self, task: str, max_steps: int = 6, strict_targets: bool = False):
         if task not in TASKS:
             raise KeyError(f"no builtin task {task!r}; have {TASKS}")

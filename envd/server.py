@@ -202,7 +202,15 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def _drive(self, s: Session, op: str, invalid: tuple[type[Exception], ...], fn, *args):
         """Run one episode-advancing backend call. Returns (StepResult, ms) or an INFRA_ERROR StepResponse."""
         try:
-            r, ms = await self.workers.run(fn, *args, timeout=self.cfg.step_timeout_s, session=s, timed=True, name=op)
+            if s.env.nonblocking and (s.inflight is None or s.inflight.done()):
+                # Pure in-memory backends (microseconds a call) run on the event loop: the hop through the worker
+                # pool would cost ten times the call itself.
+                t0 = time.perf_counter()
+                r = fn(*args)
+                ms = (time.perf_counter() - t0) * 1e3
+            else:
+                r, ms = await self.workers.run(fn, *args, timeout=self.cfg.step_timeout_s, session=s, timed=True,
+                                               name=op)
             return check_result(r), ms
         except invalid as e:
             self.counters["action_errors"] += 1

@@ -204,6 +204,37 @@ def test_backend_crash_is_infra_error_and_daemon_survives():
     run(body())
 
 
+
+def test_nonblocking_backends_skip_the_worker_pool_and_keep_their_errors():
+    """builtin (nonblocking) resets and steps run on the event loop; a bad action is still INVALID_ARGUMENT and a
+    crash still INFRA_ERROR, exactly as through the pool."""
+    async def body():
+        async with envd_client() as c:
+            pool = c.server.servicer.workers
+            calls = []
+            real = pool.run
+
+            async def counting(fn, *a, **kw):
+                calls.append(kw.get("name"))
+                return await real(fn, *a, **kw)
+
+            pool.run = counting
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/click"))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=3))
+            r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="wait")))
+            assert r.outcome == common_pb2.RUNNING
+            await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.Step(env_pb2.StepRequest(
+                session_id=sid, action=env_pb2.Action(type="teleport"))))
+            assert "reset" not in calls and "step" not in calls, calls
+            env = c.server.servicer.sessions[sid].env
+            env.step = lambda a: 1 / 0  # the backend breaks: INFRA_ERROR, not a crashed daemon
+            r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="wait")))
+            assert r.outcome == common_pb2.INFRA_ERROR and "ZeroDivisionError" in json.loads(r.info_json)["error"]
+            sid2 = await _started(c)  # a blocking backend still goes through the pool
+            await _step(c, sid2)
+            assert "step" in calls
+    run(body())
+
 def test_hanging_backend_times_out():
     async def body():
         async with envd_client(step_timeout_s=0.2) as c:
