@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import math
+import random
 import os
 import secrets
 import signal
@@ -21,7 +22,7 @@ import time
 
 import grpc
 
-from envd import registry
+from envd import hints, registry
 from envd.base import ActionError
 from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, action_to_dict, check_result, to_response
 from tars import rpc
@@ -166,6 +167,9 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self._check_accepting()
         if len(self.sessions) + self._opening >= self.cfg.max_sessions:
             raise _Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"session cap reached ({self.cfg.max_sessions})")
+        options, hint = hints.split_options(options)
+        if hint and hint not in hints.POLICIES:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{hints.OPTION}={hint!r}: expected one of {hints.POLICIES}")
         self._opening += 1
         try:
             env = await self.workers.run(registry.make, env_id, options, timeout=self.cfg.step_timeout_s,
@@ -180,7 +184,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         finally:
             self._opening -= 1
         s = Session(id=secrets.token_hex(12), env_id=env_id, env=env, options=options, ttl_s=ttl_s,
-                    client_id=client_id, seed=seed)
+                    client_id=client_id, seed=seed, hint_policy=hint,
+                    hint_rng=random.Random(f"{hint}:{env_id}:{seed}") if hint else None)
         s.renew()
         self.sessions[s.id] = s
         self.counters["sessions_created"] += 1
@@ -201,6 +206,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     async def _drive(self, s: Session, op: str, invalid: tuple[type[Exception], ...], fn, *args):
         """Run one episode-advancing backend call. Returns (StepResult, ms) or an INFRA_ERROR StepResponse."""
+        if s.hint_policy:  # computed right after the call, in the same thread: the env is not thread-safe
+            fn = functools.partial(hints.with_hint, s.env, s.hint_policy, s.hint_rng, fn)
         try:
             if s.env.nonblocking and (s.inflight is None or s.inflight.done()):
                 # Pure in-memory backends (microseconds a call) run on the event loop: the hop through the worker
@@ -235,7 +242,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             # ValueError too: a reset fails on malformed options, which is the caller's fault, not an infra error.
             # Seed 0 means "the session's seed" (proto3 has no unset): CreateSession's seed, itself 0 by default.
             out = await self._drive(s, "reset", (ValueError,), s.env.reset, request.seed or s.seed,
-                                    dict(request.options))
+                                    hints.split_options(dict(request.options))[0])
             if isinstance(out, env_pb2.StepResponse):
                 return out
             r, ms = out

@@ -40,6 +40,8 @@ class Session:
     ttl_s: float
     client_id: str = ""
     seed: int = 0                       # default seed for a Reset that sends 0
+    hint_policy: str = ""               # scripted baseline whose next action every result carries (envd.hints)
+    hint_rng: Any = None                # its random stream (random.Random), seeded from the session's seed
     expires: float = 0.0                # time.monotonic() deadline of the lease
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last: StepResult | None = None      # the latest reset/step/restore result (None until the first reset)

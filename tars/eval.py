@@ -13,11 +13,13 @@ Model policies run exactly the training path: envd (started as a child `tars env
 sessions, actor.episode.run_episode builds the prompts, parses the output and steps the env, and the reward and
 success are the env's own. So evaluation and training cannot disagree about prompts, parsing or rewards.
 
-Scripted baselines need env-side knowledge (the oracle reads the backend's state), which envd does not expose over
-the wire on purpose. They therefore run the backend in-process (envd.registry.make, the same factories envd uses)
-and call its `oracle_action()` / `random_action(rng)`; a backend without `random_action` gets uniform random clicks
-on its screen. Each episode runs in a worker thread under a deadline. An oracle that does not know a task (or a
-page state) ends the episode as a failure with the reason in `error`.
+Scripted baselines also play through a real envd (one started on loopback in this process, or --envd host:port):
+the oracle needs the backend's own state, which envd never sends over the wire, so their sessions are created with
+the daemon option `hint_policy=oracle|random` (envd/hints.py) and every result carries the baseline's next action,
+computed by the backend's `oracle_action()` / `random_action(rng)` (a backend without `random_action` gets uniform
+random clicks on its screen). The policy sends that action back as its Step, so a baseline's score exercises the
+same sessions, RPCs and outcome accounting as a model's. An oracle that does not know a task (or a page state) ends
+the episode as a failure with the reason in `error`.
 
 Infra errors (a crashed env, a lost daemon, a failed inference call) are recorded with outcome infra_error, counted
 apart and excluded from every rate. Results are appended to DIR/episodes.jsonl as episodes finish; a rerun of the
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -81,85 +82,75 @@ class Policy(abc.ABC):
         pass
 
 
-# ---- scripted baselines (in-process backends) -------------------------------------------------------------
+# ---- scripted baselines (through envd, with the daemon's hints) -------------------------------------------
 
 class ScriptedPolicy(Policy):
-    def __init__(self, kind: str, cfg: RunConfig, concurrency: int):
+    """`random` / `oracle`, played through a real EnvService: sessions are created with `hint_policy` (envd.hints),
+    every result carries the baseline's next action, and the policy sends it back as its Step."""
+
+    def __init__(self, kind: str, cfg: RunConfig, envd: str = ""):
         if kind not in ("oracle", "random"):
             raise EvalError(f"no scripted policy {kind!r}")
-        self.name, self.cfg = kind, cfg
-        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, concurrency), thread_name_prefix=f"eval-{kind}")
+        self.name, self.cfg, self.envd_addr, self.server = kind, cfg, envd, None
 
-    def _max_turns(self, task: S.TaskSpec) -> int:
-        return task.max_turns or self.cfg.actor.max_turns
+    async def start(self, out: pathlib.Path) -> None:
+        from actor.envclient import EnvClient
+        from envd.server import EnvServer
+
+        if not self.envd_addr:  # a daemon on loopback in this process: backends registered here are served too
+            self.server = EnvServer(dataclasses.replace(self.cfg.envd, host="127.0.0.1", port=0))
+            await self.server.start()
+            self.envd_addr = self.server.address
+        a = self.cfg.actor
+        self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries)
 
     async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
-        # The whole episode has a deadline: a backend call stuck past it makes the episode an infra error (the
-        # thread cannot be killed; the backend's own command timeouts end it).
-        deadline = self._max_turns(task) * self.cfg.envd.step_timeout_s + 60.0
-        t0 = time.monotonic()
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, self._run, task, episode, seed)
-        try:
-            return await asyncio.wait_for(fut, deadline)
-        except TimeoutError:
-            return _record(task, episode, seed, S.INFRA, False, 0.0, 0, f"episode passed its {deadline:.0f} s deadline",
-                           time.monotonic() - t0, {})
-
-    def _act(self, env, last, rng: random.Random) -> dict:
-        if self.name == "oracle":
-            fn = getattr(env, "oracle_action", None)
-            if fn is None:
-                raise NotImplementedError(f"{env.env_id} has no oracle")
-            return fn()
-        fn = getattr(env, "random_action", None)
-        if fn is not None:
-            return fn(rng)
-        w, h = last.width or 640, last.height or 400
-        return {"type": "click", "point": [rng.uniform(0, w - 1), rng.uniform(0, h - 1)]}
-
-    def _run(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
-        from envd import registry
-        from envd.base import RUNNING, ActionError
+        from actor.envclient import EnvActionError, EnvInfraError
+        from envd.hints import OPTION
 
         t0 = time.monotonic()
-        rng = random.Random(f"{self.name}-{seed}")
-        env, steps, ret, info, outcome, error = None, 0, 0.0, {}, "truncated", ""
+        sid, steps, ret, info, outcome, error = "", 0, 0.0, {}, "truncated", ""
         try:
-            env = registry.make(task.env_id, task.options)
-            last = env.reset(seed, dict(task.options))
-            info = last.info
-            while steps < self._max_turns(task):
-                try:
-                    action = self._act(env, last, rng)
-                except NotImplementedError as e:  # the oracle gives up: a policy failure, not an infra error
-                    error = f"oracle: {e}"
+            sid, run_id = await self.env.create(task.env_id, seed, {**task.options, OPTION: self.name})
+            obs = await self.env.reset(sid, run_id, seed)
+            info = _info(obs.info_json)
+            while obs.outcome == "running" and steps < (task.max_turns or self.cfg.actor.max_turns):
+                action = info.get("hint_action")
+                if not action:  # the oracle gives up: a policy failure, not an infra error
+                    error = str(info.get("hint_error", f"{self.name}: no action"))
                     break
                 steps += 1
                 try:
-                    last = env.step(action)
-                except ActionError as e:  # same accounting as the model path: a wasted turn with a penalty
+                    obs = await self.env.step(sid, run_id, action)
+                except EnvActionError as e:  # same accounting as the model path: a wasted turn with a penalty
                     ret += self.cfg.actor.format_penalty
                     error = f"action rejected: {e}"
                     continue
-                ret += last.reward
-                info = last.info
-                if last.outcome != RUNNING:
-                    outcome = last.outcome
-                    break
-            success = bool(info.get("success", False))
-        except Exception as e:  # noqa: BLE001 - any backend failure is an infra error, never a reward of 0
-            return _record(task, episode, seed, S.INFRA, False, ret, steps, f"{type(e).__name__}: {e}",
+                ret += obs.reward
+                info = _info(obs.info_json)
+            if obs.outcome == S.INFRA:
+                return _record(task, episode, seed, S.INFRA, False, ret, steps, str(info.get("error", ""))[:500],
+                               time.monotonic() - t0, info)
+            if obs.outcome != "running":
+                outcome = obs.outcome
+        except EnvInfraError as e:  # any backend or daemon failure is an infra error, never a reward of 0
+            return _record(task, episode, seed, S.INFRA, False, ret, steps, str(e)[:500], time.monotonic() - t0, info)
+        except EnvActionError as e:  # CreateSession / Reset refused the task's options
+            return _record(task, episode, seed, S.INFRA, False, ret, steps, f"refused: {e}"[:500],
                            time.monotonic() - t0, info)
         finally:
-            if env is not None:
-                try:
-                    env.close()
-                except Exception:  # noqa: BLE001 - closing a broken env must not hide the result
-                    pass
-        return _record(task, episode, seed, outcome, success, ret, steps, error, time.monotonic() - t0, info)
+            if sid:
+                await self.env.close_session(sid)
+        return _record(task, episode, seed, outcome, bool(info.get("success", False)), ret, steps, error,
+                       time.monotonic() - t0, info)
 
     async def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        env = getattr(self, "env", None)
+        if env is not None:
+            await env.close()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+            self.server = None
 
 
 # ---- model policies (envd + inference + actor.episode) ----------------------------------------------------
@@ -279,9 +270,9 @@ class ModelPolicy(Policy):
         self.children = []
 
 
-def make_policy(model: str, cfg: RunConfig, concurrency: int, tokenizer: str = "", envd: str = "") -> Policy:
+def make_policy(model: str, cfg: RunConfig, tokenizer: str = "", envd: str = "") -> Policy:
     if model in ("random", "oracle"):
-        return ScriptedPolicy(model, cfg, concurrency)
+        return ScriptedPolicy(model, cfg, envd)
     return ModelPolicy(model, cfg, tokenizer, envd)
 
 
@@ -310,7 +301,9 @@ def _check_meta(out: pathlib.Path, meta: dict) -> None:
 
 async def evaluate(suite: S.Suite, policy: Policy, out: str | pathlib.Path, concurrency: int = 8,
                    retry_infra: bool = False, stop: asyncio.Event | None = None, say=print) -> dict:
-    """Run every (task, episode) not yet in out/episodes.jsonl, then write the results. Returns results.json."""
+    """Run every (task, episode) not yet in out/episodes.jsonl, then write the results. Returns results.json.
+
+    The policy is started (its daemons brought up) here, after the directory's meta check, and closed on the way out."""
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"suite": suite.name, "suite_path": suite.path, "model": policy.name}
@@ -342,45 +335,49 @@ async def evaluate(suite: S.Suite, policy: Policy, out: str | pathlib.Path, conc
         elif say:
             say(line)
 
-    if done:
-        say and say(f"[tars eval] resuming: {total - len(todo)}/{total} episodes already in {log_path}")
-    it = iter(todo)
-    with _open_log(log_path) as log:
-        async def worker() -> None:
-            for task, i in it:
-                if stop.is_set():
-                    return
-                rec = await policy.episode(task, i, suite.seed_of(task.name, i))
-                log.write((json.dumps(rec) + "\n").encode())
-                log.flush()
-                os.fsync(log.fileno())  # a finished episode survives a crash of this process
-                n_done["new"] += 1
-                if rec["outcome"] == S.INFRA:
-                    n_done["infra"] += 1
-                else:
-                    n_done["scored"] += 1
-                    n_done["ok"] += int(rec["success"])
-                progress()
+    await policy.start(out.resolve())  # after the meta check: a refused directory starts no daemon
+    try:
+        if done:
+            say and say(f"[tars eval] resuming: {total - len(todo)}/{total} episodes already in {log_path}")
+        it = iter(todo)
+        with _open_log(log_path) as log:
+            async def worker() -> None:
+                for task, i in it:
+                    if stop.is_set():
+                        return
+                    rec = await policy.episode(task, i, suite.seed_of(task.name, i))
+                    log.write((json.dumps(rec) + "\n").encode())
+                    log.flush()
+                    os.fsync(log.fileno())  # a finished episode survives a crash of this process
+                    n_done["new"] += 1
+                    if rec["outcome"] == S.INFRA:
+                        n_done["infra"] += 1
+                    else:
+                        n_done["scored"] += 1
+                        n_done["ok"] += int(rec["success"])
+                    progress()
 
-        workers = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(todo))))]
-        stopper = asyncio.create_task(stop.wait())
-        try:
-            running = set(workers)
-            while running and not stop.is_set():
-                _, running = await asyncio.wait([*running, stopper], return_when=asyncio.FIRST_COMPLETED)
-                running.discard(stopper)
-        finally:
-            stopper.cancel()
-            for w in workers:  # interrupted: episodes in flight are abandoned and run again on resume
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-            for w in workers:
-                if not w.cancelled() and w.exception() is not None:
-                    raise w.exception()
-    progress(final=True)
-    res = S.summarise(suite, S.read_episodes(log_path), {**meta, "complete": not stop.is_set()})
-    S.write_results(out, res)
-    return res
+            workers = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(todo))))]
+            stopper = asyncio.create_task(stop.wait())
+            try:
+                running = set(workers)
+                while running and not stop.is_set():
+                    _, running = await asyncio.wait([*running, stopper], return_when=asyncio.FIRST_COMPLETED)
+                    running.discard(stopper)
+            finally:
+                stopper.cancel()
+                for w in workers:  # interrupted: episodes in flight are abandoned and run again on resume
+                    w.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+                for w in workers:
+                    if not w.cancelled() and w.exception() is not None:
+                        raise w.exception()
+        progress(final=True)
+        res = S.summarise(suite, S.read_episodes(log_path), {**meta, "complete": not stop.is_set()})
+        S.write_results(out, res)
+        return res
+    finally:
+        await policy.close()
 
 
 def main(a, cfg: RunConfig) -> int:
@@ -400,7 +397,7 @@ def main(a, cfg: RunConfig) -> int:
         only = [x for x in (a.tasks or "").split(",") if x]
         suite = S.load_suite(a.suite, a.episodes, only or None)
         S.check_env_ids(suite)
-        policy = make_policy(a.model, cfg, a.concurrency, a.tokenizer, a.envd)
+        policy = make_policy(a.model, cfg, a.tokenizer, a.envd)
     except (S.SuiteError, EvalError) as e:
         print(f"tars eval: {e}", file=sys.stderr)
         return 2
@@ -413,13 +410,10 @@ async def _run(suite: S.Suite, policy: Policy, out: str, concurrency: int, retry
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await policy.start(pathlib.Path(out).resolve())
         res = await evaluate(suite, policy, out, concurrency, retry_infra, stop)
     except EvalError as e:
         print(f"tars eval: {e}", file=sys.stderr)
         return 2
-    finally:
-        await policy.close()
     o = res["overall"]
     sr = "-" if o["success_rate"] is None else f"{o['success_rate']:.3f}"
     print(f"[tars eval] {suite.name} / {policy.name}: success {sr} over {o['tasks']} tasks, "

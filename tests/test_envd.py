@@ -356,3 +356,27 @@ def test_main_exits_cleanly_on_sigterm(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_hint_policy_option_gives_the_scripted_action_and_never_reaches_the_backend():
+    """hint_policy=oracle: every running result carries the oracle's next action; playing it wins; the option is
+    the daemon's (backends never see it); an unknown policy is INVALID_ARGUMENT; a backend without an oracle says so."""
+    async def body():
+        async with envd_client() as c:
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(
+                env_id="builtin/menu", options={"hint_policy": "oracle", "strict_targets": "1"}))).session_id
+            assert "hint_policy" not in c.server.servicer.sessions[sid].options
+            r = await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=11, options={"hint_policy": "oracle"}))
+            env = c.server.servicer.sessions[sid].env
+            for _ in range(2):
+                hint = json.loads(r.info_json)["hint_action"]
+                assert hint == env.oracle_action()
+                r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(**hint)))
+            assert r.outcome == common_pb2.TERMINATED and r.reward == 1.0 and "hint_action" not in json.loads(r.info_json)
+            await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.CreateSession(env_pb2.CreateSessionRequest(
+                env_id="builtin/click", options={"hint_policy": "psychic"})))
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(
+                env_id="test-fragile/a", options={"hint_policy": "oracle"}))).session_id
+            r = await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1))
+            assert "has no oracle" in json.loads(r.info_json)["hint_error"]
+    run(body())

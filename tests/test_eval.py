@@ -84,8 +84,8 @@ def test_builtin_suite_oracle_solves_and_random_does_not(tmp_path):
     suite = S.load_suite("builtin", episodes=10)
     assert [t.env_id for t in suite.tasks] == ["builtin/click", "builtin/menu", "builtin/form", "builtin/dialog"]
     cfg = _cfg()
-    oracle = _run(suite, E.ScriptedPolicy("oracle", cfg, 4), tmp_path / "oracle")
-    rand = _run(suite, E.ScriptedPolicy("random", cfg, 4), tmp_path / "random")
+    oracle = _run(suite, E.ScriptedPolicy("oracle", cfg), tmp_path / "oracle")
+    rand = _run(suite, E.ScriptedPolicy("random", cfg), tmp_path / "random")
     assert oracle["overall"]["success_rate"] == 1.0 and oracle["overall"]["episodes"] == 40
     assert oracle["tasks"]["builtin/menu"]["mean_steps"] == 2.0
     assert rand["overall"]["success_rate"] < 0.4 and rand["overall"]["infra_errors"] == 0
@@ -101,7 +101,7 @@ def test_builtin_suite_oracle_solves_and_random_does_not(tmp_path):
 
 def test_random_policy_clicks_inside_the_screen_of_a_backend_without_random_action(tmp_path, fake_env):
     suite = S.load_suite(_suite(tmp_path, "episodes: 5\ntasks: [evaltest/ok]\n"))
-    res = _run(suite, E.ScriptedPolicy("random", _cfg(), 2), tmp_path / "out")
+    res = _run(suite, E.ScriptedPolicy("random", _cfg()), tmp_path / "out")
     assert res["overall"]["success_rate"] == 1.0
     assert len(FakeEnv.actions) == 5
     for a in FakeEnv.actions:
@@ -114,7 +114,7 @@ def test_infra_errors_are_counted_apart_and_excluded_from_rates(tmp_path, fake_e
     suite = S.load_suite(_suite(tmp_path, "episodes: 12\ntasks: [evaltest/crashy, evaltest/ok]\n"))
     crashes = sum(suite.seed_of("evaltest/crashy", i) % 2 for i in range(12))
     assert 0 < crashes < 12  # the seeds exercise both paths
-    res = _run(suite, E.ScriptedPolicy("oracle", _cfg(), 3), tmp_path / "out")
+    res = _run(suite, E.ScriptedPolicy("oracle", _cfg()), tmp_path / "out")
     t = res["tasks"]["evaltest/crashy"]
     assert t["infra_errors"] == crashes and t["scored"] == 12 - crashes and t["episodes"] == 12
     assert t["success_rate"] == 1.0  # the crashes are not failures
@@ -140,7 +140,7 @@ def test_interrupted_run_resumes_without_rerunning_finished_episodes(tmp_path, f
             stop.set()
 
         s = asyncio.create_task(stop_after_some())
-        res = await E.evaluate(suite, E.ScriptedPolicy("oracle", _cfg(), 2), out, concurrency=2, stop=stop, say=None)
+        res = await E.evaluate(suite, E.ScriptedPolicy("oracle", _cfg()), out, concurrency=2, stop=stop, say=None)
         await s
         return res
 
@@ -151,7 +151,7 @@ def test_interrupted_run_resumes_without_rerunning_finished_episodes(tmp_path, f
     with open(log, "ab") as f:  # a crash in the middle of a write leaves half a line
         f.write(b'{"task": "evaltest/ok", "epis')
     FakeEnv.actions = []
-    res = _run(suite, E.ScriptedPolicy("oracle", _cfg(), 2), out, concurrency=2)
+    res = _run(suite, E.ScriptedPolicy("oracle", _cfg()), out, concurrency=2)
     after = _lines(log)
     assert res["complete"] is True and res["overall"]["episodes"] == 12
     assert len(after) == 12 and after[:len(first)] == first
@@ -159,15 +159,15 @@ def test_interrupted_run_resumes_without_rerunning_finished_episodes(tmp_path, f
     assert len(FakeEnv.actions) == 12 - len(first)  # only the missing episodes ran
     # a third run has nothing left to do
     FakeEnv.actions = []
-    _run(suite, E.ScriptedPolicy("oracle", _cfg(), 2), out)
+    _run(suite, E.ScriptedPolicy("oracle", _cfg()), out)
     assert FakeEnv.actions == [] and len(_lines(log)) == 12
 
 
 def test_resuming_into_a_directory_of_another_model_is_refused(tmp_path):
     suite = S.load_suite("builtin", episodes=1, only=["builtin/click"])
-    _run(suite, E.ScriptedPolicy("oracle", _cfg(), 1), tmp_path)
+    _run(suite, E.ScriptedPolicy("oracle", _cfg()), tmp_path)
     with pytest.raises(E.EvalError, match="model 'oracle', not 'random'"):
-        _run(suite, E.ScriptedPolicy("random", _cfg(), 1), tmp_path)
+        _run(suite, E.ScriptedPolicy("random", _cfg()), tmp_path)
 
 
 # ---- human-normalised scores ------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_resuming_into_a_directory_of_another_model_is_refused(tmp_path):
 def test_normalised_score_from_env_info_and_from_the_suite(tmp_path, fake_env):
     suite = S.load_suite(_suite(tmp_path, "episodes: 4\ntasks:\n  - evaltest/game\n"
                                           "  - {env: evaltest/ok, human_score: 4}\n  - builtin/click\n"))
-    res = _run(suite, E.ScriptedPolicy("oracle", _cfg(), 2), tmp_path / "out")
+    res = _run(suite, E.ScriptedPolicy("oracle", _cfg()), tmp_path / "out")
     game = res["tasks"]["evaltest/game"]
     agent = sum(suite.seed_of("evaltest/game", i) % 10 for i in range(4)) / 4  # the env's `score`, not the return
     assert game["agent_score"] == pytest.approx(agent) and game["human_score"] == 20.0
@@ -192,8 +192,8 @@ def test_normalised_score_from_env_info_and_from_the_suite(tmp_path, fake_env):
 
 def test_compare_prints_and_writes_per_task_differences(tmp_path):
     suite = S.load_suite("builtin", episodes=8)
-    _run(suite, E.ScriptedPolicy("random", _cfg(), 2), tmp_path / "a")
-    _run(suite, E.ScriptedPolicy("oracle", _cfg(), 2), tmp_path / "b")
+    _run(suite, E.ScriptedPolicy("random", _cfg()), tmp_path / "a")
+    _run(suite, E.ScriptedPolicy("oracle", _cfg()), tmp_path / "b")
     r = subprocess.run([sys.executable, "-m", "tars.cli", "eval", "--compare", str(tmp_path / "a"), str(tmp_path / "b")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
