@@ -163,6 +163,18 @@ class InferenceClient:
         return [{"address": rep.address, "version": r.version, "load_ms": r.load_ms, "interrupted_requests": r.interrupted_requests}
                 for rep, r in zip(self._replicas, rs)]
 
+    async def update_weights_streamed(self, version: int, state_dict: dict, piece_bytes: int = 4 << 20,
+                                      timeout_s: float | None = None) -> list[dict]:
+        """Install weights on every replica by streaming the tensors (no shared disk, no message-size limit)."""
+        from inference_server.weights_stream import chunks
+
+        async def one(rep: _Replica):
+            return await rep.stub.UpdateWeightsStream(chunks(version, state_dict, piece_bytes), timeout=timeout_s or max(self.timeout_s, 120.0))
+
+        rs = await asyncio.gather(*(one(r) for r in self._replicas))
+        return [{"address": rep.address, "version": r.version, "load_ms": r.load_ms, "interrupted_requests": r.interrupted_requests}
+                for rep, r in zip(self._replicas, rs)]
+
     async def get_versions(self) -> dict[str, int]:
         rs = await self._each("GetVersion", inference_pb2.GetVersionRequest(), self.timeout_s)
         return {rep.address: r.version for rep, r in zip(self._replicas, rs)}

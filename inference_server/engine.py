@@ -140,6 +140,11 @@ class LocalEngine:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of the weights update_weights accepts (checked early by streamed updates)."""
+        return dict(self._shapes)
+
     # ---- requests ------------------------------------------------------------------------------------
     def validate(self, input_ids: list[int], p: SamplingParams) -> None:
         """Raise ValueError (INVALID_ARGUMENT) with a message naming the offending field."""

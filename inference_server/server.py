@@ -14,6 +14,7 @@ import sys
 import grpc
 
 from inference_server.engine import EngineClosed, GenerateOutput, LocalEngine, QueueFull, SamplingParams, WeightLoadError
+from inference_server.weights_stream import Assembler, BadChunk, WrongWeights
 from tars import rpc
 from tars.config import InferenceConfig
 from tars.control import ControlServicer, add_control
@@ -125,12 +126,41 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read inline safetensors: {type(e).__name__}: {e}")
         elif not request.path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights needs a path or inline safetensors")
+        return await self._update(context, request.version, request.path or None, sd)
+
+    async def UpdateWeightsStream(self, request_iterator, context):
+        shapes = getattr(self.engine, "weight_shapes", None)
+        if shapes is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine loads weights from disk only: use UpdateWeights with a path")
+        asm = Assembler(shapes)
+        remaining = context.time_remaining()
+
+        async def receive():
+            async for c in request_iterator:
+                asm.add(c)
+                if asm.version is not None and asm.version <= self.engine.version:  # refuse before reading gigabytes
+                    raise WrongWeights(f"version {asm.version} is not newer than the current version {self.engine.version}")
+            return asm.finish()
+
         try:
-            info = await asyncio.to_thread(self.engine.update_weights, request.version, request.path or None, sd, self.cfg.update_timeout_s)
+            version, sd = await asyncio.wait_for(receive(), remaining)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the weights stream ended")
+        except BadChunk as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except WrongWeights as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return await self._update(context, version, None, sd)
+
+    async def _update(self, context, version: int, path: str | None, sd: dict | None):
+        remaining = context.time_remaining()
+        timeout = self.cfg.update_timeout_s if remaining is None else max(0.01, min(self.cfg.update_timeout_s, remaining))
+        try:
+            info = await asyncio.to_thread(self.engine.update_weights, version, path, sd, timeout)
         except (ValueError, WeightLoadError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"update not applied within {self.cfg.update_timeout_s}s (it still will be)")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"update not applied within {timeout:.1f}s (it still will be)")
         except EngineClosed as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return inference_pb2.UpdateWeightsResponse(version=info["version"], load_ms=info["load_ms"],

@@ -97,6 +97,20 @@ class UpdateWeightsRequest(_message.Message):
     safetensors: bytes
     def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ..., safetensors: _Optional[bytes] = ...) -> None: ...
 
+class WeightsChunk(_message.Message):
+    __slots__ = ("version", "name", "dtype", "shape", "data")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "load_ms", "interrupted_requests")
     VERSION_FIELD_NUMBER: _ClassVar[int]

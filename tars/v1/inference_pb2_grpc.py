@@ -49,6 +49,11 @@ class InferenceServiceStub:
                 request_serializer=tars_dot_v1_dot_inference__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=tars_dot_v1_dot_inference__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsStream = channel.stream_unary(
+                '/tars.v1.InferenceService/UpdateWeightsStream',
+                request_serializer=tars_dot_v1_dot_inference__pb2.WeightsChunk.SerializeToString,
+                response_deserializer=tars_dot_v1_dot_inference__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.GetVersion = channel.unary_unary(
                 '/tars.v1.InferenceService/GetVersion',
                 request_serializer=tars_dot_v1_dot_inference__pb2.GetVersionRequest.SerializeToString,
@@ -77,6 +82,13 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsStream(self, request_iterator, context):
+        """The weights as a stream of raw tensor pieces, for engines without a shared disk and models larger than one message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetVersion(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -99,6 +111,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=tars_dot_v1_dot_inference__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=tars_dot_v1_dot_inference__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateWeightsStream,
+                    request_deserializer=tars_dot_v1_dot_inference__pb2.WeightsChunk.FromString,
                     response_serializer=tars_dot_v1_dot_inference__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'GetVersion': grpc.unary_unary_rpc_method_handler(
@@ -187,6 +204,33 @@ class InferenceService:
             target,
             '/tars.v1.InferenceService/UpdateWeights',
             tars_dot_v1_dot_inference__pb2.UpdateWeightsRequest.SerializeToString,
+            tars_dot_v1_dot_inference__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tars.v1.InferenceService/UpdateWeightsStream',
+            tars_dot_v1_dot_inference__pb2.WeightsChunk.SerializeToString,
             tars_dot_v1_dot_inference__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
