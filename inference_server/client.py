@@ -2,7 +2,8 @@
 
 A trajectory sticks to one replica so its prefix cache is hit on every turn: on first sight it goes to the
 replica with the fewest calls in flight from this client (ties broken by a stable hash of the id), and the
-choice is remembered in a bounded LRU map. A replica that answers UNAVAILABLE loses the trajectory to another.
+choice is remembered in a bounded LRU map. A replica that answers UNAVAILABLE loses the trajectory to another,
+and so does one with more than `sticky_max_imbalance` calls in flight beyond the least loaded replica.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class _Replica:
 
 class InferenceClient:
     def __init__(self, addresses: list[str], auth_token: str = "", timeout_s: float = 30.0, retries: int = 3,
-                 backoff_s: float = 0.05, sticky_capacity: int = 65536, max_message_bytes: int = 512 << 20):
+                 backoff_s: float = 0.05, sticky_capacity: int = 65536, max_message_bytes: int = 512 << 20,
+                 sticky_max_imbalance: int = 8):
         if not addresses:
             raise ValueError("InferenceClient needs at least one address")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
@@ -65,6 +67,8 @@ class InferenceClient:
             self._replicas.append(_Replica(a, ch, inference_pb2_grpc.InferenceServiceStub(ch)))
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._sticky_capacity = sticky_capacity
+        self.sticky_max_imbalance = sticky_max_imbalance
+        self.moved_for_load = 0
 
     @property
     def addresses(self) -> list[str]:
@@ -72,12 +76,15 @@ class InferenceClient:
 
     def route(self, trajectory_id: str, avoid: int | None = None) -> int:
         """The replica index for a trajectory (sticky); `avoid` moves it off a replica that failed."""
-        i = self._sticky.get(trajectory_id)
-        if i is not None and i != avoid:
-            self._sticky.move_to_end(trajectory_id)
-            return i
         n = len(self._replicas)
         cands = [j for j in range(n) if j != avoid] or list(range(n))
+        i = self._sticky.get(trajectory_id)
+        if i is not None and i != avoid:
+            least = min(self._replicas[j].in_flight for j in cands)
+            if self.sticky_max_imbalance <= 0 or self._replicas[i].in_flight - least <= self.sticky_max_imbalance:
+                self._sticky.move_to_end(trajectory_id)
+                return i
+            self.moved_for_load += 1  # a hot replica: queueing there costs more than re-prefilling elsewhere
         h = zlib.crc32(trajectory_id.encode())
         i = min(cands, key=lambda j: (self._replicas[j].in_flight, (j - h) % n))
         if trajectory_id:

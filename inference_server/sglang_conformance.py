@@ -17,6 +17,8 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
 - POST /update_weights_from_disk {model_path, weight_version, abort_all_requests, flush_cache=true}:
   {success, message, num_paused_requests}. Not paused: waits until no request is in flight (SGLang's writer lock)
   and holds new ones back; paused: applies at once (in_place: at the next step boundary, after continue).
+- Where the `sglang` package is importable, every body is also checked against SGLang's own request types
+  (inference_server.sglang_types) and refused with 400 and SGLang's message when they refuse it.
 - GET|POST /flush_cache (400 while requests are in flight), GET /get_model_info (alias /model_info),
   /get_weight_version, /get_server_info, /health, /health_generate (a 1-token generation; 503 if none within
   `health_timeout_s`, e.g. while paused).
@@ -36,6 +38,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from inference_server.engine import LENGTH, STOP, LocalEngine, SamplingParams, WeightLoadError
+from inference_server.sglang_types import SGLangTypes
 from tars.config import InferenceConfig
 
 CACHE_KEY_TOKENS = 16
@@ -65,8 +68,10 @@ class ConformanceServer:
 
     def __init__(self, model: str, host: str = "127.0.0.1", port: int = 0, weight_version: str = "default",
                  cfg: InferenceConfig | None = None, tokenizer_workers: int = 1, health_timeout_s: float = 20.0,
-                 token_delay_s: float = 0.0):
+                 token_delay_s: float = 0.0, sglang_types: SGLangTypes | None = None):
         # token_delay_s: sleep after every token (a slower accelerator), so tests can act while requests run.
+        # sglang_types: checks against the `sglang` package's request types (default: active when importable).
+        self.types = sglang_types if sglang_types is not None else SGLangTypes.load()
         self.model_path = model
         self.cfg = cfg or InferenceConfig(max_context=1024, max_stale_versions=_KEEP_KV)
         self.engine = LocalEngine(self.cfg, model)
@@ -351,7 +356,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> dict:
         n = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(n) if n else b""
-        return json.loads(raw) if raw.strip() else {}
+        body = json.loads(raw) if raw.strip() else {}
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        return body
 
     def _error(self, code: int, msg: str) -> None:
         self._send(code, {"object": "error", "message": msg, "type": "BadRequestError" if code < 500 else "InternalServerError", "param": None, "code": code})
@@ -384,6 +392,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, UnicodeDecodeError) as e:
             return self._error(400, f"bad JSON: {e}")
         try:
+            s.types.check(path, body, s.engine.vocab_size)
             if path in ("/generate",):
                 return self._generate(body)
             if path == "/abort_request":
@@ -438,7 +447,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="SGLang native-API stand-in over the local engine")
-    ap.add_argument("--model", required=True, help="HF-layout directory (config.json + model.safetensors)")
+    ap.add_argument("--model", "--model-path", dest="model", required=True, help="HF-layout directory (config.json + model.safetensors)")
+    ap.add_argument("--skip-tokenizer-init", action="store_true", help="accepted for sglang.launch_server parity (always token ids)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--weight-version", default="default", help="initial weight_version string")

@@ -18,10 +18,10 @@ Standard library only (http.client in a bounded thread pool), importable without
   requests in flight. A replica that refuses a connection or fails GET /health_generate is taken out; the health
   thread puts it back when it answers again (after re-installing the current weights if it missed an update).
 
-Launching real servers (needs a GPU machine with sglang installed; not testable here): `launch_sglang_servers`
-starts `python -m sglang.launch_server --model-path M --host H --port P --skip-tokenizer-init --weight-version V`
-per replica (one GPU each through CUDA_VISIBLE_DEVICES) and waits for /health_generate; or attach to running
-servers with SGLangEngine(cfg, ["http://host:port", ...]).
+Launching: `launch_sglang_servers` starts `python -m sglang.launch_server --model-path M --host H --port P
+--skip-tokenizer-init --weight-version V` per replica (one GPU each through CUDA_VISIBLE_DEVICES, own process group,
+PDEATHSIG) and waits for /health_generate; the tests run the same code with the conformance server as the module.
+Or attach to running servers with SGLangEngine(cfg, ["http://host:port", ...]).
 """
 from __future__ import annotations
 
@@ -226,15 +226,24 @@ class SGLangEngine:
 
     # ---- routing -------------------------------------------------------------------------------------
     def route(self, trajectory_id: str, avoid: Replica | None = None) -> Replica:
-        """The trajectory's replica: sticky while healthy, else the healthy one with the fewest requests in flight."""
+        """The trajectory's replica: sticky while healthy and not overloaded, else the least loaded healthy one.
+
+        Load-aware stickiness: a trajectory leaves its replica (and the prefix cached there) only when that replica
+        has more than cfg.sticky_max_imbalance requests in flight beyond the least loaded one; queueing behind a
+        hot replica costs more than re-prefilling one prompt elsewhere.
+        """
         with self._lock:
-            rep = self._sticky.get(trajectory_id) if trajectory_id else None
-            if rep is not None and rep.healthy and rep is not avoid:
-                self._sticky.move_to_end(trajectory_id)
-                return rep
             live = [r for r in self.replicas if r.healthy and r is not avoid] or [r for r in self.replicas if r.healthy]
             if not live:
                 raise NoHealthyReplica(f"no healthy SGLang replica among {[r.url for r in self.replicas]}")
+            least = min(r.in_flight for r in live)
+            rep = self._sticky.get(trajectory_id) if trajectory_id else None
+            slack = self.cfg.sticky_max_imbalance
+            if rep is not None and rep in live and (slack <= 0 or rep.in_flight - least <= slack):
+                self._sticky.move_to_end(trajectory_id)
+                return rep
+            if rep is not None and rep in live:
+                self.stats["sticky_moved_for_load"] += 1
             n, h = len(self.replicas), zlib.crc32(trajectory_id.encode())
             rep = min(live, key=lambda r: (r.in_flight, (self.replicas.index(r) - h) % n))
             if trajectory_id:
@@ -505,7 +514,7 @@ class SGLangEngine:
             "waiting": 0, "running": in_flight, "tokens_generated": s["tokens"], "tokens_per_s": s["tokens"] / elapsed,
             "weight_updates": s["weight_updates"], "interrupted_requests": s["interrupted"], "resumed_requests": s["resumed"],
             "replicas_healthy": sum(r["healthy"] for r in reps), "replica_down_events": s["replica_down"],
-            "replica_up_events": s["replica_up"], "replicas": reps, "pause_mode": self.cfg.sglang_pause_mode,
+            "replica_up_events": s["replica_up"], "sticky_moved_for_load": s["sticky_moved_for_load"], "replicas": reps, "pause_mode": self.cfg.sglang_pause_mode,
         }
 
     def close(self, timeout: float = 10.0) -> None:
@@ -530,36 +539,65 @@ class SGLangEngine:
 
 def launch_sglang_servers(model_path: str, n: int = 1, host: str = "127.0.0.1", base_port: int = 30000,
                           gpus: list[str] | None = None, weight_version: int = 0, extra_args: list[str] | None = None,
-                          wait_s: float = 900.0) -> tuple[list[subprocess.Popen], list[str]]:
+                          wait_s: float = 900.0, module: str = "sglang.launch_server") -> tuple[list[subprocess.Popen], list[str]]:
     """Start n `python -m sglang.launch_server` processes (one GPU each) and wait until they answer /health_generate.
 
-    Not exercised by the tests here (SGLang needs a GPU build); the flags are SGLang's: --skip-tokenizer-init for
-    token-in-token-out, --weight-version so meta_info reports tars versions from the start.
+    The flags are SGLang's: --skip-tokenizer-init for token-in-token-out, --weight-version so meta_info reports tars
+    versions from the start. Each server is its own process group with PDEATHSIG, so stop_sglang_servers (or this
+    process dying) takes its workers down too. `module` swaps in another launcher with the same flags (the tests use
+    inference_server.sglang_conformance, which accepts them).
     """
+    from tars.proc import die_with_parent
+
     procs, urls = [], []
-    for i in range(n):
-        port = base_port + i
-        env = dict(os.environ)
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-               "--skip-tokenizer-init", "--weight-version", str(weight_version), *(extra_args or [])]
-        procs.append(subprocess.Popen(cmd, env=env))
-        urls.append(f"http://{host}:{port}")
     try:
-        wait_healthy(urls, wait_s)
-    except Exception:
-        for p in procs:
-            p.terminate()
+        for i in range(n):
+            port = base_port + i
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            cmd = [sys.executable, "-m", module, "--model-path", model_path, "--host", host, "--port", str(port),
+                   "--skip-tokenizer-init", "--weight-version", str(weight_version), *(extra_args or [])]
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent))
+            urls.append(f"http://{host}:{port}")
+        wait_healthy(urls, wait_s, procs=procs)
+    except BaseException:
+        stop_sglang_servers(procs)
         raise
     return procs, urls
 
 
-def wait_healthy(urls: list[str], timeout_s: float = 60.0, interval_s: float = 0.2) -> None:
-    """Block until every URL answers GET /health_generate with 200; TimeoutError otherwise."""
+def stop_sglang_servers(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
+    """SIGTERM each server's process group, then SIGKILL what is left after timeout_s."""
+    import signal
+
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the group may outlive its leader (SGLang's scheduler processes)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait(5)
+
+
+def wait_healthy(urls: list[str], timeout_s: float = 60.0, interval_s: float = 0.2, procs: list | None = None) -> None:
+    """Block until every URL answers GET /health_generate with 200; TimeoutError otherwise (RuntimeError at once
+    when one of `procs`, the servers behind the URLs, has exited)."""
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     while pending:
+        dead = [p.args for p in procs or () if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"SGLang server exited before it was healthy: {dead[0]}")
         for u in list(pending):
             try:
                 if http_json(u, "/health_generate", timeout=max(0.5, min(30.0, deadline - time.monotonic())))[0] == 200:

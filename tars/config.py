@@ -85,6 +85,8 @@ class InferenceConfig:
     sglang_health_failures: int = f(1, "engine=sglang: failed health checks in a row that take a replica out")
     sglang_max_resumes: int = f(32, "engine=sglang: aborts / replica failures one request survives before it fails")
     sglang_max_concurrency: int = f(256, "engine=sglang: HTTP calls in flight at once (threads of the client pool)")
+    sticky_max_imbalance: int = f(8, "a trajectory leaves its replica (and its prefix cache) when that replica has more than "
+                                  "this many requests in flight beyond the least loaded one; 0 = always sticky")
 
 
 @dataclass
