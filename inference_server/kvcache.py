@@ -63,7 +63,7 @@ def take_rows(kv: KV, lengths: torch.Tensor, keep: list[int]) -> tuple[KV | None
     """Keep the given rows and trim the left padding no remaining row needs."""
     if not keep:
         return None, None
-    idx = torch.tensor(keep, dtype=torch.long)
+    idx = torch.tensor(keep, dtype=torch.long, device=lengths.device)
     lengths = lengths.index_select(0, idx)
     n = int(lengths.max())
     return [(k.index_select(0, idx)[:, :, -n:], v.index_select(0, idx)[:, :, -n:]) for k, v in kv], lengths

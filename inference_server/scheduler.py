@@ -45,6 +45,8 @@ class Scheduler:
         self.model = engine.model
         self.cfg = engine.cfg
         self.cache = PrefixCache(self.cfg.cache_capacity, self.cfg.cache_max_bytes)
+        # The model's device (CPU here; a CUDA model works too): step inputs are built there, sampling stays on CPU.
+        self.device = next(self.model.parameters()).device
         self.rows: list[Request] = []              # running requests, row i of self.kv
         self.kv: KV | None = None
         self.lengths: torch.Tensor | None = None   # [B] tokens held in each row's KV
@@ -217,7 +219,9 @@ class Scheduler:
         for i, (s, p, t) in enumerate(zip(seqs, P_i, T_i)):
             ids[i, T - t:] = torch.tensor(s[p:], dtype=torch.long)
             pos[i, T - t:] = torch.arange(p, p + t)
-        key_valid = torch.cat([valid_from_lengths(torch.tensor(P_i), P), valid_from_lengths(torch.tensor(T_i), T)], 1)
+        ids, pos = ids.to(self.device), pos.to(self.device)
+        key_valid = torch.cat([valid_from_lengths(torch.tensor(P_i, device=self.device), P),
+                               valid_from_lengths(torch.tensor(T_i, device=self.device), T)], 1)
         past = pack([r.prefix_kv for r in group], P_i) if P > 0 else None
         h, kv = self.model.hidden(ids, pos, key_valid, past)
         logits = self.model.lm_head(h[:, -1])  # [B, V]: only the last position is sampled
@@ -231,7 +235,7 @@ class Scheduler:
             r.prefix_kv, r.prefix_len = None, 0
         rp = RowParams.build([r.params.temperature for r in group], [r.params.top_p for r in group],
                              [r.params.top_k for r in group], [r.generator for r in group])
-        tok, lp = sample(logits, rp, self.gen)
+        tok, lp = sample(logits.float().cpu(), rp, self.gen)
         keep = self._emit_all(group, kv, lengths, tok.tolist(), lp.tolist())
         if keep:
             kv, lengths = take_rows(kv, lengths, keep)
@@ -246,12 +250,12 @@ class Scheduler:
         if self.rp is None:
             self.rp = RowParams.build([r.params.temperature for r in rows], [r.params.top_p for r in rows],
                                       [r.params.top_k for r in rows], [r.generator for r in rows])
-        toks = torch.tensor([r.out[-1] for r in rows], dtype=torch.long)[:, None]
+        toks = torch.tensor([r.out[-1] for r in rows], dtype=torch.long, device=self.device)[:, None]
         S = self.kv[0][0].shape[2]
         key_valid = valid_from_lengths(self.lengths + 1, S + 1)
         logits, self.kv = self.model(toks, self.lengths[:, None], key_valid, self.kv)
         self.lengths = self.lengths + 1
-        tok, lp = sample(logits[:, -1], self.rp, self.gen)
+        tok, lp = sample(logits[:, -1].float().cpu(), self.rp, self.gen)
         eng.stats["decode_steps"] += 1
         eng.stats["batch_rows"] += B
         eng.batch_hist[_bucket(B)] += 1

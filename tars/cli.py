@@ -24,13 +24,9 @@ def _split(s: str) -> list[str]:
 
 
 def _bench_inference(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="tars bench inference", description="tokens/s of the engine direct vs through gRPC")
-    ap.add_argument("--json", metavar="FILE", help="write the figures here as JSON")
-    a = ap.parse_args(argv)
-    from inference_server.bench import run
+    from inference_server.bench import main as bench_main
 
-    print(json.dumps(run(a.json), indent=2))
-    return 0
+    return bench_main(argv)
 
 
 def _bench_env(argv: list[str]) -> int:
