@@ -113,13 +113,16 @@ def main(argv: list[str] | None = None) -> int:
                          f"grpc {f['grpc_tokens_per_s']:.0f} tok/s, direct {f['direct_tokens_per_s']:.0f} tok/s"))
     if not a.skip_updates:
         u = bench_rollouts.update_waste(workers=8 if q else 16, max_new_tokens=32 if q else 64,
-                                        duration_s=3.0 if q else a.duration, update_every_s=0.75 if q else a.update_every)
+                                        duration_s=3.0 if q else a.duration, update_every_s=0.75 if q else a.update_every,
+                                        with_stale=not q)
         out["updates"] = u
         p, r = u["partial"], u["restart"]
         figs.append(_fig("update_discarded_share", p["discarded_share"], r["discarded_share"], "<= 0.02", p["discarded_share"] <= 0.02,
                          f"{p['weight_updates']} / {r['weight_updates']} updates every {u['update_every_s']} s; restart discarded "
                          f"{r['tokens_discarded']} of {r['tokens_sampled']} tokens ({r['requests_restarted']} restarts); partial "
-                         f"re-prefilled {p['reprefilled_tokens']} tokens ({p['reprefilled_share']:.1%} of sampled), discarded none"))
+                         f"re-prefilled {p['reprefilled_tokens']} tokens ({p['reprefilled_share']:.1%} of sampled)"
+                         + (f"; with stale KV kept (max_stale_versions=1) {u['partial_stale']['reprefilled_tokens']} re-prefilled, "
+                            f"{u['partial_stale']['tokens_discarded']} discarded" if u.get("partial_stale") else "")))
     if not a.skip_multiturn:
         m = bench_rollouts.multiturn_cache(episodes=4 if q else 16, turns=3 if q else 6)
         out["multiturn"] = m

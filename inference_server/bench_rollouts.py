@@ -3,7 +3,8 @@
 update_waste(): a closed loop of `workers` clients, each generating `max_new_tokens` at a time without pause, while
 new weights are installed every `update_every_s` seconds through UpdateWeights. Two ways, in turn, same schedule:
 - partial rollouts (tars): requests stay in flight across the update; the server resumes them under the new
-  weights (default: the prefix KV is recomputed, max_stale_versions=0);
+  weights (default: the prefix KV is recomputed, max_stale_versions=0); a third run, partial_stale, asks for
+  max_stale_versions=1 per request, so the KV computed under the previous weights is kept (nothing re-prefilled);
 - restart-on-update (the baseline): at each update every in-flight call is cancelled (the server stops its engine
   request), the update is installed, and the cancelled requests are sent again from scratch.
 Figure: tokens sampled by the engine that no caller received (discarded, then regenerated), as a share of the
@@ -41,6 +42,7 @@ async def _update_run(mode: str, dc: DecoderConfig, ckpts: list[str], workers: i
     await srv.start()
     client = InferenceClient([srv.address], timeout_s=300)
     rng = random.Random(seed)
+    stale = 1 if mode == "partial_stale" else 0  # the per-request choice: keep KV one version old, or recompute it
     gate = asyncio.Event()
     gate.set()
     inflight: set[asyncio.Task] = set()
@@ -53,7 +55,7 @@ async def _update_run(mode: str, dc: DecoderConfig, ckpts: list[str], workers: i
             p = _prompt(rng, prompt_len, dc.vocab_size)
             while True:  # the same request again after a restart
                 await gate.wait()
-                t = asyncio.create_task(client.generate(f"w{w}", p, max_new_tokens, temperature=1.0, max_stale_versions=0))
+                t = asyncio.create_task(client.generate(f"w{w}", p, max_new_tokens, temperature=1.0, max_stale_versions=stale))
                 inflight.add(t)
                 try:
                     r = await asyncio.shield(t)
@@ -109,7 +111,7 @@ async def _update_run(mode: str, dc: DecoderConfig, ckpts: list[str], workers: i
 
 
 def update_waste(workers: int = 16, prompt_len: int = 32, max_new_tokens: int = 64, duration_s: float = 12.0,
-                 update_every_s: float = 2.0, threads: int = 1, seed: int = 0) -> dict:
+                 update_every_s: float = 2.0, threads: int = 1, seed: int = 0, with_stale: bool = True) -> dict:
     dc = DecoderConfig(vocab_size=300)
     with tempfile.TemporaryDirectory(prefix="tars-bench-") as d:
         ckpts = []
@@ -119,8 +121,9 @@ def update_waste(workers: int = 16, prompt_len: int = 32, max_new_tokens: int = 
         args = (dc, ckpts, workers, prompt_len, max_new_tokens, duration_s, update_every_s, threads, seed)
         partial = asyncio.run(_update_run("partial", *args))
         restart = asyncio.run(_update_run("restart", *args))
+        stale = asyncio.run(_update_run("partial_stale", *args)) if with_stale else None
     return {"workers": workers, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "duration_s": duration_s,
-            "update_every_s": update_every_s, "partial": partial, "restart": restart}
+            "update_every_s": update_every_s, "partial": partial, "restart": restart, "partial_stale": stale}
 
 
 async def _multiturn(episodes: int, turns: int, first_prompt: int, obs_tokens: int, max_new_tokens: int, threads: int,

@@ -77,6 +77,7 @@ class Scheduler:
                     room = max(0, self.cfg.max_batch - self.active())
                     admit = [eng._waiting.popleft() for _ in range(min(room, len(eng._waiting)))]
                 try:
+                    self._drop_cancelled()  # first, so an update does not recompute KV for requests already given up
                     for u in updates:
                         self._apply(u)
                     self._drop_cancelled()
