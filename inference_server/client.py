@@ -119,14 +119,15 @@ class InferenceClient:
     @staticmethod
     def _request(trajectory_id, input_ids, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed,
                  max_stale_versions, images, traceparent) -> inference_pb2.GenerateRequest:
+        stale = {} if max_stale_versions is None else {"max_stale_versions": max_stale_versions}  # unset: the server's default
         return inference_pb2.GenerateRequest(
-            trajectory_id=trajectory_id, input_ids=list(input_ids), max_stale_versions=max_stale_versions,
+            trajectory_id=trajectory_id, input_ids=list(input_ids), **stale,
             traceparent=traceparent, images=list(images),
             sampling=inference_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                                   top_k=top_k, stop_token_ids=list(stop_token_ids), seed=seed))
 
     async def generate(self, trajectory_id: str, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0,
-                       stop_token_ids: Sequence[int] = (), max_stale_versions: int = 0, top_p: float = 1.0, top_k: int = 0,
+                       stop_token_ids: Sequence[int] = (), max_stale_versions: int | None = None, top_p: float = 1.0, top_k: int = 0,
                        seed: int = 0, images: Sequence = (), traceparent: str = "", timeout_s: float | None = None) -> GenerateResult:
         """One generation. Raises grpc.aio.AioRpcError (non-retryable status, or retries exhausted)."""
         req = self._request(trajectory_id, input_ids, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed,
@@ -136,7 +137,7 @@ class InferenceClient:
                               r.prompt_tokens, r.cached_tokens, r.interruptions, r.replica or rep.address)
 
     async def generate_stream(self, trajectory_id: str, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0,
-                              stop_token_ids: Sequence[int] = (), max_stale_versions: int = 0, top_p: float = 1.0,
+                              stop_token_ids: Sequence[int] = (), max_stale_versions: int | None = None, top_p: float = 1.0,
                               top_k: int = 0, seed: int = 0, timeout_s: float | None = None) -> AsyncIterator[Chunk]:
         """Chunks as tokens are produced. Not retried: tokens already yielded cannot be taken back."""
         req = self._request(trajectory_id, input_ids, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed,

@@ -52,7 +52,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.images_ignored += len(request.images)  # the local engine is a text model
         try:
             return self.engine.submit(list(request.input_ids), _params(request.sampling), request.trajectory_id,
-                                      request.max_stale_versions or self.cfg.max_stale_versions, on_token)
+                                      request.max_stale_versions if request.HasField("max_stale_versions") else self.cfg.max_stale_versions, on_token)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:

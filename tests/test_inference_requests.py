@@ -1,0 +1,96 @@
+"""InferenceService per-request choices and refusals over a real server: the staleness budget, unknown versions,
+bytes that are not a request, and weights an engine cannot take."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+from grpc import aio
+
+from inference_server.client import InferenceClient
+from tars import rpc
+from tars.v1 import inference_pb2, inference_pb2_grpc
+from test_inference_engine import make_model, rand_prompt
+from test_inference_server import Servers, run
+
+
+def test_staleness_budget_is_chosen_per_request_and_defaults_to_the_server(tmp_path):
+    async def main():
+        async with Servers() as s:
+            # The server's default keeps KV one version old; a request may still ask for recompute (0).
+            _, eng, addr = await s.start(make_model(0), max_stale_versions=1, max_batch=8)
+            make_model(1).save_hf(tmp_path / "v1")
+            c = InferenceClient([addr])
+            rng = random.Random(4)
+            kinds = {"default": None, "recompute": 0, "keep": 1}
+            tasks = {k: asyncio.create_task(c.generate(k, rand_prompt(rng, 20), 200, max_stale_versions=v)) for k, v in kinds.items()}
+            while eng.metrics()["running"] < 3 or eng.metrics()["tokens_generated"] < 30:
+                await asyncio.sleep(0.002)
+            await c.update_weights(1, path=str(tmp_path / "v1"))
+            rs = {k: await t for k, t in tasks.items()}
+            assert all(r.interruptions == 1 and set(r.versions) == {0, 1} for r in rs.values())
+            m = eng.metrics()
+            assert m["stale_kv_kept"] == 2                      # "default" and "keep"
+            assert m["recomputed_tokens"] == 20 + rs["recompute"].versions.index(1)  # only "recompute": its prompt + tokens so far
+            with pytest.raises(aio.AioRpcError) as ei:
+                await c.generate("bad", [1, 2], 2, max_stale_versions=-1)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_stale_versions" in ei.value.details()
+            await c.close()
+
+    run(main())
+
+
+def test_unknown_versions_and_undecodable_requests(tmp_path):
+    async def main():
+        async with Servers() as s:
+            _, eng, addr = await s.start(make_model(0), version=3)
+            make_model(1).save_hf(tmp_path / "ok")
+            ch = rpc.channel(addr)
+            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+            for v in (3, 2, -1):  # not newer than the served version: refused, whatever the weights
+                with pytest.raises(aio.AioRpcError) as ei:
+                    await stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=v, path=str(tmp_path / "ok")), timeout=10)
+                assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not newer" in ei.value.details()
+            assert (await stub.GetVersion(inference_pb2.GetVersionRequest(), timeout=5)).version == 3
+            # Bytes that are not a GenerateRequest: refused by the server's decoder, and it goes on serving.
+            raw = ch.unary_unary("/tars.v1.InferenceService/Generate", request_serializer=None, response_deserializer=None)
+            with pytest.raises(aio.AioRpcError) as ei:
+                await raw(b"\xff\xff\xff\xff", timeout=5)
+            assert ei.value.code() != grpc.StatusCode.OK
+            # Too long for the context, and a deadline too short to generate: clear statuses.
+            for req, code in ((inference_pb2.GenerateRequest(input_ids=[1] * 250, sampling=inference_pb2.SamplingParams(max_new_tokens=10)),
+                               grpc.StatusCode.INVALID_ARGUMENT),):
+                with pytest.raises(aio.AioRpcError) as ei:
+                    await stub.Generate(req, timeout=5)
+                assert ei.value.code() == code and "max_context" in ei.value.details()
+            ok = await stub.Generate(inference_pb2.GenerateRequest(input_ids=[1, 2], sampling=inference_pb2.SamplingParams(max_new_tokens=2)), timeout=10)
+            assert len(ok.output_ids) == 2 and list(ok.versions) == [3, 3]
+            await ch.close()
+
+    run(main())
+
+
+def test_streamed_weights_refused_by_a_disk_only_engine(tmp_path):
+    from inference_server.server import InferenceServer
+    from inference_server.sglang_engine import SGLangEngine
+    from inference_server.weights_stream import chunks
+    from tars.config import InferenceConfig
+
+    async def main():
+        cfg = InferenceConfig(engine="sglang", sglang_urls=["http://127.0.0.1:9"])
+        eng = SGLangEngine(cfg, cfg.sglang_urls, health_thread=False)
+        srv = InferenceServer(cfg, eng)
+        await srv.start()
+        ch = rpc.channel(srv.address)
+        try:
+            with pytest.raises(aio.AioRpcError) as ei:
+                await inference_pb2_grpc.InferenceServiceStub(ch).UpdateWeightsStream(chunks(1, make_model(1).hf_state_dict()), timeout=10)
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "path" in ei.value.details()
+        finally:
+            await ch.close()
+            await srv.stop(grace=0.5)
+            eng.close()
+
+    run(main())
