@@ -2,8 +2,8 @@
 and the checks against the `sglang` package's own request types."""
 from __future__ import annotations
 
+import asyncio
 import os
-import signal
 import socket
 import sys
 import textwrap
@@ -64,16 +64,22 @@ def test_sticky_routing_yields_to_load():
         assert e.route("t") is home                    # a replica taken out loses its trajectories
     finally:
         e.close()
-    c = InferenceClient(["127.0.0.1:9", "127.0.0.1:10"], sticky_max_imbalance=1)
-    i = c.route("t")
-    c._replicas[i].in_flight = 1
-    assert c.route("t") == i
-    c._replicas[i].in_flight = 2
-    assert c.route("t") == 1 - i and c.moved_for_load == 1
-    never = InferenceClient(["127.0.0.1:9", "127.0.0.1:10"], sticky_max_imbalance=0)
-    j = never.route("t")
-    never._replicas[j].in_flight = 100
-    assert never.route("t") == j
+
+    async def client_side():  # the gRPC client's routing follows the same rule (its channels need a loop)
+        c = InferenceClient(["127.0.0.1:9", "127.0.0.1:10"], sticky_max_imbalance=1)
+        i = c.route("t")
+        c._replicas[i].in_flight = 1
+        assert c.route("t") == i
+        c._replicas[i].in_flight = 2
+        assert c.route("t") == 1 - i and c.moved_for_load == 1
+        never = InferenceClient(["127.0.0.1:9", "127.0.0.1:10"], sticky_max_imbalance=0)
+        j = never.route("t")
+        never._replicas[j].in_flight = 100
+        assert never.route("t") == j
+        await c.close()
+        await never.close()
+
+    asyncio.run(client_side())
 
 
 def _free_ports(n):
