@@ -12,8 +12,8 @@ import pytest
 
 from inference_server.client import InferenceClient
 from inference_server.engine import SamplingParams
-from inference_server.sglang_engine import (SGLangEngine, _Call, http_json, launch_sglang_servers, stop_sglang_servers,
-                                            token_versions)
+from inference_server.sglang_engine import SGLangEngine, _Call, http_json, token_versions
+from inference_server.sglang_launch import launch_sglang_servers, stop_sglang_servers
 from inference_server.sglang_types import SGLangTypes
 from tars.config import InferenceConfig
 from test_sglang import DC, PROMPT, gen_body, greedy, models, servers  # noqa: F401 - fixtures
