@@ -18,9 +18,10 @@ Standard library only (http.client in a bounded thread pool), importable without
   requests in flight. A replica that refuses a connection or fails GET /health_generate is taken out; the health
   thread puts it back when it answers again (after re-installing the current weights if it missed an update).
 
-Launching (inference_server.sglang_launch): `launch_sglang_servers` starts `python -m sglang.launch_server --model-path M --host H --port P
---skip-tokenizer-init --weight-version V` per replica (one GPU each through CUDA_VISIBLE_DEVICES, own process group,
-PDEATHSIG) and waits for /health_generate; the tests run the same code with the conformance server as the module.
+Launching (inference_server.sglang_launch): `launch_sglang_servers` starts `python -m sglang.launch_server
+--model-path M --host H --port P --skip-tokenizer-init --weight-version V` per replica (one GPU each through
+CUDA_VISIBLE_DEVICES, own process group, PDEATHSIG) and waits for /health_generate; the tests run the same code
+with the conformance server as the module.
 Or attach to running servers with SGLangEngine(cfg, ["http://host:port", ...]).
 """
 from __future__ import annotations
