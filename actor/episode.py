@@ -32,17 +32,16 @@ class EpisodeContext:
     tok: Tokenizer
     infer: InferenceClient
     actor_id: str
-    sent_images: set = field(default_factory=set)   # content hashes already sent on this stream connection
 
 
-def _obs_ref(obs: Obs, ctx: EpisodeContext, images: dict) -> str:
+def _obs_ref(obs: Obs, images: dict) -> str:
+    # The trajectory carries every screenshot it refers to; the stream sender sends each one once per learner
+    # connection and refers to it by hash afterwards (tars/stream_images.py).
     if not obs.images:
         return f"text:{hashlib.sha256(obs.text.encode()).hexdigest()[:16]}"
     img = obs.images[-1]
-    h = img.sha256 or hashlib.sha256(img.data).hexdigest()
-    if h not in ctx.sent_images:  # each screenshot crosses the stream once per connection
-        images[h] = bytes(img.data)
-        ctx.sent_images.add(h)
+    h = hashlib.sha256(img.data).hexdigest()  # our own hash: the learner checks bytes against it
+    images.setdefault(h, bytes(img.data))
     return f"sha256:{h}"
 
 
@@ -76,7 +75,7 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
         for _ in range(cfg.max_turns):
             # 1. prompt: the new observation appended to the conversation
             prompt = turn_prompt_ids(tok, obs.text, obs.instruction, note)
-            obs_ref = _obs_ref(obs, ctx, images)
+            obs_ref = _obs_ref(obs, images)
             tokens += prompt
             logprobs += [0.0] * len(prompt)
             versions += [-1] * len(prompt)
