@@ -11,7 +11,9 @@ the last k runs (tars/vision.py). Older turns keep their placeholders as plain t
 them, and the token sequence is still only ever extended.
 
 timings["actor_ms"] is the time each turn spent in this module's own code: the turn's wall time minus the awaited
-env and inference calls (what `tars bench actor` reports as per-turn actor overhead).
+env and inference calls (what `tars bench actor` reports as per-turn actor overhead); timings["actor_cpu_ms"] the
+same in this thread's CPU time, which leaves out time the process spent descheduled on a busy machine (the event
+loop runs other episodes during the awaits, so their CPU time is subtracted with the awaits).
 """
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
     shown: list[bytes] = []          # screenshots of the turns whose prompt has a placeholder run, in order
     steps: list[J.Step] = []         # what the judge sees
     actor_ms: list[float] = []
+    actor_cpu_ms: list[float] = []
     outcome, ret, success, error, instruction = "truncated", 0.0, False, "", ""
     env_s = gen_s = 0.0
     sid = ""
@@ -100,6 +103,7 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
         note = ""
         for _ in range(cfg.max_turns):
             t_turn, waited = time.perf_counter(), 0.0
+            c_turn = time.thread_time()
             try:
                 # 1. prompt: the new observation appended to the conversation
                 prompt = turn_prompt_ids(tok, obs.text, obs.instruction, note)
@@ -114,10 +118,11 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
                 mask += [0] * len(prompt)
                 window = shown[-cfg.image_history:] if cfg.image_history > 0 else []
                 # 2. generate, sticky to one replica under this trajectory id
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 g = await ctx.infer.generate(tid, tokens, cfg.max_new_tokens, temperature=cfg.temperature,
                                              stop_token_ids=[tok.eos_id], timeout_s=cfg.rpc_timeout_s,
                                              images=[common_pb2.Image(data=b) for b in window])
+                c_turn += time.thread_time() - c0
                 gen_ms = (time.perf_counter() - t0) * 1000
                 gen_s += gen_ms / 1000
                 waited += gen_ms
@@ -140,7 +145,7 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
                     note = INVALID_NOTE
                     continue
                 # 4. step the environment
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     obs = await env.step(sid, run_id, action, raw=text)
                 except EnvActionError as e:  # well-formed but not applicable here: same as a format error
@@ -149,6 +154,7 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
                     note = INVALID_NOTE
                     continue
                 finally:
+                    c_turn += time.thread_time() - c0
                     env_ms = (time.perf_counter() - t0) * 1000
                     waited += env_ms
                 env_s += env_ms / 1000
@@ -164,6 +170,7 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
                     break
             finally:
                 actor_ms.append((time.perf_counter() - t_turn) * 1000 - waited)
+                actor_cpu_ms.append((time.thread_time() - c_turn) * 1000)
     except EnvInfraError as e:
         outcome, error = "infra_error", str(e)[:500]
     except grpc.aio.AioRpcError as e:  # inference failed after the client's retries
@@ -179,7 +186,8 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
         tokens=np.asarray(tokens, np.int32), logprobs=np.minimum(np.asarray(logprobs, np.float32), 0.0),
         versions=np.asarray(versions, np.int32), mask=np.asarray(mask, np.uint8), turns=turns,
         ret=ret, success=success, group=group, task=instruction, start_version=start_version,
-        timings={"start": t_start, "end": time.time(), "env_s": env_s, "gen_s": gen_s, "actor_ms": actor_ms},
+        timings={"start": t_start, "end": time.time(), "env_s": env_s, "gen_s": gen_s, "actor_ms": actor_ms,
+                 "actor_cpu_ms": actor_cpu_ms},
         actor=ctx.actor_id, images=images, error=error, judge=verdict,
     )
 
