@@ -262,16 +262,22 @@ class TrajectorySender:
                     self._welcome(body)
             elif tag == P.NACK:
                 tid = body.get("id")
-                for h in body.get("missing") or ():  # the learner lost these images: attach them again
+                missing = body.get("missing") or []
+                for h in missing:  # the learner lost these images: attach them again
                     self._sent_images.pop(h, None)
                     self._stats["images_missing"] += 1
-                if body.get("retry") and tid in self._outbox:
+                e = self._outbox.get(tid)
+                # Images we do not hold either can never be supplied: drop the trajectory rather than loop.
+                resendable = e is not None and all(h in (e.images or {}) for h in missing)
+                if body.get("retry") and resendable:
                     self._stats["retried"] += 1
                     self._outbox[tid].sent_at = 0.0
                     self._resend.append(tid)
                 elif self._outbox.pop(tid, None) is not None:
                     self._stats["nacked"] += 1
                     log.warning("learner rejected trajectory %s: %s", tid, body.get("reason"))
+                    if body.get("retry"):  # the learner still counts the episode as running: give it back
+                        await self._sock.send_multipart([P.LOST, P.pack({"n": 1})])
                     if self.spool_dir:
                         self._unspool(tid)
             elif tag == P.GRANT:

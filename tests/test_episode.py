@@ -14,7 +14,6 @@ import types
 import gymnasium
 import numpy as np
 import pytest
-import torch
 
 from actor.envclient import EnvClient
 from actor.episode import EpisodeContext, run_episode

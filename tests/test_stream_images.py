@@ -153,3 +153,25 @@ def test_store_rejects_bad_names_and_survives_reopen(tmp_path):
     assert s.put(HA, IMG_A) and not s.put(HA, IMG_A)
     s2 = ImageStore(str(tmp_path / "imgs")).open()
     assert HA in s2 and s2.get(HA) == IMG_A and s2.missing([HA, HB]) == [HB]
+
+
+def test_a_frame_referring_to_images_nobody_holds_is_dropped_not_retried_forever(tmp_path):
+    rx = receiver(tmp_path)
+    addr = rx.start()
+
+    async def main():
+        s = TrajectorySender(addr, "img-actor", **FAST)
+        await s.start()
+        t = traj("orphan", [IMG_A])
+        frame = Trajectory.encode(type(t)(**{**t.__dict__, "images": {}}))
+        await s.send_frame("orphan", frame, timeout=5)          # refers to IMG_A, carries nothing
+        await s.send(traj("fine", [IMG_B]), timeout=5)
+        await s.flush(timeout=5)
+        st = s.stats()
+        await s.close()
+        return st
+
+    st = asyncio.run(main())
+    got = drain(rx, 1)
+    rx.stop()
+    assert got[0].id == "fine" and st["nacked"] == 1 and st["retried"] == 0 and rx.stats()["missing_images"] == 1
