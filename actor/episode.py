@@ -4,17 +4,28 @@ The conversation lives as token ids and is only ever extended, so every turn's p
 the learner trains on exactly the tokens the engine produced (no re-tokenisation mismatch). Every generated token
 keeps its behaviour logprob and the policy version that produced it; an episode that spans a weight update simply
 carries tokens of two versions. An environment or inference failure ends the episode as infra_error.
+
+Screenshots (actor.image_history = k > 0): every turn's prompt holds the observation's text and, when it has a
+screenshot, a run of <|image|> placeholders; the request carries the last k screenshots, which the engine binds to
+the last k runs (tars/vision.py). Older turns keep their placeholders as plain tokens, so only their text speaks for
+them, and the token sequence is still only ever extended.
+
+timings["actor_ms"] is the time each turn spent in this module's own code: the turn's wall time minus the awaited
+env and inference calls (what `tars bench actor` reports as per-turn actor overhead); timings["actor_cpu_ms"] the
+same in this thread's CPU time, which leaves out time the process spent descheduled on a busy machine (the event
+loop runs other episodes during the awaits, so their CPU time is subtracted with the awaits).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from actor import judge as J
 from actor.envclient import EnvActionError, EnvClient, EnvInfraError, Obs
 from actor.parsing import ParseError, parse_response
 from actor.tiny import turn_prompt_ids
@@ -22,6 +33,7 @@ from inference_server.client import InferenceClient
 from tars.config import ActorConfig
 from tars.schema import Trajectory, Turn
 from tars.tokenizer import Tokenizer
+from tars.v1 import common_pb2
 
 INVALID_NOTE = "Invalid action. "
 
@@ -32,18 +44,28 @@ class EpisodeContext:
     tok: Tokenizer
     infer: InferenceClient
     actor_id: str
-    sent_images: set = field(default_factory=set)   # content hashes already sent on this stream connection
+    judge_infer: InferenceClient | None = None   # the judge's inference servers (default: the policy's)
+
+    def __post_init__(self):
+        if self.cfg.judge_mode not in ("off", "replace", "add"):
+            raise ValueError(f"actor.judge_mode must be off, replace or add, got {self.cfg.judge_mode!r}")
+        if self.cfg.judge_on_error not in ("infra_error", "env"):
+            raise ValueError(f"actor.judge_on_error must be infra_error or env, got {self.cfg.judge_on_error!r}")
 
 
-def _obs_ref(obs: Obs, ctx: EpisodeContext, images: dict) -> str:
+def _obs_ref(obs: Obs, images: dict) -> str:
+    # The trajectory carries every screenshot it refers to; the stream sender sends each one once per learner
+    # connection and refers to it by hash afterwards (tars/stream_images.py).
     if not obs.images:
         return f"text:{hashlib.sha256(obs.text.encode()).hexdigest()[:16]}"
     img = obs.images[-1]
-    h = img.sha256 or hashlib.sha256(img.data).hexdigest()
-    if h not in ctx.sent_images:  # each screenshot crosses the stream once per connection
-        images[h] = bytes(img.data)
-        ctx.sent_images.add(h)
+    h = hashlib.sha256(img.data).hexdigest()  # our own hash: the learner checks bytes against it
+    images.setdefault(h, bytes(img.data))
     return f"sha256:{h}"
+
+
+def _screenshot(obs: Obs) -> bytes:
+    return bytes(obs.images[-1].data) if obs.images else b""
 
 
 def _success(info_json: str) -> bool:
@@ -63,9 +85,15 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
     mask: list[int] = []
     turns: list[Turn] = []
     images: dict[str, bytes] = {}
+    shown: list[bytes] = []          # screenshots of the turns whose prompt has a placeholder run, in order
+    steps: list[J.Step] = []         # what the judge sees
+    actor_ms: list[float] = []
+    actor_cpu_ms: list[float] = []
     outcome, ret, success, error, instruction = "truncated", 0.0, False, "", ""
     env_s = gen_s = 0.0
     sid = ""
+    img_id = tok.index.get("<|image|>", -1)
+    obs = None
     try:
         t0 = time.perf_counter()
         sid, run_id = await env.create(env_id, seed, {k: str(v) for k, v in cfg.env_options.items()})
@@ -74,57 +102,75 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
         instruction = obs.instruction
         note = ""
         for _ in range(cfg.max_turns):
-            # 1. prompt: the new observation appended to the conversation
-            prompt = turn_prompt_ids(tok, obs.text, obs.instruction, note)
-            obs_ref = _obs_ref(obs, ctx, images)
-            tokens += prompt
-            logprobs += [0.0] * len(prompt)
-            versions += [-1] * len(prompt)
-            mask += [0] * len(prompt)
-            # 2. generate, sticky to one replica under this trajectory id
-            t0 = time.perf_counter()
-            g = await ctx.infer.generate(tid, tokens, cfg.max_new_tokens, temperature=cfg.temperature,
-                                         stop_token_ids=[tok.eos_id], timeout_s=cfg.rpc_timeout_s)
-            gen_ms = (time.perf_counter() - t0) * 1000
-            gen_s += gen_ms / 1000
-            start = len(tokens)
-            tokens += list(g.output_ids)
-            logprobs += list(g.logprobs)
-            versions += list(g.versions)
-            mask += [1] * len(g.output_ids)
-            text = tok.decode(g.output_ids)
-            # 3. parse; unparseable output gets a format penalty and, by default, another try
+            t_turn, waited = time.perf_counter(), 0.0
+            c_turn = time.thread_time()
             try:
-                _, actions = parse_response(text)
-                action = actions[0].to_env()
-            except ParseError as e:
-                turns.append(Turn(obs_ref, text, {}, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
-                ret += cfg.format_penalty
-                if cfg.on_parse_error == "stop":
+                # 1. prompt: the new observation appended to the conversation
+                prompt = turn_prompt_ids(tok, obs.text, obs.instruction, note)
+                shot = _screenshot(obs)
+                if cfg.image_history > 0 and shot and img_id >= 0:
+                    prompt[1:1] = [img_id] * cfg.image_tokens   # after <|user|>: the screenshot, then its text
+                    shown.append(shot)
+                obs_ref = _obs_ref(obs, images)
+                tokens += prompt
+                logprobs += [0.0] * len(prompt)
+                versions += [-1] * len(prompt)
+                mask += [0] * len(prompt)
+                window = shown[-cfg.image_history:] if cfg.image_history > 0 else []
+                # 2. generate, sticky to one replica under this trajectory id
+                t0, c0 = time.perf_counter(), time.thread_time()
+                g = await ctx.infer.generate(tid, tokens, cfg.max_new_tokens, temperature=cfg.temperature,
+                                             stop_token_ids=[tok.eos_id], timeout_s=cfg.rpc_timeout_s,
+                                             images=[common_pb2.Image(data=b) for b in window])
+                c_turn += time.thread_time() - c0
+                gen_ms = (time.perf_counter() - t0) * 1000
+                gen_s += gen_ms / 1000
+                waited += gen_ms
+                start = len(tokens)
+                tokens += list(g.output_ids)
+                logprobs += list(g.logprobs)
+                versions += list(g.versions)
+                mask += [1] * len(g.output_ids)
+                text = tok.decode(g.output_ids)
+                steps.append(J.Step(obs.text, text.strip(), shot))
+                # 3. parse; unparseable output gets a format penalty and, by default, another try
+                try:
+                    _, actions = parse_response(text)
+                    action = actions[0].to_env()
+                except ParseError as e:
+                    turns.append(Turn(obs_ref, text, {}, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
+                    ret += cfg.format_penalty
+                    if cfg.on_parse_error == "stop":
+                        break
+                    note = INVALID_NOTE
+                    continue
+                # 4. step the environment
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    obs = await env.step(sid, run_id, action, raw=text)
+                except EnvActionError as e:  # well-formed but not applicable here: same as a format error
+                    turns.append(Turn(obs_ref, text, action, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
+                    ret += cfg.format_penalty
+                    note = INVALID_NOTE
+                    continue
+                finally:
+                    c_turn += time.thread_time() - c0
+                    env_ms = (time.perf_counter() - t0) * 1000
+                    waited += env_ms
+                env_s += env_ms / 1000
+                note = ""
+                turns.append(Turn(obs_ref, text, action, obs.reward, start, len(tokens), env_ms, gen_ms))
+                ret += obs.reward
+                if obs.outcome == "infra_error":
+                    outcome, error = "infra_error", obs.info_json[:500]
                     break
-                note = INVALID_NOTE
-                continue
-            # 4. step the environment
-            t0 = time.perf_counter()
-            try:
-                obs = await env.step(sid, run_id, action, raw=text)
-            except EnvActionError as e:  # well-formed but not applicable here: same as a format error
-                turns.append(Turn(obs_ref, text, action, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
-                ret += cfg.format_penalty
-                note = INVALID_NOTE
-                continue
-            env_ms = (time.perf_counter() - t0) * 1000
-            env_s += env_ms / 1000
-            note = ""
-            turns.append(Turn(obs_ref, text, action, obs.reward, start, len(tokens), env_ms, gen_ms))
-            ret += obs.reward
-            if obs.outcome == "infra_error":
-                outcome, error = "infra_error", obs.info_json[:500]
-                break
-            if obs.outcome != "running":
-                outcome = obs.outcome
-                success = _success(obs.info_json)
-                break
+                if obs.outcome != "running":
+                    outcome = obs.outcome
+                    success = _success(obs.info_json)
+                    break
+            finally:
+                actor_ms.append((time.perf_counter() - t_turn) * 1000 - waited)
+                actor_cpu_ms.append((time.thread_time() - c_turn) * 1000)
     except EnvInfraError as e:
         outcome, error = "infra_error", str(e)[:500]
     except grpc.aio.AioRpcError as e:  # inference failed after the client's retries
@@ -132,11 +178,39 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
     finally:
         if sid:
             await env.close_session(sid)
+    verdict: dict = {}
+    if cfg.judge_mode != "off" and outcome != "infra_error" and obs is not None:
+        outcome, ret, error, verdict = await _judge(ctx, tid, instruction, steps, obs, turns, outcome, ret, error)
     return Trajectory(
         id=tid, env_id=env_id, outcome=outcome,
         tokens=np.asarray(tokens, np.int32), logprobs=np.minimum(np.asarray(logprobs, np.float32), 0.0),
         versions=np.asarray(versions, np.int32), mask=np.asarray(mask, np.uint8), turns=turns,
         ret=ret, success=success, group=group, task=instruction, start_version=start_version,
-        timings={"start": t_start, "end": time.time(), "env_s": env_s, "gen_s": gen_s},
-        actor=ctx.actor_id, images=images, error=error,
+        timings={"start": t_start, "end": time.time(), "env_s": env_s, "gen_s": gen_s, "actor_ms": actor_ms,
+                 "actor_cpu_ms": actor_cpu_ms},
+        actor=ctx.actor_id, images=images, error=error, judge=verdict,
     )
+
+
+async def _judge(ctx: EpisodeContext, tid: str, instruction: str, steps: list, obs: Obs, turns: list[Turn],
+                 outcome: str, ret: float, error: str):
+    """Ask the judge; returns (outcome, return, error, verdict dict) with the verdict's reward applied."""
+    cfg = ctx.cfg
+    try:
+        v = await J.ask(ctx.judge_infer or ctx.infer, ctx.tok, cfg, tid, instruction, steps, obs.text, _screenshot(obs))
+    except J.JudgeError as e:
+        if cfg.judge_on_error == "infra_error":  # no verdict is not a verdict of 0
+            return "infra_error", ret, f"judge: {e}"[:500], {"error": str(e)[:200]}
+        return outcome, ret, error, {"error": str(e)[:200], "fallback": "env"}
+    reward = cfg.judge_weight * v.score
+    if turns:
+        last = turns[-1]
+        if cfg.judge_mode == "replace":
+            # Env rewards out, format penalties (turns with a parse error) kept, the verdict on the last turn.
+            for t in turns:
+                if not t.parse_error:
+                    ret -= t.reward
+                    t.reward = 0.0
+        last.reward += reward
+        ret += reward
+    return outcome, ret, error, {**v.to_dict(), "reward": reward, "mode": cfg.judge_mode}

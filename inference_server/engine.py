@@ -81,6 +81,9 @@ class Request:
     prefix_kv: list | None = None     # RowKV from the prefix cache, consumed by prefill
     prefix_len: int = 0
     t_submit: float = 0.0
+    img_pos: list = field(default_factory=list)   # input positions that take patch embeddings (tars/vision.py)
+    img_pix: torch.Tensor | None = None            # [len(img_pos), patch_dim]
+    img_key: dict | None = None                    # placeholder-run start -> image hash, for prefix-cache matching
 
     def sequence(self) -> list[int]:
         return self.input_ids + self.out
@@ -96,6 +99,8 @@ class _Update:
 
 class LocalEngine:
     """Continuous batching over one CausalLM with a per-trajectory prefix cache and versioned weights."""
+
+    accepts_images = True  # bound to placeholder tokens when the model has the vision module, else ignored
 
     def __init__(self, cfg: InferenceConfig, model: CausalLM | str, version: int = 0, start: bool = True, name: str = "local"):
         self.cfg = cfg
@@ -169,7 +174,8 @@ class LocalEngine:
             raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {V})")
 
     def submit(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
-               max_stale_versions: int | None = None, on_token: TokenCallback | None = None) -> Future:
+               max_stale_versions: int | None = None, on_token: TokenCallback | None = None,
+               images: list[bytes] = ()) -> Future:
         """Queue a request; the Future resolves to a GenerateOutput. Cancel the Future to stop the request.
 
         Raises ValueError for a bad request and QueueFull when cfg.max_queue requests are already waiting.
@@ -183,6 +189,8 @@ class LocalEngine:
         gen = torch.Generator().manual_seed(int(params.seed)) if params.seed else None
         req = Request(input_ids, params, trajectory_id, stale, Future(), on_token, frozenset(int(t) for t in params.stop_token_ids),
                       gen, t_submit=time.monotonic())
+        if images:
+            self._bind_images(req, list(images))
         with self._cv:
             if self._closed:
                 raise EngineClosed("engine closed")
@@ -193,6 +201,20 @@ class LocalEngine:
             self.stats["requests"] += 1
             self._cv.notify()
         return req.future
+
+    def _bind_images(self, req: Request, images: list[bytes]) -> None:
+        v = self.model.vision_config
+        if v is None:  # a text-only checkpoint: the prompt's text speaks for the screenshots
+            self.stats["images_ignored"] += len(images)
+            return
+        import hashlib
+
+        from tars.vision import bind, placeholder_runs
+
+        req.img_pos, req.img_pix = bind(req.input_ids, images, v)  # ValueError -> INVALID_ARGUMENT
+        runs = placeholder_runs(req.input_ids, v)[-len(images):]
+        req.img_key = {s: hashlib.sha256(b).hexdigest() for s, b in zip(runs, images)}
+        self.stats["images"] += len(images)
 
     def generate(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
                  max_stale_versions: int | None = None, timeout: float | None = 60.0) -> GenerateOutput:

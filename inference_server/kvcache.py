@@ -115,6 +115,7 @@ class PrefixEntry:
     kv: RowKV
     version: int     # oldest weight version that contributed to this KV
     nbytes: int
+    images: dict | None = None  # placeholder-run start -> image hash the KV was computed with (tars/vision.py)
 
 
 class PrefixCache:
@@ -139,12 +140,12 @@ class PrefixCache:
         if e is not None:
             self.nbytes -= e.nbytes
 
-    def put(self, key: str, ids: list[int], kv: RowKV, version: int) -> None:
+    def put(self, key: str, ids: list[int], kv: RowKV, version: int, images: dict | None = None) -> None:
         self.pop(key)
         nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
         if self.capacity <= 0 or nbytes > self.max_bytes or not ids:
             return
-        self._d[key] = PrefixEntry(ids, kv, version, nbytes)
+        self._d[key] = PrefixEntry(ids, kv, version, nbytes, images or None)
         self.nbytes += nbytes
         while len(self._d) > self.capacity or self.nbytes > self.max_bytes:
             _, old = self._d.popitem(last=False)

@@ -183,6 +183,10 @@ class Scheduler:
             else:
                 # At least one prompt token must be fed to get next-token logits.
                 n = min(common_prefix(e.ids, r.input_ids), len(r.input_ids) - 1)
+                if e.images or r.img_key:
+                    # KV is only reusable up to the first placeholder run whose image differs (or was dropped).
+                    a, b = e.images or {}, r.img_key or {}
+                    n = min([n, *(s for s in set(a) | set(b) if a.get(s) != b.get(s))])
                 if n > 0:
                     r.prefix_kv, r.prefix_len, r.cached_tokens, r.kv_version = e.kv, n, n, e.version
         self.prefill.append(r)
@@ -224,7 +228,7 @@ class Scheduler:
         key_valid = torch.cat([valid_from_lengths(torch.tensor(P_i, device=self.device), P),
                                valid_from_lengths(torch.tensor(T_i, device=self.device), T)], 1)
         past = pack([r.prefix_kv for r in group], P_i) if P > 0 else None
-        h, kv = self.model.hidden(ids, pos, key_valid, past)
+        h, kv = self.model.hidden(ids, pos, key_valid, past, _image_inputs(group, P_i, T_i, T))
         logits = self.model.lm_head(h[:, -1])  # [B, V]: only the last position is sampled
         kv, lengths = compact_right(kv, key_valid)
         for r, p, t in zip(group, P_i, T_i):
@@ -291,7 +295,23 @@ class Scheduler:
     def _finish(self, r: Request, reason: str, kv: KV, lengths: torch.Tensor, i: int) -> None:
         if r.trajectory_id and self.cfg.cache_capacity > 0 and not r.future.cancelled():
             n = int(lengths[i])  # the KV holds the sequence minus its last (sampled, never fed) token
-            self.cache.put(r.trajectory_id, r.sequence()[:n], row_kv(kv, lengths, i), r.kv_version)
+            self.cache.put(r.trajectory_id, r.sequence()[:n], row_kv(kv, lengths, i), r.kv_version, r.img_key)
         out = GenerateOutput(r.out, r.logprobs, r.versions, reason, len(r.input_ids), r.cached_tokens,
                              r.interruptions, r.recomputed_tokens)
         self.eng.stats["finished" if _resolve(r.future, out) else "cancelled"] += 1
+
+
+def _image_inputs(group: list[Request], P_i: list[int], T_i: list[int], T: int):
+    """(rows, columns, patch pixels) of the placeholder positions inside this prefill's suffixes, or None."""
+    rows, cols, pix = [], [], []
+    for i, (r, p, t) in enumerate(zip(group, P_i, T_i)):
+        if r.img_pix is None:
+            continue
+        sel = [j for j, q in enumerate(r.img_pos) if p <= q < p + t]
+        rows += [i] * len(sel)
+        cols += [T - t + r.img_pos[j] - p for j in sel]  # suffixes are left-padded to T columns
+        if sel:
+            pix.append(r.img_pix[sel])
+    if not rows:
+        return None
+    return torch.tensor(rows), torch.tensor(cols), torch.cat(pix)

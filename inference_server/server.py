@@ -48,11 +48,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.images_ignored = 0
 
     async def _submit(self, request, context, on_token=None):
+        kw = {}
         if request.images:
-            self.images_ignored += len(request.images)  # the local engine is a text model
+            if getattr(self.engine, "accepts_images", False):
+                kw["images"] = [bytes(im.data) for im in request.images]
+            else:  # an engine without an image path (sglang client): the prompt's text speaks for them
+                self.images_ignored += len(request.images)
         try:
             return self.engine.submit(list(request.input_ids), _params(request.sampling), request.trajectory_id,
-                                      request.max_stale_versions if request.HasField("max_stale_versions") else self.cfg.max_stale_versions, on_token)
+                                      request.max_stale_versions if request.HasField("max_stale_versions") else self.cfg.max_stale_versions, on_token, **kw)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:

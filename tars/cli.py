@@ -35,9 +35,15 @@ def _bench_env(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _bench_actor(argv: list[str]) -> int:
+    from actor.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 # `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
 # top-level parser imports none of them.
-BENCHES = {"env": _bench_env, "inference": _bench_inference}
+BENCHES = {"actor": _bench_actor, "env": _bench_env, "inference": _bench_inference}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,6 +106,16 @@ class ActorConfig:
     retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
     admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
     send_window: int = f(256, "unacknowledged trajectories kept for re-send before the actor stops starting episodes")
+    image_history: int = f(0, "screenshots shown as images in the prompt (the last k turns; older turns keep only their "
+                              "text); 0 = text only")
+    image_tokens: int = f(16, "<|image|> placeholder tokens per screenshot: the model's tars_vision grid**2")
+    judge_mode: str = f("off", "LLM-as-judge outcome reward through the inference server: off | replace (the verdict "
+                               "replaces the env reward) | add (added to it)")
+    judge_weight: float = f(1.0, "reward given for a YES (score 1) verdict")
+    judge_images: int = f(5, "last screenshots shown to the judge")
+    judge_max_new_tokens: int = f(8, "generation budget of the judge's answer")
+    judge_on_error: str = f("infra_error", "unparseable verdict or judge call failed: infra_error (episode kept out "
+                                           "of the loss) | env (keep the env reward)")
 
 
 @dataclass

@@ -63,6 +63,8 @@ class DecoderConfig:
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         kw = {k: d[k] for k in known if k in d and d[k] is not None}
         kw.setdefault("num_key_value_heads", kw.get("num_attention_heads", 4))
+        if d.get("tars_vision"):  # the optional patch-embedding vision path (tars/vision.py)
+            kw["extra"] = {"tars_vision": dict(d["tars_vision"])}
         return cls(**kw)
 
 
@@ -177,6 +179,11 @@ class CausalLM(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.score = nn.Linear(c.hidden_size, 1) if value_head else None
+        from tars.vision import PatchEmbed, VisionConfig
+
+        self.vision_config = VisionConfig.from_extra(c.extra)
+        # Optional: only checkpoints whose config carries "tars_vision" have it (weights vision.proj.*).
+        self.vision = PatchEmbed(self.vision_config, c.hidden_size) if self.vision_config else None
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "CausalLM":
         g = torch.Generator().manual_seed(seed)
@@ -190,8 +197,11 @@ class CausalLM(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self
 
-    def hidden(self, input_ids, positions=None, key_valid=None, past=None):
+    def hidden(self, input_ids, positions=None, key_valid=None, past=None, images=None):
         """input_ids [B, T]; positions [B, T]; key_valid [B, S] over past+new keys; past: per layer (k, v).
+
+        images: (rows [N], columns [N], patch pixels [N, patch_dim]) -> those input positions take the patch
+        embeddings instead of their token embeddings (tars/vision.py); ignored by a model without the vision module.
 
         Returns final hidden states [B, T, H] and the new per-layer (k, v) caches.
         """
@@ -202,6 +212,10 @@ class CausalLM(nn.Module):
         if key_valid is None:
             key_valid = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
         x = self.model.embed_tokens(input_ids)
+        if images is not None and self.vision is not None and len(images[0]):
+            rows, cols, pix = images
+            dev = x.device
+            x = x.index_put((rows.to(dev), cols.to(dev)), self.vision(pix.to(dev)).to(x.dtype))
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         mask = causal_mask(key_valid, T)
         new = []

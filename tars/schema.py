@@ -58,6 +58,7 @@ class Trajectory:
     traceparent: str = ""
     images: dict = field(default_factory=dict)  # sha256 hex -> bytes, only the first time on a connection
     error: str = ""
+    judge: dict = field(default_factory=dict)   # LLM-as-judge verdict (actor/judge.py), empty when not judged
 
     def validate(self) -> "Trajectory":
         n = len(self.tokens)
@@ -106,6 +107,7 @@ class Trajectory:
             "traceparent": self.traceparent,
             "images": self.images,
             "error": self.error,
+            "judge": self.judge,
         }
 
     def encode(self) -> bytes:
@@ -143,7 +145,8 @@ class Trajectory:
                 ret=float(d["return"]), success=bool(d.get("success", False)), group=str(d.get("group", "")),
                 task=str(d.get("task", "")), start_version=int(d.get("start_version", 0)),
                 timings=dict(d.get("timings") or {}), actor=str(d.get("actor", "")),
-                traceparent=str(d.get("traceparent", "")), images=images, error=str(d.get("error", "")), **arrays,
+                traceparent=str(d.get("traceparent", "")), images=images, error=str(d.get("error", "")),
+                judge=dict(d.get("judge") or {}), **arrays,
             )
         except SchemaError:
             raise

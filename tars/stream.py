@@ -32,6 +32,7 @@ import zmq
 
 from tars import stream_proto as P
 from tars.schema import SchemaError, Trajectory
+from tars.stream_images import ImageError, ImageStore, resolve, take_attached
 from tars.stream_wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class TrajectoryReceiver:
         self.curve_secret_key = curve_secret_key
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
         self.wal = WriteAheadLog(wal_path, fsync=fsync)
+        self.images = ImageStore(wal_path + ".images")  # screenshots by hash, beside the WAL that refers to them
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._consumed: set[str] = set(consumed_ids)
         self._consumed_lock = threading.Lock()
@@ -88,7 +90,7 @@ class TrajectoryReceiver:
         self._stats = dict.fromkeys(
             ("received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked",
              "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
-             "protocol_errors", "wal_syncs", "queue_max"), 0)
+             "protocol_errors", "wal_syncs", "queue_max", "images_stored", "missing_images"), 0)
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
@@ -96,6 +98,7 @@ class TrajectoryReceiver:
     def start(self, timeout: float = 10.0) -> str:
         """Open the WAL, queue its unconsumed entries for replay, bind; returns tcp://host:port."""
         self.wal.open()
+        self.images.open()
         with self._consumed_lock:
             self._replay = [t for t in self.wal.index if t not in self._consumed]
         if self._replay:
@@ -264,7 +267,7 @@ class TrajectoryReceiver:
             # A learner restart (or a timed-out actor): make the actor re-introduce itself; its outbox is re-sent.
             self._send(sock, ident, P.WHO, {})
         elif tag == P.TRAJ:
-            self._traj(sock, ident, st, body, msg[3] if len(msg) == 4 else None)
+            self._traj(sock, ident, st, body, msg[3] if len(msg) >= 4 else None, msg[4:])
         elif tag == P.ADMIT:
             n = body.get("n", 0)
             g = self.staleness.try_admit(int(n)) if isinstance(n, int) and n > 0 else 0
@@ -337,7 +340,7 @@ class TrajectoryReceiver:
             except Exception:
                 log.exception("on_reject callback failed")
 
-    def _traj(self, sock, ident: bytes, st: _Actor, body: dict, payload: bytes | None) -> None:
+    def _traj(self, sock, ident: bytes, st: _Actor, body: dict, payload: bytes | None, image_frames=()) -> None:
         self._count("received")
         if st.credit > 0:
             st.credit -= 1
@@ -357,13 +360,26 @@ class TrajectoryReceiver:
             self._nack(sock, ident, st, tid, f"oversize: {len(payload)} > {self.max_frame_bytes}", "oversize")
             return
         try:
+            n_img = len(self.images)
+            # Stored even if the trajectory is then refused: later trajectories may refer to them.
+            take_attached(self.images, body.get("images"), list(image_frames), self.max_frame_bytes)
             tr = Trajectory.decode(payload, self.max_frame_bytes)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
-        except SchemaError as e:
+            missing = resolve(self.images, tr)
+            self._count("images_stored", len(self.images) - n_img)
+        except (SchemaError, ImageError) as e:
             counter = "unknown_schema" if "unknown schema version" in str(e) else "malformed"
             self._warn(counter, "dropping trajectory %s from %r: %s", tid, ident, e)
             self._nack(sock, ident, st, tid, f"{counter}: {e}", counter)
+            return
+        if missing:
+            # Refers to images this learner never got (e.g. an image frame went to a previous learner process):
+            # the actor forgets it sent them and re-sends the trajectory with them attached.
+            self._count("missing_images")
+            self._count("nacked")
+            self._send(sock, ident, P.NACK, {"id": tid, "reason": f"missing images: {len(missing)}", "retry": True,
+                                             "missing": missing})
             return
         if self._q.full():
             # Only a peer that ignores credit gets here; it keeps the trajectory and retries.
@@ -440,7 +456,9 @@ class TrajectoryReceiver:
             tid = self._replay.pop()
             try:
                 tr = Trajectory.decode(self.wal.read(tid), self.max_frame_bytes)
-            except SchemaError as e:  # crc-checked, so only a schema change between runs can get here
+                if resolve(self.images, tr):
+                    raise SchemaError("refers to images missing from the image store")
+            except (SchemaError, ImageError) as e:  # crc-checked, so a schema change or a lost image store
                 self._warn("replay", "cannot replay %s: %s", tid, e)
                 self.staleness.on_rejected(1)
                 continue

@@ -8,7 +8,9 @@ actor -> learner
   HELLO  {actor, incarnation, hello_id, pending_ids, inflight}
                                                        (re)introduce: incarnation is a fresh uuid per actor process,
          pending_ids the unacked trajectory ids in the outbox, inflight the admitted episodes not yet sent
-  TRAJ   {seq, id} + payload                           one trajectory; spends one credit
+  TRAJ   {seq, id, images} + payload + image frames    one trajectory; spends one credit. images names the extra
+                                                       frames (sha256 hex of each), screenshots not yet sent on
+                                                       this connection (tars/stream_images.py)
   ADMIT  {rid, n}                                      ask for n episode starts (staleness manager)
   LOST   {n}                                           give back n admitted episodes that will never be sent
   PING   {}                                            heartbeat; answered by PONG (or WHO from a learner that
@@ -19,8 +21,9 @@ learner -> actor
                                                        the actor ignores a WELCOME answering an older HELLO
   CREDIT  {n}                                          n more TRAJ may be sent (queue drained)
   ACK     {ids}                                        these ids are durable in the WAL (fsynced): forget them
-  NACK    {id, reason, retry}                          retry=False: the frame is bad, drop it and count it;
-                                                       retry=True: the learner had no room, send it again later
+  NACK    {id, reason, retry, missing?}                retry=False: the frame is bad, drop it and count it;
+                                                       retry=True: the learner had no room, send it again later;
+                                                       missing: image hashes to attach again on the re-send
   GRANT   {rid, granted, version}                      answer to ADMIT
   VERSION {v}                                          the policy version changed
   PONG    {run_id}                                     heartbeat answer; a changed run_id means a learner restart

@@ -7,11 +7,16 @@ is fsynced in the learner's WAL. The outbox is re-sent whenever the learner may 
   * an entry unacked for resend_after_s (a lost ack on a bounced connection); the learner dedupes by id.
 Re-sends go before new trajectories and spend credit like any TRAJ. Every wait has a deadline (TimeoutError).
 With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories its previous process never got acked.
+
+Screenshots are content-addressed (tars/stream_images.py): send() keeps a trajectory's images beside its encoded
+frame, and each transmission attaches only the images not yet sent on this learner connection (a new learner run_id
+starts over; a learner that answers "missing images" gets them again).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -21,6 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -35,13 +41,15 @@ class _Entry:
     frame: bytes
     seq: int
     sent_at: float = 0.0    # monotonic time of the last transmission; 0 = waiting in the re-send queue
+    images: dict | None = None  # sha256 hex -> bytes the frame refers to; attached when not yet sent on this connection
 
 
 class TrajectorySender:
     def __init__(self, address: str, actor_id: str, window: int = 256, *, spool_dir: str | None = None,
                  heartbeat_s: float = 0.5, dead_after_s: float = 5.0, resend_after_s: float = 30.0,
                  curve_server_key: bytes | None = None, curve_public_key: bytes | None = None,
-                 curve_secret_key: bytes | None = None):
+                 curve_secret_key: bytes | None = None, dedupe_images: bool = True,
+                 max_remembered_images: int = 1 << 18):
         if window < 1:
             raise ValueError("window must be >= 1")
         self.address = address
@@ -52,6 +60,10 @@ class TrajectorySender:
         self.dead_after_s = dead_after_s
         self.resend_after_s = resend_after_s
         self._curve = (curve_server_key, curve_public_key, curve_secret_key)
+        self.dedupe_images = dedupe_images
+        # Hashes sent on the current connection, oldest first; bounded (forgetting one only costs a re-send).
+        self._sent_images: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._max_remembered = max_remembered_images
         self.incarnation = uuid.uuid4().hex
         self.run_id: str | None = None        # the learner's, from WELCOME
         self.version = 0                      # latest policy version heard of
@@ -74,7 +86,8 @@ class TrajectorySender:
         self._hello_id = 0                    # WELCOMEs answering an older HELLO are ignored (their credit is void)
         self._closed = False
         self._stats = dict.fromkeys(("sent", "acked", "resent", "nacked", "retried", "hellos", "restarts_seen",
-                                     "spooled", "unspooled"), 0)
+                                     "spooled", "unspooled", "bytes_sent", "image_bytes_sent", "images_sent",
+                                     "images_deduped", "images_missing"), 0)
 
     # --- public API -----------------------------------------------------------------------------------------------
     async def start(self, timeout: float = 10.0) -> None:
@@ -117,19 +130,27 @@ class TrajectorySender:
             await self._sock.send_multipart([P.LOST, P.pack({"n": n})])
 
     async def send(self, traj: Trajectory, timeout: float) -> None:
-        await self.send_frame(traj.id, traj.encode(), timeout)
+        if self.dedupe_images and traj.images:
+            # The frame goes without its images; they travel as extra frames, once per connection.
+            frame = dataclasses.replace(traj, images={}).encode()
+            await self.send_frame(traj.id, frame, timeout, images=dict(traj.images))
+        else:
+            await self.send_frame(traj.id, traj.encode(), timeout)
 
-    async def send_frame(self, tid: str, frame: bytes, timeout: float) -> None:
-        """Send an encoded trajectory; waits (until timeout -> TimeoutError) for credit and outbox room."""
-        if len(frame) > self.max_frame_bytes:
-            raise ValueError(f"trajectory {tid} is {len(frame)} bytes; the learner takes at most {self.max_frame_bytes}")
+    async def send_frame(self, tid: str, frame: bytes, timeout: float, images: dict | None = None) -> None:
+        """Send an encoded trajectory; waits (until timeout -> TimeoutError) for credit and outbox room.
+
+        images: sha256 hex -> bytes that the frame refers to by hash and does not carry itself."""
+        size = len(frame) + sum(len(b) for b in (images or {}).values())
+        if size > self.max_frame_bytes:
+            raise ValueError(f"trajectory {tid} is {size} bytes; the learner takes at most {self.max_frame_bytes}")
         deadline = time.monotonic() + timeout
         await self._wait(lambda: self._ready and self._credit > 0 and not self._resend
                          and len(self._outbox) < self.window, deadline, f"no credit to send {tid}")
         self._credit -= 1
-        e = self._outbox[tid] = _Entry(frame, next(self._seq), time.monotonic())
+        e = self._outbox[tid] = _Entry(frame, next(self._seq), time.monotonic(), images or None)
         if self.spool_dir:
-            self._spool(tid, frame)
+            self._spool(tid, frame, images)
         self._inflight = max(0, self._inflight - 1)
         await self._transmit(tid, e)
         self._stats["sent"] += 1
@@ -192,7 +213,18 @@ class TrajectorySender:
 
     async def _transmit(self, tid: str, e: _Entry) -> None:
         e.sent_at = time.monotonic()
-        await self._sock.send_multipart([P.TRAJ, P.pack({"seq": e.seq, "id": tid}), e.frame], copy=False)
+        new = [h for h in e.images if h not in self._sent_images] if e.images else []
+        parts = [P.TRAJ, P.pack({"seq": e.seq, "id": tid, "images": new}), e.frame, *(e.images[h] for h in new)]
+        for h in new:
+            self._sent_images[h] = None
+        while len(self._sent_images) > self._max_remembered:
+            self._sent_images.popitem(last=False)
+        img_bytes = sum(len(e.images[h]) for h in new)
+        self._stats["bytes_sent"] += len(e.frame) + img_bytes
+        self._stats["image_bytes_sent"] += img_bytes
+        self._stats["images_sent"] += len(new)
+        self._stats["images_deduped"] += (len(e.images) if e.images else 0) - len(new)
+        await self._sock.send_multipart(parts, copy=False)
 
     async def _hello(self) -> None:
         self._ready = False
@@ -230,13 +262,22 @@ class TrajectorySender:
                     self._welcome(body)
             elif tag == P.NACK:
                 tid = body.get("id")
-                if body.get("retry") and tid in self._outbox:
+                missing = body.get("missing") or []
+                for h in missing:  # the learner lost these images: attach them again
+                    self._sent_images.pop(h, None)
+                    self._stats["images_missing"] += 1
+                e = self._outbox.get(tid)
+                # Images we do not hold either can never be supplied: drop the trajectory rather than loop.
+                resendable = e is not None and all(h in (e.images or {}) for h in missing)
+                if body.get("retry") and resendable:
                     self._stats["retried"] += 1
                     self._outbox[tid].sent_at = 0.0
                     self._resend.append(tid)
                 elif self._outbox.pop(tid, None) is not None:
                     self._stats["nacked"] += 1
                     log.warning("learner rejected trajectory %s: %s", tid, body.get("reason"))
+                    if body.get("retry"):  # the learner still counts the episode as running: give it back
+                        await self._sock.send_multipart([P.LOST, P.pack({"n": 1})])
                     if self.spool_dir:
                         self._unspool(tid)
             elif tag == P.GRANT:
@@ -258,6 +299,7 @@ class TrajectorySender:
         rid = body.get("run_id")
         if self.run_id is not None and rid != self.run_id:
             self._stats["restarts_seen"] += 1
+            self._sent_images.clear()  # a new learner process: it may not have our images
             log.info("learner restarted (run %s -> %s): re-sending %d trajectories", self.run_id, rid,
                      len(self._outbox))
         self.run_id = rid
@@ -304,13 +346,16 @@ class TrajectorySender:
     def _spool_path(self, tid: str) -> str:
         return os.path.join(self.spool_dir, hashlib.sha1(tid.encode()).hexdigest() + ".traj")
 
-    def _spool(self, tid: str, frame: bytes) -> None:
+    def _spool(self, tid: str, frame: bytes, images: dict | None = None) -> None:
         # Written without fsync: it protects against the actor process dying, not against the machine losing power.
+        # Layout: <u32 id length> id <u32 frame length> frame [msgpack map of the images].
         p = self._spool_path(tid)
         idb = tid.encode()
         with open(p + ".tmp", "wb") as f:
             f.write(struct.pack("<I", len(idb)) + idb)
-            f.write(frame)
+            f.write(struct.pack("<I", len(frame)) + frame)
+            if images:
+                f.write(msgpack.packb(images, use_bin_type=True))
         os.replace(p + ".tmp", p)
         self._stats["spooled"] += 1
 
@@ -336,4 +381,7 @@ class TrajectorySender:
                 data = f.read()
             (n,) = struct.unpack_from("<I", data)
             tid = data[4:4 + n].decode()
-            self._outbox[tid] = _Entry(data[4 + n:], next(self._seq), 0.0)
+            (m,) = struct.unpack_from("<I", data, 4 + n)
+            frame, rest = data[8 + n:8 + n + m], data[8 + n + m:]
+            images = msgpack.unpackb(rest, raw=False) if rest else None
+            self._outbox[tid] = _Entry(frame, next(self._seq), 0.0, images)

@@ -1,0 +1,99 @@
+"""LLM-as-judge: a generative outcome reward computed through the inference server.
+
+After an episode ends, the judge model sees the task, the text history (each step's screen text and action) and the
+last `judge_images` screenshots (as in the UI-TARS report: 5), and answers YES/NO or a score in [0, 1]. The verdict is
+logged in the trajectory (Trajectory.judge) and turned into a reward that replaces or adds to the environment's
+(actor.judge_mode). A judge that cannot be asked (inference down) or whose answer does not parse is an infrastructure
+failure, not a verdict: by default the episode becomes infra_error (kept out of the loss); actor.judge_on_error=env
+keeps the environment reward instead.
+
+The judge prompt is built in the same token format as the policy's (actor/tiny.py), screenshots as `<|image|>`
+placeholder runs (tars/vision.py), so the same inference server and tokenizer serve both.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from tars.v1 import common_pb2
+
+_VERDICT = re.compile(r"\b(YES|NO)\b", re.IGNORECASE)
+_SCORE = re.compile(r"(?:score|reward)\s*[:=]\s*([01](?:\.\d+)?|\.\d+)", re.IGNORECASE)
+QUESTION = "Did the agent complete the task? Answer YES or NO."
+
+
+class JudgeError(RuntimeError):
+    """The judge gave no usable verdict (unparseable answer, or the inference call failed)."""
+
+
+def parse_verdict(text: str) -> tuple[str, float]:
+    """'YES'/'NO' (first one wins) or 'Score: x' with x in [0, 1] -> (verdict, score). JudgeError otherwise."""
+    if not isinstance(text, str):
+        raise JudgeError(f"judge output is a {type(text).__name__}")
+    m = _SCORE.search(text)
+    if m:
+        s = float(m.group(1))
+        if 0.0 <= s <= 1.0:
+            return f"score={s:g}", s
+    m = _VERDICT.search(text)
+    if m:
+        yes = m.group(1).upper() == "YES"
+        return ("yes", 1.0) if yes else ("no", 0.0)
+    raise JudgeError(f"unparseable judge verdict: {text[:80]!r}")
+
+
+@dataclass
+class Step:
+    """What the judge sees of one turn: the screen it acted on, its action text, the screenshot (if any)."""
+
+    screen: str
+    action: str
+    image: bytes = b""
+
+
+def judge_prompt(tok, instruction: str, steps: list[Step], final_screen: str, final_image: bytes,
+                 n_images: int, image_tokens: int) -> tuple[list[int], list[bytes]]:
+    """Token ids and the images bound to them (the last n_images screenshots, in order)."""
+    shots = [s.image for s in steps] + [final_image]
+    with_image = {i for i in range(len(shots)) if shots[i]}
+    keep = sorted(with_image)[-n_images:] if n_images > 0 and image_tokens > 0 else []
+    img_id = tok.index["<|image|>"]
+    ids = [tok.user_id, *tok.encode(f"Task: {instruction}\n")]
+    for i, s in enumerate(steps):
+        ids += [img_id] * image_tokens if i in keep else []
+        ids += tok.encode(f"Step {i + 1}: Screen: {s.screen}\nAction: {s.action}\n")
+    ids += [img_id] * image_tokens if len(steps) in keep else []
+    ids += [*tok.encode(f"Final screen: {final_screen}\n{QUESTION}"), tok.assistant_id]
+    return ids, [shots[i] for i in keep]
+
+
+@dataclass
+class Verdict:
+    verdict: str
+    score: float
+    text: str
+    ms: float
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "score": self.score, "text": self.text[:200], "ms": round(self.ms, 2)}
+
+
+async def ask(infer, tok, cfg, tid: str, instruction: str, steps: list[Step], final_screen: str,
+              final_image: bytes) -> Verdict:
+    """One judge call; raises JudgeError for an unparseable answer or a failed inference call."""
+    ids, images = judge_prompt(tok, instruction, steps, final_screen, final_image, cfg.judge_images,
+                               cfg.image_tokens)
+    t0 = time.perf_counter()
+    try:
+        # "judge-" first: trajectory ids must never be prefixes of each other (SGLang matches rids by prefix).
+        g = await infer.generate(f"judge-{tid}", ids, cfg.judge_max_new_tokens, temperature=0.0,
+                                 stop_token_ids=[tok.eos_id], images=[common_pb2.Image(data=b) for b in images],
+                                 timeout_s=cfg.rpc_timeout_s)
+    except grpc.aio.AioRpcError as e:
+        raise JudgeError(f"judge inference failed: {e.code().name}: {e.details()}") from None
+    text = tok.decode(g.output_ids)
+    verdict, score = parse_verdict(text)
+    return Verdict(verdict, score, text, (time.perf_counter() - t0) * 1000)

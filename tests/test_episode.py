@@ -1,0 +1,187 @@
+"""actor.episode end to end through a real envd and a real InferenceService: infra failures, policy versions,
+screenshots in the prompt, per-turn actor overhead."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import io
+import os
+import signal
+import types
+
+import gymnasium
+import numpy as np
+import pytest
+
+from actor.envclient import EnvClient
+from actor.episode import EpisodeContext, run_episode
+from envd.server import EnvServer
+from inference_server.client import InferenceClient
+from inference_server.engine import LocalEngine
+from inference_server.scripted import ScriptedEngine, fixed_answer
+from inference_server.server import InferenceServer
+from learner.main import Learner
+from learner.staleness import StalenessManager
+from tars.config import ActorConfig, EnvdConfig, InferenceConfig
+from tars.model import CausalLM, DecoderConfig
+from tars.schema import Trajectory
+from tars.tokenizer import Tokenizer
+
+TOK = Tokenizer.build()
+
+
+class StripesEnv(gymnasium.Env):
+    """A frame that moves with each action of 1 (and stays for 0), rendered without pygame: screenshots for the actor."""
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
+
+    def __init__(self, render_mode=None):
+        self.render_mode = render_mode
+        self.observation_space = gymnasium.spaces.Discrete(100)
+        self.action_space = gymnasium.spaces.Discrete(2)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return 0, {}
+
+    def step(self, action):
+        self.t += int(action)
+        return self.t, float(action), self.t >= 4, False, {}
+
+    def render(self):
+        f = np.zeros((16, 16, 3), np.uint8)
+        f[:, self.t % 16] = (255, 128, 7)
+        return f
+
+
+gymnasium.register("TarsEpisodeStripes-v0", entry_point=StripesEnv, max_episode_steps=50)
+
+
+def answer(text: str):
+    return fixed_answer([*TOK.encode(text), TOK.eos_id])
+
+
+@contextlib.asynccontextmanager
+async def stack(engine, envd_address: str | None = None, **actor_kw):
+    """envd (in-process unless an address is given) + InferenceServer over `engine` + an EpisodeContext."""
+    env_srv = None
+    if envd_address is None:
+        env_srv = EnvServer(dataclasses.replace(EnvdConfig(), host="127.0.0.1", port=0))
+        await env_srv.start()
+        envd_address = env_srv.address
+    inf = InferenceServer(InferenceConfig(host="127.0.0.1", port=0), engine)
+    await inf.start()
+    cfg = ActorConfig(**{"rpc_timeout_s": 10.0, "retries": 1, **actor_kw})
+    infer = InferenceClient([inf.address], timeout_s=10.0, retries=1)
+    env = EnvClient(envd_address, "", 10.0, 1)
+    try:
+        yield EpisodeContext(cfg, TOK, infer, "test-actor"), env
+    finally:
+        await infer.close()
+        await env.close()
+        await inf.stop(0.5)
+        if env_srv is not None:
+            await env_srv.stop()
+        engine.close()
+
+
+def learner_admits(tr: Trajectory) -> bool:
+    """The learner's own arrival filter (learner.main.Learner._admit) on a minimal learner state."""
+    stal = StalenessManager(batch_size=8, eta=100)
+    stal.try_admit(1)
+    me = types.SimpleNamespace(counters=collections.Counter(), version=0, episodes=io.StringIO(), staleness=stal,
+                               receiver=types.SimpleNamespace(mark_consumed=lambda ids: None),
+                               lcfg=types.SimpleNamespace(max_lag=8))
+    return Learner._admit(me, tr)
+
+
+def test_env_killed_mid_episode_is_infra_error_and_never_trained_on():
+    from envd.bench import Daemon
+
+    with Daemon(workers=2) as d:
+        class KillAfter(EnvClient):
+            steps = 0
+
+            async def step(self, *a, **kw):
+                KillAfter.steps += 1
+                if KillAfter.steps == 3:  # the daemon dies between the second and the third action
+                    os.killpg(d.proc.pid, signal.SIGKILL)
+                    d.proc.wait(10)
+                return await super().step(*a, **kw)
+
+        async def main():
+            async with stack(ScriptedEngine(answer("wait()"), TOK.vocab_size), d.address,
+                             env_options={"max_steps": "50"}, max_turns=8) as (ctx, env):
+                env.__class__ = KillAfter
+                return await run_episode(ctx, env, "killed-0001", "builtin/click", 7, 0)
+
+        tr = asyncio.run(main())
+    assert tr.outcome == "infra_error" and "envd" in tr.error
+    assert len(tr.turns) == 2 and tr.ret == 0.0          # the two completed turns, no score for the failure
+    Trajectory.decode(tr.encode())                        # still a valid trajectory on the wire
+    assert learner_admits(tr) is False                    # kept out of the loss
+    ok = dataclasses.replace(tr, outcome="truncated")
+    assert learner_admits(ok) is True                     # (the same trajectory, not failed, would be trained on)
+
+
+def test_a_version_change_mid_episode_tags_each_token_with_its_version():
+    dc = DecoderConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048)
+    model = CausalLM(dc).init_weights(0, std=0.05).eval()
+    engine = LocalEngine(InferenceConfig(max_context=2048), model)
+    new_weights = {k: v + 0.01 for k, v in model.hf_state_dict().items()}
+
+    async def main():
+        async with stack(engine, env_options={"max_steps": "50"}, max_turns=4, max_new_tokens=6,
+                         on_parse_error="continue") as (ctx, env):
+            real = ctx.infer.generate
+            calls = []
+
+            async def generate(*a, **kw):  # the learner publishes version 1 after the policy's second answer
+                r = await real(*a, **kw)
+                calls.append(r)
+                if len(calls) == 2:
+                    await asyncio.to_thread(engine.update_weights, 1, None, new_weights)
+                return r
+
+            ctx.infer.generate = generate
+            return await run_episode(ctx, env, "versions-0001", "builtin/click", 3, 0), calls
+
+    tr, calls = asyncio.run(main())
+    assert tr.outcome != "infra_error" and len(tr.turns) == 4
+    gen = tr.mask.astype(bool)
+    assert (tr.versions[~gen] == -1).all()                    # prompt tokens carry no version
+    for i, t in enumerate(tr.turns):
+        want = 0 if i < 2 else 1
+        assert (tr.versions[t.start:t.end] == want).all(), (i, tr.versions[t.start:t.end])
+        assert tr.tokens[t.start:t.end].tolist() == calls[i].output_ids
+        assert tr.logprobs[t.start:t.end] == pytest.approx(calls[i].logprobs)
+    assert tr.versions_spanned == (0, 1)
+    assert Trajectory.decode(tr.encode()).versions.tolist() == tr.versions.tolist()
+
+
+def test_last_k_screenshots_go_to_the_engine_and_overhead_is_recorded():
+    eng = ScriptedEngine(answer("type(content='1')"), TOK.vocab_size)
+    seen = []
+    respond = eng.respond
+    eng.respond = lambda ids, imgs: (seen.append((list(ids), list(imgs))), respond(ids, imgs))[1]
+
+    async def main():
+        async with stack(eng, env_options={"render": "1"}, image_history=2, image_tokens=16, max_turns=6) as (ctx, env):
+            return await run_episode(ctx, env, "shots-0001", "gym/TarsEpisodeStripes-v0", 1, 0)
+
+    tr = asyncio.run(main())
+    assert tr.outcome == "terminated" and len(tr.turns) == 4
+    img = TOK.index["<|image|>"]
+    for n, (ids, imgs) in enumerate(seen, 1):
+        runs = sum(1 for i in range(len(ids)) if ids[i] == img and (i == 0 or ids[i - 1] != img))
+        assert runs == n and len(imgs) == min(n, 2)            # one run per turn, only the last 2 images sent
+        assert ids == tr.tokens[:len(ids)].tolist()            # each prompt extends the previous conversation
+    refs = [t.obs_ref[7:] for t in tr.turns]
+    assert len(set(refs)) == 4 and set(tr.images) == set(refs)  # every frame differs; each carried once
+    assert seen[-1][1][-1] == tr.images[refs[-1]]
+    assert len(tr.timings["actor_ms"]) == 4 and all(0 <= x < 1000 for x in tr.timings["actor_ms"])
