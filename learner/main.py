@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from learner.distributed import Dist, from_accelerate
 from learner.ppo import PPOTrainer
 from learner.staleness import StalenessManager
 from tars import proc, rpc
@@ -35,8 +36,11 @@ log = logging.getLogger("tars.learner")
 
 
 class Learner:
-    def __init__(self, cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], resume: bool = False):
+    def __init__(self, cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], resume: bool = False,
+                 dist: Dist | None = None):
         self.cfg, self.lcfg = cfg, cfg.learner
+        # Under `accelerate launch` rank 0 does all I/O and broadcasts batches; other ranks only train (follow()).
+        self.dist = dist if dist is not None else Dist()
         self.run = pathlib.Path(run_dir)
         self.model_dir = pathlib.Path(model_dir)
         torch.set_num_threads(max(1, self.lcfg.threads))
@@ -48,20 +52,22 @@ class Learner:
             self.critic.load_state_dict(self.policy.state_dict(), strict=False)  # critic starts from the policy trunk
             torch.nn.init.zeros_(self.critic.score.weight)
             torch.nn.init.zeros_(self.critic.score.bias)
-        self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id)
+        self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id, dist=self.dist)
         self.version = 0
         self.value_pretrain_left = self.lcfg.value_pretrain_steps
         self.staleness = StalenessManager(self.lcfg.batch_size, self.lcfg.eta, max_lag=self.lcfg.max_lag)
         consumed: set[str] = set()
         if resume and (self.run / "ckpt" / "meta.json").exists():
             consumed = self._load_checkpoint()
+        self.stop = threading.Event()
+        if not self.dist.is_main:
+            return
         self.receiver = TrajectoryReceiver(
             f"tcp://{self.lcfg.stream_host}:{self.lcfg.stream_port}", str(self.run / "stream.wal"), self.staleness,
             credits=self.lcfg.credits, queue_size=max(self.lcfg.stream_queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=self.lcfg.max_frame_bytes, consumed_ids=consumed,
             ack_interval_s=self.lcfg.stream_ack_interval_s, fsync=self.lcfg.stream_fsync)
         self.inference = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, cfg.inference.auth_token, 512 << 20)) for a in inference]
-        self.stop = threading.Event()
         self.checkpoint_requested = threading.Event()
         self.counters = collections.Counter()
         self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
@@ -79,15 +85,7 @@ class Learner:
             if batch is None:
                 break
             t0 = time.perf_counter()
-            if self.value_pretrain_left > 0:  # critic only; the policy (and so the behaviour) is unchanged
-                m = self.trainer.value_pretrain_step(batch)
-                self.value_pretrain_left -= 1
-                if m["explained_variance"] >= self.lcfg.value_pretrain_ev:
-                    self.value_pretrain_left = 0
-                m["phase"] = "value_pretrain"
-            else:
-                m = self.trainer.step(batch, self.version)
-                m["phase"] = "ppo" if self.critic is not None else "grpo"
+            m = self._update(self.dist.broadcast(batch))
             for tr in batch:
                 self.staleness.record_staleness(tr.versions[tr.mask.astype(bool)], self.version)
             self.version += 1
@@ -103,8 +101,31 @@ class Learner:
             self.metrics_log.write(json.dumps(m) + "\n")
             if self.version % self.lcfg.checkpoint_every == 0 or self.checkpoint_requested.is_set():
                 self.checkpoint()
+        self.dist.broadcast(None)  # the other ranks stop too
         self.checkpoint()
         self.export(self.run / "final")
+
+    def _update(self, batch) -> dict:
+        """One update on every rank (the same branch everywhere: explained variance is a whole-batch figure)."""
+        if self.value_pretrain_left > 0:  # critic only; the policy (and so the behaviour) is unchanged
+            m = self.trainer.value_pretrain_step(batch)
+            self.value_pretrain_left -= 1
+            if m["explained_variance"] >= self.lcfg.value_pretrain_ev:
+                self.value_pretrain_left = 0
+            m["phase"] = "value_pretrain"
+        else:
+            m = self.trainer.step(batch, self.version)
+            m["phase"] = "ppo" if self.critic is not None else "grpo"
+        return m
+
+    def follow(self) -> None:
+        """Ranks > 0: train on each batch rank 0 broadcasts, until it broadcasts None."""
+        while True:
+            batch = self.dist.broadcast(None)
+            if batch is None:
+                return
+            self._update(batch)
+            self.version += 1
 
     def _collect(self, n: int):
         """The next batch of at least n trajectories, in whole groups when episodes are sampled in groups.
@@ -266,7 +287,11 @@ def _control_thread(learner: Learner, ready: dict, port: int = 0) -> threading.T
 def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], ready_file: str | None = None,
          resume: bool = False) -> int:
     proc.die_with_parent()
-    learner = Learner(cfg, run_dir, model_dir, inference, resume=resume)
+    dist = from_accelerate()
+    learner = Learner(cfg, run_dir, model_dir, inference, resume=resume, dist=dist)
+    if not dist.is_main:
+        learner.follow()
+        return 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: learner.stop.set())
     address = learner.receiver.start()
