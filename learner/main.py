@@ -30,6 +30,7 @@ from tars.config import RunConfig
 from tars.control import ControlServicer, add_control
 from tars.model import CausalLM
 from tars.stream import TrajectoryReceiver
+from tars.stream_wal import WriteAheadLog
 from tars.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("tars.learner")
@@ -74,6 +75,7 @@ class Learner:
         self.group_timeout_s = 120.0
         self.last_metrics: dict = {}
         self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
+        self.archive = WriteAheadLog(self.run / "trajectories.twl", fsync=False).open() if self.lcfg.archive else None
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
 
     # ---- the loop --------------------------------------------------------------------------------------------
@@ -166,6 +168,8 @@ class Learner:
     def _admit(self, tr) -> bool:
         """Log one arrival; count and drop it (False) if it is an infra_error or too stale to train on."""
         self.counters["received"] += 1
+        if self.archive is not None and tr.id not in self.archive:  # the data flywheel's raw material
+            self.archive.append(tr.id, tr.encode())
         gen = tr.versions[tr.mask.astype(bool)]
         lag = self.version - int(gen.min()) if len(gen) else 0
         self.episodes.write(json.dumps({
