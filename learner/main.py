@@ -98,7 +98,7 @@ class Learner:
             m.update(version=self.version, t=time.time(), step_s=time.perf_counter() - t0, publish_s=publish_s,
                      success=float(np.mean([tr.success for tr in batch])), ret=float(np.mean([tr.ret for tr in batch])),
                      max_staleness=int(max(self.version - 1 - int(tr.versions[tr.mask.astype(bool)].min(initial=self.version - 1)) for tr in batch)),
-                     queue=self.receiver.qsize())
+                     queue=self.receiver.qsize(), ids=[tr.id for tr in batch])  # ids: audit of what each version trained on
             self.last_metrics = m
             self.metrics_log.write(json.dumps(m) + "\n")
             if self.version % self.lcfg.checkpoint_every == 0 or self.checkpoint_requested.is_set():
