@@ -36,6 +36,27 @@ from tars.v1 import inference_pb2, inference_pb2_grpc
 log = logging.getLogger("tars.learner")
 
 
+def publish_weights(policy: CausalLM, wdir: pathlib.Path, version: int, stubs, keep: int, counters=None) -> float:
+    """weights/v{version} in HF layout (write, then rename), every server told to load it, old versions pruned.
+
+    Returns the seconds from the start of the write until the last server answered (it serves the new weights then).
+    """
+    t0 = time.perf_counter()
+    wdir.mkdir(exist_ok=True)
+    path = wdir / f"v{version:06d}"
+    policy.save_hf(path)
+    for stub in stubs:
+        try:
+            stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=version, path=str(path)), timeout=60.0)
+        except Exception as e:  # a dead replica must not stop training; it reloads the latest on restart
+            if counters is not None:
+                counters["publish_failures"] += 1
+            log.warning("publish v%d failed: %s", version, e)
+    for old in sorted(wdir.glob("v*"))[: -max(1, keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
 class Learner:
     def __init__(self, cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], resume: bool = False,
                  dist: Dist | None = None):
@@ -194,21 +215,8 @@ class Learner:
         """Write weights/v{version} atomically and tell every inference server to load it."""
         if version == 0:
             return 0.0  # the servers started from model_dir at version 0
-        t0 = time.perf_counter()
-        wdir = self.run / "weights"
-        wdir.mkdir(exist_ok=True)
-        path = wdir / f"v{version:06d}"
-        self.policy.save_hf(path)
-        for stub in self.inference:
-            try:
-                stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=version, path=str(path)), timeout=60.0)
-            except Exception as e:  # a dead replica must not stop training; it reloads the latest on restart
-                self.counters["publish_failures"] += 1
-                log.warning("publish v%d failed: %s", version, e)
-        keep = sorted(wdir.glob("v*"))[: -max(1, self.lcfg.keep_weights)]
-        for old in keep:
-            shutil.rmtree(old, ignore_errors=True)
-        return time.perf_counter() - t0
+        return publish_weights(self.policy, self.run / "weights", version, self.inference, self.lcfg.keep_weights,
+                               self.counters)
 
     def export(self, path: pathlib.Path) -> None:
         tok = (self.model_dir / "tars_tokenizer.json").read_text()

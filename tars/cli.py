@@ -39,9 +39,15 @@ def _bench_env(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _bench_learner(argv: list[str]) -> int:
+    from learner.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 # `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
 # top-level parser imports none of them.
-BENCHES = {"env": _bench_env, "inference": _bench_inference}
+BENCHES = {"env": _bench_env, "inference": _bench_inference, "learner": _bench_learner}
 
 
 def _data_or_merge(a) -> int:
