@@ -1,6 +1,6 @@
 """`tars bench learner`: what the learner's plumbing costs, each figure against a baseline from the same run.
 
-    tars bench learner [--json FILE] [--quick] [--preset quickstart] [--n N] [--payload-bytes B] [--steps K]
+    tars bench learner [--json FILE] [--quick] [--preset quickstart] [--set K=V] [--n N] [--payload-bytes B] [--steps K]
 
 Figures:
   stream_over_raw          trajectories/s consumed through the stream (TrajectorySender -> TrajectoryReceiver:
@@ -129,7 +129,7 @@ def run(a) -> dict:
     from tars import config as C
     from tars.stream_bench import bench as stream_bench
 
-    cfg = C.load(a.preset, None, [])
+    cfg = C.load(a.preset, None, a.set)
     out = {"machine": _machine(), "preset": a.preset, "figures": {}}
     s = stream_bench(n=a.n, payload_bytes=a.payload_bytes, repeats=a.repeats, subprocess=True)
     out["figures"]["stream_over_raw"] = {
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tars bench learner", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="FILE", help="write the figures here as JSON")
     ap.add_argument("--preset", default="quickstart", help="model and learner settings (default quickstart)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. learner.batch_size=16")
     ap.add_argument("--n", type=int, default=2000, help="trajectories per stream run")
     ap.add_argument("--payload-bytes", type=int, default=32 << 10, help="encoded size of each trajectory")
     ap.add_argument("--repeats", type=int, default=3, help="stream/raw runs, interleaved; the best of each counts")
