@@ -299,7 +299,7 @@ def _control_thread(learner: Learner, ready: dict, port: int = 0) -> threading.T
 def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], ready_file: str | None = None,
          resume: bool = False) -> int:
     proc.die_with_parent()
-    dist = from_accelerate()
+    dist = from_accelerate(cpu=True)  # the learner's tensors live on the CPU (no GPU placement yet): gloo
     learner = Learner(cfg, run_dir, model_dir, inference, resume=resume, dist=dist)
     if not dist.is_main:
         learner.follow()
