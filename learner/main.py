@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from learner.distributed import Dist, from_accelerate
 from learner.ppo import PPOTrainer
 from learner.staleness import StalenessManager
 from tars import proc, rpc
@@ -29,14 +30,39 @@ from tars.config import RunConfig
 from tars.control import ControlServicer, add_control
 from tars.model import CausalLM
 from tars.stream import TrajectoryReceiver
+from tars.stream_wal import WriteAheadLog
 from tars.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("tars.learner")
 
 
+def publish_weights(policy: CausalLM, wdir: pathlib.Path, version: int, stubs, keep: int, counters=None) -> float:
+    """weights/v{version} in HF layout (write, then rename), every server told to load it, old versions pruned.
+
+    Returns the seconds from the start of the write until the last server answered (it serves the new weights then).
+    """
+    t0 = time.perf_counter()
+    wdir.mkdir(exist_ok=True)
+    path = wdir / f"v{version:06d}"
+    policy.save_hf(path)
+    for stub in stubs:
+        try:
+            stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=version, path=str(path)), timeout=60.0)
+        except Exception as e:  # a dead replica must not stop training; it reloads the latest on restart
+            if counters is not None:
+                counters["publish_failures"] += 1
+            log.warning("publish v%d failed: %s", version, e)
+    for old in sorted(wdir.glob("v*"))[: -max(1, keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
 class Learner:
-    def __init__(self, cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], resume: bool = False):
+    def __init__(self, cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], resume: bool = False,
+                 dist: Dist | None = None):
         self.cfg, self.lcfg = cfg, cfg.learner
+        # Under `accelerate launch` rank 0 does all I/O and broadcasts batches; other ranks only train (follow()).
+        self.dist = dist if dist is not None else Dist()
         self.run = pathlib.Path(run_dir)
         self.model_dir = pathlib.Path(model_dir)
         torch.set_num_threads(max(1, self.lcfg.threads))
@@ -48,26 +74,29 @@ class Learner:
             self.critic.load_state_dict(self.policy.state_dict(), strict=False)  # critic starts from the policy trunk
             torch.nn.init.zeros_(self.critic.score.weight)
             torch.nn.init.zeros_(self.critic.score.bias)
-        self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id)
+        self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id, dist=self.dist)
         self.version = 0
         self.value_pretrain_left = self.lcfg.value_pretrain_steps
         self.staleness = StalenessManager(self.lcfg.batch_size, self.lcfg.eta, max_lag=self.lcfg.max_lag)
         consumed: set[str] = set()
         if resume and (self.run / "ckpt" / "meta.json").exists():
             consumed = self._load_checkpoint()
+        self.stop = threading.Event()
+        if not self.dist.is_main:
+            return
         self.receiver = TrajectoryReceiver(
             f"tcp://{self.lcfg.stream_host}:{self.lcfg.stream_port}", str(self.run / "stream.wal"), self.staleness,
             credits=self.lcfg.credits, queue_size=max(self.lcfg.stream_queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=self.lcfg.max_frame_bytes, consumed_ids=consumed,
             ack_interval_s=self.lcfg.stream_ack_interval_s, fsync=self.lcfg.stream_fsync)
         self.inference = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, cfg.inference.auth_token, 512 << 20)) for a in inference]
-        self.stop = threading.Event()
         self.checkpoint_requested = threading.Event()
         self.counters = collections.Counter()
         self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
         self.group_timeout_s = 120.0
         self.last_metrics: dict = {}
         self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
+        self.archive = WriteAheadLog(self.run / "trajectories.twl", fsync=False).open() if self.lcfg.archive else None
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
 
     # ---- the loop --------------------------------------------------------------------------------------------
@@ -79,15 +108,7 @@ class Learner:
             if batch is None:
                 break
             t0 = time.perf_counter()
-            if self.value_pretrain_left > 0:  # critic only; the policy (and so the behaviour) is unchanged
-                m = self.trainer.value_pretrain_step(batch)
-                self.value_pretrain_left -= 1
-                if m["explained_variance"] >= self.lcfg.value_pretrain_ev:
-                    self.value_pretrain_left = 0
-                m["phase"] = "value_pretrain"
-            else:
-                m = self.trainer.step(batch, self.version)
-                m["phase"] = "ppo" if self.critic is not None else "grpo"
+            m = self._update(self.dist.broadcast(batch))
             for tr in batch:
                 self.staleness.record_staleness(tr.versions[tr.mask.astype(bool)], self.version)
             self.version += 1
@@ -98,13 +119,36 @@ class Learner:
             m.update(version=self.version, t=time.time(), step_s=time.perf_counter() - t0, publish_s=publish_s,
                      success=float(np.mean([tr.success for tr in batch])), ret=float(np.mean([tr.ret for tr in batch])),
                      max_staleness=int(max(self.version - 1 - int(tr.versions[tr.mask.astype(bool)].min(initial=self.version - 1)) for tr in batch)),
-                     queue=self.receiver.qsize())
+                     queue=self.receiver.qsize(), ids=[tr.id for tr in batch])  # ids: audit of what each version trained on
             self.last_metrics = m
             self.metrics_log.write(json.dumps(m) + "\n")
             if self.version % self.lcfg.checkpoint_every == 0 or self.checkpoint_requested.is_set():
                 self.checkpoint()
+        self.dist.broadcast(None)  # the other ranks stop too
         self.checkpoint()
         self.export(self.run / "final")
+
+    def _update(self, batch) -> dict:
+        """One update on every rank (the same branch everywhere: explained variance is a whole-batch figure)."""
+        if self.value_pretrain_left > 0:  # critic only; the policy (and so the behaviour) is unchanged
+            m = self.trainer.value_pretrain_step(batch)
+            self.value_pretrain_left -= 1
+            if m["explained_variance"] >= self.lcfg.value_pretrain_ev:
+                self.value_pretrain_left = 0
+            m["phase"] = "value_pretrain"
+        else:
+            m = self.trainer.step(batch, self.version)
+            m["phase"] = "ppo" if self.critic is not None else "grpo"
+        return m
+
+    def follow(self) -> None:
+        """Ranks > 0: train on each batch rank 0 broadcasts, until it broadcasts None."""
+        while True:
+            batch = self.dist.broadcast(None)
+            if batch is None:
+                return
+            self._update(batch)
+            self.version += 1
 
     def _collect(self, n: int):
         """The next batch of at least n trajectories, in whole groups when episodes are sampled in groups.
@@ -145,6 +189,8 @@ class Learner:
     def _admit(self, tr) -> bool:
         """Log one arrival; count and drop it (False) if it is an infra_error or too stale to train on."""
         self.counters["received"] += 1
+        if self.archive is not None and tr.id not in self.archive:  # the data flywheel's raw material
+            self.archive.append(tr.id, tr.encode())
         gen = tr.versions[tr.mask.astype(bool)]
         lag = self.version - int(gen.min()) if len(gen) else 0
         self.episodes.write(json.dumps({
@@ -169,21 +215,8 @@ class Learner:
         """Write weights/v{version} atomically and tell every inference server to load it."""
         if version == 0:
             return 0.0  # the servers started from model_dir at version 0
-        t0 = time.perf_counter()
-        wdir = self.run / "weights"
-        wdir.mkdir(exist_ok=True)
-        path = wdir / f"v{version:06d}"
-        self.policy.save_hf(path)
-        for stub in self.inference:
-            try:
-                stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=version, path=str(path)), timeout=60.0)
-            except Exception as e:  # a dead replica must not stop training; it reloads the latest on restart
-                self.counters["publish_failures"] += 1
-                log.warning("publish v%d failed: %s", version, e)
-        keep = sorted(wdir.glob("v*"))[: -max(1, self.lcfg.keep_weights)]
-        for old in keep:
-            shutil.rmtree(old, ignore_errors=True)
-        return time.perf_counter() - t0
+        return publish_weights(self.policy, self.run / "weights", version, self.inference, self.lcfg.keep_weights,
+                               self.counters)
 
     def export(self, path: pathlib.Path) -> None:
         tok = (self.model_dir / "tars_tokenizer.json").read_text()
@@ -266,7 +299,11 @@ def _control_thread(learner: Learner, ready: dict, port: int = 0) -> threading.T
 def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], ready_file: str | None = None,
          resume: bool = False) -> int:
     proc.die_with_parent()
-    learner = Learner(cfg, run_dir, model_dir, inference, resume=resume)
+    dist = from_accelerate(cpu=True)  # the learner's tensors live on the CPU (no GPU placement yet): gloo
+    learner = Learner(cfg, run_dir, model_dir, inference, resume=resume, dist=dist)
+    if not dist.is_main:
+        learner.follow()
+        return 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: learner.stop.set())
     address = learner.receiver.start()

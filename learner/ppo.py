@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from learner import algorithms as A
+from learner.distributed import Dist
 from tars.config import LearnerConfig
 from tars.model import CausalLM
 from tars.schema import Trajectory, turn_rewards
@@ -89,8 +90,10 @@ def lr_lambda(warmup: int):
 
 
 class PPOTrainer:
-    def __init__(self, policy: CausalLM, critic: CausalLM | None, cfg: LearnerConfig, pad_id: int = 0):
+    def __init__(self, policy: CausalLM, critic: CausalLM | None, cfg: LearnerConfig, pad_id: int = 0, dist=None):
         self.policy, self.critic, self.cfg, self.pad_id = policy, critic, cfg, pad_id
+        # Data parallel (learner/distributed.py): each rank backprops its share of the chunks, gradients summed.
+        self.dist = dist if dist is not None else Dist()
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps))
         self.critic_opt = None
@@ -163,9 +166,11 @@ class PPOTrainer:
                 if self.critic is not None:
                     self.critic_opt.zero_grad(set_to_none=True)
                 sums = {"pg_loss": 0.0, "clipfrac": 0.0, "entropy": 0.0, "v_loss": 0.0}
+                if self.ref is not None:  # the same keys on every rank, whether or not it holds a chunk
+                    sums["kl_ref"] = 0.0
                 # Length-bucketed chunks with gradient accumulation: the same gradient as one padded batch
                 # (each chunk's token-mean loss weighted by its share of the minibatch's tokens), less padding.
-                for c in length_chunks(lengths, idx, self.chunk_tokens):
+                for c in self.dist.shard(length_chunks(lengths, idx, self.chunk_tokens)):
                     T = int(lengths[c].max())
                     tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
                     w = float(msk.sum()) / n_tok
@@ -193,14 +198,17 @@ class PPOTrainer:
                         vl = A.clipped_value_loss(v, at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.value_clip)
                         (vl * w).backward()
                         sums["v_loss"] += w * float(vl.detach())
+                self.dist.allreduce_grads(self.policy.parameters())
+                if self.critic is not None:
+                    self.dist.allreduce_grads(self.critic.parameters())
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
                 if has_signal:  # Adam's momentum would still move the weights on a batch with no advantage signal
                     self.opt.step()
                 if self.critic is not None:
                     torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.grad_clip)
                     self.critic_opt.step()
-                for k, v in sums.items():
-                    stats[k].append(v)
+                for k, v in zip(sums, self.dist.sum_floats(list(sums.values()))):  # metrics of the whole minibatch
+                    stats.setdefault(k, []).append(v)
                 stats["grad_norm"].append(float(gn))
         self.sched.step()
         self.updates += 1
@@ -223,14 +231,16 @@ class PPOTrainer:
         n_tok = float(b.mask.sum().clamp(min=1))
         self.critic_opt.zero_grad(set_to_none=True)
         total = 0.0
-        for c in chunks:
+        for c in self.dist.shard(chunks):
             T = int(lengths[c].max())
             tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
             v = self.critic.values_at(tok, val, msk)
             vl = 0.5 * ((v - at(targets[c, :T], msk)) ** 2).mean()
             w = float(msk.sum()) / n_tok
             (vl * w).backward()
-            total += w * float(vl)
+            total += w * float(vl.detach())
+        (total,) = self.dist.sum_floats([total])
+        self.dist.allreduce_grads(self.critic.parameters())
         torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
         self.critic_opt.step()
         return {"v_loss": total, "explained_variance": float(A.explained_variance(old, targets, b.mask))}

@@ -90,3 +90,38 @@ def train_sft(policy: CausalLM, demos, steps: int, batch_size: int, lr: float, s
             log(f"sft step {s + 1}/{steps} loss {np.mean(losses[-50:]):.3f}")
     policy.eval()
     return {"sft_steps": steps, "sft_loss": float(np.mean(losses[-50:])) if losses else None, "sft_s": time.perf_counter() - t0}
+
+
+def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: int = 0, steps: int | None = None,
+        log=print) -> dict:
+    """`tars sft`: fine-tune model_dir on stored trajectories (data: trajectory files, e.g. a split's sft.twl)
+    and/or `demos` scripted demonstrations (cfg.sft.demonstrator on cfg.actor.env_ids); write HF layout to out_dir."""
+    import json
+    import pathlib
+
+    from learner.data import read_trajectories, sft_examples
+
+    if not data and demos <= 0:
+        raise ValueError("nothing to train on: give trajectory files (--data) and/or --demos N")
+    torch.manual_seed(cfg.seed)
+    src = pathlib.Path(model_dir)
+    policy = CausalLM.load_hf(src)
+    examples = sft_examples(read_trajectories(data)) if data else []
+    n_traj = len(examples)
+    tok_file = src / "tars_tokenizer.json"
+    if demos > 0:
+        if not tok_file.exists():
+            raise ValueError(f"--demos needs the tars tokenizer in {tok_file}")
+        examples += demonstrations(Tokenizer.load(src), list(cfg.actor.env_ids), demos, cfg.sft.demonstrator,
+                                   cfg.seed, cfg.actor.max_turns)
+    if not examples:
+        raise ValueError("the trajectory files hold no trajectory with generated tokens")
+    steps = cfg.sft.steps if steps is None else steps
+    if steps <= 0:
+        raise ValueError("--steps must be >= 1")
+    m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, policy.config.pad_token_id, log=log)
+    extra = {"tars_tokenizer.json": tok_file.read_text()} if tok_file.exists() else {}
+    policy.save_hf(out_dir, extra_files=extra)
+    m.update(trajectories=n_traj, demonstrations=len(examples) - n_traj, out=str(out_dir))
+    pathlib.Path(out_dir, "sft.json").write_text(json.dumps(m, indent=2))
+    return m

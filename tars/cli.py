@@ -1,4 +1,4 @@
-"""The `tars` command: up | eval | envd | serve | actor | learner | ctl | config | bench."""
+"""The `tars` command: up | eval | envd | serve | actor | learner | sft | data | merge | ctl | config | bench."""
 from __future__ import annotations
 
 import argparse
@@ -41,9 +41,31 @@ def _bench_actor(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _bench_learner(argv: list[str]) -> int:
+    from learner.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 # `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
 # top-level parser imports none of them.
-BENCHES = {"actor": _bench_actor, "env": _bench_env, "inference": _bench_inference}
+BENCHES = {"actor": _bench_actor, "env": _bench_env, "inference": _bench_inference, "learner": _bench_learner}
+
+
+def _data_or_merge(a) -> int:
+    try:
+        if a.cmd == "data":
+            from learner.data import split
+
+            print(json.dumps(split(a.inputs, a.out, a.min_return)))
+        else:
+            from learner.merge import merge, parse_weights
+
+            print(json.dumps(merge(a.ckpts, parse_weights(a.weights, len(a.ckpts)), a.out)))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tars {a.cmd}: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +120,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from run-dir/ckpt")
     p.add_argument("--ready-file")
 
+    p = sub.add_parser("sft", help="supervised fine-tuning on stored trajectories and/or scripted demonstrations")
+    _config_args(p)
+    p.add_argument("--model", required=True, help="HF-layout model directory to start from")
+    p.add_argument("--out", required=True, help="output model directory (HF layout)")
+    p.add_argument("--data", nargs="*", default=[], help="trajectory files (e.g. a split's sft.twl, a run's trajectories.twl)")
+    p.add_argument("--demos", type=int, default=0, help="also N scripted demonstrations (sft.demonstrator on actor.env_ids)")
+    p.add_argument("--steps", type=int, help="updates (default sft.steps)")
+
+    p = sub.add_parser("data", help="trajectory data: split stored trajectories into an SFT set and a CT set")
+    p.add_argument("what", choices=["split"])
+    p.add_argument("inputs", nargs="+", help="trajectory files (.twl: a run's trajectories.twl or stream.wal)")
+    p.add_argument("--out", required=True, help="directory for sft.twl, ct.twl and split.json")
+    p.add_argument("--min-return", type=float, help="also pass episodes with at least this return (default: success only)")
+
+    p = sub.add_parser("merge", help="interpolate checkpoints: theta = sum_k alpha_k theta_k")
+    p.add_argument("ckpts", nargs="+", help="HF-layout model directories, learner checkpoints or run directories")
+    p.add_argument("--weights", required=True, help="alpha_k, comma-separated, >= 0, summing to 1")
+    p.add_argument("--out", required=True, help="output model directory (HF layout)")
+
     p = sub.add_parser("ctl", help="talk to running processes (ControlService)")
     p.add_argument("what", choices=["status", "pause", "resume", "drain", "undrain", "checkpoint", "set-eta", "sessions", "kill-session"])
     p.add_argument("value", nargs="?", help="eta for set-eta, session id for kill-session")
@@ -129,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             return ctl.main(a)
         if a.cmd == "bench":
             return BENCHES[a.which](a.args)
+        if a.cmd in ("data", "merge"):
+            return _data_or_merge(a)
         cfg = _load(a)
     except ConfigError as e:
         print(f"tars: config error: {e}", file=sys.stderr)
@@ -165,6 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         from learner.main import main as learner_main
 
         return learner_main(cfg, a.run_dir, a.model, _split(a.inference), a.ready_file, a.resume)
+    if a.cmd == "sft":
+        from learner.sft import run as sft_run
+
+        try:
+            print(json.dumps(sft_run(cfg, a.model, a.out, a.data, a.demos, a.steps)))
+        except (ValueError, FileNotFoundError) as e:
+            print(f"tars sft: {e}", file=sys.stderr)
+            return 2
+        return 0
     if a.cmd == "config":
         from tars import config as C
 

@@ -161,6 +161,7 @@ class LearnerConfig:
     stream_ack_interval_s: float = f(0.002, "WAL fsync / ack batching interval of the trajectory stream")
     stream_fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
     threads: int = f(1, "torch intra-op threads")
+    archive: bool = f(False, "append every trajectory received to run_dir/trajectories.twl (for tars data split / tars sft)")
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""Trajectories on disk, and the data flywheel's split into an SFT set and a CT (continued-training) set.
+
+A trajectory file is the learner's write-ahead-log format (tars/stream_wal.py): crc-checked records of the exact
+Trajectory.encode() bytes, keyed by id. The learner's stream.wal is one (until compacted), and with
+learner.archive=true the learner appends every trajectory it receives to run_dir/trajectories.twl.
+
+The split (UI-TARS-2's data flywheel): trajectories that pass validation go to the SFT set, the rest to the CT set.
+Validation: the episode terminated (not truncated) with success, or, given min_return, its return is at least that.
+infra_error episodes say nothing about the policy (the environment broke), so they go to neither set; they are
+counted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Iterator
+
+from tars.schema import SchemaError, Trajectory
+from tars.stream_wal import WriteAheadLog
+
+
+def read_trajectories(paths) -> Iterator[Trajectory]:
+    """Every valid trajectory in these files, first occurrence of each id only, in file order."""
+    seen: set[str] = set()
+    for p in paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"trajectory file {p} does not exist")
+        wal = WriteAheadLog(p, fsync=False).open()
+        try:
+            for tid in list(wal.index):
+                if tid in seen:
+                    continue
+                seen.add(tid)
+                try:
+                    yield Trajectory.decode(wal.read(tid))
+                except (SchemaError, ValueError) as e:
+                    raise ValueError(f"{p}: trajectory {tid} does not decode: {e}") from None
+        finally:
+            wal.close()
+
+
+def write_trajectories(path, trajs) -> int:
+    """A new trajectory file (replaced if it exists, atomically); returns the number written."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    wal = WriteAheadLog(tmp, fsync=True).open()
+    n = 0
+    try:
+        for tr in trajs:
+            wal.append(tr.id, tr.encode())
+            n += 1
+        wal.sync()
+    finally:
+        wal.close()
+    os.replace(tmp, path)
+    return n
+
+
+def passes_validation(tr: Trajectory, min_return: float | None = None) -> bool:
+    if tr.outcome == "infra_error":
+        return False
+    if tr.outcome == "terminated" and tr.success:
+        return True
+    return min_return is not None and tr.ret >= min_return
+
+
+def split(paths, out_dir, min_return: float | None = None) -> dict:
+    """-> out_dir/sft.twl, out_dir/ct.twl and out_dir/split.json (the counts); returns the counts."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sft, ct, infra = [], [], 0
+    for tr in read_trajectories(paths):
+        if tr.outcome == "infra_error":
+            infra += 1
+        elif passes_validation(tr, min_return):
+            sft.append(tr)
+        else:
+            ct.append(tr)
+    counts = {"inputs": [str(p) for p in paths], "min_return": min_return,
+              "sft": write_trajectories(out / "sft.twl", sft), "ct": write_trajectories(out / "ct.twl", ct),
+              "infra_error_dropped": infra}
+    (out / "split.json").write_text(json.dumps(counts, indent=2))
+    return counts
+
+
+def sft_examples(trajs) -> list[tuple[list[int], list[int]]]:
+    """Trajectories -> (tokens, loss mask) pairs for train_sft: the loss on the policy's own tokens only."""
+    out = []
+    for tr in trajs:
+        if tr.mask.sum() == 0:
+            continue  # nothing generated: nothing to imitate
+        out.append((tr.tokens.astype(int).tolist(), tr.mask.astype(int).tolist()))
+    return out

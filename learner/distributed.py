@@ -1,0 +1,93 @@
+"""Data-parallel training under `accelerate launch`: same parameters as one process on the same data.
+
+    accelerate launch --num_processes 2 --cpu -m tars.cli learner ...      (gloo on the CPU)
+    accelerate launch --num_processes 8 -m tars.cli learner ...            (nccl; see docs/learner.md for FSDP)
+
+Rank 0 owns everything that talks to the outside (the stream, the control server, publishing, checkpoints); it
+broadcasts each batch to the other ranks. Every rank then computes the whole-batch quantities (proximal logprobs,
+values, advantages and their normalisation, GRPO groups), so those are identical everywhere, and the loss over its
+own share of the length-bucketed chunks. Each chunk's loss is already weighted by its share of the minibatch's
+tokens (see PPOTrainer.step), so the SUM of the ranks' gradients is exactly the one-process gradient: it is
+all-reduced before clipping, and every rank takes the same optimizer step. We all-reduce by hand instead of
+wrapping the model in DDP because ranks may hold different numbers of chunks (DDP would hang on the mismatch) and
+gradient accumulation over chunks would otherwise sync on every backward.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class Dist:
+    """The process group as the trainer needs it. world == 1 is a no-op (no accelerate, no torch.distributed)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, accelerator=None):
+        self.rank, self.world, self.accelerator = rank, world, accelerator
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, items: list) -> list:
+        """This rank's share of a list that every rank holds in the same order (round robin)."""
+        return items[self.rank::self.world] if self.world > 1 else items
+
+    def allreduce_grads(self, params) -> None:
+        """Sum the gradients of `params` over the ranks (a rank with no chunk contributes zeros).
+
+        One flat buffer, one collective: on gloo a collective per tensor costs far more than the bytes."""
+        if self.world == 1:
+            return
+        params = [p for p in params if p.requires_grad]
+        # A parameter no rank touched (e.g. the critic's unused lm_head) must keep grad None, as in one process:
+        # the optimizer skips it then, whereas a zero gradient would still apply AdamW's weight decay.
+        seen = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.SUM)
+        params = [p for p, s in zip(params, seen.tolist()) if s]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[off:off + n].view_as(p.grad))
+            off += n
+
+    def sum_floats(self, xs: list[float]) -> list[float]:
+        if self.world == 1:
+            return xs
+        t = torch.tensor(xs, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return t.tolist()
+
+    def broadcast(self, obj):
+        """rank 0's `obj` on every rank (pickled: only between our own ranks, never from the network)."""
+        if self.world == 1:
+            return obj
+        box = [obj if self.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+def launched_world() -> int:
+    """Processes started by accelerate/torchrun for this job (1 when run directly)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def from_accelerate(cpu: bool | None = None) -> Dist:
+    """Initialise the process group through accelerate (gloo on the CPU, nccl on GPUs) when launched by it."""
+    if launched_world() == 1:
+        return Dist()
+    from accelerate import Accelerator
+
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    acc = Accelerator(cpu=cpu)
+    return Dist(acc.process_index, acc.num_processes, acc)

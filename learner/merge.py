@@ -1,0 +1,108 @@
+"""`tars merge CKPT... --weights a,b,...`: parameter interpolation theta = sum_k alpha_k theta_k.
+
+Each CKPT is an HF-layout directory (config.json + model.safetensors: a published weights/vNNNNNN, a run's final/,
+a `tars sft` output), a learner checkpoint directory (its policy/ is used) or a run directory (its ckpt/policy/).
+The weights must be >= 0 and sum to 1 (within 1e-6), so the result is a point on the segment/simplex between the
+models; every checkpoint must hold the same tensor names and shapes. The sum is taken in float64 and stored in the
+first checkpoint's dtypes, with its config.json (and tars_tokenizer.json, generation_config.json when present), so
+the output loads in transformers and in `tars serve` like any other checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+
+import torch
+
+
+class MergeError(ValueError):
+    pass
+
+
+def resolve(path) -> pathlib.Path:
+    p = pathlib.Path(path)
+    for d in (p, p / "policy", p / "ckpt" / "policy"):
+        if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
+            return d
+    raise MergeError(f"{path}: no model.safetensors + config.json here (nor in policy/ or ckpt/policy/)")
+
+
+def parse_weights(text: str, n: int) -> list[float]:
+    try:
+        w = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MergeError(f"--weights {text!r}: expected comma-separated numbers") from None
+    if len(w) != n:
+        raise MergeError(f"{len(w)} weights for {n} checkpoints")
+    check_weights(w)
+    return w
+
+
+def check_weights(w: list[float]) -> None:
+    if not w:
+        raise MergeError("no checkpoints to merge")
+    if any(not math.isfinite(a) for a in w):
+        raise MergeError(f"weights must be finite: {w}")
+    if any(a < 0 for a in w):
+        raise MergeError(f"weights must be >= 0: {w}")
+    if abs(math.fsum(w) - 1.0) > 1e-6:
+        raise MergeError(f"weights must sum to 1 (within 1e-6), they sum to {math.fsum(w)!r}")
+
+
+def _arch(d: pathlib.Path) -> dict:
+    """config.json without the fields that do not change what the weights mean."""
+    c = json.loads((d / "config.json").read_text())
+    for k in ("torch_dtype", "dtype", "_name_or_path", "transformers_version", "use_cache"):
+        c.pop(k, None)
+    return c
+
+
+def merge(ckpts: list, weights: list[float], out) -> dict:
+    """Write the interpolated model to `out` (atomically: a temporary directory, then rename)."""
+    from safetensors.torch import load_file, save_file
+
+    if len(ckpts) != len(weights):
+        raise MergeError(f"{len(weights)} weights for {len(ckpts)} checkpoints")
+    check_weights(weights)
+    dirs = [resolve(c) for c in ckpts]
+    configs = [_arch(d) for d in dirs]
+    for d, c in zip(dirs[1:], configs[1:]):
+        diff = sorted(k for k in set(c) | set(configs[0]) if c.get(k) != configs[0].get(k))
+        if diff:
+            raise MergeError(f"{d}: config.json differs from {dirs[0]} in {diff[:5]}: not the same architecture")
+    acc: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for k, (d, a) in enumerate(zip(dirs, weights)):
+        sd = load_file(str(d / "model.safetensors"))
+        if k == 0:
+            dtypes = {n: t.dtype for n, t in sd.items()}
+            for n, t in sd.items():
+                if not t.is_floating_point():
+                    raise MergeError(f"{d}: tensor {n} is {t.dtype}; only floating-point weights can be interpolated")
+                acc[n] = t.to(torch.float64) * a
+            continue
+        missing, extra = sorted(set(acc) - set(sd)), sorted(set(sd) - set(acc))
+        if missing or extra:
+            raise MergeError(f"{d} does not match {dirs[0]}: missing {missing[:5]}, extra {extra[:5]}")
+        for n, t in sd.items():
+            if t.shape != acc[n].shape:
+                raise MergeError(f"{d}: tensor {n} has shape {tuple(t.shape)}, {dirs[0]} has {tuple(acc[n].shape)}")
+            acc[n] += t.to(torch.float64) * a
+    out = pathlib.Path(out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({n: t.to(dtypes[n]).contiguous() for n, t in acc.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json", "tars_tokenizer.json"):
+        if (dirs[0] / name).exists():
+            shutil.copyfile(dirs[0] / name, tmp / name)
+    info = {"sources": [str(d) for d in dirs], "weights": weights, "tensors": len(acc)}
+    (tmp / "merge.json").write_text(json.dumps(info, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return {**info, "out": str(out)}

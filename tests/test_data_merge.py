@@ -1,0 +1,131 @@
+"""The data flywheel's split, `tars sft` on stored trajectories, and `tars merge` (parameter interpolation)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from learner.data import read_trajectories, write_trajectories
+from tars import cli
+from tars.model import CausalLM, DecoderConfig
+from tars.schema import Trajectory, Turn
+
+V, PROMPT, GOOD = 40, [1, 5, 6, 7], 11
+
+
+def traj(tid, outcome="terminated", success=False, ret=0.0, answer=GOOD):
+    return Trajectory(id=tid, env_id="bandit", outcome=outcome, tokens=np.array(PROMPT + [answer], np.int32),
+                      logprobs=np.array([0, 0, 0, 0, -2.0], np.float32), versions=np.array([-1] * 4 + [0], np.int32),
+                      mask=np.array([0, 0, 0, 0, 1], np.uint8), turns=[Turn("", "", {}, ret, 4, 5)], ret=ret,
+                      success=success)
+
+
+def model(seed=0, hidden=32):
+    return CausalLM(DecoderConfig(vocab_size=V, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1)).init_weights(seed)
+
+
+def test_split_sends_validated_trajectories_to_sft_and_the_rest_to_ct(tmp_path, capsys):
+    a = [traj("win", success=True, ret=1.0), traj("lose", ret=-0.1), traj("cut", "truncated", ret=0.6),
+         traj("broken", "infra_error"), traj("close", ret=0.7)]
+    b = [traj("win", success=True, ret=1.0), traj("win2", success=True, ret=1.0)]  # "win" again: counted once
+    write_trajectories(tmp_path / "a.twl", a)
+    write_trajectories(tmp_path / "b.twl", b)
+    assert cli.main(["data", "split", str(tmp_path / "a.twl"), str(tmp_path / "b.twl"), "--out", str(tmp_path / "s")]) == 0
+    ids = lambda name: sorted(t.id for t in read_trajectories([tmp_path / "s" / name]))  # noqa: E731
+    assert ids("sft.twl") == ["win", "win2"]
+    assert ids("ct.twl") == ["close", "cut", "lose"]  # infra errors say nothing about the policy: in neither set
+    counts = json.loads((tmp_path / "s" / "split.json").read_text())
+    assert (counts["sft"], counts["ct"], counts["infra_error_dropped"]) == (2, 3, 1)
+    # a return threshold lets near-misses through too (a truncated episode with a high return counts)
+    assert cli.main(["data", "split", str(tmp_path / "a.twl"), "--out", str(tmp_path / "t"), "--min-return", "0.5"]) == 0
+    assert sorted(t.id for t in read_trajectories([tmp_path / "t" / "sft.twl"])) == ["close", "cut", "win"]
+    # the trajectories come back byte for byte
+    back = {t.id: t for t in read_trajectories([tmp_path / "s" / "sft.twl"])}
+    assert back["win"].encode() == a[0].encode()
+
+
+def test_split_of_a_missing_or_corrupt_file_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["data", "split", str(tmp_path / "nope.twl"), "--out", str(tmp_path / "s")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_sft_on_stored_trajectories_learns_them(tmp_path, capsys):
+    torch.manual_seed(0)
+    m = model()
+    m.save_hf(tmp_path / "m0")
+    write_trajectories(tmp_path / "sft.twl", [traj(f"w{i}", success=True, ret=1.0) for i in range(16)])
+
+    def p_good(path):
+        pol = CausalLM.load_hf(path)
+        with torch.no_grad():
+            logits, _ = pol(torch.tensor([PROMPT]))
+        return float(torch.softmax(logits[0, -1], -1)[GOOD])
+
+    rc = cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
+                   str(tmp_path / "sft.twl"), "--steps", "40", "--set", "sft.lr=0.01", "--set", "sft.batch_size=8"])
+    assert rc == 0
+    assert p_good(tmp_path / "m0") < 0.1 and p_good(tmp_path / "m1") > 0.8
+    info = json.loads((tmp_path / "m1" / "sft.json").read_text())
+    assert info["trajectories"] == 16 and info["sft_steps"] == 40
+    # nothing to train on is an error, not an untouched copy
+    assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m2")]) == 2
+    assert "nothing to train on" in capsys.readouterr().err
+
+
+def test_merge_interpolates_and_loads_in_transformers(tmp_path, capsys):
+    a, b = model(0), model(1)
+    a.save_hf(tmp_path / "a", extra_files={"tars_tokenizer.json": "{}"})
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)
+    b.save_hf(tmp_path / "run" / "ckpt" / "policy")  # a learner run directory is accepted too
+    out = tmp_path / "m"
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "run"), "--weights", "0.25,0.75", "--out", str(out)]) == 0
+    got = load_file(str(out / "model.safetensors"))
+    sa, sb = a.hf_state_dict(), b.hf_state_dict()
+    assert got.keys() == sa.keys()
+    for k in sa:
+        assert torch.allclose(got[k], 0.25 * sa[k] + 0.75 * sb[k], atol=1e-6), k
+    assert (out / "tars_tokenizer.json").exists()
+    merged = CausalLM.load_hf(out)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        ours, _ = merged(ids)
+        theirs = hf(ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-4)
+    # weights (1, 0) give the first model back exactly
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "run"), "--weights", "1,0", "--out", str(tmp_path / "m1")]) == 0
+    assert all(torch.equal(v, sa[k]) for k, v in load_file(str(tmp_path / "m1" / "model.safetensors")).items())
+
+
+@pytest.mark.parametrize("weights,message", [
+    ("0.5,0.4", "sum to 1"), ("1.5,-0.5", ">= 0"), ("1", "1 weights for 2 checkpoints"), ("a,b", "numbers"),
+    ("nan,0.5", "finite")])
+def test_merge_rejects_bad_weights(tmp_path, capsys, weights, message):
+    model(0).save_hf(tmp_path / "a")
+    model(1).save_hf(tmp_path / "b")
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--weights", weights, "--out", str(tmp_path / "m")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_merge_rejects_mismatched_checkpoints(tmp_path, capsys):
+    model(0).save_hf(tmp_path / "a")
+    model(1, hidden=16).save_hf(tmp_path / "small")
+    args = ["--weights", "0.5,0.5", "--out", str(tmp_path / "m")]
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "small")] + args) == 2
+    assert "not the same architecture" in capsys.readouterr().err
+    # same config, one tensor reshaped / one missing
+    model(1).save_hf(tmp_path / "b")
+    sd = load_file(str(tmp_path / "b" / "model.safetensors"))
+    k = "model.norm.weight"
+    save_file({**sd, k: torch.ones(sd[k].numel() + 1)}, str(tmp_path / "b" / "model.safetensors"))
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "b")] + args) == 2
+    assert "has shape" in capsys.readouterr().err
+    save_file({n: t for n, t in sd.items() if n != k}, str(tmp_path / "b" / "model.safetensors"))
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "b")] + args) == 2
+    assert "missing ['model.norm.weight']" in capsys.readouterr().err
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "nothing")] + args) == 2
+    assert "no model.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()

@@ -1,0 +1,90 @@
+"""Data-parallel learner step: two processes under `accelerate launch` (gloo, CPU) end with the parameters of one."""
+import os
+import subprocess
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from tars.model import DecoderConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(cmd, out):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "ACCELERATE_LOG_LEVEL": "error"}
+    r = subprocess.run(cmd + ["-m", "learner.dist_check", str(out), "3"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_two_gloo_processes_train_like_one(tmp_path):
+    one = _run([sys.executable], tmp_path / "one.pt")
+    accelerate = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    two = _run(accelerate, tmp_path / "two.pt")
+    assert one["world"] == 1 and two["world"] == 2 and two["backend"] == "gloo"
+    assert one["params"].keys() == two["params"].keys()
+    diff = max(float((one["params"][k] - two["params"][k]).abs().max()) for k in one["params"])
+    assert diff < 1e-4, diff  # summation order differs across ranks; nothing else may
+    # The check is only meaningful if training moved the weights far more than the tolerance.
+    from tars.model import CausalLM
+
+    init = CausalLM(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
+    moved = max(float((one["params"][f"policy.{k}"] - v).abs().max()) for k, v in init.state_dict().items())
+    assert moved > 100 * max(diff, 1e-6), (moved, diff)
+
+
+def test_one_rank_shares_are_disjoint_and_cover_everything():
+    from learner.distributed import Dist
+
+    items = list(range(7))
+    shares = [Dist(r, 3).shard(items) for r in range(3)]
+    assert sorted(sum(shares, [])) == items
+    assert Dist().shard(items) == items
+
+
+@pytest.mark.slow
+def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
+    """The real learner process under `accelerate launch` (rank 0 streams, rank 1 follows) trains and exits."""
+    import asyncio
+    import json
+
+    from tars.model import CausalLM
+    from tars.stream import TrajectorySender
+    from test_learner_kill import V, free_port, traj, wait_for  # tests/ is on sys.path (rootless test dir)
+
+    CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \
+        .save_hf(tmp_path / "model", extra_files={"tars_tokenizer.json": "{}"})
+    port, run = free_port(), tmp_path / "run"
+    run.mkdir()
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tars.cli", "learner",
+           "--run-dir", str(run), "--model", str(tmp_path / "model"), "--set", "learner.batch_size=8",
+           "--set", f"learner.stream_port={port}", "--set", "learner.max_lag=100000", "--set", "max_versions=4",
+           "--set", "actor.group_size=1", "--ready-file", str(tmp_path / "ready")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), 120, "learner did not start")
+
+        async def send():
+            s = TrajectorySender(f"tcp://127.0.0.1:{port}", "a0", window=64)
+            await s.start()
+            for i in range(32):
+                await s.send(traj(i), timeout=60)
+            await s.flush(timeout=60)
+            await s.close()
+
+        asyncio.run(send())
+        assert p.wait(120) == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait(10)
+    lines = [json.loads(x) for x in (run / "learner.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines] == [1, 2, 3, 4]
+    assert sorted(t for x in lines for t in x["ids"]) == sorted(f"t{i}" for i in range(32))

@@ -1,0 +1,140 @@
+"""A real `tars learner` process killed with SIGKILL mid-stream and restarted with --resume trains on every
+trajectory sent exactly once: real processes, real ZMQ, a sender that keeps unacked trajectories and re-sends them."""
+import asyncio
+import collections
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+from tars.model import CausalLM, DecoderConfig
+from tars.schema import Trajectory, Turn
+from tars.stream import TrajectorySender
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N, B, V = 160, 8, 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def traj(i: int) -> Trajectory:
+    rng = np.random.default_rng(i)
+    n = int(rng.integers(8, 20))
+    m = np.zeros(n, np.uint8)
+    m[-3:] = 1
+    r = float(i % 2)
+    return Trajectory(id=f"t{i}", env_id="x", outcome="terminated", tokens=rng.integers(2, V, n).astype(np.int32),
+                      logprobs=np.where(m, -1.0, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                      mask=m, turns=[Turn("", "", {}, r, n - 3, n)], ret=r, success=bool(r))
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def read_meta(run):
+    try:
+        return json.loads((run / "ckpt" / "meta.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def updates(path, start=0, end=None):
+    """learner.jsonl lines in bytes [start, end) -> [(version, ids)]: one per policy update."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read() if end is None else f.read(end - start)
+    return [(d["version"], d["ids"]) for d in map(json.loads, data.decode().splitlines())]
+
+
+def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path):
+    CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \
+        .save_hf(tmp_path / "model", extra_files={"tars_tokenizer.json": "{}"})
+    run, port = tmp_path / "run", free_port()
+    run.mkdir()
+    cmd = [sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(run), "--model", str(tmp_path / "model"),
+           "--set", "learner.algo=grpo", "--set", f"learner.batch_size={B}", "--set", "learner.checkpoint_every=1",
+           "--set", f"learner.stream_port={port}", "--set", "learner.max_lag=100000", "--set", "learner.credits=16",
+           "--set", "learner.stream_queue_size=32", "--set", "learner.archive=true", "--set", f"max_versions={N // B}",
+           "--set", "actor.group_size=1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    logs = [open(tmp_path / f"learner{k}.log", "w") for k in (1, 2)]
+    first = subprocess.Popen(cmd + ["--ready-file", str(tmp_path / "r1")], env=env, stdout=logs[0], stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    procs = [first]
+    sender_state: dict = {}
+
+    async def send_all():
+        s = TrajectorySender(f"tcp://127.0.0.1:{port}", "a0", window=64, heartbeat_s=0.2, dead_after_s=2.0)
+        await s.start()
+        for i in range(N):
+            await s.send(traj(i), timeout=60)
+            sender_state["sent"] = i + 1
+            await asyncio.sleep(0.01)  # a steady stream, so the kill lands in the middle of it
+        await s.flush(timeout=60)
+        sender_state["stats"] = s.stats()
+        await s.close()
+
+    th = threading.Thread(target=lambda: asyncio.run(send_all()), daemon=True)
+    try:
+        wait_for(lambda: (tmp_path / "r1").exists(), 60, "first learner did not start")
+        th.start()
+        meta = wait_for(lambda: (m := read_meta(run)) and m["version"] >= 3 and m, 60, "no checkpoint at version 3")
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        sent_at_kill = sender_state.get("sent", 0)
+        assert sent_at_kill < N, "the sender finished before the kill: not mid-stream"
+        killed_log = (run / "learner.jsonl").stat().st_size
+        ckpt = read_meta(run)
+        second = subprocess.Popen(cmd + ["--resume", "--ready-file", str(tmp_path / "r2")], env=env, stdout=logs[1],
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(second)
+        assert second.wait(90) == 0, (tmp_path / "learner2.log").read_text()[-3000:]
+        th.join(30)
+        assert not th.is_alive() and "stats" in sender_state, "sender did not finish"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        for f in logs:
+            f.close()
+
+    # Trained before the kill and covered by the checkpoint; anything after it was rolled back with the weights.
+    v_ckpt = ckpt["version"]
+    life1 = [u for u in updates(run / "learner.jsonl", 0, killed_log) if u[0] <= v_ckpt]
+    assert [v for v, _ in life1] == list(range(1, v_ckpt + 1))
+    before = [tid for _, ids in life1 for tid in ids]
+    assert sorted(before) == sorted(ckpt["consumed_ids"])
+    life2 = updates(run / "learner.jsonl", killed_log)
+    assert [v for v, _ in life2] == list(range(v_ckpt + 1, N // B + 1))  # resumed at the checkpoint's version
+    after = [tid for _, ids in life2 for tid in ids]
+    trained = collections.Counter(before + after)
+    assert set(trained) == {f"t{i}" for i in range(N)}, sorted({f"t{i}" for i in range(N)} - set(trained))[:10]
+    assert max(trained.values()) == 1, [t for t, c in trained.items() if c > 1][:10]
+    final = read_meta(run)
+    assert final["version"] == N // B and len(final["consumed_ids"]) == N
+    st = sender_state["stats"]
+    assert st["pending"] == 0 and st["restarts_seen"] == 1
+    # the archive (learner.archive) holds each received trajectory once, across both lives
+    from learner.data import read_trajectories
+
+    assert sorted(t.id for t in read_trajectories([run / "trajectories.twl"])) == sorted(f"t{i}" for i in range(N))
+    assert (run / "final" / "model.safetensors").exists()
