@@ -69,9 +69,15 @@ class Learner:
         self.last_metrics: dict = {}
         self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
+        # Which trajectory ids each update trained on and which were masked (infra_error / too stale) before it:
+        # {"resume": v} marks a (re)start from version v, so a reader can drop the records a kill rolled back
+        # and check that every trajectory was trained on exactly once (tars/faults.py does).
+        self.trained_log = open(self.run / "trained.jsonl", "a", buffering=1)
+        self.masked_since_update: list[str] = []
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
+        self.trained_log.write(json.dumps({"resume": self.version, "t": time.time()}) + "\n")
         self.staleness.set_version(self.version)
         self._publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
         while not self.stop.is_set() and self.version < self.cfg.max_versions:
@@ -94,6 +100,9 @@ class Learner:
             publish_s = self._publish(self.version)
             self.staleness.set_version(self.version)
             self.receiver.mark_consumed(tr.id for tr in batch)
+            self.trained_log.write(json.dumps({"version": self.version, "ids": [tr.id for tr in batch],
+                                               "masked": self.masked_since_update}) + "\n")
+            self.masked_since_update = []
             self.counters["trained"] += len(batch)
             m.update(version=self.version, t=time.time(), step_s=time.perf_counter() - t0, publish_s=publish_s,
                      success=float(np.mean([tr.success for tr in batch])), ret=float(np.mean([tr.ret for tr in batch])),
@@ -104,6 +113,9 @@ class Learner:
             if self.version % self.lcfg.checkpoint_every == 0 or self.checkpoint_requested.is_set():
                 self.checkpoint()
         self.checkpoint()
+        # Masked after the last update: covered by the final checkpoint, so recorded as a partial next version.
+        self.trained_log.write(json.dumps({"version": self.version + 1, "ids": [], "partial": True,
+                                           "masked": self.masked_since_update}) + "\n")
         self.export(self.run / "final")
 
     def _collect(self, n: int):
@@ -162,6 +174,7 @@ class Learner:
             return True
         self.staleness.on_rejected(1)
         self.receiver.mark_consumed([tr.id])
+        self.masked_since_update.append(tr.id)
         return False
 
     # ---- weights ---------------------------------------------------------------------------------------------

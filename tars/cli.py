@@ -41,7 +41,19 @@ def _bench_env(argv: list[str]) -> int:
 
 # `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
 # top-level parser imports none of them.
-BENCHES = {"env": _bench_env, "inference": _bench_inference}
+def _bench_faults(argv: list[str]) -> int:
+    from tars.faults_bench import main as faults_main
+
+    return faults_main(argv)
+
+
+def _bench_soak(argv: list[str]) -> int:
+    from tars.soak import main as soak_main
+
+    return soak_main(argv)
+
+
+BENCHES = {"env": _bench_env, "inference": _bench_inference, "faults": _bench_faults, "soak": _bench_soak}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -102,6 +102,10 @@ class ActorConfig:
     group_size: int = f(1, "episodes per task seed (GRPO groups); 1 = independent")
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
     retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
+    unavailable_retry_s: float = f(60.0, "how long an inference call keeps retrying a server that is down (e.g. "
+                                         "restarting) before the episode ends as infra_error; the rollout resumes")
+    episode_attempts: int = f(3, "attempts per episode: an infra_error episode is rerun from scratch on a live envd "
+                                 "(the failed attempt is never sent); the last one is sent as infra_error")
     admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
     send_window: int = f(256, "unacknowledged trajectories kept for re-send before the actor stops starting episodes")
 
