@@ -18,6 +18,10 @@ from tars.faults import Topology
 GOAL_RSS_GROWTH = 0.10
 
 
+def res_warm(minutes: float, warmup_frac: float) -> float:
+    return warmup_frac * minutes * 60
+
+
 def rss_bytes(pid: int) -> int:
     try:
         import psutil
@@ -68,11 +72,19 @@ def analyse(samples: list[dict], warmup_s: float) -> dict:
             "goal_rss_growth": GOAL_RSS_GROWTH}
 
 
-def run(minutes: float, out: str | None = None, every_s: float = 5.0, warmup_frac: float = 0.2) -> dict:
+def _inference_cache_mb(topo: Topology) -> float | None:
+    try:
+        return round(topo.status("inference", 0, timeout=2.0).get("cache_bytes", 0) / 2**20, 1)
+    except Exception:
+        return None
+
+
+def run(minutes: float, out: str | None = None, every_s: float = 5.0, warmup_frac: float = 0.2,
+        sets: list[str] = ()) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="tars-soak-") if out is None else None
     out = out or tmp.name
     topo = Topology(out, n_envd=1, n_actors=1, sets=["learner.batch_size=64", "actor.concurrency=128",
-                                                     "learner.checkpoint_every=50"])
+                                                     "learner.checkpoint_every=50", *sets])
     samples: list[dict] = []
     try:
         topo.start()
@@ -83,14 +95,19 @@ def run(minutes: float, out: str | None = None, every_s: float = 5.0, warmup_fra
                 raise RuntimeError(f"{dead} died during the soak; see {out}/logs")
             samples.append({"t": round(time.monotonic() - t0, 1),
                             "rss": {f"{r}{i}": rss_bytes(c.p.pid) for (r, i), c in topo.procs.items()},
-                            "trajectories": _lines(topo.out / "episodes.jsonl"), "version": topo.version()})
+                            "trajectories": _lines(topo.out / "episodes.jsonl"), "version": topo.version(),
+                            # the prefix cache fills up to its bound (inference.cache_*): growth, not a leak
+                            "inference_cache_mb": _inference_cache_mb(topo)})
             time.sleep(every_s)
     finally:
         topo.stop()
         if tmp is not None:
             tmp.cleanup()
-    res = analyse(samples, warmup_frac * minutes * 60)
-    res.update(minutes=minutes, samples=samples, warmup_s=warmup_frac * minutes * 60,
+    res = analyse(samples, res_warm(minutes, warmup_frac))
+    res["inference_cache_mb"] = {"after_warmup": next((x["inference_cache_mb"] for x in samples
+                                                        if x["t"] >= res_warm(minutes, warmup_frac)), None),
+                                 "end": samples[-1]["inference_cache_mb"] if samples else None}
+    res.update(minutes=minutes, sets=list(sets), samples=samples, warmup_s=warmup_frac * minutes * 60,
                ok=res["max_growth"] < GOAL_RSS_GROWTH)
     return res
 
@@ -101,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--every", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--out", help="keep the run directory here (default: a temporary one)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--warmup", type=float, default=0.2, help="share of the run counted as warm-up")
     a = ap.parse_args(argv)
-    res = run(a.minutes, a.out, a.every)
+    res = run(a.minutes, a.out, a.every, a.warmup, a.set)
     print(f"{'process':<12} {'RSS MB after warm-up':>21} {'RSS MB end':>11} {'growth':>8}   goal < {GOAL_RSS_GROWTH:.0%}")
     for p, g in res["processes"].items():
         print(f"{p:<12} {g['rss_mb_after_warmup']:>21} {g['rss_mb_end']:>11} {g['growth']:>8.1%}")
     print(f"throughput {res['throughput_first']} -> {res['throughput_last']} trajectories/s "
-          f"(drift {res['throughput_drift']:+.1%}); {'OK' if res['ok'] else 'RSS GOAL MISSED'}")
+          f"(drift {res['throughput_drift']:+.1%}); inference prefix cache {res['inference_cache_mb']} MB; "
+          f"{'OK' if res['ok'] else 'RSS GOAL MISSED'}")
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(res, indent=2))
     return 0 if res["ok"] else 1

@@ -20,7 +20,7 @@ N = int(os.environ.get("TARS_FUZZ_EXAMPLES", "300"))
 _body = st.one_of(
     st.binary(max_size=256),
     st.dictionaries(st.text(max_size=8), st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=16), st.none(),
-                                                   st.lists(st.integers(), max_size=4), st.binary(max_size=16)),
+                                                   st.lists(st.integers(-2**63, 2**63 - 1), max_size=4), st.binary(max_size=16)),
                     max_size=5).map(lambda d: msgpack.packb(d, use_bin_type=True)),
     st.sampled_from([msgpack.packb({"id": "x"}), msgpack.packb([1, 2]), msgpack.packb("str"), b"\x80",
                      msgpack.packb({"n": -5}), msgpack.packb({"n": 2**63}), msgpack.packb({"ids": "notalist"})]),
