@@ -34,7 +34,8 @@ class Actor:
         self.envs = [EnvClient(a, cfg.envd.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries) for a in envd]
         self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
                                      unavailable_retry_s=cfg.actor.unavailable_retry_s)
-        self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir)
+        self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,
+                                       **_curve_keys(cfg.learner.stream_curve_public_key))
         self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id)
         self.rng = random.Random(f"{cfg.seed}-{actor_id}")
         self.paused = False
@@ -165,6 +166,17 @@ class Actor:
         await self.infer.close()
         for e in self.envs:
             await e.close()
+
+
+def _curve_keys(server_public: str) -> dict:
+    """With the learner's CURVE public key set, talk CURVE with a fresh keypair (the learner does not allowlist
+    client keys, so an ephemeral one is as good as a configured one)."""
+    if not server_public:
+        return {}
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    return {"curve_server_key": server_public.encode(), "curve_public_key": public, "curve_secret_key": secret}
 
 
 async def _wait_any(tasks: set, stop: asyncio.Event, timeout: float) -> None:

@@ -59,7 +59,8 @@ class Learner:
             f"tcp://{self.lcfg.stream_host}:{self.lcfg.stream_port}", str(self.run / "stream.wal"), self.staleness,
             credits=self.lcfg.credits, queue_size=max(self.lcfg.stream_queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=self.lcfg.max_frame_bytes, consumed_ids=consumed,
-            ack_interval_s=self.lcfg.stream_ack_interval_s, fsync=self.lcfg.stream_fsync)
+            ack_interval_s=self.lcfg.stream_ack_interval_s, fsync=self.lcfg.stream_fsync,
+            curve_secret_key=self.lcfg.stream_curve_secret_key.encode() or None)
         self.inference = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, cfg.inference.auth_token, 512 << 20)) for a in inference]
         self.stop = threading.Event()
         self.checkpoint_requested = threading.Event()

@@ -147,6 +147,9 @@ class LearnerConfig:
     keep_weights: int = f(3, "published weight versions kept on disk")
     stream_host: str = f("127.0.0.1", "bind address of the trajectory stream")
     stream_port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one")
+    stream_curve_secret_key: str = f("", "Z85 CURVE secret key of the learner: if set, the stream is encrypted and only "
+                                         "clients that know the public key connect (zmq.curve_keypair() makes a pair)")
+    stream_curve_public_key: str = f("", "the learner's Z85 CURVE public key; actors need it when CURVE is on")
     credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
     max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
     stream_queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")

@@ -230,3 +230,33 @@ def test_lint_catches_what_it_should(tmp_path, monkeypatch):
         bad.unlink()
     assert "tars/_lint_probe_tmp.py: q = queue.Queue()" in found
     assert "tars/_lint_probe_tmp.py: threading.Event().wait()" in found
+
+
+@pytest.mark.slow  # a whole topology (~20-60 s); the in-process CURVE test above is in the default run
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE (libsodium)")
+def test_curve_on_by_option_in_a_real_run(tmp_path):
+    """learner.stream_curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
+    client without the learner's public key gets nowhere."""
+    from tars.faults import Topology
+    from tars.stream import TrajectorySender
+
+    public, secret = zmq.curve_keypair()
+    topo = Topology(tmp_path / "run")
+    topo.cfg.learner.stream_curve_secret_key = secret.decode()  # keys go in the YAML (Z85 is not --set friendly)
+    topo.cfg.learner.stream_curve_public_key = public.decode()
+    with topo:
+        topo.start()
+        topo.wait_versions(2, 120)
+
+        async def plain() -> bool:
+            tx = TrajectorySender(topo.stream, "intruder", heartbeat_s=0.05)
+            try:
+                await tx.start(timeout=2.0)
+                return True
+            except TimeoutError:
+                return False
+            finally:
+                await tx.close()
+
+        assert not asyncio.run(plain())
+        assert topo.status("learner")["stream"]["hellos"] >= 1
