@@ -159,6 +159,10 @@ def test_envd_survives_hostile_requests(servers):
         assert servers["procs"]["envd"].poll() is None
 
     one()
+    # found by the 10,000-example run: a huge lease overflowed lease_expires_unix_ms after the session was made
+    code = _raw(ch, "/tars.v1.EnvService/CreateSession", env_pb2.CreateSessionRequest(
+        env_id="builtin/menu", lease_ttl_s=1.2e16).SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
     # oversize: one message past the daemon's limit is refused, not fatal
     cfg = C.EnvdConfig()
     code = _raw(ch, "/tars.v1.EnvService/Ping", env_pb2.PingRequest(payload=b"x" * (cfg.max_message_bytes + 1024)).SerializeToString())
@@ -197,6 +201,9 @@ def test_inference_survives_hostile_requests(servers):
         assert servers["procs"]["inference"].poll() is None
 
     one()
+    # found by the 10,000-example run: a path too long for the filesystem was an unhandled OSError (UNKNOWN)
+    assert _raw(ch, "/tars.v1.InferenceService/UpdateWeights", inference_pb2.UpdateWeightsRequest(
+        version=5, path="x" * 5000).SerializeToString()) == grpc.StatusCode.FAILED_PRECONDITION
     # still generates, at version 0 (no fuzzed UpdateWeights was applied)
     from tars.v1 import inference_pb2_grpc
 
