@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -46,6 +47,14 @@ class EnvClient:
         self.channel = rpc.channel(address, auth_token)
         self.stub = env_pb2_grpc.EnvServiceStub(self.channel)
         self.inflight = 0
+        self.down_until = 0.0     # monotonic time before which new episodes avoid this daemon (it failed us)
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def mark_down(self, cooldown_s: float = 2.0) -> None:
+        self.down_until = time.monotonic() + cooldown_s
 
     async def _call(self, method, request, idempotent: bool):
         delay = 0.05

@@ -32,8 +32,10 @@ class Actor:
                  tokenizer: Tokenizer, spool_dir: str | None = None):
         self.cfg, self.acfg, self.actor_id = cfg, cfg.actor, actor_id
         self.envs = [EnvClient(a, cfg.envd.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries) for a in envd]
-        self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries)
-        self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir)
+        self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
+                                     unavailable_retry_s=cfg.actor.unavailable_retry_s)
+        self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,
+                                       **_curve_keys(cfg.learner.stream_curve_public_key))
         self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id)
         self.rng = random.Random(f"{cfg.seed}-{actor_id}")
         self.paused = False
@@ -49,7 +51,7 @@ class Actor:
     def status(self) -> dict:
         ok = [s for s, o in self.recent if o != "infra_error"]
         el = time.monotonic() - self.t0
-        return {"running": len(self.running), "paused": self.paused, **self.stats,
+        return {"running": len(self.running), "paused": self.paused, **self.stats, "inference_retries": self.infer.retried,
                 "episodes_per_s": self.stats["episodes"] / el if el > 0 else 0.0,
                 "success_recent": sum(ok) / len(ok) if ok else None, "sender": self.sender.stats()}
 
@@ -64,13 +66,37 @@ class Actor:
         return {"paused": p}
 
     # ---- episodes --------------------------------------------------------------------------------------------
-    def _new_episode(self, group: str, seed: int, env_id: str) -> None:
+    def _new_id(self) -> str:
         # Fixed-width counter + random suffix: no trajectory id is a prefix of another (SGLang matches rids by prefix).
-        tid = f"{self.actor_id}-{next(self.counter):09d}-{uuid.uuid4().hex[:8]}"
-        env = min(self.envs, key=lambda e: e.inflight)  # least-loaded daemon; the episode then sticks to it
-        task = asyncio.create_task(run_episode(self.ctx, env, tid, env_id, seed, self.version, group))
+        return f"{self.actor_id}-{next(self.counter):09d}-{uuid.uuid4().hex[:8]}"
+
+    def _pick_env(self) -> EnvClient:
+        """The least-loaded daemon among those that have not just failed (all of them if every one has)."""
+        live = [e for e in self.envs if e.healthy] or self.envs
+        return min(live, key=lambda e: e.inflight)
+
+    def _new_episode(self, group: str, seed: int, env_id: str) -> None:
+        task = asyncio.create_task(self._episode(group, seed, env_id))
         self.running.add(task)
         task.add_done_callback(self._finished)
+
+    async def _episode(self, group: str, seed: int, env_id: str):
+        """One admitted episode. An infra_error attempt (a daemon killed or restarted, inference down for longer
+        than unavailable_retry_s) is thrown away and the episode rerun from scratch, under a new id, on a live
+        daemon: nothing of a broken attempt is ever sent, so nothing of it can reach the loss. Only when every
+        attempt failed is the last one sent, as infra_error (the learner masks it)."""
+        attempts = max(1, self.acfg.episode_attempts)
+        for attempt in range(attempts):
+            env = self._pick_env()  # the episode then sticks to this daemon (sessions are stateful)
+            tr = await run_episode(self.ctx, env, self._new_id(), env_id, seed, self.version, group)
+            if tr.outcome != "infra_error" or attempt == attempts - 1:
+                tr.timings["attempts"] = attempt + 1
+                return tr
+            if tr.error.startswith("envd"):
+                env.mark_down()
+            self.stats["episodes_retried"] += 1
+            log.info("episode %s attempt %d ended infra_error (%s); retrying", tr.id, attempt + 1, tr.error[:120])
+            await asyncio.sleep(0.2 * (attempt + 1))
 
     def _finished(self, task: asyncio.Task) -> None:
         self.running.discard(task)
@@ -140,6 +166,17 @@ class Actor:
         await self.infer.close()
         for e in self.envs:
             await e.close()
+
+
+def _curve_keys(server_public: str) -> dict:
+    """With the learner's CURVE public key set, talk CURVE with a fresh keypair (the learner does not allowlist
+    client keys, so an ephemeral one is as good as a configured one)."""
+    if not server_public:
+        return {}
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    return {"curve_server_key": server_public.encode(), "curve_public_key": public, "curve_secret_key": secret}
 
 
 async def _wait_any(tasks: set, stop: asyncio.Event, timeout: float) -> None:

@@ -35,6 +35,7 @@ log = logging.getLogger("envd")
 
 ENV_SERVICE = env_pb2.DESCRIPTOR.services_by_name["EnvService"].full_name
 CONTROL_SERVICE = "tars.v1.ControlService"
+MAX_LEASE_TTL_S = 7 * 24 * 3600.0
 
 
 class _Status(Exception):
@@ -158,8 +159,10 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             raise _Status(grpc.StatusCode.NOT_FOUND, f"session {s.id!r} was closed")
 
     def _ttl(self, requested: float) -> float:
-        if requested < 0 or not math.isfinite(requested):
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"lease_ttl_s must be >= 0, got {requested}")
+        # Capped: an absurd lease would overflow lease_expires_unix_ms (int64) after the session was already made,
+        # and a session nobody renews must still expire.
+        if requested < 0 or not math.isfinite(requested) or requested > MAX_LEASE_TTL_S:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"lease_ttl_s must be in [0, {MAX_LEASE_TTL_S:.0f}], got {requested}")
         return requested or self.cfg.lease_ttl_s
 
     async def _open(self, env_id: str, options: dict[str, str], ttl_s: float, client_id: str = "",

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import random
+import time
 import zlib
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
@@ -57,10 +59,14 @@ class _Replica:
 class InferenceClient:
     def __init__(self, addresses: list[str], auth_token: str = "", timeout_s: float = 30.0, retries: int = 3,
                  backoff_s: float = 0.05, sticky_capacity: int = 65536, max_message_bytes: int = 512 << 20,
-                 sticky_max_imbalance: int = 8):
+                 sticky_max_imbalance: int = 8, unavailable_retry_s: float = 0.0, max_backoff_s: float = 2.0):
+        """unavailable_retry_s: beyond `retries`, keep retrying UNAVAILABLE (every replica down, e.g. restarting)
+        for this long, backing off up to max_backoff_s, so an in-flight rollout resumes when a server is back."""
         if not addresses:
             raise ValueError("InferenceClient needs at least one address")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.unavailable_retry_s, self.max_backoff_s = unavailable_retry_s, max_backoff_s
+        self.retried = 0  # calls repeated after a retryable failure (for status / fault reports)
         self._replicas = []
         for a in addresses:
             ch = rpc.channel(a, auth_token, max_message_bytes)
@@ -95,26 +101,29 @@ class InferenceClient:
         return i
 
     async def _backoff(self, attempt: int) -> None:
-        await asyncio.sleep(self.backoff_s * (2 ** attempt) * (0.5 + random.random()))
+        self.retried += 1
+        await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * (2 ** min(attempt, 30))) * (0.5 + random.random()))
 
     async def _call_routed(self, trajectory_id: str, method: str, request, timeout: float):
         """Call `method` on the trajectory's replica, retrying RETRYABLE statuses with exponential backoff."""
         avoid = None
-        for attempt in range(self.retries + 1):
+        give_up = time.monotonic() + self.unavailable_retry_s
+        for attempt in itertools.count():
             i = self.route(trajectory_id, avoid)
             rep = self._replicas[i]
             rep.in_flight += 1
             try:
                 return await getattr(rep.stub, method)(request, timeout=timeout), rep
             except aio.AioRpcError as e:
-                if e.code() not in rpc.RETRYABLE or attempt >= self.retries:
+                if e.code() not in rpc.RETRYABLE:
+                    raise
+                if attempt >= self.retries and not (e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < give_up):
                     raise
                 if e.code() == grpc.StatusCode.UNAVAILABLE and len(self._replicas) > 1:
                     avoid = i  # the replica is down: re-route (its prefix cache is lost anyway)
             finally:
                 rep.in_flight -= 1
             await self._backoff(attempt)
-        raise AssertionError("unreachable")
 
     @staticmethod
     def _request(trajectory_id, input_ids, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed,

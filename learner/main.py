@@ -88,7 +88,8 @@ class Learner:
             f"tcp://{self.lcfg.stream_host}:{self.lcfg.stream_port}", str(self.run / "stream.wal"), self.staleness,
             credits=self.lcfg.credits, queue_size=max(self.lcfg.stream_queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=self.lcfg.max_frame_bytes, consumed_ids=consumed,
-            ack_interval_s=self.lcfg.stream_ack_interval_s, fsync=self.lcfg.stream_fsync)
+            ack_interval_s=self.lcfg.stream_ack_interval_s, fsync=self.lcfg.stream_fsync,
+            curve_secret_key=self.lcfg.stream_curve_secret_key.encode() or None)
         self.inference = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, cfg.inference.auth_token, 512 << 20)) for a in inference]
         self.checkpoint_requested = threading.Event()
         self.counters = collections.Counter()
@@ -98,9 +99,15 @@ class Learner:
         self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
         self.archive = WriteAheadLog(self.run / "trajectories.twl", fsync=False).open() if self.lcfg.archive else None
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
+        # Which trajectory ids each update trained on and which were masked (infra_error / too stale) before it:
+        # {"resume": v} marks a (re)start from version v, so a reader can drop the records a kill rolled back
+        # and check that every trajectory was trained on exactly once (tars/faults.py does).
+        self.trained_log = open(self.run / "trained.jsonl", "a", buffering=1)
+        self.masked_since_update: list[str] = []
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
+        self.trained_log.write(json.dumps({"resume": self.version, "t": time.time()}) + "\n")
         self.staleness.set_version(self.version)
         self._publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
         while not self.stop.is_set() and self.version < self.cfg.max_versions:
@@ -115,6 +122,9 @@ class Learner:
             publish_s = self._publish(self.version)
             self.staleness.set_version(self.version)
             self.receiver.mark_consumed(tr.id for tr in batch)
+            self.trained_log.write(json.dumps({"version": self.version, "ids": [tr.id for tr in batch],
+                                               "masked": self.masked_since_update}) + "\n")
+            self.masked_since_update = []
             self.counters["trained"] += len(batch)
             m.update(version=self.version, t=time.time(), step_s=time.perf_counter() - t0, publish_s=publish_s,
                      success=float(np.mean([tr.success for tr in batch])), ret=float(np.mean([tr.ret for tr in batch])),
@@ -126,6 +136,9 @@ class Learner:
                 self.checkpoint()
         self.dist.broadcast(None)  # the other ranks stop too
         self.checkpoint()
+        # Masked after the last update: covered by the final checkpoint, so recorded as a partial next version.
+        self.trained_log.write(json.dumps({"version": self.version + 1, "ids": [], "partial": True,
+                                           "masked": self.masked_since_update}) + "\n")
         self.export(self.run / "final")
 
     def _update(self, batch) -> dict:
@@ -208,6 +221,7 @@ class Learner:
             return True
         self.staleness.on_rejected(1)
         self.receiver.mark_consumed([tr.id])
+        self.masked_since_update.append(tr.id)
         return False
 
     # ---- weights ---------------------------------------------------------------------------------------------

@@ -49,7 +49,20 @@ def _bench_learner(argv: list[str]) -> int:
 
 # `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
 # top-level parser imports none of them.
-BENCHES = {"actor": _bench_actor, "env": _bench_env, "inference": _bench_inference, "learner": _bench_learner}
+def _bench_faults(argv: list[str]) -> int:
+    from tars.faults_bench import main as faults_main
+
+    return faults_main(argv)
+
+
+def _bench_soak(argv: list[str]) -> int:
+    from tars.soak import main as soak_main
+
+    return soak_main(argv)
+
+
+BENCHES = {"actor": _bench_actor, "env": _bench_env, "faults": _bench_faults, "inference": _bench_inference,
+           "learner": _bench_learner, "soak": _bench_soak}
 
 
 def _data_or_merge(a) -> int:

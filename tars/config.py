@@ -104,6 +104,10 @@ class ActorConfig:
     group_size: int = f(1, "episodes per task seed (GRPO groups); 1 = independent")
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
     retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
+    unavailable_retry_s: float = f(60.0, "how long an inference call keeps retrying a server that is down (e.g. "
+                                         "restarting) before the episode ends as infra_error; the rollout resumes")
+    episode_attempts: int = f(3, "attempts per episode: an infra_error episode is rerun from scratch on a live envd "
+                                 "(the failed attempt is never sent); the last one is sent as infra_error")
     admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
     send_window: int = f(256, "unacknowledged trajectories kept for re-send before the actor stops starting episodes")
     image_history: int = f(0, "screenshots shown as images in the prompt (the last k turns; older turns keep only their "
@@ -155,6 +159,9 @@ class LearnerConfig:
     keep_weights: int = f(3, "published weight versions kept on disk")
     stream_host: str = f("127.0.0.1", "bind address of the trajectory stream")
     stream_port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one")
+    stream_curve_secret_key: str = f("", "Z85 CURVE secret key of the learner: if set, the stream is encrypted and only "
+                                         "clients that know the public key connect (zmq.curve_keypair() makes a pair)")
+    stream_curve_public_key: str = f("", "the learner's Z85 CURVE public key; actors need it when CURVE is on")
     credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
     max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
     stream_queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")

@@ -1,6 +1,8 @@
 """gRPC plumbing shared by every service: servers with auth, health and reflection; channels with deadlines."""
 from __future__ import annotations
 
+import inspect
+
 import grpc
 from grpc import aio
 
@@ -39,8 +41,59 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         return self._deny
 
 
+class _BadRequest:
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _guarded(deserialize):
+    def d(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # protobuf DecodeError and friends: bytes that are not the request message
+            return _BadRequest(f"{type(e).__name__}: {e}"[:200])
+    return d
+
+
+class RequestDecodeInterceptor(aio.ServerInterceptor):
+    """Bytes that do not parse as the request message get INVALID_ARGUMENT (gRPC's own answer is UNKNOWN, which
+    reads like a server bug). Wraps unary-request handlers once per method; streaming requests are left alone."""
+
+    def __init__(self):
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        h = await continuation(handler_call_details)
+        if h is None or h.request_streaming or h.request_deserializer is None:
+            return h
+        cached = self._cache.get(method)
+        if cached is not None and getattr(cached, "_orig", None) is h:
+            return cached
+        if h.response_streaming:
+            if not inspect.isasyncgenfunction(h.unary_stream):
+                return h  # a handler that writes with context.write cannot be wrapped by an async generator
+
+            async def stream(req, ctx, _beh=h.unary_stream):
+                if isinstance(req, _BadRequest):
+                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.why}")
+                async for x in _beh(req, ctx):
+                    yield x
+            w = grpc.unary_stream_rpc_method_handler(stream, _guarded(h.request_deserializer), h.response_serializer)
+        else:
+            async def unary(req, ctx, _beh=h.unary_unary):
+                if isinstance(req, _BadRequest):
+                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.why}")
+                r = _beh(req, ctx)
+                return (await r) if inspect.isawaitable(r) else r
+            w = grpc.unary_unary_rpc_method_handler(unary, _guarded(h.request_deserializer), h.response_serializer)
+        w._orig = h
+        self._cache[method] = w
+        return w
+
+
 def make_server(max_message_bytes: int = 16 << 20, auth_token: str = "") -> aio.Server:
-    interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else []
+    interceptors = ([TokenAuthInterceptor(auth_token)] if auth_token else []) + [RequestDecodeInterceptor()]
     return aio.server(interceptors=interceptors, options=_options(max_message_bytes))
 
 

@@ -145,12 +145,19 @@ class TrajectorySender:
         if size > self.max_frame_bytes:
             raise ValueError(f"trajectory {tid} is {size} bytes; the learner takes at most {self.max_frame_bytes}")
         deadline = time.monotonic() + timeout
-        await self._wait(lambda: self._ready and self._credit > 0 and not self._resend
-                         and len(self._outbox) < self.window, deadline, f"no credit to send {tid}")
+        if self.spool_dir:
+            # Spooled before waiting for credit: an actor killed while it waits (learner backlogged or down)
+            # still re-sends this trajectory after its restart instead of losing it.
+            self._spool(tid, frame, images)
+        try:
+            await self._wait(lambda: self._ready and self._credit > 0 and not self._resend
+                             and len(self._outbox) < self.window, deadline, f"no credit to send {tid}")
+        except BaseException:
+            if self.spool_dir and not self._closed:
+                self._unspool(tid)  # the caller sees the failure and counts it; a restart must not resurrect it
+            raise
         self._credit -= 1
         e = self._outbox[tid] = _Entry(frame, next(self._seq), time.monotonic(), images or None)
-        if self.spool_dir:
-            self._spool(tid, frame, images)
         self._inflight = max(0, self._inflight - 1)
         await self._transmit(tid, e)
         self._stats["sent"] += 1

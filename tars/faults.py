@@ -1,0 +1,278 @@
+"""Fault injection over the real multi-process topology of `tars up`, and the accounting that proves what survived.
+
+A Topology starts envd daemon(s), an inference server, the learner and actors exactly as `tars up` does (separate
+processes on loopback, ready files, PDEATHSIG), but lets a test SIGKILL any one of them and restart it on the same
+address: envd and inference on their old port, the learner with --resume on its old stream port, an actor under
+its old id with its spool. `ledger()` then reads what the learner recorded and reports
+
+  received    distinct trajectory ids that reached the learner (episodes.jsonl, every incarnation)
+  trained     ids in the final lineage of updates (trained.jsonl, rolled-back updates dropped)
+  masked      ids kept out of the loss (infra_error, too stale)
+  pending     ids still waiting in the learner's WAL at the end (durable, trained by the next run)
+  duplicated  ids trained on more than once, or both trained and masked (goal 0)
+  lost        ids received but neither trained, masked nor pending, plus ids an actor held unacked when it was
+              killed that never arrived (goal 0)
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+
+from tars import config as C
+from tars.up import Child, build_model
+
+# A quick, small run: no SFT, tiny batches and frequent checkpoints, so every fault lands mid-run within seconds.
+FAST = ["sft.steps=0", "learner.batch_size=16", "actor.concurrency=16", "learner.checkpoint_every=2",
+        "actor.max_turns=3", "max_versions=100000", "wall_budget_s=100000", "actor.rpc_timeout_s=10"]
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.2):
+    """Poll pred() until it returns something truthy (returned) or raise TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(every)
+
+
+def _read_jsonl(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line torn by SIGKILL
+    return out
+
+
+class Topology:
+    """`tars up`'s processes, restartable one by one. Use as a context manager (stop() kills what is left)."""
+
+    def __init__(self, out: str | os.PathLike, n_envd: int = 1, n_actors: int = 1, sets: list[str] = ()):
+        self.out = pathlib.Path(out).resolve()
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        self.runf = self.out / "run"
+        self.runf.mkdir(exist_ok=True)
+        self.cfg = C.load("quickstart", None, [*FAST, *sets])
+        self.n_envd, self.n_actors = n_envd, n_actors
+        self.py = [sys.executable, "-m", "tars.cli"]
+        self.conf = ["--config", str(self.out / "config.yaml")]
+        self.procs: dict[tuple[str, int], Child] = {}
+        self.argv: dict[tuple[str, int], list[str]] = {}
+        self.addr: dict[tuple[str, int], str] = {}
+        self.killed_spools: list[set[str]] = []   # trajectory ids an actor held unacked when it was killed
+
+    # ---- processes ---------------------------------------------------------------------------------------------
+    def _start(self, role: str, i: int, timeout: float) -> dict:
+        ready = self.runf / f"{role}{i}.json"
+        ready.unlink(missing_ok=True)
+        c = Child(role, self.argv[(role, i)] + ["--ready-file", str(ready)], self.out, ready)
+        self.procs[(role, i)] = c
+        return c.wait_ready(timeout)
+
+    def start(self) -> "Topology":
+        C.save(self.cfg, self.out / "config.yaml")
+        self.model_dir, _ = build_model(self.cfg, self.out, lambda m: None)
+        for i in range(self.n_envd):
+            self.argv[("envd", i)] = [*self.py, "envd", *self.conf]
+            self.addr[("envd", i)] = self._start("envd", i, 60)["address"]
+            self.argv[("envd", i)] += ["--port", self.addr[("envd", i)].rsplit(":", 1)[1]]
+        self.argv[("inference", 0)] = [*self.py, "serve", *self.conf, "--model", str(self.model_dir)]
+        inf = self.addr[("inference", 0)] = self._start("inference", 0, 120)["address"]
+        self.argv[("inference", 0)] += ["--port", inf.rsplit(":", 1)[1]]
+        self.argv[("learner", 0)] = [*self.py, "learner", *self.conf, "--run-dir", str(self.out), "--model",
+                                     str(self.model_dir), "--inference", inf]
+        self.stream = self._start("learner", 0, 120)["stream"]
+        # A restarted learner must listen where the actors already connect.
+        self.argv[("learner", 0)] += ["--set", f"learner.stream_port={self.stream.rsplit(':', 1)[1]}"]
+        envds = ",".join(self.addr[("envd", i)] for i in range(self.n_envd))
+        for i in range(self.n_actors):
+            self.argv[("actor", i)] = [*self.py, "actor", *self.conf, "--envd", envds, "--inference", inf,
+                                       "--stream", self.stream, "--tokenizer", str(self.model_dir / "tars_tokenizer.json"),
+                                       "--actor-id", f"actor{i}", "--spool-dir", str(self.spool(i))]
+            self.addr[("actor", i)] = self._start("actor", i, 60)["address"]
+        return self
+
+    def spool(self, i: int) -> pathlib.Path:
+        return self.out / "spool" / f"actor{i}"
+
+    def pid(self, role: str, i: int = 0) -> int:
+        return self.procs[(role, i)].p.pid
+
+    def kill(self, role: str, i: int = 0) -> None:
+        """SIGKILL the process group (the role and anything it started), and reap it."""
+        c = self.procs[(role, i)]
+        if role == "actor":
+            c.p.send_signal(signal.SIGSTOP)  # freeze it so the spool read below is what it held when it died
+            self.killed_spools.append(self.spool_ids(i))
+        try:
+            os.killpg(c.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        c.p.wait(10)
+        c.log.close()
+
+    def restart(self, role: str, i: int = 0, timeout: float = 120) -> dict:
+        argv = self.argv[(role, i)]
+        if role == "learner" and "--resume" not in argv:
+            argv.append("--resume")
+        if role == "inference":
+            # Come back with the newest published weights (what an orchestrator restarting it would load).
+            w = sorted((self.out / "weights").glob("v*"))
+            base = argv[: argv.index("--model")]
+            rest = argv[argv.index("--model") + 2:]
+            rest = [a for j, a in enumerate(rest) if a != "--version" and (j == 0 or rest[j - 1] != "--version")]
+            model = [str(w[-1]), "--version", str(int(w[-1].name[1:]))] if w else [str(self.model_dir)]
+            self.argv[(role, i)] = argv = [*base, "--model", *model, *rest]
+        return self._start(role, i, timeout)
+
+    def alive(self) -> dict[str, bool]:
+        return {f"{r}{i}": c.p.poll() is None for (r, i), c in self.procs.items()}
+
+    def stop(self) -> None:
+        """Stop in `tars up` order (actors, learner, inference, envd) with deadlines; kill what does not stop."""
+        for role in ("actor", "learner", "inference", "envd"):
+            for (r, i), c in list(self.procs.items()):
+                if r == role and not c.log.closed:
+                    c.stop(60 if role == "learner" else 15)
+
+    def __enter__(self) -> "Topology":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- observation -------------------------------------------------------------------------------------------
+    def status(self, role: str, i: int = 0, timeout: float = 5.0) -> dict:
+        """The process's ControlService Status metrics (actors, envd, inference; the learner's control address)."""
+        from tars import rpc
+        from tars.v1 import control_pb2, control_pb2_grpc
+
+        addr = json.loads((self.runf / f"{role}{i}.json").read_text())["address"]
+        ch = rpc.sync_channel(addr, self.cfg.envd.auth_token)
+        try:
+            r = control_pb2_grpc.ControlServiceStub(ch).Status(control_pb2.StatusRequest(), timeout=timeout)
+            return json.loads(r.metrics_json)
+        finally:
+            ch.close()
+
+    def version(self) -> int:
+        recs = [r for r in _read_jsonl(self.out / "trained.jsonl") if "version" in r and not r.get("partial")]
+        return max((r["version"] for r in recs), default=0)
+
+    def received(self) -> collections.Counter:
+        return collections.Counter(r["id"] for r in _read_jsonl(self.out / "episodes.jsonl"))
+
+    def durable(self) -> set[str]:
+        """Ids the learner has received: taken by training (episodes.jsonl) or still waiting in its WAL."""
+        try:
+            ids = set(_scan_wal(self.out / "stream.wal"))
+        except OSError:
+            ids = set()
+        return ids | set(self.received())
+
+    def spool_ids(self, i: int) -> set[str]:
+        ids = set()
+        for p in self.spool(i).glob("*.traj"):
+            try:
+                data = p.read_bytes()
+                n = int.from_bytes(data[:4], "little")
+                ids.add(data[4:4 + n].decode())
+            except (OSError, UnicodeDecodeError):
+                pass
+        return ids
+
+    def wait_versions(self, n: int, timeout: float) -> int:
+        """Wait until the learner has made n more updates; returns the version reached."""
+        v0 = self.version()
+        return wait_for(lambda: self.version() >= v0 + n and self.version(), timeout, f"{n} updates after v{v0}")
+
+    def ledger(self) -> dict:
+        """The counts described in the module docstring (call after stop())."""
+        return account(self.out, self.killed_spools)
+
+
+def _scan_wal(path) -> list[str]:
+    """Ids in a WAL file, read-only (the live learner owns it: no truncation of a tail being written)."""
+    import struct
+    import zlib
+
+    hdr = struct.Struct("<4sIII")
+    ids, data = [], pathlib.Path(path).read_bytes()
+    off = 0
+    while off + hdr.size <= len(data):
+        magic, id_len, plen, crc = hdr.unpack_from(data, off)
+        end = off + hdr.size + id_len + plen
+        if magic != b"TWL1" or end > len(data) or zlib.crc32(data[off + hdr.size:end]) != crc:
+            break
+        ids.append(data[off + hdr.size:off + hdr.size + id_len].decode("utf-8", "replace"))
+        off = end
+    return ids
+
+
+def lineage(records: list[dict]) -> dict[int, dict]:
+    """The update records of the final lineage: a {"resume": v} record drops every earlier record above v."""
+    by_version: dict[int, dict] = {}
+    for r in records:
+        if "resume" in r:
+            for v in [v for v in by_version if v > r["resume"]]:
+                del by_version[v]
+        elif "version" in r:
+            by_version[r["version"]] = r
+    return by_version
+
+
+def _rolled_back(records: list[dict]) -> set[str]:
+    """Ids of update records that a later {"resume": v} dropped (trained into weights that died unsaved)."""
+    live: dict[int, dict] = {}
+    dropped: set[str] = set()
+    for r in records:
+        if "resume" in r:
+            for v in [v for v in live if v > r["resume"]]:
+                dropped.update(live.pop(v).get("ids", ()))
+        elif "version" in r:
+            live[r["version"]] = r
+    return dropped
+
+
+def account(out: str | os.PathLike, killed_spools: list[set[str]] = ()) -> dict:
+    from tars.stream_wal import WriteAheadLog
+
+    out = pathlib.Path(out)
+    episodes = _read_jsonl(out / "episodes.jsonl")
+    received = {r["id"] for r in episodes}
+    outcomes = collections.Counter()
+    for r in {r["id"]: r for r in episodes}.values():
+        outcomes[r["outcome"]] += 1
+    records = _read_jsonl(out / "trained.jsonl")
+    lin = lineage(records)
+    # Trained by a learner that was killed before its next checkpoint: those updates were lost with it.
+    rolled_back = _rolled_back(records)
+    trained = collections.Counter(t for r in lin.values() for t in r.get("ids", ()))
+    masked = collections.Counter(t for r in lin.values() for t in r.get("masked", ()))
+    wal = WriteAheadLog(out / "stream.wal", fsync=False)
+    in_wal = set(wal.open().index)
+    wal.close()
+    pending = in_wal - set(trained) - set(masked)
+    received |= in_wal  # durable and acked, but not yet taken by the training loop (so not in episodes.jsonl)
+    dup = [t for t in trained if trained[t] > 1 or t in masked] + [t for t in masked if masked[t] > 1]
+    held = set().union(*killed_spools) if killed_spools else set()
+    lost_received = received - set(trained) - set(masked) - pending
+    lost_held = held - received
+    return {"received": len(received), "trained": len(trained), "masked": len(masked), "pending": len(pending),
+            "duplicated": len(set(dup)), "lost": len(lost_received) + len(lost_held),
+            "lost_ids": sorted(lost_received | lost_held)[:20], "duplicated_ids": sorted(set(dup))[:20],
+            "held_by_killed_actors": len(held), "rolled_back_then_retrained": len(rolled_back & set(trained)), "outcomes": dict(outcomes),
+            "versions": max((v for v, r in lin.items() if not r.get("partial")), default=0)}
+
+
