@@ -180,6 +180,9 @@ ALLOW = {
         "one request's tokens: bounded by its max_new_tokens",
     "inference_server/server.py: await stop.wait()": "the process's main wait for SIGTERM",
     "envd/server.py: await stop.wait()": "the process's main wait for SIGTERM",
+    "inference_server/scripted.py: await stop.wait()": "the scripted engine process's main wait for SIGTERM",
+    "inference_server/bench_rollouts.py: await gate.wait()": "benchmark workers held while the server restarts; "
+        "the benchmark's own run time bounds it",
     "inference_server/server.py: out = fut.result()": "after fut.exception() was checked: the future is done",
     "inference_server/server.py: item = await asyncio.wait_for(q.get(), None if deadline is None else max(0.0, deadline - loop.time()))":
         "the call's own gRPC deadline; without one gRPC cancels the handler when the client goes away",
