@@ -164,7 +164,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except (ValueError, WeightLoadError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except OSError as e:  # a path that cannot even be looked at (name too long, ...)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read {request.path[:200]!r}: {e.strerror}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read {(path or '')[:200]!r}: {e.strerror}")
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"update not applied within {timeout:.1f}s (it still will be)")
         except EngineClosed as e:

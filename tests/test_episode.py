@@ -95,7 +95,8 @@ def learner_admits(tr: Trajectory) -> bool:
     stal.try_admit(1)
     me = types.SimpleNamespace(counters=collections.Counter(), version=0, episodes=io.StringIO(), staleness=stal,
                                receiver=types.SimpleNamespace(mark_consumed=lambda ids: None),
-                               lcfg=types.SimpleNamespace(max_lag=8), archive=None)
+                               lcfg=types.SimpleNamespace(max_lag=8), archive=None,
+                               masked_since_update=[])
     return Learner._admit(me, tr)
 
 
