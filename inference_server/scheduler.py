@@ -265,6 +265,7 @@ class Scheduler:
         """Append one token to each row; finish the rows that are done; return the indices still running."""
         eng, version, keep = self.eng, self.eng.version, []
         max_ctx = self.cfg.max_context
+        eng.stats["tokens"] += len(toks)  # before any row's future resolves: a caller's next Status counts its tokens
         for i, (r, t, lp) in enumerate(zip(rows, toks, lps)):
             r.out.append(t)
             r.logprobs.append(lp)
@@ -280,7 +281,6 @@ class Scheduler:
                 self._finish(r, LENGTH, kv, lengths, i)
             else:
                 keep.append(i)
-        eng.stats["tokens"] += len(toks)
         return keep
 
     def _finish(self, r: Request, reason: str, kv: KV, lengths: torch.Tensor, i: int) -> None:

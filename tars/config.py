@@ -196,7 +196,8 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig,
+                                       metadata={"help": "traces, metrics and their exporters (docs/telemetry.md)"})
 
 
 class ConfigError(ValueError):

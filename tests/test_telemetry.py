@@ -293,3 +293,15 @@ def test_ctl_against_a_target_that_is_down_fails_clearly(tmp_path, capsys):
     assert cli.main(["ctl", "drain", "--target", dead, "--timeout", "2"]) == 1
     out = capsys.readouterr().out
     assert "ERROR DOWN" in out and "no reachable envd among the targets for 'drain'" in out
+
+
+def test_every_telemetry_field_has_help_and_tars_up_defaults_to_the_span_file():
+    import dataclasses
+
+    from tars import config as C
+
+    for f in dataclasses.fields(C.TelemetryConfig):
+        assert f.metadata.get("help"), f"TelemetryConfig.{f.name} has no help"
+    cfg = C.load("quickstart")
+    assert cfg.telemetry.enabled and cfg.telemetry.prometheus_port == -1 and 0 < cfg.telemetry.sample_ratio <= 1
+    assert "telemetry.prometheus_port" in C.help_text()
