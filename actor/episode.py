@@ -82,7 +82,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     sid = ""
     try:
         t0 = time.perf_counter()
-        with telemetry.client_span("env.create", {"tars.env_id": env_id, "tars.envd": env.address}):
+        with telemetry.client_span("env.create", {"tars.env_id": env_id, "tars.envd": getattr(env, "address", "")}):
             sid, run_id = await env.create(env_id, seed, {k: str(v) for k, v in cfg.env_options.items()})
             obs = await env.reset(sid, run_id, seed)
         env_s += time.perf_counter() - t0
