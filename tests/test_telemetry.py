@@ -150,9 +150,15 @@ def test_off_costs_nothing_and_channels_get_no_interceptor(tmp_path):
         assert not sp.is_recording() and telemetry.traceparent() == "" and telemetry.grpc_metadata() == []
     assert telemetry.histogram("x") is telemetry.NO_INSTRUMENT and telemetry.collect() is None
     assert telemetry.link_from("") is None
-    ch = rpc.channel("127.0.0.1:1")
-    assert not getattr(ch, "_unary_unary_interceptors", None)
-    asyncio.run(ch.close())
+
+    async def plain_channel():
+        ch = rpc.channel("127.0.0.1:1")  # aio channels need a running loop
+        try:
+            return getattr(ch, "_unary_unary_interceptors", None)
+        finally:
+            await ch.close()
+
+    assert not asyncio.run(plain_channel())
     assert not (tmp_path / "telemetry").exists()
     # enabled, but neither a directory nor an endpoint: no spans either
     assert telemetry.setup(TelemetryConfig(), "actor", None)["traces"] == "off"
