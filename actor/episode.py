@@ -30,6 +30,7 @@ from actor.envclient import EnvActionError, EnvClient, EnvInfraError, Obs
 from actor.parsing import ParseError, parse_response
 from actor.tiny import turn_prompt_ids
 from inference_server.client import InferenceClient
+from tars import telemetry
 from tars.config import ActorConfig
 from tars.schema import Trajectory, Turn
 from tars.tokenizer import Tokenizer
@@ -77,6 +78,19 @@ def _success(info_json: str) -> bool:
 
 async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, seed: int,
                       start_version: int, group: str = "") -> Trajectory:
+    """One episode under an `episode` span (a trace root); the trajectory carries that span as its traceparent so
+    the learner step that trains on it can link to it."""
+    with telemetry.span("episode", attributes={"tars.trajectory_id": tid, "tars.env_id": env_id, "tars.seed": seed,
+                                               "tars.actor": ctx.actor_id, "tars.start_version": start_version}) as sp:
+        tr = await _episode(ctx, env, tid, env_id, seed, start_version, group)
+        tr.traceparent = telemetry.traceparent()
+        telemetry.set_attrs(sp, **{"tars.outcome": tr.outcome, "tars.return": tr.ret, "tars.success": tr.success,
+                                   "tars.turns": len(tr.turns), "tars.error": tr.error or None})
+    return tr
+
+
+async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, seed: int,
+                   start_version: int, group: str = "") -> Trajectory:
     cfg, tok = ctx.cfg, ctx.tok
     t_start = time.time()
     tokens: list[int] = []
@@ -96,78 +110,86 @@ async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str
     obs = None
     try:
         t0 = time.perf_counter()
-        sid, run_id = await env.create(env_id, seed, {k: str(v) for k, v in cfg.env_options.items()})
-        obs = await env.reset(sid, run_id, seed)
+        with telemetry.client_span("env.create", {"tars.env_id": env_id, "tars.envd": getattr(env, "address", "")}):
+            sid, run_id = await env.create(env_id, seed, {k: str(v) for k, v in cfg.env_options.items()})
+            obs = await env.reset(sid, run_id, seed)
         env_s += time.perf_counter() - t0
         instruction = obs.instruction
         note = ""
-        for _ in range(cfg.max_turns):
+        for turn_i in range(cfg.max_turns):
             t_turn, waited = time.perf_counter(), 0.0
             c_turn = time.thread_time()
             try:
-                # 1. prompt: the new observation appended to the conversation
-                prompt = turn_prompt_ids(tok, obs.text, obs.instruction, note)
-                shot = _screenshot(obs)
-                if cfg.image_history > 0 and shot and img_id >= 0:
-                    prompt[1:1] = [img_id] * cfg.image_tokens   # after <|user|>: the screenshot, then its text
-                    shown.append(shot)
-                obs_ref = _obs_ref(obs, images)
-                tokens += prompt
-                logprobs += [0.0] * len(prompt)
-                versions += [-1] * len(prompt)
-                mask += [0] * len(prompt)
-                window = shown[-cfg.image_history:] if cfg.image_history > 0 else []
-                # 2. generate, sticky to one replica under this trajectory id
-                t0, c0 = time.perf_counter(), time.thread_time()
-                g = await ctx.infer.generate(tid, tokens, cfg.max_new_tokens, temperature=cfg.temperature,
-                                             stop_token_ids=[tok.eos_id], timeout_s=cfg.rpc_timeout_s,
-                                             images=[common_pb2.Image(data=b) for b in window])
-                c_turn += time.thread_time() - c0
-                gen_ms = (time.perf_counter() - t0) * 1000
-                gen_s += gen_ms / 1000
-                waited += gen_ms
-                start = len(tokens)
-                tokens += list(g.output_ids)
-                logprobs += list(g.logprobs)
-                versions += list(g.versions)
-                mask += [1] * len(g.output_ids)
-                text = tok.decode(g.output_ids)
-                steps.append(J.Step(obs.text, text.strip(), shot))
-                # 3. parse; unparseable output gets a format penalty and, by default, another try
-                try:
-                    _, actions = parse_response(text)
-                    action = actions[0].to_env()
-                except ParseError as e:
-                    turns.append(Turn(obs_ref, text, {}, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
-                    ret += cfg.format_penalty
-                    if cfg.on_parse_error == "stop":
-                        break
-                    note = INVALID_NOTE
-                    continue
-                # 4. step the environment
-                t0, c0 = time.perf_counter(), time.thread_time()
-                try:
-                    obs = await env.step(sid, run_id, action, raw=text)
-                except EnvActionError as e:  # well-formed but not applicable here: same as a format error
-                    turns.append(Turn(obs_ref, text, action, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
-                    ret += cfg.format_penalty
-                    note = INVALID_NOTE
-                    continue
-                finally:
+                with telemetry.span("turn", attributes={"tars.turn": turn_i}) as turn_span:
+                    # 1. prompt: the new observation appended to the conversation
+                    prompt = turn_prompt_ids(tok, obs.text, obs.instruction, note)
+                    shot = _screenshot(obs)
+                    if cfg.image_history > 0 and shot and img_id >= 0:
+                        prompt[1:1] = [img_id] * cfg.image_tokens   # after <|user|>: the screenshot, then its text
+                        shown.append(shot)
+                    obs_ref = _obs_ref(obs, images)
+                    tokens += prompt
+                    logprobs += [0.0] * len(prompt)
+                    versions += [-1] * len(prompt)
+                    mask += [0] * len(prompt)
+                    window = shown[-cfg.image_history:] if cfg.image_history > 0 else []
+                    # 2. generate, sticky to one replica under this trajectory id
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    with telemetry.client_span("generate", {"tars.prompt_tokens": len(tokens)}) as gsp:
+                        g = await ctx.infer.generate(tid, tokens, cfg.max_new_tokens, temperature=cfg.temperature,
+                                                     stop_token_ids=[tok.eos_id], timeout_s=cfg.rpc_timeout_s,
+                                                     images=[common_pb2.Image(data=b) for b in window])
+                        telemetry.set_attrs(gsp, **{"tars.output_tokens": len(g.output_ids), "tars.replica": g.replica,
+                                                    "tars.policy_version": max(g.versions, default=-1)})
                     c_turn += time.thread_time() - c0
-                    env_ms = (time.perf_counter() - t0) * 1000
-                    waited += env_ms
-                env_s += env_ms / 1000
-                note = ""
-                turns.append(Turn(obs_ref, text, action, obs.reward, start, len(tokens), env_ms, gen_ms))
-                ret += obs.reward
-                if obs.outcome == "infra_error":
-                    outcome, error = "infra_error", obs.info_json[:500]
-                    break
-                if obs.outcome != "running":
-                    outcome = obs.outcome
-                    success = _success(obs.info_json)
-                    break
+                    gen_ms = (time.perf_counter() - t0) * 1000
+                    gen_s += gen_ms / 1000
+                    waited += gen_ms
+                    start = len(tokens)
+                    tokens += list(g.output_ids)
+                    logprobs += list(g.logprobs)
+                    versions += list(g.versions)
+                    mask += [1] * len(g.output_ids)
+                    text = tok.decode(g.output_ids)
+                    steps.append(J.Step(obs.text, text.strip(), shot))
+                    # 3. parse; unparseable output gets a format penalty and, by default, another try
+                    try:
+                        _, actions = parse_response(text)
+                        action = actions[0].to_env()
+                    except ParseError as e:
+                        turns.append(Turn(obs_ref, text, {}, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
+                        ret += cfg.format_penalty
+                        if cfg.on_parse_error == "stop":
+                            break
+                        note = INVALID_NOTE
+                        continue
+                    # 4. step the environment
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    try:
+                        with telemetry.client_span("env.step", {"tars.action": action.get("type", "")}) as esp:
+                            obs = await env.step(sid, run_id, action, raw=text)
+                            telemetry.set_attrs(esp, **{"tars.reward": obs.reward, "tars.outcome": obs.outcome})
+                    except EnvActionError as e:  # well-formed but not applicable here: same as a format error
+                        turns.append(Turn(obs_ref, text, action, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
+                        ret += cfg.format_penalty
+                        note = INVALID_NOTE
+                        continue
+                    finally:
+                        c_turn += time.thread_time() - c0
+                        env_ms = (time.perf_counter() - t0) * 1000
+                        waited += env_ms
+                    env_s += env_ms / 1000
+                    note = ""
+                    turns.append(Turn(obs_ref, text, action, obs.reward, start, len(tokens), env_ms, gen_ms))
+                    telemetry.set_attrs(turn_span, **{"tars.reward": obs.reward})
+                    ret += obs.reward
+                    if obs.outcome == "infra_error":
+                        outcome, error = "infra_error", obs.info_json[:500]
+                        break
+                    if obs.outcome != "running":
+                        outcome = obs.outcome
+                        success = _success(obs.info_json)
+                        break
             finally:
                 actor_ms.append((time.perf_counter() - t_turn) * 1000 - waited)
                 actor_cpu_ms.append((time.thread_time() - c_turn) * 1000)

@@ -18,7 +18,7 @@ import uuid
 from actor.envclient import EnvClient
 from actor.episode import EpisodeContext, run_episode
 from inference_server.client import InferenceClient
-from tars import proc, rpc
+from tars import proc, rpc, telemetry
 from tars.config import RunConfig
 from tars.control import ControlServicer, add_control
 from tars.stream_sender import TrajectorySender
@@ -46,6 +46,13 @@ class Actor:
         self.stats = collections.Counter()
         self.recent = collections.deque(maxlen=512)  # (success, outcome) of the latest episodes
         self.t0 = time.monotonic()
+        telemetry.observe("tars.actor.episodes", lambda: {o: self.stats[o] for o in ("terminated", "truncated", "infra_error")},
+                          description="episodes finished, by outcome", kind="counter", label="outcome")
+        telemetry.observe("tars.actor.episodes_per_s", lambda: self.status()["episodes_per_s"], "1/s",
+                          "episodes finished per second since start")
+        telemetry.observe("tars.actor.running", lambda: len(self.running), description="episodes in flight")
+        telemetry.observe("tars.actor.outbox", self.sender.pending, description="trajectories not yet acknowledged")
+        telemetry.observe("tars.actor.paused", lambda: int(self.paused), description="1 while paused")
 
     # ---- status / control ------------------------------------------------------------------------------------
     def status(self) -> dict:

@@ -25,7 +25,7 @@ import grpc
 from envd import hints, registry
 from envd.base import ActionError
 from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, action_to_dict, check_result, to_response
-from tars import rpc
+from tars import rpc, telemetry
 from tars.config import EnvdConfig
 from tars.control import ControlServicer, add_control
 from tars.proc import write_ready
@@ -72,6 +72,10 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self._opening = 0                        # CreateSession calls between the cap check and registration
         self._tasks: set[asyncio.Task] = set()   # background closes, tracked so shutdown can await them
         self._gc: asyncio.Task | None = None
+        self.step_seconds = telemetry.histogram("tars.env.step.duration", "s", "envd backend step latency")
+        telemetry.observe("tars.envd.sessions", lambda: len(self.sessions), description="open sessions")
+        telemetry.observe("tars.envd.steps", lambda: self.counters["steps"], description="steps served", kind="counter")
+        telemetry.observe("tars.envd.draining", lambda: int(self.draining), description="1 while draining")
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start_gc(self) -> None:
@@ -231,12 +235,17 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     # ---- EnvService --------------------------------------------------------------------------------------------
     @_rpc
     async def CreateSession(self, request, context):
-        s = await self._open(request.env_id, dict(request.options), self._ttl(request.lease_ttl_s),
-                             request.client_id, request.seed)
-        return self._created(s)
+        with telemetry.server_span("envd.create_session", context, {"tars.env_id": request.env_id}):
+            s = await self._open(request.env_id, dict(request.options), self._ttl(request.lease_ttl_s),
+                                 request.client_id, request.seed)
+            return self._created(s)
 
     @_rpc
     async def Reset(self, request, context):
+        with telemetry.server_span("envd.reset", context):
+            return await self._reset(request)
+
+    async def _reset(self, request):
         self._check_run(request.run_id)
         s = self._get(request.session_id)
         async with s.lock:
@@ -256,6 +265,13 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     @_rpc
     async def Step(self, request, context):
+        with telemetry.server_span("envd.step", context) as sp:
+            r = await self._step(request)
+            if sp.is_recording():
+                sp.set_attributes({"tars.step_ms": r.step_ms, "tars.outcome": int(r.outcome)})
+            return r
+
+    async def _step(self, request):
         self._check_run(request.run_id)
         s = self._get(request.session_id)
         action = action_to_dict(request.action)
@@ -277,6 +293,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             s.renew()
             self.counters["steps"] += 1
             self.latency.add(ms)
+            self.step_seconds.record(ms / 1e3)
             return to_response(r, ms, s.lease_expires_unix_ms())
 
     @_rpc
@@ -501,5 +518,8 @@ def main(cfg: EnvdConfig, ready_file: str | None = None) -> int:
         # A backend stuck in a thread would block interpreter exit (the pool joins its threads at exit).
         log.warning("%d backend call(s) still stuck at exit; exiting hard", server.servicer.workers.running)
         logging.shutdown()
+        from tars import telemetry
+
+        telemetry.shutdown()  # os._exit skips atexit: flush the spans now
         os._exit(0)
     return 0

@@ -15,7 +15,7 @@ import grpc
 
 from inference_server.engine import EngineClosed, GenerateOutput, LocalEngine, QueueFull, SamplingParams, WeightLoadError
 from inference_server.weights_stream import Assembler, BadChunk, WrongWeights
-from tars import rpc
+from tars import rpc, telemetry
 from tars.config import InferenceConfig
 from tars.control import ControlServicer, add_control
 from tars.proc import die_with_parent, write_ready
@@ -70,6 +70,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
     async def Generate(self, request, context):
+        with telemetry.server_span("inference.generate", context) as sp:
+            r = await self._generate(request, context)
+            if sp.is_recording():
+                sp.set_attributes({"tars.trajectory_id": request.trajectory_id, "tars.prompt_tokens": r.prompt_tokens,
+                                   "tars.cached_tokens": r.cached_tokens, "tars.completion_tokens": r.completion_tokens,
+                                   "tars.interruptions": r.interruptions, "tars.replica": r.replica})
+            return r
+
+    async def _generate(self, request, context):
         fut = await self._submit(request, context)
         try:
             out = await asyncio.wait_for(asyncio.wrap_future(fut), context.time_remaining())
@@ -82,6 +91,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return _response(out, self.replica)
 
     async def GenerateStream(self, request, context):
+        with telemetry.server_span("inference.generate", context, {"tars.trajectory_id": request.trajectory_id,
+                                                                   "tars.stream": True}):
+            async for chunk in self._generate_stream(request, context):
+                yield chunk
+
+    async def _generate_stream(self, request, context):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()  # bounded by the request's max_new_tokens (+1 end marker)
 
@@ -184,6 +199,13 @@ class InferenceServer:
         self.servicer = InferenceServicer(cfg, engine, model_name)
         self.control = ControlServicer("inference", self.status, lambda: engine.version)
         self.control.on("update_weights", self._cmd_update)
+        m = lambda k: (lambda: self.engine.metrics().get(k))  # noqa: E731 (one reading per instrument)
+        telemetry.observe("tars.inference.tokens_per_s", m("tokens_per_s"), "1/s", "tokens generated per second")
+        telemetry.observe("tars.inference.tokens", m("tokens_generated"), description="tokens generated", kind="counter")
+        telemetry.observe("tars.inference.idle_share", m("idle_share"), description="share of time the engine had no work")
+        telemetry.observe("tars.inference.waiting", m("waiting"), description="requests queued")
+        telemetry.observe("tars.inference.running", m("running"), description="requests decoding")
+        telemetry.observe("tars.inference.version", lambda: self.engine.version, description="policy version served")
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self._health = None

@@ -25,7 +25,7 @@ import torch
 from learner.distributed import Dist, from_accelerate
 from learner.ppo import PPOTrainer
 from learner.staleness import StalenessManager
-from tars import proc, rpc
+from tars import proc, rpc, telemetry
 from tars.config import RunConfig
 from tars.control import ControlServicer, add_control
 from tars.model import CausalLM
@@ -96,6 +96,7 @@ class Learner:
         self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
         self.group_timeout_s = 120.0
         self.last_metrics: dict = {}
+        self.last_checkpoint: dict = {}
         self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
         self.archive = WriteAheadLog(self.run / "trajectories.twl", fsync=False).open() if self.lcfg.archive else None
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
@@ -104,6 +105,23 @@ class Learner:
         # and check that every trajectory was trained on exactly once (tars/faults.py does).
         self.trained_log = open(self.run / "trained.jsonl", "a", buffering=1)
         self.masked_since_update: list[str] = []
+        self._meters()
+
+    def _meters(self) -> None:
+        self.t_started = time.monotonic()
+        self.staleness_hist = telemetry.histogram("tars.token_staleness", "", "per trained token: train version - "
+                                                  "version that generated it")
+        self.step_hist = telemetry.histogram("tars.learner.step.duration", "s", "one policy update (publish included)")
+        telemetry.observe("tars.learner.trajectories", lambda: self.counters["received"], description="trajectories "
+                          "received", kind="counter")
+        telemetry.observe("tars.learner.trajectories_per_s", lambda: self.counters["received"] / max(
+            1e-9, time.monotonic() - self.t_started), "1/s", "trajectories received per second since start")
+        telemetry.observe("tars.learner.buffer_depth", self.receiver.qsize, description="trajectories waiting in the "
+                          "learner's queue")
+        telemetry.observe("tars.learner.version", lambda: self.version, description="policy version")
+        telemetry.observe("tars.learner.eta", lambda: self.staleness.stats()["eta"], description="staleness bound eta")
+        telemetry.observe("tars.learner.dropped", lambda: {k: self.counters[k] for k in ("infra_error", "too_stale")},
+                          description="trajectories kept out of the loss, by reason", kind="counter", label="reason")
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -114,24 +132,35 @@ class Learner:
             batch = self._collect(self.lcfg.batch_size)
             if batch is None:
                 break
-            t0 = time.perf_counter()
-            m = self._update(self.dist.broadcast(batch))
-            for tr in batch:
-                self.staleness.record_staleness(tr.versions[tr.mask.astype(bool)], self.version)
-            self.version += 1
-            publish_s = self._publish(self.version)
-            self.staleness.set_version(self.version)
-            self.receiver.mark_consumed(tr.id for tr in batch)
-            self.trained_log.write(json.dumps({"version": self.version, "ids": [tr.id for tr in batch],
-                                               "masked": self.masked_since_update}) + "\n")
-            self.masked_since_update = []
-            self.counters["trained"] += len(batch)
-            m.update(version=self.version, t=time.time(), step_s=time.perf_counter() - t0, publish_s=publish_s,
-                     success=float(np.mean([tr.success for tr in batch])), ret=float(np.mean([tr.ret for tr in batch])),
-                     max_staleness=int(max(self.version - 1 - int(tr.versions[tr.mask.astype(bool)].min(initial=self.version - 1)) for tr in batch)),
-                     queue=self.receiver.qsize(), ids=[tr.id for tr in batch])  # ids: audit of what each version trained on
-            self.last_metrics = m
-            self.metrics_log.write(json.dumps(m) + "\n")
+            links = [lk for lk in (telemetry.link_from(tr.traceparent) for tr in batch) if lk is not None]
+            with telemetry.span("learner.step", attributes={"tars.version": self.version, "tars.batch": len(batch)},
+                                links=links) as step_span:
+                t0 = time.perf_counter()
+                m = self._update(self.dist.broadcast(batch))
+                for tr in batch:
+                    gen = tr.versions[tr.mask.astype(bool)]
+                    self.staleness.record_staleness(gen, self.version)
+                    if telemetry.S.metrics:
+                        for lag, n in zip(*np.unique(self.version - gen[gen >= 0], return_counts=True)):
+                            for _ in range(int(n)):  # OTel histograms take one value per call
+                                self.staleness_hist.record(int(lag))
+                self.version += 1
+                publish_s = self._publish(self.version)
+                self.staleness.set_version(self.version)
+                self.receiver.mark_consumed(tr.id for tr in batch)
+                self.trained_log.write(json.dumps({"version": self.version, "ids": [tr.id for tr in batch],
+                                                   "masked": self.masked_since_update}) + "\n")
+                self.masked_since_update = []
+                self.counters["trained"] += len(batch)
+                m.update(version=self.version, t=time.time(), step_s=time.perf_counter() - t0, publish_s=publish_s,
+                         success=float(np.mean([tr.success for tr in batch])), ret=float(np.mean([tr.ret for tr in batch])),
+                         max_staleness=int(max(self.version - 1 - int(tr.versions[tr.mask.astype(bool)].min(initial=self.version - 1)) for tr in batch)),
+                         queue=self.receiver.qsize(), ids=[tr.id for tr in batch])  # ids: audit of what each version trained on
+                self.last_metrics = m
+                self.metrics_log.write(json.dumps(m) + "\n")
+                telemetry.set_attrs(step_span, **{"tars.new_version": self.version, "tars.step_s": m["step_s"],
+                                                  "tars.max_staleness": m["max_staleness"]})
+            self.step_hist.record(m["step_s"])
             if self.version % self.lcfg.checkpoint_every == 0 or self.checkpoint_requested.is_set():
                 self.checkpoint()
         self.dist.broadcast(None)  # the other ranks stop too
@@ -184,6 +213,8 @@ class Learner:
                     self.counters["groups_timed_out"] += 1
                     batch += members
             if tr is None:
+                if self.checkpoint_requested.is_set():  # asked for while no data flows (actors paused): now
+                    self.checkpoint()
                 continue
             keep = self._admit(tr)
             if k == 1 or not tr.group:
@@ -255,6 +286,7 @@ class Learner:
         shutil.rmtree(ck, ignore_errors=True)
         os.replace(tmp, ck)
         self.receiver.compact_wal()
+        self.last_checkpoint = {"version": self.version, "t": meta["t"], "path": str(ck)}
 
     def _load_checkpoint(self) -> set[str]:
         ck = self.run / "ckpt"
@@ -277,12 +309,14 @@ class Learner:
     def status(self) -> dict:
         return {"version": self.version, "counters": self.counters, "staleness": self.staleness.stats(),
                 "staleness_histogram": self.staleness.histogram(), "stream": self.receiver.stats(),
-                "queue": self.receiver.qsize(), "last": self.last_metrics}
+                "queue": self.receiver.qsize(), "last": self.last_metrics, "last_checkpoint": self.last_checkpoint}
 
     def control(self) -> ControlServicer:
         c = ControlServicer("learner", self.status, lambda: self.version)
         c.on("set_eta", lambda a: (self.staleness.set_eta(int(a["eta"])), {"eta": int(a["eta"])})[1])
-        c.on("checkpoint", lambda a: (self.checkpoint_requested.set(), {"requested": True})[1])
+        c.on("checkpoint", lambda a: (self.checkpoint_requested.set(), {
+            "requested": True, "version": self.version, "last_checkpoint": self.last_checkpoint,
+            "when": "after the update in progress, or within 0.5 s if none is"})[1])
         c.on("stop", lambda a: (self.stop.set(), {"stopping": True})[1])
         return c
 

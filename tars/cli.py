@@ -152,13 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", required=True, help="alpha_k, comma-separated, >= 0, summing to 1")
     p.add_argument("--out", required=True, help="output model directory (HF layout)")
 
-    p = sub.add_parser("ctl", help="talk to running processes (ControlService)")
-    p.add_argument("what", choices=["status", "pause", "resume", "drain", "undrain", "checkpoint", "set-eta", "sessions", "kill-session"])
-    p.add_argument("value", nargs="?", help="eta for set-eta, session id for kill-session")
+    p = sub.add_parser("ctl", help="talk to running processes (ControlService)",
+                       description="tars ctl status | pause | resume | drain | undrain | checkpoint | set eta N | "
+                                   "sessions [list | kill ID]. Without --run/--target: $TARS_RUN, ./run/, or the "
+                                   "latest local `tars up` (~/.cache/tars/last-run).")
+    p.add_argument("what", choices=["status", "pause", "resume", "drain", "undrain", "checkpoint", "set", "set-eta",
+                                    "sessions", "kill-session"])
+    p.add_argument("rest", nargs="*", help="eta N for set; N for set-eta; list | kill ID for sessions; ID for kill-session")
     p.add_argument("--run", help="run directory of a local `tars up` (finds every process)")
-    p.add_argument("--target", action="append", default=[], help="host:port of a ControlService")
+    p.add_argument("--target", action="append", default=[], help="host:port of a ControlService (repeatable)")
     p.add_argument("--token", default="", help="bearer token")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("config", help="print every config field with its help")
@@ -197,6 +201,21 @@ def main(argv: list[str] | None = None) -> int:
         from tars.eval import main as eval_main
 
         return eval_main(a, cfg)
+    if a.cmd in ROLES:
+        from tars import telemetry
+
+        telemetry.setup(cfg.telemetry, ROLES[a.cmd], getattr(a, "run_dir", None))
+        try:
+            return _role(a, cfg)
+        finally:
+            telemetry.shutdown()  # flush the last spans before the process goes
+    return _role(a, cfg)
+
+
+ROLES = {"envd": "envd", "serve": "inference", "actor": "actor", "learner": "learner"}  # command -> service.name
+
+
+def _role(a, cfg) -> int:
     if a.cmd == "envd":
         from envd.server import main as envd_main
         from tars.proc import die_with_parent

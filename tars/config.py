@@ -182,6 +182,25 @@ class SFTConfig:
 
 
 @dataclass
+class TelemetryConfig:
+    """OpenTelemetry traces and metrics of every process (docs/telemetry.md)."""
+
+    enabled: bool = f(True, "trace and meter this process; false = no spans, no metrics, near-zero cost")
+    dir: str = f("", "span files (spans-<role>-<pid>.jsonl) go here when no OTLP endpoint is set; `tars up` uses "
+                     "<out>/telemetry; empty with no endpoint = no spans")
+    otlp_endpoint: str = f("", "OTLP base URL, e.g. http://otel-collector:4318; empty = $OTEL_EXPORTER_OTLP_ENDPOINT; "
+                               "neither = span file")
+    otlp_protocol: str = f("http/json", "http/json (built in) | grpc | http/protobuf (these two need the "
+                                        "opentelemetry-exporter-otlp package installed)")
+    sample_ratio: float = f(0.1, "share of episodes traced (their turns, env steps and generations follow the "
+                                 "episode); learner steps are always traced")
+    max_queued_spans: int = f(8192, "spans waiting for export; past it new spans are dropped, never waited for")
+    max_file_mb: float = f(256.0, "a span file stops growing past this size (spans then counted as dropped)")
+    prometheus_port: int = f(-1, "serve Prometheus text at http://127.0.0.1:PORT/metrics; 0 = any free port (named "
+                                 "in the run file, shown by `tars ctl status`); -1 = off")
+
+
+@dataclass
 class RunConfig:
     """A whole `tars up` run."""
 
@@ -197,6 +216,8 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig,
+                                       metadata={"help": "traces, metrics and their exporters (docs/telemetry.md)"})
 
 
 class ConfigError(ValueError):

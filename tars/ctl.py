@@ -1,8 +1,24 @@
-"""`tars ctl`: ControlService client. Finds the processes of a local run from its run/ directory."""
+"""`tars ctl`: ControlService client for the processes of a run.
+
+Targets, first match wins: --target host:port (repeatable) and/or --run DIR; else $TARS_RUN; else ./run/ when the
+current directory is a run directory; else the run file of the latest local `tars up` ($XDG_CACHE_HOME/tars/last-run,
+~/.cache/tars/last-run). Every call has a deadline (--timeout); a target that is down is reported as such, and a
+run file whose process has exited is reported without waiting for a deadline.
+
+    tars ctl status                      role, version, throughput, queue depths, staleness, sessions
+    tars ctl pause | resume              actors stop / restart admitting episodes
+    tars ctl drain | undrain             envd finishes running sessions, accepts no new ones (undrain: accept again)
+    tars ctl set eta N | set-eta N       learner staleness bound, live
+    tars ctl checkpoint                  learner checkpoints after the current update
+    tars ctl sessions [list]             envd sessions
+    tars ctl sessions kill ID | kill-session ID
+"""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import time
 
 import grpc
 
@@ -12,58 +28,208 @@ from tars.v1 import control_pb2, control_pb2_grpc
 COMMANDS = {"pause": ("actor", "pause"), "resume": ("actor", "resume"), "drain": ("envd", "drain"),
             "undrain": ("envd", "undrain"), "checkpoint": ("learner", "checkpoint"), "set-eta": ("learner", "set_eta"),
             "sessions": ("envd", "sessions_list"), "kill-session": ("envd", "sessions_kill")}
+WHAT = ["status", "pause", "resume", "drain", "undrain", "checkpoint", "set", "set-eta", "sessions", "kill-session"]
 
 
-def targets_of_run(run_dir: str) -> list[tuple[str, str]]:
+class CtlError(Exception):
+    """A usage or discovery problem: printed as one line, exit status 2."""
+
+
+# ---- finding the run ---------------------------------------------------------------------------------------------
+def last_run_file() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    return pathlib.Path(base) / "tars" / "last-run"
+
+
+def remember_run(out_dir: pathlib.Path) -> None:
+    """Called by `tars up`: the run file `tars ctl` falls back to (best effort: a read-only home is no error)."""
+    p = last_run_file()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"run_dir": str(out_dir), "pid": os.getpid(), "started": time.time()}))
+        os.replace(tmp, p)
+    except OSError:
+        pass
+
+
+def targets_of_run(run_dir: str) -> list[dict]:
+    """[{role, address, pid}] from a run directory's run/*.json ready files."""
     run = pathlib.Path(run_dir) / "run"
     if not run.is_dir():
-        raise FileNotFoundError(f"{run} not found: is {run_dir} the --out of a `tars up`?")
+        raise CtlError(f"{run} not found: is {run_dir} the --out of a `tars up`?")
     out = []
     for f in sorted(run.glob("*.json")):
-        d = json.loads(f.read_text())
-        out.append((d.get("role", f.stem), d["address"]))
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue  # being written (ready files are replaced atomically, but be lenient)
+        out.append({"role": d.get("role", f.stem), "address": d["address"], "pid": d.get("pid"), "file": f.name})
+    if not out:
+        raise CtlError(f"{run} lists no processes: the run has not started any yet")
     return out
 
 
-def main(a) -> int:
-    targets = [("?", t) for t in a.target]
-    if a.run:
-        targets += targets_of_run(a.run)
-    if not targets:
-        print("tars ctl: give --run DIR or --target host:port")
-        return 2
-    results, rc = [], 0
-    for role, addr in targets:
-        stub = control_pb2_grpc.ControlServiceStub(rpc.sync_channel(addr, a.token))
+def find_run() -> tuple[str, str]:
+    """(run directory, how it was found) when no --run/--target is given."""
+    if os.environ.get("TARS_RUN"):
+        return os.environ["TARS_RUN"], "$TARS_RUN"
+    if (pathlib.Path.cwd() / "run").is_dir() and any((pathlib.Path.cwd() / "run").glob("*.json")):
+        return str(pathlib.Path.cwd()), "the current directory"
+    p = last_run_file()
+    if p.is_file():
         try:
-            st = stub.Status(control_pb2.StatusRequest(), timeout=a.timeout)
-            role = st.role
-            if a.what == "status":
-                results.append({"target": addr, "role": st.role, "version": st.policy_version, "pid": st.pid,
-                                "uptime_s": round(st.uptime_s, 1), "metrics": json.loads(st.metrics_json or "{}")})
-                continue
-            want_role, name = COMMANDS[a.what]
-            if role != want_role:
-                continue
-            args = {}
-            if a.what == "set-eta":
-                args["eta"] = str(int(a.value))
-            if a.what == "kill-session":
-                args["id"] = a.value or ""
-            r = stub.Command(control_pb2.CommandRequest(name=name, args=args), timeout=a.timeout)
-            results.append({"target": addr, "role": role, "ok": r.ok, "message": r.message, "result": json.loads(r.result_json or "null")})
-        except grpc.RpcError as e:
-            rc = 1
-            results.append({"target": addr, "role": role, "error": f"{e.code().name}: {e.details()}"})
+            return json.loads(p.read_text())["run_dir"], str(p)
+        except (OSError, ValueError, KeyError):
+            raise CtlError(f"{p} is unreadable; give --run DIR or --target host:port") from None
+    raise CtlError("no run found: no --run/--target, no $TARS_RUN, no ./run/, no "
+                   f"{p} (written by `tars up`); give --run DIR or --target host:port")
+
+
+def _pid_alive(pid) -> bool:
+    if not pid:
+        return True  # unknown: let the RPC decide
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+# ---- the command -------------------------------------------------------------------------------------------------
+def parse_command(what: str, rest: list[str]) -> tuple[str, dict[str, str]]:
+    """(key in COMMANDS or "status", args) from the words after `tars ctl`."""
+    if what == "set":
+        if len(rest) != 2 or rest[0] != "eta":
+            raise CtlError("usage: tars ctl set eta N")
+        what, rest = "set-eta", rest[1:]
+    if what == "set-eta":
+        if len(rest) != 1:
+            raise CtlError("usage: tars ctl set-eta N")
+        try:
+            eta = int(rest[0])
+        except ValueError:
+            raise CtlError(f"eta must be an integer >= 0, got {rest[0]!r}") from None
+        if eta < 0:
+            raise CtlError(f"eta must be an integer >= 0, got {eta}")
+        return what, {"eta": str(eta)}
+    if what == "sessions":
+        if not rest or rest == ["list"]:
+            return "sessions", {}
+        if rest[0] == "kill" and len(rest) == 2:
+            return "kill-session", {"id": rest[1]}
+        raise CtlError("usage: tars ctl sessions [list | kill ID]")
+    if what == "kill-session":
+        if len(rest) != 1:
+            raise CtlError("usage: tars ctl kill-session ID")
+        return what, {"id": rest[0]}
+    if rest:
+        raise CtlError(f"tars ctl {what} takes no arguments (got {' '.join(rest)})")
+    return what, {}
+
+
+def _call(t: dict, what: str, args: dict, token: str, timeout: float) -> dict | None:
+    """One target: Status (always: it says the role), then the command if the target has that role."""
+    addr = t["address"]
+    r = {"target": addr, "role": t.get("role", "?")}
+    if not _pid_alive(t.get("pid")):
+        return {**r, "error": f"DOWN: process {t['pid']} ({t.get('file', addr)}) is not running; has the run ended?"}
+    ch = rpc.sync_channel(addr, token)
+    try:
+        stub = control_pb2_grpc.ControlServiceStub(ch)
+        st = stub.Status(control_pb2.StatusRequest(), timeout=timeout)
+        r["role"] = st.role
+        if what == "status":
+            return {**r, "version": st.policy_version, "pid": st.pid, "run_id": st.run_id, "uptime_s": round(st.uptime_s, 1),
+                    "metrics": json.loads(st.metrics_json or "{}")}
+        want_role, name = COMMANDS[what]
+        if st.role != want_role:
+            return None
+        c = stub.Command(control_pb2.CommandRequest(name=name, args=args), timeout=timeout)
+        return {**r, "ok": c.ok, "message": c.message, "result": json.loads(c.result_json or "null")}
+    except grpc.RpcError as e:
+        code = e.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            msg = f"DOWN: cannot reach {addr} ({e.details()})"
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            msg = f"no answer from {addr} within {timeout:g} s (deadline); is it overloaded or hung?"
+        else:
+            msg = f"{code.name}: {e.details()}"
+        return {**r, "error": msg}
+    finally:
+        ch.close()
+
+
+def summary(role: str, m: dict) -> str:
+    """The figures that matter for a role, in one line."""
+    def g(d, *ks, default=None):
+        for k in ks:
+            d = d.get(k, default) if isinstance(d, dict) else default
+        return d
+
+    def num(x, fmt="{:.1f}"):
+        return "-" if x is None else fmt.format(x)
+
+    if role == "actor":
+        return (f"episodes={m.get('episodes', 0)} episodes/s={num(m.get('episodes_per_s'))} running={m.get('running')} "
+                f"paused={m.get('paused')} outbox={g(m, 'sender', 'pending')} success={num(m.get('success_recent'), '{:.3f}')} "
+                f"infra_errors={m.get('infra_error', 0)}")
+    if role == "envd":
+        return (f"sessions={m.get('sessions')}/{m.get('max_sessions')} draining={m.get('draining')} steps={m.get('steps')} "
+                f"step_ms p50={num(m.get('step_ms_p50'), '{:.2f}')} p99={num(m.get('step_ms_p99'), '{:.2f}')} "
+                f"infra_errors={m.get('infra_errors')} by_env={m.get('sessions_by_env')}")
+    if role == "inference":
+        return (f"tokens/s={num(m.get('tokens_per_s'))} waiting={m.get('waiting')} running={m.get('running')} "
+                f"idle_share={num(m.get('idle_share'), '{:.2f}')} cache_hit={num(m.get('cache_hit_share'), '{:.2f}')} "
+                f"weight_updates={m.get('weight_updates')}")
+    if role == "learner":
+        h = m.get("staleness_histogram") or {}
+        c = m.get("counters") or {}
+        return (f"eta={g(m, 'staleness', 'eta')} queue={m.get('queue')} received={c.get('received', 0)} "
+                f"trained={c.get('trained', 0)} too_stale={c.get('too_stale', 0)} "
+                f"staleness mean={num(h.get('mean'), '{:.2f}')} max={h.get('max')} "
+                f"step_s={num(g(m, 'last', 'step_s'), '{:.2f}')}")
+    return json.dumps(m)[:300]
+
+
+def main(a) -> int:
+    try:
+        what, args = parse_command(a.what, list(a.rest or ()))
+        targets = [{"role": "?", "address": t} for t in a.target]
+        if a.run:
+            targets += targets_of_run(a.run)
+        if not targets:
+            run_dir, how = find_run()
+            targets = targets_of_run(run_dir)
+            if not a.json:
+                print(f"# run {run_dir} (from {how})")
+    except CtlError as e:
+        print(f"tars ctl: {e}")
+        return 2
+    results = [r for r in (_call(t, what, args, a.token, a.timeout) for t in targets) if r is not None]
+    rc = 1 if any("error" in r for r in results) else 0
+    if what != "status" and not any("error" not in r for r in results):
+        want = COMMANDS[what][0]
+        results.append({"target": "-", "role": want, "error": f"no reachable {want} among the targets for {what!r}"})
+        rc = 1
     if a.json:
-        print(json.dumps(results, indent=2))
-    else:
-        for r in results:
-            if "error" in r:
-                print(f"{r['role']:10s} {r['target']:22s} ERROR {r['error']}")
-            elif "metrics" in r:
-                m = json.dumps(r["metrics"])
-                print(f"{r['role']:10s} {r['target']:22s} v{r['version']} pid {r['pid']} up {r['uptime_s']}s {m[:300]}")
-            else:
-                print(f"{r['role']:10s} {r['target']:22s} {'ok' if r['ok'] else 'FAILED'} {r['message']} {json.dumps(r['result'])}")
+        print(json.dumps(results, indent=2, default=str))
+        return rc
+    for r in results:
+        head = f"{r['role']:10s} {r['target']:22s}"
+        if "error" in r:
+            print(f"{head} ERROR {r['error']}")
+        elif "metrics" in r:
+            print(f"{head} v{r['version']} pid {r['pid']} up {r['uptime_s']}s {summary(r['role'], r['metrics'])}")
+        elif what == "sessions" and isinstance(r["result"], list):
+            print(f"{head} {len(r['result'])} session(s)")
+            for s in r["result"]:
+                print("    " + " ".join(f"{k}={v}" for k, v in s.items()))
+        else:
+            print(f"{head} {'ok' if r['ok'] else 'FAILED'} {r['message']} {json.dumps(r['result'], default=str)}")
     return rc

@@ -34,6 +34,9 @@ def sd_notify(state: str) -> bool:
 def write_ready(path: str | os.PathLike | None, info: dict) -> None:
     """Announce a started server: atomically write {role, address, pid, ...} as JSON to `path` (if given), and
     tell systemd (READY=1) when run as a Type=notify unit."""
+    from tars import telemetry
+
+    info = {**telemetry.info(), **info}  # the Prometheus address and span file, when this process has them
     if path:
         p = pathlib.Path(path)
         tmp = p.with_name(p.name + ".tmp")

@@ -9,6 +9,9 @@ report.json (stable, read by outside checks):
   wall_s            whole command, set-up of the model and SFT included
   trajectories_per_s episodes per second of RL time
   max_staleness     largest (train version - oldest token version) seen in a training batch
+  episode_staleness_mean  mean (learner version on arrival - oldest token version) of received episodes
+  trajectories_per_s_peak best 10 s window
+learning.png: success/return, per-version batch figures, throughput over time, staleness histogram and per update.
 """
 from __future__ import annotations
 
@@ -87,6 +90,8 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
         "sft_s": sft_s,
         "trajectories_per_s": len(mon.eps) / rl_s if rl_s > 0 else 0.0,
         "max_staleness": max((s.get("max_staleness", 0) for s in mon.steps), default=0),
+        "episode_staleness_mean": float(episode_lags(mon).mean()) if len(episode_lags(mon)) else None,
+        "trajectories_per_s_peak": float(throughput(mon)[1].max(initial=0.0)),
         "status": status,
     }
     (run_dir / "report.json").write_text(json.dumps(rep, indent=2))
@@ -101,7 +106,10 @@ def plot(path: pathlib.Path, mon: Monitor) -> None:
     import matplotlib.pyplot as plt
 
     scored = mon.scored()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, grid = plt.subplots(2, 3, figsize=(15, 8))
+    axes = grid[0]
+    plot_throughput(grid[1][0], mon)
+    plot_staleness(grid[1][1], grid[1][2], mon)
     if scored:
         t0 = scored[0]["t"]
         t = np.array([e["t"] - t0 for e in scored])
@@ -130,3 +138,50 @@ def plot(path: pathlib.Path, mon: Monitor) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def throughput(mon: Monitor, window_s: float = 10.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(window end in seconds of RL, trajectories/s, policy updates/s) over consecutive windows."""
+    if len(mon.eps) < 2:
+        return np.zeros(0), np.zeros(0), np.zeros(0)
+    t0 = mon.eps[0]["t"]
+    te = np.array([e["t"] - t0 for e in mon.eps])
+    ts = np.array([m["t"] - t0 for m in mon.steps if "t" in m])
+    w = max(1.0, min(window_s, te[-1] / 5)) if te[-1] > 0 else 1.0
+    edges = np.arange(0.0, te[-1] + w, w)
+    if len(edges) < 2:
+        edges = np.array([0.0, w])
+    traj = np.histogram(te, edges)[0] / w
+    ups = np.histogram(ts, edges)[0] / w if len(ts) else np.zeros(len(edges) - 1)
+    return edges[1:], traj, ups
+
+
+def episode_lags(mon: Monitor) -> np.ndarray:
+    """Per received episode: learner version on arrival - oldest policy version among its tokens."""
+    return np.array([e["train_version"] - e["vmin"] for e in mon.eps if e.get("vmin", -1) >= 0], np.int64)
+
+
+def plot_throughput(ax, mon: Monitor) -> None:
+    t, traj, ups = throughput(mon)
+    if len(t):
+        ax.plot(t, traj, "-o", ms=3, label="trajectories/s")
+        ax.plot(t, ups * 10, "-", alpha=0.7, label="policy updates/s x10")
+        ax.legend()
+    ax.set_xlabel("seconds of RL")
+    ax.set_title("throughput")
+
+
+def plot_staleness(ax_hist, ax_steps, mon: Monitor) -> None:
+    lags = episode_lags(mon)
+    if len(lags):
+        ax_hist.bar(*np.unique(lags, return_counts=True), width=0.8)
+    ax_hist.set_xlabel("versions behind on arrival (oldest token)")
+    ax_hist.set_ylabel("episodes")
+    ax_hist.set_title("staleness of received episodes")
+    if mon.steps:
+        ax_steps.plot([m["version"] for m in mon.steps], [m.get("max_staleness", 0) for m in mon.steps], label="max in batch")
+        ax_steps.plot([m["version"] for m in mon.steps], [m.get("queue", 0) for m in mon.steps], alpha=0.7,
+                      label="learner queue depth")
+        ax_steps.legend()
+    ax_steps.set_xlabel("policy version")
+    ax_steps.set_title("staleness and buffer per update")

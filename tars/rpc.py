@@ -125,11 +125,15 @@ def bind(server: aio.Server, host: str, port: int) -> int:
 
 
 def channel(address: str, auth_token: str = "", max_message_bytes: int = 16 << 20) -> aio.Channel:
-    """An asyncio channel; with a token, every call carries the bearer header."""
+    """An asyncio channel; with a token, every call carries the bearer header; with tracing on (tars.telemetry),
+    every call carries the caller's span as W3C `traceparent` metadata."""
+    from tars import telemetry
+
     opts = _options(max_message_bytes)
-    if not auth_token:
-        return aio.insecure_channel(address, options=opts)
-    return aio.insecure_channel(address, options=opts, interceptors=[_ClientAuth(auth_token)])
+    interceptors = ([_ClientAuth(auth_token)] if auth_token else []) + ([_ClientTrace()] if telemetry.S.tracing else [])
+    if not interceptors:
+        return aio.insecure_channel(address, options=opts)  # no interceptor machinery on the hot path
+    return aio.insecure_channel(address, options=opts, interceptors=interceptors)
 
 
 def sync_channel(address: str, auth_token: str = "", max_message_bytes: int = 16 << 20) -> grpc.Channel:
@@ -167,3 +171,20 @@ class _SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
 
     def intercept_unary_stream(self, continuation, details, request):
         return continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+
+
+class _ClientTrace(aio.UnaryUnaryClientInterceptor, aio.UnaryStreamClientInterceptor):
+    """Adds the current span's `traceparent`; runs in the caller's task, so it sees the caller's span."""
+
+    @staticmethod
+    def _details(details):
+        from tars import telemetry
+
+        extra = telemetry.grpc_metadata()
+        return _Details(details, list(details.metadata or ()) + extra) if extra else details
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from tars import config as C
-from tars import report
+from tars import ctl, report
 from tars.model import CausalLM, DecoderConfig
 from tars.tokenizer import Tokenizer
 
@@ -98,7 +98,10 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     run.mkdir(exist_ok=True)
     for f in run.glob("*.json"):
         f.unlink()
+    if cfg.telemetry.enabled and not cfg.telemetry.dir and not cfg.telemetry.otlp_endpoint:
+        cfg.telemetry.dir = str(out_p / "telemetry")  # every role's spans in the run directory
     C.save(cfg, out_p / "config.yaml")
+    ctl.remember_run(out_p)  # `tars ctl` with no flags now talks to this run
     tty = sys.stdout.isatty() and not quiet
 
     def say(msg: str) -> None:
