@@ -19,7 +19,10 @@ Figures (the synchronous run is the baseline, measured in the same invocation):
   async_over_sync_trajectories_per_s   trajectories received per second of RL time, async / sync     goal >= 3.0
   final_success_async / _sync          success over the last 10 % of scored episodes of each run     (no goal)
   learner_idle_share_async / _sync     1 - (learner update + weight publish time) / RL time          (no goal)
-  sync_max_staleness                   largest version lag of any trained token in the eta=0 run     goal == 0
+  sync_max_staleness                   largest version lag of any trained token in the eta=0 run     goal <= 0
+  async_max_staleness                  the same in the async run (eta bounds starts, not finishes)   (no goal)
+Each run also reports learner_ceiling_trajectories_per_s = batch / mean learner update time: when the async run
+sits at it (learner idle share ~0), the learner, not the environments, bounds the ratio.
 """
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ def settings(a: argparse.Namespace) -> dict:
     if a.tiny:
         base = dict(wall=5.0, batch=4, sft_steps=0, delay="lognormal:0.05,1.0,2")
     elif a.quick:
-        base = dict(wall=45.0, batch=32, sft_steps=150, delay=DEFAULT_DELAY)
+        base = dict(wall=45.0, batch=32, sft_steps=100, delay=DEFAULT_DELAY)
     else:
         base = dict(wall=120.0, batch=32, sft_steps=300, delay=DEFAULT_DELAY)
     for k in base:
@@ -189,6 +192,8 @@ def run(a: argparse.Namespace) -> dict:
         rc, tail = tars_up(run_config(s, names[name], str(model)), d, s["wall"] + RUN_MARGIN_S)
         r = summarise(d, rc, tail)
         r["trained_trajectories_per_s"] = round(r["policy_versions"] * s["batch"] / r["rl_s"], 4) if r["rl_s"] else 0.0
+        # What the learner alone could consume (a batch per mean update): async cannot beat it, whatever the envs do.
+        r["learner_ceiling_trajectories_per_s"] = round(s["batch"] / r["learner_step_s_mean"], 4) if r["learner_step_s_mean"] else None
         runs[name] = {"eta": names[name], "run_dir": str(d) if a.out else None, **r}
     if not a.out:
         shutil.rmtree(work, ignore_errors=True)
@@ -208,6 +213,10 @@ def run(a: argparse.Namespace) -> dict:
                                            asy["learner_idle_share"], "share", None),
         "learner_idle_share_sync": figure("share of RL time the learner is not updating or publishing, sync",
                                           sy["learner_idle_share"], "share", None),
+        "async_max_staleness": figure(
+            f"largest version lag of any trained token, async run (eta={s['eta']} bounds episode starts; a slow "
+            "episode overtaken by later ones is trained later, up to learner.max_lag)", asy["max_staleness"],
+            "versions", None, eta=s["eta"], arrival_lag_histogram=asy["arrival_lag_histogram"]),
         "sync_max_staleness": figure("largest version lag of any trained token, eta=0 run", sy["max_staleness"],
                                      "versions", ("<=", 0), episodes_spanning_versions=sy["episodes_spanning_versions"]),
     }
@@ -280,7 +289,7 @@ def table(out: dict) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="tars bench async", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="FILE", help="write the figures here as JSON (and the plot beside it, .png)")
-    ap.add_argument("--quick", action="store_true", help="45 s of RL per run, 150 SFT steps")
+    ap.add_argument("--quick", action="store_true", help="45 s of RL per run, 100 SFT steps")
     ap.add_argument("--tiny", action="store_true", help="5 s per run, batch 4, no SFT, short delays (tests)")
     ap.add_argument("--wall", type=float, help="seconds of RL per run (default 120)")
     ap.add_argument("--batch", type=int, help="batch size = actor concurrency (default 32)")
