@@ -181,7 +181,7 @@ def _curve(scored: list[dict], t0: float, points: int = 40) -> list[list[float]]
 def run(a: argparse.Namespace) -> dict:
     s = settings(a)
     work = pathlib.Path(a.out) if a.out else pathlib.Path(tempfile.mkdtemp(prefix="tars-bench-async-"))
-    t_start = time.time()
+    t_start, load_start = time.time(), os.getloadavg()
     model = build_shared_model(s, work / "shared")
     runs: dict[str, dict] = {}
     names = {"sync": 0, "async": s["eta"]}
@@ -222,7 +222,8 @@ def run(a: argparse.Namespace) -> dict:
     }
     out = {
         "machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-                    "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
+                    "loadavg_start": [round(x, 2) for x in load_start],
+                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "settings": {**s, "quick": bool(a.quick), "tiny": bool(a.tiny), "concurrency": s["batch"],
                      "env_ids": ["builtin/mixed"], "work_dir": a.out},
         "workload": delay_stats(s["delay"], s["max_turns"]),
@@ -250,7 +251,7 @@ def plot(out: dict, path: str) -> str:
         ax[0].plot(arr, range(1, len(arr) + 1), label=f"{name} (eta={r['eta']}): {r['trajectories_per_s']:.1f}/s")
         if r["success_curve"]:
             t, sc = zip(*r["success_curve"])
-            ax[1].plot(t, sc, label=f"{name}: final {r['final_success']}")
+            ax[1].plot(t, sc, label=f"{name}: final {r['final_success'] if r['final_success'] is None else round(r['final_success'], 3)}")
     ratio = out["figures"]["async_over_sync_trajectories_per_s"]["value"]
     ax[0].set(xlabel="seconds of RL", ylabel="trajectories received", title=f"async / sync = {ratio}")
     ax[1].set(xlabel="seconds of RL", ylabel="rolling success", ylim=(-0.05, 1.05), title="success")
