@@ -311,11 +311,13 @@ class BuiltinEnv(Env):
         return self._result(0.0)
 
 
-def make(task: str, options: dict[str, str] | None = None) -> BuiltinEnv:
+def make(task: str, options: dict[str, str] | None = None) -> Env:
     options = options or {}
     try:
         max_steps = int(options.get("max_steps", 6))
     except ValueError:
         raise ValueError(f"max_steps={options['max_steps']!r} is not an integer") from None
     strict = str(options.get("strict_targets", "0")).lower() in ("1", "true", "yes")
-    return BuiltinEnv(task, max_steps=max_steps, strict_targets=strict)
+    from envd import latency  # step_delay=...: a simulated slow GUI (long-tailed step latency), see envd/latency.py
+
+    return latency.wrap(BuiltinEnv(task, max_steps=max_steps, strict_targets=strict), options)

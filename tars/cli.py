@@ -41,14 +41,24 @@ def _bench_actor(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _bench_async(argv: list[str]) -> int:
+    from tars.bench_async import main as bench_main
+
+    return bench_main(argv)
+
+
 def _bench_learner(argv: list[str]) -> int:
     from learner.bench import main as bench_main
 
     return bench_main(argv)
 
 
-# `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
-# top-level parser imports none of them.
+def _bench_all(argv: list[str]) -> int:
+    from tars.bench_all import main as bench_main
+
+    return bench_main(argv)
+
+
 def _bench_faults(argv: list[str]) -> int:
     from tars.faults_bench import main as faults_main
 
@@ -61,8 +71,11 @@ def _bench_soak(argv: list[str]) -> int:
     return soak_main(argv)
 
 
+# `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
+# top-level parser imports none of them. `tars bench all` runs every entry here (looked up when it runs).
 BENCHES = {"actor": _bench_actor, "env": _bench_env, "faults": _bench_faults, "inference": _bench_inference,
            "learner": _bench_learner, "soak": _bench_soak}
+BENCHES.update({"async": _bench_async, "all": _bench_all})
 
 
 def _data_or_merge(a) -> int:
