@@ -138,6 +138,9 @@ def figures_of(result: dict | None) -> dict[str, dict]:
         return {}
     if isinstance(result.get("figures"), dict):
         return {k: v for k, v in result["figures"].items() if isinstance(v, dict) and "value" in v}
+    if isinstance(result.get("figures"), list):  # [{"name", "value", "baseline", "goal", "pass"}, ...]
+        return {f["name"]: {"unit": "ratio" if f.get("baseline") == 1.0 or "_over_" in f["name"] else "", **f}
+                for f in result["figures"] if isinstance(f, dict) and "name" in f and "value" in f}
     return {k: {"value": v, "goal": None, "pass": None, "unit": "ratio" if "_over_" in k else ""}
             for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
