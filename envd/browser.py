@@ -19,6 +19,7 @@ import asyncio
 import base64
 import json
 import math
+import time
 from typing import Any
 
 from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
@@ -295,13 +296,35 @@ class BrowserEnv(Env):
         params: dict[str, Any] = {"format": o.format, "captureBeyondViewport": False}
         if o.format == "jpeg":
             params["quality"] = o.quality
-        shot = await asyncio.wait_for(self.cdp.send("Page.captureScreenshot", params), o.timeout_s)
+        shot = await self._capture(params)
         aria = await self.page.aria_snapshot(boxes=o.boxes)
         title = await self.page.title()
         text = f"url: {self.page.url}\ntitle: {title}\n{aria}"
         if len(text) > o.max_text_chars:
             text = text[:o.max_text_chars - 40].rstrip() + f"\n... (cut at {o.max_text_chars} of {len(text)} chars)"
         return Screenshot(base64.b64decode(shot["data"]), f"image/{o.format}", o.width, o.height), text
+
+    async def _capture(self, params: dict) -> dict:
+        """Page.captureScreenshot, retried while a navigation is in flight: a navigation that swaps the renderer
+        (another site, or Chromium's error page for a blocked request) detaches the CDP session ("Not attached to an
+        active page", so attach a new one), and a frame between two documents answers "Unable to capture
+        screenshot" until the new one is painted. Other errors, and the last attempt's, go to the caller."""
+        o = self.opts
+        deadline = time.monotonic() + o.timeout_s
+        for attempt in range(5):
+            try:
+                return await asyncio.wait_for(self.cdp.send("Page.captureScreenshot", params),
+                                              max(0.1, deadline - time.monotonic()))
+            except Exception as e:
+                msg = str(e)
+                transient = "Not attached to an active page" in msg or "Unable to capture screenshot" in msg
+                if not transient or attempt == 4 or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
+                await self.page.wait_for_load_state("load")
+                if "Not attached" in msg:
+                    self.cdp = await self.context.new_cdp_session(self.page)
+        raise AssertionError("unreachable")
 
     async def _result(self, reward: float, outcome: str, info: dict) -> StepResult:
         shot, text = await self._render()
