@@ -148,12 +148,29 @@ def test_bf16_autocast_on_the_cpu_trains_with_fp32_master_weights():
     pbf, cbf, ms = _train({"device": dev, "amp_dtype": torch.bfloat16})
     assert all(np.isfinite(m["pg_loss"]) and np.isfinite(m["v_loss"]) for m in ms)
     assert {p.dtype for p in pbf.parameters()} == {torch.float32} == {p.dtype for p in cbf.parameters()}
-    diff = max(float((x - y).abs().max()) for x, y in zip(p32.parameters(), pbf.parameters()))
-    moved = max(float((x - y).abs().max()) for x, y in zip(p32.parameters(), tiny().parameters()))
+    with torch.no_grad():
+        diff = max(float((x - y).abs().max()) for x, y in zip(p32.parameters(), pbf.parameters()))
+        moved = max(float((x - y).abs().max()) for x, y in zip(p32.parameters(), tiny().parameters()))
     assert 0 < diff < moved, (diff, moved)  # really bf16 (not identical), yet the same training
     with autocast(dev, torch.bfloat16):
         logits, _ = pbf(torch.tensor([[1, 2, 3]]))
     assert logits.dtype == torch.bfloat16  # the forward really ran in bf16
+
+
+def test_sft_follows_the_learner_choice(monkeypatch, tmp_path):
+    """tars sft: cuda without CUDA is refused before any work; bf16 on the CPU trains and saves fp32 weights."""
+    from learner.sft import run, train_sft
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"learner\.device='cuda'"):
+        run(C.load(overrides=["learner.device=cuda"]), str(tmp_path / "absent"), str(tmp_path / "out"), ["x.twl"])
+    assert not (tmp_path / "out").exists()
+    pol = tiny()
+    demos = [(t.tokens.tolist(), t.mask.tolist()) for t in batch(0)]
+    m = train_sft(pol, demos, 10, 4, 1e-2, 0, 0, device=torch.device("cpu"), amp_dtype=torch.bfloat16)
+    assert np.isfinite(m["sft_loss"]) and {p.dtype for p in pol.parameters()} == {torch.float32}
+    pol.save_hf(tmp_path / "m")
+    assert {t.dtype for t in load_file(str(tmp_path / "m" / "model.safetensors")).values()} == {torch.float32}
 
 
 # ---- the Learner: placement, checkpoints, published weights ------------------------------------------------------
