@@ -1,6 +1,5 @@
 """learner.device / learner.precision: resolution and clear errors, the CPU path unchanged bit for bit, bf16 autocast
 (on the CPU here; on CUDA in the gpu-marked test), checkpoints and published weights as fp32 CPU tensors."""
-import copy
 import pathlib
 
 import numpy as np
