@@ -22,8 +22,10 @@ import torch
 class Dist:
     """The process group as the trainer needs it. world == 1 is a no-op (no accelerate, no torch.distributed)."""
 
-    def __init__(self, rank: int = 0, world: int = 1, accelerator=None):
+    def __init__(self, rank: int = 0, world: int = 1, accelerator=None, device: torch.device | None = None):
         self.rank, self.world, self.accelerator = rank, world, accelerator
+        # Where collective buffers live: NCCL only moves CUDA tensors, gloo CPU ones.
+        self.device = device if device is not None else torch.device("cpu")
 
     @property
     def is_main(self) -> bool:
@@ -42,7 +44,7 @@ class Dist:
         params = [p for p in params if p.requires_grad]
         # A parameter no rank touched (e.g. the critic's unused lm_head) must keep grad None, as in one process:
         # the optimizer skips it then, whereas a zero gradient would still apply AdamW's weight decay.
-        seen = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        seen = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
         torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.SUM)
         params = [p for p, s in zip(params, seen.tolist()) if s]
         for p in params:
@@ -59,9 +61,9 @@ class Dist:
     def sum_floats(self, xs: list[float]) -> list[float]:
         if self.world == 1:
             return xs
-        t = torch.tensor(xs, dtype=torch.float64)
+        t = torch.tensor(xs, dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-        return t.tolist()
+        return t.cpu().tolist()
 
     def broadcast(self, obj):
         """rank 0's `obj` on every rank (pickled: only between our own ranks, never from the network)."""
@@ -81,13 +83,26 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def from_accelerate(cpu: bool | None = None) -> Dist:
-    """Initialise the process group through accelerate (gloo on the CPU, nccl on GPUs) when launched by it."""
+def from_accelerate(cpu: bool | None = None, device: torch.device | None = None) -> Dist:
+    """Initialise the process group through accelerate when launched by it: the backend follows the device.
+
+    device: where this process trains (learner/device.py resolve_device: cuda:LOCAL_RANK under accelerate) ->
+    NCCL for a CUDA device, gloo for the CPU. Without it, `cpu` decides (default: gloo unless CUDA is available).
+    """
+    if device is not None:
+        cpu = device.type != "cuda"
+    elif cpu is None:
+        cpu = not torch.cuda.is_available()
     if launched_world() == 1:
-        return Dist()
+        return Dist(device=device if device is not None else torch.device("cpu"))
     from accelerate import Accelerator
 
-    if cpu is None:
-        cpu = not torch.cuda.is_available()
-    acc = Accelerator(cpu=cpu)
-    return Dist(acc.process_index, acc.num_processes, acc)
+    if not cpu and device is not None:
+        torch.cuda.set_device(device)  # before the NCCL group forms: each rank on its own GPU
+    acc = Accelerator(cpu=cpu)  # accelerate picks nccl for GPUs, gloo for cpu=True
+    return Dist(acc.process_index, acc.num_processes, acc, device=acc.device if not cpu else torch.device("cpu"))
+
+
+def backend() -> str:
+    """The process group's backend ('gloo', 'nccl'), or '' when there is none (one process)."""
+    return torch.distributed.get_backend() if torch.distributed.is_available() and torch.distributed.is_initialized() else ""

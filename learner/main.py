@@ -16,17 +16,19 @@ import os
 import pathlib
 import shutil
 import signal
+import sys
 import threading
 import time
 
 import numpy as np
 import torch
 
+from learner.device import describe, resolve_device, resolve_precision, to_cpu
 from learner.distributed import Dist, from_accelerate
 from learner.ppo import PPOTrainer
 from learner.staleness import StalenessManager
 from tars import proc, rpc, telemetry
-from tars.config import RunConfig
+from tars.config import ConfigError, RunConfig
 from tars.control import ControlServicer, add_control
 from tars.model import CausalLM
 from tars.stream import TrajectoryReceiver
@@ -66,6 +68,9 @@ class Learner:
         self.run = pathlib.Path(run_dir)
         self.model_dir = pathlib.Path(model_dir)
         torch.set_num_threads(max(1, self.lcfg.threads))
+        # learner.device / learner.precision, checked before any model is built (ConfigError on a bad value).
+        self.device = resolve_device(self.lcfg.device)
+        self.amp_dtype = resolve_precision(self.lcfg.precision, self.device)
         torch.manual_seed(cfg.seed)
         self.policy = CausalLM.load_hf(model_dir)
         self.critic = None
@@ -74,7 +79,13 @@ class Learner:
             self.critic.load_state_dict(self.policy.state_dict(), strict=False)  # critic starts from the policy trunk
             torch.nn.init.zeros_(self.critic.score.weight)
             torch.nn.init.zeros_(self.critic.score.bias)
-        self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id, dist=self.dist)
+        # Built on the CPU (same initialisation on every device), then moved; weights stay fp32 (master weights).
+        self.policy.to(self.device)
+        if self.critic is not None:
+            self.critic.to(self.device)
+        log.info("learner trains on %s", describe(self.device, self.amp_dtype))
+        self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id, dist=self.dist,
+                                  amp_dtype=self.amp_dtype)
         self.version = 0
         self.value_pretrain_left = self.lcfg.value_pretrain_steps
         self.staleness = StalenessManager(self.lcfg.batch_size, self.lcfg.eta, max_lag=self.lcfg.max_lag)
@@ -277,9 +288,12 @@ class Learner:
         self.policy.save_hf(tmp / "policy")
         state = {"opt": self.trainer.opt.state_dict(), "sched": self.trainer.sched.state_dict(),
                  "torch_rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if self.critic is not None:
             state.update(critic=self.critic.state_dict(), critic_opt=self.trainer.critic_opt.state_dict())
-        torch.save(state, tmp / "train_state.pt")
+        # On the CPU on disk, whatever the device: a checkpoint resumes on another device (or none).
+        torch.save(to_cpu(state), tmp / "train_state.pt")
         meta = {"version": self.version, "updates": self.trainer.updates, "value_pretrain_left": self.value_pretrain_left,
                 "staleness": self.staleness.state_dict(), **self.receiver.checkpoint_state(), "t": time.time()}
         (tmp / "meta.json").write_text(json.dumps(meta))
@@ -292,10 +306,14 @@ class Learner:
         ck = self.run / "ckpt"
         meta = json.loads((ck / "meta.json").read_text())
         self.policy.load_weights(CausalLM.load_hf(ck / "policy").hf_state_dict())
-        state = torch.load(ck / "train_state.pt", weights_only=False)
+        # Loaded to the CPU: the RNG states must be CPU tensors, and load_state_dict moves the optimizer state
+        # and the critic's weights onto their parameters' device.
+        state = torch.load(ck / "train_state.pt", weights_only=False, map_location="cpu")
         self.trainer.opt.load_state_dict(state["opt"])
         self.trainer.sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         if self.critic is not None and "critic" in state:
             self.critic.load_state_dict(state["critic"])
             self.trainer.critic_opt.load_state_dict(state["critic_opt"])
@@ -347,7 +365,14 @@ def _control_thread(learner: Learner, ready: dict, port: int = 0) -> threading.T
 def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], ready_file: str | None = None,
          resume: bool = False) -> int:
     proc.die_with_parent()
-    dist = from_accelerate(cpu=True)  # the learner's tensors live on the CPU (no GPU placement yet): gloo
+    try:  # a bad learner.device / precision is a one-line error, before any process group or model
+        device = resolve_device(cfg.learner.device)
+        resolve_precision(cfg.learner.precision, device)
+    except ConfigError as e:
+        print(f"tars learner: {e}", file=sys.stderr)
+        return 2
+    # learner.device decides the backend: NCCL for CUDA (each rank on cuda:LOCAL_RANK), gloo on the CPU.
+    dist = from_accelerate(device=device)
     learner = Learner(cfg, run_dir, model_dir, inference, resume=resume, dist=dist)
     if not dist.is_main:
         learner.follow()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from learner import algorithms as A
+from learner.device import autocast
 from learner.distributed import Dist
 from tars.config import LearnerConfig
 from tars.model import CausalLM
@@ -34,6 +35,11 @@ class Batch:
     returns: torch.Tensor     # [B] episode return
     groups: list[str]
     ids: list[str]
+
+    def to(self, device: torch.device) -> "Batch":
+        """The tensors on `device` (the same Batch when it is already there: the CPU path copies nothing)."""
+        t = {k: getattr(self, k).to(device) for k in ("tokens", "valid", "mask", "behav_logp", "versions", "rewards", "returns")}
+        return Batch(**t, groups=self.groups, ids=self.ids)
 
 
 def collate(trajs: list[Trajectory], pad_id: int = 0) -> Batch:
@@ -90,8 +96,17 @@ def lr_lambda(warmup: int):
 
 
 class PPOTrainer:
-    def __init__(self, policy: CausalLM, critic: CausalLM | None, cfg: LearnerConfig, pad_id: int = 0, dist=None):
+    """The update on the device the policy's parameters are on (move the models there first: learner/main.py).
+
+    amp_dtype=torch.bfloat16 runs the forward passes under autocast (learner/device.py); parameters, gradients,
+    optimizer state and the loss math stay fp32. None (the default) is plain fp32.
+    """
+
+    def __init__(self, policy: CausalLM, critic: CausalLM | None, cfg: LearnerConfig, pad_id: int = 0, dist=None,
+                 amp_dtype: torch.dtype | None = None):
         self.policy, self.critic, self.cfg, self.pad_id = policy, critic, cfg, pad_id
+        self.device = next(policy.parameters()).device
+        self.amp_dtype = amp_dtype
         # Data parallel (learner/distributed.py): each rank backprops its share of the chunks, gradients summed.
         self.dist = dist if dist is not None else Dist()
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
@@ -109,7 +124,7 @@ class PPOTrainer:
     def advantages(self, b: Batch, values: torch.Tensor | None):
         cfg = self.cfg
         if cfg.algo == "grpo" or values is None:
-            adv_traj = torch.zeros(len(b.ids))
+            adv_traj = torch.zeros(len(b.ids), device=b.returns.device)
             groups: dict[str, list[int]] = {}
             for i, g in enumerate(b.groups):
                 groups.setdefault(g, []).append(i)
@@ -131,19 +146,22 @@ class PPOTrainer:
     def _forward_old(self, b: Batch, chunks):
         """pi_prox and V for every generated token, with the weights before this update -> [B, T] each."""
         prox, values = torch.zeros_like(b.behav_logp), torch.zeros_like(b.behav_logp) if self.critic is not None else None
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.device, self.amp_dtype):
             for c in chunks:
+                c = c.to(self.device)  # a no-op on the CPU
                 T = int(b.valid[c].sum(1).max())
                 tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
-                prox[c, :T] = put(self.policy.logprobs_at(tok, val, msk), msk, msk)
+                prox[c, :T] = put(self.policy.logprobs_at(tok, val, msk), msk, msk)  # fp32: logits are upcast
                 if values is not None:
-                    values[c, :T] = put(self.critic.values_at(tok, val, msk), msk, msk)
+                    values[c, :T] = put(self.critic.values_at(tok, val, msk).float(), msk, msk)
         return prox, values
 
     def step(self, trajs: list[Trajectory], version: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         b = collate(trajs, self.pad_id)
-        lengths = b.valid.sum(1)
+        lengths = b.valid.sum(1)  # stays on the CPU: chunking is decided on the host
+        b = b.to(self.device)
+        dev, amp = self.device, self.amp_dtype
         self.policy.eval()
         prox, values = self._forward_old(b, length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens))
         adv, targets = self.advantages(b, values)
@@ -161,7 +179,7 @@ class PPOTrainer:
         for _ in range(cfg.epochs):
             perm = torch.randperm(B) if cfg.minibatches > 1 else torch.arange(B)
             for idx in perm.chunk(max(1, cfg.minibatches)):
-                n_tok = float(b.mask[idx].sum().clamp(min=1))
+                n_tok = float(b.mask[idx.to(dev)].sum().clamp(min=1))
                 self.opt.zero_grad(set_to_none=True)
                 if self.critic is not None:
                     self.critic_opt.zero_grad(set_to_none=True)
@@ -172,9 +190,12 @@ class PPOTrainer:
                 # (each chunk's token-mean loss weighted by its share of the minibatch's tokens), less padding.
                 for c in self.dist.shard(length_chunks(lengths, idx, self.chunk_tokens)):
                     T = int(lengths[c].max())
+                    c = c.to(dev)
                     tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
                     w = float(msk.sum()) / n_tok
-                    logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True)
+                    # Forward passes under autocast (bf16 when asked); the loss below is fp32 math on fp32 logprobs.
+                    with autocast(dev, amp):
+                        logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True)
                     ones = torch.ones_like(logp)
                     p_old, a = at(prox[c, :T], msk), at(adv[c, :T], msk)
                     loss = A.decoupled_ppo_loss(logp, p_old, at(b.behav_logp[c, :T], msk), a, ones,
@@ -182,7 +203,7 @@ class PPOTrainer:
                     if cfg.entropy_coef:
                         loss = loss - cfg.entropy_coef * ent.mean()
                     if self.ref is not None:
-                        with torch.no_grad():
+                        with torch.no_grad(), autocast(dev, amp):
                             ref = self.ref.logprobs_at(tok, val, msk)
                         kl = torch.exp(ref - logp) - (ref - logp) - 1.0
                         loss = loss + cfg.kl_coef * kl.mean()
@@ -194,8 +215,9 @@ class PPOTrainer:
                         sums["pg_loss"] += w * float(loss.detach())
                         sums["entropy"] += w * float(ent.mean())
                     if self.critic is not None:
-                        v = self.critic.values_at(tok, val, msk)
-                        vl = A.clipped_value_loss(v, at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.value_clip)
+                        with autocast(dev, amp):
+                            v = self.critic.values_at(tok, val, msk)
+                        vl = A.clipped_value_loss(v.float(), at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.value_clip)
                         (vl * w).backward()
                         sums["v_loss"] += w * float(vl.detach())
                 self.dist.allreduce_grads(self.policy.parameters())
@@ -225,6 +247,7 @@ class PPOTrainer:
         """Critic only, Monte Carlo targets (lambda = 1), the policy untouched (value pretraining)."""
         b = collate(trajs, self.pad_id)
         lengths = b.valid.sum(1)
+        b = b.to(self.device)
         chunks = length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens)
         _, old = self._forward_old(b, chunks)
         _, targets = A.decoupled_gae(b.rewards, old, b.mask, self.cfg.gamma, 1.0, 1.0)
@@ -233,8 +256,10 @@ class PPOTrainer:
         total = 0.0
         for c in self.dist.shard(chunks):
             T = int(lengths[c].max())
+            c = c.to(self.device)
             tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
-            v = self.critic.values_at(tok, val, msk)
+            with autocast(self.device, self.amp_dtype):
+                v = self.critic.values_at(tok, val, msk).float()
             vl = 0.5 * ((v - at(targets[c, :T], msk)) ** 2).mean()
             w = float(msk.sum()) / n_tok
             (vl * w).backward()

@@ -15,6 +15,7 @@ import torch
 
 from actor.tiny import answer_ids, turn_prompt_ids
 from envd import builtin
+from learner.device import autocast, describe, resolve_device, resolve_precision
 from learner.ppo import sft_loss
 from tars.model import CausalLM
 from tars.tokenizer import Tokenizer
@@ -70,7 +71,11 @@ def pad(seqs: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 def train_sft(policy: CausalLM, demos, steps: int, batch_size: int, lr: float, seed: int, pad_id: int,
-              log=None) -> dict:
+              log=None, device: torch.device | None = None, amp_dtype: torch.dtype | None = None) -> dict:
+    """SFT on `device` (default: where the policy is), forward passes under bf16 autocast when amp_dtype is set;
+    weights, optimizer and loss stay fp32. The policy is left on `device`; save_hf writes fp32 CPU tensors."""
+    device = device if device is not None else next(policy.parameters()).device
+    policy.to(device)
     g = np.random.default_rng(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / max(1, steps)))
@@ -78,8 +83,9 @@ def train_sft(policy: CausalLM, demos, steps: int, batch_size: int, lr: float, s
     t0, losses = time.perf_counter(), []
     for s in range(steps):
         idx = g.integers(0, len(demos), batch_size)
-        tokens, valid, mask = pad([demos[i] for i in idx], pad_id)
-        loss = sft_loss(policy, tokens, valid, mask)
+        tokens, valid, mask = (x.to(device) for x in pad([demos[i] for i in idx], pad_id))
+        with autocast(device, amp_dtype):
+            loss = sft_loss(policy, tokens, valid, mask)  # fp32: logprobs_at upcasts the logits
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -103,6 +109,8 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: int = 0, step
 
     if not data and demos <= 0:
         raise ValueError("nothing to train on: give trajectory files (--data) and/or --demos N")
+    device = resolve_device(cfg.learner.device)  # the learner's choice: ConfigError before any work
+    amp_dtype = resolve_precision(cfg.learner.precision, device)
     torch.manual_seed(cfg.seed)
     src = pathlib.Path(model_dir)
     policy = CausalLM.load_hf(src)
@@ -119,9 +127,12 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: int = 0, step
     steps = cfg.sft.steps if steps is None else steps
     if steps <= 0:
         raise ValueError("--steps must be >= 1")
-    m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, policy.config.pad_token_id, log=log)
+    log(f"sft on {describe(device, amp_dtype)}")
+    m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, policy.config.pad_token_id, log=log,
+                  device=device, amp_dtype=amp_dtype)
     extra = {"tars_tokenizer.json": tok_file.read_text()} if tok_file.exists() else {}
     policy.save_hf(out_dir, extra_files=extra)
-    m.update(trajectories=n_traj, demonstrations=len(examples) - n_traj, out=str(out_dir))
+    m.update(trajectories=n_traj, demonstrations=len(examples) - n_traj, out=str(out_dir), device=str(device),
+             precision="bf16" if amp_dtype is not None else "fp32")
     pathlib.Path(out_dir, "sft.json").write_text(json.dumps(m, indent=2))
     return m

@@ -168,6 +168,10 @@ class LearnerConfig:
     stream_ack_interval_s: float = f(0.002, "WAL fsync / ack batching interval of the trajectory stream")
     stream_fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
     threads: int = f(1, "torch intra-op threads")
+    device: str = f("auto", "where the learner (and tars sft) trains: auto (cuda when available, else cpu) | cpu | cuda | "
+                            "cuda:N; under accelerate with several processes, auto/cuda = cuda:LOCAL_RANK with NCCL")
+    precision: str = f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, fp32 master weights "
+                               "and optimizer state; allowed on the CPU too, via CPU autocast)")
     archive: bool = f(False, "append every trajectory received to run_dir/trajectories.twl (for tars data split / tars sft)")
 
 

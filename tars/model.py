@@ -271,9 +271,12 @@ class CausalLM(nn.Module):
         path = pathlib.Path(path)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.float() for k, v in self.hf_state_dict().items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # fp32 on the CPU whatever the model's device and dtype: the files are the same from a GPU learner.
+        save_file({k: v.to("cpu", torch.float32) for k, v in self.hf_state_dict().items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         if self.score is not None:
-            save_file({k: v.detach().contiguous() for k, v in self.score.state_dict().items()}, str(tmp / "value_head.safetensors"))
+            save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.score.state_dict().items()},
+                      str(tmp / "value_head.safetensors"))
         (tmp / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": self.config.eos_token_id, "pad_token_id": self.config.pad_token_id}))
         for name, text in (extra_files or {}).items():

@@ -1,0 +1,272 @@
+"""learner.device / learner.precision: resolution and clear errors, the CPU path unchanged bit for bit, bf16 autocast
+(on the CPU here; on CUDA in the gpu-marked test), checkpoints and published weights as fp32 CPU tensors."""
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner.device import autocast, resolve_device, resolve_precision
+from learner.main import Learner, publish_weights
+from learner.ppo import PPOTrainer
+from tars import config as C
+from tars.config import ConfigError, LearnerConfig
+from tars.model import CausalLM, DecoderConfig
+from tars.schema import Trajectory, Turn
+
+V = 40
+
+
+def batch(seed: int, n: int = 8) -> list[Trajectory]:
+    """Mixed lengths, rewards at the end, two groups: several chunks, a critic and GRPO all have work."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        L = int(rng.integers(6, 24))
+        m = np.zeros(L, np.uint8)
+        m[L - 3:] = 1
+        r = float(rng.random() < 0.5)
+        out.append(Trajectory(id=f"{seed}-{i}", env_id="x", outcome="terminated", tokens=rng.integers(0, V, L).astype(np.int32),
+                              logprobs=np.where(m, -1.5, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                              mask=m, turns=[Turn("", "", {}, r, L - 3, L)], ret=r, group=f"g{i // 4}"))
+    return out
+
+
+def tiny() -> CausalLM:
+    return CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
+
+
+# ---- resolution ------------------------------------------------------------------------------------------------
+def test_auto_is_the_cpu_without_cuda_and_cuda_without_cuda_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    for spec in ("cuda", "cuda:0", "CUDA:1"):
+        with pytest.raises(ConfigError, match=r"learner\.device=.*(without CUDA|no CUDA device).*learner\.device=cpu"):
+            resolve_device(spec)
+    for bad in ("gpu", "cuda:", "cuda:x", "mps"):
+        with pytest.raises(ConfigError, match=r"learner\.device: .* is not one of auto \| cpu \| cuda"):
+            resolve_device(bad)
+
+
+def test_this_machine_resolves_without_touching_cuda():
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        assert resolve_precision("auto", resolve_device("auto")) is None
+    else:
+        assert resolve_device("auto").type == "cuda"
+
+
+def test_each_rank_takes_its_local_gpu(monkeypatch):
+    """Under accelerate (WORLD_SIZE > 1) auto/cuda mean cuda:LOCAL_RANK; one named GPU for all ranks is refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto", local_rank=1, world=2) == torch.device("cuda", 1)
+    assert resolve_device("cuda", local_rank=0, world=2) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match="names one GPU, but 2 processes"):
+        resolve_device("cuda:0")
+    with pytest.raises(ConfigError, match="cuda:3 does not exist"):
+        resolve_device("cuda", local_rank=3, world=4)
+    assert resolve_device("cuda:1", world=1) == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match="cuda:2 does not exist"):
+        resolve_device("cuda:2", world=1)
+
+
+def test_precision_choice():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_precision("auto", cpu) is None
+    assert resolve_precision("auto", gpu) is torch.bfloat16
+    assert resolve_precision("fp32", gpu) is None
+    assert resolve_precision("bf16", cpu) is torch.bfloat16  # decided: allowed on the CPU, via CPU autocast
+    for bad in ("fp16", "bfloat16", "half"):
+        with pytest.raises(ConfigError, match=r"learner\.precision: .* is not one of auto \| fp32 \| bf16"):
+            resolve_precision(bad, cpu)
+
+
+def test_config_fields_and_help():
+    cfg = C.load(overrides=["learner.device=cpu", "learner.precision=bf16"])
+    assert (cfg.learner.device, cfg.learner.precision) == ("cpu", "bf16")
+    assert (C.RunConfig().learner.device, C.RunConfig().learner.precision) == ("auto", "auto")
+    text = C.help_text()
+    assert "learner.device" in text and "cuda:N" in text and "learner.precision" in text
+
+
+def test_a_learner_with_cuda_asked_for_and_none_there_exits_with_a_clear_error(monkeypatch, tmp_path, capsys):
+    from learner.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("tars.proc.die_with_parent", lambda: None)
+    cfg = C.load(overrides=["learner.device=cuda"])
+    assert main(cfg, str(tmp_path), str(tmp_path / "no-model"), []) == 2
+    assert "tars learner: learner.device='cuda'" in capsys.readouterr().err
+    cfg = C.load(overrides=["learner.device=cpu", "learner.precision=fp16"])
+    assert main(cfg, str(tmp_path), str(tmp_path / "no-model"), []) == 2
+    assert "learner.precision" in capsys.readouterr().err
+
+
+# ---- the CPU path --------------------------------------------------------------------------------------------
+def _train(device_kw: dict, steps: int = 3, algo: str = "ppo"):
+    torch.manual_seed(0)
+    pol = tiny()
+    critic = CausalLM(pol.config, value_head=True).init_weights(1) if algo == "ppo" else None
+    dev = device_kw.pop("device", None)
+    if dev is not None:
+        pol.to(dev)
+        if critic is not None:
+            critic.to(dev)
+    cfg = LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1, epochs=2, minibatches=2, kl_coef=0.05)
+    tr = PPOTrainer(pol, critic, cfg, 0, **device_kw)
+    tr.chunk_tokens = 50
+    ms = [tr.step(batch(v), v) for v in range(steps)]
+    return pol, critic, ms
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_cpu_explicitly_is_bit_identical_to_the_default_path(algo):
+    """device=cpu resolved and fp32 ("auto" on the CPU) changes nothing: the same parameters, bit for bit."""
+    dev = resolve_device("cpu")
+    p0, c0, m0 = _train({}, algo=algo)
+    p1, c1, m1 = _train({"device": dev, "amp_dtype": resolve_precision("auto", dev)}, algo=algo)
+    for (k, x), y in zip(p0.state_dict().items(), p1.state_dict().values()):
+        assert torch.equal(x, y), k
+    if c0 is not None:
+        for (k, x), y in zip(c0.state_dict().items(), c1.state_dict().values()):
+            assert torch.equal(x, y), k
+    assert [m["pg_loss"] for m in m0] == [m["pg_loss"] for m in m1]
+    assert max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(p0.parameters(), tiny().parameters())) > 1e-3  # it trained
+
+
+def test_bf16_autocast_on_the_cpu_trains_with_fp32_master_weights():
+    """bf16 on the CPU runs (CPU autocast): finite losses, fp32 parameters and optimizer state, close to fp32."""
+    dev = torch.device("cpu")
+    p32, _, _ = _train({})
+    pbf, cbf, ms = _train({"device": dev, "amp_dtype": torch.bfloat16})
+    assert all(np.isfinite(m["pg_loss"]) and np.isfinite(m["v_loss"]) for m in ms)
+    assert {p.dtype for p in pbf.parameters()} == {torch.float32} == {p.dtype for p in cbf.parameters()}
+    with torch.no_grad():
+        diff = max(float((x - y).abs().max()) for x, y in zip(p32.parameters(), pbf.parameters()))
+        moved = max(float((x - y).abs().max()) for x, y in zip(p32.parameters(), tiny().parameters()))
+    assert 0 < diff < moved, (diff, moved)  # really bf16 (not identical), yet the same training
+    with autocast(dev, torch.bfloat16):
+        logits, _ = pbf(torch.tensor([[1, 2, 3]]))
+    assert logits.dtype == torch.bfloat16  # the forward really ran in bf16
+
+
+def test_sft_follows_the_learner_choice(monkeypatch, tmp_path):
+    """tars sft: cuda without CUDA is refused before any work; bf16 on the CPU trains and saves fp32 weights."""
+    from learner.sft import run, train_sft
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"learner\.device='cuda'"):
+        run(C.load(overrides=["learner.device=cuda"]), str(tmp_path / "absent"), str(tmp_path / "out"), ["x.twl"])
+    assert not (tmp_path / "out").exists()
+    pol = tiny()
+    demos = [(t.tokens.tolist(), t.mask.tolist()) for t in batch(0)]
+    m = train_sft(pol, demos, 10, 4, 1e-2, 0, 0, device=torch.device("cpu"), amp_dtype=torch.bfloat16)
+    assert np.isfinite(m["sft_loss"]) and {p.dtype for p in pol.parameters()} == {torch.float32}
+    pol.save_hf(tmp_path / "m")
+    assert {t.dtype for t in load_file(str(tmp_path / "m" / "model.safetensors")).values()} == {torch.float32}
+
+
+# ---- the Learner: placement, checkpoints, published weights ------------------------------------------------------
+def _learner(tmp_path: pathlib.Path, run: str, overrides: list[str], resume: bool = False) -> Learner:
+    model = tmp_path / "model"
+    if not model.exists():
+        tiny().save_hf(model)
+    cfg = C.load(overrides=["learner.batch_size=8", "learner.lr=0.01", "learner.warmup_steps=1"] + overrides)
+    return Learner(cfg, str(tmp_path / run), str(model), [], resume=resume)
+
+
+def _close(ln: Learner) -> None:
+    for f in (ln.episodes, ln.metrics_log, ln.trained_log):
+        f.close()
+
+
+def test_learner_on_cpu_checkpoints_resume_to_the_same_state(tmp_path):
+    (tmp_path / "a").mkdir()
+    a = _learner(tmp_path, "a", ["learner.device=cpu"])
+    assert a.device == torch.device("cpu") and a.amp_dtype is None
+    for v in range(2):
+        a._update(batch(v))
+        a.version += 1
+    a.checkpoint()
+    state = torch.load(tmp_path / "a" / "ckpt" / "train_state.pt", weights_only=False)
+    assert "cuda_rng" not in state and state["torch_rng"].device.type == "cpu"
+    b = _learner(tmp_path, "a", ["learner.device=cpu"], resume=True)
+    assert b.version == 2
+    for x, y in zip(a.policy.parameters(), b.policy.parameters()):
+        assert torch.equal(x, y)
+    for x, y in zip(a.critic.parameters(), b.critic.parameters()):
+        assert torch.equal(x, y)
+    # The next update after the resume equals the next update without one (optimizer and schedule restored).
+    ma, mb = a._update(batch(7)), b._update(batch(7))
+    assert ma["pg_loss"] == mb["pg_loss"]
+    for x, y in zip(a.policy.parameters(), b.policy.parameters()):
+        assert torch.equal(x, y)
+    _close(a)
+    _close(b)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_steps_train_and_publish_fp32_cpu_weights(tmp_path):
+    """A few PPO steps on CUDA in bf16: finite losses, the parameters move, they stay fp32 on the GPU; published
+    weights and checkpoints are fp32 CPU tensors; a resume restores the CUDA RNG and the same state."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    (tmp_path / "g").mkdir()
+    ln = _learner(tmp_path, "g", ["learner.device=cuda", "learner.precision=auto", "learner.kl_coef=0.05"])
+    assert ln.device.type == "cuda" and ln.amp_dtype is torch.bfloat16
+    assert next(ln.policy.parameters()).device.type == "cuda" and next(ln.critic.parameters()).device.type == "cuda"
+    before = [p.detach().clone() for p in ln.policy.parameters()]
+    for v in range(3):
+        m = ln._update(batch(v))
+        ln.version += 1
+        assert np.isfinite(m["pg_loss"]) and np.isfinite(m["v_loss"]) and np.isfinite(m["grad_norm"]), m
+    assert {p.dtype for p in ln.policy.parameters()} == {torch.float32}
+    moved = max(float((p - q).abs().max()) for p, q in zip(ln.policy.parameters(), before))
+    assert moved > 1e-4, moved
+    publish_weights(ln.policy, tmp_path / "weights", 3, [], keep=2)
+    sd = load_file(str(tmp_path / "weights" / "v000003" / "model.safetensors"))
+    assert {t.dtype for t in sd.values()} == {torch.float32} and {t.device.type for t in sd.values()} == {"cpu"}
+    own = ln.policy.hf_state_dict()
+    assert all(torch.equal(sd[k], own[k].cpu()) for k in sd)
+    ln.checkpoint()
+    state = torch.load(tmp_path / "g" / "ckpt" / "train_state.pt", weights_only=False)
+    assert "cuda_rng" in state
+
+    def devices(o):
+        if isinstance(o, torch.Tensor):
+            return {o.device.type}
+        if isinstance(o, dict):
+            return set().union(*(devices(v) for v in o.values())) if o else set()
+        if isinstance(o, (list, tuple)):
+            return set().union(*(devices(v) for v in o)) if o else set()
+        return set()
+
+    assert devices(state) == {"cpu"}
+    r = _learner(tmp_path, "g", ["learner.device=cuda", "learner.precision=auto", "learner.kl_coef=0.05"], resume=True)
+    for x, y in zip(ln.policy.parameters(), r.policy.parameters()):
+        assert torch.equal(x, y)
+    assert torch.equal(torch.cuda.get_rng_state(r.device), state["cuda_rng"])
+    m1, m2 = ln._update(batch(9)), r._update(batch(9))
+    assert m1["pg_loss"] == pytest.approx(m2["pg_loss"], rel=1e-3, abs=1e-4)
+    _close(ln)
+    _close(r)
+
+
+@pytest.mark.gpu
+def test_sft_on_cuda_in_bf16(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from learner.sft import train_sft
+
+    pol = tiny()
+    demos = [(t.tokens.tolist(), t.mask.tolist()) for t in batch(0)]
+    m = train_sft(pol, demos, 20, 4, 1e-2, 0, 0, device=torch.device("cuda"), amp_dtype=torch.bfloat16)
+    assert np.isfinite(m["sft_loss"]) and next(pol.parameters()).dtype == torch.float32
+    pol.save_hf(tmp_path / "m")
+    assert {t.device.type for t in load_file(str(tmp_path / "m" / "model.safetensors")).values()} == {"cpu"}
