@@ -84,7 +84,12 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
         demos = demonstrations(tok, cfg.actor.env_ids, max(2000, cfg.sft.steps * 4), cfg.sft.demonstrator, cfg.seed,
                                cfg.actor.max_turns)
         say(f"SFT warm start: {len(demos)} scripted demonstrations ({cfg.sft.demonstrator}), {cfg.sft.steps} steps")
-        train_sft(policy, demos, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, tok.pad_id, log=say)
+        from learner.device import resolve_device, resolve_precision
+
+        dev = resolve_device(cfg.learner.device)  # the learner's choice: a GPU in bf16 when there is one
+        train_sft(policy, demos, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, tok.pad_id, log=say,
+                  device=dev, amp_dtype=resolve_precision(cfg.learner.precision, dev))
+        policy.to("cpu")  # the parent keeps no GPU memory while the roles run
         sft_s = time.perf_counter() - t0
     path = out / "model"
     policy.save_hf(path, extra_files={"tars_tokenizer.json": tok.to_json()})
