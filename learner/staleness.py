@@ -5,8 +5,11 @@ when the manager admits them, and admission obeys
 
     accepted + running <= B * (version + 1 + eta)          (and running <= max_concurrent, when set)
 
-so no trajectory that finishes can have been started more than `eta` versions before the update that trains on it
-(eta = 0: synchronous RL, exactly one batch's worth of episodes per version).
+which bounds how far *starting* runs ahead of training: at most B * (1 + eta) episodes are started beyond what has
+been trained (eta = 0: synchronous RL, exactly one batch's worth of episodes per version, lag 0). It does not bound the
+lag on arrival when episode lengths vary: a slow episode is overtaken by ones started after it and can be trained
+several versions later (tars bench async measured lags up to 6 at eta = 2 on a long-tail workload). The hard bound is
+the learner's max_lag, which drops and counts anything older.
 
 Who calls what (nothing may be counted twice):
   try_admit   the stream receiver, answering an actor's ADMIT          running += granted
