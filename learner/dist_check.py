@@ -25,12 +25,13 @@ from tars.schema import Trajectory, Turn
 V = 40
 
 
-def batch(seed: int, n: int = 12) -> list[Trajectory]:
-    """Trajectories of mixed lengths with rewards at the end: several length chunks per minibatch."""
+def batch(seed: int, n: int = 12, max_len: int = 30) -> list[Trajectory]:
+    """Trajectories of mixed lengths (6 to max_len - 1) with rewards at the end, groups of 4: several length chunks
+    per minibatch, a critic and GRPO all have work."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        L = int(rng.integers(6, 30))
+        L = int(rng.integers(6, max_len))
         m = np.zeros(L, np.uint8)
         m[L - 3:] = 1
         r = float(rng.random() < 0.5)

@@ -41,6 +41,7 @@ import tempfile
 import time
 
 from envd.latency import DelaySpec
+from tars.proc import read_jsonl
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_DELAY = "lognormal:0.2,1.0,10"
@@ -122,22 +123,10 @@ def tars_up(cfg, run_dir: pathlib.Path, timeout: float) -> tuple[int, str]:
         return 124, f"tars up did not finish within {timeout:.0f} s: {str(e.stdout or '')[-1000:]}"
 
 
-def _jsonl(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line cut by the stop
-    return out
-
-
 def summarise(run_dir: pathlib.Path, rc: int, log_tail: str) -> dict:
     """The figures of one run from its report.json, episodes.jsonl and learner.jsonl."""
     rep = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else {}
-    eps, steps = _jsonl(run_dir / "episodes.jsonl"), _jsonl(run_dir / "learner.jsonl")
+    eps, steps = read_jsonl(run_dir / "episodes.jsonl"), read_jsonl(run_dir / "learner.jsonl")
     t0 = eps[0]["t"] if eps else 0.0
     t_end = max([eps[-1]["t"] if eps else 0.0] + [m["t"] for m in steps])
     rl_s = t_end - t0 if eps else 0.0

@@ -21,38 +21,14 @@ import os
 import pathlib
 import signal
 import sys
-import time
 
 from tars import config as C
+from tars.proc import read_jsonl, wait_for
 from tars.up import Child, build_model
 
 # A quick, small run: no SFT, tiny batches and frequent checkpoints, so every fault lands mid-run within seconds.
 FAST = ["sft.steps=0", "learner.batch_size=16", "actor.concurrency=16", "learner.checkpoint_every=2",
         "actor.max_turns=3", "max_versions=100000", "wall_budget_s=100000", "actor.rpc_timeout_s=10"]
-
-
-def wait_for(pred, timeout: float, what: str, every: float = 0.2):
-    """Poll pred() until it returns something truthy (returned) or raise TimeoutError after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(every)
-
-
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line torn by SIGKILL
-    return out
 
 
 class Topology:
@@ -167,11 +143,11 @@ class Topology:
             ch.close()
 
     def version(self) -> int:
-        recs = [r for r in _read_jsonl(self.out / "trained.jsonl") if "version" in r and not r.get("partial")]
+        recs = [r for r in read_jsonl(self.out / "trained.jsonl") if "version" in r and not r.get("partial")]
         return max((r["version"] for r in recs), default=0)
 
     def received(self) -> collections.Counter:
-        return collections.Counter(r["id"] for r in _read_jsonl(self.out / "episodes.jsonl"))
+        return collections.Counter(r["id"] for r in read_jsonl(self.out / "episodes.jsonl"))
 
     def durable(self) -> set[str]:
         """Ids the learner has received: taken by training (episodes.jsonl) or still waiting in its WAL."""
@@ -249,12 +225,12 @@ def account(out: str | os.PathLike, killed_spools: list[set[str]] = ()) -> dict:
     from tars.stream_wal import WriteAheadLog
 
     out = pathlib.Path(out)
-    episodes = _read_jsonl(out / "episodes.jsonl")
+    episodes = read_jsonl(out / "episodes.jsonl")
     received = {r["id"] for r in episodes}
     outcomes = collections.Counter()
     for r in {r["id"]: r for r in episodes}.values():
         outcomes[r["outcome"]] += 1
-    records = _read_jsonl(out / "trained.jsonl")
+    records = read_jsonl(out / "trained.jsonl")
     lin = lineage(records)
     # Trained by a learner that was killed before its next checkpoint: those updates were lost with it.
     rolled_back = _rolled_back(records)

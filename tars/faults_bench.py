@@ -19,7 +19,8 @@ import signal
 import tempfile
 import time
 
-from tars.faults import Topology, wait_for
+from tars.faults import Topology
+from tars.proc import read_jsonl, wait_for
 
 FAULTS = ("envd", "inference", "actor", "learner")
 
@@ -135,9 +136,9 @@ def run(faults=FAULTS, out: str | None = None) -> dict:
 
 
 def _trained_ids(out: pathlib.Path) -> set[str]:
-    from tars.faults import _read_jsonl, lineage
+    from tars.faults import lineage
 
-    return {t for r in lineage(_read_jsonl(out / "trained.jsonl")).values() for t in r.get("ids", ())}
+    return {t for r in lineage(read_jsonl(out / "trained.jsonl")).values() for t in r.get("ids", ())}
 
 
 def summary(res: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Process conventions shared by the roles: ready files, signals, parent-death."""
+"""Process conventions shared by the roles: ready files, signals, parent-death; polling other processes' output."""
 from __future__ import annotations
 
 import ctypes
@@ -7,6 +7,7 @@ import os
 import pathlib
 import signal
 import socket
+import time
 
 
 def sd_notify(state: str) -> bool:
@@ -53,3 +54,27 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.2):
+    """Poll pred() until it returns something truthy (returned) or raise TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(every)
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line torn by a kill or cut by a stop
+    return out

@@ -17,6 +17,7 @@ import pytest
 from envd import png, proctree
 from envd.base import ActionError
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
+from tars.proc import wait_for
 from tars.v1 import common_pb2, env_pb2
 
 _NEEDED = ["Xvfb", "xdotool", "xwininfo", "xterm", "xedit"]
@@ -28,14 +29,7 @@ from envd import desktop  # noqa: E402
 
 
 def _poll(cond, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    return wait_for(cond, timeout_s, what, every=0.05)
 
 
 def _gone(env, timeout_s: float = 10.0) -> set[int]:

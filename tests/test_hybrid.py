@@ -16,6 +16,7 @@ from envd import proctree
 from envd.base import ActionError
 from envd.sandbox import missing_tools
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
+from tars.proc import wait_for
 from tars.v1 import common_pb2, env_pb2
 
 _NEEDED = ["Xvfb", "xdotool", "xwininfo", "xterm", "xedit"]
@@ -30,14 +31,7 @@ SMALL = {"width": "640", "height": "480", "settle_s": "0.05", "apps": "xterm", "
 
 
 def _poll(cond, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    return wait_for(cond, timeout_s, what, every=0.05)
 
 
 def _leftovers(env) -> set[int]:

@@ -7,30 +7,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from learner import dist_check
 from learner.device import autocast, resolve_device, resolve_precision
 from learner.main import Learner, publish_weights
 from learner.ppo import PPOTrainer
 from tars import config as C
 from tars.config import ConfigError, LearnerConfig
 from tars.model import CausalLM, DecoderConfig
-from tars.schema import Trajectory, Turn
+from tars.schema import Trajectory
 
-V = 40
+V = dist_check.V
 
 
 def batch(seed: int, n: int = 8) -> list[Trajectory]:
-    """Mixed lengths, rewards at the end, two groups: several chunks, a critic and GRPO all have work."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        L = int(rng.integers(6, 24))
-        m = np.zeros(L, np.uint8)
-        m[L - 3:] = 1
-        r = float(rng.random() < 0.5)
-        out.append(Trajectory(id=f"{seed}-{i}", env_id="x", outcome="terminated", tokens=rng.integers(0, V, L).astype(np.int32),
-                              logprobs=np.where(m, -1.5, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
-                              mask=m, turns=[Turn("", "", {}, r, L - 3, L)], ret=r, group=f"g{i // 4}"))
-    return out
+    """Mixed lengths, rewards at the end, two groups (the distributed check's batches, shorter)."""
+    return dist_check.batch(seed, n, max_len=24)
 
 
 def tiny() -> CausalLM:

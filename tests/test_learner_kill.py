@@ -10,11 +10,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 
 from tars.model import CausalLM, DecoderConfig
+from tars.proc import wait_for
 from tars.schema import Trajectory, Turn
 from tars.stream import TrajectorySender
 
@@ -37,16 +37,6 @@ def traj(i: int) -> Trajectory:
     return Trajectory(id=f"t{i}", env_id="x", outcome="terminated", tokens=rng.integers(2, V, n).astype(np.int32),
                       logprobs=np.where(m, -1.0, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
                       mask=m, turns=[Turn("", "", {}, r, n - 3, n)], ret=r, success=bool(r))
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise TimeoutError(what)
 
 
 def read_meta(run):
