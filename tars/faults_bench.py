@@ -37,6 +37,13 @@ def _actor_totals(topo: Topology) -> dict:
     return tot
 
 
+def _running(topo: Topology, i: int) -> int:
+    try:
+        return topo.status("actor", i).get("running") or 0
+    except Exception:  # not answering this instant: ask again
+        return 0
+
+
 def fault_envd(topo: Topology, down_s: float = 1.0) -> dict:
     topo.wait_versions(1, 120)
     topo.kill("envd", 0)
@@ -58,17 +65,30 @@ def fault_inference(topo: Topology, down_s: float = 2.0) -> dict:
             "infra_errors_during": after.get("infra_error", 0) - before.get("infra_error", 0)}
 
 
-def fault_actor(topo: Topology) -> dict:
+def fault_actor(topo: Topology, attempts: int = 6) -> dict:
     topo.wait_versions(1, 120)
     # Freeze the learner so acks stop: the actor's finished trajectories pile up unacked in its outbox (and spool),
-    # which is exactly what a kill must not lose. Then kill the actor, thaw the learner, restart the actor.
+    # which is exactly what a kill must not lose. A frozen learner grants no admissions, so only the episodes actor0
+    # already runs can finish meanwhile: freeze while it runs some, and thaw and try again if none of them lands in
+    # its spool within the window (the admission budget may have been spent by the other actor).
     lrn = topo.procs[("learner", 0)].p
-    lrn.send_signal(signal.SIGSTOP)
-    try:
-        wait_for(lambda: len(topo.spool_ids(0)) >= 4, 60, "unacked trajectories in actor0's spool")
-        topo.kill("actor", 0)
-    finally:
-        lrn.send_signal(signal.SIGCONT)
+    held_now = 0
+    for _ in range(attempts):
+        wait_for(lambda: _running(topo, 0) >= 2, 60, "episodes running in actor0")
+        lrn.send_signal(signal.SIGSTOP)
+        try:
+            try:
+                wait_for(lambda: len(topo.spool_ids(0)) >= 1, 15, "unacked trajectories in actor0's spool")
+            except TimeoutError:
+                continue
+            time.sleep(1.0)  # let the rest of its running episodes finish into the spool too
+            held_now = len(topo.spool_ids(0))
+            topo.kill("actor", 0)
+            break
+        finally:
+            lrn.send_signal(signal.SIGCONT)
+    if not held_now:
+        raise TimeoutError(f"actor0 held no unacked trajectory in {attempts} freezes of the learner")
     held = topo.killed_spools[-1]
     topo.restart("actor", 0)
     # The restarted actor re-sends what its predecessor held unacked; wait until every one of them arrived.
