@@ -119,6 +119,10 @@ class PPOTrainer:
             self.ref = copy.deepcopy(policy).eval().requires_grad_(False)
         self.updates = 0
         self.chunk_tokens = 4096  # padded tokens per forward chunk
+        # One epoch of one minibatch on one process: the weights before the update are the weights of the training
+        # forward, so pi_prox is that forward's logprobs (detached) and the critic's values its own forward's;
+        # the two no-grad passes are skipped (a quarter of the update's compute). Same gradients, tested.
+        self.fuse_single_pass = True
 
     # ---- advantages ----------------------------------------------------------------------------------------
     def advantages(self, b: Batch, values: torch.Tensor | None):
@@ -156,6 +160,29 @@ class PPOTrainer:
                     values[c, :T] = put(self.critic.values_at(tok, val, msk).float(), msk, msk)
         return prox, values
 
+    def _critic_pass(self, b: Batch, chunks) -> tuple[torch.Tensor, dict]:
+        """Fused mode: the critic's forward with gradients, its value loss backpropagated chunk by chunk (each chunk's
+        targets need only its own rows), and its values (before the update) for the advantages -> ([B, T], sums)."""
+        cfg, dev, amp = self.cfg, self.device, self.amp_dtype
+        values = torch.zeros_like(b.behav_logp)
+        n_tok = float(b.mask.sum().clamp(min=1))
+        self.critic.train()
+        self.critic_opt.zero_grad(set_to_none=True)
+        v_loss = 0.0
+        for c in chunks:
+            T = int(b.valid[c].sum(1).max())
+            c = c.to(dev)
+            tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
+            with autocast(dev, amp):
+                v = self.critic.values_at(tok, val, msk).float()
+            values[c, :T] = put(v.detach(), msk, msk)
+            _, tg = A.masked_gae(b.rewards[c, :T], values[c, :T], msk, cfg.gamma, cfg.lam_critic)
+            w = float(msk.sum()) / n_tok
+            vl = A.clipped_value_loss(v, v.detach(), at(tg, msk), torch.ones_like(v), cfg.value_clip)
+            (vl * w).backward()
+            v_loss += w * float(vl.detach())
+        return values, {"v_loss": v_loss}
+
     def step(self, trajs: list[Trajectory], version: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         b = collate(trajs, self.pad_id)
@@ -163,7 +190,16 @@ class PPOTrainer:
         b = b.to(self.device)
         dev, amp = self.device, self.amp_dtype
         self.policy.eval()
-        prox, values = self._forward_old(b, length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens))
+        chunks = length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens)
+        fused = self.fuse_single_pass and cfg.epochs == 1 and cfg.minibatches <= 1 and self.dist.world == 1
+        critic_sums = {}
+        if fused:
+            prox = None  # taken from the training forward below
+            values = None
+            if self.critic is not None:
+                values, critic_sums = self._critic_pass(b, chunks)
+        else:
+            prox, values = self._forward_old(b, chunks)
         adv, targets = self.advantages(b, values)
         if cfg.adv_norm:
             adv = A.masked_scale(adv, b.mask)
@@ -171,8 +207,10 @@ class PPOTrainer:
             adv = A.asymmetric_advantages(adv, cfg.neg_adv_weight)
         has_signal = bool((adv * b.mask).abs().max() > 0)
         stale = (version - b.versions).clamp(min=0).float()
-        m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask)),
-             "behav_prox_kl": float(A.masked_mean(b.behav_logp - prox, b.mask))}
+        m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask))}
+        if prox is not None:
+            m["behav_prox_kl"] = float(A.masked_mean(b.behav_logp - prox, b.mask))
+        kl_sum = 0.0
         self.policy.train()
         B = len(trajs)
         stats: dict[str, list[float]] = {"pg_loss": [], "clipfrac": [], "entropy": [], "v_loss": [], "grad_norm": [], "kl_ref": []}
@@ -181,9 +219,9 @@ class PPOTrainer:
             for idx in perm.chunk(max(1, cfg.minibatches)):
                 n_tok = float(b.mask[idx.to(dev)].sum().clamp(min=1))
                 self.opt.zero_grad(set_to_none=True)
-                if self.critic is not None:
+                if self.critic is not None and not fused:  # fused: the critic's gradients are already in place
                     self.critic_opt.zero_grad(set_to_none=True)
-                sums = {"pg_loss": 0.0, "clipfrac": 0.0, "entropy": 0.0, "v_loss": 0.0}
+                sums = {"pg_loss": 0.0, "clipfrac": 0.0, "entropy": 0.0, "v_loss": critic_sums.get("v_loss", 0.0)}
                 if self.ref is not None:  # the same keys on every rank, whether or not it holds a chunk
                     sums["kl_ref"] = 0.0
                 # Length-bucketed chunks with gradient accumulation: the same gradient as one padded batch
@@ -197,7 +235,10 @@ class PPOTrainer:
                     with autocast(dev, amp):
                         logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True)
                     ones = torch.ones_like(logp)
-                    p_old, a = at(prox[c, :T], msk), at(adv[c, :T], msk)
+                    p_old = logp.detach() if prox is None else at(prox[c, :T], msk)
+                    a = at(adv[c, :T], msk)
+                    if prox is None:
+                        kl_sum += float((at(b.behav_logp[c, :T], msk) - p_old).sum())
                     loss = A.decoupled_ppo_loss(logp, p_old, at(b.behav_logp[c, :T], msk), a, ones,
                                                 cfg.eps_low, cfg.eps_high, cfg.behav_cap)
                     if cfg.entropy_coef:
@@ -214,7 +255,7 @@ class PPOTrainer:
                         sums["clipfrac"] += w * float(((ratio > 1 + cfg.eps_high) | (ratio < 1 - cfg.eps_low)).float().mean())
                         sums["pg_loss"] += w * float(loss.detach())
                         sums["entropy"] += w * float(ent.mean())
-                    if self.critic is not None:
+                    if self.critic is not None and not fused:
                         with autocast(dev, amp):
                             v = self.critic.values_at(tok, val, msk)
                         vl = A.clipped_value_loss(v.float(), at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.value_clip)
@@ -232,6 +273,8 @@ class PPOTrainer:
                 for k, v in zip(sums, self.dist.sum_floats(list(sums.values()))):  # metrics of the whole minibatch
                     stats.setdefault(k, []).append(v)
                 stats["grad_norm"].append(float(gn))
+        if prox is None:
+            m["behav_prox_kl"] = kl_sum / max(1, m["tokens"])
         self.sched.step()
         self.updates += 1
         self.policy.eval()
