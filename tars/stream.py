@@ -94,6 +94,7 @@ class TrajectoryReceiver:
         self._sync_req: queue.Queue = queue.Queue(maxsize=1)
         self._sync_done: queue.Queue = queue.Queue(maxsize=1)
         self._syncing: dict[bytes, list[str]] | None = None
+        self._sync_finished = False
         self._syncer: threading.Thread | None = None
         self._replay: list[str] = []
         self._version_sent = -1
@@ -206,6 +207,7 @@ class TrajectoryReceiver:
                 log.exception("WAL write/fdatasync failed; these trajectories stay unacked")
                 batch = {}
             self._sync_done.put(batch)
+            self._sync_finished = True  # the io thread looks at this after every message: acks go out at once
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -243,6 +245,8 @@ class TrajectoryReceiver:
                         except zmq.Again:
                             break
                         self._handle(sock, msg)
+                        if self._sync_finished:
+                            break
                 self._tick(sock)
             self._flush_acks(sock)
         except Exception:
@@ -440,6 +444,7 @@ class TrajectoryReceiver:
         except queue.Empty:
             return False
         self._syncing = None
+        self._sync_finished = False
         self._send_acks(sock, batch)
         return True
 
