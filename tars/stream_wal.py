@@ -10,9 +10,8 @@ A torn tail (the learner died mid-write: a short record, a bad crc, TWL2 records
 away on open; those trajectories were never acked (acks follow sync, in order), so their actors re-send them.
 
 The receiver stages: its io thread only reserves the offset, indexes the id (so duplicates are caught at once) and
-copies the record into a batch buffer; the syncer thread checksums the batch, writes it with one pwrite and
-fdatasyncs it before the acks go out. zlib.crc32 (on buffers over 5 KB), pwrite and fdatasync release the GIL, so
-that work overlaps the io thread's decoding.
+keeps a reference to the payload buffer (no copy); the syncer thread checksums the batch, writes it with one
+pwritev and fdatasyncs it before the acks go out.
 
 Only an index {id: (offset, length)} stays in memory; payloads are read back with pread when replayed, so a large
 backlog costs disk, not RAM. One lock: the receiver's io thread appends, syncs and reads; the training thread may
@@ -86,40 +85,54 @@ def scan_ids(path) -> list[str]:
     return [t for t, _, _ in records]
 
 
+_CRC_CHUNK = 4096  # zlib.crc32 keeps the GIL for buffers up to 5 KB
+
+
 class _Batch:
-    """Staged records copied back to back into one reusable buffer, so the syncer checksums and writes a whole batch
-    with one zlib.crc32 and one pwrite. Per-record calls would hand the GIL back and forth for every payload (each
-    releases it), and a thread that wants the GIL back from a busy io thread may wait up to the 5 ms switch interval:
-    per-record checksums made a 32-record sync take tens of milliseconds on a loaded machine. The copy costs the io
-    thread a memcpy into pages already mapped (buffers are reused, two in turn)."""
+    """Staged records by reference (no copy: the payloads stay in the buffers libzmq received them into), written by
+    the syncer with pwritev (one call, one GIL hand-over per 1000 buffers).
 
-    __slots__ = ("buf", "pos")
+    The checksum is computed in chunks of 4 KB on purpose: zlib.crc32 releases the GIL for larger buffers, and a
+    thread that wants the GIL back from a busy io thread may wait up to the 5 ms switch interval, so one release per
+    payload made a 32-record sync take tens of milliseconds on a loaded machine. Held, it costs the same CPU."""
 
-    def __init__(self, cap: int = 4 << 20):
-        self.buf = bytearray(cap)
+    __slots__ = ("bufs", "pos")
+
+    def __init__(self):
+        self.bufs: list = []
         self.pos = 0
 
     def put(self, b) -> None:
-        n = len(b)
-        end = self.pos + n
-        if end > len(self.buf):
-            grown = bytearray(max(2 * len(self.buf), end))
-            grown[:self.pos] = memoryview(self.buf)[:self.pos]
-            self.buf = grown
-        self.buf[self.pos:end] = b
-        self.pos = end
+        self.bufs.append(b)
+        self.pos += len(b)
 
     def crc(self) -> int:
-        return zlib.crc32(memoryview(self.buf)[:self.pos])
+        c, crc32, k = 0, zlib.crc32, _CRC_CHUNK
+        for b in self.bufs:
+            if len(b) <= k:
+                c = crc32(b, c)
+            else:
+                m = memoryview(b)
+                for o in range(0, len(m), k):
+                    c = crc32(m[o:o + k], c)
+        return c
 
     def write(self, fd: int, off: int, tail: bytes) -> None:
-        self.put(tail)
-        view = memoryview(self.buf)[:self.pos]
-        while view:  # pwrite may write less than asked for huge buffers; an error or 0 bytes raises
-            n = os.pwrite(fd, view, off)
-            if n <= 0:
-                raise OSError(f"short write at offset {off}")
-            view, off = view[n:], off + n
+        bufs = self.bufs + [tail]
+        for i in range(0, len(bufs), 1000):  # Linux IOV_MAX is 1024
+            chunk = bufs[i:i + 1000]
+            want = sum(len(b) for b in chunk)
+            n = os.pwritev(fd, chunk, off)
+            if n != want:  # rare (huge writes): finish this chunk with plain pwrites
+                if n <= 0:
+                    raise OSError(f"short write at offset {off}")
+                rest, o = memoryview(b"".join(chunk))[n:], off + n
+                while rest:
+                    k = os.pwrite(fd, rest, o)
+                    if k <= 0:
+                        raise OSError(f"short write at offset {o}")
+                    rest, o = rest[k:], o + k
+            off += want
 
 
 class WalError(OSError):
@@ -136,9 +149,8 @@ class WriteAheadLog:
         self._fd = -1
         self._end = 0                  # end of the file once everything staged is written
         self._dirty = False
-        # Staged records, reserved at _staged_start.._end; the syncer writes them. Two buffers take turns.
+        # Staged records (by reference), reserved at _staged_start.._end; the syncer writes them.
         self._staged = _Batch()
-        self._spare: _Batch | None = None
         self._staged_n = 0
         self._staged_start = 0
         self._failed: BaseException | None = None
@@ -221,13 +233,11 @@ class WriteAheadLog:
             raise WalError(f"wal {self.path} is not open")
 
     def _cut_locked(self) -> tuple[_Batch, int] | None:
-        """Take the staged batch and reserve room for its commit record: (batch, start offset).
-
-        Called with _sync_lock held, so the previous batch's write is over and its buffer is back as the spare."""
+        """Take the staged batch and reserve room for its commit record: (batch, start offset)."""
         if not self._staged_n:
             return None
         batch, start = self._staged, self._staged_start
-        self._staged, self._spare, self._staged_n = self._spare or _Batch(), None, 0
+        self._staged, self._staged_n = _Batch(), 0
         self._end += _COMMIT.size
         return batch, start
 
@@ -241,9 +251,6 @@ class WriteAheadLog:
             self._failed = e
             raise WalError(f"wal {self.path}: write failed: {e}") from e
         self._dirty = True
-        if len(batch.buf) <= (16 << 20) or batch.pos > len(batch.buf) // 4:  # let a burst's giant buffer go
-            batch.pos = 0
-            self._spare = batch
         # Back to the pool for the next cut; a buffer grown by a burst far beyond the usual batch is let go.
 
     def sync(self) -> None:
