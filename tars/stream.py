@@ -49,7 +49,8 @@ class _Actor:
 
 def _recv_message(sock) -> list:
     """One multipart message (raises zmq.Again if none): the identity, tag and body frames as bytes, the payload and
-    image frames as zero-copy memoryviews of libzmq's buffers (decoded from there, copied once: into the WAL batch)."""
+    image frames as zero-copy memoryviews of libzmq's buffers (decoded from there; the WAL batch keeps the payload by
+    reference until the syncer has written it)."""
     parts = [sock.recv(zmq.NOBLOCK)]
     while sock.rcvmore:  # the rest of a multipart message is already here: ZeroMQ delivers it whole
         parts.append(sock.recv() if len(parts) < 3 else sock.recv(copy=False).buffer)

@@ -283,7 +283,9 @@ class WriteAheadLog:
     def compact(self, drop: set[str] | frozenset[str]) -> tuple[int, int]:
         """Rewrite the log without the records in `drop` (atomic rename); returns (kept, dropped)."""
         with self._sync_lock, self._lock:
-            if self._fd >= 0 and self._failed is None:
+            if self._failed is not None:  # the index may name records that never reached the file
+                raise WalError(f"wal {self.path} failed earlier: {self._failed}")
+            if self._fd >= 0:
                 cut = self._cut_locked()
                 if cut is not None:
                     self._write_locked(cut)  # staged records must be in the file before it is copied
