@@ -52,8 +52,8 @@ def _recv_message(sock) -> list:
     image frames as zero-copy memoryviews of libzmq's buffers (decoded from there; the WAL batch keeps the payload by
     reference until the syncer has written it)."""
     parts = [sock.recv(zmq.NOBLOCK)]
-    while sock.rcvmore:  # the rest of a multipart message is already here: ZeroMQ delivers it whole
-        parts.append(sock.recv() if len(parts) < 3 else sock.recv(copy=False).buffer)
+    while sock.rcvmore:  # the rest of a multipart message is already here (ZeroMQ delivers it whole): never EAGAIN
+        parts.append(sock.recv(zmq.NOBLOCK) if len(parts) < 3 else sock.recv(zmq.NOBLOCK, copy=False).buffer)
     return parts
 
 
