@@ -180,20 +180,8 @@ class Topology:
 
 def _scan_wal(path) -> list[str]:
     """Ids in a WAL file, read-only (the live learner owns it: no truncation of a tail being written)."""
-    import struct
-    import zlib
-
-    hdr = struct.Struct("<4sIII")
-    ids, data = [], pathlib.Path(path).read_bytes()
-    off = 0
-    while off + hdr.size <= len(data):
-        magic, id_len, plen, crc = hdr.unpack_from(data, off)
-        end = off + hdr.size + id_len + plen
-        if magic != b"TWL1" or end > len(data) or zlib.crc32(data[off + hdr.size:end]) != crc:
-            break
-        ids.append(data[off + hdr.size:off + hdr.size + id_len].decode("utf-8", "replace"))
-        off = end
-    return ids
+    from tars.stream_wal import scan_ids
+    return scan_ids(path)
 
 
 def lineage(records: list[dict]) -> dict[int, dict]:

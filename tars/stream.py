@@ -9,7 +9,8 @@ trajectory. An actor may only send what it has credit for, so the queue can neve
 has to block or buffer; credit is re-granted as `get()` drains the queue (fair: the actor with the least credit first).
 
 Delivery is exactly-once for training, across learner restarts:
-  * a trajectory is acked only after it is appended to the WAL and fsynced (batched: one fsync per ack_interval_s);
+  * a trajectory is acked only after it is written to the WAL and fsynced (batched: the io thread stages it, the
+    syncer thread writes, checksums and fdatasyncs each batch, one per ack_interval_s, then the io thread acks);
     the actor keeps it (and re-sends it after a learner restart) until then;
   * ids already in the WAL or already consumed are duplicates: acked again so the actor forgets them, never re-queued;
   * the training loop calls mark_consumed(ids) for what it trained on and stores checkpoint_state() with its weights;
@@ -33,7 +34,7 @@ import zmq
 from tars import stream_proto as P
 from tars.schema import SchemaError, Trajectory
 from tars.stream_images import ImageError, ImageStore, resolve, take_attached
-from tars.stream_wal import WriteAheadLog
+from tars.stream_wal import WalError, WriteAheadLog
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,16 @@ class _Actor:
     credit: int = 0         # credit granted and not yet spent: each unit is a reserved queue slot
     ledger: int = 0         # episodes this receiver admitted for the actor and has not seen finish
     last_seen: float = 0.0
+
+
+def _recv_message(sock) -> list:
+    """One multipart message (raises zmq.Again if none): the identity, tag and body frames as bytes, the payload and
+    image frames as zero-copy memoryviews of libzmq's buffers (decoded from there; the WAL batch keeps the payload by
+    reference until the syncer has written it)."""
+    parts = [sock.recv(zmq.NOBLOCK)]
+    while sock.rcvmore:  # the rest of a multipart message is already here (ZeroMQ delivers it whole): never EAGAIN
+        parts.append(sock.recv(zmq.NOBLOCK) if len(parts) < 3 else sock.recv(zmq.NOBLOCK, copy=False).buffer)
+    return parts
 
 
 class TrajectoryReceiver:
@@ -84,13 +95,14 @@ class TrajectoryReceiver:
         self._sync_req: queue.Queue = queue.Queue(maxsize=1)
         self._sync_done: queue.Queue = queue.Queue(maxsize=1)
         self._syncing: dict[bytes, list[str]] | None = None
+        self._sync_finished = False
         self._syncer: threading.Thread | None = None
         self._replay: list[str] = []
         self._version_sent = -1
         self._stats = dict.fromkeys(
             ("received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked",
              "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
-             "protocol_errors", "wal_syncs", "queue_max", "images_stored", "missing_images"), 0)
+             "protocol_errors", "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images"), 0)
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
@@ -192,9 +204,11 @@ class TrajectoryReceiver:
             try:
                 self.wal.sync()
             except OSError:
-                log.exception("WAL fdatasync failed; these trajectories stay unacked and will be re-sent")
+                # Sticky (WalError from now on): nothing is acked again, actors keep what they sent.
+                log.exception("WAL write/fdatasync failed; these trajectories stay unacked")
                 batch = {}
             self._sync_done.put(batch)
+            self._sync_finished = True  # the io thread looks at this after every message: acks go out at once
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -224,13 +238,16 @@ class TrajectoryReceiver:
                 wait = (0.001 if self._syncing is not None else
                         0.005 if not self._pending_acks else max(0.0, self._ack_due - now))
                 if poller.poll(wait * 1000):
-                    # Drain a bounded burst, then tick so acks and credit go out even under constant load.
-                    for _ in range(256):
+                    # Drain a short burst, then tick: credit and acks must flow back while the actor still has
+                    # work in hand, or the two ends take turns instead of overlapping.
+                    for _ in range(32):
                         try:
-                            msg = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                            msg = _recv_message(sock)
                         except zmq.Again:
                             break
                         self._handle(sock, msg)
+                        if self._sync_finished:
+                            break
                 self._tick(sock)
             self._flush_acks(sock)
         except Exception:
@@ -340,7 +357,8 @@ class TrajectoryReceiver:
             except Exception:
                 log.exception("on_reject callback failed")
 
-    def _traj(self, sock, ident: bytes, st: _Actor, body: dict, payload: bytes | None, image_frames=()) -> None:
+    def _traj(self, sock, ident: bytes, st: _Actor, body: dict, payload, image_frames=()) -> None:
+        """payload: the encoded trajectory (bytes or a memoryview), image_frames: the attached screenshots."""
         self._count("received")
         if st.credit > 0:
             st.credit -= 1
@@ -362,7 +380,7 @@ class TrajectoryReceiver:
         try:
             n_img = len(self.images)
             # Stored even if the trajectory is then refused: later trajectories may refer to them.
-            take_attached(self.images, body.get("images"), list(image_frames), self.max_frame_bytes)
+            take_attached(self.images, body.get("images"), [bytes(f) for f in image_frames], self.max_frame_bytes)
             tr = Trajectory.decode(payload, self.max_frame_bytes)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
@@ -381,11 +399,18 @@ class TrajectoryReceiver:
             self._send(sock, ident, P.NACK, {"id": tid, "reason": f"missing images: {len(missing)}", "retry": True,
                                              "missing": missing})
             return
-        if self._q.full():
-            # Only a peer that ignores credit gets here; it keeps the trajectory and retries.
+        if self._q.full() or self.wal.staged() >= self.queue_size:
+            # Only a peer that ignores credit (or a disk far behind) gets here; it keeps the trajectory and retries.
             self._nack(sock, ident, st, tid, "busy: no queue slot", "busy", retry=True)
             return
-        self.wal.append(tid, payload)   # the same bytes the actor sent, no re-encoding
+        try:
+            # The same bytes the actor sent, no re-encoding; the syncer thread writes and fdatasyncs them before
+            # their ack goes out (staged payloads are bounded by queue_size just above).
+            self.wal.stage(tid, payload)
+        except WalError as e:
+            self._warn("wal", "cannot log trajectory %s: %s", tid, e)
+            self._nack(sock, ident, st, tid, "busy: write-ahead log failed", "wal_errors", retry=True)
+            return
         # Accounting before the put: the training thread may call on_accepted the instant the item is queued.
         if st.ledger:
             st.ledger -= 1
@@ -420,6 +445,7 @@ class TrajectoryReceiver:
         except queue.Empty:
             return False
         self._syncing = None
+        self._sync_finished = False
         self._send_acks(sock, batch)
         return True
 
@@ -436,7 +462,13 @@ class TrajectoryReceiver:
             return
         if not self._pending_acks:
             return
-        self.wal.sync()
+        try:
+            self.wal.sync()
+        except OSError as e:
+            self._count("wal_errors")
+            self._warn("wal", "WAL sync failed, acks withheld: %s", e)
+            self._pending_acks, self._ack_due = {}, 0.0
+            return
         self._count("wal_syncs")
         self._send_acks(sock, self._pending_acks)
         self._pending_acks = {}

@@ -11,6 +11,12 @@ With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories 
 Screenshots are content-addressed (tars/stream_images.py): send() keeps a trajectory's images beside its encoded
 frame, and each transmission attaches only the images not yet sent on this learner connection (a new learner run_id
 starts over; a learner that answers "missing images" gets them again).
+
+The socket is a plain (non-asyncio) DEALER driven by the event loop directly: sends are non-blocking calls (the HWM is
+unlimited and credit bounds what is in flight, so they never have to wait), and loop.add_reader on the socket's FD
+drains incoming messages. zmq.asyncio would cost a future, a scheduled callback and several EVENTS checks per send
+while a receive is pending, about as much as the rest of the hot path. The ZeroMQ FD is edge-triggered: any call on
+the socket may consume the edge, so after each send the sender checks EVENTS itself and schedules a drain.
 """
 from __future__ import annotations
 
@@ -28,7 +34,6 @@ from dataclasses import dataclass
 
 import msgpack
 import zmq
-import zmq.asyncio
 
 from tars import stream_proto as P
 from tars.schema import Trajectory
@@ -68,8 +73,11 @@ class TrajectorySender:
         self.run_id: str | None = None        # the learner's, from WELCOME
         self.version = 0                      # latest policy version heard of
         self.max_frame_bytes = 64 << 20       # the learner's limit, from WELCOME
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
+        self._wake: asyncio.Future | None = None  # resolved (and dropped) by _notify: every _wait re-checks
         self._outbox: dict[str, _Entry] = {}
         self._resend: collections.deque[str] = collections.deque()
         self._credit = 0
@@ -78,8 +86,6 @@ class TrajectorySender:
         self._seq = itertools.count(1)
         self._rid = itertools.count(1)
         self._grants: dict[int, asyncio.Future] = {}
-        self._cond: asyncio.Condition | None = None
-        self._waiters = 0                     # tasks inside _wait; _notify skips the condition when there are none
         self._tasks: list[asyncio.Task] = []
         self._last_rx = 0.0
         self._last_hello = 0.0
@@ -92,8 +98,8 @@ class TrajectorySender:
     # --- public API -----------------------------------------------------------------------------------------------
     async def start(self, timeout: float = 10.0) -> None:
         """Connect, load the spool, introduce ourselves; returns once the learner answered (WELCOME)."""
-        self._cond = asyncio.Condition()
-        self._ctx = zmq.asyncio.Context()
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.routing_id = self.actor_id.encode("utf-8")
         self._sock.linger = 0
@@ -103,10 +109,10 @@ class TrajectorySender:
         self._sock.connect(self.address)
         if self.spool_dir:
             self._load_spool()
-        self._tasks = [asyncio.create_task(self._reader(), name=f"sender-rx-{self.actor_id}"),
-                       asyncio.create_task(self._heartbeat(), name=f"sender-hb-{self.actor_id}"),
+        self._loop.add_reader(self._sock.FD, self._drain)
+        self._tasks = [asyncio.create_task(self._heartbeat(), name=f"sender-hb-{self.actor_id}"),
                        asyncio.create_task(self._pump(), name=f"sender-pump-{self.actor_id}")]
-        await self._hello()
+        self._hello()
         await self._wait(lambda: self._ready, time.monotonic() + timeout, "learner did not answer HELLO")
 
     async def admit(self, n: int, timeout: float) -> tuple[int, int]:
@@ -115,7 +121,7 @@ class TrajectorySender:
         fut = asyncio.get_running_loop().create_future()
         self._grants[rid] = fut
         try:
-            await self._sock.send_multipart([P.ADMIT, P.pack({"rid": rid, "n": n})])
+            self._send([P.ADMIT, P.pack({"rid": rid, "n": n})])
             granted, version = await asyncio.wait_for(fut, timeout)
         finally:
             self._grants.pop(rid, None)
@@ -127,7 +133,7 @@ class TrajectorySender:
         n = min(n, self._inflight)
         if n > 0:
             self._inflight -= n
-            await self._sock.send_multipart([P.LOST, P.pack({"n": n})])
+            self._send([P.LOST, P.pack({"n": n})])
 
     async def send(self, traj: Trajectory, timeout: float) -> None:
         if self.dedupe_images and traj.images:
@@ -159,7 +165,7 @@ class TrajectorySender:
         self._credit -= 1
         e = self._outbox[tid] = _Entry(frame, next(self._seq), time.monotonic(), images or None)
         self._inflight = max(0, self._inflight - 1)
-        await self._transmit(tid, e)
+        self._transmit(tid, e)
         self._stats["sent"] += 1
 
     async def flush(self, timeout: float) -> None:
@@ -187,38 +193,46 @@ class TrajectorySender:
         for fut in self._grants.values():
             fut.cancel()
         if self._sock is not None:
+            if self._loop is not None and not self._sock.closed:
+                self._loop.remove_reader(self._sock.FD)
             self._sock.close(0)
         if self._ctx is not None:
             self._ctx.term()
 
     # --- internals ------------------------------------------------------------------------------------------------
     async def _wait(self, pred, deadline: float, what) -> None:
-        if pred():  # fast path: one event loop, so nothing can change between this check and the caller's next line
-            return
-        self._waiters += 1
+        """Until pred() holds (re-checked after every _notify), or TimeoutError at deadline."""
+        while not pred():  # one event loop: nothing changes between this check and the caller's next line
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(what() if callable(what) else what)
+            if self._wake is None:
+                self._wake = self._loop.create_future()
+            try:
+                # shield: a waiter timing out must not cancel the future the other waiters share
+                await asyncio.wait_for(asyncio.shield(self._wake), None if left == float("inf") else left)
+            except TimeoutError:
+                pass  # re-check the predicate once more, then raise above
+
+    def _notify(self) -> None:
+        w, self._wake = self._wake, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _send(self, parts, copy: bool = True) -> None:
+        """Non-blocking send. The HWM is unlimited and a connected DEALER always has its pipe, so it cannot meet EAGAIN;
+        if libzmq still refuses, the message is dropped like one lost on a bounced connection (TRAJ is re-sent after
+        resend_after_s, control messages are retried by their own timeouts)."""
         try:
-            await self._wait_slow(pred, deadline, what)
-        finally:
-            self._waiters -= 1
+            self._sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            log.warning("stream send would block; dropped a %r message", parts[0])
+        if not self._drain_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # The send may have consumed the FD's edge for messages that arrived meanwhile: drain them soon.
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
 
-    async def _wait_slow(self, pred, deadline: float, what) -> None:
-        async with self._cond:
-            while not pred():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(what() if callable(what) else what)
-                try:
-                    await asyncio.wait_for(self._cond.wait(), None if left == float("inf") else left)
-                except TimeoutError:
-                    pass  # re-check the predicate once more, then raise above
-
-    async def _notify(self) -> None:
-        if not self._waiters:
-            return
-        async with self._cond:
-            self._cond.notify_all()
-
-    async def _transmit(self, tid: str, e: _Entry) -> None:
+    def _transmit(self, tid: str, e: _Entry) -> None:
         e.sent_at = time.monotonic()
         new = [h for h in e.images if h not in self._sent_images] if e.images else []
         parts = [P.TRAJ, P.pack({"seq": e.seq, "id": tid, "images": new}), e.frame, *(e.images[h] for h in new)]
@@ -231,76 +245,101 @@ class TrajectorySender:
         self._stats["image_bytes_sent"] += img_bytes
         self._stats["images_sent"] += len(new)
         self._stats["images_deduped"] += (len(e.images) if e.images else 0) - len(new)
-        await self._sock.send_multipart(parts, copy=False)
+        self._send(parts, copy=False)
 
-    async def _hello(self) -> None:
+    def _hello(self) -> None:
         self._ready = False
         self._last_hello = time.monotonic()
         self._hello_id += 1
         self._stats["hellos"] += 1
-        await self._sock.send_multipart([P.HELLO, P.pack({
+        self._send([P.HELLO, P.pack({
             "actor": self.actor_id, "incarnation": self.incarnation, "hello_id": self._hello_id,
             "pending_ids": list(self._outbox),
             "inflight": self._inflight})])
 
-    async def _reader(self) -> None:
-        while True:
-            msg = await self._sock.recv_multipart()
-            self._last_rx = time.monotonic()
-            if len(msg) < 2:
-                continue
-            tag = msg[0]
-            try:
-                body = P.unpack(msg[1])
-            except ValueError:
-                log.warning("bad message from learner (tag %r)", tag)
-                continue
-            if tag == P.ACK:
-                for tid in body.get("ids", ()):
-                    if self._outbox.pop(tid, None) is not None:
-                        self._stats["acked"] += 1
-                        if self.spool_dir:
-                            self._unspool(tid)
-            elif tag == P.CREDIT:
-                if self._ready:  # credit from before our last HELLO is void (WELCOME resets it)
-                    self._credit += int(body.get("n", 0))
-            elif tag == P.WELCOME:
-                if body.get("hello_id") == self._hello_id:
-                    self._welcome(body)
-            elif tag == P.NACK:
-                tid = body.get("id")
-                missing = body.get("missing") or []
-                for h in missing:  # the learner lost these images: attach them again
-                    self._sent_images.pop(h, None)
-                    self._stats["images_missing"] += 1
-                e = self._outbox.get(tid)
-                # Images we do not hold either can never be supplied: drop the trajectory rather than loop.
-                resendable = e is not None and all(h in (e.images or {}) for h in missing)
-                if body.get("retry") and resendable:
-                    self._stats["retried"] += 1
-                    self._outbox[tid].sent_at = 0.0
-                    self._resend.append(tid)
-                elif self._outbox.pop(tid, None) is not None:
-                    self._stats["nacked"] += 1
-                    log.warning("learner rejected trajectory %s: %s", tid, body.get("reason"))
-                    if body.get("retry"):  # the learner still counts the episode as running: give it back
-                        await self._sock.send_multipart([P.LOST, P.pack({"n": 1})])
+    def _drain(self) -> None:
+        """add_reader callback (and after sends): handle every message waiting, in a bounded burst."""
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        handled = False
+        try:
+            for _ in range(1024):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                msg = sock.recv_multipart(zmq.NOBLOCK)
+                self._last_rx = time.monotonic()
+                handled = True
+                try:
+                    self._dispatch(msg)
+                except (TypeError, ValueError, AttributeError) as e:  # a well-formed map with ill-typed values
+                    log.warning("bad %r message from learner: %s", msg[0], e)
+            else:  # more waiting: yield to the loop, come back at once
+                self._drain_scheduled = True
+                self._loop.call_soon(self._drain)
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as e:
+            if not self._closed:
+                log.warning("stream receive failed: %s", e)
+        if handled:
+            self._notify()
+
+    def _dispatch(self, msg: list[bytes]) -> None:
+        if len(msg) < 2:
+            return
+        tag = msg[0]
+        try:
+            body = P.unpack(msg[1])
+        except ValueError:
+            log.warning("bad message from learner (tag %r)", tag)
+            return
+        if tag == P.ACK:
+            for tid in body.get("ids", ()):
+                if self._outbox.pop(tid, None) is not None:
+                    self._stats["acked"] += 1
                     if self.spool_dir:
                         self._unspool(tid)
-            elif tag == P.GRANT:
-                fut = self._grants.get(body.get("rid"))
-                if fut is not None and not fut.done():
-                    fut.set_result((int(body.get("granted", 0)), int(body.get("version", 0))))
-                self.version = int(body.get("version", self.version))
-            elif tag == P.VERSION:
-                self.version = int(body.get("v", self.version))
-            elif tag == P.PONG:
-                if self.run_id is not None and body.get("run_id") != self.run_id:
-                    await self._hello()
-            elif tag == P.WHO:
-                if time.monotonic() - self._last_hello > 0.05 or self._ready:  # one HELLO per burst of WHOs
-                    await self._hello()
-            await self._notify()
+        elif tag == P.CREDIT:
+            if self._ready:  # credit from before our last HELLO is void (WELCOME resets it)
+                self._credit += int(body.get("n", 0))
+        elif tag == P.WELCOME:
+            if body.get("hello_id") == self._hello_id:
+                self._welcome(body)
+        elif tag == P.NACK:
+            tid = body.get("id")
+            missing = body.get("missing") or []
+            for h in missing:  # the learner lost these images: attach them again
+                self._sent_images.pop(h, None)
+                self._stats["images_missing"] += 1
+            e = self._outbox.get(tid)
+            # Images we do not hold either can never be supplied: drop the trajectory rather than loop.
+            resendable = e is not None and all(h in (e.images or {}) for h in missing)
+            if body.get("retry") and resendable:
+                self._stats["retried"] += 1
+                self._outbox[tid].sent_at = 0.0
+                self._resend.append(tid)
+            elif self._outbox.pop(tid, None) is not None:
+                self._stats["nacked"] += 1
+                log.warning("learner rejected trajectory %s: %s", tid, body.get("reason"))
+                if body.get("retry"):  # the learner still counts the episode as running: give it back
+                    self._send([P.LOST, P.pack({"n": 1})])
+                if self.spool_dir:
+                    self._unspool(tid)
+        elif tag == P.GRANT:
+            fut = self._grants.get(body.get("rid"))
+            if fut is not None and not fut.done():
+                fut.set_result((int(body.get("granted", 0)), int(body.get("version", 0))))
+            self.version = int(body.get("version", self.version))
+        elif tag == P.VERSION:
+            self.version = int(body.get("v", self.version))
+        elif tag == P.PONG:
+            if self.run_id is not None and body.get("run_id") != self.run_id:
+                self._hello()
+        elif tag == P.WHO:
+            if time.monotonic() - self._last_hello > 0.05 or self._ready:  # one HELLO per burst of WHOs
+                self._hello()
 
     def _welcome(self, body: dict) -> None:
         rid = body.get("run_id")
@@ -328,26 +367,26 @@ class TrajectorySender:
             if e is None:
                 continue  # acked meanwhile
             self._credit -= 1
-            await self._transmit(tid, e)
+            self._transmit(tid, e)
             self._stats["resent"] += 1
             if not self._resend:
-                await self._notify()  # new sends wait for the re-send queue to empty
+                self._notify()  # new sends wait for the re-send queue to empty
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             now = time.monotonic()
             if now - self._last_rx > self.dead_after_s and now - self._last_hello > self.dead_after_s:
-                await self._hello()  # the learner went silent: maybe restarted on a new address/port binding
+                self._hello()  # the learner went silent: maybe restarted on a new address/port binding
             else:
-                await self._sock.send_multipart([P.PING, b"\x80"])  # msgpack {}
+                self._send([P.PING, b"\x80"])  # msgpack {}
             if self._ready and self.resend_after_s > 0:
                 stale = [t for t, e in self._outbox.items() if e.sent_at and now - e.sent_at > self.resend_after_s]
                 if stale:
                     for t in sorted(stale, key=lambda t: self._outbox[t].seq):
                         self._outbox[t].sent_at = 0.0
                         self._resend.append(t)
-                    await self._notify()
+                    self._notify()
 
     # --- spool: the outbox on disk, so a killed actor's unacked trajectories survive into its restart ------------
     def _spool_path(self, tid: str) -> str:

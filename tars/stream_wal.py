@@ -1,10 +1,17 @@
 """Write-ahead log of received trajectories: the learner acks a trajectory only once it is fsynced here.
 
-File format, one record per trajectory, appended:
-    header "<4sIII" = (b"TWL1", id_len, payload_len, crc32(id + payload)), then id (utf-8), then payload
-    (the Trajectory.encode() bytes exactly as the actor sent them).
-A torn tail (the learner died mid-write) fails the length or crc check on open and is truncated away; those
-trajectories were never acked, so their actors still hold them and re-send them.
+File format: records appended one after another, each header "<4sIII" = (magic, id_len, payload_len, crc), then
+id (utf-8), then payload (the Trajectory.encode() bytes exactly as the actor sent them). Two kinds:
+  * b"TWL1": a self-checking record, crc = crc32(id + payload); written at once by append().
+  * b"TWL2": a group-committed record (crc field 0), written by sync() for everything stage()d since the last sync,
+    followed by one commit record "<4sQI" = (b"TWC2", offset of the batch's first record, crc32 of the batch's bytes
+    from there up to the commit record). A TWL2 record counts only once the commit after it checks out.
+A torn tail (the learner died mid-write: a short record, a bad crc, TWL2 records without a valid commit) is truncated
+away on open; those trajectories were never acked (acks follow sync, in order), so their actors re-send them.
+
+The receiver stages: its io thread only reserves the offset, indexes the id (so duplicates are caught at once) and
+keeps a reference to the payload buffer (no copy); the syncer thread checksums the batch, writes it with one
+pwritev and fdatasyncs it before the acks go out.
 
 Only an index {id: (offset, length)} stays in memory; payloads are read back with pread when replayed, so a large
 backlog costs disk, not RAM. One lock: the receiver's io thread appends, syncs and reads; the training thread may
@@ -22,6 +29,114 @@ log = logging.getLogger(__name__)
 
 _HDR = struct.Struct("<4sIII")
 _MAGIC = b"TWL1"
+_MAGIC2 = b"TWL2"
+_COMMIT = struct.Struct("<4sQI")
+_COMMIT_MAGIC = b"TWC2"
+
+
+def scan(read, size: int) -> tuple[list[tuple[str, int, int]], int]:
+    """Valid records of a log: ([(id, payload offset, payload length)] in file order, end of the valid prefix).
+
+    read(n, off) returns n bytes at off. Used on open and, read-only, by tools that inspect a live learner's log.
+    """
+    out: list[tuple[str, int, int]] = []
+    batch: list[tuple[str, int, int]] = []  # TWL2 records waiting for their commit
+    batch_start, crc = -1, 0
+    off = good = 0
+    while off + _HDR.size <= size:
+        head = read(_HDR.size, off)
+        magic = head[:4]
+        if magic == _COMMIT_MAGIC:
+            if off + _COMMIT.size > size:
+                break
+            _, start, want = _COMMIT.unpack(read(_COMMIT.size, off))
+            if not batch or start != batch_start or crc != want:
+                break
+            out.extend(batch)
+            batch, batch_start, crc = [], -1, 0
+            off = good = off + _COMMIT.size
+            continue
+        _, id_len, plen, rcrc = _HDR.unpack(head)
+        rec_end = off + _HDR.size + id_len + plen
+        if magic not in (_MAGIC, _MAGIC2) or rec_end > size or (magic == _MAGIC and batch):
+            break
+        body = read(id_len + plen, off + _HDR.size)
+        tid = body[:id_len].decode("utf-8", "replace")
+        entry = (tid, off + _HDR.size + id_len, plen)
+        if magic == _MAGIC:
+            if zlib.crc32(body) != rcrc:
+                break
+            out.append(entry)
+            good = rec_end
+        else:
+            if not batch:
+                batch_start = off
+            crc = zlib.crc32(body, zlib.crc32(head, crc))
+            batch.append(entry)
+        off = rec_end
+    return out, good
+
+
+def scan_ids(path) -> list[str]:
+    """Ids in a WAL file, read-only (a live learner owns it: its uncommitted tail is simply not counted)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    records, _ = scan(lambda n, off: data[off:off + n], len(data))
+    return [t for t, _, _ in records]
+
+
+_CRC_CHUNK = 4096  # zlib.crc32 keeps the GIL for buffers up to 5 KB
+
+
+class _Batch:
+    """Staged records by reference (no copy: the payloads stay in the buffers libzmq received them into), written by
+    the syncer with pwritev (one call, one GIL hand-over per 1000 buffers).
+
+    The checksum is computed in chunks of 4 KB on purpose: zlib.crc32 releases the GIL for larger buffers, and a
+    thread that wants the GIL back from a busy io thread may wait up to the 5 ms switch interval, so one release per
+    payload made a 32-record sync take tens of milliseconds on a loaded machine. Held, it costs the same CPU."""
+
+    __slots__ = ("bufs", "pos")
+
+    def __init__(self):
+        self.bufs: list = []
+        self.pos = 0
+
+    def put(self, b) -> None:
+        self.bufs.append(b)
+        self.pos += len(b)
+
+    def crc(self) -> int:
+        c, crc32, k = 0, zlib.crc32, _CRC_CHUNK
+        for b in self.bufs:
+            if len(b) <= k:
+                c = crc32(b, c)
+            else:
+                m = memoryview(b)
+                for o in range(0, len(m), k):
+                    c = crc32(m[o:o + k], c)
+        return c
+
+    def write(self, fd: int, off: int, tail: bytes) -> None:
+        bufs = self.bufs + [tail]
+        for i in range(0, len(bufs), 1000):  # Linux IOV_MAX is 1024
+            chunk = bufs[i:i + 1000]
+            want = sum(len(b) for b in chunk)
+            n = os.pwritev(fd, chunk, off)
+            if n != want:  # rare (huge writes): finish this chunk with plain pwrites
+                if n <= 0:
+                    raise OSError(f"short write at offset {off}")
+                rest, o = memoryview(b"".join(chunk))[n:], off + n
+                while rest:
+                    k = os.pwrite(fd, rest, o)
+                    if k <= 0:
+                        raise OSError(f"short write at offset {o}")
+                    rest, o = rest[k:], o + k
+            off += want
+
+
+class WalError(OSError):
+    """A write or fdatasync of the log failed: nothing staged from then on can be made durable (or acked)."""
 
 
 class WriteAheadLog:
@@ -32,8 +147,13 @@ class WriteAheadLog:
         self._sync_lock = threading.Lock()  # taken before _lock, never after it
         self.index: dict[str, tuple[int, int]] = {}   # id -> (payload offset, payload length), file order
         self._fd = -1
-        self._end = 0
+        self._end = 0                  # end of the file once everything staged is written
         self._dirty = False
+        # Staged records (by reference), reserved at _staged_start.._end; the syncer writes them.
+        self._staged = _Batch()
+        self._staged_n = 0
+        self._staged_start = 0
+        self._failed: BaseException | None = None
         self.truncated_bytes = 0
 
     def open(self) -> "WriteAheadLog":
@@ -46,26 +166,18 @@ class WriteAheadLog:
         return self
 
     def _scan_locked(self) -> None:
+        fd = self._fd
+        size = os.fstat(fd).st_size
+        records, off = scan(lambda n, o: os.pread(fd, n, o), size)
         self.index = {}
-        size = os.fstat(self._fd).st_size
-        off = 0
-        while off + _HDR.size <= size:
-            magic, id_len, plen, crc = _HDR.unpack(os.pread(self._fd, _HDR.size, off))
-            rec_end = off + _HDR.size + id_len + plen
-            if magic != _MAGIC or rec_end > size:
-                break
-            body = os.pread(self._fd, id_len + plen, off + _HDR.size)
-            if zlib.crc32(body) != crc:
-                break
-            tid = body[:id_len].decode("utf-8", "replace")
-            self.index.setdefault(tid, (off + _HDR.size + id_len, plen))
-            off = rec_end
+        for tid, o, n in records:
+            self.index.setdefault(tid, (o, n))
         if off < size:
             # A torn or corrupt tail: nothing after it was acked (acks follow fsync, in order), so drop it.
             log.warning("wal %s: truncating %d bytes of torn tail at offset %d", self.path, size - off, off)
             self.truncated_bytes = size - off
-            os.ftruncate(self._fd, off)
-            os.fsync(self._fd)
+            os.ftruncate(fd, off)
+            os.fsync(fd)
         self._end = off
 
     def __contains__(self, tid: str) -> bool:
@@ -74,11 +186,21 @@ class WriteAheadLog:
     def __len__(self) -> int:
         return len(self.index)
 
+    def staged(self) -> int:
+        """Records staged and not yet written by sync() (their payloads are held in memory until then)."""
+        return self._staged_n
+
+    def staged_bytes(self) -> int:
+        return self._staged.pos
+
     def append(self, tid: str, payload: bytes) -> None:
-        """Write one record (not yet durable: call sync() before acking it)."""
+        """Write one self-checking record now (not yet durable: call sync() before acking it)."""
         idb = tid.encode("utf-8")
         hdr = _HDR.pack(_MAGIC, len(idb), len(payload), zlib.crc32(payload, zlib.crc32(idb)))
-        with self._lock:
+        with self._sync_lock, self._lock:  # _sync_lock: a cut must not overlap a syncer's write (shared buffers)
+            self._check_locked()
+            if self._staged_n:  # keep file order: the staged batch (and its commit) goes first
+                self._write_locked(self._cut_locked())
             n = os.pwritev(self._fd, [hdr, idb, payload], self._end)
             if n != len(hdr) + len(idb) + len(payload):  # short write: disk full; leave the tail torn, raise
                 raise OSError(f"short write to {self.path}: {n} bytes")
@@ -86,17 +208,72 @@ class WriteAheadLog:
             self._end += n
             self._dirty = True
 
-    def sync(self) -> None:
-        """Make every record appended before this call durable (one fdatasync however many came since the last).
+    def stage(self, tid: str, payload: bytes) -> None:
+        """Reserve a record for the next sync(), which writes, checksums and fdatasyncs it. Cheap: no syscall.
 
-        The append lock is not held during fdatasync, so the io thread keeps appending while a syncer thread waits
-        on the disk; _sync_lock keeps compact/close from swapping the fd underneath.
+        The id is indexed at once (duplicates are recognised before the write); the caller bounds staged() and acks
+        only after the sync() that follows."""
+        idb = tid.encode("utf-8")
+        hdr = _HDR.pack(_MAGIC2, len(idb), len(payload), 0)
+        with self._lock:
+            self._check_locked()
+            b = self._staged
+            if not self._staged_n:
+                self._staged_start = self._end
+            b.put(hdr + idb)
+            b.put(payload)
+            self._staged_n += 1
+            self.index[tid] = (self._end + len(hdr) + len(idb), len(payload))
+            self._end += len(hdr) + len(idb) + len(payload)
+
+    def _check_locked(self) -> None:
+        if self._failed is not None:
+            raise WalError(f"wal {self.path} failed earlier: {self._failed}")
+        if self._fd < 0:
+            raise WalError(f"wal {self.path} is not open")
+
+    def _cut_locked(self) -> tuple[_Batch, int] | None:
+        """Take the staged batch and reserve room for its commit record: (batch, start offset)."""
+        if not self._staged_n:
+            return None
+        batch, start = self._staged, self._staged_start
+        self._staged, self._staged_n = _Batch(), 0
+        self._end += _COMMIT.size
+        return batch, start
+
+    def _write_locked(self, cut) -> None:
+        """Checksum and write a cut batch with its commit (called under _sync_lock or _lock; offsets are reserved)."""
+        batch, start = cut
+        try:
+            batch.write(self._fd, start, _COMMIT.pack(_COMMIT_MAGIC, start, batch.crc()))
+        except BaseException as e:
+            # Later records were reserved after this batch: the log can no longer be written in order.
+            self._failed = e
+            raise WalError(f"wal {self.path}: write failed: {e}") from e
+        self._dirty = True
+        # Back to the pool for the next cut; a buffer grown by a burst far beyond the usual batch is let go.
+
+    def sync(self) -> None:
+        """Write everything staged and make every record appended or staged before this call durable (one
+        pwrite and one fdatasync however many came since the last).
+
+        The append lock is not held while writing or in fdatasync, so the io thread keeps staging while a syncer
+        thread waits on the disk; _sync_lock keeps compact/close from swapping the fd underneath.
         """
         with self._sync_lock:
             with self._lock:
+                self._check_locked()
+                cut = self._cut_locked()
+            if cut is not None:
+                self._write_locked(cut)  # its offsets are reserved, so appends may go on meanwhile
+            with self._lock:
                 fd, dirty, self._dirty = self._fd, self._dirty, False
             if dirty and self.fsync and fd >= 0:
-                os.fdatasync(fd)
+                try:
+                    os.fdatasync(fd)
+                except OSError as e:
+                    self._failed = e  # after a failed fdatasync the page cache state is unknown: stop acking
+                    raise WalError(f"wal {self.path}: fdatasync failed: {e}") from e
 
     def read(self, tid: str) -> bytes:
         with self._lock:
@@ -106,6 +283,12 @@ class WriteAheadLog:
     def compact(self, drop: set[str] | frozenset[str]) -> tuple[int, int]:
         """Rewrite the log without the records in `drop` (atomic rename); returns (kept, dropped)."""
         with self._sync_lock, self._lock:
+            if self._failed is not None:  # the index may name records that never reached the file
+                raise WalError(f"wal {self.path} failed earlier: {self._failed}")
+            if self._fd >= 0:
+                cut = self._cut_locked()
+                if cut is not None:
+                    self._write_locked(cut)  # staged records must be in the file before it is copied
             keep = [(t, o, n) for t, (o, n) in self.index.items() if t not in drop]
             dropped = len(self.index) - len(keep)
             if not dropped:
@@ -144,7 +327,14 @@ class WriteAheadLog:
     def close(self) -> None:
         with self._sync_lock, self._lock:
             if self._fd >= 0:
-                if self._dirty and self.fsync:
+                if self._failed is None:
+                    cut = self._cut_locked()
+                    if cut is not None:
+                        try:
+                            self._write_locked(cut)
+                        except WalError:
+                            log.exception("wal %s: could not write the staged tail on close", self.path)
+                if self._dirty and self.fsync and self._failed is None:
                     os.fdatasync(self._fd)
                 os.close(self._fd)
                 self._fd = -1

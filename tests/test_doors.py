@@ -170,9 +170,6 @@ ALLOW = {
     "actor/main.py: waiters = [*tasks, asyncio.ensure_future(stop.wait())]": "raced in asyncio.wait(timeout=...)",
     "actor/main.py: tr = task.result()": "in a done callback: the task is finished, result() does not block",
     "tars/stream.py: batch = self._sync_req.get()": "the WAL syncer thread's idle wait; stop() sends it None",
-    "tars/stream_sender.py: msg = await self._sock.recv_multipart()": "the reader task's idle wait; close() cancels it",
-    "tars/stream_sender.py: await asyncio.wait_for(self._cond.wait(), None if left == float(\"inf\") else left)":
-        "inside wait_for with the caller's deadline (inf only for the pump's idle wait, cancelled by close())",
     "tars/stream_bench.py: zmq socket without an explicit high-water mark": "benchmark's plain-socket baseline",
     "tars/stream_bench.py: a.recv()": "benchmark child process; the parent joins it with a deadline",
     "tars/stream_bench.py: conn.recv()  # wait for the parent's start signal so only the transfer is timed": "benchmark child",
