@@ -295,6 +295,7 @@ class Learner:
         # On the CPU on disk, whatever the device: a checkpoint resumes on another device (or none).
         torch.save(to_cpu(state), tmp / "train_state.pt")
         meta = {"version": self.version, "updates": self.trainer.updates, "value_pretrain_left": self.value_pretrain_left,
+                "entropy_coef": self.trainer.entropy_coef,
                 "staleness": self.staleness.state_dict(), **self.receiver.checkpoint_state(), "t": time.time()}
         (tmp / "meta.json").write_text(json.dumps(meta))
         shutil.rmtree(ck, ignore_errors=True)
@@ -319,6 +320,7 @@ class Learner:
             self.trainer.critic_opt.load_state_dict(state["critic_opt"])
         self.version = int(meta["version"])
         self.trainer.updates = int(meta["updates"])
+        self.trainer.entropy_coef = float(meta.get("entropy_coef", self.trainer.cfg.entropy_coef))
         self.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
         log.info("resumed from checkpoint at version %d (%d trajectories consumed)", self.version, len(meta["consumed_ids"]))
         return set(meta["consumed_ids"])

@@ -118,6 +118,7 @@ class PPOTrainer:
         if cfg.kl_coef > 0:  # a frozen copy of the starting policy
             self.ref = copy.deepcopy(policy).eval().requires_grad_(False)
         self.updates = 0
+        self.entropy_coef = cfg.entropy_coef  # adapted after each update when cfg.target_entropy > 0
         self.chunk_tokens = 4096  # padded tokens per forward chunk
         # One epoch of one minibatch on one process: the weights before the update are the weights of the training
         # forward, so pi_prox is that forward's logprobs (detached) and the critic's values its own forward's;
@@ -205,7 +206,7 @@ class PPOTrainer:
             adv = A.masked_scale(adv, b.mask)
         if cfg.neg_adv_weight != 1.0:
             adv = A.asymmetric_advantages(adv, cfg.neg_adv_weight)
-        has_signal = bool((adv * b.mask).abs().max() > 0)
+        has_signal = bool((adv * b.mask).abs().max() > 0) or self.entropy_coef > 0  # the bonus is a loss term too
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask))}
         if prox is not None:
@@ -241,8 +242,8 @@ class PPOTrainer:
                         kl_sum += float((at(b.behav_logp[c, :T], msk) - p_old).sum())
                     loss = A.decoupled_ppo_loss(logp, p_old, at(b.behav_logp[c, :T], msk), a, ones,
                                                 cfg.eps_low, cfg.eps_high, cfg.behav_cap)
-                    if cfg.entropy_coef:
-                        loss = loss - cfg.entropy_coef * ent.mean()
+                    if self.entropy_coef:
+                        loss = loss - self.entropy_coef * ent.mean()
                     if self.ref is not None:
                         with torch.no_grad(), autocast(dev, amp):
                             ref = self.ref.logprobs_at(tok, val, msk)
@@ -277,6 +278,13 @@ class PPOTrainer:
             m["behav_prox_kl"] = kl_sum / max(1, m["tokens"])
         self.sched.step()
         self.updates += 1
+        if cfg.target_entropy > 0 and stats["entropy"]:
+            # Dual ascent on "entropy >= target" (as SAC's temperature): the bonus grows while the policy is below
+            # the target and decays back to 0 once it is above, so it acts only against a collapse.
+            ent = float(np.mean(stats["entropy"]))
+            self.entropy_coef = float(min(cfg.entropy_coef_max,
+                                          max(0.0, self.entropy_coef + cfg.entropy_coef_lr * (cfg.target_entropy - ent))))
+        m["entropy_coef"] = self.entropy_coef
         self.policy.eval()
         m.update({k: float(np.mean(v)) for k, v in stats.items() if v})
         if values is not None:

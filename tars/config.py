@@ -152,7 +152,12 @@ class LearnerConfig:
     neg_adv_weight: float = f(1.0, "scale of negative advantages (1 = symmetric PPO); below 1, updates away from failed "
                                    "samples are tempered, which keeps the shared output-format tokens stable at learning "
                                    "rates where symmetric updates break them (asymmetric REINFORCE)")
-    entropy_coef: float = f(0.0, "entropy bonus")
+    entropy_coef: float = f(0.0, "entropy bonus (the starting value when target_entropy is set)")
+    target_entropy: float = f(0.0, "adaptive entropy control: above 0, the entropy bonus's coefficient is raised while "
+                                   "the mean entropy of generated tokens is below this and lowered (not below 0) while "
+                                   "above it, so the policy keeps exploring instead of collapsing onto its first habits")
+    entropy_coef_lr: float = f(0.002, "step of the adaptive coefficient per update, per nat of entropy off target")
+    entropy_coef_max: float = f(0.02, "upper bound of the adaptive entropy coefficient")
     kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
                             "tokens; anchors the output format at higher learning rates")
     checkpoint_every: int = f(20, "checkpoint every N updates (and at the end)")
