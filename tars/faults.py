@@ -24,6 +24,7 @@ import sys
 
 from tars import config as C
 from tars.proc import read_jsonl, wait_for
+from tars.stream_wal import scan_ids
 from tars.up import Child, build_model
 
 # A quick, small run: no SFT, tiny batches and frequent checkpoints, so every fault lands mid-run within seconds.
@@ -152,7 +153,7 @@ class Topology:
     def durable(self) -> set[str]:
         """Ids the learner has received: taken by training (episodes.jsonl) or still waiting in its WAL."""
         try:
-            ids = set(_scan_wal(self.out / "stream.wal"))
+            ids = set(scan_ids(self.out / "stream.wal"))  # read-only: the live learner owns the file
         except OSError:
             ids = set()
         return ids | set(self.received())
@@ -176,12 +177,6 @@ class Topology:
     def ledger(self) -> dict:
         """The counts described in the module docstring (call after stop())."""
         return account(self.out, self.killed_spools)
-
-
-def _scan_wal(path) -> list[str]:
-    """Ids in a WAL file, read-only (the live learner owns it: no truncation of a tail being written)."""
-    from tars.stream_wal import scan_ids
-    return scan_ids(path)
 
 
 def lineage(records: list[dict]) -> dict[int, dict]:
