@@ -35,6 +35,7 @@ class Actor:
         self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
                                      unavailable_retry_s=cfg.actor.unavailable_retry_s)
         self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,
+                                       max_outbox=cfg.actor.max_outbox,
                                        **_curve_keys(cfg.learner.stream_curve_public_key))
         self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id)
         self.rng = random.Random(f"{cfg.seed}-{actor_id}")
@@ -166,9 +167,15 @@ class Actor:
         if self.sending:
             await asyncio.wait(self.sending, timeout=grace_s)
         try:
-            await self.sender.flush(timeout=grace_s)
+            # Acked, or held by a learner that acks at its next checkpoint (which may come after we are gone: the
+            # spool keeps those, and a resumed learner acks them as duplicates when they are re-sent).
+            await self.sender.flush(timeout=grace_s, held_ok=True)
         except TimeoutError:
-            log.warning("%d trajectories unacknowledged at exit (kept in the spool if one is set)", self.sender.pending())
+            log.warning("%d trajectories unacknowledged at exit (kept in the spool if one is set)",
+                        self.sender.pending() - self.sender.stats()["held"])
+        if self.sender.stats()["held"]:
+            log.info("%d trajectories held by the learner until its next checkpoint at exit (kept in the spool if one "
+                     "is set)", self.sender.stats()["held"])
         await self.sender.close()
         await self.infer.close()
         for e in self.envs:

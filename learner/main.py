@@ -100,7 +100,8 @@ class Learner:
             credits=self.lcfg.credits, queue_size=max(self.lcfg.stream_queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=self.lcfg.max_frame_bytes, consumed_ids=consumed,
             ack_interval_s=self.lcfg.stream_ack_interval_s, fsync=self.lcfg.stream_fsync,
-            curve_secret_key=self.lcfg.stream_curve_secret_key.encode() or None)
+            curve_secret_key=self.lcfg.stream_curve_secret_key.encode() or None,
+            durability=self.lcfg.stream_durability)
         self.inference = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, cfg.inference.auth_token, 512 << 20)) for a in inference]
         self.checkpoint_requested = threading.Event()
         self.counters = collections.Counter()
@@ -298,9 +299,12 @@ class Learner:
                 "entropy_coef": self.trainer.entropy_coef,
                 "staleness": self.staleness.state_dict(), **self.receiver.checkpoint_state(), "t": time.time()}
         (tmp / "meta.json").write_text(json.dumps(meta))
+        fsync_tree(tmp)  # on disk before it replaces the old one, and before anything is acked against it
         shutil.rmtree(ck, ignore_errors=True)
         os.replace(tmp, ck)
+        fsync_tree(self.run, files=False)
         self.receiver.compact_wal()
+        self.receiver.commit(meta["consumed_ids"])  # checkpoint durability: actors may now forget these
         self.last_checkpoint = {"version": self.version, "t": meta["t"], "path": str(ck)}
 
     def _load_checkpoint(self) -> set[str]:
@@ -339,6 +343,22 @@ class Learner:
             "when": "after the update in progress, or within 0.5 s if none is"})[1])
         c.on("stop", lambda a: (self.stop.set(), {"stopping": True})[1])
         return c
+
+
+def fsync_tree(root: pathlib.Path, files: bool = True) -> None:
+    """fdatasync every file under root (files=True) and every directory, root included, so names are durable."""
+    for d, _, names in os.walk(root) if files else [(str(root), [], [])]:
+        for name in names:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _control_thread(learner: Learner, ready: dict, port: int = 0) -> threading.Thread:

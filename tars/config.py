@@ -109,7 +109,9 @@ class ActorConfig:
     episode_attempts: int = f(3, "attempts per episode: an infra_error episode is rerun from scratch on a live envd "
                                  "(the failed attempt is never sent); the last one is sent as infra_error")
     admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
-    send_window: int = f(256, "unacknowledged trajectories kept for re-send before the actor stops starting episodes")
+    send_window: int = f(256, "trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
+    max_outbox: int = f(1 << 16, "trajectories kept for re-send until acknowledged, held ones included (with the learner's "
+                        "checkpoint durability: everything since its last checkpoint); sending waits at this bound")
     image_history: int = f(0, "screenshots shown as images in the prompt (the last k turns; older turns keep only their "
                               "text); 0 = text only")
     image_tokens: int = f(16, "<|image|> placeholder tokens per screenshot: the model's tars_vision grid**2")
@@ -172,6 +174,9 @@ class LearnerConfig:
     stream_queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")
     stream_ack_interval_s: float = f(0.002, "WAL fsync / ack batching interval of the trajectory stream")
     stream_fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
+    stream_durability: str = f("wal", "wal: ack a trajectory once it is fsynced in the learner's write-ahead log | "
+                               "checkpoint: no WAL; ack it once a checkpoint that consumed it is on disk (actors "
+                               "keep everything since the last checkpoint: faster, more actor memory)")
     threads: int = f(1, "torch intra-op threads")
     device: str = f("auto", "where the learner (and tars sft) trains: auto (cuda when available, else cpu) | cpu | cuda | "
                             "cuda:N; under accelerate with several processes, auto/cuda = cuda:LOCAL_RANK with NCCL")

@@ -16,12 +16,20 @@ Delivery is exactly-once for training, across learner restarts:
   * the training loop calls mark_consumed(ids) for what it trained on and stores checkpoint_state() with its weights;
     a new receiver given those consumed_ids replays the WAL entries not consumed into the queue before anything new.
   * compact_wal() after a checkpoint drops consumed entries from the log.
+With durability="checkpoint" there is no WAL: the learner's checkpoint is the durable record. An accepted trajectory
+is answered at once with a "held" notice (the actor keeps it but stops its re-send timer), and acked for good only
+when the training loop calls commit(ids) after a checkpoint that lists those ids as consumed is on disk. A killed
+learner loses what it held in memory, and the actors re-send exactly that (the new run does not know those ids).
+This takes the WAL's write, checksum and fdatasync of every byte off the learner's hot path; the price is actor
+memory: an actor keeps everything since the last checkpoint (bounded by its max_outbox), so it suits frequent
+checkpoints and small trajectories; with big screenshots and rare checkpoints use the WAL.
 Staleness bookkeeping (which side calls what) is described in learner/staleness.py: this receiver calls try_admit,
 adopt, on_lost and on_rejected (for NACKed frames only); the training loop calls on_accepted/on_rejected once for
 every trajectory get() returns.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -37,6 +45,8 @@ from tars.stream_images import ImageError, ImageStore, resolve, take_attached
 from tars.stream_wal import WalError, WriteAheadLog
 
 log = logging.getLogger(__name__)
+
+DURABILITY = ("wal", "checkpoint")
 
 
 @dataclass
@@ -61,11 +71,14 @@ class TrajectoryReceiver:
     def __init__(self, bind: str, wal_path: str, staleness, credits: int = 512, queue_size: int = 4096,
                  max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *,
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
-                 log_every_s: float = 10.0, curve_secret_key: bytes | None = None):
+                 log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal"):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
         for every NACKed frame (keep it cheap). curve_secret_key: see stream_proto.curve_server."""
         if credits < 1 or queue_size < 1:
             raise ValueError("credits and queue_size must be >= 1")
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        self.durability = durability
         self.bind = bind
         self.staleness = staleness
         self.credits = credits
@@ -77,7 +90,12 @@ class TrajectoryReceiver:
         self.log_every_s = log_every_s
         self.curve_secret_key = curve_secret_key
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
-        self.wal = WriteAheadLog(wal_path, fsync=fsync)
+        self.wal = WriteAheadLog(wal_path, fsync=fsync) if durability == "wal" else None
+        # durability="checkpoint": id -> actor identity for every trajectory accepted by this process and not yet
+        # covered by a checkpoint; held notices waiting for the next tick; id lists from commit() for the io thread.
+        self._held: dict[str, bytes] = {}
+        self._pending_held: dict[bytes, list[str]] = {}
+        self._commits: collections.deque[list[str]] = collections.deque()
         self.images = ImageStore(wal_path + ".images")  # screenshots by hash, beside the WAL that refers to them
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._consumed: set[str] = set(consumed_ids)
@@ -102,23 +120,26 @@ class TrajectoryReceiver:
         self._stats = dict.fromkeys(
             ("received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked",
              "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
-             "protocol_errors", "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images"), 0)
+             "protocol_errors", "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images",
+             "committed"), 0)
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
     # --- training-thread API --------------------------------------------------------------------------------------
     def start(self, timeout: float = 10.0) -> str:
         """Open the WAL, queue its unconsumed entries for replay, bind; returns tcp://host:port."""
-        self.wal.open()
         self.images.open()
-        with self._consumed_lock:
-            self._replay = [t for t in self.wal.index if t not in self._consumed]
+        if self.wal is not None:
+            self.wal.open()
+            with self._consumed_lock:
+                self._replay = [t for t in self.wal.index if t not in self._consumed]
         if self._replay:
             # These were admitted by a previous learner; the training loop will resolve each with on_accepted/rejected.
             self.staleness.adopt(len(self._replay))
         self._replay.reverse()  # popped from the end, so replay goes in file (arrival) order
-        self._syncer = threading.Thread(target=self._sync_loop, name="traj-wal-sync", daemon=True)
-        self._syncer.start()
+        if self.wal is not None:
+            self._syncer = threading.Thread(target=self._sync_loop, name="traj-wal-sync", daemon=True)
+            self._syncer.start()
         self._thread = threading.Thread(target=self._run, name="traj-receiver", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -151,8 +172,16 @@ class TrajectoryReceiver:
         with self._consumed_lock:
             return {"consumed_ids": sorted(self._consumed)}
 
+    def commit(self, ids) -> None:
+        """durability="checkpoint": a checkpoint listing these ids as consumed is durable; ack them to their actors.
+        (Call it with the checkpoint's own consumed_ids; ids not held by this process are skipped.)"""
+        if self.wal is None:
+            self._commits.append(list(ids))
+
     def compact_wal(self) -> dict:
         """Drop consumed entries from the WAL (call after the checkpoint that covers them is durable)."""
+        if self.wal is None:
+            return {"kept": 0, "dropped": 0}
         with self._consumed_lock:
             drop = frozenset(self._consumed)
         kept, dropped = self.wal.compact(drop)
@@ -161,7 +190,8 @@ class TrajectoryReceiver:
     def stats(self) -> dict:
         s = dict(self._stats)
         s["queue"] = self._q.qsize()
-        s["wal_entries"] = len(self.wal)
+        s["wal_entries"] = len(self.wal) if self.wal is not None else 0
+        s["held"] = len(self._held)
         s["replay_pending"] = len(self._replay)
         s["actors"] = len(self._actors)
         return s
@@ -179,7 +209,8 @@ class TrajectoryReceiver:
             except queue.Full:
                 pass
             self._syncer.join(timeout)
-        self.wal.close()
+        if self.wal is not None:
+            self.wal.close()
 
     # --- io thread ------------------------------------------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
@@ -328,6 +359,10 @@ class TrajectoryReceiver:
         # actor's outbox holds exactly what must be re-sent when WELCOME arrives (same pipe, so in order).
         self._flush_acks(sock)
         have = [t for t in pending if isinstance(t, str) and self._known(t)]
+        held = [t for t in have if t in self._held]
+        if held:  # checkpoint durability: ours, not yet in a checkpoint (the actor keeps them, sends them not again)
+            have = [t for t in have if t not in self._held]
+            self._send(sock, ident, P.ACK, {"ids": held, "held": self.run_id})
         if have:
             self._send(sock, ident, P.ACK, {"ids": have})
             self._count("acked", len(have))
@@ -338,7 +373,7 @@ class TrajectoryReceiver:
                                             "credit": st.credit, "max_frame_bytes": self.max_frame_bytes})
 
     def _known(self, tid: str) -> bool:
-        if tid in self.wal:
+        if tid in self._held or (self.wal is not None and tid in self.wal):
             return True
         with self._consumed_lock:
             return tid in self._consumed
@@ -370,8 +405,14 @@ class TrajectoryReceiver:
             return
         if self._known(tid):
             self._count("duplicates")
-            self._pending_acks.setdefault(ident, []).append(tid)  # ack again so the actor can forget it
-            self._arm_ack()
+            if tid in self._held:  # not durable yet: tell the actor again that we hold it
+                self._pending_held.setdefault(ident, []).append(tid)
+            elif self.wal is None:  # in a durable checkpoint: the actor may forget it
+                self._send(sock, ident, P.ACK, {"ids": [tid]})
+                self._count("acked")
+            else:
+                self._pending_acks.setdefault(ident, []).append(tid)  # ack again so the actor can forget it
+                self._arm_ack()
             return
         if len(payload) > self.max_frame_bytes:
             self._warn("oversize", "dropping %d-byte trajectory %s from %r", len(payload), tid, ident)
@@ -399,18 +440,19 @@ class TrajectoryReceiver:
             self._send(sock, ident, P.NACK, {"id": tid, "reason": f"missing images: {len(missing)}", "retry": True,
                                              "missing": missing})
             return
-        if self._q.full() or self.wal.staged() >= self.queue_size:
+        if self._q.full() or (self.wal is not None and self.wal.staged() >= self.queue_size):
             # Only a peer that ignores credit (or a disk far behind) gets here; it keeps the trajectory and retries.
             self._nack(sock, ident, st, tid, "busy: no queue slot", "busy", retry=True)
             return
-        try:
-            # The same bytes the actor sent, no re-encoding; the syncer thread writes and fdatasyncs them before
-            # their ack goes out (staged payloads are bounded by queue_size just above).
-            self.wal.stage(tid, payload)
-        except WalError as e:
-            self._warn("wal", "cannot log trajectory %s: %s", tid, e)
-            self._nack(sock, ident, st, tid, "busy: write-ahead log failed", "wal_errors", retry=True)
-            return
+        if self.wal is not None:
+            try:
+                # The same bytes the actor sent, no re-encoding; the syncer thread writes and fdatasyncs them before
+                # their ack goes out (staged payloads are bounded by queue_size just above).
+                self.wal.stage(tid, payload)
+            except WalError as e:
+                self._warn("wal", "cannot log trajectory %s: %s", tid, e)
+                self._nack(sock, ident, st, tid, "busy: write-ahead log failed", "wal_errors", retry=True)
+                return
         # Accounting before the put: the training thread may call on_accepted the instant the item is queued.
         if st.ledger:
             st.ledger -= 1
@@ -419,8 +461,12 @@ class TrajectoryReceiver:
         self._q.put_nowait(tr)
         self._count("accepted")
         self._note_qsize()
-        self._pending_acks.setdefault(ident, []).append(tid)
-        self._arm_ack()
+        if self.wal is None:
+            self._held[tid] = ident
+            self._pending_held.setdefault(ident, []).append(tid)
+        else:
+            self._pending_acks.setdefault(ident, []).append(tid)
+            self._arm_ack()
 
     def _arm_ack(self) -> None:
         if self._ack_due == 0.0:
@@ -457,6 +503,10 @@ class TrajectoryReceiver:
 
     def _flush_acks(self, sock) -> None:
         """Synchronous: everything appended so far is fsynced and acked when this returns (HELLO, stop)."""
+        if self.wal is None:
+            self._send_held(sock)
+            self._send_commits(sock)
+            return
         if not self._collect_sync(sock, timeout=30.0):
             log.error("WAL sync took over 30s; acks delayed")
             return
@@ -474,6 +524,22 @@ class TrajectoryReceiver:
         self._pending_acks = {}
         self._ack_due = 0.0
 
+    def _send_held(self, sock) -> None:
+        for ident, ids in self._pending_held.items():
+            self._send(sock, ident, P.ACK, {"ids": ids, "held": self.run_id})
+        self._pending_held = {}
+
+    def _send_commits(self, sock) -> None:
+        while self._commits:
+            by_actor: dict[bytes, list[str]] = {}
+            for tid in self._commits.popleft():
+                ident = self._held.pop(tid, None)
+                if ident is not None:
+                    by_actor.setdefault(ident, []).append(tid)
+            for ids in by_actor.values():
+                self._count("committed", len(ids))
+            self._send_acks(sock, by_actor)
+
     def _free_slots(self) -> int:
         # qsize only shrinks behind our back (get), so this is a safe under-estimate of the free slots.
         return self.queue_size - self._q.qsize() - sum(a.credit for a in self._actors.values())
@@ -482,6 +548,10 @@ class TrajectoryReceiver:
         now = time.monotonic()
         if self._collect_sync(sock, None) and self._pending_acks and now >= self._ack_due:
             self._start_sync()
+        if self._pending_held:
+            self._send_held(sock)
+        if self._commits:
+            self._send_commits(sock)
         free = self._free_slots()
         # WAL replay first: a restarted learner trains on what it had before taking anything new.
         while self._replay and free > 0:

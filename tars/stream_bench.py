@@ -1,8 +1,9 @@
 """Throughput of the trajectory stream vs a raw DEALER->ROUTER msgpack link, same payloads, same process, same run.
 
-Both paths do the same useful work: encode each Trajectory on the actor, decode + validate it on the learner, hand it
-to a consumer thread through a bounded queue. The stream adds credits, the WAL (append + batched fdatasync), acks and
-the outbox. Run: `python -m tars.stream_bench [n] [payload_bytes]`.
+All paths do the same useful work: encode each Trajectory on the actor, decode + validate it on the learner, hand it
+to a consumer thread through a bounded queue. The stream adds credits, acks and the outbox, and for durability either
+the WAL (append + batched fdatasync; "wal") or held notices and acks after each commit ("checkpoint", the consumer
+committing every 1024 trajectories as a learner checkpointing every 16 updates of 64 would). Run: `python -m tars.stream_bench [n] [payload_bytes]`.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _trajs(n: int, payload_bytes: int) -> list[Trajectory]:
                        turns=[Turn("text:1", "x", {}, 1.0, 0, T)], ret=1.0) for i in range(n)]
 
 
-def _consume(get, n: int, done: threading.Event, on_item=None) -> None:
+def _consume(get, n: int, done: threading.Event, on_item=None, on_done=None) -> None:
     got = 0
     while got < n:
         tr = get(1.0)
@@ -44,6 +45,8 @@ def _consume(get, n: int, done: threading.Event, on_item=None) -> None:
             if on_item:
                 on_item(tr)
     done.set()
+    if on_done:
+        on_done()
 
 
 async def _stream_actor(addr: str, trajs, credits: int, go=None) -> None:
@@ -111,17 +114,33 @@ def _drive(kind: str, addr: str, trajs, credits: int, done: threading.Event, sub
 
 
 def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, subprocess: bool,
-                payload_bytes: int) -> float:
+                payload_bytes: int, durability: str = "wal", commit_every: int = 1024) -> float:
+    """durability="checkpoint": the consumer commits what it consumed every commit_every trajectories (a learner
+    that checkpoints every 16 updates of 64) and at the end, which is when the actor's flush returns."""
     from learner.staleness import StalenessManager
     from tars.stream import TrajectoryReceiver
 
     stal = StalenessManager(batch_size=64, eta=10**9)
     rx = TrajectoryReceiver("tcp://127.0.0.1:0", os.path.join(tmp, f"wal-{time.monotonic_ns()}"), stal,
-                            credits=credits, queue_size=queue_size, fsync=fsync)
+                            credits=credits, queue_size=queue_size, fsync=fsync, durability=durability)
     addr = rx.start()
     done = threading.Event()
-    con = threading.Thread(target=_consume, args=(rx.get, len(trajs), done, lambda t: stal.on_accepted(1)),
-                           daemon=True)
+    consumed: list[str] = []
+
+    def on_item(tr):
+        stal.on_accepted(1)
+        if durability == "checkpoint":
+            consumed.append(tr.id)
+            if len(consumed) >= commit_every:
+                rx.mark_consumed(consumed)
+                rx.commit(consumed)
+                consumed.clear()
+
+    def on_done():
+        rx.mark_consumed(consumed)
+        rx.commit(consumed)
+
+    con = threading.Thread(target=_consume, args=(rx.get, len(trajs), done, on_item, on_done), daemon=True)
     con.start()
     try:
         return _drive("stream", addr, trajs, credits, done, subprocess, payload_bytes)
@@ -201,14 +220,16 @@ def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync:
     """
     trajs = _trajs(n, payload_bytes)
     with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
-        stream, raw = [], []
-        for _ in range(repeats):  # interleaved, so drift in machine load hits both alike
+        stream, ckpt, raw = [], [], []
+        for _ in range(repeats):  # interleaved, so drift in machine load hits all alike
             raw.append(_run_raw(trajs, queue_size, subprocess, payload_bytes))
             stream.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes))
+            ckpt.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes, "checkpoint"))
         parts = _breakdown(trajs, tmp)
-    s_rate, r_rate = n / min(stream), n / min(raw)
+    s_rate, c_rate, r_rate = n / min(stream), n / min(ckpt), n / min(raw)
     return {"n": n, "payload_bytes": len(trajs[0].encode()), "fsync": fsync, "subprocess": subprocess,
             "stream_per_s": round(s_rate, 1), "raw_per_s": round(r_rate, 1), "ratio": round(s_rate / r_rate, 3),
+            "stream_checkpoint_per_s": round(c_rate, 1), "ratio_checkpoint": round(c_rate / r_rate, 3),
             "stream_MB_s": round(s_rate * payload_bytes / 1e6, 1), "raw_MB_s": round(r_rate * payload_bytes / 1e6, 1),
             **{k: round(v, 1) for k, v in parts.items()}}
 

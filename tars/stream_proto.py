@@ -20,7 +20,11 @@ learner -> actor
                                                        answer to HELLO; credit is ABSOLUTE (resets the actor's count);
                                                        the actor ignores a WELCOME answering an older HELLO
   CREDIT  {n}                                          n more TRAJ may be sent (queue drained)
-  ACK     {ids}                                        these ids are durable in the WAL (fsynced): forget them
+  ACK     {ids, held?}                                 without held: these ids are durable (fsynced in the WAL, or
+                                                       in a durable checkpoint): forget them. held=run_id
+                                                       (durability "checkpoint"): that learner run has them in
+                                                       memory and will ack them again once a checkpoint covers
+                                                       them; keep them, do not re-send them to that run
   NACK    {id, reason, retry, missing?}                retry=False: the frame is bad, drop it and count it;
                                                        retry=True: the learner had no room, send it again later;
                                                        missing: image hashes to attach again on the re-send

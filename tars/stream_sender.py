@@ -7,6 +7,9 @@ is fsynced in the learner's WAL. The outbox is re-sent whenever the learner may 
   * an entry unacked for resend_after_s (a lost ack on a bounced connection); the learner dedupes by id.
 Re-sends go before new trajectories and spend credit like any TRAJ. Every wait has a deadline (TimeoutError).
 With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories its previous process never got acked.
+A learner with "checkpoint" durability answers a TRAJ with a "held" notice first and acks it only once a checkpoint
+covers it: a held entry stays in the outbox (max_outbox bounds it) but leaves the send window and is never re-sent
+to the run that holds it; a WELCOME from a different run (the holder died) sends it again.
 
 Screenshots are content-addressed (tars/stream_images.py): send() keeps a trajectory's images beside its encoded
 frame, and each transmission attaches only the images not yet sent on this learner connection (a new learner run_id
@@ -47,6 +50,7 @@ class _Entry:
     seq: int
     sent_at: float = 0.0    # monotonic time of the last transmission; 0 = waiting in the re-send queue
     images: dict | None = None  # sha256 hex -> bytes the frame refers to; attached when not yet sent on this connection
+    held: str = ""              # run_id of a learner that holds it in memory until a checkpoint ("checkpoint" durability)
 
 
 class TrajectorySender:
@@ -54,12 +58,16 @@ class TrajectorySender:
                  heartbeat_s: float = 0.5, dead_after_s: float = 5.0, resend_after_s: float = 30.0,
                  curve_server_key: bytes | None = None, curve_public_key: bytes | None = None,
                  curve_secret_key: bytes | None = None, dedupe_images: bool = True,
-                 max_remembered_images: int = 1 << 18):
-        if window < 1:
-            raise ValueError("window must be >= 1")
+                 max_remembered_images: int = 1 << 18, max_outbox: int = 1 << 16):
+        """window: trajectories sent and not yet acked or held (the learner's "held" notice frees a window slot but
+        not the outbox); max_outbox: everything kept for re-send, held ones included (checkpoint durability)."""
+        if window < 1 or max_outbox < window:
+            raise ValueError("need 1 <= window <= max_outbox")
         self.address = address
         self.actor_id = actor_id
         self.window = window
+        self.max_outbox = max_outbox
+        self._n_held = 0                      # outbox entries with held set
         self.spool_dir = spool_dir
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
@@ -157,7 +165,8 @@ class TrajectorySender:
             self._spool(tid, frame, images)
         try:
             await self._wait(lambda: self._ready and self._credit > 0 and not self._resend
-                             and len(self._outbox) < self.window, deadline, f"no credit to send {tid}")
+                             and len(self._outbox) - self._n_held < self.window
+                             and len(self._outbox) < self.max_outbox, deadline, f"no credit to send {tid}")
         except BaseException:
             if self.spool_dir and not self._closed:
                 self._unspool(tid)  # the caller sees the failure and counts it; a restart must not resurrect it
@@ -168,16 +177,17 @@ class TrajectorySender:
         self._transmit(tid, e)
         self._stats["sent"] += 1
 
-    async def flush(self, timeout: float) -> None:
-        """Wait until every trajectory sent so far is acked (or NACKed)."""
-        await self._wait(lambda: not self._outbox, time.monotonic() + timeout,
+    async def flush(self, timeout: float, held_ok: bool = False) -> None:
+        """Wait until every trajectory sent so far is acked (or NACKed); held_ok: or held by the learner."""
+        await self._wait(lambda: len(self._outbox) == (self._n_held if held_ok else 0), time.monotonic() + timeout,
                          lambda: f"{len(self._outbox)} trajectories still unacked")
 
     def pending(self) -> int:
         return len(self._outbox)
 
     def stats(self) -> dict:
-        return {**self._stats, "pending": len(self._outbox), "credit": self._credit, "inflight": self._inflight,
+        return {**self._stats, "pending": len(self._outbox), "held": self._n_held, "credit": self._credit,
+                "inflight": self._inflight,
                 "resend_queue": len(self._resend), "version": self.version}
 
     async def close(self) -> None:
@@ -296,8 +306,14 @@ class TrajectorySender:
             log.warning("bad message from learner (tag %r)", tag)
             return
         if tag == P.ACK:
+            held = body.get("held")
             for tid in body.get("ids", ()):
-                if self._outbox.pop(tid, None) is not None:
+                if held:  # that learner run keeps it in memory until a checkpoint: no re-send timer, free the window
+                    e = self._outbox.get(tid)
+                    if e is not None:
+                        self._n_held += not e.held
+                        e.held = str(held)
+                elif self._pop(tid) is not None:
                     self._stats["acked"] += 1
                     if self.spool_dir:
                         self._unspool(tid)
@@ -320,7 +336,7 @@ class TrajectorySender:
                 self._stats["retried"] += 1
                 self._outbox[tid].sent_at = 0.0
                 self._resend.append(tid)
-            elif self._outbox.pop(tid, None) is not None:
+            elif self._pop(tid) is not None:
                 self._stats["nacked"] += 1
                 log.warning("learner rejected trajectory %s: %s", tid, body.get("reason"))
                 if body.get("retry"):  # the learner still counts the episode as running: give it back
@@ -352,8 +368,14 @@ class TrajectorySender:
         self.version = int(body.get("version", self.version))
         self.max_frame_bytes = int(body.get("max_frame_bytes", self.max_frame_bytes))
         self._credit = int(body.get("credit", 0))
-        # The learner acked what it already had just before WELCOME, so everything left must be sent again.
-        self._resend = collections.deque(sorted(self._outbox, key=lambda t: self._outbox[t].seq))
+        # Held by another (dead) learner run: that memory is gone, send them again.
+        for e in self._outbox.values():
+            if e.held and e.held != rid:
+                e.held = ""
+                self._n_held -= 1
+        # The learner acked (or marked held) what it already had just before WELCOME: everything else is sent again.
+        self._resend = collections.deque(sorted((t for t, e in self._outbox.items() if not e.held),
+                                                key=lambda t: self._outbox[t].seq))
         for tid in self._resend:
             self._outbox[tid].sent_at = 0.0
         self._ready = True
@@ -364,8 +386,8 @@ class TrajectorySender:
             await self._wait(lambda: self._ready and self._credit > 0 and self._resend, float("inf"), "")
             tid = self._resend.popleft()
             e = self._outbox.get(tid)
-            if e is None:
-                continue  # acked meanwhile
+            if e is None or e.held:
+                continue  # acked (or held by this learner) meanwhile
             self._credit -= 1
             self._transmit(tid, e)
             self._stats["resent"] += 1
@@ -381,12 +403,19 @@ class TrajectorySender:
             else:
                 self._send([P.PING, b"\x80"])  # msgpack {}
             if self._ready and self.resend_after_s > 0:
-                stale = [t for t, e in self._outbox.items() if e.sent_at and now - e.sent_at > self.resend_after_s]
+                stale = [t for t, e in self._outbox.items()
+                         if e.sent_at and not e.held and now - e.sent_at > self.resend_after_s]
                 if stale:
                     for t in sorted(stale, key=lambda t: self._outbox[t].seq):
                         self._outbox[t].sent_at = 0.0
                         self._resend.append(t)
                     self._notify()
+
+    def _pop(self, tid: str) -> _Entry | None:
+        e = self._outbox.pop(tid, None)
+        if e is not None and e.held:
+            self._n_held -= 1
+        return e
 
     # --- spool: the outbox on disk, so a killed actor's unacked trajectories survive into its restart ------------
     def _spool_path(self, tid: str) -> str:

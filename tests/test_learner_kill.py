@@ -12,6 +12,7 @@ import sys
 import threading
 
 import numpy as np
+import pytest
 
 from tars.model import CausalLM, DecoderConfig
 from tars.proc import wait_for
@@ -54,7 +55,9 @@ def updates(path, start=0, end=None):
     return [(d["version"], d["ids"]) for d in map(json.loads, data.decode().splitlines())]
 
 
-def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path):
+@pytest.mark.parametrize("durability", ["wal", "checkpoint"])
+def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path, durability):
+    """wal: the restarted learner replays what its WAL acked; checkpoint: the actor re-sends what no checkpoint covered."""
     CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \
         .save_hf(tmp_path / "model", extra_files={"tars_tokenizer.json": "{}"})
     run, port = tmp_path / "run", free_port()
@@ -63,7 +66,7 @@ def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path):
            "--set", "learner.algo=grpo", "--set", f"learner.batch_size={B}", "--set", "learner.checkpoint_every=1",
            "--set", f"learner.stream_port={port}", "--set", "learner.max_lag=100000", "--set", "learner.credits=16",
            "--set", "learner.stream_queue_size=32", "--set", "learner.archive=true", "--set", f"max_versions={N // B}",
-           "--set", "actor.group_size=1"]
+           "--set", "actor.group_size=1", "--set", f"learner.stream_durability={durability}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     logs = [open(tmp_path / f"learner{k}.log", "w") for k in (1, 2)]
     first = subprocess.Popen(cmd + ["--ready-file", str(tmp_path / "r1")], env=env, stdout=logs[0], stderr=subprocess.STDOUT,
@@ -122,7 +125,11 @@ def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path):
     final = read_meta(run)
     assert final["version"] == N // B and len(final["consumed_ids"]) == N
     st = sender_state["stats"]
-    assert st["pending"] == 0 and st["restarts_seen"] == 1
+    assert st["pending"] == 0 and st["held"] == 0 and st["restarts_seen"] == 1
+    if durability == "checkpoint":
+        assert not (run / "stream.wal").exists()
+        # what life 1 held in memory past its checkpoint came again from the actor, not from a log
+        assert st["resent"] >= 1
     # the archive (learner.archive) holds each received trajectory once, across both lives
     from learner.data import read_trajectories
 

@@ -263,6 +263,83 @@ def test_learner_restart_delivers_every_trajectory_exactly_once(tmp_path):
     assert s2["wal_entries"] == N and st["resent"] > 0   # each written once; the void-sent ones were re-sent
 
 
+def test_checkpoint_durability_holds_until_commit_and_frees_the_window(tmp_path):
+    """durability="checkpoint": no WAL; a held trajectory leaves the send window but stays in the outbox, is never
+    re-sent to the run that holds it, and is forgotten only once commit() covers it."""
+    rx = receiver(tmp_path, durability="checkpoint", credits=16, queue_size=64)
+    addr = rx.start()
+    con = Consumer(rx, want=40)
+    con.start()
+
+    async def main():
+        s = TrajectorySender(addr, "ck", window=8, resend_after_s=0.2, **FAST)
+        await s.start()
+        for i in range(40):                              # 5x the window, nothing committed yet
+            await s.send(traj(f"c{i}"), timeout=5)
+        await asyncio.to_thread(con.join, 5)
+        assert await asyncio.to_thread(wait_until, lambda: s.stats()["held"] == 40)
+        await asyncio.sleep(0.6)                         # three re-send periods: held entries are not re-sent
+        held = s.stats()
+        with pytest.raises(TimeoutError):
+            await s.flush(timeout=0.2)                   # not durable yet
+        rx.commit(con.ids[:25])                          # a checkpoint covering the first 25
+        assert await asyncio.to_thread(wait_until, lambda: s.stats()["pending"] == 15)
+        rx.commit(con.ids)
+        await s.flush(timeout=5)
+        st = s.stats()
+        await s.close()
+        return held, st
+
+    held, st = asyncio.run(main())
+    stats = rx.stats()
+    rx.stop()
+    assert held["pending"] == 40 and held["resent"] == 0 and stats["duplicates"] == 0
+    assert st["pending"] == st["held"] == 0 and st["acked"] == 40 and stats["committed"] == 40
+    assert sorted(con.ids) == sorted(f"c{i}" for i in range(40)) and not (tmp_path / "wal.log").exists()
+
+
+def test_checkpoint_durability_restart_resends_only_what_no_checkpoint_covered(tmp_path):
+    rx1 = receiver(tmp_path, durability="checkpoint", credits=32, queue_size=64)
+    addr = rx1.start()
+
+    async def main():
+        s = TrajectorySender(addr, "act", window=64, **FAST)
+        await s.start()
+        for i in range(60):
+            await s.send(traj(f"k{i}"), timeout=5)
+        con1 = Consumer(rx1, want=45)                    # trains on 45, checkpoints after 30 of them
+        con1.start()
+        await asyncio.to_thread(con1.join, 5)
+        ckpt = {"consumed_ids": con1.ids[:30]}
+        rx1.commit(ckpt["consumed_ids"])
+        assert await asyncio.to_thread(wait_until, lambda: s.stats()["pending"] == 30)
+        await asyncio.to_thread(rx1.stop)               # dies: 15 trained past the checkpoint + 15 queued are lost
+        rx2 = receiver(tmp_path, bind=addr, durability="checkpoint", consumed_ids=ckpt["consumed_ids"], credits=32,
+                       queue_size=64)
+        assert rx2.start() == addr
+        con2 = Consumer(rx2, want=30)
+        con2.start()
+        await asyncio.to_thread(con2.join, 10)
+        rx2.commit(con2.ids)
+        await s.flush(timeout=5)
+        st = s.stats()
+        await s.close()
+        return con1.ids[:30], con2.ids, rx2, st
+
+    first, second, rx2, st = asyncio.run(main())
+    s2 = rx2.stats()
+    rx2.stop()
+    assert sorted(first + second) == sorted(f"k{i}" for i in range(60))
+    assert not set(first) & set(second) and st["resent"] == 30 and st["restarts_seen"] == 1
+    assert s2["duplicates"] == 0 and s2["replayed"] == 0 and st["pending"] == 0
+    assert rx2.staleness.stats()["running"] == 0
+
+
+def test_unknown_durability_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="durability"):
+        receiver(tmp_path, durability="memory")
+
+
 def test_admission_round_trip_and_lost(tmp_path):
     stal = StalenessManager(batch_size=4, eta=0)
     rx = receiver(tmp_path, stal=stal)
