@@ -21,21 +21,39 @@ from tars.model import CausalLM
 from tars.tokenizer import Tokenizer
 
 
-def parse_demonstrator(spec: str) -> float:
+def parse_demonstrator(spec: str) -> tuple[str, float]:
+    """oracle | noisy:P | confused:P -> (kind, P)."""
     if spec == "oracle":
-        return 1.0
-    if spec.startswith("noisy:"):
-        p = float(spec.split(":", 1)[1])
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"demonstrator {spec!r}: P must be in [0, 1]")
-        return p
-    raise ValueError(f"unknown demonstrator {spec!r}: expected oracle or noisy:P")
+        return "oracle", 1.0
+    kind, _, p = spec.partition(":")
+    if kind in ("noisy", "confused") and p:
+        try:
+            pf = float(p)
+        except ValueError:
+            pf = -1.0
+        if not 0.0 <= pf <= 1.0:
+            raise ValueError(f"demonstrator {spec!r}: P must be a number in [0, 1]")
+        return kind, pf
+    raise ValueError(f"unknown demonstrator {spec!r}: expected oracle, noisy:P or confused:P")
+
+
+GOAL_VERBS = {"open", "then", "click", "type", "into", "answer"}
+
+
+def confused_action(env, rng: random.Random) -> dict:
+    """The oracle's action with its label or text swapped for a word of the goal drawn at random: the demonstrator
+    knows what to do and that the words come from the instruction, not which word goes where."""
+    a = dict(env.oracle_action())
+    words = [w for w in env.observe().instruction.split() if w not in GOAL_VERBS]
+    if words:
+        a["content" if a["type"] == "type" else "target"] = rng.choice(words)
+    return a
 
 
 def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
                    max_turns: int = 6) -> list[tuple[list[int], list[int]]]:
     """Roll the demonstrator through builtin envs in-process -> [(tokens, loss_mask)]."""
-    p = parse_demonstrator(demonstrator)
+    kind, p = parse_demonstrator(demonstrator)
     rng = random.Random(seed)
     envs = {e: builtin.make(e.split("/", 1)[1], {"max_steps": str(max_turns)}) for e in env_ids}
     out = []
@@ -47,7 +65,10 @@ def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrat
             prompt = turn_prompt_ids(tok, r.text, r.instruction)
             toks += prompt
             mask += [0] * len(prompt)
-            a = env.oracle_action() if rng.random() < p else env.random_action(rng)
+            if rng.random() < p:
+                a = env.oracle_action()
+            else:
+                a = confused_action(env, rng) if kind == "confused" else env.random_action(rng)
             ans = answer_ids(tok, a)
             toks += ans
             mask += [1] * len(ans)
