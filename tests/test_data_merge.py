@@ -129,3 +129,40 @@ def test_merge_rejects_mismatched_checkpoints(tmp_path, capsys):
     assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "nothing")] + args) == 2
     assert "no model.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+
+def test_demonstrators_oracle_noisy_and_confused():
+    import random
+
+    from envd import builtin
+    from learner.sft import GOAL_VERBS, confused_action, demonstrations, parse_demonstrator
+    from tars.tokenizer import Tokenizer
+
+    assert parse_demonstrator("oracle") == ("oracle", 1.0)
+    assert parse_demonstrator("confused:0.25") == ("confused", 0.25)
+    for bad in ("noisy:2", "confused:x", "confused", "perfect"):
+        with pytest.raises(ValueError):
+            parse_demonstrator(bad)
+    # confused: the oracle's kind of action, with a word of the goal (not a verb) drawn at random
+    rng, same, differ = random.Random(0), 0, 0
+    for seed in range(200):
+        env = builtin.make("mixed")
+        r = env.reset(seed)
+        o, a = env.oracle_action(), confused_action(env, rng)
+        key = "content" if o["type"] == "type" else "target"
+        assert a["type"] == o["type"]
+        words = set(r.instruction.split()) - GOAL_VERBS
+        assert a[key] in words and o[key] in words
+        same += a[key] == o[key]
+        differ += a[key] != o[key]
+    assert same > 60 and differ > 30
+    # whole demonstrations: loss only on the answers, one answer per turn, ending in <eos>
+    tok = Tokenizer.build(builtin.VOCABULARY)
+    for spec in ("oracle", "noisy:0.5", "confused:0"):
+        demos = demonstrations(tok, ["builtin/mixed"], 20, spec, 0, 3)
+        assert len(demos) == 20
+        for toks, mask in demos:
+            assert len(toks) == len(mask) and mask[-1] == 1 and toks[-1] == tok.eos_id
+            turns = sum(1 for i in range(1, len(mask)) if mask[i] and not mask[i - 1])
+            assert 1 <= turns <= 3 and toks.count(tok.assistant_id) == turns
