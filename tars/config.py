@@ -192,7 +192,8 @@ class SFTConfig:
     steps: int = f(0, "SFT updates; 0 = no warm start")
     batch_size: int = f(32, "demonstration turns per update")
     lr: float = f(3e-3, "SFT learning rate")
-    demonstrator: str = f("noisy:0.2", "oracle | noisy:P (oracle with probability P, else a random visible widget)")
+    demonstrator: str = f("noisy:0.2", "oracle | noisy:P (oracle with probability P, else a random visible widget) | "
+                          "confused:P (oracle with probability P, else its kind of action with a random word of the goal)")
 
 
 @dataclass
