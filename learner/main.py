@@ -304,7 +304,7 @@ class Learner:
         os.replace(tmp, ck)
         fsync_tree(self.run, files=False)
         self.receiver.compact_wal()
-        self.receiver.commit(meta["consumed_ids"])  # checkpoint durability: actors may now forget these
+        self.receiver.commit(frozenset(meta["consumed_ids"]))  # checkpoint durability: actors may now forget these
         self.last_checkpoint = {"version": self.version, "t": meta["t"], "path": str(ck)}
 
     def _load_checkpoint(self) -> set[str]:

@@ -94,7 +94,7 @@ class TrajectoryReceiver:
         # covered by a checkpoint; held notices waiting for the next tick; id lists from commit() for the io thread.
         self._held: dict[str, bytes] = {}
         self._pending_held: dict[bytes, list[str]] = {}
-        self._commits: collections.deque[list[str]] = collections.deque()
+        self._commits: collections.deque[frozenset[str] | set[str]] = collections.deque()
         self.images = ImageStore(wal_path + ".images")  # screenshots by hash, beside the WAL that refers to them
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._consumed: set[str] = set(consumed_ids)
@@ -175,7 +175,7 @@ class TrajectoryReceiver:
         """durability="checkpoint": a checkpoint listing these ids as consumed is durable; ack them to their actors.
         (Call it with the checkpoint's own consumed_ids; ids not held by this process are skipped.)"""
         if self.wal is None:
-            self._commits.append(list(ids))
+            self._commits.append(ids if isinstance(ids, (set, frozenset)) else frozenset(ids))
 
     def compact_wal(self) -> dict:
         """Drop consumed entries from the WAL (call after the checkpoint that covers them is durable)."""
@@ -530,11 +530,11 @@ class TrajectoryReceiver:
 
     def _send_commits(self, sock) -> None:
         while self._commits:
+            ids = self._commits.popleft()
             by_actor: dict[bytes, list[str]] = {}
-            for tid in self._commits.popleft():
-                ident = self._held.pop(tid, None)
-                if ident is not None:
-                    by_actor.setdefault(ident, []).append(tid)
+            # O(held), not O(everything ever consumed): a checkpoint lists all consumed ids, most committed long ago.
+            for tid in [t for t in self._held if t in ids]:
+                by_actor.setdefault(self._held.pop(tid), []).append(tid)
             for ids in by_actor.values():
                 self._count("committed", len(ids))
             self._send_acks(sock, by_actor)
