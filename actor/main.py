@@ -171,11 +171,14 @@ class Actor:
             # spool keeps those, and a resumed learner acks them as duplicates when they are re-sent).
             await self.sender.flush(timeout=grace_s, held_ok=True)
         except TimeoutError:
+            pass
+        held = self.sender.stats()["held"]
+        if self.sender.pending() > held:
             log.warning("%d trajectories unacknowledged at exit (kept in the spool if one is set)",
-                        self.sender.pending() - self.sender.stats()["held"])
-        if self.sender.stats()["held"]:
+                        self.sender.pending() - held)
+        if held:
             log.info("%d trajectories held by the learner until its next checkpoint at exit (kept in the spool if one "
-                     "is set)", self.sender.stats()["held"])
+                     "is set)", held)
         await self.sender.close()
         await self.infer.close()
         for e in self.envs:

@@ -135,10 +135,11 @@ def run(a) -> dict:
     out = {"machine": _machine(), "preset": a.preset, "figures": {}}
     s = stream_bench(n=a.n, payload_bytes=a.payload_bytes, repeats=a.repeats, subprocess=True)
     # Headline: the durability the preset runs with; the other is reported beside it.
+    by_mode = {"wal": (s["ratio"], s["stream_per_s"]), "checkpoint": (s["ratio_checkpoint"], s["stream_checkpoint_per_s"])}
     mode = cfg.learner.stream_durability
-    for name, m in (("stream_over_raw", mode), ("stream_over_raw_" + ("wal" if mode == "checkpoint" else "checkpoint"),
-                                                 "checkpoint" if mode == "wal" else "wal")):
-        ratio, rate = (s["ratio_checkpoint"], s["stream_checkpoint_per_s"]) if m == "checkpoint" else (s["ratio"], s["stream_per_s"])
+    other = "wal" if mode == "checkpoint" else "checkpoint"
+    for name, m in (("stream_over_raw", mode), (f"stream_over_raw_{other}", other)):
+        ratio, rate = by_mode[m]
         out["figures"][name] = {"value": ratio, "unit": "x", "goal": ">= 0.8", "pass": ratio >= 0.8, "durability": m,
                                 "stream_per_s": rate, "raw_per_s": s["raw_per_s"], "detail": s}
     with tempfile.TemporaryDirectory() as tmp:

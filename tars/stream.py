@@ -530,13 +530,12 @@ class TrajectoryReceiver:
 
     def _send_commits(self, sock) -> None:
         while self._commits:
-            ids = self._commits.popleft()
+            durable = self._commits.popleft()
             by_actor: dict[bytes, list[str]] = {}
             # O(held), not O(everything ever consumed): a checkpoint lists all consumed ids, most committed long ago.
-            for tid in [t for t in self._held if t in ids]:
+            for tid in [t for t in self._held if t in durable]:
                 by_actor.setdefault(self._held.pop(tid), []).append(tid)
-            for ids in by_actor.values():
-                self._count("committed", len(ids))
+            self._count("committed", sum(map(len, by_actor.values())))
             self._send_acks(sock, by_actor)
 
     def _free_slots(self) -> int:

@@ -3,7 +3,8 @@
 All paths do the same useful work: encode each Trajectory on the actor, decode + validate it on the learner, hand it
 to a consumer thread through a bounded queue. The stream adds credits, acks and the outbox, and for durability either
 the WAL (append + batched fdatasync; "wal") or held notices and acks after each commit ("checkpoint", the consumer
-committing every 1024 trajectories as a learner checkpointing every 16 updates of 64 would). Run: `python -m tars.stream_bench [n] [payload_bytes]`.
+committing every 1024 trajectories as a learner checkpointing every 16 updates of 64 would).
+Run: `python -m tars.stream_bench [n] [payload_bytes]`.
 """
 from __future__ import annotations
 
