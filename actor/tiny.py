@@ -13,6 +13,10 @@ from typing import Any
 from tars.tokenizer import Tokenizer
 
 
+# observation_text's fixed text (and the actor's note after an invalid action), for a glued tokenizer.
+PROMPT_GLUE = ["Screen: ", " Goal: ", "Invalid action. "]
+
+
 def observation_text(text: str, instruction: str, note: str = "") -> str:
     # The goal comes last, right before the answer, so the words the policy must act on sit close to it.
     return f"{note}Screen: {text} Goal: {instruction}"

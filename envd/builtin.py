@@ -39,6 +39,11 @@ TASKS = ["click", "menu", "form", "dialog", "mixed"]
 VOCABULARY = sorted(set(LABELS + MENUS + FIELDS + VALUES + DIALOG_TITLES + DIALOG_BUTTONS + APPS + [
     "expanded", "focused", "answer", "then", "into", "open", "click", "type",
 ]))
+# The fixed text that render_text and the instructions put around the words above, spaces included: a tokenizer
+# built with these as pieces (tars.tokenizer.Tokenizer.build's `glue`) gives each word one id in the screen, the
+# goal and the answer alike.
+TEXT_GLUE = ["window ", " [button ", " [menu ", " [item ", " [field ", " [dialog ", " expanded", " focused", " = ",
+             "click ", "open ", "type ", "answer ", " then ", " into "]
 W, H = 640, 400
 
 

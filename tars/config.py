@@ -35,6 +35,9 @@ class ModelConfig:
     max_positions: int = f(1024, "context length")
     rope_theta: float = f(100.0, "RoPE base of a fresh model; a small base separates nearby positions sharply, "
                                  "which short GUI prompts need more than long-range reach")
+    tokenizer: str = f("glued", "vocabulary of a fresh model's tokenizer: glued (a task word has one id wherever it "
+                                "appears, the spaces around it belong to the fixed text: ' [button ', ' into ') | spaced "
+                                "(each word also has a space-prefixed id, as in BPE vocabularies)")
     tie_embeddings: bool = f(False, "share the input embedding and the output projection of a fresh model")
     init_std: float = f(0.02, "init scale of a fresh model")
     seed: int = f(0, "init seed of a fresh model")

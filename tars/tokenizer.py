@@ -51,14 +51,21 @@ class Tokenizer:
         return self.byte_base + 256
 
     @classmethod
-    def build(cls, words: Iterable[str] = ()) -> "Tokenizer":
+    def build(cls, words: Iterable[str] = (), glue: Iterable[str] | None = None) -> "Tokenizer":
+        """`words` become pieces. By default each also gets a space-prefixed piece (" Save"), as BPE vocabularies
+        do. With `glue` (the fixed text around the words: "Goal: ", " [button ", " into "), words get no
+        space-prefixed piece; the spaces go into the glue pieces instead, so a word has one id wherever it
+        appears. A word the policy copies from the prompt into its answer ("Goal: click Save" ->
+        "click(target='Save')") is then the same token on both sides, and copying is one mechanism for every
+        word rather than a mapping " Save" -> "Save" learnt word by word."""
         seen, out = set(), []
-        for p in [*SPECIALS, *GRAMMAR, *WIDGET_OPENERS]:
+        glue = None if glue is None else list(glue)
+        for p in [*SPECIALS, *GRAMMAR, *WIDGET_OPENERS, *(glue or ())]:
             if p not in seen:
                 seen.add(p)
                 out.append(p)
         for w in sorted(set(BASE_WORDS) | set(words)):
-            for p in (w, " " + w):
+            for p in (w,) if glue is not None else (w, " " + w):
                 if p not in seen:
                     seen.add(p)
                     out.append(p)

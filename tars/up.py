@@ -63,7 +63,12 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
     from envd import builtin
 
     torch.manual_seed(cfg.seed)
-    tok = Tokenizer.build(builtin.VOCABULARY)
+    from actor.tiny import PROMPT_GLUE
+
+    if cfg.model.tokenizer not in ("glued", "spaced"):
+        raise C.ConfigError(f"model.tokenizer: {cfg.model.tokenizer!r} is not glued | spaced")
+    glue = [*builtin.TEXT_GLUE, *PROMPT_GLUE] if cfg.model.tokenizer == "glued" else None
+    tok = Tokenizer.build(builtin.VOCABULARY, glue=glue)
     if cfg.model.path:
         policy = CausalLM.load_hf(cfg.model.path)
         tok = Tokenizer.load(cfg.model.path)

@@ -84,6 +84,40 @@ def test_tokenizer_round_trips_any_text():
         tok.decode([tok.vocab_size + 5])
 
 
+def test_glued_tokenizer_gives_a_word_one_id_in_prompt_and_answer():
+    from actor.tiny import PROMPT_GLUE, answer_ids, observation_text
+    from envd import builtin
+
+    glued = Tokenizer.build(builtin.VOCABULARY, glue=[*builtin.TEXT_GLUE, *PROMPT_GLUE])
+    spaced = Tokenizer.build(builtin.VOCABULARY)
+    n_glued = n_spaced = 0
+    for task in ("click", "menu", "form", "dialog"):
+        for seed in range(20):
+            env = builtin.make(task, {})
+            r = env.reset(seed=seed)
+            while True:
+                text = "Invalid action. " * (seed % 2) + observation_text(r.text, r.instruction)
+                ids = glued.encode(text)
+                assert glued.decode(ids) == text
+                assert all(i < glued.byte_base for i in ids), "builtin text fell back to bytes"
+                n_glued, n_spaced = n_glued + len(ids), n_spaced + len(spaced.encode(text))
+                action = env.oracle_action()
+                word = action.get("target") or action.get("content")
+                # glued: the answer's word is the very id the prompt shows
+                assert glued.index[word] in answer_ids(glued, action) and glued.index[word] in ids
+                # spaced: the prompt shows " Save", the answer writes "Save", two ids the model must map
+                sp = spaced.encode(text)
+                assert spaced.index[word] in answer_ids(spaced, action)
+                assert spaced.index[" " + word] in sp and spaced.index[word] not in sp
+                r = env.step(action)
+                if r.outcome != "running":
+                    break
+    # the spaces ride on the fixed text, so gluing also shortens prompts
+    assert n_glued < n_spaced
+    assert " Save" in spaced.pieces and " Save" not in glued.pieces
+    assert glued.decode(glued.encode("free text: Save the file, then quit")) == "free text: Save the file, then quit"
+
+
 def test_tokenizer_save_load(tmp_path):
     tok = Tokenizer.build(["Save"])
     tok.save(tmp_path / "t.json")
@@ -140,3 +174,11 @@ def test_model_cache_padding_and_logprobs_at():
         lp = m.logprobs_at(ids, torch.ones(2, 17, dtype=torch.bool), mask)
         ref = m.token_logprobs(ids)[:, 12:15].reshape(-1)
         assert torch.allclose(lp, ref, atol=1e-5)
+
+
+def test_unknown_tokenizer_kind_is_refused(tmp_path):
+    from tars.up import build_model
+
+    cfg = C.load("quickstart", None, ["model.tokenizer=bpe"])
+    with pytest.raises(C.ConfigError, match="model.tokenizer"):
+        build_model(cfg, tmp_path, lambda m: None)
