@@ -28,15 +28,13 @@ import numpy as np
 from actor import judge as J
 from actor.envclient import EnvActionError, EnvClient, EnvInfraError, Obs
 from actor.parsing import ParseError, parse_response
-from actor.tiny import turn_prompt_ids
+from actor.tiny import INVALID_NOTE, turn_prompt_ids
 from inference_server.client import InferenceClient
 from tars import telemetry
 from tars.config import ActorConfig
 from tars.schema import Trajectory, Turn
 from tars.tokenizer import Tokenizer
 from tars.v1 import common_pb2
-
-INVALID_NOTE = "Invalid action. "
 
 
 @dataclass

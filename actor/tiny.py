@@ -13,8 +13,10 @@ from typing import Any
 from tars.tokenizer import Tokenizer
 
 
-# observation_text's fixed text (and the actor's note after an invalid action), for a glued tokenizer.
-PROMPT_GLUE = ["Screen: ", " Goal: ", "Invalid action. "]
+# The note the actor puts before the next observation after an invalid action.
+INVALID_NOTE = "Invalid action. "
+# observation_text's fixed text, the note included, for a glued tokenizer (tars.tokenizer.Tokenizer.build's `glue`).
+PROMPT_GLUE = ["Screen: ", " Goal: ", INVALID_NOTE]
 
 
 def observation_text(text: str, instruction: str, note: str = "") -> str:

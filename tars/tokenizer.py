@@ -56,8 +56,8 @@ class Tokenizer:
         do. With `glue` (the fixed text around the words: "Goal: ", " [button ", " into "), words get no
         space-prefixed piece; the spaces go into the glue pieces instead, so a word has one id wherever it
         appears. A word the policy copies from the prompt into its answer ("Goal: click Save" ->
-        "click(target='Save')") is then the same token on both sides, and copying is one mechanism for every
-        word rather than a mapping " Save" -> "Save" learnt word by word."""
+        "click(target='Save')") is then the same token on both sides, and the model need not learn a mapping
+        " Save" -> "Save" for every word."""
         seen, out = set(), []
         glue = None if glue is None else list(glue)
         for p in [*SPECIALS, *GRAMMAR, *WIDGET_OPENERS, *(glue or ())]:
