@@ -60,19 +60,18 @@ class Child:
 
 def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path, float | None]:
     """Tokenizer + policy into out/model (HF layout), after the SFT warm start if configured."""
-    from envd import builtin
-
-    torch.manual_seed(cfg.seed)
     from actor.tiny import PROMPT_GLUE
+    from envd import builtin
 
     if cfg.model.tokenizer not in ("glued", "spaced"):
         raise C.ConfigError(f"model.tokenizer: {cfg.model.tokenizer!r} is not glued | spaced")
-    glue = [*builtin.TEXT_GLUE, *PROMPT_GLUE] if cfg.model.tokenizer == "glued" else None
-    tok = Tokenizer.build(builtin.VOCABULARY, glue=glue)
+    torch.manual_seed(cfg.seed)
     if cfg.model.path:
         policy = CausalLM.load_hf(cfg.model.path)
         tok = Tokenizer.load(cfg.model.path)
     else:
+        glue = [*builtin.TEXT_GLUE, *PROMPT_GLUE] if cfg.model.tokenizer == "glued" else None
+        tok = Tokenizer.build(builtin.VOCABULARY, glue=glue)
         m = cfg.model
         dc = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                            num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,

@@ -85,7 +85,7 @@ def test_tokenizer_round_trips_any_text():
 
 
 def test_glued_tokenizer_gives_a_word_one_id_in_prompt_and_answer():
-    from actor.tiny import PROMPT_GLUE, answer_ids, observation_text
+    from actor.tiny import INVALID_NOTE, PROMPT_GLUE, answer_ids, observation_text
     from envd import builtin
 
     glued = Tokenizer.build(builtin.VOCABULARY, glue=[*builtin.TEXT_GLUE, *PROMPT_GLUE])
@@ -96,7 +96,7 @@ def test_glued_tokenizer_gives_a_word_one_id_in_prompt_and_answer():
             env = builtin.make(task, {})
             r = env.reset(seed=seed)
             while True:
-                text = "Invalid action. " * (seed % 2) + observation_text(r.text, r.instruction)
+                text = INVALID_NOTE * (seed % 2) + observation_text(r.text, r.instruction)
                 ids = glued.encode(text)
                 assert glued.decode(ids) == text
                 assert all(i < glued.byte_base for i in ids), "builtin text fell back to bytes"
