@@ -296,8 +296,11 @@ class BuiltinEnv(Env):
         s = self._state()
         if s.focused and rng.random() < 0.5:
             return {"type": "type", "content": rng.choice(VALUES)}
-        w = rng.choice([w for w in s.visible() if w.kind != "dialog"])
-        return {"type": "click", "target": w.label}
+        return {"type": "click", "target": rng.choice(self.clickable())}
+
+    def clickable(self) -> list[str]:
+        """Labels of the visible widgets a click can target (all but the dialog frame)."""
+        return [w.label for w in self._state().visible() if w.kind != "dialog"]
 
     def snapshot(self) -> bytes:
         s = self._state()

@@ -3,7 +3,9 @@
 Demonstrations are whole multi-turn conversations in the same token format the actor produces, with the loss
 on the policy's turns only. `noisy:P` demonstrators take the oracle's action with probability P and a random
 visible widget otherwise, like imperfect human data: the warm-started policy knows the format and the grammar
-of the task but is far from solving it, which leaves the improvement to RL.
+of the task but is far from solving it, which leaves the improvement to RL. `confused:P[:N]` demonstrators do the
+oracle's kind of action but with a word of the goal drawn at random (or one of N plausible distractors): the policy
+learns to copy words from the instruction, firmly for every word, and RL learns which word goes where.
 """
 from __future__ import annotations
 
@@ -21,39 +23,48 @@ from tars.model import CausalLM
 from tars.tokenizer import Tokenizer
 
 
-def parse_demonstrator(spec: str) -> tuple[str, float]:
-    """oracle | noisy:P | confused:P -> (kind, P)."""
+def parse_demonstrator(spec: str) -> tuple[str, float, int]:
+    """oracle | noisy:P | confused:P | confused:P:N -> (kind, P, N distractors)."""
     if spec == "oracle":
-        return "oracle", 1.0
-    kind, _, p = spec.partition(":")
-    if kind in ("noisy", "confused") and p:
+        return "oracle", 1.0, 0
+    kind, _, rest = spec.partition(":")
+    p, _, n = rest.partition(":")
+    if kind in ("noisy", "confused") and p and (not n or kind == "confused"):
         try:
             pf = float(p)
         except ValueError:
             pf = -1.0
         if not 0.0 <= pf <= 1.0:
             raise ValueError(f"demonstrator {spec!r}: P must be a number in [0, 1]")
-        return kind, pf
-    raise ValueError(f"unknown demonstrator {spec!r}: expected oracle, noisy:P or confused:P")
+        if not n:
+            return kind, pf, 0
+        if n.isdigit() and int(n) <= 16:
+            return kind, pf, int(n)
+        raise ValueError(f"demonstrator {spec!r}: N must be a whole number of distractors, 0 to 16")
+    raise ValueError(f"unknown demonstrator {spec!r}: expected oracle, noisy:P, confused:P or confused:P:N")
 
 
 GOAL_VERBS = {"open", "then", "click", "type", "into", "answer"}
 
 
-def confused_action(env, rng: random.Random) -> dict:
-    """The oracle's action with its label or text swapped for a word of the goal drawn at random: the demonstrator
-    knows what to do and that the words come from the instruction, not which word goes where."""
+def confused_action(env, rng: random.Random, distractors: int = 0) -> dict:
+    """The oracle's action with its label or text swapped for a word drawn at random from the goal's words and
+    `distractors` plausible wrong ones (a visible label to click, a name to type): the demonstrator knows what to do
+    and that the words mostly come from the instruction, not which word goes where."""
     a = dict(env.oracle_action())
+    key = "content" if a["type"] == "type" else "target"
     words = [w for w in env.observe().instruction.split() if w not in GOAL_VERBS]
+    for _ in range(distractors):
+        words.append(rng.choice(builtin.VALUES) if key == "content" else rng.choice(env.clickable()))
     if words:
-        a["content" if a["type"] == "type" else "target"] = rng.choice(words)
+        a[key] = rng.choice(words)
     return a
 
 
 def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
                    max_turns: int = 6) -> list[tuple[list[int], list[int]]]:
     """Roll the demonstrator through builtin envs in-process -> [(tokens, loss_mask)]."""
-    kind, p = parse_demonstrator(demonstrator)
+    kind, p, n = parse_demonstrator(demonstrator)
     rng = random.Random(seed)
     envs = {e: builtin.make(e.split("/", 1)[1], {"max_steps": str(max_turns)}) for e in env_ids}
     out = []
@@ -68,7 +79,7 @@ def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrat
             if rng.random() < p:
                 a = env.oracle_action()
             else:
-                a = confused_action(env, rng) if kind == "confused" else env.random_action(rng)
+                a = confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
             ans = answer_ids(tok, a)
             toks += ans
             mask += [1] * len(ans)

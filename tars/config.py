@@ -196,7 +196,9 @@ class SFTConfig:
     batch_size: int = f(32, "demonstration turns per update")
     lr: float = f(3e-3, "SFT learning rate")
     demonstrator: str = f("noisy:0.2", "oracle | noisy:P (oracle with probability P, else a random visible widget) | "
-                          "confused:P (oracle with probability P, else its kind of action with a random word of the goal)")
+                          "confused:P (oracle with probability P, else its kind of action with a random word of the goal) | "
+                          "confused:P:N (the same, drawing from the goal's words and N plausible distractors: a visible "
+                          "label, a name to type)")
 
 
 @dataclass

@@ -139,9 +139,11 @@ def test_demonstrators_oracle_noisy_and_confused():
     from learner.sft import GOAL_VERBS, confused_action, demonstrations, parse_demonstrator
     from tars.tokenizer import Tokenizer
 
-    assert parse_demonstrator("oracle") == ("oracle", 1.0)
-    assert parse_demonstrator("confused:0.25") == ("confused", 0.25)
-    for bad in ("noisy:2", "confused:x", "confused", "perfect"):
+    assert parse_demonstrator("oracle") == ("oracle", 1.0, 0)
+    assert parse_demonstrator("confused:0.25") == ("confused", 0.25, 0)
+    assert parse_demonstrator("confused:0:2") == ("confused", 0.0, 2)
+    for bad in ("noisy:2", "confused:x", "confused", "perfect", "noisy:0.5:1", "confused:0:x", "confused:0:-1",
+                "confused:0:99"):
         with pytest.raises(ValueError):
             parse_demonstrator(bad)
     # confused: the oracle's kind of action, with a word of the goal (not a verb) drawn at random
@@ -157,9 +159,21 @@ def test_demonstrators_oracle_noisy_and_confused():
         same += a[key] == o[key]
         differ += a[key] != o[key]
     assert same > 60 and differ > 30
+    # confused:P:N also draws from N distractors: a visible label to click, a name to type, never a verb
+    rng, off_goal = random.Random(0), 0
+    for seed in range(300):
+        env = builtin.make("mixed")
+        r = env.reset(seed)
+        o, a = env.oracle_action(), confused_action(env, rng, 1)
+        key = "content" if o["type"] == "type" else "target"
+        assert a["type"] == o["type"] and a[key] not in GOAL_VERBS
+        pool = builtin.VALUES if key == "content" else env.clickable()
+        assert a[key] in set(r.instruction.split()) | set(pool)
+        off_goal += a[key] not in r.instruction.split()
+    assert 50 < off_goal < 150  # about a third of the draws for two goal words and one distractor
     # whole demonstrations: loss only on the answers, one answer per turn, ending in <eos>
     tok = Tokenizer.build(builtin.VOCABULARY)
-    for spec in ("oracle", "noisy:0.5", "confused:0"):
+    for spec in ("oracle", "noisy:0.5", "confused:0", "confused:0:1"):
         demos = demonstrations(tok, ["builtin/mixed"], 20, spec, 0, 3)
         assert len(demos) == 20
         for toks, mask in demos:
