@@ -149,7 +149,8 @@ class LearnerConfig:
     length_alpha: float = f(0.05, "alpha of length-adaptive GAE")
     value_clip: float = f(0.2, "clip range of the value loss")
     value_pretrain_steps: int = f(0, "critic-only updates before PPO starts (value pretraining)")
-    value_pretrain_ev: float = f(0.5, "stop value pretraining early once explained variance passes this")
+    value_pretrain_ev: float = f(0.5, "stop value pretraining early once the critic's explained variance, averaged "
+                                        "over the last 10 batches, reaches this")
     epochs: int = f(1, "passes over each batch")
     minibatches: int = f(1, "minibatches per pass")
     grad_clip: float = f(1.0, "gradient norm clip")

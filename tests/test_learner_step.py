@@ -225,3 +225,14 @@ def test_adaptive_entropy_bonus_holds_the_entropy_at_its_target():
     assert ent_on > 4 * ent_off and ent_on > 0.4, (ent_on, ent_off)
     assert max(coefs_on) > 0 and all(0.0 <= c <= 1.0 for c in coefs_on)
     assert p_on > 0.6, p_on  # and still learns what pays
+
+
+def test_value_pretraining_stops_on_the_mean_of_recent_batches_not_one_lucky_batch():
+    from learner.main import EV_WINDOW, value_pretrain_done
+
+    assert EV_WINDOW == 10
+    assert not value_pretrain_done([0.9] * 9, 0.5)  # too few batches to judge
+    assert value_pretrain_done([0.9] * 10, 0.5)
+    assert not value_pretrain_done([0.3] * 9 + [0.95], 0.5)  # one batch passing the bar is not enough
+    assert value_pretrain_done([0.0] * 5 + [0.45] * 5 + [0.6] * 5, 0.5)  # only the last 10 count
+    assert not value_pretrain_done([0.5] * 9 + [0.0], 0.5)  # mean 0.45
