@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from tars import rpc
-from tars.v1 import common_pb2, env_pb2, env_pb2_grpc
+from core import rpc
+from core.v1 import common_pb2, env_pb2, env_pb2_grpc
 
 OUTCOME = {common_pb2.RUNNING: "running", common_pb2.TERMINATED: "terminated",
            common_pb2.TRUNCATED: "truncated", common_pb2.INFRA_ERROR: "infra_error"}

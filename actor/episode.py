@@ -7,7 +7,7 @@ carries tokens of two versions. An environment or inference failure ends the epi
 
 Screenshots (actor.image_history = k > 0): every turn's prompt holds the observation's text and, when it has a
 screenshot, a run of <|image|> placeholders; the request carries the last k screenshots, which the engine binds to
-the last k runs (tars/vision.py). Older turns keep their placeholders as plain tokens, so only their text speaks for
+the last k runs (core/vision.py). Older turns keep their placeholders as plain tokens, so only their text speaks for
 them, and the token sequence is still only ever extended.
 
 timings["actor_ms"] is the time each turn spent in this module's own code: the turn's wall time minus the awaited
@@ -29,12 +29,12 @@ from actor import judge as J
 from actor.envclient import EnvActionError, EnvClient, EnvInfraError, Obs
 from actor.parsing import ParseError, parse_response
 from actor.tiny import INVALID_NOTE, turn_prompt_ids
-from inference_server.client import InferenceClient
-from tars import telemetry
-from tars.config import ActorConfig
-from tars.schema import Trajectory, Turn
-from tars.tokenizer import Tokenizer
-from tars.v1 import common_pb2
+from core.inference_client import InferenceClient
+from core import telemetry
+from core.config import ActorConfig
+from core.schema import Trajectory, Turn
+from core.tokenizer import Tokenizer
+from core.v1 import common_pb2
 
 
 @dataclass
@@ -54,7 +54,7 @@ class EpisodeContext:
 
 def _obs_ref(obs: Obs, images: dict) -> str:
     # The trajectory carries every screenshot it refers to; the stream sender sends each one once per learner
-    # connection and refers to it by hash afterwards (tars/stream_images.py).
+    # connection and refers to it by hash afterwards (core/stream_images.py).
     if not obs.images:
         return f"text:{hashlib.sha256(obs.text.encode()).hexdigest()[:16]}"
     img = obs.images[-1]

@@ -8,7 +8,7 @@ failure, not a verdict: by default the episode becomes infra_error (kept out of 
 keeps the environment reward instead.
 
 The judge prompt is built in the same token format as the policy's (actor/tiny.py), screenshots as `<|image|>`
-placeholder runs (tars/vision.py), so the same inference server and tokenizer serve both.
+placeholder runs (core/vision.py), so the same inference server and tokenizer serve both.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tars.v1 import common_pb2
+from core.v1 import common_pb2
 
 _VERDICT = re.compile(r"\b(YES|NO)\b", re.IGNORECASE)
 _SCORE = re.compile(r"(?:score|reward)\s*[:=]\s*([01](?:\.\d+)?|\.\d+)", re.IGNORECASE)

@@ -17,12 +17,12 @@ import uuid
 
 from actor.envclient import EnvClient
 from actor.episode import EpisodeContext, run_episode
-from inference_server.client import InferenceClient
-from tars import proc, rpc, telemetry
-from tars.config import RunConfig
-from tars.control import ControlServicer, add_control
-from tars.stream_sender import TrajectorySender
-from tars.tokenizer import Tokenizer
+from core.inference_client import InferenceClient
+from core import proc, rpc, telemetry
+from core.config import RunConfig
+from core.control import ControlServicer, add_control
+from core.stream_sender import TrajectorySender
+from core.tokenizer import Tokenizer
 
 log = logging.getLogger("tars.actor")
 

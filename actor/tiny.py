@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tars.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 
 
 # The note the actor puts before the next observation after an invalid action.
 INVALID_NOTE = "Invalid action. "
-# observation_text's fixed text, the note included, for a glued tokenizer (tars.tokenizer.Tokenizer.build's `glue`).
+# observation_text's fixed text, the note included, for a glued tokenizer (core.tokenizer.Tokenizer.build's `glue`).
 PROMPT_GLUE = ["Screen: ", " Goal: ", INVALID_NOTE]
 
 

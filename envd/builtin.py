@@ -40,7 +40,7 @@ VOCABULARY = sorted(set(LABELS + MENUS + FIELDS + VALUES + DIALOG_TITLES + DIALO
     "expanded", "focused", "answer", "then", "into", "open", "click", "type",
 ]))
 # The fixed text that render_text and the instructions put around the words above, spaces included: a tokenizer
-# built with these as pieces (tars.tokenizer.Tokenizer.build's `glue`) gives each word one id in the screen, the
+# built with these as pieces (core.tokenizer.Tokenizer.build's `glue`) gives each word one id in the screen, the
 # goal and the answer alike.
 TEXT_GLUE = ["window ", " [button ", " [menu ", " [item ", " [field ", " [dialog ", " expanded", " focused", " = ",
              "click ", "open ", "type ", "answer ", " then ", " into "]

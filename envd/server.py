@@ -25,11 +25,11 @@ import grpc
 from envd import hints, registry
 from envd.base import ActionError
 from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, action_to_dict, check_result, to_response
-from tars import rpc, telemetry
-from tars.config import EnvdConfig
-from tars.control import ControlServicer, add_control
-from tars.proc import write_ready
-from tars.v1 import common_pb2, env_pb2, env_pb2_grpc
+from core import rpc, telemetry
+from core.config import EnvdConfig
+from core.control import ControlServicer, add_control
+from core.proc import write_ready
+from core.v1 import common_pb2, env_pb2, env_pb2_grpc
 
 log = logging.getLogger("envd")
 
@@ -518,7 +518,7 @@ def main(cfg: EnvdConfig, ready_file: str | None = None) -> int:
         # A backend stuck in a thread would block interpreter exit (the pool joins its threads at exit).
         log.warning("%d backend call(s) still stuck at exit; exiting hard", server.servicer.workers.running)
         logging.shutdown()
-        from tars import telemetry
+        from core import telemetry
 
         telemetry.shutdown()  # os._exit skips atexit: flush the spans now
         os._exit(0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from envd.base import RUNNING, TERMINATED, TRUNCATED, Env, StepResult
-from tars.v1 import common_pb2, env_pb2
+from core.v1 import common_pb2, env_pb2
 
 log = logging.getLogger("envd")
 

@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from tars.config import InferenceConfig
-from tars.model import CausalLM
+from core.config import InferenceConfig
+from core.model import CausalLM
 
 STOP, LENGTH = "stop", "length"
 
@@ -81,7 +81,7 @@ class Request:
     prefix_kv: list | None = None     # RowKV from the prefix cache, consumed by prefill
     prefix_len: int = 0
     t_submit: float = 0.0
-    img_pos: list = field(default_factory=list)   # input positions that take patch embeddings (tars/vision.py)
+    img_pos: list = field(default_factory=list)   # input positions that take patch embeddings (core/vision.py)
     img_pix: torch.Tensor | None = None            # [len(img_pos), patch_dim]
     img_key: dict | None = None                    # placeholder-run start -> image hash, for prefix-cache matching
 
@@ -209,7 +209,7 @@ class LocalEngine:
             return
         import hashlib
 
-        from tars.vision import bind, placeholder_runs
+        from core.vision import bind, placeholder_runs
 
         req.img_pos, req.img_pix = bind(req.input_ids, images, v)  # ValueError -> INVALID_ARGUMENT
         runs = placeholder_runs(req.input_ids, v)[-len(images):]

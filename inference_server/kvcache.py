@@ -115,7 +115,7 @@ class PrefixEntry:
     kv: RowKV
     version: int     # oldest weight version that contributed to this KV
     nbytes: int
-    images: dict | None = None  # placeholder-run start -> image hash the KV was computed with (tars/vision.py)
+    images: dict | None = None  # placeholder-run start -> image hash the KV was computed with (core/vision.py)
 
 
 class PrefixCache:

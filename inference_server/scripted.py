@@ -80,9 +80,9 @@ def fixed_answer(ids: list[int]) -> Respond:
 
 async def _serve(answer: str, ready_file: str | None, stop: asyncio.Event | None = None) -> None:
     from inference_server.server import InferenceServer
-    from tars.config import InferenceConfig
-    from tars.proc import write_ready
-    from tars.tokenizer import Tokenizer
+    from core.config import InferenceConfig
+    from core.proc import write_ready
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.build()
     eng = ScriptedEngine(fixed_answer([*tok.encode(answer), tok.eos_id]), tok.vocab_size)
@@ -102,7 +102,7 @@ async def _serve(answer: str, ready_file: str | None, stop: asyncio.Event | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tars.proc import die_with_parent
+    from core.proc import die_with_parent
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--answer", default="wait()", help="text every generation returns (then the stop token)")

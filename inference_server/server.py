@@ -14,12 +14,12 @@ import sys
 import grpc
 
 from inference_server.engine import EngineClosed, GenerateOutput, LocalEngine, QueueFull, SamplingParams, WeightLoadError
-from inference_server.weights_stream import Assembler, BadChunk, WrongWeights
-from tars import rpc, telemetry
-from tars.config import InferenceConfig
-from tars.control import ControlServicer, add_control
-from tars.proc import die_with_parent, write_ready
-from tars.v1 import inference_pb2, inference_pb2_grpc
+from core.weights_stream import Assembler, BadChunk, WrongWeights
+from core import rpc, telemetry
+from core.config import InferenceConfig
+from core.control import ControlServicer, add_control
+from core.proc import die_with_parent, write_ready
+from core.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("tars.inference.server")
 SERVICE = "tars.v1.InferenceService"
@@ -92,7 +92,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def GenerateStream(self, request, context):
         with telemetry.server_span("inference.generate", context, {"tars.trajectory_id": request.trajectory_id,
-                                                                   "tars.stream": True}):
+                                                                   "core.stream": True}):
             async for chunk in self._generate_stream(request, context):
                 yield chunk
 

@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from inference_server.engine import LENGTH, STOP, LocalEngine, SamplingParams, WeightLoadError
 from inference_server.sglang_types import SGLangTypes
-from tars.config import InferenceConfig
+from core.config import InferenceConfig
 
 CACHE_KEY_TOKENS = 16
 _KEEP_KV = 1 << 30  # in_place pauses keep KV across any number of versions; flushes are done by cache-key epochs
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--tokenizer-workers", type=int, default=1, help=">1 drops the exact-rid guard of /abort_request")
     a = ap.parse_args(argv)
-    from tars.proc import die_with_parent
+    from core.proc import die_with_parent
 
     die_with_parent()
     srv = ConformanceServer(a.model, a.host, a.port, a.weight_version, InferenceConfig(max_context=a.max_context, max_stale_versions=_KEEP_KV),

@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from inference_server.engine import EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError
-from tars.config import InferenceConfig
+from core.config import InferenceConfig
 
 log = logging.getLogger("tars.inference.sglang")
 

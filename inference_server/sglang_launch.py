@@ -1,6 +1,6 @@
 """Starting SGLang servers as subprocesses for the `sglang` engine, stopping them, and waiting for them to be healthy.
 
-Each server is its own process group with PDEATHSIG (tars.proc.die_with_parent), so stopping it (or this process
+Each server is its own process group with PDEATHSIG (core.proc.die_with_parent), so stopping it (or this process
 dying) takes SGLang's scheduler and detokenizer processes down with it.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def launch_sglang_servers(model_path: str, n: int = 1, host: str = "127.0.0.1", 
     process dying) takes its workers down too. `module` swaps in another launcher with the same flags (the tests use
     inference_server.sglang_conformance, which accepts them).
     """
-    from tars.proc import die_with_parent
+    from core.proc import die_with_parent
 
     procs, urls = [], []
     try:

@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from tars.config import ConfigError
+from core.config import ConfigError
 
 DEVICES = "auto | cpu | cuda | cuda:N"
 PRECISIONS = ("auto", "fp32", "bf16")

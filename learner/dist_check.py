@@ -18,9 +18,9 @@ import torch
 
 from learner.distributed import from_accelerate
 from learner.ppo import PPOTrainer
-from tars.config import LearnerConfig
-from tars.model import CausalLM, DecoderConfig
-from tars.schema import Trajectory, Turn
+from core.config import LearnerConfig
+from core.model import CausalLM, DecoderConfig
+from core.schema import Trajectory, Turn
 
 V = 40
 

@@ -19,9 +19,9 @@ import torch
 from learner import algorithms as A
 from learner.device import autocast
 from learner.distributed import Dist
-from tars.config import LearnerConfig
-from tars.model import CausalLM
-from tars.schema import Trajectory, turn_rewards
+from core.config import LearnerConfig
+from core.model import CausalLM
+from core.schema import Trajectory, turn_rewards
 
 
 @dataclass

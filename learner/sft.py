@@ -1,93 +1,29 @@
-"""Supervised warm start on scripted demonstrations (UI-TARS-2 runs SFT before RL).
+"""Supervised fine-tuning (UI-TARS-2 runs SFT before RL): stored trajectories and/or demonstrations -> HF layout.
 
-Demonstrations are whole multi-turn conversations in the same token format the actor produces, with the loss
-on the policy's turns only. `noisy:P` demonstrators take the oracle's action with probability P and a random
-visible widget otherwise, like imperfect human data: the warm-started policy knows the format and the grammar
-of the task but is far from solving it, which leaves the improvement to RL. `confused:P[:N]` demonstrators do the
-oracle's kind of action but with a word of the goal drawn at random (or one of N plausible distractors): the policy
-learns to copy words from the instruction, firmly for every word, and RL learns which word goes where.
+Examples are whole multi-turn conversations in the token format the actor produces, with the loss on the
+policy's turns only. Demonstrations come in through a DemonstrationSource (tokenizer -> examples), so this role
+knows nothing of environments or prompt styles; the scripted demonstrators (oracle, noisy:P, confused:P[:N]) live
+on the operations floor in tars.demos.
 """
 from __future__ import annotations
 
-import random
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 
-from actor.tiny import answer_ids, turn_prompt_ids
-from envd import builtin
 from learner.device import autocast, describe, resolve_device, resolve_precision
 from learner.ppo import sft_loss
-from tars.model import CausalLM
-from tars.tokenizer import Tokenizer
+from core.model import CausalLM
+from core.tokenizer import Tokenizer
 
 
-def parse_demonstrator(spec: str) -> tuple[str, float, int]:
-    """oracle | noisy:P | confused:P | confused:P:N -> (kind, P, N distractors)."""
-    if spec == "oracle":
-        return "oracle", 1.0, 0
-    kind, _, rest = spec.partition(":")
-    p, _, n = rest.partition(":")
-    if kind in ("noisy", "confused") and p and (not n or kind == "confused"):
-        try:
-            pf = float(p)
-        except ValueError:
-            pf = -1.0
-        if not 0.0 <= pf <= 1.0:
-            raise ValueError(f"demonstrator {spec!r}: P must be a number in [0, 1]")
-        if not n:
-            return kind, pf, 0
-        if n.isdigit() and int(n) <= 16:
-            return kind, pf, int(n)
-        raise ValueError(f"demonstrator {spec!r}: N must be a whole number of distractors, 0 to 16")
-    raise ValueError(f"unknown demonstrator {spec!r}: expected oracle, noisy:P, confused:P or confused:P:N")
-
-
-GOAL_VERBS = {"open", "then", "click", "type", "into", "answer"}
-
-
-def confused_action(env, rng: random.Random, distractors: int = 0) -> dict:
-    """The oracle's action with its label or text swapped for a word drawn at random from the goal's words and
-    `distractors` plausible wrong ones (a visible label to click, a name to type): the demonstrator knows what to do
-    and that the words mostly come from the instruction, not which word goes where."""
-    a = dict(env.oracle_action())
-    key = "content" if a["type"] == "type" else "target"
-    words = [w for w in env.observe().instruction.split() if w not in GOAL_VERBS]
-    for _ in range(distractors):
-        words.append(rng.choice(builtin.VALUES) if key == "content" else rng.choice(env.clickable()))
-    if words:
-        a[key] = rng.choice(words)
-    return a
-
-
-def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
-                   max_turns: int = 6) -> list[tuple[list[int], list[int]]]:
-    """Roll the demonstrator through builtin envs in-process -> [(tokens, loss_mask)]."""
-    kind, p, n = parse_demonstrator(demonstrator)
-    rng = random.Random(seed)
-    envs = {e: builtin.make(e.split("/", 1)[1], {"max_steps": str(max_turns)}) for e in env_ids}
-    out = []
-    for i in range(episodes):
-        env = envs[env_ids[i % len(env_ids)]]
-        r = env.reset(rng.randrange(1 << 30))
-        toks, mask = [], []
-        while True:
-            prompt = turn_prompt_ids(tok, r.text, r.instruction)
-            toks += prompt
-            mask += [0] * len(prompt)
-            if rng.random() < p:
-                a = env.oracle_action()
-            else:
-                a = confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
-            ans = answer_ids(tok, a)
-            toks += ans
-            mask += [1] * len(ans)
-            r = env.step(a)
-            if r.outcome != "running":
-                break
-        out.append((toks, mask))
-    return out
+# A demonstration source: tokenizer -> [(tokens, loss_mask)], loss on the answer tokens. The learner knows nothing
+# of environments or prompt styles; the operations floor (tars.demos) builds scripted ones from envd's builtin
+# tasks and the actor's prompt style and hands them in here.
+Example = tuple[list[int], list[int]]
+DemonstrationSource = Callable[[Tokenizer], list[Example]]
 
 
 def pad(seqs: list[tuple[list[int], list[int]]], pad_id: int):
@@ -130,16 +66,16 @@ def train_sft(policy: CausalLM, demos, steps: int, batch_size: int, lr: float, s
     return {"sft_steps": steps, "sft_loss": float(np.mean(losses[-50:])) if losses else None, "sft_s": time.perf_counter() - t0}
 
 
-def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: int = 0, steps: int | None = None,
-        log=print) -> dict:
+def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: DemonstrationSource | None = None,
+        steps: int | None = None, log=print) -> dict:
     """`tars sft`: fine-tune model_dir on stored trajectories (data: trajectory files, e.g. a split's sft.twl)
-    and/or `demos` scripted demonstrations (cfg.sft.demonstrator on cfg.actor.env_ids); write HF layout to out_dir."""
+    and/or the examples a demonstration source gives for the model's tokenizer; write HF layout to out_dir."""
     import json
     import pathlib
 
     from learner.data import read_trajectories, sft_examples
 
-    if not data and demos <= 0:
+    if not data and demos is None:
         raise ValueError("nothing to train on: give trajectory files (--data) and/or --demos N")
     device = resolve_device(cfg.learner.device)  # the learner's choice: ConfigError before any work
     amp_dtype = resolve_precision(cfg.learner.precision, device)
@@ -149,11 +85,10 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: int = 0, step
     examples = sft_examples(read_trajectories(data)) if data else []
     n_traj = len(examples)
     tok_file = src / "tars_tokenizer.json"
-    if demos > 0:
+    if demos is not None:
         if not tok_file.exists():
             raise ValueError(f"--demos needs the tars tokenizer in {tok_file}")
-        examples += demonstrations(Tokenizer.load(src), list(cfg.actor.env_ids), demos, cfg.sft.demonstrator,
-                                   cfg.seed, cfg.actor.max_turns)
+        examples += demos(Tokenizer.load(src))
     if not examples:
         raise ValueError("the trajectory files hold no trajectory with generated tokens")
     steps = cfg.sft.steps if steps is None else steps

@@ -6,15 +6,17 @@ import json
 import logging
 import sys
 
+from tars.bench import BENCHES, run_bench  # the registry; each benchmark is imported when it runs
+
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help="a preset from tars/presets (e.g. quickstart)")
+    p.add_argument("--preset", help="a preset from core/presets (e.g. quickstart)")
     p.add_argument("--config", help="a YAML config file (e.g. a run's config.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. learner.eta=4")
 
 
 def _load(a):
-    from tars import config as C
+    from core import config as C
 
     return C.load(a.preset, a.config, a.set)
 
@@ -22,60 +24,6 @@ def _load(a):
 def _split(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
-
-def _bench_inference(argv: list[str]) -> int:
-    from inference_server.bench import main as bench_main
-
-    return bench_main(argv)
-
-
-def _bench_env(argv: list[str]) -> int:
-    from envd.bench import main as bench_main
-
-    return bench_main(argv)
-
-
-def _bench_actor(argv: list[str]) -> int:
-    from actor.bench import main as bench_main
-
-    return bench_main(argv)
-
-
-def _bench_async(argv: list[str]) -> int:
-    from tars.bench_async import main as bench_main
-
-    return bench_main(argv)
-
-
-def _bench_learner(argv: list[str]) -> int:
-    from learner.bench import main as bench_main
-
-    return bench_main(argv)
-
-
-def _bench_all(argv: list[str]) -> int:
-    from tars.bench_all import main as bench_main
-
-    return bench_main(argv)
-
-
-def _bench_faults(argv: list[str]) -> int:
-    from tars.faults_bench import main as faults_main
-
-    return faults_main(argv)
-
-
-def _bench_soak(argv: list[str]) -> int:
-    from tars.soak import main as soak_main
-
-    return soak_main(argv)
-
-
-# `tars bench NAME ARGS...`: each benchmark parses its own arguments (`tars bench NAME --help`), so building the
-# top-level parser imports none of them. `tars bench all` runs every entry here (looked up when it runs).
-BENCHES = {"actor": _bench_actor, "env": _bench_env, "faults": _bench_faults, "inference": _bench_inference,
-           "learner": _bench_learner, "soak": _bench_soak}
-BENCHES.update({"async": _bench_async, "all": _bench_all})
 
 
 def _data_or_merge(a) -> int:
@@ -191,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from tars.config import ConfigError
+    from core.config import ConfigError
 
     try:
         if a.cmd == "ctl":
@@ -199,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return ctl.main(a)
         if a.cmd == "bench":
-            return BENCHES[a.which](a.args)
+            return run_bench(a.which, a.args)
         if a.cmd in ("data", "merge"):
             return _data_or_merge(a)
         cfg = _load(a)
@@ -215,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return eval_main(a, cfg)
     if a.cmd in ROLES:
-        from tars import telemetry
+        from core import telemetry
 
         telemetry.setup(cfg.telemetry, ROLES[a.cmd], getattr(a, "run_dir", None))
         try:
@@ -231,7 +179,7 @@ ROLES = {"envd": "envd", "serve": "inference", "actor": "actor", "learner": "lea
 def _role(a, cfg) -> int:
     if a.cmd == "envd":
         from envd.server import main as envd_main
-        from tars.proc import die_with_parent
+        from core.proc import die_with_parent
 
         die_with_parent()
         if a.port is not None:
@@ -239,7 +187,7 @@ def _role(a, cfg) -> int:
         return envd_main(cfg.envd, a.ready_file)
     if a.cmd == "serve":
         from inference_server.server import main as serve_main
-        from tars.proc import die_with_parent
+        from core.proc import die_with_parent
 
         die_with_parent()
         if a.port is not None:
@@ -257,13 +205,16 @@ def _role(a, cfg) -> int:
         from learner.sft import run as sft_run
 
         try:
-            print(json.dumps(sft_run(cfg, a.model, a.out, a.data, a.demos, a.steps)))
+            from tars.demos import source
+
+            demos = source(cfg, a.demos) if a.demos > 0 else None
+            print(json.dumps(sft_run(cfg, a.model, a.out, a.data, demos, a.steps)))
         except (ValueError, FileNotFoundError) as e:
             print(f"tars sft: {e}", file=sys.stderr)
             return 2
         return 0
     if a.cmd == "config":
-        from tars import config as C
+        from core import config as C
 
         print(C.help_text())
         print("\n# resolved:")

@@ -22,8 +22,8 @@ import time
 
 import grpc
 
-from tars import rpc
-from tars.v1 import control_pb2, control_pb2_grpc
+from core import rpc
+from core.v1 import control_pb2, control_pb2_grpc
 
 COMMANDS = {"pause": ("actor", "pause"), "resume": ("actor", "resume"), "drain": ("envd", "drain"),
             "undrain": ("envd", "undrain"), "checkpoint": ("learner", "checkpoint"), "set-eta": ("learner", "set_eta"),

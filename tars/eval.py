@@ -41,7 +41,7 @@ import time
 import uuid
 
 from tars import evalsuite as S
-from tars.config import RunConfig
+from core.config import RunConfig
 
 ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 
@@ -202,9 +202,9 @@ class ModelPolicy(Policy):
     async def start(self, out: pathlib.Path) -> None:
         from actor.envclient import EnvClient
         from actor.episode import EpisodeContext
-        from inference_server.client import InferenceClient
-        from tars import config as C
-        from tars.tokenizer import Tokenizer
+        from core.inference_client import InferenceClient
+        from core import config as C
+        from core.tokenizer import Tokenizer
         from tars.up import Child
 
         run = out / "run"

@@ -22,9 +22,9 @@ import pathlib
 import signal
 import sys
 
-from tars import config as C
-from tars.proc import read_jsonl, wait_for
-from tars.stream_wal import scan_ids
+from core import config as C
+from core.proc import read_jsonl, wait_for
+from core.stream_wal import scan_ids
 from tars.up import Child, build_model
 
 # A quick, small run: no SFT, tiny batches and frequent checkpoints, so every fault lands mid-run within seconds.
@@ -134,8 +134,8 @@ class Topology:
     # ---- observation -------------------------------------------------------------------------------------------
     def status(self, role: str, i: int = 0, timeout: float = 5.0) -> dict:
         """The process's ControlService Status metrics (actors, envd, inference; the learner's control address)."""
-        from tars import rpc
-        from tars.v1 import control_pb2, control_pb2_grpc
+        from core import rpc
+        from core.v1 import control_pb2, control_pb2_grpc
 
         addr = json.loads((self.runf / f"{role}{i}.json").read_text())["address"]
         ch = rpc.sync_channel(addr, self.cfg.envd.auth_token)
@@ -207,7 +207,7 @@ def _rolled_back(records: list[dict]) -> set[str]:
 
 
 def account(out: str | os.PathLike, killed_spools: list[set[str]] = ()) -> dict:
-    from tars.stream_wal import WriteAheadLog
+    from core.stream_wal import WriteAheadLog
 
     out = pathlib.Path(out)
     episodes = read_jsonl(out / "episodes.jsonl")

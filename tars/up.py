@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from tars import config as C
+from core import config as C
 from tars import ctl, report
-from tars.model import CausalLM, DecoderConfig
-from tars.tokenizer import Tokenizer
+from core.model import CausalLM, DecoderConfig
+from core.tokenizer import Tokenizer
 
 ROLE_ORDER = ("actor", "learner", "inference", "envd")  # shutdown order
 
@@ -81,7 +81,8 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
         policy = CausalLM(dc).init_weights(m.seed, m.init_std)
     sft_s = None
     if cfg.sft.steps > 0:
-        from learner.sft import demonstrations, train_sft
+        from learner.sft import train_sft
+        from tars.demos import demonstrations
 
         t0 = time.perf_counter()
         torch.set_num_threads(2)

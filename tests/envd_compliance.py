@@ -23,9 +23,9 @@ import grpc
 import pytest
 
 from envd.server import EnvServer
-from tars import rpc
-from tars.config import EnvdConfig
-from tars.v1 import common_pb2, env_pb2, env_pb2_grpc
+from core import rpc
+from core.config import EnvdConfig
+from core.v1 import common_pb2, env_pb2, env_pb2_grpc
 
 ENDED = (common_pb2.TERMINATED, common_pb2.TRUNCATED)
 VALID_OUTCOMES = (common_pb2.RUNNING, *ENDED)

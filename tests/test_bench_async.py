@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from tars import bench_all, cli
+from tars import cli
+
+from tars.bench import all as bench_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

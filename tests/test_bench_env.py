@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from envd import bench
+from tars.bench import envd as bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,7 +22,7 @@ import pytest
 
 from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
-from tars.v1 import common_pb2, env_pb2
+from core.v1 import common_pb2, env_pb2
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"),
                                 reason="Debian's chromium is not installed (scripts/setup.sh --dev installs it)")

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from tars import config as C
-from tars.model import CausalLM, DecoderConfig
-from tars.schema import SCHEMA_VERSION, SchemaError, Trajectory, Turn, turn_rewards
-from tars.tokenizer import Tokenizer
+from core import config as C
+from core.model import CausalLM, DecoderConfig
+from core.schema import SCHEMA_VERSION, SchemaError, Trajectory, Turn, turn_rewards
+from core.tokenizer import Tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from learner.data import read_trajectories, write_trajectories
 from tars import cli
-from tars.model import CausalLM, DecoderConfig
-from tars.schema import Trajectory, Turn
+from core.model import CausalLM, DecoderConfig
+from core.schema import Trajectory, Turn
 
 V, PROMPT, GOOD = 40, [1, 5, 6, 7], 11
 
@@ -136,8 +136,8 @@ def test_demonstrators_oracle_noisy_and_confused():
     import random
 
     from envd import builtin
-    from learner.sft import GOAL_VERBS, confused_action, demonstrations, parse_demonstrator
-    from tars.tokenizer import Tokenizer
+    from tars.demos import GOAL_VERBS, confused_action, demonstrations, parse_demonstrator
+    from core.tokenizer import Tokenizer
 
     assert parse_demonstrator("oracle") == ("oracle", 1.0, 0)
     assert parse_demonstrator("confused:0.25") == ("confused", 0.25, 0)

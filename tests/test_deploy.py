@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import yaml
 
-from tars import proc
+from core import proc
 from tars.cli import build_parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ def test_kustomize_renders_every_role(rendered):
     svc = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
     assert svc["envd"]["spec"]["clusterIP"] == "None" and svc["inference"]["spec"]["clusterIP"] == "None"
     cfg = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("tars-config-"))
-    from tars import config as C
+    from core import config as C
 
     C.from_dict(C.RunConfig, yaml.safe_load(cfg["data"]["config.yaml"]))  # the config YAML is a valid tars config
 

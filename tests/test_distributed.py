@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tars.model import DecoderConfig
+from core.model import DecoderConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_two_gloo_processes_train_like_one(tmp_path):
     diff = max(float((one["params"][k] - two["params"][k]).abs().max()) for k in one["params"])
     assert diff < 1e-4, diff  # summation order differs across ranks; nothing else may
     # The check is only meaningful if training moved the weights far more than the tolerance.
-    from tars.model import CausalLM
+    from core.model import CausalLM
 
     init = CausalLM(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
     moved = max(float((one["params"][f"policy.{k}"] - v).abs().max()) for k, v in init.state_dict().items())
@@ -53,8 +53,8 @@ def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
     import asyncio
     import json
 
-    from tars.model import CausalLM
-    from tars.stream import TrajectorySender
+    from core.model import CausalLM
+    from core.stream import TrajectorySender
     from test_learner_kill import V, free_port, traj, wait_for  # tests/ is on sys.path (rootless test dir)
 
     CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \

@@ -12,10 +12,10 @@ import grpc
 import pytest
 import zmq
 
-from tars import config as C
-from tars import rpc
-from tars.control import ControlServicer, add_control
-from tars.v1 import control_pb2, control_pb2_grpc, env_pb2, env_pb2_grpc, inference_pb2, inference_pb2_grpc
+from core import config as C
+from core import rpc
+from core.control import ControlServicer, add_control
+from core.v1 import control_pb2, control_pb2_grpc, env_pb2, env_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-token"
@@ -122,7 +122,7 @@ def test_defaults_bind_loopback():
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE (libsodium)")
 def test_curve_stream_rejects_clients_without_the_right_key(tmp_path):
-    from tars.stream import TrajectorySender
+    from core.stream import TrajectorySender
     from test_stream import Consumer, receiver, traj, wait_until
 
     server_pub, server_sec = zmq.curve_keypair()
@@ -169,16 +169,16 @@ ALLOW = {
     "tars/eval.py: stopper = asyncio.create_task(stop.wait())": "a stop signal raced against work in asyncio.wait, not a wait",
     "actor/main.py: waiters = [*tasks, asyncio.ensure_future(stop.wait())]": "raced in asyncio.wait(timeout=...)",
     "actor/main.py: tr = task.result()": "in a done callback: the task is finished, result() does not block",
-    "tars/stream.py: batch = self._sync_req.get()": "the WAL syncer thread's idle wait; stop() sends it None",
-    "tars/stream_bench.py: zmq socket without an explicit high-water mark": "benchmark's plain-socket baseline",
-    "tars/stream_bench.py: a.recv()": "benchmark child process; the parent joins it with a deadline",
-    "tars/stream_bench.py: conn.recv()  # wait for the parent's start signal so only the transfer is timed": "benchmark child",
+    "core/stream.py: batch = self._sync_req.get()": "the WAL syncer thread's idle wait; stop() sends it None",
+    "tars/bench/stream.py: zmq socket without an explicit high-water mark": "benchmark's plain-socket baseline",
+    "tars/bench/stream.py: a.recv()": "benchmark child process; the parent joins it with a deadline",
+    "tars/bench/stream.py: conn.recv()  # wait for the parent's start signal so only the transfer is timed": "benchmark child",
     "inference_server/server.py: q: asyncio.Queue = asyncio.Queue()  # bounded by the request's max_new_tokens (+1 end marker)":
         "one request's tokens: bounded by its max_new_tokens",
     "inference_server/server.py: await stop.wait()": "the process's main wait for SIGTERM",
     "envd/server.py: await stop.wait()": "the process's main wait for SIGTERM",
     "inference_server/scripted.py: await stop.wait()": "the scripted engine process's main wait for SIGTERM",
-    "inference_server/bench_rollouts.py: await gate.wait()": "benchmark workers held while the server restarts; "
+    "tars/bench/inference_rollouts.py: await gate.wait()": "benchmark workers held while the server restarts; "
         "the benchmark's own run time bounds it",
     "inference_server/server.py: out = fut.result()": "after fut.exception() was checked: the future is done",
     "inference_server/server.py: item = await asyncio.wait_for(q.get(), None if deadline is None else max(0.0, deadline - loop.time()))":
@@ -194,7 +194,7 @@ def lint() -> list[str]:
     for root in SOURCES:
         for p in sorted((ROOT / root).rglob("*.py")):
             rel = p.relative_to(ROOT).as_posix()
-            if rel.startswith("tars/v1/"):
+            if rel.startswith("core/v1/"):
                 continue  # generated protobuf code
             src = p.read_text()
             lines = src.splitlines()
@@ -238,7 +238,7 @@ def test_curve_on_by_option_in_a_real_run(tmp_path):
     """learner.stream_curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
     client without the learner's public key gets nowhere."""
     from tars.faults import Topology
-    from tars.stream import TrajectorySender
+    from core.stream import TrajectorySender
 
     public, secret = zmq.curve_keypair()
     topo = Topology(tmp_path / "run")

@@ -17,9 +17,9 @@ from envd import registry
 from envd.base import RUNNING, ActionError, Env, StepResult
 from envd.server import ENV_SERVICE, action_to_dict, serve
 from envd_compliance import envd_client, expect_code, run
-from tars import rpc
-from tars.config import EnvdConfig
-from tars.v1 import common_pb2, control_pb2, control_pb2_grpc, env_pb2, env_pb2_grpc
+from core import rpc
+from core.config import EnvdConfig
+from core.v1 import common_pb2, control_pb2, control_pb2_grpc, env_pb2, env_pb2_grpc
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -341,7 +341,7 @@ def test_serve_writes_ready_file_and_stops(tmp_path):
 
 def test_main_exits_cleanly_on_sigterm(tmp_path):
     ready = tmp_path / "envd.ready"
-    code = ("import sys; from envd.server import main; from tars.config import EnvdConfig; "
+    code = ("import sys; from envd.server import main; from core.config import EnvdConfig; "
             f"sys.exit(main(EnvdConfig(port=0), {str(ready)!r}))")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE)
     try:

@@ -18,16 +18,16 @@ import pytest
 from actor.envclient import EnvClient
 from actor.episode import EpisodeContext, run_episode
 from envd.server import EnvServer
-from inference_server.client import InferenceClient
+from core.inference_client import InferenceClient
 from inference_server.engine import LocalEngine
 from inference_server.scripted import ScriptedEngine, fixed_answer
 from inference_server.server import InferenceServer
 from learner.main import Learner
 from learner.staleness import StalenessManager
-from tars.config import ActorConfig, EnvdConfig, InferenceConfig
-from tars.model import CausalLM, DecoderConfig
-from tars.schema import Trajectory
-from tars.tokenizer import Tokenizer
+from core.config import ActorConfig, EnvdConfig, InferenceConfig
+from core.model import CausalLM, DecoderConfig
+from core.schema import Trajectory
+from core.tokenizer import Tokenizer
 
 TOK = Tokenizer.build()
 
@@ -101,7 +101,7 @@ def learner_admits(tr: Trajectory) -> bool:
 
 
 def test_env_killed_mid_episode_is_infra_error_and_never_trained_on():
-    from envd.bench import Daemon
+    from tars.bench.envd import Daemon
 
     with Daemon(workers=2) as d:
         class KillAfter(EnvClient):

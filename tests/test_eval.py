@@ -13,7 +13,7 @@ import pytest
 
 from envd import registry
 from envd.base import RUNNING, TERMINATED, ActionError, Env, StepResult
-from tars import config as C
+from core import config as C
 from tars import eval as E
 from tars import evalsuite as S
 
@@ -258,8 +258,8 @@ def test_shipped_suites_load_and_name_registered_backends():
 
 def _tiny_checkpoint(path: pathlib.Path) -> pathlib.Path:
     from envd import builtin
-    from tars.model import CausalLM, DecoderConfig
-    from tars.tokenizer import Tokenizer
+    from core.model import CausalLM, DecoderConfig
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.build(builtin.VOCABULARY)
     dc = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

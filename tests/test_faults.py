@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tars import faults_bench
+from tars.bench import faults as faults_bench
 from tars.faults import lineage
 
 

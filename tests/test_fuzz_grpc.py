@@ -16,8 +16,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tars import config as C
-from tars.v1 import common_pb2, control_pb2, env_pb2, inference_pb2
+from core import config as C
+from core.v1 import common_pb2, control_pb2, env_pb2, inference_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 N = int(os.environ.get("TARS_FUZZ_EXAMPLES", "300"))
@@ -128,7 +128,7 @@ def _env_requests(envd_run_id: str):
 
 
 def _healthy_episode(ch: grpc.Channel) -> None:
-    from tars.v1 import env_pb2_grpc
+    from core.v1 import env_pb2_grpc
 
     stub = env_pb2_grpc.EnvServiceStub(ch)
     r = stub.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/menu", seed=1), timeout=10)
@@ -205,7 +205,7 @@ def test_inference_survives_hostile_requests(servers):
     assert _raw(ch, "/tars.v1.InferenceService/UpdateWeights", inference_pb2.UpdateWeightsRequest(
         version=5, path="x" * 5000).SerializeToString()) == grpc.StatusCode.FAILED_PRECONDITION
     # still generates, at version 0 (no fuzzed UpdateWeights was applied)
-    from tars.v1 import inference_pb2_grpc
+    from core.v1 import inference_pb2_grpc
 
     r = inference_pb2_grpc.InferenceServiceStub(ch).Generate(inference_pb2.GenerateRequest(
         trajectory_id="after-fuzz", input_ids=[1, 2, 3], sampling=inference_pb2.SamplingParams(max_new_tokens=4)), timeout=20)

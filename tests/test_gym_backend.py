@@ -13,7 +13,7 @@ from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError
 from envd.gym_backend import GymEnv, describe, env_names
 from envd.png import decode_png, encode_png
 from envd_compliance import EnvCompliance, envd_client, run
-from tars.v1 import common_pb2, env_pb2
+from core.v1 import common_pb2, env_pb2
 
 
 class StripesEnv(gymnasium.Env):

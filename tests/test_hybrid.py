@@ -16,8 +16,8 @@ from envd import proctree
 from envd.base import ActionError
 from envd.sandbox import missing_tools
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
-from tars.proc import wait_for
-from tars.v1 import common_pb2, env_pb2
+from core.proc import wait_for
+from core.v1 import common_pb2, env_pb2
 
 _NEEDED = ["Xvfb", "xdotool", "xwininfo", "xterm", "xedit"]
 if any(shutil.which(b) is None for b in _NEEDED) or missing_tools():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from inference_server.engine import LocalEngine, QueueFull, SamplingParams, WeightLoadError
-from tars.config import InferenceConfig
-from tars.model import CausalLM, DecoderConfig
+from core.config import InferenceConfig
+from core.model import CausalLM, DecoderConfig
 
 DC = DecoderConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512)

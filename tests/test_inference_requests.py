@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc import aio
 
-from inference_server.client import InferenceClient
-from tars import rpc
-from tars.v1 import inference_pb2, inference_pb2_grpc
+from core.inference_client import InferenceClient
+from core import rpc
+from core.v1 import inference_pb2, inference_pb2_grpc
 from test_inference_engine import make_model, rand_prompt
 from test_inference_server import Servers, run
 
@@ -75,8 +75,8 @@ def test_unknown_versions_and_undecodable_requests(tmp_path):
 def test_streamed_weights_refused_by_a_disk_only_engine(tmp_path):
     from inference_server.server import InferenceServer
     from inference_server.sglang_engine import SGLangEngine
-    from inference_server.weights_stream import chunks
-    from tars.config import InferenceConfig
+    from core.weights_stream import chunks
+    from core.config import InferenceConfig
 
     async def main():
         cfg = InferenceConfig(engine="sglang", sglang_urls=["http://127.0.0.1:9"])

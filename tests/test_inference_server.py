@@ -10,12 +10,12 @@ import grpc
 import pytest
 from grpc import aio
 
-from inference_server.client import InferenceClient
+from core.inference_client import InferenceClient
 from inference_server.engine import LocalEngine
 from inference_server.server import InferenceServer
-from tars import rpc
-from tars.config import InferenceConfig
-from tars.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from core import rpc
+from core.config import InferenceConfig
+from core.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from test_inference_engine import make_model, rand_prompt, ref_greedy
 
 

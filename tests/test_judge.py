@@ -7,12 +7,12 @@ import pytest
 
 from actor import judge as J
 from actor.episode import EpisodeContext, run_episode
-from inference_server.client import InferenceClient
+from core.inference_client import InferenceClient
 from inference_server.engine import LocalEngine
 from inference_server.scripted import ScriptedEngine
-from tars.config import InferenceConfig
-from tars.model import CausalLM, DecoderConfig
-from tars.vision import VisionConfig
+from core.config import InferenceConfig
+from core.model import CausalLM, DecoderConfig
+from core.vision import VisionConfig
 from test_episode import TOK, answer, stack
 
 
@@ -103,7 +103,7 @@ def test_judge_server_down_is_infra_error():
 
 
 def test_bad_judge_config_is_refused():
-    from tars.config import ActorConfig
+    from core.config import ActorConfig
 
     with pytest.raises(ValueError, match="judge_mode"):
         EpisodeContext(ActorConfig(judge_mode="sometimes"), TOK, None, "a")

@@ -13,7 +13,7 @@ import pytest
 from envd import builtin, latency
 from envd.base import ActionError
 from envd_compliance import envd_client, expect_code, run
-from tars.v1 import common_pb2, env_pb2
+from core.v1 import common_pb2, env_pb2
 
 
 def test_lognormal_median_spread_and_cap():

@@ -11,10 +11,10 @@ from learner import dist_check
 from learner.device import autocast, resolve_device, resolve_precision
 from learner.main import Learner, publish_weights
 from learner.ppo import PPOTrainer
-from tars import config as C
-from tars.config import ConfigError, LearnerConfig
-from tars.model import CausalLM, DecoderConfig
-from tars.schema import Trajectory
+from core import config as C
+from core.config import ConfigError, LearnerConfig
+from core.model import CausalLM, DecoderConfig
+from core.schema import Trajectory
 
 V = dist_check.V
 
@@ -90,7 +90,7 @@ def test_a_learner_with_cuda_asked_for_and_none_there_exits_with_a_clear_error(m
     from learner.main import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("tars.proc.die_with_parent", lambda: None)
+    monkeypatch.setattr("core.proc.die_with_parent", lambda: None)
     cfg = C.load(overrides=["learner.device=cuda"])
     assert main(cfg, str(tmp_path), str(tmp_path / "no-model"), []) == 2
     assert "tars learner: learner.device='cuda'" in capsys.readouterr().err

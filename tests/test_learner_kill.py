@@ -14,10 +14,10 @@ import threading
 import numpy as np
 import pytest
 
-from tars.model import CausalLM, DecoderConfig
-from tars.proc import wait_for
-from tars.schema import Trajectory, Turn
-from tars.stream import TrajectorySender
+from core.model import CausalLM, DecoderConfig
+from core.proc import wait_for
+from core.schema import Trajectory, Turn
+from core.stream import TrajectorySender
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N, B, V = 160, 8, 40

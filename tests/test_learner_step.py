@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from learner.ppo import PPOTrainer
-from tars.config import LearnerConfig
-from tars.model import CausalLM, DecoderConfig
-from tars.schema import Trajectory, Turn
+from core.config import LearnerConfig
+from core.model import CausalLM, DecoderConfig
+from core.schema import Trajectory, Turn
 
 V, PROMPT, GOOD = 40, [1, 5, 6, 7], 11
 

@@ -17,7 +17,7 @@ import pytest
 from envd import proctree, registry
 from envd.base import ActionError
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
-from tars.v1 import common_pb2, env_pb2
+from core.v1 import common_pb2, env_pb2
 
 pytest.importorskip("miniwob", reason="the miniwob package is not installed")
 if not (shutil.which("chromium") and shutil.which("chromedriver")):

@@ -23,16 +23,16 @@ import grpc
 import pytest
 import torch
 
-from tars import metrics_http
-from tars.v1 import env_pb2, env_pb2_grpc
+from core import metrics_http
+from core.v1 import env_pb2, env_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def wait_policy(path: pathlib.Path) -> pathlib.Path:
     from envd import builtin
-    from tars.model import CausalLM, DecoderConfig
-    from tars.tokenizer import Tokenizer
+    from core.model import CausalLM, DecoderConfig
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.build(builtin.VOCABULARY)
     wait_id = tok.encode("wait()")

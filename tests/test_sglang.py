@@ -10,8 +10,8 @@ import pytest
 from inference_server.engine import LocalEngine, SamplingParams
 from inference_server.sglang_conformance import ConformanceServer
 from inference_server.sglang_engine import SGLangEngine, http_json
-from tars.config import InferenceConfig
-from tars.model import CausalLM, DecoderConfig
+from core.config import InferenceConfig
+from core.model import CausalLM, DecoderConfig
 
 DC = DecoderConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512)
@@ -263,7 +263,7 @@ def test_engine_takes_a_dead_replica_out_and_back_in(servers, models):
 
 
 def test_grpc_front_serves_the_sglang_engine(servers, models):
-    from inference_server.client import InferenceClient
+    from core.inference_client import InferenceClient
     from inference_server.server import InferenceServer, make_engine
 
     s = servers(weight_version="0")

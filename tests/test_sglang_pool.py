@@ -10,12 +10,12 @@ import textwrap
 
 import pytest
 
-from inference_server.client import InferenceClient
+from core.inference_client import InferenceClient
 from inference_server.engine import SamplingParams
 from inference_server.sglang_engine import SGLangEngine, _Call, http_json, token_versions
 from inference_server.sglang_launch import launch_sglang_servers, stop_sglang_servers
 from inference_server.sglang_types import SGLangTypes
-from tars.config import InferenceConfig
+from core.config import InferenceConfig
 from test_sglang import DC, PROMPT, gen_body, greedy, models, servers  # noqa: F401 - fixtures
 
 

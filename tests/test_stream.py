@@ -11,9 +11,9 @@ import pytest
 import zmq
 
 from learner.staleness import StalenessManager
-from tars import stream_proto as P
-from tars.schema import Trajectory, Turn
-from tars.stream import TrajectoryReceiver, TrajectorySender
+from core import stream_proto as P
+from core.schema import Trajectory, Turn
+from core.stream import TrajectoryReceiver, TrajectorySender
 
 FAST = dict(heartbeat_s=0.05, dead_after_s=1.0)
 

@@ -1,4 +1,4 @@
-"""tars.telemetry and tars.metrics_http in one process: span files, OTLP/JSON export to a local receiver, traceparent
+"""core.telemetry and core.metrics_http in one process: span files, OTLP/JSON export to a local receiver, traceparent
 across a real gRPC hop into envd, the no-op path when off, the Prometheus endpoint scraped and parsed, and the
 `tars ctl` argument and run-discovery rules."""
 import asyncio
@@ -13,8 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tars import ctl, metrics_http, rpc, telemetry
-from tars.config import EnvdConfig, TelemetryConfig
+from core import metrics_http, rpc, telemetry
+
+from tars import ctl
+from core.config import EnvdConfig, TelemetryConfig
 
 
 @pytest.fixture(autouse=True)
@@ -304,7 +306,7 @@ def test_ctl_against_a_target_that_is_down_fails_clearly(tmp_path, capsys):
 def test_every_telemetry_field_has_help_and_tars_up_defaults_to_the_span_file():
     import dataclasses
 
-    from tars import config as C
+    from core import config as C
 
     for f in dataclasses.fields(C.TelemetryConfig):
         assert f.metadata.get("help"), f"TelemetryConfig.{f.name} has no help"

@@ -223,7 +223,7 @@ def test_close_kills_everything():
 
 def test_containment_over_a_real_envd():
     from envd_compliance import envd_client, run
-    from tars.v1 import common_pb2, env_pb2
+    from core.v1 import common_pb2, env_pb2
 
     async def body():
         async with envd_client() as c:

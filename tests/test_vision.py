@@ -1,4 +1,4 @@
-"""The optional patch-embedding vision path (tars/vision.py) through the real LocalEngine and the gRPC front."""
+"""The optional patch-embedding vision path (core/vision.py) through the real LocalEngine and the gRPC front."""
 from __future__ import annotations
 
 import asyncio
@@ -8,13 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
-from inference_server.client import InferenceClient
+from core.inference_client import InferenceClient
 from inference_server.engine import LocalEngine, SamplingParams
 from inference_server.server import InferenceServer
-from tars.config import InferenceConfig
-from tars.model import CausalLM, DecoderConfig
-from tars.v1 import common_pb2
-from tars.vision import VisionConfig, bind, image_patches
+from core.config import InferenceConfig
+from core.model import CausalLM, DecoderConfig
+from core.v1 import common_pb2
+from core.vision import VisionConfig, bind, image_patches
 
 V = VisionConfig(grid=4, patch=8, image_token_id=4)
 

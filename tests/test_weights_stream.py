@@ -8,10 +8,10 @@ import pytest
 import torch
 from grpc import aio
 
-from inference_server.client import InferenceClient
-from inference_server.weights_stream import Assembler, BadChunk, WrongWeights, chunks
-from tars import rpc
-from tars.v1 import inference_pb2, inference_pb2_grpc
+from core.inference_client import InferenceClient
+from core.weights_stream import Assembler, BadChunk, WrongWeights, chunks
+from core import rpc
+from core.v1 import inference_pb2, inference_pb2_grpc
 from test_inference_engine import make_model, rand_prompt, ref_greedy
 from test_inference_server import Servers, run
 

@@ -1,0 +1,1 @@
+"""The ground floor: what every role shares (config, wire contracts, rpc, stream, telemetry, model)."""

@@ -1,0 +1,318 @@
+"""A Qwen2-style causal decoder in plain torch, stored in the Hugging Face layout.
+
+One implementation serves the inference engine (batched decode with per-request KV caches) and the learner
+(full-sequence logprobs), so both compute the same numbers for the same weights. Parameter names, config.json
+and model.safetensors follow `transformers`' Qwen2ForCausalLM, so a checkpoint loads there too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DecoderConfig:
+    """The subset of a HF Qwen2 config this decoder understands (names as in config.json)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 1024
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    bos_token_id: int = 1
+    eos_token_id: int = 1
+    pad_token_id: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_hf(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "extra"}
+        d.update(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            hidden_act="silu",
+            torch_dtype="float32",
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=self.num_hidden_layers,
+            attention_dropout=0.0,
+            initializer_range=0.02,
+            use_cache=True,
+        )
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "DecoderConfig":
+        if d.get("model_type") not in (None, "qwen2", "llama"):
+            raise ValueError(f"unsupported model_type {d.get('model_type')!r}: expected qwen2 or llama")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        kw = {k: d[k] for k in known if k in d and d[k] is not None}
+        kw.setdefault("num_key_value_heads", kw.get("num_attention_heads", 4))
+        if d.get("tars_vision"):  # the optional patch-embedding vision path (core/vision.py)
+            kw["extra"] = {"tars_vision": dict(d["tars_vision"])}
+        return cls(**kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (HF's rotate-half convention)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=True)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, past=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)  # [B, Hkv, S+T, hd]
+            v = torch.cat([past[1], v], dim=2)
+        new = (k, v)
+        if self.nkv != self.nh:
+            rep = self.nh // self.nkv
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask [B, 1, T, S+T] bool, True = attend
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd)), new
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, past=None):
+        h, new = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), new
+
+
+class Trunk(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+def causal_mask(key_valid: torch.Tensor, T: int) -> torch.Tensor:
+    """key_valid [B, S] bool (S = past + T keys, last T are the queries) -> mask [B, 1, T, S]."""
+    B, S = key_valid.shape
+    past = S - T
+    q_pos = torch.arange(T, device=key_valid.device)[:, None] + past
+    k_pos = torch.arange(S, device=key_valid.device)[None, :]
+    m = (k_pos <= q_pos)[None] & key_valid[:, None, :]  # [B, T, S]
+    # A fully masked row (a padding query) would give NaN in softmax: let it see itself.
+    eye = (k_pos == q_pos)[None].expand(B, T, S)
+    m = m | (eye & ~m.any(-1, keepdim=True))
+    return m[:, None]
+
+
+class CausalLM(nn.Module):
+    """Qwen2ForCausalLM-compatible decoder. `value_head=True` adds a scalar head (the critic)."""
+
+    def __init__(self, c: DecoderConfig, value_head: bool = False):
+        super().__init__()
+        self.config = c
+        self.model = Trunk(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.score = nn.Linear(c.hidden_size, 1) if value_head else None
+        from core.vision import PatchEmbed, VisionConfig
+
+        self.vision_config = VisionConfig.from_extra(c.extra)
+        # Optional: only checkpoints whose config carries "tars_vision" have it (weights vision.proj.*).
+        self.vision = PatchEmbed(self.vision_config, c.hidden_size) if self.vision_config else None
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "CausalLM":
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    def hidden(self, input_ids, positions=None, key_valid=None, past=None, images=None):
+        """input_ids [B, T]; positions [B, T]; key_valid [B, S] over past+new keys; past: per layer (k, v).
+
+        images: (rows [N], columns [N], patch pixels [N, patch_dim]) -> those input positions take the patch
+        embeddings instead of their token embeddings (core/vision.py); ignored by a model without the vision module.
+
+        Returns final hidden states [B, T, H] and the new per-layer (k, v) caches.
+        """
+        B, T = input_ids.shape
+        S = T + (past[0][0].shape[2] if past else 0)
+        if positions is None:
+            positions = torch.arange(S - T, S, device=input_ids.device)[None].expand(B, T)
+        if key_valid is None:
+            key_valid = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        if images is not None and self.vision is not None and len(images[0]):
+            rows, cols, pix = images
+            dev = x.device
+            x = x.index_put((rows.to(dev), cols.to(dev)), self.vision(pix.to(dev)).to(x.dtype))
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        mask = causal_mask(key_valid, T)
+        new = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, mask, past[i] if past else None)
+            new.append(kv)
+        return self.model.norm(x), new
+
+    def forward(self, input_ids, positions=None, key_valid=None, past=None):
+        h, new = self.hidden(input_ids, positions, key_valid, past)
+        return self.lm_head(h), new
+
+    def token_logprobs(self, input_ids, key_valid=None, temperature: float = 1.0):
+        """logprob of input_ids[:, t] given the prefix, for t >= 1 -> [B, T] (position 0 gets 0)."""
+        logits, _ = self.forward(input_ids, key_valid=key_valid)
+        logits = logits[:, :-1].float()
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        return F.pad(lp, (1, 0))
+
+    def logprobs_at(self, input_ids, key_valid, mask, with_entropy: bool = False):
+        """Logprobs of input_ids[:, t] for the positions where mask[:, t] > 0 only -> [N] (row-major order).
+
+        The vocabulary projection runs only where it is needed (generated tokens are a small share of a
+        multi-turn conversation), which is most of the cost of a full-sequence forward for a small model.
+        """
+        h, _ = self.hidden(input_ids, key_valid=key_valid)
+        sel = mask[:, 1:] > 0                              # [B, T-1]: token t predicted from position t-1
+        logits = self.lm_head(h[:, :-1][sel]).float()       # [N, V]
+        lp_all = torch.log_softmax(logits, dim=-1)
+        lp = lp_all.gather(-1, input_ids[:, 1:][sel][:, None]).squeeze(-1)  # [N]
+        if not with_entropy:
+            return lp
+        return lp, -(lp_all.exp() * lp_all).sum(-1)
+
+    def values_at(self, input_ids, key_valid, mask):
+        """Critic values V(state before token t) for the positions where mask[:, t] > 0 -> [N]."""
+        h, _ = self.hidden(input_ids, key_valid=key_valid)
+        return self.score(h[:, :-1][mask[:, 1:] > 0]).squeeze(-1)
+
+    # ---- HF layout -------------------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("score.")}
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def save_hf(self, path: str | os.PathLike, extra_files: dict[str, str] | None = None) -> pathlib.Path:
+        """Write config.json + model.safetensors (+ value_head.safetensors) into `path`, atomically."""
+        from safetensors.torch import save_file
+
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        # fp32 on the CPU whatever the model's device and dtype: the files are the same from a GPU learner.
+        save_file({k: v.to("cpu", torch.float32) for k, v in self.hf_state_dict().items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if self.score is not None:
+            save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.score.state_dict().items()},
+                      str(tmp / "value_head.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": self.config.eos_token_id, "pad_token_id": self.config.pad_token_id}))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load_hf(cls, path: str | os.PathLike, value_head: bool = False, dtype=torch.float32) -> "CausalLM":
+        from safetensors.torch import load_file
+
+        path = pathlib.Path(path)
+        cfg = DecoderConfig.from_hf(json.loads((path / "config.json").read_text()))
+        m = cls(cfg, value_head=value_head)
+        m.load_weights(load_file(str(path / "model.safetensors")))
+        if value_head and (path / "value_head.safetensors").exists():
+            m.score.load_state_dict(load_file(str(path / "value_head.safetensors")))
+        return m.to(dtype)
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        sd = dict(sd)
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        own = {k for k in self.state_dict() if not k.startswith("score.")}
+        if self.config.tie_word_embeddings:
+            own.discard("lm_head.weight")
+        missing, unexpected = own - set(sd), set(sd) - own
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        with torch.no_grad():
+            params = dict(self.named_parameters())
+            params.update(dict(self.named_buffers()))
+            for k, v in sd.items():
+                params[k].copy_(v.to(params[k].dtype))
+

@@ -1,0 +1,80 @@
+"""Process conventions shared by the roles: ready files, signals, parent-death; polling other processes' output."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pathlib
+import signal
+import socket
+import time
+
+
+def sd_notify(state: str) -> bool:
+    """Send `state` (e.g. "READY=1\nSTATUS=...") to systemd's $NOTIFY_SOCKET (Type=notify units).
+
+    A unix datagram to the path in $NOTIFY_SOCKET ('@' = Linux abstract namespace). Returns True when sent;
+    False (and does nothing) when the variable is unset, the socket is gone or the send fails.
+    """
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if not addr or not state:
+        return False
+    if addr[0] == "@":
+        addr = "\0" + addr[1:]
+    elif addr[0] != "/":
+        return False  # vsock:… and other schemes are not supported here
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError:
+        return False
+
+
+def write_ready(path: str | os.PathLike | None, info: dict) -> None:
+    """Announce a started server: atomically write {role, address, pid, ...} as JSON to `path` (if given), and
+    tell systemd (READY=1) when run as a Type=notify unit."""
+    from core import telemetry
+
+    info = {**telemetry.info(), **info}  # the Prometheus address and span file, when this process has them
+    if path:
+        p = pathlib.Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
+        os.replace(tmp, p)
+    status = " ".join(f"{k}={info[k]}" for k in ("role", "address", "stream", "version") if k in info)
+    sd_notify(f"READY=1\nSTATUS=listening {status}")
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent dies, so a killed `tars up` leaves no orphans."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.2):
+    """Poll pred() until it returns something truthy (returned) or raise TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(every)
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line torn by a kill or cut by a stop
+    return out

@@ -1,0 +1,190 @@
+"""gRPC plumbing shared by every service: servers with auth, health and reflection; channels with deadlines."""
+from __future__ import annotations
+
+import inspect
+
+import grpc
+from grpc import aio
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class TokenAuthInterceptor(aio.ServerInterceptor):
+    """Rejects every RPC that lacks `authorization: Bearer <token>`, except grpc.health.v1 health checks."""
+
+    def __init__(self, token: str):
+        self._want = f"Bearer {token}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        md = dict(handler_call_details.invocation_metadata or ())
+        # Health checks carry no secrets and orchestrators' probes (Kubernetes gRPC probes) cannot send a token.
+        if md.get("authorization") == self._want or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny
+
+
+class _BadRequest:
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _guarded(deserialize):
+    def d(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # protobuf DecodeError and friends: bytes that are not the request message
+            return _BadRequest(f"{type(e).__name__}: {e}"[:200])
+    return d
+
+
+class RequestDecodeInterceptor(aio.ServerInterceptor):
+    """Bytes that do not parse as the request message get INVALID_ARGUMENT (gRPC's own answer is UNKNOWN, which
+    reads like a server bug). Wraps unary-request handlers once per method; streaming requests are left alone."""
+
+    def __init__(self):
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        h = await continuation(handler_call_details)
+        if h is None or h.request_streaming or h.request_deserializer is None:
+            return h
+        cached = self._cache.get(method)
+        if cached is not None and getattr(cached, "_orig", None) is h:
+            return cached
+        if h.response_streaming:
+            if not inspect.isasyncgenfunction(h.unary_stream):
+                return h  # a handler that writes with context.write cannot be wrapped by an async generator
+
+            async def stream(req, ctx, _beh=h.unary_stream):
+                if isinstance(req, _BadRequest):
+                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.why}")
+                async for x in _beh(req, ctx):
+                    yield x
+            w = grpc.unary_stream_rpc_method_handler(stream, _guarded(h.request_deserializer), h.response_serializer)
+        else:
+            async def unary(req, ctx, _beh=h.unary_unary):
+                if isinstance(req, _BadRequest):
+                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.why}")
+                r = _beh(req, ctx)
+                return (await r) if inspect.isawaitable(r) else r
+            w = grpc.unary_unary_rpc_method_handler(unary, _guarded(h.request_deserializer), h.response_serializer)
+        w._orig = h
+        self._cache[method] = w
+        return w
+
+
+def make_server(max_message_bytes: int = 16 << 20, auth_token: str = "") -> aio.Server:
+    interceptors = ([TokenAuthInterceptor(auth_token)] if auth_token else []) + [RequestDecodeInterceptor()]
+    return aio.server(interceptors=interceptors, options=_options(max_message_bytes))
+
+
+def add_health_and_reflection(server: aio.Server, service_names: list[str]):
+    """Serve grpc.health.v1 (all names SERVING) and reflection, so grpcurl and k8s probes work."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    return hs, health_pb2
+
+
+async def set_serving(hs, health_pb2, names: list[str], serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for n in ["", *names]:
+        r = hs.set(n, status)
+        if hasattr(r, "__await__"):
+            await r
+
+
+def bind(server: aio.Server, host: str, port: int) -> int:
+    """Bind host:port (port 0 = any free port) and return the port actually bound."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    return bound
+
+
+def channel(address: str, auth_token: str = "", max_message_bytes: int = 16 << 20) -> aio.Channel:
+    """An asyncio channel; with a token, every call carries the bearer header; with tracing on (core.telemetry),
+    every call carries the caller's span as W3C `traceparent` metadata."""
+    from core import telemetry
+
+    opts = _options(max_message_bytes)
+    interceptors = ([_ClientAuth(auth_token)] if auth_token else []) + ([_ClientTrace()] if telemetry.S.tracing else [])
+    if not interceptors:
+        return aio.insecure_channel(address, options=opts)  # no interceptor machinery on the hot path
+    return aio.insecure_channel(address, options=opts, interceptors=interceptors)
+
+
+def sync_channel(address: str, auth_token: str = "", max_message_bytes: int = 16 << 20) -> grpc.Channel:
+    ch = grpc.insecure_channel(address, options=_options(max_message_bytes))
+    if auth_token:
+        ch = grpc.intercept_channel(ch, _SyncClientAuth(auth_token))
+    return ch
+
+
+class _Details:
+    def __init__(self, d, md):
+        self.method, self.timeout, self.metadata = d.method, d.timeout, md
+        self.credentials = getattr(d, "credentials", None)
+        self.wait_for_ready = getattr(d, "wait_for_ready", None)
+        self.compression = getattr(d, "compression", None)
+
+
+class _ClientAuth(aio.UnaryUnaryClientInterceptor, aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self.token = token
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+
+
+class _SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self.token = token
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+
+
+class _ClientTrace(aio.UnaryUnaryClientInterceptor, aio.UnaryStreamClientInterceptor):
+    """Adds the current span's `traceparent`; runs in the caller's task, so it sees the caller's span."""
+
+    @staticmethod
+    def _details(details):
+        from core import telemetry
+
+        extra = telemetry.grpc_metadata()
+        return _Details(details, list(details.metadata or ()) + extra) if extra else details
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)

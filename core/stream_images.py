@@ -1,0 +1,108 @@
+"""Content-addressed screenshots on the trajectory stream: each image crosses once per learner connection.
+
+A GUI trajectory repeats screenshots (every sample of a GRPO group starts on the same page; a step that changes
+nothing gives the same screen again), and a screenshot is most of a trajectory's bytes. So the actor sends an image's
+bytes only the first time on a connection (as extra frames of a TRAJ message, see core/stream_proto.py) and later
+trajectories refer to it by hash (Turn.obs_ref "sha256:<hex>"). The learner keeps what it received in an ImageStore
+on disk beside its WAL, so that WAL replay after a restart still finds every image its trajectories refer to.
+
+The store is write-once by content: put() checks that the bytes hash to the name they are sent under, so a peer
+cannot make one hash resolve to other bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def image_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def referenced(turns) -> list[str]:
+    """Image hashes a trajectory's turns refer to, in order, without repeats."""
+    out: dict[str, None] = {}
+    for t in turns:
+        ref = t.obs_ref
+        if ref.startswith("sha256:"):
+            out[ref[7:]] = None
+    return list(out)
+
+
+class ImageError(ValueError):
+    """Bytes that do not hash to the name they came with, or a name that is not a sha256 hex digest."""
+
+
+class ImageStore:
+    def __init__(self, directory: str):
+        self.dir = directory
+        self._have: set[str] = set()
+        self.bytes_stored = 0
+
+    def open(self) -> "ImageStore":
+        os.makedirs(self.dir, exist_ok=True)
+        for name in os.listdir(self.dir):
+            if _HEX.match(name):
+                self._have.add(name)
+            elif name.endswith(".tmp"):
+                os.unlink(os.path.join(self.dir, name))  # died mid-write
+        return self
+
+    def __contains__(self, h: str) -> bool:
+        return h in self._have
+
+    def __len__(self) -> int:
+        return len(self._have)
+
+    def put(self, h: str, data: bytes) -> bool:
+        """Store data under h (no-op if present); True if it was new. Raises ImageError for a wrong hash."""
+        if not isinstance(h, str) or not _HEX.match(h):
+            raise ImageError(f"image name {h!r} is not a sha256 hex digest")
+        if h in self._have:
+            return False
+        if image_hash(data) != h:
+            raise ImageError(f"image bytes do not hash to {h[:16]}...")
+        p = os.path.join(self.dir, h)
+        with open(p + ".tmp", "wb") as f:
+            f.write(data)
+        # Not fsynced: the WAL entries that refer to it are, and an image lost with the machine's power is re-sent
+        # by the actor (the learner NACKs "missing images" with retry, and the actor re-attaches it).
+        os.replace(p + ".tmp", p)
+        self._have.add(h)
+        self.bytes_stored += len(data)
+        return True
+
+    def get(self, h: str) -> bytes:
+        with open(os.path.join(self.dir, h), "rb") as f:
+            return f.read()
+
+    def missing(self, hashes) -> list[str]:
+        return [h for h in hashes if h not in self._have]
+
+
+def take_attached(store: ImageStore, names, frames: list[bytes], max_bytes: int) -> None:
+    """Store the images attached to a TRAJ message (body["images"] names the extra frames, in order)."""
+    names = names or []
+    if not isinstance(names, list) or len(names) != len(frames):
+        raise ImageError(f"{len(frames)} image frames but names {names!r:.80}")
+    total = sum(len(f) for f in frames)
+    if total > max_bytes:
+        raise ImageError(f"{total} bytes of images exceed the {max_bytes}-byte limit")
+    for h, b in zip(names, frames):
+        store.put(h, b)
+
+
+def resolve(store: ImageStore, tr) -> list[str]:
+    """Fill tr.images with every image its turns refer to; returns the hashes the store lacks (then tr is unchanged).
+
+    Images carried inline in the frame (an actor without dedupe) are checked and stored too."""
+    for h, b in tr.images.items():
+        store.put(h, b)
+    refs = referenced(tr.turns)
+    miss = store.missing(refs)
+    if not miss:
+        tr.images = {h: tr.images.get(h) or store.get(h) for h in refs}
+    return miss

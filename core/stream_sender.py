@@ -1,0 +1,462 @@
+"""The trajectory stream, actor side: an asyncio DEALER that sends within its credit and keeps everything until acked.
+
+An encoded trajectory stays in the outbox (and, with spool_dir, in a file) until the learner acks it, i.e. until it
+is fsynced in the learner's WAL. The outbox is re-sent whenever the learner may have lost it:
+  * WELCOME after a HELLO (start, a WHO from a learner that does not know us, a PONG with a new run_id, or silence
+    longer than dead_after_s): the learner first acks the pending ids it already has, so only the rest is re-sent;
+  * an entry unacked for resend_after_s (a lost ack on a bounced connection); the learner dedupes by id.
+Re-sends go before new trajectories and spend credit like any TRAJ. Every wait has a deadline (TimeoutError).
+With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories its previous process never got acked.
+A learner with "checkpoint" durability answers a TRAJ with a "held" notice first and acks it only once a checkpoint
+covers it: a held entry stays in the outbox (max_outbox bounds it) but leaves the send window and is never re-sent
+to the run that holds it; a WELCOME from a different run (the holder died) sends it again.
+
+Screenshots are content-addressed (core/stream_images.py): send() keeps a trajectory's images beside its encoded
+frame, and each transmission attaches only the images not yet sent on this learner connection (a new learner run_id
+starts over; a learner that answers "missing images" gets them again).
+
+The socket is a plain (non-asyncio) DEALER driven by the event loop directly: sends are non-blocking calls (the HWM is
+unlimited and credit bounds what is in flight, so they never have to wait), and loop.add_reader on the socket's FD
+drains incoming messages. zmq.asyncio would cost a future, a scheduled callback and several EVENTS checks per send
+while a receive is pending, about as much as the rest of the hot path. The ZeroMQ FD is edge-triggered: any call on
+the socket may consume the edge, so after each send the sender checks EVENTS itself and schedules a drain.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import itertools
+import logging
+import os
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+
+from core import stream_proto as P
+from core.schema import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    frame: bytes
+    seq: int
+    sent_at: float = 0.0    # monotonic time of the last transmission; 0 = waiting in the re-send queue
+    images: dict | None = None  # sha256 hex -> bytes the frame refers to; attached when not yet sent on this connection
+    held: str = ""              # run_id of a learner that holds it in memory until a checkpoint ("checkpoint" durability)
+
+
+class TrajectorySender:
+    def __init__(self, address: str, actor_id: str, window: int = 256, *, spool_dir: str | None = None,
+                 heartbeat_s: float = 0.5, dead_after_s: float = 5.0, resend_after_s: float = 30.0,
+                 curve_server_key: bytes | None = None, curve_public_key: bytes | None = None,
+                 curve_secret_key: bytes | None = None, dedupe_images: bool = True,
+                 max_remembered_images: int = 1 << 18, max_outbox: int = 1 << 16):
+        """window: trajectories sent and not yet acked or held (the learner's "held" notice frees a window slot but
+        not the outbox); max_outbox: everything kept for re-send, held ones included (checkpoint durability)."""
+        if window < 1 or max_outbox < window:
+            raise ValueError("need 1 <= window <= max_outbox")
+        self.address = address
+        self.actor_id = actor_id
+        self.window = window
+        self.max_outbox = max_outbox
+        self._n_held = 0                      # outbox entries with held set
+        self.spool_dir = spool_dir
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.resend_after_s = resend_after_s
+        self._curve = (curve_server_key, curve_public_key, curve_secret_key)
+        self.dedupe_images = dedupe_images
+        # Hashes sent on the current connection, oldest first; bounded (forgetting one only costs a re-send).
+        self._sent_images: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._max_remembered = max_remembered_images
+        self.incarnation = uuid.uuid4().hex
+        self.run_id: str | None = None        # the learner's, from WELCOME
+        self.version = 0                      # latest policy version heard of
+        self.max_frame_bytes = 64 << 20       # the learner's limit, from WELCOME
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
+        self._wake: asyncio.Future | None = None  # resolved (and dropped) by _notify: every _wait re-checks
+        self._outbox: dict[str, _Entry] = {}
+        self._resend: collections.deque[str] = collections.deque()
+        self._credit = 0
+        self._ready = False                   # WELCOME received since the last HELLO
+        self._inflight = 0                    # admitted episodes not yet sent (told to the learner in HELLO)
+        self._seq = itertools.count(1)
+        self._rid = itertools.count(1)
+        self._grants: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._last_rx = 0.0
+        self._last_hello = 0.0
+        self._hello_id = 0                    # WELCOMEs answering an older HELLO are ignored (their credit is void)
+        self._closed = False
+        self._stats = dict.fromkeys(("sent", "acked", "resent", "nacked", "retried", "hellos", "restarts_seen",
+                                     "spooled", "unspooled", "bytes_sent", "image_bytes_sent", "images_sent",
+                                     "images_deduped", "images_missing"), 0)
+
+    # --- public API -----------------------------------------------------------------------------------------------
+    async def start(self, timeout: float = 10.0) -> None:
+        """Connect, load the spool, introduce ourselves; returns once the learner answered (WELCOME)."""
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.routing_id = self.actor_id.encode("utf-8")
+        self._sock.linger = 0
+        # Credits bound what is in flight, so unlimited HWMs never buffer more than window + control messages.
+        self._sock.sndhwm = self._sock.rcvhwm = 0
+        P.curve_client(self._sock, *self._curve)
+        self._sock.connect(self.address)
+        if self.spool_dir:
+            self._load_spool()
+        self._loop.add_reader(self._sock.FD, self._drain)
+        self._tasks = [asyncio.create_task(self._heartbeat(), name=f"sender-hb-{self.actor_id}"),
+                       asyncio.create_task(self._pump(), name=f"sender-pump-{self.actor_id}")]
+        self._hello()
+        await self._wait(lambda: self._ready, time.monotonic() + timeout, "learner did not answer HELLO")
+
+    async def admit(self, n: int, timeout: float) -> tuple[int, int]:
+        """Ask the learner's staleness manager for n episode starts; returns (granted, policy version)."""
+        rid = next(self._rid)
+        fut = asyncio.get_running_loop().create_future()
+        self._grants[rid] = fut
+        try:
+            self._send([P.ADMIT, P.pack({"rid": rid, "n": n})])
+            granted, version = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._grants.pop(rid, None)
+        self._inflight += granted
+        return granted, version
+
+    async def lost(self, n: int) -> None:
+        """Give back n admitted episodes that will never be sent (FINISHED_LOST)."""
+        n = min(n, self._inflight)
+        if n > 0:
+            self._inflight -= n
+            self._send([P.LOST, P.pack({"n": n})])
+
+    async def send(self, traj: Trajectory, timeout: float) -> None:
+        if self.dedupe_images and traj.images:
+            # The frame goes without its images; they travel as extra frames, once per connection.
+            frame = dataclasses.replace(traj, images={}).encode()
+            await self.send_frame(traj.id, frame, timeout, images=dict(traj.images))
+        else:
+            await self.send_frame(traj.id, traj.encode(), timeout)
+
+    async def send_frame(self, tid: str, frame: bytes, timeout: float, images: dict | None = None) -> None:
+        """Send an encoded trajectory; waits (until timeout -> TimeoutError) for credit and outbox room.
+
+        images: sha256 hex -> bytes that the frame refers to by hash and does not carry itself."""
+        size = len(frame) + sum(len(b) for b in (images or {}).values())
+        if size > self.max_frame_bytes:
+            raise ValueError(f"trajectory {tid} is {size} bytes; the learner takes at most {self.max_frame_bytes}")
+        deadline = time.monotonic() + timeout
+        if self.spool_dir:
+            # Spooled before waiting for credit: an actor killed while it waits (learner backlogged or down)
+            # still re-sends this trajectory after its restart instead of losing it.
+            self._spool(tid, frame, images)
+        try:
+            await self._wait(lambda: self._ready and self._credit > 0 and not self._resend
+                             and len(self._outbox) - self._n_held < self.window
+                             and len(self._outbox) < self.max_outbox, deadline, f"no credit to send {tid}")
+        except BaseException:
+            if self.spool_dir and not self._closed:
+                self._unspool(tid)  # the caller sees the failure and counts it; a restart must not resurrect it
+            raise
+        self._credit -= 1
+        e = self._outbox[tid] = _Entry(frame, next(self._seq), time.monotonic(), images or None)
+        self._inflight = max(0, self._inflight - 1)
+        self._transmit(tid, e)
+        self._stats["sent"] += 1
+
+    async def flush(self, timeout: float, held_ok: bool = False) -> None:
+        """Wait until every trajectory sent so far is acked (or NACKed); held_ok: or held by the learner."""
+        await self._wait(lambda: len(self._outbox) == (self._n_held if held_ok else 0), time.monotonic() + timeout,
+                         lambda: f"{len(self._outbox)} trajectories still unacked")
+
+    def pending(self) -> int:
+        return len(self._outbox)
+
+    def stats(self) -> dict:
+        return {**self._stats, "pending": len(self._outbox), "held": self._n_held, "credit": self._credit,
+                "inflight": self._inflight,
+                "resend_queue": len(self._resend), "version": self.version}
+
+    async def close(self) -> None:
+        """Stop at once; unacked trajectories are lost unless spooled (flush first to wait for them)."""
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        for fut in self._grants.values():
+            fut.cancel()
+        if self._sock is not None:
+            if self._loop is not None and not self._sock.closed:
+                self._loop.remove_reader(self._sock.FD)
+            self._sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # --- internals ------------------------------------------------------------------------------------------------
+    async def _wait(self, pred, deadline: float, what) -> None:
+        """Until pred() holds (re-checked after every _notify), or TimeoutError at deadline."""
+        while not pred():  # one event loop: nothing changes between this check and the caller's next line
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(what() if callable(what) else what)
+            if self._wake is None:
+                self._wake = self._loop.create_future()
+            try:
+                # shield: a waiter timing out must not cancel the future the other waiters share
+                await asyncio.wait_for(asyncio.shield(self._wake), None if left == float("inf") else left)
+            except TimeoutError:
+                pass  # re-check the predicate once more, then raise above
+
+    def _notify(self) -> None:
+        w, self._wake = self._wake, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _send(self, parts, copy: bool = True) -> None:
+        """Non-blocking send. The HWM is unlimited and a connected DEALER always has its pipe, so it cannot meet EAGAIN;
+        if libzmq still refuses, the message is dropped like one lost on a bounced connection (TRAJ is re-sent after
+        resend_after_s, control messages are retried by their own timeouts)."""
+        try:
+            self._sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            log.warning("stream send would block; dropped a %r message", parts[0])
+        if not self._drain_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # The send may have consumed the FD's edge for messages that arrived meanwhile: drain them soon.
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _transmit(self, tid: str, e: _Entry) -> None:
+        e.sent_at = time.monotonic()
+        new = [h for h in e.images if h not in self._sent_images] if e.images else []
+        parts = [P.TRAJ, P.pack({"seq": e.seq, "id": tid, "images": new}), e.frame, *(e.images[h] for h in new)]
+        for h in new:
+            self._sent_images[h] = None
+        while len(self._sent_images) > self._max_remembered:
+            self._sent_images.popitem(last=False)
+        img_bytes = sum(len(e.images[h]) for h in new)
+        self._stats["bytes_sent"] += len(e.frame) + img_bytes
+        self._stats["image_bytes_sent"] += img_bytes
+        self._stats["images_sent"] += len(new)
+        self._stats["images_deduped"] += (len(e.images) if e.images else 0) - len(new)
+        self._send(parts, copy=False)
+
+    def _hello(self) -> None:
+        self._ready = False
+        self._last_hello = time.monotonic()
+        self._hello_id += 1
+        self._stats["hellos"] += 1
+        self._send([P.HELLO, P.pack({
+            "actor": self.actor_id, "incarnation": self.incarnation, "hello_id": self._hello_id,
+            "pending_ids": list(self._outbox),
+            "inflight": self._inflight})])
+
+    def _drain(self) -> None:
+        """add_reader callback (and after sends): handle every message waiting, in a bounded burst."""
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        handled = False
+        try:
+            for _ in range(1024):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                msg = sock.recv_multipart(zmq.NOBLOCK)
+                self._last_rx = time.monotonic()
+                handled = True
+                try:
+                    self._dispatch(msg)
+                except (TypeError, ValueError, AttributeError) as e:  # a well-formed map with ill-typed values
+                    log.warning("bad %r message from learner: %s", msg[0], e)
+            else:  # more waiting: yield to the loop, come back at once
+                self._drain_scheduled = True
+                self._loop.call_soon(self._drain)
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as e:
+            if not self._closed:
+                log.warning("stream receive failed: %s", e)
+        if handled:
+            self._notify()
+
+    def _dispatch(self, msg: list[bytes]) -> None:
+        if len(msg) < 2:
+            return
+        tag = msg[0]
+        try:
+            body = P.unpack(msg[1])
+        except ValueError:
+            log.warning("bad message from learner (tag %r)", tag)
+            return
+        if tag == P.ACK:
+            held = body.get("held")
+            for tid in body.get("ids", ()):
+                if held:  # that learner run keeps it in memory until a checkpoint: no re-send timer, free the window
+                    e = self._outbox.get(tid)
+                    if e is not None:
+                        self._n_held += not e.held
+                        e.held = str(held)
+                elif self._pop(tid) is not None:
+                    self._stats["acked"] += 1
+                    if self.spool_dir:
+                        self._unspool(tid)
+        elif tag == P.CREDIT:
+            if self._ready:  # credit from before our last HELLO is void (WELCOME resets it)
+                self._credit += int(body.get("n", 0))
+        elif tag == P.WELCOME:
+            if body.get("hello_id") == self._hello_id:
+                self._welcome(body)
+        elif tag == P.NACK:
+            tid = body.get("id")
+            missing = body.get("missing") or []
+            for h in missing:  # the learner lost these images: attach them again
+                self._sent_images.pop(h, None)
+                self._stats["images_missing"] += 1
+            e = self._outbox.get(tid)
+            # Images we do not hold either can never be supplied: drop the trajectory rather than loop.
+            resendable = e is not None and all(h in (e.images or {}) for h in missing)
+            if body.get("retry") and resendable:
+                self._stats["retried"] += 1
+                self._outbox[tid].sent_at = 0.0
+                self._resend.append(tid)
+            elif self._pop(tid) is not None:
+                self._stats["nacked"] += 1
+                log.warning("learner rejected trajectory %s: %s", tid, body.get("reason"))
+                if body.get("retry"):  # the learner still counts the episode as running: give it back
+                    self._send([P.LOST, P.pack({"n": 1})])
+                if self.spool_dir:
+                    self._unspool(tid)
+        elif tag == P.GRANT:
+            fut = self._grants.get(body.get("rid"))
+            if fut is not None and not fut.done():
+                fut.set_result((int(body.get("granted", 0)), int(body.get("version", 0))))
+            self.version = int(body.get("version", self.version))
+        elif tag == P.VERSION:
+            self.version = int(body.get("v", self.version))
+        elif tag == P.PONG:
+            if self.run_id is not None and body.get("run_id") != self.run_id:
+                self._hello()
+        elif tag == P.WHO:
+            if time.monotonic() - self._last_hello > 0.05 or self._ready:  # one HELLO per burst of WHOs
+                self._hello()
+
+    def _welcome(self, body: dict) -> None:
+        rid = body.get("run_id")
+        if self.run_id is not None and rid != self.run_id:
+            self._stats["restarts_seen"] += 1
+            self._sent_images.clear()  # a new learner process: it may not have our images
+            log.info("learner restarted (run %s -> %s): re-sending %d trajectories", self.run_id, rid,
+                     len(self._outbox))
+        self.run_id = rid
+        self.version = int(body.get("version", self.version))
+        self.max_frame_bytes = int(body.get("max_frame_bytes", self.max_frame_bytes))
+        self._credit = int(body.get("credit", 0))
+        # Held by another (dead) learner run: that memory is gone, send them again.
+        for e in self._outbox.values():
+            if e.held and e.held != rid:
+                e.held = ""
+                self._n_held -= 1
+        # The learner acked (or marked held) what it already had just before WELCOME: everything else is sent again.
+        self._resend = collections.deque(sorted((t for t, e in self._outbox.items() if not e.held),
+                                                key=lambda t: self._outbox[t].seq))
+        for tid in self._resend:
+            self._outbox[tid].sent_at = 0.0
+        self._ready = True
+
+    async def _pump(self) -> None:
+        """Re-sends, in order, ahead of new trajectories and within credit."""
+        while True:
+            await self._wait(lambda: self._ready and self._credit > 0 and self._resend, float("inf"), "")
+            tid = self._resend.popleft()
+            e = self._outbox.get(tid)
+            if e is None or e.held:
+                continue  # acked (or held by this learner) meanwhile
+            self._credit -= 1
+            self._transmit(tid, e)
+            self._stats["resent"] += 1
+            if not self._resend:
+                self._notify()  # new sends wait for the re-send queue to empty
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            now = time.monotonic()
+            if now - self._last_rx > self.dead_after_s and now - self._last_hello > self.dead_after_s:
+                self._hello()  # the learner went silent: maybe restarted on a new address/port binding
+            else:
+                self._send([P.PING, b"\x80"])  # msgpack {}
+            if self._ready and self.resend_after_s > 0:
+                stale = [t for t, e in self._outbox.items()
+                         if e.sent_at and not e.held and now - e.sent_at > self.resend_after_s]
+                if stale:
+                    for t in sorted(stale, key=lambda t: self._outbox[t].seq):
+                        self._outbox[t].sent_at = 0.0
+                        self._resend.append(t)
+                    self._notify()
+
+    def _pop(self, tid: str) -> _Entry | None:
+        e = self._outbox.pop(tid, None)
+        if e is not None and e.held:
+            self._n_held -= 1
+        return e
+
+    # --- spool: the outbox on disk, so a killed actor's unacked trajectories survive into its restart ------------
+    def _spool_path(self, tid: str) -> str:
+        return os.path.join(self.spool_dir, hashlib.sha1(tid.encode()).hexdigest() + ".traj")
+
+    def _spool(self, tid: str, frame: bytes, images: dict | None = None) -> None:
+        # Written without fsync: it protects against the actor process dying, not against the machine losing power.
+        # Layout: <u32 id length> id <u32 frame length> frame [msgpack map of the images].
+        p = self._spool_path(tid)
+        idb = tid.encode()
+        with open(p + ".tmp", "wb") as f:
+            f.write(struct.pack("<I", len(idb)) + idb)
+            f.write(struct.pack("<I", len(frame)) + frame)
+            if images:
+                f.write(msgpack.packb(images, use_bin_type=True))
+        os.replace(p + ".tmp", p)
+        self._stats["spooled"] += 1
+
+    def _unspool(self, tid: str) -> None:
+        try:
+            os.unlink(self._spool_path(tid))
+            self._stats["unspooled"] += 1
+        except FileNotFoundError:
+            pass
+
+    def _load_spool(self) -> None:
+        os.makedirs(self.spool_dir, exist_ok=True)
+        files = []
+        for name in os.listdir(self.spool_dir):
+            p = os.path.join(self.spool_dir, name)
+            if not name.endswith(".traj"):
+                if name.endswith(".tmp"):
+                    os.unlink(p)  # died mid-write: that trajectory was never sent
+                continue
+            files.append((os.stat(p).st_mtime_ns, p))
+        for _, p in sorted(files):  # oldest first, roughly the original order
+            with open(p, "rb") as f:
+                data = f.read()
+            (n,) = struct.unpack_from("<I", data)
+            tid = data[4:4 + n].decode()
+            (m,) = struct.unpack_from("<I", data, 4 + n)
+            frame, rest = data[8 + n:8 + n + m], data[8 + n + m:]
+            images = msgpack.unpackb(rest, raw=False) if rest else None
+            self._outbox[tid] = _Entry(frame, next(self._seq), 0.0, images)

@@ -1,0 +1,402 @@
+"""OpenTelemetry for every tars process: one TracerProvider and one MeterProvider per process, service.name = role.
+
+Spans (names are stable; docs/telemetry.md):
+  actor      episode (root) > turn > generate, env.step (client side); env.create
+  envd       envd.create_session, envd.reset, envd.step (server side, child of the actor's client span)
+  inference  inference.generate (server side, child of the actor's generate span)
+  learner    learner.step (root; links to the episode span of every trajectory in its batch)
+Context crosses gRPC as a W3C `traceparent` metadata entry (client interceptor in core.rpc, server_span() here) and
+crosses the trajectory stream in Trajectory.traceparent (the episode span), which the learner step links to.
+
+Export: OTLP/HTTP JSON to an endpoint when one is configured (no extra package: the encoding is written here), else
+one JSON object per span into <dir>/spans-<role>-<pid>.jsonl, batched by the SDK's BatchSpanProcessor (a bounded
+queue; spans past it are dropped, never blocking the hot path) and capped in size. With neither, or enabled=false,
+every helper here is a no-op that costs a function call and a flag test.
+Metrics: instruments registered by the roles (counter / histogram / observable gauges read from their status) go to
+an in-memory reader that core.metrics_http renders as Prometheus text on 127.0.0.1 when prometheus_port >= 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import threading
+import urllib.request
+from typing import Any, Callable, Iterable, Sequence
+
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger("core.telemetry")
+_PROP = TraceContextTextMapPropagator()
+_NOOP_TRACER = trace.NoOpTracer()
+
+
+class _State:
+    tracing = False
+    metrics = False
+    role = ""
+    tracer: Any = _NOOP_TRACER
+    tracer_provider: Any = None
+    meter_provider: Any = None
+    meter: Any = None
+    reader: Any = None          # InMemoryMetricReader behind the Prometheus endpoint
+    http: Any = None            # core.metrics_http.MetricsServer
+    span_file: str = ""
+
+
+S = _State()
+
+
+# ---- exporters --------------------------------------------------------------------------------------------------
+def _hex(n: int, width: int) -> str:
+    return f"{n:0{width}x}"
+
+
+def _attrs(a) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in (a or {}).items()}
+
+
+def span_to_dict(s) -> dict:
+    """One finished span as a plain JSON object (the span file's line format)."""
+    p = s.parent
+    return {
+        "trace_id": _hex(s.context.trace_id, 32), "span_id": _hex(s.context.span_id, 16),
+        "parent_span_id": _hex(p.span_id, 16) if p is not None else None,
+        "name": s.name, "kind": s.kind.name, "service": s.resource.attributes.get("service.name", ""),
+        "pid": s.resource.attributes.get("process.pid"),
+        "start_ns": s.start_time, "end_ns": s.end_time,
+        "duration_ms": ((s.end_time or 0) - (s.start_time or 0)) / 1e6,
+        "attributes": _attrs(s.attributes),
+        "links": [{"trace_id": _hex(lk.context.trace_id, 32), "span_id": _hex(lk.context.span_id, 16),
+                   "attributes": _attrs(lk.attributes)} for lk in s.links],
+        "status": s.status.status_code.name, "status_message": s.status.description or "",
+        "events": [{"name": e.name, "t_ns": e.timestamp, "attributes": _attrs(e.attributes)} for e in s.events],
+    }
+
+
+def _exporter_base():
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    return SpanExporter, SpanExportResult
+
+
+SpanExporter, SpanExportResult = _exporter_base()
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends one JSON object per span to `path`; stops writing (and counts drops) once the file passes max_bytes."""
+
+    def __init__(self, path: str | os.PathLike, max_bytes: int = 256 << 20):
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.f = open(self.path, "a", encoding="utf-8")
+        self.written = self.dropped = 0
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence) -> "SpanExportResult":
+        with self._lock:
+            if self.f.closed:
+                return SpanExportResult.FAILURE
+            lines = [json.dumps(span_to_dict(s), default=str) + "\n" for s in spans]
+            for line in lines:
+                if self.f.tell() + len(line) > self.max_bytes:
+                    self.dropped += 1
+                    continue
+                self.f.write(line)
+                self.written += 1
+            self.f.flush()
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        with self._lock:
+            if not self.f.closed:
+                self.f.flush()
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self.f.close()
+
+
+def _otlp_value(v) -> dict:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}  # int64 is a string in OTLP/JSON
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    if isinstance(v, (list, tuple)):
+        return {"arrayValue": {"values": [_otlp_value(x) for x in v]}}
+    return {"stringValue": str(v)}
+
+
+def _otlp_kv(a) -> list[dict]:
+    return [{"key": k, "value": _otlp_value(v)} for k, v in (a or {}).items()]
+
+
+def otlp_json(spans: Sequence) -> dict:
+    """ExportTraceServiceRequest in the OTLP/JSON encoding (ids as hex, kinds and status codes as numbers)."""
+    by_resource: dict[int, tuple[Any, list]] = {}
+    for s in spans:
+        by_resource.setdefault(id(s.resource), (s.resource, []))[1].append(s)
+    out = []
+    for res, group in by_resource.values():
+        rows = []
+        for s in group:
+            row = {"traceId": _hex(s.context.trace_id, 32), "spanId": _hex(s.context.span_id, 16), "name": s.name,
+                   "kind": s.kind.value + 1,  # SDK INTERNAL=0.. ; OTLP UNSPECIFIED=0, INTERNAL=1, SERVER=2, CLIENT=3
+                   "startTimeUnixNano": str(s.start_time), "endTimeUnixNano": str(s.end_time),
+                   "attributes": _otlp_kv(s.attributes),
+                   "links": [{"traceId": _hex(lk.context.trace_id, 32), "spanId": _hex(lk.context.span_id, 16),
+                              "attributes": _otlp_kv(lk.attributes)} for lk in s.links],
+                   "events": [{"timeUnixNano": str(e.timestamp), "name": e.name, "attributes": _otlp_kv(e.attributes)}
+                              for e in s.events],
+                   "status": {"code": s.status.status_code.value, "message": s.status.description or ""}}
+            if s.parent is not None:
+                row["parentSpanId"] = _hex(s.parent.span_id, 16)
+            rows.append(row)
+        out.append({"resource": {"attributes": _otlp_kv(res.attributes)},
+                    "scopeSpans": [{"scope": {"name": "tars"}, "spans": rows}]})
+    return {"resourceSpans": out}
+
+
+class OtlpHttpJsonSpanExporter(SpanExporter):
+    """POSTs batches to <endpoint>/v1/traces as OTLP/JSON (what every OpenTelemetry collector's otlp http receiver
+    accepts). Runs in the BatchSpanProcessor's thread; each POST has a deadline, a failed batch is dropped."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, headers: dict | None = None):
+        base = endpoint.rstrip("/")
+        self.url = base if base.endswith("/v1/traces") else base + "/v1/traces"
+        self.timeout_s, self.headers = timeout_s, dict(headers or {})
+        self.sent = self.failed = 0
+
+    def export(self, spans: Sequence) -> "SpanExportResult":
+        body = json.dumps(otlp_json(spans)).encode()
+        req = urllib.request.Request(self.url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **self.headers})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                r.read()
+            self.sent += len(spans)
+            return SpanExportResult.SUCCESS
+        except OSError as e:  # URLError, HTTPError, timeouts: all OSError
+            self.failed += len(spans)
+            log.warning("OTLP export of %d spans to %s failed: %s", len(spans), self.url, e)
+            return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _sampler(ratio: float):
+    """Episodes are sampled at `ratio` (everything under them follows the parent); learner steps always."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
+
+    by_ratio = TraceIdRatioBased(min(1.0, max(0.0, ratio)))
+
+    class RootSampler(Sampler):
+        def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None):
+            s = ALWAYS_ON if name == "learner.step" else by_ratio
+            return s.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+        def get_description(self) -> str:
+            return f"tars(ratio={ratio}, learner.step always)"
+
+    return ParentBased(root=RootSampler())
+
+
+# ---- set-up -----------------------------------------------------------------------------------------------------
+def setup(cfg, role: str, run_dir: str | None = None) -> dict:
+    """Configure this process from a TelemetryConfig. Returns what was set up ({traces, span_file, metrics})."""
+    shutdown()
+    if not cfg.enabled:
+        return {"traces": "off", "metrics": "off"}
+    from opentelemetry.sdk.resources import Resource
+
+    S.role = role
+    res = Resource.create({"service.name": role, "service.namespace": "tars", "process.pid": os.getpid()})
+    endpoint = cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    span_dir = cfg.dir or (str(pathlib.Path(run_dir) / "telemetry") if run_dir else "")
+    exporter, what = None, "off"
+    if endpoint:
+        exporter, what = _otlp_exporter(endpoint, cfg.otlp_protocol or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", ""))
+    if exporter is None and span_dir:
+        S.span_file = str(pathlib.Path(span_dir) / f"spans-{role}-{os.getpid()}.jsonl")
+        exporter, what = JsonLinesSpanExporter(S.span_file, int(cfg.max_file_mb * (1 << 20))), S.span_file
+    if exporter is not None:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        tp = TracerProvider(resource=res, sampler=_sampler(cfg.sample_ratio), shutdown_on_exit=True)
+        tp.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=cfg.max_queued_spans,
+                                                 schedule_delay_millis=1000, max_export_batch_size=512))
+        S.tracer_provider, S.tracer, S.tracing = tp, tp.get_tracer("tars"), True
+    if cfg.prometheus_port >= 0:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+        from core import metrics_http
+
+        S.reader = InMemoryMetricReader()
+        views = [View(instrument_name=n, aggregation=ExplicitBucketHistogramAggregation(b)) for n, b in BUCKETS.items()]
+        S.meter_provider = MeterProvider(metric_readers=[S.reader], resource=res, views=views, shutdown_on_exit=True)
+        S.meter, S.metrics = S.meter_provider.get_meter("tars"), True
+        S.http = metrics_http.MetricsServer(collect, "127.0.0.1", cfg.prometheus_port)
+    return {"traces": what, "metrics": S.http.address if S.http else "off"}
+
+
+# Histogram buckets: staleness in versions (integers), latencies in seconds.
+BUCKETS = {
+    "tars.token_staleness": [0, 1, 2, 3, 4, 6, 8, 12, 16, 32],
+    "tars.env.step.duration": [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+    "tars.learner.step.duration": [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120],
+}
+
+
+def _otlp_exporter(endpoint: str, protocol: str):
+    protocol = protocol or "http/json"
+    if protocol == "http/json":
+        return OtlpHttpJsonSpanExporter(endpoint), f"otlp http/json {endpoint}"
+    try:  # the official exporters, where installed (not a tars dependency: they pin an older protobuf)
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        log.warning("OTLP protocol %r needs the opentelemetry-exporter-otlp package, which is not installed; "
+                    "use otlp_protocol=http/json (port 4318). Falling back to the span file.", protocol)
+        return None, "off"
+    return OTLPSpanExporter(endpoint=endpoint), f"otlp {protocol} {endpoint}"
+
+
+def shutdown() -> None:
+    """Flush and stop this process's providers (idempotent); helpers are no-ops afterwards."""
+    if S.http is not None:
+        S.http.close()
+    for p in (S.tracer_provider, S.meter_provider):
+        if p is not None:
+            try:
+                p.shutdown()
+            except Exception as e:  # a failing exporter must not fail the process's exit
+                log.warning("telemetry shutdown: %s", e)
+    S.tracing = S.metrics = False
+    S.tracer, S.tracer_provider, S.meter_provider, S.meter, S.reader, S.http, S.span_file = _NOOP_TRACER, None, None, None, None, None, ""
+
+
+def force_flush() -> None:
+    if S.tracer_provider is not None:
+        S.tracer_provider.force_flush(10_000)
+
+
+def info() -> dict:
+    """What a ready file should say about this process's telemetry."""
+    d = {}
+    if S.http is not None:
+        d["metrics"] = S.http.address
+    if S.span_file:
+        d["span_file"] = S.span_file
+    return d
+
+
+# ---- traces -----------------------------------------------------------------------------------------------------
+def span(name: str, kind=trace.SpanKind.INTERNAL, attributes: dict | None = None, links: Iterable | None = None):
+    """Context manager: a child of the current span (or a root). A shared no-op span when tracing is off."""
+    if not S.tracing:
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    return S.tracer.start_as_current_span(name, kind=kind, attributes=attributes, links=list(links or ()))
+
+
+def client_span(name: str, attributes: dict | None = None):
+    return span(name, trace.SpanKind.CLIENT, attributes)
+
+
+def server_span(name: str, grpc_context, attributes: dict | None = None):
+    """A SERVER span whose parent is the caller's span, read from the RPC's `traceparent` metadata."""
+    if not S.tracing:
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    md = {k: v for k, v in (grpc_context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
+    return S.tracer.start_as_current_span(name, context=_PROP.extract(md), kind=trace.SpanKind.SERVER,
+                                          attributes=attributes)
+
+
+def traceparent() -> str:
+    """The current span's W3C traceparent, or "" when none is recorded."""
+    if not S.tracing:
+        return ""
+    carrier: dict[str, str] = {}
+    _PROP.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def grpc_metadata() -> list[tuple[str, str]]:
+    """Metadata entries that carry the current span to a server (empty when there is none)."""
+    tp = traceparent()
+    return [("traceparent", tp)] if tp else []
+
+
+def link_from(tp: str, attributes: dict | None = None):
+    """A span Link to the span a traceparent names, or None when it is empty or malformed."""
+    if not tp:
+        return None
+    sc = trace.get_current_span(_PROP.extract({"traceparent": tp})).get_span_context()
+    return trace.Link(sc, attributes) if sc.is_valid else None
+
+
+def set_attrs(sp, **attrs) -> None:
+    if S.tracing and sp.is_recording():
+        sp.set_attributes({k: v for k, v in attrs.items() if v is not None})
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------
+class _NoInstrument:
+    def add(self, *a, **k) -> None:
+        pass
+
+    def record(self, *a, **k) -> None:
+        pass
+
+
+NO_INSTRUMENT = _NoInstrument()
+
+
+def counter(name: str, unit: str = "", description: str = ""):
+    return S.meter.create_counter(name, unit, description) if S.metrics else NO_INSTRUMENT
+
+
+def histogram(name: str, unit: str = "", description: str = ""):
+    return S.meter.create_histogram(name, unit, description) if S.metrics else NO_INSTRUMENT
+
+
+def observe(name: str, read: Callable[[], float | dict | None], unit: str = "", description: str = "",
+            kind: str = "gauge", label: str = "key") -> None:
+    """An observable gauge (or monotonic counter, kind="counter") whose value `read()` returns at each collection:
+    a number, None (no point this time) or {label value: number}, one point per entry labelled `label`."""
+    if not S.metrics:
+        return
+    from opentelemetry.metrics import Observation
+
+    def cb(_options):
+        try:
+            v = read()
+        except Exception as e:  # a broken reading must not break the whole scrape
+            log.debug("metric %s: %s", name, e)
+            return []
+        if v is None:
+            return []
+        if isinstance(v, dict):
+            return [Observation(float(x), {label: str(k)}) for k, x in v.items() if x is not None]
+        return [Observation(float(v))]
+
+    make = S.meter.create_observable_counter if kind == "counter" else S.meter.create_observable_gauge
+    make(name, callbacks=[cb], unit=unit, description=description)
+
+
+def collect():
+    """The current MetricsData (None when metrics are off)."""
+    return S.reader.get_metrics_data() if S.reader is not None else None
+

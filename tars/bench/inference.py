@@ -1,0 +1,161 @@
+"""`tars bench inference`: the inference server's figures, each against a baseline measured in the same run.
+
+    tars bench inference --json FILE [--quick] [--gpu] [--skip-front] [--skip-updates] [--skip-multiturn]
+
+- grpc_over_direct: tokens/s of direct LocalEngine calls vs the same load through the gRPC front (in process).
+  Both runs use one engine on a tiny random model with `concurrency` requests in flight at once; the ratio is the
+  share of engine throughput that survives the front (serialisation, the event loop and the client all compete
+  with the scheduler thread for the GIL and the cores here, so it is a lower bound). Goal >= 0.9.
+- update_discarded_share: tokens discarded and regenerated because of weight updates every few seconds, as a share
+  of tokens sampled, partial rollouts vs restart-on-update (tars.bench.inference_rollouts). Goal <= 0.02.
+- multiturn_cache_hit_share: prompt tokens of later turns served from the prefix cache (bench_rollouts).
+- gpu_engine_over_transformers_b64 (--gpu, CUDA only): tars.bench.inference_gpu. Goal >= 3.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+
+from core.inference_client import InferenceClient
+from inference_server.engine import LocalEngine, SamplingParams
+from inference_server.server import InferenceServer
+from core.config import InferenceConfig
+from core.model import CausalLM, DecoderConfig
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _direct(eng: LocalEngine, prompts, max_new: int) -> float:
+    t0 = time.perf_counter()
+    futs = [eng.submit(p, SamplingParams(max_new_tokens=max_new, temperature=1.0)) for p in prompts]
+    n = sum(len(f.result(300).output_ids) for f in futs)
+    return n / (time.perf_counter() - t0)
+
+
+async def _grpc(client: InferenceClient, prompts, max_new: int) -> float:
+    t0 = time.perf_counter()
+    rs = await asyncio.gather(*(client.generate("", p, max_new, temperature=1.0, timeout_s=300) for p in prompts))
+    return sum(len(r.output_ids) for r in rs) / (time.perf_counter() - t0)
+
+
+def run(json_path: str | None = None, concurrency: int = 64, prompt_len: int = 32, max_new_tokens: int = 64,
+        rounds: int = 3, threads: int = 1) -> dict:
+    dc = DecoderConfig(vocab_size=300)
+    cfg = InferenceConfig(threads=threads, max_context=1024)
+    eng = LocalEngine(cfg, CausalLM(dc).init_weights(0, std=0.1))
+    prompts = [_prompts(concurrency, prompt_len, dc.vocab_size, seed) for seed in range(rounds + 1)]
+    try:
+        _direct(eng, prompts[0], 8)  # warm-up
+        direct = [_direct(eng, p, max_new_tokens) for p in prompts[1:]]
+
+        async def front() -> list[float]:
+            srv = InferenceServer(cfg, eng)
+            await srv.start()
+            client = InferenceClient([srv.address], timeout_s=300)
+            try:
+                await _grpc(client, prompts[0], 8)
+                return [await _grpc(client, p, max_new_tokens) for p in prompts[1:]]
+            finally:
+                await client.close()
+                await srv.stop(grace=1.0)
+
+        grpc_tps = asyncio.run(front())
+        m = eng.metrics()
+    finally:
+        eng.close()
+    best_d, best_g = max(direct), max(grpc_tps)
+    out = {
+        "model": {"hidden_size": dc.hidden_size, "layers": dc.num_hidden_layers, "vocab": dc.vocab_size},
+        "concurrency": concurrency, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "threads": threads,
+        "direct_tokens_per_s": best_d, "grpc_tokens_per_s": best_g, "grpc_over_direct": best_g / best_d,
+        "direct_rounds": direct, "grpc_rounds": grpc_tps, "batch_mean": m["batch_mean"], "idle_share": m["idle_share"],
+    }
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+def _fig(name: str, value, baseline, goal: str, ok, detail: str, skipped: str = "") -> dict:
+    return {"name": name, "value": value, "baseline": baseline, "goal": goal, "pass": ok, "detail": detail,
+            **({"skipped": skipped} if skipped else {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+
+    from tars.bench import inference_rollouts as bench_rollouts
+
+    ap = argparse.ArgumentParser(prog="tars bench inference", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="FILE", help="write the figures here as JSON")
+    ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run of some seconds)")
+    ap.add_argument("--gpu", action="store_true", help="also the GPU figure (local engine vs transformers); skipped without CUDA")
+    ap.add_argument("--skip-front", action="store_true")
+    ap.add_argument("--skip-updates", action="store_true")
+    ap.add_argument("--skip-multiturn", action="store_true")
+    ap.add_argument("--update-every", type=float, default=2.0, help="seconds between weight updates (default 2)")
+    ap.add_argument("--duration", type=float, default=12.0, help="seconds of load per update run (default 12)")
+    a = ap.parse_args(argv)
+    q = a.quick
+    out: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}, "figures": []}
+    figs = out["figures"]
+    if not a.skip_front:
+        f = run(None, concurrency=16 if q else 64, max_new_tokens=16 if q else 64, rounds=1 if q else 3)
+        out["front"] = f
+        figs.append(_fig("grpc_over_direct", f["grpc_over_direct"], 1.0, ">= 0.9", f["grpc_over_direct"] >= 0.9,
+                         f"grpc {f['grpc_tokens_per_s']:.0f} tok/s, direct {f['direct_tokens_per_s']:.0f} tok/s"))
+    if not a.skip_updates:
+        u = bench_rollouts.update_waste(workers=8 if q else 16, max_new_tokens=32 if q else 64,
+                                        duration_s=3.0 if q else a.duration, update_every_s=0.75 if q else a.update_every,
+                                        with_stale=not q)
+        out["updates"] = u
+        p, r = u["partial"], u["restart"]
+        figs.append(_fig("update_discarded_share", p["discarded_share"], r["discarded_share"], "<= 0.02", p["discarded_share"] <= 0.02,
+                         f"{p['weight_updates']} / {r['weight_updates']} updates every {u['update_every_s']} s; restart discarded "
+                         f"{r['tokens_discarded']} of {r['tokens_sampled']} tokens ({r['requests_restarted']} restarts); partial "
+                         f"re-prefilled {p['reprefilled_tokens']} tokens ({p['reprefilled_share']:.1%} of sampled)"
+                         + (f"; with stale KV kept (max_stale_versions=1) {u['partial_stale']['reprefilled_tokens']} re-prefilled, "
+                            f"{u['partial_stale']['tokens_discarded']} discarded" if u.get("partial_stale") else "")))
+    if not a.skip_multiturn:
+        m = bench_rollouts.multiturn_cache(episodes=4 if q else 16, turns=3 if q else 6)
+        out["multiturn"] = m
+        figs.append(_fig("multiturn_cache_hit_share", m["hit_share_later_turns"], m["reusable_share_later_turns"], "", None,
+                         f"{m['episodes']} episodes x {m['turns']} turns on {m['replicas']} replicas; hit / reusable "
+                         f"{m['hit_over_reusable']:.3f}; all turns {m['hit_share_all_turns']:.3f}"))
+    if a.gpu:
+        from tars.bench import inference_gpu as bench_gpu
+
+        g = bench_gpu.run(batches=(1, 8) if q else (1, 64))
+        out["gpu"] = g
+        row = (g.get("rows") or [{}])[-1]
+        v = row.get("engine_over_transformers")
+        figs.append(_fig(f"gpu_engine_over_transformers_b{row.get('batch', 64)}", v, 1.0, ">= 3", None if v is None else v >= 3,
+                         "; ".join(f"b{x['batch']}: {x['engine_tokens_per_s']:.0f} vs {x['transformers_tokens_per_s']:.0f} tok/s"
+                                   for x in g.get("rows", [])), g.get("skipped", "")))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    print(table(out))
+    return 0
+
+
+def table(out: dict) -> str:
+    def fmt(x):
+        return "-" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
+
+    lines = ["| figure | value | baseline | goal | pass | detail |", "|---|---|---|---|---|---|"]
+    for f in out["figures"]:
+        lines.append(f"| {f['name']} | {fmt(f['value'])} | {fmt(f['baseline'])} | {f['goal']} | {fmt(f['pass'])} | "
+                     f"{f.get('skipped') or f['detail']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

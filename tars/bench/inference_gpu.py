@@ -1,0 +1,66 @@
+"""GPU figure of `tars bench inference --gpu`: local engine decode tokens/s vs `transformers` generate.
+
+The same random-initialised Qwen2-0.5B-shaped model (24 layers, hidden 896, 14 heads / 2 KV heads, vocab 151936,
+tied embeddings), bf16 on one CUDA device, `batch` prompts of `prompt_len` random tokens, `max_new_tokens` sampled
+at temperature 1 with no stop token (so every row decodes the full budget in both):
+- baseline: transformers AutoModelForCausalLM.generate on the batch (its static batch; KV cache on);
+- figure: LocalEngine with the batch submitted at once (continuous batching, one scheduler thread).
+tokens/s = batch * max_new_tokens / wall time (prefill included in both). Goal: engine / transformers >= 3 at 64.
+Without CUDA the figure is reported as skipped; nothing here runs on CPU.
+"""
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+
+import torch
+
+QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+def run(batches: tuple[int, ...] = (1, 64), prompt_len: int = 32, max_new_tokens: int = 128, seed: int = 0) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device (torch.cuda.is_available() is False)"}
+    import transformers
+
+    from inference_server.engine import LocalEngine, SamplingParams
+    from core.config import InferenceConfig
+    from core.model import CausalLM, DecoderConfig
+
+    dev = torch.device("cuda")
+    out: dict = {"model": QWEN2_05B, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
+                 "device": torch.cuda.get_device_name(0), "rows": []}
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="tars-gpu-bench-") as d:
+        CausalLM(DecoderConfig(**QWEN2_05B)).init_weights(seed, std=0.02).save_hf(d)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(dev).eval()
+        ours = CausalLM.load_hf(d, dtype=torch.bfloat16).to(dev)
+        out["params"] = sum(p.numel() for p in ours.parameters())
+        eng = LocalEngine(InferenceConfig(max_context=prompt_len + max_new_tokens + 8, max_batch=max(batches),
+                                          prefill_batch_tokens=max(batches) * (prompt_len + 8)), ours)
+        try:
+            for B in batches:
+                prompts = [[rng.randrange(2, QWEN2_05B["vocab_size"]) for _ in range(prompt_len)] for _ in range(B)]
+                ids = torch.tensor(prompts, device=dev)
+                kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=True, temperature=1.0,
+                          top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+                with torch.inference_mode():
+                    hf.generate(ids, attention_mask=torch.ones_like(ids), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    g = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+                    torch.cuda.synchronize()
+                    hf_s = time.perf_counter() - t0
+                hf_tokens = (g.shape[1] - prompt_len) * B
+                sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
+                [f.result(600) for f in [eng.submit(p, SamplingParams(max_new_tokens=4)) for p in prompts]]  # warm-up
+                t0 = time.perf_counter()
+                n = sum(len(f.result(600).output_ids) for f in [eng.submit(p, sp) for p in prompts])
+                ours_s = time.perf_counter() - t0
+                out["rows"].append({"batch": B, "transformers_tokens_per_s": hf_tokens / hf_s, "engine_tokens_per_s": n / ours_s,
+                                    "engine_over_transformers": (n / ours_s) / (hf_tokens / hf_s)})
+        finally:
+            eng.close()
+    return out

@@ -1,0 +1,195 @@
+"""`tars bench learner`: what the learner's plumbing costs, each figure against a baseline from the same run.
+
+    tars bench learner [--json FILE] [--quick] [--preset quickstart] [--set K=V] [--n N] [--payload-bytes B] [--steps K]
+
+Figures:
+  stream_over_raw          trajectories/s consumed through the stream (TrajectorySender -> TrajectoryReceiver:
+                           credits, acks, outbox, and the preset's learner.stream_durability: "checkpoint" = held
+                           notices and acks after each commit, "wal" = WAL append + batched fdatasync before each
+                           ack) / trajectories/s through a raw DEALER->ROUTER msgpack link with the same payloads;
+                           all decode + validate and hand each trajectory to a consumer thread; the actor side is a
+                           child process (tars/bench/stream.py)                                    goal >= 0.8
+  stream_over_raw_wal      the same with the other durability (or _checkpoint when the preset uses the WAL)
+  publish_share_of_step    median time to publish a version (HF-layout safetensors written and renamed, a real
+                           `tars serve` subprocess told to load it and answering that it serves it) / median time of
+                           one training step (PPOTrainer.step with the critic on a batch shaped like the preset's
+                           episodes), same model                                                   goal <= 0.05
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _machine() -> dict:
+    return {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+            "load_avg_start": round(os.getloadavg()[0], 2), "torch_threads": torch.get_num_threads()}
+
+
+def _episodes(n: int, vocab: int, turns: int, prompt_len: int, gen_len: int, seed: int = 0):
+    """Multi-turn trajectories like the actor's: per turn a prompt (environment tokens) then generated tokens."""
+    from core.schema import Trajectory, Turn
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        toks, mask, ts = [], [], []
+        for _ in range(turns):
+            p = int(rng.integers(prompt_len // 2, prompt_len + 1))
+            toks += rng.integers(2, vocab, p).tolist()
+            mask += [0] * p
+            start = len(toks)
+            toks += rng.integers(2, vocab, gen_len).tolist()
+            mask += [1] * gen_len
+            ts.append(Turn("", "", {}, 0.0, start, len(toks)))
+        r = float(rng.random() < 0.5)
+        ts[-1].reward = r
+        m = np.array(mask, np.uint8)
+        out.append(Trajectory(id=f"e{i}", env_id="bench", outcome="terminated", tokens=np.array(toks, np.int32),
+                              logprobs=np.where(m, -1.0, 0.0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                              mask=m, turns=ts, ret=r, success=bool(r)))
+    return out
+
+
+def _start_server(model_dir: pathlib.Path, tmp: pathlib.Path):
+    ready = tmp / "serve.ready"
+    log = open(tmp / "serve.log", "w")
+    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "serve", "--model", str(model_dir), "--port", "0",
+                          "--ready-file", str(ready)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise RuntimeError(f"tars serve did not start: {(tmp / 'serve.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return p, json.loads(ready.read_text())["address"], log
+
+
+def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
+    """Median publish time (to a real inference server) and median training step time, same model."""
+    from learner.main import publish_weights
+    from learner.ppo import PPOTrainer
+    from core import rpc
+    from core.model import CausalLM, DecoderConfig
+    from core.v1 import inference_pb2, inference_pb2_grpc
+
+    m = cfg.model
+    dc = DecoderConfig(vocab_size=512, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                       num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                       num_key_value_heads=m.num_kv_heads, max_position_embeddings=m.max_positions,
+                       rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings)
+    torch.manual_seed(0)
+    policy = CausalLM(dc).init_weights(0)
+    critic = CausalLM(dc, value_head=True) if cfg.learner.algo == "ppo" else None
+    if critic is not None:
+        critic.load_state_dict(policy.state_dict(), strict=False)
+    policy.save_hf(tmp / "model")
+    torch.set_num_threads(max(1, cfg.learner.threads))
+    trainer = PPOTrainer(policy, critic, cfg.learner, 0)
+    turns = max(1, cfg.actor.max_turns)
+    batch = _episodes(cfg.learner.batch_size, dc.vocab_size, turns, 120, cfg.actor.max_new_tokens)
+    server, addr, log = _start_server(tmp / "model", tmp)
+    try:
+        stub = inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(addr, cfg.inference.auth_token, 512 << 20))
+        step_s, publish_s = [], []
+        for v in range(1, steps + 1):
+            t0 = time.perf_counter()
+            trainer.step(batch, v - 1)
+            step_s.append(time.perf_counter() - t0)
+            publish_s.append(publish_weights(policy, tmp / "weights", v, [stub], keep=2))
+            served = stub.GetVersion(inference_pb2.GetVersionRequest(), timeout=10).version
+            if served != v:
+                raise RuntimeError(f"the server serves version {served} after publishing {v}")
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    params = sum(p.numel() for p in policy.parameters())
+    return {"step_s": step_s, "publish_s": publish_s, "params": params,
+            "batch": {"trajectories": len(batch), "tokens": int(sum(len(t.tokens) for t in batch)),
+                      "generated_tokens": int(sum(int(t.mask.sum()) for t in batch))}}
+
+
+def run(a) -> dict:
+    from core import config as C
+    from tars.bench.stream import bench as stream_bench
+
+    cfg = C.load(a.preset, None, a.set)
+    out = {"machine": _machine(), "preset": a.preset, "figures": {}}
+    s = stream_bench(n=a.n, payload_bytes=a.payload_bytes, repeats=a.repeats, subprocess=True)
+    # Headline: the durability the preset runs with; the other is reported beside it.
+    by_mode = {"wal": (s["ratio"], s["stream_per_s"]), "checkpoint": (s["ratio_checkpoint"], s["stream_checkpoint_per_s"])}
+    mode = cfg.learner.stream_durability
+    other = "wal" if mode == "checkpoint" else "checkpoint"
+    for name, m in (("stream_over_raw", mode), (f"stream_over_raw_{other}", other)):
+        ratio, rate = by_mode[m]
+        out["figures"][name] = {"value": ratio, "unit": "x", "goal": ">= 0.8", "pass": ratio >= 0.8, "durability": m,
+                                "stream_per_s": rate, "raw_per_s": s["raw_per_s"], "detail": s}
+    with tempfile.TemporaryDirectory() as tmp:
+        p = publish_vs_step(cfg, a.steps, pathlib.Path(tmp))
+    step, pub = statistics.median(p["step_s"]), statistics.median(p["publish_s"])
+    share = pub / step
+    out["figures"]["publish_share_of_step"] = {
+        "value": round(share, 4), "unit": "x", "goal": "<= 0.05", "pass": share <= 0.05,
+        "step_ms": round(step * 1e3, 1), "publish_ms": round(pub * 1e3, 1), "detail": p}
+    return out
+
+
+def table(out: dict) -> str:
+    rows = [("figure", "value", "goal", "pass", "baseline / detail")]
+    for name in [k for k in out["figures"] if k.startswith("stream_over_raw")]:
+        f = out["figures"][name]
+        rows.append((name, f"{f['value']:g}", f["goal"], "PASS" if f["pass"] else "FAIL",
+                     f"stream ({f['durability']} durability) {f['stream_per_s']:.0f}/s vs raw {f['raw_per_s']:.0f}/s, "
+                     f"{f['detail']['payload_bytes']} B each"))
+    f = out["figures"]["publish_share_of_step"]
+    rows.append(("publish_share_of_step", f"{f['value']:g}", f["goal"], "PASS" if f["pass"] else "FAIL",
+                 f"publish {f['publish_ms']:.1f} ms / step {f['step_ms']:.1f} ms ({f['detail']['params']} params, "
+                 f"{f['detail']['batch']['trajectories']} trajectories, {f['detail']['batch']['tokens']} tokens)"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tars bench learner", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="FILE", help="write the figures here as JSON")
+    ap.add_argument("--preset", default="quickstart", help="model and learner settings (default quickstart)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. learner.batch_size=16")
+    ap.add_argument("--n", type=int, default=2000, help="trajectories per stream run")
+    ap.add_argument("--payload-bytes", type=int, default=32 << 10, help="encoded size of each trajectory")
+    ap.add_argument("--repeats", type=int, default=3, help="stream/raw runs, interleaved; the best of each counts")
+    ap.add_argument("--steps", type=int, default=5, help="training steps (each followed by a publish)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 200 trajectories, 1 repeat, 2 steps")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.n, a.repeats, a.steps = 200, 1, 2
+    for k in ("n", "payload_bytes", "repeats", "steps"):
+        if getattr(a, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    out = run(a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+    print(table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Throughput of the trajectory stream vs a raw DEALER->ROUTER msgpack link, same payloads, same process, same run.
+
+All paths do the same useful work: encode each Trajectory on the actor, decode + validate it on the learner, hand it
+to a consumer thread through a bounded queue. The stream adds credits, acks and the outbox, and for durability either
+the WAL (append + batched fdatasync; "wal") or held notices and acks after each commit ("checkpoint", the consumer
+committing every 1024 trajectories as a learner checkpointing every 16 updates of 64 would).
+Run: `python -m tars.bench.stream [n] [payload_bytes]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from core.schema import Trajectory, Turn
+from core.stream_wal import WriteAheadLog
+
+
+def _trajs(n: int, payload_bytes: int) -> list[Trajectory]:
+    T = max(8, payload_bytes // 13)  # 4 + 4 + 4 + 1 bytes per token
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32000, T).astype(np.int32)
+    lp = -rng.random(T, dtype=np.float32)
+    return [Trajectory(id=f"b{i}", env_id="bench", outcome="terminated", tokens=tokens, logprobs=lp,
+                       versions=np.zeros(T, np.int32), mask=np.ones(T, np.uint8),
+                       turns=[Turn("text:1", "x", {}, 1.0, 0, T)], ret=1.0) for i in range(n)]
+
+
+def _consume(get, n: int, done: threading.Event, on_item=None, on_done=None) -> None:
+    got = 0
+    while got < n:
+        tr = get(1.0)
+        if tr is not None:
+            got += 1
+            if on_item:
+                on_item(tr)
+    done.set()
+    if on_done:
+        on_done()
+
+
+async def _stream_actor(addr: str, trajs, credits: int, go=None) -> None:
+    from core.stream import TrajectorySender
+    s = TrajectorySender(addr, "bench", window=credits)
+    await s.start()
+    if go is not None:
+        go()
+    for tr in trajs:
+        await s.send(tr, timeout=60)
+    await s.flush(timeout=60)
+    await s.close()
+
+
+async def _raw_actor(addr: str, trajs, go=None) -> None:
+    ctx = zmq.asyncio.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.linger = -1  # deliver everything before close returns
+    d.connect(addr)
+    if go is not None:
+        go()
+    for i, tr in enumerate(trajs):
+        await d.send_multipart([b"T", msgpack.packb({"seq": i, "id": tr.id}), tr.encode()], copy=False)
+    d.close()
+    ctx.term()
+
+
+def _child(kind: str, addr: str, n: int, payload_bytes: int, credits: int, conn) -> None:
+    trajs = _trajs(n, payload_bytes)
+
+    def go():
+        conn.send("ready")
+        conn.recv()  # wait for the parent's start signal so only the transfer is timed
+
+    coro = _stream_actor(addr, trajs, credits, go) if kind == "stream" else _raw_actor(addr, trajs, go)
+    asyncio.run(coro)
+
+
+def _drive(kind: str, addr: str, trajs, credits: int, done: threading.Event, subprocess: bool,
+           payload_bytes: int) -> float:
+    """Time from start signal until the consumer has all n: actor in this process (asyncio) or in a child process."""
+    if not subprocess:
+        async def main() -> float:
+            t = [0.0]
+            coro = (_stream_actor(addr, trajs, credits, lambda: t.__setitem__(0, time.perf_counter()))
+                    if kind == "stream" else _raw_actor(addr, trajs, lambda: t.__setitem__(0, time.perf_counter())))
+            await coro
+            await asyncio.to_thread(done.wait, 60)
+            return time.perf_counter() - t[0]
+        return asyncio.run(main())
+    mp = multiprocessing.get_context("spawn")
+    a, b = mp.Pipe()
+    p = mp.Process(target=_child, args=(kind, addr, len(trajs), payload_bytes, credits, b), daemon=True)
+    p.start()
+    if not a.poll(60):
+        raise TimeoutError("bench actor did not start")
+    a.recv()
+    t0 = time.perf_counter()
+    a.send("go")
+    if not done.wait(60):
+        raise TimeoutError("bench consumer did not get everything")
+    dt = time.perf_counter() - t0
+    p.join(30)
+    return dt
+
+
+def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, subprocess: bool,
+                payload_bytes: int, durability: str = "wal", commit_every: int = 1024) -> float:
+    """durability="checkpoint": the consumer commits what it consumed every commit_every trajectories (a learner
+    that checkpoints every 16 updates of 64) and at the end, which is when the actor's flush returns."""
+    from learner.staleness import StalenessManager
+    from core.stream import TrajectoryReceiver
+
+    stal = StalenessManager(batch_size=64, eta=10**9)
+    rx = TrajectoryReceiver("tcp://127.0.0.1:0", os.path.join(tmp, f"wal-{time.monotonic_ns()}"), stal,
+                            credits=credits, queue_size=queue_size, fsync=fsync, durability=durability)
+    addr = rx.start()
+    done = threading.Event()
+    consumed: list[str] = []
+
+    def on_item(tr):
+        stal.on_accepted(1)
+        if durability == "checkpoint":
+            consumed.append(tr.id)
+            if len(consumed) >= commit_every:
+                rx.mark_consumed(consumed)
+                rx.commit(consumed)
+                consumed.clear()
+
+    def on_done():
+        rx.mark_consumed(consumed)
+        rx.commit(consumed)
+
+    con = threading.Thread(target=_consume, args=(rx.get, len(trajs), done, on_item, on_done), daemon=True)
+    con.start()
+    try:
+        return _drive("stream", addr, trajs, credits, done, subprocess, payload_bytes)
+    finally:
+        rx.stop()
+
+
+def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int) -> float:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    q: queue.Queue = queue.Queue(maxsize=queue_size)
+    stop = threading.Event()
+
+    def rx_loop():
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(5):
+                while True:
+                    try:
+                        _, _, hdr, payload = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    msgpack.unpackb(hdr)
+                    q.put(Trajectory.decode(payload), timeout=60)  # blocking put: the raw link has no flow control
+
+    def get(timeout):
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    th = threading.Thread(target=rx_loop, daemon=True)
+    th.start()
+    done = threading.Event()
+    con = threading.Thread(target=_consume, args=(get, len(trajs), done), daemon=True)
+    con.start()
+    try:
+        return _drive("raw", f"tcp://127.0.0.1:{port}", trajs, 0, done, subprocess, payload_bytes)
+    finally:
+        stop.set()
+        th.join(2)
+        router.close(0)
+        ctx.term()
+
+
+def _breakdown(trajs, tmp: str) -> dict:
+    """Per-trajectory cost of the pieces, measured alone (microseconds)."""
+    k = min(len(trajs), 500)
+    t0 = time.perf_counter()
+    frames = [tr.encode() for tr in trajs[:k]]
+    t1 = time.perf_counter()
+    for fr in frames:
+        Trajectory.decode(fr)
+    t2 = time.perf_counter()
+    wal = WriteAheadLog(os.path.join(tmp, "breakdown.wal")).open()
+    for tr, fr in zip(trajs[:k], frames):
+        wal.append(tr.id, fr)
+    t3 = time.perf_counter()
+    for _ in range(20):
+        wal.append(f"x{_}", frames[0])
+        wal.sync()
+    t4 = time.perf_counter()
+    wal.close()
+    return {"encode_us": (t1 - t0) / k * 1e6, "decode_validate_us": (t2 - t1) / k * 1e6,
+            "wal_append_us": (t3 - t2) / k * 1e6, "fdatasync_us": (t4 - t3) / 20 * 1e6}
+
+
+def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync: bool = True,
+          credits: int = 512, queue_size: int = 4096, subprocess: bool = True, tmp_dir: str | None = None) -> dict:
+    """Trajectories/s through TrajectorySender -> TrajectoryReceiver and through a raw link; best of `repeats`.
+
+    subprocess=True runs the actor side in a child process, as in deployment (actor and learner never share a GIL);
+    subprocess=False runs everything in this process, where both links compete for one GIL.
+    """
+    trajs = _trajs(n, payload_bytes)
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
+        stream, ckpt, raw = [], [], []
+        for _ in range(repeats):  # interleaved, so drift in machine load hits all alike
+            raw.append(_run_raw(trajs, queue_size, subprocess, payload_bytes))
+            stream.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes))
+            ckpt.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes, "checkpoint"))
+        parts = _breakdown(trajs, tmp)
+    s_rate, c_rate, r_rate = n / min(stream), n / min(ckpt), n / min(raw)
+    return {"n": n, "payload_bytes": len(trajs[0].encode()), "fsync": fsync, "subprocess": subprocess,
+            "stream_per_s": round(s_rate, 1), "raw_per_s": round(r_rate, 1), "ratio": round(s_rate / r_rate, 3),
+            "stream_checkpoint_per_s": round(c_rate, 1), "ratio_checkpoint": round(c_rate / r_rate, 3),
+            "stream_MB_s": round(s_rate * payload_bytes / 1e6, 1), "raw_MB_s": round(r_rate * payload_bytes / 1e6, 1),
+            **{k: round(v, 1) for k, v in parts.items()}}
+
+
+if __name__ == "__main__":
+    a = [int(x) for x in sys.argv[1:3]]
+    print(json.dumps(bench(*a), indent=1))
