@@ -161,7 +161,7 @@ def test_curve_stream_rejects_clients_without_the_right_key(tmp_path):
 
 
 # ---- lint: every queue bounded, every blocking wait with a deadline ------------------------------------------------
-SOURCES = ("tars", "actor", "learner", "inference_server", "envd")
+SOURCES = ("core", "envd", "inference_server", "actor", "learner", "tars")
 QUEUES = {"Queue", "LifoQueue", "PriorityQueue"}
 WAITS = {"result", "wait", "get", "join", "recv", "recv_multipart", "recv_string", "recv_json", "acquire", "communicate"}
 # "path: source line" -> why this one is fine. Keep it short; anything new needs a deadline or a reason here.
