@@ -1,8 +1,10 @@
 """The `local` inference engine: an embedded torch CausalLM behind a continuous-batching scheduler thread.
 
 Callers (the gRPC front, tests, benchmarks) submit requests from any thread and get a concurrent Future;
-everything that touches the model or the KV caches runs in the one scheduler thread (inference_server.scheduler),
-so the model needs no locks and weight updates land exactly between two steps.
+requests and checked weight updates go into a bounded WorkQueue (inference_server.work_queue), and everything that
+touches the model or the KV caches runs in the one scheduler thread (inference_server.scheduler) that drains it,
+so the model needs no locks and weight updates land exactly between two steps. Imports point one way only:
+engine -> scheduler -> work_queue -> engine_types.
 """
 from __future__ import annotations
 
@@ -10,91 +12,16 @@ import collections
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from core.config import InferenceConfig
 from core.model import CausalLM
-
-STOP, LENGTH = "stop", "length"
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at cfg.max_queue (RESOURCE_EXHAUSTED): back off and retry."""
-
-
-class WeightLoadError(RuntimeError):
-    """New weights could not be read or do not fit the model (FAILED_PRECONDITION)."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed while the request was pending (UNAVAILABLE)."""
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0          # 0 = greedy
-    top_p: float = 1.0                # 0 or 1 = off
-    top_k: int = 0                    # 0 = off
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0                     # 0 = the engine's shared generator
-
-
-@dataclass
-class GenerateOutput:
-    output_ids: list[int]
-    logprobs: list[float]             # behaviour logprob of each output token (see inference_server.sampling)
-    versions: list[int]               # weight version that produced each output token
-    finish_reason: str                # "stop" | "length"
-    prompt_tokens: int
-    cached_tokens: int                # prompt tokens served from the prefix cache
-    interruptions: int                # weight updates survived while in flight
-    recomputed_tokens: int            # tokens re-prefilled because a weight update invalidated the KV
-
-
-# on_token(token_id, logprob, version), called in the scheduler thread right after the token is sampled.
-TokenCallback = Callable[[int, float, int], None]
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation and its progress; mutated only by the scheduler thread once submitted."""
-
-    input_ids: list[int]
-    params: SamplingParams
-    trajectory_id: str
-    max_stale_versions: int
-    future: Future
-    on_token: TokenCallback | None = None
-    stop_ids: frozenset = frozenset()
-    generator: torch.Generator | None = None
-    out: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    interruptions: int = 0
-    recomputed_tokens: int = 0
-    kv_version: int = 0               # oldest weight version in this request's KV
-    prefix_kv: list | None = None     # RowKV from the prefix cache, consumed by prefill
-    prefix_len: int = 0
-    t_submit: float = 0.0
-    img_pos: list = field(default_factory=list)   # input positions that take patch embeddings (core/vision.py)
-    img_pix: torch.Tensor | None = None            # [len(img_pos), patch_dim]
-    img_key: dict | None = None                    # placeholder-run start -> image hash, for prefix-cache matching
-
-    def sequence(self) -> list[int]:
-        return self.input_ids + self.out
-
-
-@dataclass
-class _Update:
-    version: int
-    state_dict: dict
-    future: Future
-    t0: float
+# The shared types are re-exported here: callers import the engine's vocabulary from the engine.
+from inference_server.engine_types import (LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
+                                           Request, SamplingParams, TokenCallback, WeightLoadError, WeightUpdate)
+from inference_server.scheduler import Scheduler
+from inference_server.work_queue import WorkQueue
 
 
 class LocalEngine:
@@ -106,21 +33,15 @@ class LocalEngine:
         self.cfg = cfg
         self.model = (CausalLM.load_hf(model) if isinstance(model, str) else model).eval()
         self.name = name
-        self.version = int(version)
-        self._target_version = self.version
         torch.set_num_threads(max(1, cfg.threads))
-        self._cv = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._updates: collections.deque[_Update] = collections.deque()
+        self._target_version = int(version)
         self._update_lock = threading.Lock()
-        self._closed = False
         self._shapes = {k: tuple(v.shape) for k, v in self.model.hf_state_dict().items()}
         self.stats = collections.Counter()
         self.batch_hist = collections.Counter()
         self.started = time.monotonic()
-        from inference_server.scheduler import Scheduler
-
-        self._sched = Scheduler(self)
+        self._queue = WorkQueue(cfg.max_queue, self.stats)
+        self._sched = Scheduler(cfg, self.model, self._queue, self.stats, self.batch_hist, int(version))
         self._thread: threading.Thread | None = None
         if start:
             self.start()
@@ -133,13 +54,21 @@ class LocalEngine:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the scheduler; pending and running requests fail with EngineClosed."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+        self._queue.close()
         if self._thread is not None:
             self._thread.join(timeout)
         else:
             self._sched.fail_all(EngineClosed("engine closed"))
+
+    @property
+    def version(self) -> int:
+        """The weight version installed now (set by the scheduler thread when an update lands)."""
+        return self._sched.version
+
+    @property
+    def target_version(self) -> int:
+        """The newest version update_weights has accepted: installed, or queued to be installed."""
+        return self._target_version
 
     @property
     def vocab_size(self) -> int:
@@ -191,15 +120,7 @@ class LocalEngine:
                       gen, t_submit=time.monotonic())
         if images:
             self._bind_images(req, list(images))
-        with self._cv:
-            if self._closed:
-                raise EngineClosed("engine closed")
-            if len(self._waiting) >= self.cfg.max_queue:
-                self.stats["rejected_queue_full"] += 1
-                raise QueueFull(f"{len(self._waiting)} requests waiting (max_queue={self.cfg.max_queue})")
-            self._waiting.append(req)
-            self.stats["requests"] += 1
-            self._cv.notify()
+        self._queue.put_request(req)  # EngineClosed / QueueFull
         return req.future
 
     def _bind_images(self, req: Request, images: list[bytes]) -> None:
@@ -245,13 +166,9 @@ class LocalEngine:
                     raise WeightLoadError("update_weights needs a path or a state_dict")
                 state_dict = load_state_dict(path)
             self._check_weights(state_dict)
-            upd = _Update(version, state_dict, Future(), t0)
-            with self._cv:
-                if self._closed:
-                    raise EngineClosed("engine closed")
-                self._updates.append(upd)
-                self._target_version = version
-                self._cv.notify()
+            upd = WeightUpdate(version, state_dict, Future(), t0)
+            self._queue.put_update(upd)  # EngineClosed
+            self._target_version = version
         if self._thread is None:  # not started (tests): apply inline so the caller is not stuck
             self._sched.apply_pending()
         if not wait:
@@ -281,7 +198,7 @@ class LocalEngine:
             "requests_finished": s["finished"],
             "requests_cancelled": s["cancelled"],
             "requests_rejected_queue_full": s["rejected_queue_full"],
-            "waiting": len(self._waiting),
+            "waiting": self._queue.waiting,
             "running": self._sched.active(),
             "tokens_generated": s["tokens"],
             "tokens_per_s": s["tokens"] / elapsed,

@@ -4,6 +4,9 @@ One iteration: apply pending weight updates -> drop cancelled requests -> admit 
 lookup) -> prefill one group of new / interrupted requests -> one decode step for every running request.
 Running requests share one right-aligned batched KV cache (see inference_server.kvcache) that is re-packed only
 when the batch membership changes.
+
+The scheduler knows nothing of LocalEngine: it gets the model, the WorkQueue the engine fills, and the engine's
+counters, and it owns the installed weight version (LocalEngine.version reads it).
 """
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ from concurrent.futures import InvalidStateError
 
 import torch
 
-from inference_server.engine import LENGTH, STOP, EngineClosed, GenerateOutput, Request, _Update
+from core.config import InferenceConfig
+from core.model import CausalLM
+from inference_server.engine_types import LENGTH, STOP, EngineClosed, GenerateOutput, Request, WeightUpdate
 from inference_server.kvcache import KV, PrefixCache, cat_rows, common_prefix, compact_right, pack, row_kv, take_rows, valid_from_lengths
 from inference_server.sampling import RowParams, sample
+from inference_server.work_queue import WorkQueue
 
 log = logging.getLogger("tars.inference.scheduler")
 
@@ -39,11 +45,19 @@ def _resolve(fut, result=None, exc: BaseException | None = None) -> bool:
         return False
 
 
+# How long one idle wait for work lasts before the loop looks again (the queue wakes it at once on new work).
+IDLE_WAIT_S = 0.5
+
+
 class Scheduler:
-    def __init__(self, engine):
-        self.eng = engine
-        self.model = engine.model
-        self.cfg = engine.cfg
+    def __init__(self, cfg: InferenceConfig, model: CausalLM, queue: WorkQueue, stats: collections.Counter,
+                 batch_hist: collections.Counter, version: int = 0):
+        self.cfg = cfg
+        self.model = model
+        self.queue = queue
+        self.stats = stats                         # shared with the engine, which reports them in metrics()
+        self.batch_hist = batch_hist               # decode batch sizes, bucketed by _bucket
+        self.version = int(version)                # the weight version installed now
         self.cache = PrefixCache(self.cfg.cache_capacity, self.cfg.cache_max_bytes)
         # The model's device (CPU here; a CUDA model works too): step inputs are built there, sampling stays on CPU.
         self.device = next(self.model.parameters()).device
@@ -61,27 +75,22 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
-        eng = self.eng
         with torch.inference_mode():
             while True:
-                with eng._cv:
-                    if not (eng._closed or eng._waiting or eng._updates or self.rows or self.prefill):
-                        t0 = time.monotonic()
-                        while not (eng._closed or eng._waiting or eng._updates):
-                            eng._cv.wait(0.5)
-                        self.idle_s += time.monotonic() - t0
-                    if eng._closed:
-                        break
-                    updates = list(eng._updates)
-                    eng._updates.clear()
-                    room = max(0, self.cfg.max_batch - self.active())
-                    admit = [eng._waiting.popleft() for _ in range(min(room, len(eng._waiting)))]
+                if not self.active():
+                    t0 = time.monotonic()
+                    while not self.queue.wait(IDLE_WAIT_S):
+                        pass
+                    self.idle_s += time.monotonic() - t0
+                work = self.queue.take(self.cfg.max_batch - self.active())
+                if work is None:  # closed
+                    break
                 try:
                     self._drop_cancelled()  # first, so an update does not recompute KV for requests already given up
-                    for u in updates:
+                    for u in work.updates:
                         self._apply(u)
                     self._drop_cancelled()
-                    for r in admit:
+                    for r in work.requests:
                         self._admit(r)
                     if self.prefill:
                         self._prefill_step()
@@ -89,28 +98,23 @@ class Scheduler:
                         self._decode_step()
                 except Exception as e:  # a bug or OOM in one step fails the requests in it, not the engine
                     log.exception("engine step failed")
-                    eng.stats["step_errors"] += 1
+                    self.stats["step_errors"] += 1
                     self._fail_active(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
         self.fail_all(EngineClosed("engine closed"))
 
     def apply_pending(self) -> None:
         """Apply queued weight updates from the calling thread (only while the loop thread is not running)."""
-        with self.eng._cv:
-            updates = list(self.eng._updates)
-            self.eng._updates.clear()
+        updates = self.queue.take_updates()
         with torch.inference_mode():
             for u in updates:
                 self._apply(u)
 
     def fail_all(self, exc: BaseException) -> None:
         self._fail_active(exc)
-        with self.eng._cv:
-            waiting, updates = list(self.eng._waiting), list(self.eng._updates)
-            self.eng._waiting.clear()
-            self.eng._updates.clear()
-        for r in waiting:
+        work = self.queue.drain()
+        for r in work.requests:
             _resolve(r.future, exc=exc)
-        for u in updates:
+        for u in work.updates:
             _resolve(u.future, exc=exc)
 
     def _fail_active(self, exc: BaseException) -> None:
@@ -120,14 +124,14 @@ class Scheduler:
         self.prefill.clear()
 
     # ---- weights -------------------------------------------------------------------------------------
-    def _apply(self, u: _Update) -> None:
-        eng, t0 = self.eng, time.monotonic()
+    def _apply(self, u: WeightUpdate) -> None:
+        t0 = time.monotonic()
         try:
             self.model.load_weights(u.state_dict)
         except Exception as e:  # checked by the caller already; a failure here leaves the old weights' version
             _resolve(u.future, exc=e)
             return
-        eng.version = u.version
+        self.version = u.version
         interrupted, keep, redo = 0, [], []
         for i, r in enumerate(self.rows):
             r.interruptions += 1
@@ -148,11 +152,11 @@ class Scheduler:
             for r in reversed(redo_reqs):  # first in line for the next prefill, in their old order
                 n = len(r.input_ids) + len(r.out)
                 r.recomputed_tokens += n
-                eng.stats["recomputed_tokens"] += n
+                self.stats["recomputed_tokens"] += n
                 self.prefill.appendleft(r)
-        eng.stats["weight_updates"] += 1
-        eng.stats["interrupted"] += interrupted
-        eng.stats["stale_kept"] += len(keep)
+        self.stats["weight_updates"] += 1
+        self.stats["interrupted"] += interrupted
+        self.stats["stale_kept"] += len(keep)
         _resolve(u.future, {
             "version": u.version, "load_ms": (time.monotonic() - u.t0) * 1e3, "apply_ms": (time.monotonic() - t0) * 1e3,
             "interrupted_requests": interrupted, "recomputed_requests": len(redo), "stale_kv_kept": len(keep),
@@ -170,15 +174,15 @@ class Scheduler:
         before = len(self.prefill)
         if any(r.future.cancelled() for r in self.prefill):
             self.prefill = collections.deque(r for r in self.prefill if not r.future.cancelled())
-        self.eng.stats["cancelled"] += len(dead) + before - len(self.prefill)
+        self.stats["cancelled"] += len(dead) + before - len(self.prefill)
 
     def _admit(self, r: Request) -> None:
         if r.future.cancelled():
-            self.eng.stats["cancelled"] += 1
+            self.stats["cancelled"] += 1
             return
         e = self.cache.get(r.trajectory_id) if r.trajectory_id else None
         if e is not None:
-            if self.eng.version - e.version > r.max_stale_versions:
+            if self.version - e.version > r.max_stale_versions:
                 self.cache.pop(r.trajectory_id)  # computed by weights too old for this request: recompute
             else:
                 # At least one prompt token must be fed to get next-token logits.
@@ -212,7 +216,7 @@ class Scheduler:
         return group
 
     def _prefill_step(self) -> None:
-        eng, group = self.eng, self._take_group()
+        group = self._take_group()
         B = len(group)
         seqs = [r.sequence() for r in group]
         P_i = [r.prefix_len for r in group]
@@ -233,10 +237,10 @@ class Scheduler:
         kv, lengths = compact_right(kv, key_valid)
         for r, p, t in zip(group, P_i, T_i):
             if not r.out:  # first prefill; re-prefills are counted as recomputed_tokens instead
-                eng.stats["prefill_tokens"] += t
-                eng.stats["cache_hit_tokens"] += p
+                self.stats["prefill_tokens"] += t
+                self.stats["cache_hit_tokens"] += p
             if not p:
-                r.kv_version = eng.version
+                r.kv_version = self.version
             r.prefix_kv, r.prefix_len = None, 0
         rp = RowParams.build([r.params.temperature for r in group], [r.params.top_p for r in group],
                              [r.params.top_k for r in group], [r.generator for r in group])
@@ -250,7 +254,7 @@ class Scheduler:
 
     # ---- decode --------------------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        eng, rows = self.eng, self.rows
+        rows = self.rows
         B = len(rows)
         if self.rp is None:
             self.rp = RowParams.build([r.params.temperature for r in rows], [r.params.top_p for r in rows],
@@ -261,9 +265,9 @@ class Scheduler:
         logits, self.kv = self.model(toks, self.lengths[:, None], key_valid, self.kv)
         self.lengths = self.lengths + 1
         tok, lp = sample(logits[:, -1].float().cpu(), self.rp, self.gen)
-        eng.stats["decode_steps"] += 1
-        eng.stats["batch_rows"] += B
-        eng.batch_hist[_bucket(B)] += 1
+        self.stats["decode_steps"] += 1
+        self.stats["batch_rows"] += B
+        self.batch_hist[_bucket(B)] += 1
         keep = self._emit_all(rows, self.kv, self.lengths, tok.tolist(), lp.tolist())
         if len(keep) < B:
             self.kv, self.lengths = take_rows(self.kv, self.lengths, keep)
@@ -272,9 +276,9 @@ class Scheduler:
 
     def _emit_all(self, rows: list[Request], kv: KV, lengths: torch.Tensor, toks: list[int], lps: list[float]) -> list[int]:
         """Append one token to each row; finish the rows that are done; return the indices still running."""
-        eng, version, keep = self.eng, self.eng.version, []
+        version, keep = self.version, []
         max_ctx = self.cfg.max_context
-        eng.stats["tokens"] += len(toks)  # before any Future resolves, so a caller never sees its tokens uncounted
+        self.stats["tokens"] += len(toks)  # before any Future resolves, so a caller never sees its tokens uncounted
         for i, (r, t, lp) in enumerate(zip(rows, toks, lps)):
             r.out.append(t)
             r.logprobs.append(lp)
@@ -298,7 +302,7 @@ class Scheduler:
             self.cache.put(r.trajectory_id, r.sequence()[:n], row_kv(kv, lengths, i), r.kv_version, r.img_key)
         out = GenerateOutput(r.out, r.logprobs, r.versions, reason, len(r.input_ids), r.cached_tokens,
                              r.interruptions, r.recomputed_tokens)
-        self.eng.stats["finished" if _resolve(r.future, out) else "cancelled"] += 1
+        self.stats["finished" if _resolve(r.future, out) else "cancelled"] += 1
 
 
 def _image_inputs(group: list[Request], P_i: list[int], T_i: list[int], T: int):

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-from inference_server.engine import STOP, EngineClosed, GenerateOutput, SamplingParams
+from inference_server.engine_types import STOP, EngineClosed, GenerateOutput, SamplingParams
 
 # respond(input_ids, images) -> output token ids (the stop token included if the answer should end with one).
 Respond = Callable[[list[int], Sequence], list[int]]

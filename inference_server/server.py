@@ -13,7 +13,8 @@ import sys
 
 import grpc
 
-from inference_server.engine import EngineClosed, GenerateOutput, LocalEngine, QueueFull, SamplingParams, WeightLoadError
+from inference_server.engine import LocalEngine
+from inference_server.engine_types import EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError
 from core.weights_stream import Assembler, BadChunk, WrongWeights
 from core import rpc, telemetry
 from core.config import InferenceConfig

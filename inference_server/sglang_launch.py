@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from inference_server.sglang_http import http_json
+
 
 def launch_sglang_servers(model_path: str, n: int = 1, host: str = "127.0.0.1", base_port: int = 30000,
                           gpus: list[str] | None = None, weight_version: int = 0, extra_args: list[str] | None = None,
@@ -66,8 +68,6 @@ def stop_sglang_servers(procs: list[subprocess.Popen], timeout_s: float = 20.0) 
 def wait_healthy(urls: list[str], timeout_s: float = 60.0, interval_s: float = 0.2, procs: list | None = None) -> None:
     """Block until every URL answers GET /health_generate with 200; TimeoutError otherwise (RuntimeError at once
     when one of `procs`, the servers behind the URLs, has exited)."""
-    from inference_server.sglang_engine import http_json  # here: sglang_engine re-exports this module's functions
-
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     while pending:

@@ -183,7 +183,7 @@ ALLOW = {
     "inference_server/server.py: out = fut.result()": "after fut.exception() was checked: the future is done",
     "inference_server/server.py: item = await asyncio.wait_for(q.get(), None if deadline is None else max(0.0, deadline - loop.time()))":
         "the call's own gRPC deadline; without one gRPC cancels the handler when the client goes away",
-    "inference_server/sglang_conformance.py: out = f.result()": "a conformance script over as_completed futures (done)",
+    "inference_server/sglang_behaviour.py: out = f.result()": "a conformance script over as_completed futures (done)",
     "envd/sessions.py: cf.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or _safe(orphan, f.result()))":
         "in a done callback: the future is finished",
 }

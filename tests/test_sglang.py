@@ -9,7 +9,8 @@ import pytest
 
 from inference_server.engine import LocalEngine, SamplingParams
 from inference_server.sglang_conformance import ConformanceServer
-from inference_server.sglang_engine import SGLangEngine, http_json
+from inference_server.sglang_engine import SGLangEngine
+from inference_server.sglang_http import http_json
 from core.config import InferenceConfig
 from core.model import CausalLM, DecoderConfig
 
@@ -292,7 +293,7 @@ def test_launchable_as_a_process_that_prints_nothing(models):
     import subprocess
     import sys
 
-    from inference_server.sglang_engine import wait_healthy
+    from inference_server.sglang_launch import wait_healthy
 
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))

@@ -12,7 +12,8 @@ import pytest
 
 from core.inference_client import InferenceClient
 from inference_server.engine import SamplingParams
-from inference_server.sglang_engine import SGLangEngine, _Call, http_json, token_versions
+from inference_server.sglang_engine import SGLangEngine, _Call
+from inference_server.sglang_http import http_json, token_versions
 from inference_server.sglang_launch import launch_sglang_servers, stop_sglang_servers
 from inference_server.sglang_types import SGLangTypes
 from core.config import InferenceConfig

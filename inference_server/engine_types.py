@@ -1,0 +1,95 @@
+"""The vocabulary every inference engine shares: sampling parameters, requests, outputs, weight updates, errors.
+
+LocalEngine (inference_server.engine), its scheduler thread (inference_server.scheduler), the queue between them
+(inference_server.work_queue), the SGLang pool (inference_server.sglang_engine) and the scripted engine all speak
+these types; this module imports nothing of the package, so any of them can depend on it without a circle.
+The gRPC front maps the errors to status codes (named in each docstring).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+# GenerateOutput.finish_reason
+STOP, LENGTH = "stop", "length"
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at cfg.max_queue (RESOURCE_EXHAUSTED): back off and retry."""
+
+
+class WeightLoadError(RuntimeError):
+    """New weights could not be read or do not fit the model (FAILED_PRECONDITION)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed while the request was pending (UNAVAILABLE)."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # 0 or 1 = off
+    top_k: int = 0                    # 0 = off
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0                     # 0 = the engine's shared generator
+
+
+@dataclass
+class GenerateOutput:
+    output_ids: list[int]
+    logprobs: list[float]             # behaviour logprob of each output token (see inference_server.sampling)
+    versions: list[int]               # weight version that produced each output token
+    finish_reason: str                # "stop" | "length"
+    prompt_tokens: int
+    cached_tokens: int                # prompt tokens served from the prefix cache
+    interruptions: int                # weight updates survived while in flight
+    recomputed_tokens: int            # tokens re-prefilled because a weight update invalidated the KV
+
+
+# on_token(token_id, logprob, version), called in the engine's thread right after the token is sampled.
+TokenCallback = Callable[[int, float, int], None]
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation of LocalEngine and its progress; mutated only by the scheduler thread once submitted."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    trajectory_id: str
+    max_stale_versions: int
+    future: Future
+    on_token: TokenCallback | None = None
+    stop_ids: frozenset = frozenset()
+    generator: torch.Generator | None = None
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    interruptions: int = 0
+    recomputed_tokens: int = 0
+    kv_version: int = 0               # oldest weight version in this request's KV
+    prefix_kv: list | None = None     # RowKV from the prefix cache, consumed by prefill
+    prefix_len: int = 0
+    t_submit: float = 0.0
+    img_pos: list = field(default_factory=list)   # input positions that take patch embeddings (core/vision.py)
+    img_pix: torch.Tensor | None = None            # [len(img_pos), patch_dim]
+    img_key: dict | None = None                    # placeholder-run start -> image hash, for prefix-cache matching
+
+    def sequence(self) -> list[int]:
+        return self.input_ids + self.out
+
+
+@dataclass
+class WeightUpdate:
+    """New weights checked by the caller's thread, waiting to be installed by the scheduler between two steps."""
+
+    version: int
+    state_dict: dict
+    future: Future                    # resolves to the update's info dict (see LocalEngine.update_weights)
+    t0: float                         # time.monotonic() when update_weights was called, for load_ms
