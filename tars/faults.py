@@ -55,6 +55,11 @@ class FaultRun:
         self.topo.start()
         return self
 
+    @property
+    def stream(self) -> str:
+        """The learner's trajectory stream address (tcp://host:port)."""
+        return self.topo.stream
+
     def spool(self, i: int) -> pathlib.Path:
         return self.topo.spool(i)
 
