@@ -197,7 +197,7 @@ class ModelPolicy(Policy):
         if not pathlib.Path(self.tokenizer).is_file():
             raise EvalError(f"tokenizer {self.tokenizer} does not exist")
         self.name = str(self.checkpoint or model)
-        self.children = []
+        self.topo = None
 
     async def start(self, out: pathlib.Path) -> None:
         from actor.envclient import EnvClient
@@ -205,35 +205,19 @@ class ModelPolicy(Policy):
         from core.inference_client import InferenceClient
         from core import config as C
         from core.tokenizer import Tokenizer
-        from tars.up import Child
+        from tars.topology import Topology, plan
 
-        run = out / "run"
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-        run.mkdir(exist_ok=True)
-        for f in run.glob("*.json"):
-            f.unlink()
         C.save(self.cfg, out / "config.yaml")
-        py, conf = [sys.executable, "-m", "tars.cli"], ["--config", str(out / "config.yaml")]
+        # envd and `tars serve` where no address was given: the topology of a run without learner and actors
+        self.topo = Topology(plan(self.cfg, out, self.checkpoint, learner=False, n_actors=0,
+                                  envd_addrs=(self.envd_addr,) if self.envd_addr else (),
+                                  inference_addr=self.inference_addr))
         try:
-            pending = []
-            if not self.envd_addr:
-                c = Child("envd", [*py, "envd", *conf, "--ready-file", str(run / "envd.json")], out, run / "envd.json")
-                self.children.append(c)
-                pending.append(("envd", c, 60))
-            if not self.inference_addr:
-                c = Child("inference", [*py, "serve", *conf, "--model", str(self.checkpoint), "--ready-file",
-                                        str(run / "inference.json")], out, run / "inference.json")
-                self.children.append(c)
-                pending.append(("inference", c, 120))
-            for role, c, timeout in pending:
-                addr = (await asyncio.to_thread(c.wait_ready, timeout))["address"]
-                if role == "envd":
-                    self.envd_addr = addr
-                else:
-                    self.inference_addr = addr
+            await asyncio.to_thread(self.topo.start)
         except Exception as e:
             await self.close()
             raise EvalError(str(e)) from None
+        self.envd_addr, self.inference_addr = self.topo.envd, self.topo.inference
         a = self.cfg.actor
         self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries)
         self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries)
@@ -266,8 +250,9 @@ class ModelPolicy(Policy):
             if c is not None:
                 await c.close()
         # Nothing talks to either daemon any more: stop them together (each has its own deadline, then SIGKILL).
-        await asyncio.gather(*(asyncio.to_thread(c.stop, 15) for c in self.children))
-        self.children = []
+        if self.topo is not None:
+            await asyncio.to_thread(self.topo.stop, (("envd", "inference"),))
+            self.topo = None
 
 
 def make_policy(model: str, cfg: RunConfig, tokenizer: str = "", envd: str = "") -> Policy:

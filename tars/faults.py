@@ -1,9 +1,10 @@
 """Fault injection over the real multi-process topology of `tars up`, and the accounting that proves what survived.
 
-A Topology starts envd daemon(s), an inference server, the learner and actors exactly as `tars up` does (separate
-processes on loopback, ready files, PDEATHSIG), but lets a test SIGKILL any one of them and restart it on the same
-address: envd and inference on their old port, the learner with --resume on its old stream port, an actor under
-its old id with its spool. `ledger()` then reads what the learner recorded and reports
+A FaultRun starts envd daemon(s), an inference server, the learner and actors through tars.topology, exactly as
+`tars up` does (separate processes on loopback, ready files, PDEATHSIG), but lets a test SIGKILL any one of them
+and restart it in place (tars.topology.Topology.restart: envd and inference on their old port, the learner with
+--resume on its old stream port, an actor under its old id with its spool). `ledger()` then reads what the learner
+recorded and reports
 
   received    distinct trajectory ids that reached the learner (episodes.jsonl, every incarnation)
   trained     ids in the final lineage of updates (trained.jsonl, rolled-back updates dropped)
@@ -20,12 +21,12 @@ import json
 import os
 import pathlib
 import signal
-import sys
 
 from core import config as C
 from core.proc import read_jsonl, wait_for
 from core.stream_wal import scan_ids
-from tars.up import Child, build_model
+from tars.topology import Topology, plan
+from tars.up import build_model
 
 # A quick, small run: no SFT, tiny batches and frequent checkpoints, so every fault lands mid-run within seconds.
 # The ledger reads the learner's WAL (acked, not yet trained), so the stream keeps "wal" durability here.
@@ -34,98 +35,62 @@ FAST = ["sft.steps=0", "learner.batch_size=16", "actor.concurrency=16", "learner
         "actor.max_turns=3", "max_versions=100000", "wall_budget_s=100000", "actor.rpc_timeout_s=10"]
 
 
-class Topology:
-    """`tars up`'s processes, restartable one by one. Use as a context manager (stop() kills what is left)."""
+class FaultRun:
+    """`tars up`'s processes (a tars.topology.Topology, `topo`), restartable one by one, and what they recorded.
+    Use as a context manager (stop() kills what is left)."""
 
     def __init__(self, out: str | os.PathLike, n_envd: int = 1, n_actors: int = 1, sets: list[str] = ()):
         self.out = pathlib.Path(out).resolve()
-        (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        self.runf = self.out / "run"
-        self.runf.mkdir(exist_ok=True)
         self.cfg = C.load("quickstart", None, [*FAST, *sets])
         self.n_envd, self.n_actors = n_envd, n_actors
-        self.py = [sys.executable, "-m", "tars.cli"]
-        self.conf = ["--config", str(self.out / "config.yaml")]
-        self.procs: dict[tuple[str, int], Child] = {}
-        self.argv: dict[tuple[str, int], list[str]] = {}
-        self.addr: dict[tuple[str, int], str] = {}
+        self.topo: Topology | None = None
         self.killed_spools: list[set[str]] = []   # trajectory ids an actor held unacked when it was killed
 
     # ---- processes ---------------------------------------------------------------------------------------------
-    def _start(self, role: str, i: int, timeout: float) -> dict:
-        ready = self.runf / f"{role}{i}.json"
-        ready.unlink(missing_ok=True)
-        c = Child(role, self.argv[(role, i)] + ["--ready-file", str(ready)], self.out, ready)
-        self.procs[(role, i)] = c
-        return c.wait_ready(timeout)
-
-    def start(self) -> "Topology":
+    def start(self) -> "FaultRun":
+        self.out.mkdir(parents=True, exist_ok=True)
         C.save(self.cfg, self.out / "config.yaml")
         self.model_dir, _ = build_model(self.cfg, self.out, lambda m: None)
-        for i in range(self.n_envd):
-            self.argv[("envd", i)] = [*self.py, "envd", *self.conf]
-            self.addr[("envd", i)] = self._start("envd", i, 60)["address"]
-            self.argv[("envd", i)] += ["--port", self.addr[("envd", i)].rsplit(":", 1)[1]]
-        self.argv[("inference", 0)] = [*self.py, "serve", *self.conf, "--model", str(self.model_dir)]
-        inf = self.addr[("inference", 0)] = self._start("inference", 0, 120)["address"]
-        self.argv[("inference", 0)] += ["--port", inf.rsplit(":", 1)[1]]
-        self.argv[("learner", 0)] = [*self.py, "learner", *self.conf, "--run-dir", str(self.out), "--model",
-                                     str(self.model_dir), "--inference", inf]
-        self.stream = self._start("learner", 0, 120)["stream"]
-        # A restarted learner must listen where the actors already connect.
-        self.argv[("learner", 0)] += ["--set", f"learner.stream_port={self.stream.rsplit(':', 1)[1]}"]
-        envds = ",".join(self.addr[("envd", i)] for i in range(self.n_envd))
-        for i in range(self.n_actors):
-            self.argv[("actor", i)] = [*self.py, "actor", *self.conf, "--envd", envds, "--inference", inf,
-                                       "--stream", self.stream, "--tokenizer", str(self.model_dir / "tars_tokenizer.json"),
-                                       "--actor-id", f"actor{i}", "--spool-dir", str(self.spool(i))]
-            self.addr[("actor", i)] = self._start("actor", i, 60)["address"]
+        self.topo = Topology(plan(self.cfg, self.out, self.model_dir, n_envd=self.n_envd, n_actors=self.n_actors))
+        self.topo.start()
         return self
 
-    def spool(self, i: int) -> pathlib.Path:
-        return self.out / "spool" / f"actor{i}"
+    @property
+    def stream(self) -> str:
+        """The learner's trajectory stream address (tcp://host:port)."""
+        return self.topo.stream
 
-    def pid(self, role: str, i: int = 0) -> int:
-        return self.procs[(role, i)].p.pid
+    def spool(self, i: int) -> pathlib.Path:
+        return self.topo.spool(i)
 
     def kill(self, role: str, i: int = 0) -> None:
         """SIGKILL the process group (the role and anything it started), and reap it."""
-        c = self.procs[(role, i)]
         if role == "actor":
-            c.p.send_signal(signal.SIGSTOP)  # freeze it so the spool read below is what it held when it died
+            self.topo.signal(role, i, signal.SIGSTOP)  # frozen, the spool read below is what it held when it died
             self.killed_spools.append(self.spool_ids(i))
-        try:
-            os.killpg(c.p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        c.p.wait(10)
-        c.log.close()
+        self.topo.kill(role, i)
 
     def restart(self, role: str, i: int = 0, timeout: float = 120) -> dict:
-        argv = self.argv[(role, i)]
-        if role == "learner" and "--resume" not in argv:
-            argv.append("--resume")
-        if role == "inference":
-            # Come back with the newest published weights (what an orchestrator restarting it would load).
-            w = sorted((self.out / "weights").glob("v*"))
-            base = argv[: argv.index("--model")]
-            rest = argv[argv.index("--model") + 2:]
-            rest = [a for j, a in enumerate(rest) if a != "--version" and (j == 0 or rest[j - 1] != "--version")]
-            model = [str(w[-1]), "--version", str(int(w[-1].name[1:]))] if w else [str(self.model_dir)]
-            self.argv[(role, i)] = argv = [*base, "--model", *model, *rest]
-        return self._start(role, i, timeout)
+        return self.topo.restart(role, i, timeout)
+
+    def signal(self, role: str, i: int, sig: int) -> None:
+        self.topo.signal(role, i, sig)
+
+    def returncode(self, role: str, i: int = 0) -> int | None:
+        return self.topo.returncode(role, i)
 
     def alive(self) -> dict[str, bool]:
-        return {f"{r}{i}": c.p.poll() is None for (r, i), c in self.procs.items()}
+        return self.topo.alive() if self.topo else {}
+
+    def pids(self) -> dict[str, int]:
+        return self.topo.pids()
 
     def stop(self) -> None:
         """Stop in `tars up` order (actors, learner, inference, envd) with deadlines; kill what does not stop."""
-        for role in ("actor", "learner", "inference", "envd"):
-            for (r, i), c in list(self.procs.items()):
-                if r == role and not c.log.closed:
-                    c.stop(60 if role == "learner" else 15)
+        if self.topo is not None:
+            self.topo.stop()
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> "FaultRun":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -137,7 +102,7 @@ class Topology:
         from core import rpc
         from core.v1 import control_pb2, control_pb2_grpc
 
-        addr = json.loads((self.runf / f"{role}{i}.json").read_text())["address"]
+        addr = self.topo.ready[(role, i)]["address"]  # as announced by its latest start
         ch = rpc.sync_channel(addr, self.cfg.envd.auth_token)
         try:
             r = control_pb2_grpc.ControlServiceStub(ch).Status(control_pb2.StatusRequest(), timeout=timeout)

@@ -3,16 +3,15 @@
     tokenizer + policy (fresh, or loaded) -> optional SFT warm start -> envd, inference server, learner, actors
     -> live progress -> stop (budget, max versions, Ctrl-C) -> report.json, learning.png, final/ (HF layout)
 
-Processes are started with PDEATHSIG and announce themselves through ready files; on the way out they are stopped
-in order (actors, learner, inference, envd) with deadlines, and anything left is killed, so no orphans remain.
+The processes are placed, started and stopped by tars.topology (the layout `tars eval` and the fault benchmark
+use too): they announce themselves through ready files, die with this process, and on the way out are stopped in
+order (actors, learner, inference, envd) with deadlines; anything left is killed, so no orphans remain.
 """
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 
@@ -20,42 +19,9 @@ import torch
 
 from core import config as C
 from tars import ctl, report
+from tars.topology import LaunchError, Topology, plan, prepare
 from core.model import CausalLM, DecoderConfig
 from core.tokenizer import Tokenizer
-
-ROLE_ORDER = ("actor", "learner", "inference", "envd")  # shutdown order
-
-
-class RunError(RuntimeError):
-    pass
-
-
-class Child:
-    def __init__(self, role: str, argv: list[str], out: pathlib.Path, ready: pathlib.Path):
-        self.role, self.ready = role, ready
-        self.log = open(out / "logs" / f"{ready.stem}.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready.exists():
-                return json.loads(self.ready.read_text())
-            if self.p.poll() is not None:
-                raise RunError(f"{self.role} exited with {self.p.returncode} before it was ready; see {self.log.name}")
-            time.sleep(0.05)
-        raise RunError(f"{self.role} not ready after {timeout:.0f} s; see {self.log.name}")
-
-    def stop(self, timeout: float) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(5)
-        self.log.close()
 
 
 def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path, float | None]:
@@ -103,11 +69,7 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
 
 def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     out_p = pathlib.Path(out).resolve()
-    (out_p / "logs").mkdir(parents=True, exist_ok=True)
-    run = out_p / "run"
-    run.mkdir(exist_ok=True)
-    for f in run.glob("*.json"):
-        f.unlink()
+    prepare(out_p)
     if cfg.telemetry.enabled and not cfg.telemetry.dir and not cfg.telemetry.otlp_endpoint:
         cfg.telemetry.dir = str(out_p / "telemetry")  # every role's spans in the run directory
     C.save(cfg, out_p / "config.yaml")
@@ -120,9 +82,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
 
     t_start = time.time()
     model_dir, sft_s = build_model(cfg, out_p, say)
-    conf = ["--config", str(out_p / "config.yaml")]
-    py = [sys.executable, "-m", "tars.cli"]
-    children: dict[str, list[Child]] = {r: [] for r in ROLE_ORDER}
+    topo = Topology(plan(cfg, out_p, model_dir))
     interrupted = False
 
     def on_sigint(*_):
@@ -133,61 +93,18 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     signal.signal(signal.SIGTERM, on_sigint)
     status = "done"
     try:
-        envd = Child("envd", [*py, "envd", *conf, "--ready-file", str(run / "envd.json")], out_p, run / "envd.json")
-        children["envd"].append(envd)
-        inf = Child("inference", [*py, "serve", *conf, "--model", str(model_dir), "--ready-file", str(run / "inference.json")], out_p, run / "inference.json")
-        children["inference"].append(inf)
-        envd_addr = envd.wait_ready(60)["address"]
-        inf_addr = inf.wait_ready(120)["address"]
-        lrn = Child("learner", [*py, "learner", *conf, "--run-dir", str(out_p), "--model", str(model_dir),
-                                "--inference", inf_addr, "--ready-file", str(run / "learner.json")], out_p, run / "learner.json")
-        children["learner"].append(lrn)
-        stream = lrn.wait_ready(120)["stream"]
-        for i in range(cfg.actors):
-            a = Child("actor", [*py, "actor", *conf, "--envd", envd_addr, "--inference", inf_addr, "--stream", stream,
-                                "--tokenizer", str(model_dir / "tars_tokenizer.json"), "--actor-id", f"actor{i}",
-                                "--spool-dir", str(out_p / "spool" / f"actor{i}"), "--ready-file", str(run / f"actor{i}.json")],
-                      out_p, run / f"actor{i}.json")
-            children["actor"].append(a)
-            a.wait_ready(60)
-        say(f"running: envd {envd_addr}, inference {inf_addr}, learner {stream}, {cfg.actors} actor(s); Ctrl-C stops")
-        t_rl = time.time()
-        mon = report.Monitor(out_p)
-        last_print = 0.0
-        while True:
-            time.sleep(0.5)
-            mon.poll()
-            now = time.time()
-            if not quiet and (tty or now - last_print > 10):
-                line = mon.progress_line(now - t_rl)
-                print(("\r\033[K" + line) if tty else f"[tars up] {line}", end="" if tty else "\n", flush=True)
-                last_print = now
-            if interrupted:
-                status = "interrupted"
-                break
-            if lrn.p.poll() is not None:
-                status = "done" if lrn.p.returncode == 0 else f"learner exited with {lrn.p.returncode}"
-                break
-            dead = [c.role for r in ("envd", "inference", "actor") for c in children[r] if c.p.poll() is not None]
-            if dead:
-                status = f"{', '.join(dead)} exited unexpectedly"
-                break
-            if now - t_rl > cfg.wall_budget_s:
-                status = "wall budget reached"
-                break
-            if cfg.target_success and mon.rolling_success() is not None and mon.rolling_success() >= cfg.target_success and mon.episodes >= 10 * cfg.learner.batch_size:
-                status = "target success reached"
-                break
+        topo.start()
+        say(f"running: envd {topo.envd}, inference {topo.inference}, learner {topo.stream}, {cfg.actors} actor(s); "
+            "Ctrl-C stops")
+        status = _watch(cfg, topo, out_p, quiet, tty, lambda: interrupted)
         if tty:
             print()
         say(f"stopping ({status})")
-    except RunError as e:
+    except LaunchError as e:
         status = f"failed: {e}"
         say(status)
     finally:
-        for role in ROLE_ORDER:
-            for c in children[role]:
-                c.stop(timeout=60 if role == "learner" else 15)
+        topo.stop()
         signal.signal(signal.SIGINT, old)
     mon = report.Monitor(out_p)
     mon.poll()
@@ -195,3 +112,30 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     say(f"report: {json.dumps({k: rep[k] for k in ('episodes', 'success_first', 'success_last', 'success_sft', 'policy_version', 'wall_s')})}")
     say(f"wrote {out_p / 'report.json'}, {out_p / 'learning.png'}, {out_p / 'final'}")
     return 0 if status in ("done", "wall budget reached", "target success reached", "interrupted") else 1
+
+
+def _watch(cfg: C.RunConfig, topo: Topology, out_p: pathlib.Path, quiet: bool, tty: bool, interrupted) -> str:
+    """Live progress until the run ends; returns why it ended (the report's status)."""
+    t_rl = time.time()
+    mon = report.Monitor(out_p)
+    last_print = 0.0
+    while True:
+        time.sleep(0.5)
+        mon.poll()
+        now = time.time()
+        if not quiet and (tty or now - last_print > 10):
+            line = mon.progress_line(now - t_rl)
+            print(("\r\033[K" + line) if tty else f"[tars up] {line}", end="" if tty else "\n", flush=True)
+            last_print = now
+        if interrupted():
+            return "interrupted"
+        rc = topo.returncode("learner")
+        if rc is not None:
+            return "done" if rc == 0 else f"learner exited with {rc}"
+        dead = topo.exited(("envd", "inference", "actor"))
+        if dead:
+            return f"{', '.join(dead)} exited unexpectedly"
+        if now - t_rl > cfg.wall_budget_s:
+            return "wall budget reached"
+        if cfg.target_success and mon.rolling_success() is not None and mon.rolling_success() >= cfg.target_success and mon.episodes >= 10 * cfg.learner.batch_size:
+            return "target success reached"

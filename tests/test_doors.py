@@ -237,11 +237,11 @@ def test_lint_catches_what_it_should(tmp_path, monkeypatch):
 def test_curve_on_by_option_in_a_real_run(tmp_path):
     """learner.stream_curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
     client without the learner's public key gets nowhere."""
-    from tars.faults import Topology
+    from tars.faults import FaultRun
     from core.stream import TrajectorySender
 
     public, secret = zmq.curve_keypair()
-    topo = Topology(tmp_path / "run")
+    topo = FaultRun(tmp_path / "run")
     topo.cfg.learner.stream_curve_secret_key = secret.decode()  # keys go in the YAML (Z85 is not --set friendly)
     topo.cfg.learner.stream_curve_public_key = public.decode()
     with topo:

@@ -25,14 +25,15 @@ import asyncio
 import dataclasses
 import json
 import os
+import pathlib
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 from tars.bench.envd import Daemon, figure, machine, skipped, summary
+from tars.topology import LaunchError, Process, RoleSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE_S = 60.0
@@ -43,30 +44,20 @@ class ScriptedServer:
 
     def __init__(self, answer: str):
         self.dir = tempfile.mkdtemp(prefix="tars-bench-actor-")
-        ready = os.path.join(self.dir, "ready.json")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-        self.log = open(os.path.join(self.dir, "inference.log"), "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "inference_server.scripted", "--answer", answer,
-                                      "--ready-file", ready], stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + DEADLINE_S
-        while not os.path.exists(ready):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("scripted inference server did not start")
-            time.sleep(0.05)
-        with open(ready) as f:
-            self.address = json.load(f)["address"]
+        ready, log = pathlib.Path(self.dir, "ready.json"), pathlib.Path(self.dir, "inference.log")
+        env = {"PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+        # Not a `tars serve`: the scripted engine's own entry point, started and stopped like any role.
+        self.proc = Process(RoleSpec("inference", 0, "inference", [sys.executable, "-m", "inference_server.scripted",
+                                                                   "--answer", answer, "--ready-file", str(ready)],
+                                     ready, log, env, None, DEADLINE_S, 10.0))
+        try:
+            self.address = self.proc.wait_ready()["address"]
+        except LaunchError:
+            self.stop()
+            raise RuntimeError("scripted inference server did not start") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+        self.proc.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self):

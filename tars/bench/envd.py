@@ -21,9 +21,9 @@ import json
 import math
 import os
 import platform
+import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +31,7 @@ import time
 from envd import proctree, registry
 from core import rpc
 from core.v1 import common_pb2, env_pb2, env_pb2_grpc
+from tars.topology import LaunchError, Process, daemon_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOOP_OPTIONS = {"max_steps": str(10**9)}        # `wait` never ends a builtin episode before max_steps
@@ -76,21 +77,17 @@ class Daemon:
 
     def __init__(self, workers: int = 8):
         self.dir = tempfile.mkdtemp(prefix="tars-bench-envd-")
-        ready, self.log = os.path.join(self.dir, "ready.json"), os.path.join(self.dir, "envd.log")
-        env = {**os.environ, "TMPDIR": self.dir, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tars.cli", "envd", "--port", "0", "--ready-file", ready,
-                 "--set", f"envd.workers={workers}", "--set", "envd.host=127.0.0.1"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + DEADLINE_S
-        while not os.path.exists(ready):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"envd did not start; its log ends:\n{self._tail()}")
-            time.sleep(0.05)
-        with open(ready) as f:
-            self.address = json.load(f)["address"]
+        env = {"TMPDIR": self.dir, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+        spec = daemon_spec("envd", ["--port", "0", "--set", f"envd.workers={workers}", "--set", "envd.host=127.0.0.1"],
+                           pathlib.Path(self.dir), env)
+        spec.ready_s, spec.stop_s = DEADLINE_S, 30.0  # graceful stop: the daemon closes every session
+        self.log = str(spec.log)
+        self.proc = Process(spec)
+        try:
+            self.address = self.proc.wait_ready()["address"]
+        except LaunchError:
+            self.stop()
+            raise RuntimeError(f"envd did not start; its log ends:\n{self._tail()}") from None
 
     def _tail(self) -> str:
         with open(self.log, errors="replace") as f:
@@ -101,13 +98,7 @@ class Daemon:
         return (proctree.descendants({self.proc.pid}) | proctree.mentioning(self.dir)) - {self.proc.pid, os.getpid()}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # graceful: the daemon closes every session
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        self.proc.stop()
         proctree.kill_session(self.proc.pid, needle=self.dir)  # whatever a crash left behind
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -19,13 +19,13 @@ import signal
 import tempfile
 import time
 
-from tars.faults import Topology
+from tars.faults import FaultRun
 from core.proc import read_jsonl, wait_for
 
 FAULTS = ("envd", "inference", "actor", "learner")
 
 
-def _actor_totals(topo: Topology) -> dict:
+def _actor_totals(topo: FaultRun) -> dict:
     tot: dict[str, float] = {}
     for i in range(topo.n_actors):
         try:
@@ -37,14 +37,14 @@ def _actor_totals(topo: Topology) -> dict:
     return tot
 
 
-def _running(topo: Topology, i: int) -> int:
+def _running(topo: FaultRun, i: int) -> int:
     try:
         return topo.status("actor", i).get("running") or 0
     except Exception:  # not answering this instant: ask again
         return 0
 
 
-def fault_envd(topo: Topology, down_s: float = 1.0) -> dict:
+def fault_envd(topo: FaultRun, down_s: float = 1.0) -> dict:
     topo.wait_versions(1, 120)
     topo.kill("envd", 0)
     time.sleep(down_s)
@@ -53,7 +53,7 @@ def fault_envd(topo: Topology, down_s: float = 1.0) -> dict:
     return {"actors": _actor_totals(topo)}
 
 
-def fault_inference(topo: Topology, down_s: float = 2.0) -> dict:
+def fault_inference(topo: FaultRun, down_s: float = 2.0) -> dict:
     topo.wait_versions(1, 120)
     before = _actor_totals(topo)
     topo.kill("inference", 0)
@@ -65,17 +65,16 @@ def fault_inference(topo: Topology, down_s: float = 2.0) -> dict:
             "infra_errors_during": after.get("infra_error", 0) - before.get("infra_error", 0)}
 
 
-def fault_actor(topo: Topology, attempts: int = 6) -> dict:
+def fault_actor(topo: FaultRun, attempts: int = 6) -> dict:
     topo.wait_versions(1, 120)
     # Freeze the learner so acks stop: the actor's finished trajectories pile up unacked in its outbox (and spool),
     # which is exactly what a kill must not lose. A frozen learner grants no admissions, so only the episodes actor0
     # already runs can finish meanwhile: freeze while it runs some, and thaw and try again if none of them lands in
     # its spool within the window (the admission budget may have been spent by the other actor).
-    lrn = topo.procs[("learner", 0)].p
     held_now = 0
     for _ in range(attempts):
         wait_for(lambda: _running(topo, 0) >= 2, 60, "episodes running in actor0")
-        lrn.send_signal(signal.SIGSTOP)
+        topo.signal("learner", 0, signal.SIGSTOP)
         try:
             try:
                 wait_for(lambda: len(topo.spool_ids(0)) >= 1, 15, "unacked trajectories in actor0's spool")
@@ -86,7 +85,7 @@ def fault_actor(topo: Topology, attempts: int = 6) -> dict:
             topo.kill("actor", 0)
             break
         finally:
-            lrn.send_signal(signal.SIGCONT)
+            topo.signal("learner", 0, signal.SIGCONT)
     if not held_now:
         raise TimeoutError(f"actor0 held no unacked trajectory in {attempts} freezes of the learner")
     held = topo.killed_spools[-1]
@@ -97,7 +96,7 @@ def fault_actor(topo: Topology, attempts: int = 6) -> dict:
     return {"held_unacked_at_kill": len(held), "actors": _actor_totals(topo)}
 
 
-def fault_learner(topo: Topology) -> dict:
+def fault_learner(topo: FaultRun) -> dict:
     every = topo.cfg.learner.checkpoint_every
     # Kill between two checkpoints, so the updates after the last one are rolled back and trained again.
     wait_for(lambda: topo.version() >= 1 and topo.version() % every != 0, 120, "a version between checkpoints")
@@ -119,7 +118,7 @@ def run(faults=FAULTS, out: str | None = None) -> dict:
         out = tmp.name
     t0 = time.monotonic()
     res: dict = {"faults": {}}
-    topo = Topology(out, n_envd=2, n_actors=2)
+    topo = FaultRun(out, n_envd=2, n_actors=2)
     try:
         topo.start()
         for f in faults:
@@ -133,7 +132,7 @@ def run(faults=FAULTS, out: str | None = None) -> dict:
         res["actors"] = _actor_totals(topo)
     finally:
         topo.stop()
-    lrn = topo.procs[("learner", 0)].p.returncode
+    lrn = topo.returncode("learner")
     led = topo.ledger()
     eps = {}
     for line in (pathlib.Path(out) / "episodes.jsonl").read_text().splitlines():

@@ -23,13 +23,14 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
+
+from tars.topology import LaunchError, Process, daemon_spec
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -64,19 +65,15 @@ def _episodes(n: int, vocab: int, turns: int, prompt_len: int, gen_len: int, see
     return out
 
 
-def _start_server(model_dir: pathlib.Path, tmp: pathlib.Path):
-    ready = tmp / "serve.ready"
-    log = open(tmp / "serve.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "serve", "--model", str(model_dir), "--port", "0",
-                          "--ready-file", str(ready)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if p.poll() is not None or time.monotonic() > deadline:
-            p.kill()
-            raise RuntimeError(f"tars serve did not start: {(tmp / 'serve.log').read_text()[-2000:]}")
-        time.sleep(0.05)
-    return p, json.loads(ready.read_text())["address"], log
+def _start_server(model_dir: pathlib.Path, tmp: pathlib.Path) -> tuple[Process, str]:
+    spec = daemon_spec("inference", ["--model", str(model_dir), "--port", "0"], tmp, {"PYTHONPATH": str(REPO)}, REPO)
+    spec.stop_s = 10.0
+    server = Process(spec)
+    try:
+        return server, server.wait_ready()["address"]
+    except LaunchError:
+        server.kill()
+        raise RuntimeError(f"tars serve did not start: {spec.log.read_text()[-2000:]}") from None
 
 
 def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
@@ -102,7 +99,7 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
     trainer = PPOTrainer(policy, critic, cfg.learner, 0)
     turns = max(1, cfg.actor.max_turns)
     batch = _episodes(cfg.learner.batch_size, dc.vocab_size, turns, 120, cfg.actor.max_new_tokens)
-    server, addr, log = _start_server(tmp / "model", tmp)
+    server, addr = _start_server(tmp / "model", tmp)
     try:
         stub = inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(addr, cfg.inference.auth_token, 512 << 20))
         step_s, publish_s = [], []
@@ -115,12 +112,7 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
             if served != v:
                 raise RuntimeError(f"the server serves version {served} after publishing {v}")
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        server.stop()
     params = sum(p.numel() for p in policy.parameters())
     return {"step_s": step_s, "publish_s": publish_s, "params": params,
             "batch": {"trajectories": len(batch), "tokens": int(sum(len(t.tokens) for t in batch)),

@@ -2,7 +2,8 @@
 
 Goals: RSS growth after warm-up < 10 % per process; throughput drift (last quarter vs first quarter after warm-up)
 reported. The topology is the quickstart one (`tars up --preset quickstart`: 1 envd, 1 inference server, the
-learner, 1 actor), started by tars/faults.Topology without the SFT warm start (the soak is about the RL stage).
+learner, 1 actor), started by tars/faults.FaultRun through tars.topology without the SFT warm start (the soak is
+about the RL stage).
 RSS comes from psutil when it is installed, else /proc/PID/status (VmRSS).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pathlib
 import tempfile
 import time
 
-from tars.faults import Topology
+from tars.faults import FaultRun
 
 GOAL_RSS_GROWTH = 0.10
 
@@ -72,7 +73,7 @@ def analyse(samples: list[dict], warmup_s: float) -> dict:
             "goal_rss_growth": GOAL_RSS_GROWTH}
 
 
-def _inference_cache_mb(topo: Topology) -> float | None:
+def _inference_cache_mb(topo: FaultRun) -> float | None:
     try:
         return round(topo.status("inference", 0, timeout=2.0).get("cache_bytes", 0) / 2**20, 1)
     except Exception:
@@ -83,7 +84,7 @@ def run(minutes: float, out: str | None = None, every_s: float = 5.0, warmup_fra
         sets: list[str] = ()) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="tars-soak-") if out is None else None
     out = out or tmp.name
-    topo = Topology(out, n_envd=1, n_actors=1, sets=["learner.batch_size=64", "actor.concurrency=128",
+    topo = FaultRun(out, n_envd=1, n_actors=1, sets=["learner.batch_size=64", "actor.concurrency=128",
                                                      "learner.checkpoint_every=50", *sets])
     samples: list[dict] = []
     try:
@@ -94,7 +95,7 @@ def run(minutes: float, out: str | None = None, every_s: float = 5.0, warmup_fra
             if dead:
                 raise RuntimeError(f"{dead} died during the soak; see {out}/logs")
             samples.append({"t": round(time.monotonic() - t0, 1),
-                            "rss": {f"{r}{i}": rss_bytes(c.p.pid) for (r, i), c in topo.procs.items()},
+                            "rss": {name: rss_bytes(pid) for name, pid in topo.pids().items()},
                             "trajectories": _lines(topo.out / "episodes.jsonl"), "version": topo.version(),
                             # the prefix cache fills up to its bound (inference.cache_*): growth, not a leak
                             "inference_cache_mb": _inference_cache_mb(topo)})
