@@ -218,6 +218,22 @@ def test_non_string_input():
         parse_response(b"wait()")  # type: ignore[arg-type]
 
 
+def test_format_action_is_the_parsers_inverse_and_actions_check_their_invariants():
+    from actor.tiny import format_action
+    from core.action import ActionError
+
+    for a in (Action("click", target="Save"), Action("left_double", point=(12, 34)), Action("hotkey", key="ctrl c"),
+              Action("type", content="it's a\\b\n"), Action("wait"), Action("finished"), Action("call_user")):
+        assert one(format_action(a)).to_dict() == a.to_dict()
+        assert Action.from_dict(a.to_dict()) == a
+    for bad, why in (({"type": "teleport"}, "unknown action type"), ({"point": [1, 2]}, "needs a type"),
+                     ({"type": "click", "point": [1, 2, 3]}, r"\[x, y\]"), ({"type": "click", "point": "12"}, r"\[x, y\]"),
+                     ({"type": "click", "point": ["a", 1]}, "two numbers"), ({"type": "type", "content": 5}, "string"),
+                     ({"type": "wait", "speed": "fast"}, "unknown action field"), ([], "JSON object")):
+        with pytest.raises(ActionError, match=why):
+            Action.from_dict(bad)
+
+
 def test_action_types_match_envd():
     from core.action import ACTION_TYPES as CORE_TYPES  # what envd's backends receive
     assert ACTION_TYPES is CORE_TYPES
