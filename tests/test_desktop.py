@@ -14,7 +14,7 @@ import zlib
 import grpc
 import pytest
 
-from envd import png, proctree
+from envd import png, proctree, xserver
 from envd.base import Action, ActionError
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
 from core.proc import wait_for
@@ -126,9 +126,9 @@ def test_every_input_kind_and_rejected_input(desk):
 def test_shared_workspace_and_distinct_displays(tmp_path, monkeypatch, desk):
     # Pretend no lock files exist and aim at the display in use: Xvfb itself refuses it and the next one is tried.
     taken = int(desk.display[1:])
-    monkeypatch.setattr(desktop, "_next_display", taken)
+    monkeypatch.setattr(xserver, "_next_display", taken)
     real_exists = os.path.exists
-    monkeypatch.setattr(desktop.os.path, "exists", lambda p: False if str(p).startswith("/tmp/.X") else real_exists(p))
+    monkeypatch.setattr(xserver.os.path, "exists", lambda p: False if str(p).startswith("/tmp/.X") else real_exists(p))
     other = desktop.make("", {"apps": "xterm", "workspace": str(tmp_path), "width": "640", "height": "480"})
     try:
         assert other.display != desk.display
