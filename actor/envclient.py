@@ -4,15 +4,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from core import rpc
-from core.v1 import common_pb2, env_pb2, env_pb2_grpc
-
-OUTCOME = {common_pb2.RUNNING: "running", common_pb2.TERMINATED: "terminated",
-           common_pb2.TRUNCATED: "truncated", common_pb2.INFRA_ERROR: "infra_error"}
+from core.action import Action
+from core.outcome import Outcome
+from core.v1 import env_pb2, env_pb2_grpc
 
 
 class EnvInfraError(RuntimeError):
@@ -28,7 +27,7 @@ class Obs:
     text: str
     instruction: str
     reward: float
-    outcome: str
+    outcome: Outcome
     images: list          # common_pb2.Image
     info_json: str
     step_ms: float
@@ -36,7 +35,7 @@ class Obs:
 
 def _obs(r: env_pb2.StepResponse) -> Obs:
     o = r.observation
-    return Obs(o.text, o.instruction, r.reward, OUTCOME.get(r.outcome, "infra_error"), list(o.images), r.info_json, r.step_ms)
+    return Obs(o.text, o.instruction, r.reward, Outcome.from_proto(r.outcome), list(o.images), r.info_json, r.step_ms)
 
 
 class EnvClient:
@@ -82,12 +81,9 @@ class EnvClient:
     async def reset(self, sid: str, run_id: str, seed: int) -> Obs:
         return _obs(await self._call(self.stub.Reset, env_pb2.ResetRequest(session_id=sid, seed=seed, run_id=run_id), True))
 
-    async def step(self, sid: str, run_id: str, action: dict, raw: str = "") -> Obs:
-        a = env_pb2.Action(
-            type=action.get("type", ""), point=list(action.get("point") or ()), end_point=list(action.get("end_point") or ()),
-            content=action.get("content", ""), key=action.get("key", ""), direction=action.get("direction", ""),
-            target=action.get("target", ""), raw=raw[:4096],
-        )
+    async def step(self, sid: str, run_id: str, action: Action, raw: str = "") -> Obs:
+        """Step with `action`; `raw` (the model's whole answer) replaces the action's own text for envd's logs."""
+        a = (replace(action, raw=raw) if raw else action).to_proto()
         return _obs(await self._call(self.stub.Step, env_pb2.StepRequest(session_id=sid, action=a, run_id=run_id), False))
 
     async def close_session(self, sid: str) -> None:

@@ -32,6 +32,7 @@ from actor.tiny import INVALID_NOTE, turn_prompt_ids
 from core.inference_client import InferenceClient
 from core import telemetry
 from core.config import ActorConfig
+from core.outcome import Fault, Outcome
 from core.schema import Trajectory, Turn
 from core.tokenizer import Tokenizer
 from core.v1 import common_pb2
@@ -101,7 +102,8 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     steps: list[J.Step] = []         # what the judge sees
     actor_ms: list[float] = []
     actor_cpu_ms: list[float] = []
-    outcome, ret, success, error, instruction = "truncated", 0.0, False, "", ""
+    outcome, ret, success, error, instruction = Outcome.TRUNCATED, 0.0, False, "", ""
+    fault = Fault.NONE
     env_s = gen_s = 0.0
     sid = ""
     img_id = tok.index.get("<|image|>", -1)
@@ -153,7 +155,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     # 3. parse; unparseable output gets a format penalty and, by default, another try
                     try:
                         _, actions = parse_response(text)
-                        action = actions[0].to_env()
+                        action = actions[0]
                     except ParseError as e:
                         turns.append(Turn(obs_ref, text, {}, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
                         ret += cfg.format_penalty
@@ -164,11 +166,11 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     # 4. step the environment
                     t0, c0 = time.perf_counter(), time.thread_time()
                     try:
-                        with telemetry.client_span("env.step", {"tars.action": action.get("type", "")}) as esp:
+                        with telemetry.client_span("env.step", {"tars.action": action.type}) as esp:
                             obs = await env.step(sid, run_id, action, raw=text)
                             telemetry.set_attrs(esp, **{"tars.reward": obs.reward, "tars.outcome": obs.outcome})
                     except EnvActionError as e:  # well-formed but not applicable here: same as a format error
-                        turns.append(Turn(obs_ref, text, action, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
+                        turns.append(Turn(obs_ref, text, action.to_dict(), cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
                         ret += cfg.format_penalty
                         note = INVALID_NOTE
                         continue
@@ -178,13 +180,13 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                         waited += env_ms
                     env_s += env_ms / 1000
                     note = ""
-                    turns.append(Turn(obs_ref, text, action, obs.reward, start, len(tokens), env_ms, gen_ms))
+                    turns.append(Turn(obs_ref, text, action.to_dict(), obs.reward, start, len(tokens), env_ms, gen_ms))
                     telemetry.set_attrs(turn_span, **{"tars.reward": obs.reward})
                     ret += obs.reward
-                    if obs.outcome == "infra_error":
-                        outcome, error = "infra_error", obs.info_json[:500]
+                    if obs.outcome == Outcome.INFRA_ERROR:
+                        outcome, fault, error = Outcome.INFRA_ERROR, Fault.ENV, obs.info_json[:500]
                         break
-                    if obs.outcome != "running":
+                    if obs.outcome != Outcome.RUNNING:
                         outcome = obs.outcome
                         success = _success(obs.info_json)
                         break
@@ -192,15 +194,17 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                 actor_ms.append((time.perf_counter() - t_turn) * 1000 - waited)
                 actor_cpu_ms.append((time.thread_time() - c_turn) * 1000)
     except EnvInfraError as e:
-        outcome, error = "infra_error", str(e)[:500]
+        outcome, fault, error = Outcome.INFRA_ERROR, Fault.ENVD, str(e)[:500]
     except grpc.aio.AioRpcError as e:  # inference failed after the client's retries
-        outcome, error = "infra_error", f"inference: {e.code().name}: {e.details()}"[:500]
+        outcome, fault, error = Outcome.INFRA_ERROR, Fault.INFERENCE, f"inference: {e.code().name}: {e.details()}"[:500]
     finally:
         if sid:
             await env.close_session(sid)
     verdict: dict = {}
-    if cfg.judge_mode != "off" and outcome != "infra_error" and obs is not None:
+    if cfg.judge_mode != "off" and outcome != Outcome.INFRA_ERROR and obs is not None:
         outcome, ret, error, verdict = await _judge(ctx, tid, instruction, steps, obs, turns, outcome, ret, error)
+        if outcome == Outcome.INFRA_ERROR:  # no verdict, and judge_on_error says that is not a verdict of 0
+            fault = Fault.JUDGE
     return Trajectory(
         id=tid, env_id=env_id, outcome=outcome,
         tokens=np.asarray(tokens, np.int32), logprobs=np.minimum(np.asarray(logprobs, np.float32), 0.0),
@@ -209,18 +213,19 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
         timings={"start": t_start, "end": time.time(), "env_s": env_s, "gen_s": gen_s, "actor_ms": actor_ms,
                  "actor_cpu_ms": actor_cpu_ms},
         actor=ctx.actor_id, images=images, error=error, judge=verdict,
+        fault=fault,
     )
 
 
 async def _judge(ctx: EpisodeContext, tid: str, instruction: str, steps: list, obs: Obs, turns: list[Turn],
-                 outcome: str, ret: float, error: str):
+                 outcome: Outcome, ret: float, error: str):
     """Ask the judge; returns (outcome, return, error, verdict dict) with the verdict's reward applied."""
     cfg = ctx.cfg
     try:
         v = await J.ask(ctx.judge_infer or ctx.infer, ctx.tok, cfg, tid, instruction, steps, obs.text, _screenshot(obs))
     except J.JudgeError as e:
         if cfg.judge_on_error == "infra_error":  # no verdict is not a verdict of 0
-            return "infra_error", ret, f"judge: {e}"[:500], {"error": str(e)[:200]}
+            return Outcome.INFRA_ERROR, ret, f"judge: {e}"[:500], {"error": str(e)[:200]}
         return outcome, ret, error, {"error": str(e)[:200], "fallback": "env"}
     reward = cfg.judge_weight * v.score
     if turns:

@@ -20,6 +20,7 @@ from actor.episode import EpisodeContext, run_episode
 from core.inference_client import InferenceClient
 from core import proc, rpc, telemetry
 from core.config import RunConfig
+from core.outcome import ENDED, Fault, Outcome
 from core.control import ControlServicer, add_control
 from core.stream_sender import TrajectorySender
 from core.tokenizer import Tokenizer
@@ -47,7 +48,7 @@ class Actor:
         self.stats = collections.Counter()
         self.recent = collections.deque(maxlen=512)  # (success, outcome) of the latest episodes
         self.t0 = time.monotonic()
-        telemetry.observe("tars.actor.episodes", lambda: {o: self.stats[o] for o in ("terminated", "truncated", "infra_error")},
+        telemetry.observe("tars.actor.episodes", lambda: {str(o): self.stats[o] for o in ENDED},
                           description="episodes finished, by outcome", kind="counter", label="outcome")
         telemetry.observe("tars.actor.episodes_per_s", lambda: self.status()["episodes_per_s"], "1/s",
                           "episodes finished per second since start")
@@ -57,7 +58,7 @@ class Actor:
 
     # ---- status / control ------------------------------------------------------------------------------------
     def status(self) -> dict:
-        ok = [s for s, o in self.recent if o != "infra_error"]
+        ok = [s for s, o in self.recent if o != Outcome.INFRA_ERROR]
         el = time.monotonic() - self.t0
         return {"running": len(self.running), "paused": self.paused, **self.stats, "inference_retries": self.infer.retried,
                 "episodes_per_s": self.stats["episodes"] / el if el > 0 else 0.0,
@@ -97,10 +98,10 @@ class Actor:
         for attempt in range(attempts):
             env = self._pick_env()  # the episode then sticks to this daemon (sessions are stateful)
             tr = await run_episode(self.ctx, env, self._new_id(), env_id, seed, self.version, group)
-            if tr.outcome != "infra_error" or attempt == attempts - 1:
+            if tr.outcome != Outcome.INFRA_ERROR or attempt == attempts - 1:
                 tr.timings["attempts"] = attempt + 1
                 return tr
-            if tr.error.startswith("envd"):
+            if tr.fault == Fault.ENVD:  # the daemon itself failed us (not its backend, not inference): avoid it a while
                 env.mark_down()
             self.stats["episodes_retried"] += 1
             log.info("episode %s attempt %d ended infra_error (%s); retrying", tr.id, attempt + 1, tr.error[:120])
@@ -118,7 +119,7 @@ class Actor:
             return
         tr = task.result()
         self.stats["episodes"] += 1
-        self.stats[tr.outcome] += 1
+        self.stats[str(tr.outcome)] += 1
         self.stats["successes"] += int(tr.success)
         self.recent.append((tr.success, tr.outcome))
         s = asyncio.create_task(self.sender.send(tr, timeout=self.acfg.admission_timeout_s))

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
-from typing import Any
 
-# Same tuple as envd.base.ACTION_TYPES (a test checks); kept here so the actor does not import the env daemon.
-ACTION_TYPES = ("click", "left_double", "right_single", "drag", "hotkey", "type", "scroll", "wait", "finished", "call_user")
+from core.action import ACTION_TYPES, CLICKS as _CLICKS, Action, ActionError, Point
+
 DIRECTIONS = ("up", "down", "left", "right")
 # UI-TARS emits one action a turn, rarely a few; a long run of calls is degenerate output, and stopping early also
 # bounds the work (and the env steps) one answer can cause.
@@ -31,7 +29,6 @@ MAX_ACTIONS = 16
 
 _START_KEYS = ("start_box", "point", "start_point")   # synonyms across UI-TARS versions (1.0 boxes, 1.5 points)
 _END_KEYS = ("end_box", "end_point")
-_CLICKS = ("click", "left_double", "right_single")
 # Which keyword arguments each action takes; anything else is a format error (a signal the policy should get).
 _ALLOWED = {
     **{a: (*_START_KEYS, "target") for a in _CLICKS},
@@ -67,46 +64,14 @@ class ParseError(ValueError):
     """The model's text is not a well-formed action; str(e) is a short reason."""
 
 
-Point = tuple[float, float]
-
-
-@dataclass
-class ParsedAction:
-    type: str
-    point: Point | None = None        # model coordinates (see to_screen); None for text-addressed or pointless actions
-    end_point: Point | None = None    # drag only
-    content: str = ""                 # type / finished / call_user; a trailing "\n" on `type` means "press Enter"
-    key: str = ""                     # hotkey, e.g. "ctrl c"
-    direction: str = ""               # scroll: up|down|left|right
-    target: str = ""                  # our text-addressed extension: element label or ref
-    raw: str = ""                     # the call as the model wrote it, for logs
-
-    @property
-    def submit(self) -> bool:
-        return self.type == "type" and self.content.endswith("\n")
-
-    def to_env(self) -> dict[str, Any]:
-        """The envd action dict (envd/base.py); empty fields are left out, as the proto leaves them unset."""
-        d: dict[str, Any] = {"type": self.type}
-        if self.point is not None:
-            d["point"] = [float(self.point[0]), float(self.point[1])]
-        if self.end_point is not None:
-            d["end_point"] = [float(self.end_point[0]), float(self.end_point[1])]
-        for f in ("content", "key", "direction", "target"):
-            if getattr(self, f):
-                d[f] = getattr(self, f)
-        return d
-
-    def on_screen(self, mode: str, screen_w: float, screen_h: float, image_w: int | None = None,
-                  image_h: int | None = None, **resize: int) -> ParsedAction:
-        """A copy with point/end_point mapped by `to_screen`."""
-        def m(p: Point | None) -> Point | None:
-            return None if p is None else to_screen(p, mode, screen_w, screen_h, image_w, image_h, **resize)
-        return replace(self, point=m(self.point), end_point=m(self.end_point))
+def on_screen(a: Action, mode: str, screen_w: float, screen_h: float, image_w: int | None = None,
+              image_h: int | None = None, **resize: int) -> Action:
+    """A copy of a parsed action with point/end_point mapped from model coordinates by `to_screen`."""
+    return a.map_points(lambda p: to_screen(p, mode, screen_w, screen_h, image_w, image_h, **resize))
 
 
 # ---------------------------------------------------------------------------------------------- text -> actions
-def parse_response(text: str) -> tuple[str, list[ParsedAction]]:
+def parse_response(text: str) -> tuple[str, list[Action]]:
     """Model output -> (thought, actions). Raises ParseError (and only ParseError) when it is not well formed."""
     if not isinstance(text, str):
         raise ParseError(f"expected str, got {type(text).__name__}")
@@ -168,8 +133,8 @@ def _split(body: str) -> tuple[str, int]:
     raise ParseError("no 'Action:' and no action call found")
 
 
-def _calls(s: str, i: int) -> list[ParsedAction]:
-    out: list[ParsedAction] = []
+def _calls(s: str, i: int) -> list[Action]:
+    out: list[Action] = []
     n = len(s)
     while True:
         i = _WS.match(s, i).end()
@@ -185,7 +150,7 @@ def _calls(s: str, i: int) -> list[ParsedAction]:
         out.append(a)
 
 
-def _call(s: str, i: int) -> tuple[ParsedAction, int]:
+def _call(s: str, i: int) -> tuple[Action, int]:
     start = i
     m = _IDENT.match(s, i)
     if not m:
@@ -255,40 +220,42 @@ def _string(s: str, i: int, q: str) -> tuple[str, int]:
         i = j + 1
 
 
-def _build(name: str, args: dict[str, str], raw: str) -> ParsedAction:
+def _build(name: str, args: dict[str, str], raw: str) -> Action:
     allowed = _ALLOWED[name]
     for k in args:
         if k not in allowed:
             raise ParseError(f"{name}: unexpected argument {k[:40]!r}")
-    a = ParsedAction(type=name, raw=raw)
     starts = [k for k in _START_KEYS if k in args]
     ends = [k for k in _END_KEYS if k in args]
     if len(starts) > 1 or len(ends) > 1:
         raise ParseError(f"{name}: more than one start or end point")
-    if starts:
-        a.point = parse_point(args[starts[0]])
-    if ends:
-        a.end_point = parse_point(args[ends[0]])
-    a.target = args.get("target", "").strip()
-    if name in _CLICKS and a.point is None and not a.target:
+    point = parse_point(args[starts[0]]) if starts else None
+    end_point = parse_point(args[ends[0]]) if ends else None
+    target = args.get("target", "").strip()
+    key = content = direction = ""
+    if name in _CLICKS and point is None and not target:
         raise ParseError(f"{name}: needs start_box/point or target")
-    if name == "drag" and (a.point is None or a.end_point is None):
+    if name == "drag" and (point is None or end_point is None):
         raise ParseError("drag: needs a start and an end point")
     if name == "hotkey":
-        a.key = args.get("key", "").strip()
-        if not a.key:
+        key = args.get("key", "").strip()
+        if not key:
             raise ParseError("hotkey: needs key")
     if name == "type":
         if "content" not in args:
             raise ParseError("type: needs content")
-        a.content = args["content"]   # verbatim: leading spaces and the trailing "\n" (submit) mean something
+        content = args["content"]   # verbatim: leading spaces and the trailing "\n" (submit) mean something
     if name in ("finished", "call_user"):
-        a.content = args.get("content", "")
+        content = args.get("content", "")
     if name == "scroll":
-        a.direction = args.get("direction", "").strip().lower()
-        if a.direction not in DIRECTIONS:
+        direction = args.get("direction", "").strip().lower()
+        if direction not in DIRECTIONS:
             raise ParseError(f"scroll: direction must be one of {DIRECTIONS}")
-    return a
+    try:
+        return Action(type=name, point=point, end_point=end_point, content=content, key=key, direction=direction,
+                      target=target, raw=raw)
+    except ActionError as e:   # cannot happen for what the checks above let through; still only ParseError out
+        raise ParseError(str(e)) from None
 
 
 def parse_point(value: str) -> Point:

@@ -2,7 +2,7 @@
 
 The layout follows the published UI-TARS prompts (intro, "## Output Format", "## Action Space", "## Note",
 "## User Instruction") so a UI-TARS checkpoint sees the format it was trained on. The action lists are limited to
-what envd executes (envd.base.ACTION_TYPES): UI-TARS' mobile-only actions (long_press, press_home, press_back,
+what envd executes (core.action.ACTION_TYPES): UI-TARS' mobile-only actions (long_press, press_home, press_back,
 open_app) have no envd counterpart, so MOBILE_USE expresses them with drag and hotkey instead, and
 actor.parsing rejects them as unknown actions.
 

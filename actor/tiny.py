@@ -8,8 +8,7 @@ our text-addressed extension `target='LABEL'`; coordinates (`start_box`) are acc
 """
 from __future__ import annotations
 
-from typing import Any
-
+from core.action import CLICKS, Action
 from core.tokenizer import Tokenizer
 
 
@@ -28,22 +27,22 @@ def turn_prompt_ids(tok: Tokenizer, text: str, instruction: str, note: str = "")
     return [tok.user_id, *tok.encode(observation_text(text, instruction, note)), tok.assistant_id]
 
 
-def format_action(a: dict[str, Any]) -> str:
-    """Action dict -> the text a policy writes (the inverse of the parser, for demonstrations)."""
-    t = a["type"]
-    if t in ("click", "left_double", "right_single") and a.get("target"):
-        return f"{t}(target='{a['target']}')"
-    if t in ("click", "left_double", "right_single") and a.get("point"):
-        x, y = a["point"]
+def format_action(a: Action) -> str:
+    """Action -> the text a policy writes (the inverse of the parser, for demonstrations)."""
+    t = a.type
+    if t in CLICKS and a.target:
+        return f"{t}(target='{a.target}')"
+    if t in CLICKS and a.point is not None:
+        x, y = a.point
         return f"{t}(start_box='({int(x)},{int(y)})')"
     if t == "type":
-        return "type(content='" + a.get("content", "").replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "')"
+        return "type(content='" + a.content.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "')"
     if t == "hotkey":
-        return f"hotkey(key='{a.get('key', '')}')"
+        return f"hotkey(key='{a.key}')"
     if t in ("wait", "finished", "call_user"):
         return f"{t}()"
     raise ValueError(f"cannot format action {a!r}")
 
 
-def answer_ids(tok: Tokenizer, action: dict[str, Any]) -> list[int]:
+def answer_ids(tok: Tokenizer, action: Action) -> list[int]:
     return [*tok.encode(format_action(action)), tok.eos_id]

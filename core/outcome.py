@@ -40,3 +40,16 @@ class Outcome(enum.StrEnum):
 
 # The outcomes an episode can end with (what a trajectory on the stream may carry).
 ENDED = (Outcome.TERMINATED, Outcome.TRUNCATED, Outcome.INFRA_ERROR)
+
+
+class Fault(enum.StrEnum):
+    """Which part broke, for an episode that ended INFRA_ERROR (NONE for every other episode).
+
+    Typed so that a caller reacts to the kind of failure (the actor avoids a daemon that failed it) without reading
+    the error text; on the stream it is its string value, like Outcome.
+    """
+    NONE = ""
+    ENVD = "envd"              # the env daemon: unreachable, restarted, or it lost the session
+    ENV = "env"                # the backend broke and envd reported the step as INFRA_ERROR
+    INFERENCE = "inference"    # the inference servers failed past the client's retries
+    JUDGE = "judge"            # the LLM judge gave no verdict (judge_on_error = infra_error)

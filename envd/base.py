@@ -1,7 +1,10 @@
 """The backend contract every environment in envd implements.
 
 A backend is a plain, synchronous, stateful object: the daemon owns its lifetime (one per session), runs its
-blocking calls in a worker thread, and maps its exceptions to statuses:
+blocking calls in a worker thread, hands `step` the request's action decoded once (core.action.Action: a known
+type, points of two numbers; whether it applies here is the backend's to check), reports how the episode stands
+as a core.outcome.Outcome (running, terminated or truncated: a backend that broke raises instead of reporting
+INFRA_ERROR), and maps its exceptions to statuses:
   ActionError        -> INVALID_ARGUMENT (the session keeps working)
   NotImplementedError from snapshot/restore/fork -> UNIMPLEMENTED
   any other exception -> the episode ends as INFRA_ERROR (never a reward of 0)
@@ -13,15 +16,12 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-RUNNING, TERMINATED, TRUNCATED, INFRA_ERROR = "running", "terminated", "truncated", "infra_error"
+# ActionError is part of the backend contract (raise it for an action that does not apply: the session is
+# unchanged and keeps working); it lives with the Action type, which raises it for a malformed one.
+from core.action import Action, ActionError
+from core.outcome import Outcome
 
-# Action dicts mirror tars.v1.Action: {"type": ..., "point": [x, y], "end_point": [x, y], "content": str,
-# "key": str, "direction": str, "target": str}. Unset fields may be absent.
-ACTION_TYPES = ("click", "left_double", "right_single", "drag", "hotkey", "type", "scroll", "wait", "finished", "call_user")
-
-
-class ActionError(ValueError):
-    """The action is malformed or not applicable here; the session is unchanged and keeps working."""
+__all__ = ["Action", "ActionError", "Env", "Outcome", "Screenshot", "StepResult"]
 
 
 @dataclass
@@ -41,7 +41,7 @@ class StepResult:
     text: str                          # what a text policy reads: accessibility tree, terminal screen, ...
     instruction: str = ""              # the task in words
     reward: float = 0.0
-    outcome: str = RUNNING             # running | terminated | truncated
+    outcome: Outcome = Outcome.RUNNING  # running | terminated | truncated
     images: list[Screenshot] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)   # e.g. {"success": True}
     width: int = 0
@@ -62,7 +62,7 @@ class Env(abc.ABC):
     def reset(self, seed: int, options: dict[str, str]) -> StepResult: ...
 
     @abc.abstractmethod
-    def step(self, action: dict[str, Any]) -> StepResult: ...
+    def step(self, action: Action) -> StepResult: ...
 
     def observe(self) -> StepResult:
         raise NotImplementedError(f"{self.env_id} cannot re-render its observation")

@@ -22,9 +22,9 @@ import math
 import time
 from typing import Any
 
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
 from envd.browser_host import BrowserGone, BrowserHost
-from envd.browser_input import POINTED, BrowserOptions, check_action, check_url, url_allowed
+from envd.browser_input import POINTED, BrowserOptions, Checked, check_action, check_url, url_allowed
 
 HOST = BrowserHost()  # one Chromium per daemon process (registry factories share it)
 SNAPSHOT_FORMAT = "tars.browser/1"
@@ -53,7 +53,7 @@ class BrowserEnv(Env):
         self.context = self.page = self.cdp = None
         self._crashed = False
         self.steps = 0
-        self.outcome = RUNNING
+        self.outcome = Outcome.RUNNING
         self.last_verify: dict[str, Any] = {}
 
     def _options(self, raw: dict[str, str]) -> BrowserOptions:
@@ -65,11 +65,10 @@ class BrowserEnv(Env):
         opts = self._options(raw)
         return self._call(self._reset, opts, raw, seed, None, timeout=opts.timeout_s)
 
-    def step(self, action: dict[str, Any]) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         if self.page is None:
             raise ActionError("no page yet: Reset the session first")
-        a = check_action(action, self.opts.width, self.opts.height)
-        return self._call(self._step, a)
+        return self._call(self._step, check_action(action, self.opts.width, self.opts.height))
 
     def observe(self) -> StepResult:
         if self.page is None:
@@ -139,7 +138,7 @@ class BrowserEnv(Env):
         elif url and url != "about:blank":
             await page.goto(url, wait_until="load")
         await self._prepare(seed, snap)
-        self.steps, self.outcome = (int(snap["step"]), snap["outcome"]) if snap else (0, RUNNING)
+        self.steps, self.outcome = (int(snap["step"]), Outcome(snap["outcome"])) if snap else (0, Outcome.RUNNING)
         if opts.verify_js:
             # Once now: checks the expression (a broken verifier is a bad option) and sets a reward baseline.
             try:
@@ -168,15 +167,15 @@ class BrowserEnv(Env):
         else:
             await route.abort("blockedbyclient")
 
-    async def _step(self, a: dict) -> StepResult:
+    async def _step(self, c: Checked) -> StepResult:
         self._check_alive()
-        t, info = a["type"], {}
+        t, info = c.action.type, {}
         if t == "finished":
-            info["answer"] = a.get("content", "")
+            info["answer"] = c.action.content
         elif t == "call_user":
             info["call_user"] = True
         else:
-            await self._act_and_settle(a)
+            await self._act_and_settle(c)
         reward, done = 0.0, False
         if self.opts.verify_js:
             self.last_verify = await self._verify()
@@ -184,35 +183,37 @@ class BrowserEnv(Env):
             info["verify"] = self.last_verify
         self.steps += 1
         ended = done or t in ("finished", "call_user")
-        self.outcome = TERMINATED if ended else TRUNCATED if self.steps >= self.opts.max_steps else RUNNING
+        self.outcome = (Outcome.TERMINATED if ended else Outcome.TRUNCATED if self.steps >= self.opts.max_steps
+                        else Outcome.RUNNING)
         return await self._result(reward, self.outcome, info)
 
     async def _observe(self) -> StepResult:
         self._check_alive()
         return await self._result(0.0, self.outcome, {"verify": self.last_verify} if self.last_verify else {})
 
-    async def _act_and_settle(self, a: dict) -> None:
+    async def _act_and_settle(self, c: Checked) -> None:
         """Apply the action, then let the page react for settle_ms (wait_ms for wait()) and finish loading."""
-        point = await self._point(a)
-        await self._input(a, point)
-        wait = self.opts.wait_ms if a["type"] == "wait" else self.opts.settle_ms
+        point = await self._point(c.action)
+        await self._input(c, point)
+        wait = self.opts.wait_ms if c.action.type == "wait" else self.opts.settle_ms
         if wait:
             await asyncio.sleep(wait / 1000)
         await self.page.wait_for_load_state("load")
 
-    async def _point(self, a: dict) -> tuple[float, float] | None:
+    async def _point(self, a: Action) -> tuple[float, float] | None:
         """Where the action lands: its point, else its target's centre (ActionError before any input), else (for
         scroll) the middle of the viewport."""
-        if a.get("point") is not None:
-            return a["point"]
-        if a.get("target") and a["type"] != "hotkey":
-            return await self._target_point(a["target"])
-        if a["type"] == "scroll":
+        if a.point is not None:
+            return a.point
+        if a.target and a.type != "hotkey":
+            return await self._target_point(a.target)
+        if a.type == "scroll":
             return self.opts.width / 2, self.opts.height / 2
         return None
 
-    async def _input(self, a: dict, point: tuple[float, float] | None) -> None:
-        page, t = self.page, a["type"]
+    async def _input(self, c: Checked, point: tuple[float, float] | None) -> None:
+        page, a = self.page, c.action
+        t = a.type
         if t in POINTED:
             if t == "left_double":
                 await page.mouse.dblclick(*point)
@@ -221,14 +222,14 @@ class BrowserEnv(Env):
         elif t == "drag":
             await page.mouse.move(*point)
             await page.mouse.down()
-            await page.mouse.move(*a["end_point"], steps=4)
+            await page.mouse.move(*a.end_point, steps=4)
             await page.mouse.up()
         elif t == "hotkey":
-            await page.keyboard.press(a["keys"])
+            await page.keyboard.press(c.keys)
         elif t == "type":
             if point is not None:
                 await page.mouse.click(*point)
-            text = a["content"]
+            text = a.content
             body = text.rstrip("\n")
             if body:
                 await page.keyboard.type(body)
@@ -236,7 +237,7 @@ class BrowserEnv(Env):
                 await page.keyboard.press("Enter")
         elif t == "scroll":
             await page.mouse.move(*point)
-            d, n = a["direction"], self.opts.scroll_px
+            d, n = a.direction, self.opts.scroll_px
             await page.mouse.wheel(n if d == "right" else -n if d == "left" else 0,
                                    n if d == "down" else -n if d == "up" else 0)
 
@@ -326,7 +327,7 @@ class BrowserEnv(Env):
                     self.cdp = await self.context.new_cdp_session(self.page)
         raise AssertionError("unreachable")
 
-    async def _result(self, reward: float, outcome: str, info: dict) -> StepResult:
+    async def _result(self, reward: float, outcome: Outcome, info: dict) -> StepResult:
         shot, text = await self._render()
         return StepResult(text=text, instruction=self.opts.instruction, reward=reward, outcome=outcome,
                           images=[shot], info=info, width=self.opts.width, height=self.opts.height, step=self.steps)
@@ -359,7 +360,7 @@ class BrowserEnv(Env):
             raise ActionError("snapshot options must be a map of strings")
         if not isinstance(snap.get("url"), str) or not isinstance(snap.get("step"), int) or snap["step"] < 0:
             raise ActionError("snapshot url/step are malformed")
-        if snap.get("outcome") not in (RUNNING, TERMINATED, TRUNCATED):
+        if snap.get("outcome") not in (Outcome.RUNNING, Outcome.TERMINATED, Outcome.TRUNCATED):
             raise ActionError(f"snapshot outcome {snap.get('outcome')!r} is not an episode state")
         if storage is not None and not (isinstance(storage, dict) and isinstance(storage.get("cookies", []), list)
                                         and isinstance(storage.get("origins", []), list)):

@@ -7,10 +7,11 @@ from __future__ import annotations
 import ipaddress
 import math
 import urllib.parse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from envd.base import ACTION_TYPES, ActionError
+from core.action import CLICKS
+from envd.base import Action, ActionError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 # Sub-resources a page may always load: they never leave the machine.
@@ -186,7 +187,7 @@ def playwright_keys(key: str) -> str:
 
 # ---- actions ---------------------------------------------------------------------------------------------------
 
-POINTED = ("click", "left_double", "right_single")
+POINTED = CLICKS
 DIRECTIONS = ("up", "down", "left", "right")
 
 
@@ -203,31 +204,33 @@ def check_point(p: Any, width: int, height: int, what: str = "point") -> tuple[f
     return x, y
 
 
-def check_action(a: dict, width: int, height: int) -> dict:
-    """Validate an action dict before anything touches the page (so a bad one changes nothing).
+@dataclass(frozen=True)
+class Checked:
+    """An action that passed check_action, with what the page input needs worked out."""
+    action: Action    # the direction lower-cased; everything else as sent
+    keys: str = ""    # a hotkey's Playwright chord
 
-    Returns a normalised copy: points as float tuples, `keys` as a Playwright chord for hotkeys.
-    """
-    t = a.get("type", "")
-    if t not in ACTION_TYPES:
-        raise ActionError(f"unknown action type {t!r}; expected one of {list(ACTION_TYPES)}")
-    out = dict(a)
-    if "point" in a:
-        out["point"] = check_point(a["point"], width, height)
-    if t in POINTED and "point" not in a and not a.get("target"):
+
+def check_action(a: Action, width: int, height: int) -> Checked:
+    """Check an action against this viewport before anything touches the page (so a bad one changes nothing)."""
+    t = a.type
+    if a.point is not None:
+        check_point(a.point, width, height)
+    if t in POINTED and a.point is None and not a.target:
         raise ActionError(f"{t} needs a point [x, y] or a target label")
+    keys = ""
     if t == "drag":
-        if "point" not in a or "end_point" not in a:
+        if a.point is None or a.end_point is None:
             raise ActionError("drag needs point and end_point")
-        out["end_point"] = check_point(a["end_point"], width, height, "end_point")
+        check_point(a.end_point, width, height, "end_point")
     elif t == "hotkey":
-        out["keys"] = playwright_keys(a.get("key") or a.get("content") or "")
+        keys = playwright_keys(a.key or a.content)
     elif t == "type":
-        if not a.get("content"):
+        if not a.content:
             raise ActionError("type needs content")
     elif t == "scroll":
-        d = str(a.get("direction", "")).lower()
+        d = a.direction.lower()
         if d not in DIRECTIONS:
-            raise ActionError(f"scroll direction must be one of {list(DIRECTIONS)}, got {a.get('direction')!r}")
-        out["direction"] = d
-    return out
+            raise ActionError(f"scroll direction must be one of {list(DIRECTIONS)}, got {a.direction!r}")
+        a = replace(a, direction=d)
+    return Checked(a, keys)

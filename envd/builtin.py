@@ -19,9 +19,8 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
-from envd.base import ACTION_TYPES, RUNNING, TERMINATED, TRUNCATED, ActionError, Env, StepResult
+from envd.base import Action, ActionError, Env, Outcome, StepResult
 
 LABELS = [
     "Save", "Open", "Export", "Print", "Close", "Copy", "Paste", "Undo", "Redo", "Cut", "Find", "Replace",
@@ -189,11 +188,11 @@ class BuiltinEnv(Env):
 
     def _result(self, reward: float) -> StepResult:
         s = self._state()
-        outcome = RUNNING
+        outcome = Outcome.RUNNING
         if s.done:
-            outcome = TERMINATED
+            outcome = Outcome.TERMINATED
         elif s.steps >= self.max_steps:
-            outcome, s.done = TRUNCATED, True
+            outcome, s.done = Outcome.TRUNCATED, True
         elements = [{"kind": w.kind, "label": w.label, "box": list(w.box)} for w in s.visible()]
         return StepResult(
             text=self.render_text(), instruction=s.goal["instruction"], reward=reward, outcome=outcome,
@@ -209,19 +208,18 @@ class BuiltinEnv(Env):
             raise ActionError("reset the environment first")
         return self.s
 
-    def _find(self, action: dict[str, Any]) -> Widget | None:
+    def _find(self, action: Action) -> Widget | None:
         s = self._state()
         vis = s.visible()
-        if action.get("target"):
-            t = str(action["target"]).strip()
+        if action.target:
+            t = action.target.strip()
             for w in vis:
                 if w.label == t:
                     return w
             return None
-        p = action.get("point")
-        if not p or len(p) != 2:
-            raise ActionError(f"{action.get('type')} needs a target label or a point (x, y)")
-        x, y = float(p[0]), float(p[1])
+        if action.point is None:
+            raise ActionError(f"{action.type} needs a target label or a point (x, y)")
+        x, y = action.point
         for w in vis:
             if w.kind != "dialog" and w.box[0] <= x <= w.box[2] and w.box[1] <= y <= w.box[3]:
                 return w
@@ -234,17 +232,15 @@ class BuiltinEnv(Env):
         self.s.done, self.s.success = True, True
         return 1.0
 
-    def step(self, action: dict[str, Any]) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         s = self._state()
-        kind = action.get("type")
-        if kind not in ACTION_TYPES:
-            raise ActionError(f"unknown action type {kind!r}; expected one of {ACTION_TYPES}")
+        kind = action.type
         if s.done:
             raise ActionError("the episode is over; reset first")
         # Resolve the target before changing any state: a rejected action leaves the session as it was.
         w = self._find(action) if kind in ("click", "left_double") else None
-        if kind in ("click", "left_double") and w is None and action.get("target") and self.strict_targets:
-            raise ActionError(f"no element labelled {action['target']!r} on the screen")
+        if kind in ("click", "left_double") and w is None and action.target and self.strict_targets:
+            raise ActionError(f"no element labelled {action.target!r} on the screen")
         s.steps += 1
         reward = 0.0
         g = s.goal
@@ -265,7 +261,7 @@ class BuiltinEnv(Env):
             elif w.kind == "button":
                 reward = self._win() if s.task in ("click", "dialog") and w.label == g["button"] else (self._fail() or 0.0)
         elif kind == "type":
-            content = str(action.get("content", "")).rstrip("\n")
+            content = action.content.rstrip("\n")
             if s.focused:
                 fw = next(w for w in s.widgets if w.kind == "field" and w.label == s.focused)
                 fw.value = content
@@ -278,25 +274,25 @@ class BuiltinEnv(Env):
         return self._result(reward)
 
     # ---- oracle and snapshots ----------------------------------------------------------------------------
-    def oracle_action(self) -> dict[str, Any]:
+    def oracle_action(self) -> Action:
         """The next correct action (scripted demonstrations and tests)."""
         s, g = self._state(), self._state().goal
         if s.task == "click":
-            return {"type": "click", "target": g["button"]}
+            return Action("click", target=g["button"])
         if s.task == "menu":
-            return {"type": "click", "target": g["item"] if s.open_menu == g["menu"] else g["menu"]}
+            return Action("click", target=g["item"] if s.open_menu == g["menu"] else g["menu"])
         if s.task == "form":
             if s.focused == g["field"]:
-                return {"type": "type", "content": g["value"]}
-            return {"type": "click", "target": g["field"]}
-        return {"type": "click", "target": g["answer"] if s.dialog else g["button"]}
+                return Action("type", content=g["value"])
+            return Action("click", target=g["field"])
+        return Action("click", target=g["answer"] if s.dialog else g["button"])
 
-    def random_action(self, rng: random.Random) -> dict[str, Any]:
+    def random_action(self, rng: random.Random) -> Action:
         """A plausible but random action on the visible screen (a weak demonstrator)."""
         s = self._state()
         if s.focused and rng.random() < 0.5:
-            return {"type": "type", "content": rng.choice(VALUES)}
-        return {"type": "click", "target": rng.choice(self.clickable())}
+            return Action("type", content=rng.choice(VALUES))
+        return Action("click", target=rng.choice(self.clickable()))
 
     def clickable(self) -> list[str]:
         """Labels of the visible widgets a click can target (all but the dialog frame)."""

@@ -20,10 +20,7 @@ import ctypes
 import ctypes.util
 import os
 import re
-import secrets
-import select
 import shutil
-import struct
 import subprocess
 import tempfile
 import threading
@@ -31,100 +28,17 @@ import time
 import weakref
 from typing import Any
 
-from envd.base import ACTION_TYPES, RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
 from envd.png import encode_rgb
-from envd.proctree import alive, kill_session, with_parent_death_signal
+from envd.proctree import kill_session, with_parent_death_signal
+from envd.xserver import XServer
 
 APPS = ("xterm", "xedit", "xcalc", "xclock")
-FIRST_DISPLAY = 100        # leave the low numbers to real desktops
 SCROLL_CLICKS = 3          # wheel clicks per scroll action
 TYPE_DELAY_MS = 8
 _BUTTONS = {"up": 4, "down": 5, "left": 6, "right": 7}
 
-_display_lock = threading.Lock()   # threads of one daemon pick numbers one at a time (other processes: Xvfb's lock)
-_next_display = FIRST_DISPLAY + secrets.randbelow(400)
 _env_lock = threading.Lock()       # XAUTHORITY is read from the process environment when mss connects
-
-
-def write_xauthority(path: str, cookie: bytes) -> None:
-    """An Xauthority file with one MIT-MAGIC-COOKIE-1 entry for any host and display (FamilyWild): the file is
-    private to one session, so it needs no address."""
-    def counted(b: bytes) -> bytes:
-        return struct.pack(">H", len(b)) + b
-    data = struct.pack(">H", 0xFFFF) + counted(b"") + counted(b"") + counted(b"MIT-MAGIC-COOKIE-1") + counted(cookie)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
-class XServer:
-    """One Xvfb in its own process group; `env` is what an X client needs to reach it."""
-
-    def __init__(self, workdir: str, width: int, height: int, timeout_s: float = 10.0, tries: int = 20):
-        global _next_display
-        self.auth = os.path.join(workdir, "Xauthority")
-        write_xauthority(self.auth, secrets.token_bytes(16))
-        last_err = ""
-        for _ in range(tries):
-            with _display_lock:
-                n, _next_display = _next_display, FIRST_DISPLAY + (_next_display + 1 - FIRST_DISPLAY) % 900
-            if os.path.exists(f"/tmp/.X{n}-lock"):
-                continue  # taken (or stale: Xvfb would check the pid, but another number is cheaper)
-            # A socket without a lock file is left over from a killed Xvfb: Xvfb takes the lock and replaces it.
-            r, w = os.pipe()
-            try:
-                argv = ["Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-auth", self.auth,
-                        "-noreset", "-displayfd", str(w)]
-                with open(os.path.join(workdir, "xvfb.log"), "ab") as log:
-                    self.proc = subprocess.Popen(with_parent_death_signal(argv), pass_fds=[w], process_group=0,
-                                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-                os.close(w)
-                w = -1
-                got = self._read_ready(r, timeout_s)
-            finally:
-                os.close(r)
-                if w >= 0:
-                    os.close(w)
-            if got == str(n):
-                self.display = f":{n}"
-                self.env = {"DISPLAY": self.display, "XAUTHORITY": self.auth, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-                return
-            last_err = f"Xvfb :{n} did not start ({got or 'exited'})"
-            kill_session(self.proc.pid, {self.proc.pid})
-            self.proc.wait(timeout=5)
-        raise RuntimeError(f"no free X display after {tries} tries: {last_err}")
-
-    @staticmethod
-    def _read_ready(fd: int, timeout_s: float) -> str:
-        """Xvfb writes its display number to -displayfd once it accepts connections; EOF means it exited."""
-        deadline, buf = time.monotonic() + timeout_s, b""
-        while not buf.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return "timed out"
-            chunk = os.read(fd, 64)
-            if not chunk:
-                return ""
-            buf += chunk
-        return buf.decode().strip()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None and alive(self.proc.pid)
-
-    def remove_stale_files(self) -> None:
-        """A SIGKILLed Xvfb leaves its socket (and lock file) behind, and the display picker skips numbers that have
-        one: without this every closed session would use up a display number for good."""
-        if getattr(self, "display", "") and self.proc.poll() is not None:
-            n = self.display[1:]
-            for path in (f"/tmp/.X11-unix/X{n}", f"/tmp/.X{n}-lock"):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
 
 
 # ---- keys ------------------------------------------------------------------------------------------------------
@@ -310,17 +224,17 @@ class DesktopEnv(Env):
                             "x": int(m.group(7)), "y": int(m.group(8)), "w": int(m.group(5)), "h": int(m.group(6))})
         return out
 
-    def _point(self, action: dict, key: str = "point") -> tuple[int, int]:
-        if key == "point" and action.get("target"):
+    def _point(self, action: Action, key: str = "point") -> tuple[int, int]:
+        if key == "point" and action.target:
             for w in self.windows():
-                if w["title"] == str(action["target"]).strip():
+                if w["title"] == action.target.strip():
                     return w["x"] + w["w"] // 2, w["y"] + w["h"] // 2
-            raise ActionError(f"no window titled {action['target']!r}")
-        p = action.get(key)
+            raise ActionError(f"no window titled {action.target!r}")
+        p = action.point if key == "point" else action.end_point
         try:
             x, y = (int(round(float(v))) for v in p)
         except (TypeError, ValueError):
-            raise ActionError(f"{action.get('type')} needs {key} [x, y], got {p!r}") from None
+            raise ActionError(f"{action.type} needs {key} [x, y], got {p!r}") from None
         if not (0 <= x < self.width and 0 <= y < self.height):
             raise ActionError(f"{key} ({x}, {y}) is outside the {self.width}x{self.height} screen")
         return x, y
@@ -338,32 +252,30 @@ class DesktopEnv(Env):
         self._start_apps()
         self._run("xdotool", "mousemove", str(self.width // 2), str(self.height // 2))
         self._steps, self._done = 0, False
-        self._last = self._observe(0.0, RUNNING)
+        self._last = self._observe(0.0, Outcome.RUNNING)
         return self._last
 
-    def step(self, action: dict[str, Any]) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         if self._done or self._last is None:
             raise ActionError("the episode is over; reset first" if self._last else "reset the environment first")
-        kind = action.get("type")
-        if kind not in ACTION_TYPES:
-            raise ActionError(f"unknown action type {kind!r}; expected one of {ACTION_TYPES}")
+        kind = action.type
         self._check_x()
         commands = self._commands(kind, action)  # validated in full before any input reaches the desktop
         for argv in commands:
             self._run("xdotool", *argv)
         self._steps += 1
-        outcome = RUNNING
+        outcome = Outcome.RUNNING
         if kind in ("finished", "call_user"):
-            outcome = TERMINATED
+            outcome = Outcome.TERMINATED
         elif self.max_steps and self._steps >= self.max_steps:
-            outcome = TRUNCATED
-        self._done = outcome != RUNNING
+            outcome = Outcome.TRUNCATED
+        self._done = outcome != Outcome.RUNNING
         if commands and self.settle_s:
             time.sleep(self.settle_s)  # let the apps redraw before the screenshot
         self._last = self._observe(0.0, outcome)
         return self._last
 
-    def _commands(self, kind: str, action: dict) -> list[list[str]]:
+    def _commands(self, kind: str, action: Action) -> list[list[str]]:
         if kind in ("click", "left_double", "right_single"):
             x, y = self._point(action)
             button, repeat = ("3", "1") if kind == "right_single" else ("1", "2" if kind == "left_double" else "1")
@@ -374,7 +286,7 @@ class DesktopEnv(Env):
             return [["mousemove", str(x0), str(y0), "mousedown", "1", "sleep", "0.05", "mousemove", str(mx), str(my),
                      "sleep", "0.05", "mousemove", str(x1), str(y1), "sleep", "0.05", "mouseup", "1"]]
         if kind == "type":
-            content = str(action.get("content", ""))
+            content = action.content
             if not content:
                 raise ActionError("type needs non-empty content")
             out: list[list[str]] = []
@@ -385,12 +297,12 @@ class DesktopEnv(Env):
                     out.append(["type", "--delay", str(TYPE_DELAY_MS), "--", line])
             return out
         if kind == "hotkey":
-            return [["key", "--delay", "30", xdotool_key(str(action.get("key") or action.get("content") or ""))]]
+            return [["key", "--delay", "30", xdotool_key(action.key or action.content)]]
         if kind == "scroll":
-            direction = str(action.get("direction", "")).lower()
+            direction = action.direction.lower()
             if direction not in _BUTTONS:
                 raise ActionError(f"scroll direction must be one of {list(_BUTTONS)}, got {direction!r}")
-            x, y = self._point(action) if action.get("point") or action.get("target") else (self.width // 2, self.height // 2)
+            x, y = self._point(action) if action.point is not None or action.target else (self.width // 2, self.height // 2)
             return [["mousemove", str(x), str(y), "click", "--repeat", str(SCROLL_CLICKS), "--delay", "30",
                      str(_BUTTONS[direction])]]
         return []  # wait, finished, call_user: no input
@@ -402,7 +314,7 @@ class DesktopEnv(Env):
         w, h = img.size
         return Screenshot(data=encode_rgb(img.rgb, w, h, level=1), width=w, height=h)
 
-    def _observe(self, reward: float, outcome: str) -> StepResult:
+    def _observe(self, reward: float, outcome: Outcome) -> StepResult:
         wins = self.windows()
         lines = [f"desktop {self.width}x{self.height}, home {self.workspace}", "windows:"]
         lines += [f'  "{w["title"]}" ({w["class"]}) @({w["x"]},{w["y"]} {w["w"]}x{w["h"]})' for w in wins]

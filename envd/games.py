@@ -29,7 +29,7 @@ import json
 import pathlib
 
 from envd.browser import BrowserEnv
-from envd.browser_input import BrowserOptions, int_in
+from envd.browser_input import BrowserOptions, Checked, int_in
 
 GAMES_DIR = pathlib.Path(__file__).with_name("games")
 CLOCK_START_S = 1_735_689_600  # 2025-01-01 00:00 UTC; games start paused at 01:00 that day, every session
@@ -91,9 +91,9 @@ class GameEnv(BrowserEnv):
         await self.page.evaluate("seed => window.__tars_reset(seed)", seed & 0x7FFFFFFF)
         await super()._prepare(seed, snap)
 
-    async def _act_and_settle(self, a: dict) -> None:
-        point = await self._point(a)  # a bad target fails here, before any input or game time
-        await self._input(a, point)
+    async def _act_and_settle(self, c: Checked) -> None:
+        point = await self._point(c.action)  # a bad target fails here, before any input or game time
+        await self._input(c, point)
         await self.advance_clock(self.step_ms)
 
     async def advance_clock(self, ms: int) -> None:

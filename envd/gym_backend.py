@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
 from envd.png import encode_png
 
 SNAPSHOT_VERSION = 1
@@ -179,7 +179,7 @@ class GymEnv(Env):
         self.action_space = self.action_help
         self.obs: Any = None
         self.steps, self.total, self.last_reward = 0, 0.0, 0.0
-        self.outcome, self.info = RUNNING, {}
+        self.outcome, self.info = Outcome.RUNNING, {}
 
     # ---- construction ----------------------------------------------------------------------------------------
     def _parse_options(self, options: dict[str, str]) -> dict:
@@ -259,15 +259,15 @@ class GymEnv(Env):
                 self.env, self.options, self.space = env, opts, env.action_space
                 self.action_help = self.action_space = self._action_help()
         self.obs, info = self.env.reset(seed=int(seed))
-        self.steps, self.total, self.last_reward, self.outcome = 0, 0.0, 0.0, RUNNING
+        self.steps, self.total, self.last_reward, self.outcome = 0, 0.0, 0.0, Outcome.RUNNING
         self.info = _jsonable(info)
         return self._result(0.0)
 
-    def _parse_action(self, action: dict[str, Any]) -> Any:
-        kind, sp, s = action.get("type"), self.gym.spaces, self.space
+    def _parse_action(self, action: Action) -> Any:
+        kind, sp, s = action.type, self.gym.spaces, self.space
         if isinstance(s, sp.Discrete):
-            raw = {"type": action.get("content"), "hotkey": action.get("key"), "click": action.get("target")}.get(kind)
-            if raw is None:
+            raw = {"type": action.content, "hotkey": action.key, "click": action.target}.get(kind)
+            if not raw:   # an empty string is no value: proto3 cannot tell it from an unset field
                 raise ActionError(f"{self.env_id} takes {self.action_help}; got {kind!r} without a value")
             try:
                 a = int(str(raw).strip())
@@ -276,12 +276,12 @@ class GymEnv(Env):
             if not s.contains(np.int64(a)):
                 raise ActionError(f"action {a} is outside {int(s.start)}..{int(s.start) + int(s.n) - 1}")
             return np.int64(a)
-        if kind != "type" or not isinstance(action.get("content"), str):
+        if kind != "type" or not action.content:
             raise ActionError(f"{self.env_id} takes {self.action_help}")
         try:
-            raw = json.loads(action["content"])
+            raw = json.loads(action.content)
         except ValueError:
-            raise ActionError(f"{action['content'][:80]!r} is not JSON") from None
+            raise ActionError(f"{action.content[:80]!r} is not JSON") from None
         if isinstance(s, sp.Box):
             try:
                 a = np.asarray(raw, dtype=np.float64)
@@ -304,21 +304,21 @@ class GymEnv(Env):
             raise ActionError(f"{raw!r:.80} is not in {s}")
         return a
 
-    def step(self, action: dict[str, Any]) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         if self.obs is None:
             raise ActionError("reset the env first")
-        if self.outcome != RUNNING:
+        if self.outcome != Outcome.RUNNING:
             raise ActionError("the episode is over; reset first")
-        if action.get("type") == "finished":
+        if action.type == "finished":
             self.steps += 1
-            self.outcome = TRUNCATED
+            self.outcome = Outcome.TRUNCATED
             return self._result(0.0)
         a = self._parse_action(action)   # before any state changes: a bad action leaves the env as it was
         obs, reward, terminated, truncated, info = self.env.step(a)
         self.obs, self.steps = obs, self.steps + 1
         self.last_reward = float(reward)
         self.total += self.last_reward
-        self.outcome = TERMINATED if terminated else TRUNCATED if truncated else RUNNING
+        self.outcome = Outcome.TERMINATED if terminated else Outcome.TRUNCATED if truncated else Outcome.RUNNING
         self.info = _jsonable(info)
         return self._result(self.last_reward)
 
@@ -391,8 +391,9 @@ class GymEnv(Env):
             o = meta["options"]
             opts = self._parse_options({k: str(int(v) if isinstance(v, bool) else v) for k, v in o.items()})
             outcome = meta["outcome"]
-            if outcome not in (RUNNING, TERMINATED, TRUNCATED):
+            if outcome not in (Outcome.RUNNING, Outcome.TERMINATED, Outcome.TRUNCATED):
                 raise ValueError(f"bad outcome {outcome!r}")
+            outcome = Outcome(outcome)
             steps, total, last = int(meta["steps"]), float(meta["total"]), float(meta["last_reward"])
             if not (math.isfinite(total) and math.isfinite(last) and steps >= 0):
                 raise ValueError("non-finite counters")

@@ -36,13 +36,14 @@ import os
 import pathlib
 import tempfile
 import weakref
-from typing import Any
+from dataclasses import replace
 
 from envd import terminal_tasks
-from envd.base import ACTION_TYPES, RUNNING, TERMINATED, TRUNCATED, ActionError, Env, StepResult
+from envd.base import Action, ActionError, Env, Outcome, StepResult
 from envd.desktop import DesktopEnv
 from envd.sandbox_limits import Limits, chown_tree
-from envd.terminal import TerminalEnv, _rmtree
+from envd.terminal import TerminalEnv
+from envd.workspace_archive import rmtree
 
 DESKTOP_OPTIONS = {"width", "height", "apps", "settle_s", "command_timeout_s"}
 TERMINAL_OPTIONS = {"verify", "screen_chars", *Limits.__dataclass_fields__}
@@ -86,11 +87,11 @@ class HybridEnv(Env):
         self.terminal: TerminalEnv | None = None
         # 0o711: the sandbox uid may pass through to the workspace but not list this directory.
         self._dir = pathlib.Path(tempfile.mkdtemp(prefix="tars-hybrid-"))
-        weakref.finalize(self, _rmtree, self._dir)
+        weakref.finalize(self, rmtree, self._dir)
         os.chmod(self._dir, 0o711)
         self.workspace = self._dir / "workspace"
         self.workspace.mkdir(mode=0o755)
-        self.steps, self.outcome, self._over, self._started = 0, RUNNING, False, False
+        self.steps, self.outcome, self._over, self._started = 0, Outcome.RUNNING, False, False
         try:
             self.terminal = TerminalEnv(self.task, term_opts, workspace=self.workspace, reset_clears_workspace=True)
             self.desktop = DesktopEnv("", {**desk_opts, "workspace": str(self.workspace)})
@@ -124,24 +125,22 @@ class HybridEnv(Env):
         self.desktop._stop_apps()   # nothing from the old episode may write into the workspace being cleared
         self.terminal.reset(seed, term_opts or None)      # clears the workspace, seeds the task, starts a shell
         d = self.desktop.reset(seed, {"instruction": self.instruction})
-        self.steps, self.outcome, self._over, self._started = 0, RUNNING, False, True
+        self.steps, self.outcome, self._over, self._started = 0, Outcome.RUNNING, False, True
         return self._compose(d, reward=0.0)
 
-    def step(self, action: dict[str, Any]) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         if not self._started:
             raise ActionError("reset the environment first")
         if self._over:
             raise ActionError("the episode is over; reset first")
-        kind = action.get("type")
-        if kind not in ACTION_TYPES:
-            raise ActionError(f"unknown action type {kind!r}; expected one of {ACTION_TYPES}")
+        kind = action.type
         self._check_alive()
-        to_terminal = str(action.get("target") or "").strip().lower() == TERMINAL_TARGET
+        to_terminal = action.target.strip().lower() == TERMINAL_TARGET
         if kind in ("finished", "call_user"):
             return self._end_episode(verify=kind == "finished")
         reward = 0.0
         if to_terminal:
-            term_action = {k: v for k, v in action.items() if k != "target"}
+            term_action = replace(action, target="")
             if self.terminal.sandbox.uid is not None:
                 chown_tree(self.workspace, self.terminal.sandbox.uid)   # GUI (root) files become the shell's
             t = self.terminal.step(term_action)       # validates before acting: ActionError leaves it unchanged
@@ -150,29 +149,29 @@ class HybridEnv(Env):
             d = self.desktop.step(action)             # validates before any input reaches the X server
             t = self.terminal._after_step()           # verify=step, disk quota: the GUI writes the same workspace
         self.steps += 1
-        if t.outcome != RUNNING:                      # verify=step passed, or the disk quota was exceeded
+        if t.outcome != Outcome.RUNNING:              # verify=step passed, or the disk quota was exceeded
             self._close_desktop_episode()
             self.outcome, reward = t.outcome, t.reward
         elif self.steps >= self.max_steps:
-            self.terminal._end(TRUNCATED, success=False)
+            self.terminal._end(Outcome.TRUNCATED, success=False)
             self._close_desktop_episode()
-            self.outcome = TRUNCATED
+            self.outcome = Outcome.TRUNCATED
         return self._compose(d, reward=reward)
 
     def _end_episode(self, verify: bool) -> StepResult:
         if verify:
-            t = self.terminal.step({"type": "finished"})      # stops the shell, then the task's verifier judges
+            t = self.terminal.step(Action("finished"))      # stops the shell, then the task's verifier judges
         else:
-            t = self.terminal._end(TERMINATED, success=False)
+            t = self.terminal._end(Outcome.TERMINATED, success=False)
         d = self._close_desktop_episode()
         self.steps += 1
-        self.outcome = TERMINATED
+        self.outcome = Outcome.TERMINATED
         return self._compose(d, reward=t.reward if self.terminal.spec else 0.0)
 
     def _close_desktop_episode(self) -> StepResult:
         self._over = True
         if not self.desktop._done:
-            return self.desktop.step({"type": "finished"})
+            return self.desktop.step(Action("finished"))
         return self.desktop.observe()
 
     # ---- observation -----------------------------------------------------------------------------------------
@@ -220,7 +219,7 @@ class HybridEnv(Env):
                 except Exception:
                     pass
         if getattr(self, "_dir", None):
-            _rmtree(self._dir)   # the sandbox may have left unreadable directories in the workspace
+            rmtree(self._dir)   # the sandbox may have left unreadable directories in the workspace
 
 
 def make(name: str = "", options: dict[str, str] | None = None) -> HybridEnv:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Any
-
-from envd.base import Env, StepResult
+from envd.base import Action, Env, StepResult
 
 OPTION = "step_delay"
 DEFAULT_CAP_S = 10.0
@@ -86,7 +84,7 @@ class DelayedEnv(Env):
         self._sleep()
         return self.inner.reset(seed, options)
 
-    def step(self, action: dict[str, Any]) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         # The action is checked first so an invalid one (ActionError) is answered at once and changes nothing.
         r = self.inner.step(action)
         self._sleep()

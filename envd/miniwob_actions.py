@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from envd.base import ACTION_TYPES, ActionError
+from envd.base import Action, ActionError
 
 _FORM_TAGS = ("input", "button", "select", "textarea", "a", "label", "option")
 
@@ -184,7 +184,8 @@ def miniwob_key(key: str) -> str:
 # ---- actions ---------------------------------------------------------------------------------------------------
 
 class Translator:
-    """UI-TARS action dicts -> lists of MiniWoB action dicts for one task's ActionSpaceConfig and action space."""
+    """UI-TARS actions (core.action.Action) -> lists of MiniWoB action dicts, for one task's ActionSpaceConfig and
+    action space."""
 
     def __init__(self, config, space, width: int, height: int):
         self.config, self.space, self.width, self.height = config, space, width, height
@@ -216,12 +217,12 @@ class Translator:
             return np.array([min(bx - 1, int(x * bx / self.width)), min(by - 1, int(y * by / self.height))], np.int64)
         return np.array([x, y], np.float32)
 
-    def _point(self, action: dict, elements: list[Element], what: str = "point") -> np.ndarray:
-        if action.get("target"):
-            return self._coords(resolve_target(elements, action["target"]).center, f"the centre of {action['target']!r}")
-        if action.get("point") is None or len(action.get("point") or ()) == 0:
-            raise ActionError(f"{action.get('type')} needs a {what} [x, y] or a target")
-        return self._coords(action["point"], what)
+    def _point(self, action: Action, elements: list[Element], what: str = "point") -> np.ndarray:
+        if action.target:
+            return self._coords(resolve_target(elements, action.target).center, f"the centre of {action.target!r}")
+        if action.point is None:
+            raise ActionError(f"{action.type} needs a {what} [x, y] or a target")
+        return self._coords(action.point, what)
 
     def _typing(self, content: str) -> list[dict]:
         out: list[dict] = []
@@ -238,39 +239,37 @@ class Translator:
             raise ActionError(f"key {key!r} is not in this task's allowed keys (e.g. {allowed[:12]} ...)")
         return self._make("PRESS_KEY", key=allowed.index(key))
 
-    def translate(self, action: dict, elements: list[Element]) -> list[dict]:
-        kind = action.get("type")
-        if kind not in ACTION_TYPES:
-            raise ActionError(f"unknown action type {kind!r}; expected one of {ACTION_TYPES}")
+    def translate(self, action: Action, elements: list[Element]) -> list[dict]:
+        kind = action.type
         if kind == "click":
-            if action.get("target"):
-                e = resolve_target(elements, action["target"])
+            if action.target:
+                e = resolve_target(elements, action.target)
                 if e.ref > 0 and "CLICK_ELEMENT" in self.types:
                     out = [self._make("CLICK_ELEMENT", ref=e.ref)]
                 else:
-                    out = [self._make("CLICK_COORDS", coords=self._coords(e.center, f"the centre of {action['target']!r}"))]
+                    out = [self._make("CLICK_COORDS", coords=self._coords(e.center, f"the centre of {action.target!r}"))]
             else:
                 out = [self._make("CLICK_COORDS", coords=self._point(action, elements))]
         elif kind == "left_double":
             out = [self._make("DBLCLICK_COORDS", coords=self._point(action, elements))]
         elif kind == "drag":
             start = self._point(action, elements)
-            if action.get("end_point") is None or len(action.get("end_point") or ()) == 0:
+            if action.end_point is None:
                 raise ActionError("drag needs an end_point [x, y]")
-            end = self._coords(action["end_point"], "end_point")
+            end = self._coords(action.end_point, "end_point")
             out = [self._make("MOUSEDOWN_COORDS", coords=start)]
             if "MOVE_COORDS" in self.types:  # an intermediate move: drag handlers want motion with the button down
                 out.append(self._make("MOVE_COORDS", coords=((start + end) / 2).astype(start.dtype)))
             out.append(self._make("MOUSEUP_COORDS", coords=end))
         elif kind == "type":
-            content = str(action.get("content", ""))
+            content = action.content
             if not content:
                 raise ActionError("type needs non-empty content")
             out = []
-            if action.get("target"):
-                e = resolve_target(elements, action["target"])
+            if action.target:
+                e = resolve_target(elements, action.target)
                 if e.ref <= 0:
-                    raise ActionError(f"{action['target']!r} is a run of text, not a field to type into")
+                    raise ActionError(f"{action.target!r} is a run of text, not a field to type into")
                 first, sep, rest = content.partition("\n")
                 if first and "FOCUS_ELEMENT_AND_TYPE_TEXT" in self.types:
                     n = max(1, int(self.config.text_max_len))
@@ -283,13 +282,13 @@ class Translator:
             else:
                 out = self._typing(content)
         elif kind == "hotkey":
-            key = str(action.get("key") or action.get("content") or "")
+            key = action.key or action.content
             out = [self._key(miniwob_key(key))]
         elif kind == "scroll":
-            direction = str(action.get("direction", "")).lower()
+            direction = action.direction.lower()
             if direction not in ("up", "down"):
                 raise ActionError(f"MiniWoB scrolls up or down only, got direction {direction!r}")
-            if action.get("target") or action.get("point"):
+            if action.target or action.point is not None:
                 at = self._point(action, elements)
             else:
                 at = self._coords((self.width / 2, self.height / 2), "the screen centre")

@@ -4,7 +4,7 @@ Debian Chromium, offline.
 One session = one chromedriver + one Chromium, in their own process group under a private directory (profile,
 crash-handler database, cache), all killed on close. Reward and episode end are MiniWoB's own: reward is
 time-decayed (`info.raw_reward` holds the undecayed value, `info.success` = raw reward > 0), a task that runs out
-of time ends with reward -1. Actions are UI-TARS dicts mapped onto MiniWoB's action space by
+of time ends with reward -1. Actions (core.action.Action) are mapped onto MiniWoB's action space by
 envd.miniwob_actions; observations are the element list as text, the task-area screenshot as PNG, and its size.
 
 Options (CreateSession / Reset):
@@ -28,7 +28,7 @@ import threading
 import weakref
 from typing import Any
 
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
 from envd.miniwob_actions import Translator, flatten_dom, render
 from envd.miniwob_oracle import oracle_action
 from envd.png import encode_rgb
@@ -296,7 +296,7 @@ class MiniWoBEnv(Env):
         self._last = self._result(obs, info, 0.0, False)
         return self._last
 
-    def step(self, action: dict[str, Any]) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         if self._done:
             raise ActionError("the episode is over; reset first")
         # Translate (and check against the action space) before anything runs: a rejected action changes nothing.
@@ -340,7 +340,7 @@ class MiniWoBEnv(Env):
         h, w = int(shot.shape[0]), int(shot.shape[1])
         png = encode_rgb(shot.astype("uint8", copy=False).tobytes(), w, h)
         raw = float(info.get("raw_reward") or 0.0)
-        outcome = TERMINATED if done else TRUNCATED if truncated else RUNNING
+        outcome = Outcome.TERMINATED if done else Outcome.TRUNCATED if truncated else Outcome.RUNNING
         meta = {"success": raw > 0, "raw_reward": raw, "env_reward": float(info.get("env_reward") or 0.0),
                 "reason": info.get("reason"), "task": self.task}
         if "elapsed" in info:
@@ -350,7 +350,7 @@ class MiniWoBEnv(Env):
                           step=self._steps)
 
     # ---- helpers -------------------------------------------------------------------------------------------
-    def oracle_action(self) -> dict[str, Any]:
+    def oracle_action(self) -> Action:
         """The scripted oracle's next action (envd.miniwob_oracle; NotImplementedError for tasks it cannot do)."""
         if self._done or self._last is None:
             raise ActionError("no running episode; reset first")

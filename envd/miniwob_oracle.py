@@ -6,11 +6,10 @@ instruction (`fields`, e.g. {"target": "Ok"}); it never reads the task's hidden 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
+from envd.base import Action
 from envd.miniwob_actions import Element
-
-Action = dict[str, Any]
 
 
 class NoOracle(NotImplementedError):
@@ -22,11 +21,11 @@ def _ref(e: Element) -> str:
 
 
 def _click(e: Element) -> Action:
-    return {"type": "click", "target": _ref(e)}
+    return Action("click", target=_ref(e))
 
 
 def _type_into(e: Element, text: str) -> Action:
-    return {"type": "type", "target": _ref(e), "content": text}
+    return Action("type", target=_ref(e), content=text)
 
 
 def _buttons(els: list[Element]) -> list[Element]:

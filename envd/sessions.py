@@ -1,4 +1,4 @@
-"""Session state, the worker pool that runs blocking backend calls, and StepResult <-> proto conversion for envd.
+"""Session state, the worker pool that runs blocking backend calls, and StepResult -> proto conversion for envd.
 
 Backends are synchronous and not thread-safe, so every call on one Env goes through its session's asyncio.Lock and
 runs in a bounded thread pool with a deadline. A call whose deadline passed (or whose RPC was cancelled) keeps
@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from envd.base import RUNNING, TERMINATED, TRUNCATED, Env, StepResult
-from core.v1 import common_pb2, env_pb2
+from envd.base import Env, Outcome, StepResult
+from core.v1 import env_pb2
 
 log = logging.getLogger("envd")
 
-_OUTCOMES = {RUNNING: common_pb2.RUNNING, TERMINATED: common_pb2.TERMINATED, TRUNCATED: common_pb2.TRUNCATED}
-_ACTION_SCALARS = ("type", "content", "key", "direction", "target", "raw")
+# What a backend may report; it never reports INFRA_ERROR, it raises (and the daemon reports that).
+_REPORTABLE = (Outcome.RUNNING, Outcome.TERMINATED, Outcome.TRUNCATED)
 
 
 class BackendTimeout(Exception):
@@ -64,7 +64,7 @@ class Session:
 
     @property
     def episode_over(self) -> bool:
-        return self.last is not None and self.last.outcome in (TERMINATED, TRUNCATED)
+        return self.last is not None and self.last.outcome.ended
 
     def lease_expires_unix_ms(self) -> int:
         return int((time.time() + (self.expires - time.monotonic())) * 1000)
@@ -176,26 +176,14 @@ def _safe(fn: Callable[[Any], None], arg: Any) -> None:
 
 # ---- wire conversion ----------------------------------------------------------------------------------------
 
-def action_to_dict(a: env_pb2.Action) -> dict:
-    """The proto Action as the backend's action dict; unset fields are left out."""
-    d: dict = {"type": a.type} if a.type else {}
-    if len(a.point):
-        d["point"] = list(a.point)
-    if len(a.end_point):
-        d["end_point"] = list(a.end_point)
-    for name in _ACTION_SCALARS[1:]:
-        v = getattr(a, name)
-        if v:
-            d[name] = v
-    return d
-
-
 def check_result(r: object) -> StepResult:
-    """A backend that breaks the StepResult contract is treated like a crashing one."""
+    """A backend that breaks the StepResult contract is treated like a crashing one. The outcome comes back as an
+    Outcome even where the backend wrote its string value."""
     if not isinstance(r, StepResult):
         raise TypeError(f"backend returned {type(r).__name__}, not a StepResult")
-    if r.outcome not in _OUTCOMES:
-        raise RuntimeError(f"backend reported outcome {r.outcome!r}" + (f": {r.info}" if r.info else ""))
+    if r.outcome not in _REPORTABLE:
+        raise RuntimeError(f"backend reported outcome {str(r.outcome)!r}" + (f": {r.info}" if r.info else ""))
+    r.outcome = Outcome(r.outcome)
     if not math.isfinite(float(r.reward)):
         raise RuntimeError(f"backend returned a non-finite reward {r.reward!r}")
     return r
@@ -206,6 +194,6 @@ def to_response(r: StepResult, step_ms: float, lease_ms: int, reward: float | No
     for im in r.images:
         obs.images.add(data=im.data, mime=im.mime, sha256=im.sha256, width=im.width, height=im.height)
     return env_pb2.StepResponse(
-        observation=obs, reward=float(r.reward if reward is None else reward), outcome=_OUTCOMES[r.outcome],
+        observation=obs, reward=float(r.reward if reward is None else reward), outcome=r.outcome.to_proto(),
         info_json=json.dumps(r.info, default=str) if r.info else "", lease_expires_unix_ms=lease_ms, step_ms=step_ms,
     )

@@ -31,50 +31,16 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
-import shutil
 import tempfile
 import time
-from typing import Any
 
 from envd import terminal_tasks, workspace_archive
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError, Env, StepResult
+from envd.base import Action, ActionError, Env, Outcome, StepResult
 from envd.sandbox import SANDBOX_WORKSPACE, Limits, SandboxError, ShellSandbox, workspace_usage
+from envd.terminal_text import KEYS, MAX_LINE, check_content, clean_terminal_text, normalize_key
+from envd.workspace_archive import clear_dir, rmtree
 
-MAX_CONTENT = 16384          # characters one type() may carry
-MAX_LINE = 4000              # bytes of one line (the tty's canonical line buffer holds 4095)
 SNAPSHOT_VERSION = 1
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
-_CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-_KEYS = {"ctrl c", "ctrl d", "ctrl u", "ctrl l", "enter", "backspace"}
-_KEY_ALIASES = {"control": "ctrl", "return": "enter", "^c": "ctrl c", "^d": "ctrl d", "^u": "ctrl u",
-                "^l": "ctrl l", "bksp": "backspace"}
-
-
-def clean_terminal_text(text: str) -> str:
-    """What a terminal would show: ANSI sequences removed, `\\r` overwrites and backspaces applied."""
-    text = _ANSI.sub("", text.replace("\r\n", "\n"))
-    lines = []
-    for line in text.split("\n"):
-        if "\r" in line:
-            line = [seg for seg in line.split("\r") if seg][-1] if line.strip("\r") else ""
-        if "\b" in line:
-            kept: list[str] = []
-            for ch in line:
-                if ch == "\b":
-                    if kept:
-                        kept.pop()
-                else:
-                    kept.append(ch)
-            line = "".join(kept)
-        lines.append(_CTRL.sub("", line))
-    return "\n".join(lines)
-
-
-def _normalize_key(key: str) -> str:
-    k = " ".join(re.split(r"[\s+\-]+", key.strip().lower()))
-    k = _KEY_ALIASES.get(k, k)
-    return " ".join(_KEY_ALIASES.get(p, p) for p in k.split())
 
 
 class TerminalEnv(Env):
@@ -116,7 +82,7 @@ class TerminalEnv(Env):
         self.queued: list[str] = []      # submitted lines waiting for the prompt to come back
         self.state = "idle"              # idle (no episode) | prompt | cont | running | over
         self.steps = 0
-        self.outcome, self.success, self.last_status, self.detail = RUNNING, False, 0, ""
+        self.outcome, self.success, self.last_status, self.detail = Outcome.RUNNING, False, 0, ""
 
     def _configure(self, options: dict[str, str]) -> None:
         known = {"max_steps", "verify", "screen_chars", *Limits.__dataclass_fields__}
@@ -149,7 +115,7 @@ class TerminalEnv(Env):
             self.sandbox.limits = self.limits
         self.sandbox.stop()
         if self.reset_clears_workspace:
-            _clear_dir(self.workspace)
+            clear_dir(self.workspace)
         self.spec = terminal_tasks.build(self.task, seed) if self.task else None
         if self.spec:
             terminal_tasks.seed_files(self.workspace, self.spec)
@@ -158,7 +124,7 @@ class TerminalEnv(Env):
 
     def _begin(self, cwd: str, transcript: str, pending: str, steps: int) -> None:
         self.transcript, self.pending, self.queued, self.steps = transcript, pending, [], steps
-        self.outcome, self.success, self.detail, self.last_status = RUNNING, False, "", 0
+        self.outcome, self.success, self.detail, self.last_status = Outcome.RUNNING, False, "", 0
         self._start_shell(cwd)
 
     def _start_shell(self, cwd: str) -> None:
@@ -174,14 +140,14 @@ class TerminalEnv(Env):
         root = os.path.realpath(self.workspace)
         return (host == root or host.startswith(root + os.sep)) and os.path.isdir(host)
 
-    def step(self, action: dict[str, Any]) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         if self.state == "idle":
             raise ActionError("reset the terminal first")
         if self.state == "over":
             raise ActionError("the episode is over; reset first")
-        kind = action.get("type")
+        kind = action.type
         if kind == "type":
-            content = self._check_content(action.get("content"))
+            content = check_content(action.content)
             if self.state != "running" or self.queued:
                 line = (self.pending + content).split("\n", 1)[0]
                 if len(line.encode()) > MAX_LINE:
@@ -189,9 +155,9 @@ class TerminalEnv(Env):
             self.steps += 1
             self._type(content)
         elif kind == "hotkey":
-            key = _normalize_key(str(action.get("key", "")))
-            if key not in _KEYS:
-                raise ActionError(f"unsupported key {action.get('key')!r}; the terminal takes {sorted(_KEYS)}")
+            key = normalize_key(action.key)
+            if key not in KEYS:
+                raise ActionError(f"unsupported key {action.key!r}; the terminal takes {sorted(KEYS)}")
             self.steps += 1
             self._hotkey(key)
         elif kind == "wait":
@@ -208,14 +174,14 @@ class TerminalEnv(Env):
         if self.spec and self.verify_mode == "step" and self.state != "running":
             ok, self.detail = terminal_tasks.verify(self.spec.name, self.workspace, self.spec.answer)
             if ok:
-                return self._end(TERMINATED, success=True)
+                return self._end(Outcome.TERMINATED, success=True)
         used, _ = workspace_usage(self.workspace)
         if used > self.limits.disk_mb << 20:
             self.detail = f"the workspace holds {used >> 20} MiB, over its {self.limits.disk_mb} MiB quota"
             self._append(f"[{self.detail}: the episode ends]\n")
-            return self._end(TRUNCATED, success=False)
+            return self._end(Outcome.TRUNCATED, success=False)
         if self.steps >= self.max_steps:
-            return self._end(TRUNCATED, success=False)
+            return self._end(Outcome.TRUNCATED, success=False)
         return self._result()
 
     def _finish(self) -> StepResult:
@@ -223,27 +189,14 @@ class TerminalEnv(Env):
         success = False
         if self.spec:
             success, self.detail = terminal_tasks.verify(self.spec.name, self.workspace, self.spec.answer)
-        return self._end(TERMINATED, success=success)
+        return self._end(Outcome.TERMINATED, success=success)
 
-    def _end(self, outcome: str, success: bool) -> StepResult:
+    def _end(self, outcome: Outcome, success: bool) -> StepResult:
         self.sandbox.stop()
         self.state, self.outcome, self.success = "over", outcome, success
         return self._result(reward=1.0 if success else 0.0)
 
     # ---- actions -------------------------------------------------------------------------------------------
-    @staticmethod
-    def _check_content(content: Any) -> str:
-        if not isinstance(content, str) or content == "":
-            raise ActionError("type needs content (a command line; end it with \\n to run it)")
-        if len(content) > MAX_CONTENT:
-            raise ActionError(f"content is {len(content)} characters; at most {MAX_CONTENT} per step")
-        content = content.replace("\r\n", "\n").replace("\r", "\n")
-        if _CTRL.search(content):
-            raise ActionError("content may not hold control characters (use hotkey for ctrl keys)")
-        if any(len(line.encode()) > MAX_LINE for line in content.split("\n")):
-            raise ActionError(f"a line longer than {MAX_LINE} bytes cannot be typed into the terminal")
-        return content
-
     def _type(self, content: str) -> None:
         deadline = time.monotonic() + self.limits.wait_s
         if self.state == "running" and not self.queued:
@@ -398,7 +351,7 @@ class TerminalEnv(Env):
 
     def restore(self, state: bytes) -> StepResult:
         self.sandbox.stop()
-        _clear_dir(self.workspace)
+        clear_dir(self.workspace)
         meta = workspace_archive.unpack(bytes(state), self.workspace)
         try:
             if meta.get("version") != SNAPSHOT_VERSION:
@@ -423,11 +376,12 @@ class TerminalEnv(Env):
             if self.spec and not (isinstance(self.spec.answer.get("number"), int)
                                   or isinstance(self.spec.answer.get("text"), str)):
                 raise ValueError("the task's answer must hold an integer `number` or a string `text`")
+            ended = Outcome(str(meta["outcome"])) if state == "over" else Outcome.RUNNING
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ActionError(f"not a terminal snapshot: {type(e).__name__}: {e}") from None
         if state == "over":
             self.transcript, self.pending, self.queued, self.steps, self.cwd = transcript, pending, [], steps, cwd
-            self.state, self.outcome, self.success = "over", str(meta["outcome"]), bool(meta["success"])
+            self.state, self.outcome, self.success = "over", ended, bool(meta["success"])
             self.last_status = int(meta.get("last_status", 0))
             return self._result()
         self._begin(cwd, transcript=transcript, pending=pending, steps=steps)
@@ -436,37 +390,7 @@ class TerminalEnv(Env):
 
     def close(self) -> None:
         self.sandbox.release()
-        _rmtree(self.private_dir)   # holds the workspace only when this env made it
-
-
-def _clear_dir(d: pathlib.Path) -> None:
-    """Empty a directory the sandbox wrote into (it may have made subdirectories unreadable or unwritable)."""
-    for entry in os.scandir(d):
-        p = pathlib.Path(entry.path)
-        if entry.is_dir(follow_symlinks=False):
-            _rmtree(p)
-        else:
-            p.unlink(missing_ok=True)
-
-
-def _rmtree(p: pathlib.Path) -> None:
-    def fix(func, path, exc):
-        # chmod 000 directories made inside the sandbox: make them ours again, then retry once.
-        parent = os.path.dirname(path)
-        for q in (parent, path):
-            try:
-                if not os.path.islink(q):
-                    os.chmod(q, 0o700)
-            except OSError:
-                pass
-        try:
-            func(path)
-        except FileNotFoundError:
-            pass
-        except IsADirectoryError:
-            shutil.rmtree(path, ignore_errors=True)
-    if p.exists() or p.is_symlink():
-        shutil.rmtree(p, onerror=fix)
+        rmtree(self.private_dir)   # holds the workspace only when this env made it
 
 
 def make(name: str, options: dict[str, str]) -> TerminalEnv:

@@ -8,6 +8,8 @@ so no member can be written through a symlink, whatever the links say.
 
 `pack` walks the workspace with fd-based `os.fwalk` and opens files with O_NOFOLLOW, so a workspace whose contents
 change under it (or that holds links to host files) can only ever put workspace bytes into a snapshot.
+
+`clear_dir` / `rmtree` empty or remove a workspace the sandbox wrote into, whatever permissions it left behind.
 """
 from __future__ import annotations
 
@@ -228,3 +230,34 @@ def _check_extracted_links(dest: pathlib.Path) -> None:
                 real = os.path.realpath(p)
                 if real != root and not real.startswith(root + os.sep):
                     raise ActionError(f"symlink {os.path.relpath(p, dest)!r} resolves outside the workspace")
+
+
+def clear_dir(d: pathlib.Path) -> None:
+    """Empty a directory the sandbox wrote into (it may have made subdirectories unreadable or unwritable)."""
+    for entry in os.scandir(d):
+        p = pathlib.Path(entry.path)
+        if entry.is_dir(follow_symlinks=False):
+            rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def rmtree(p: pathlib.Path) -> None:
+    """Remove a tree the sandbox wrote into, whatever permissions it left on it."""
+    def fix(func, path, exc):
+        # chmod 000 directories made inside the sandbox: make them ours again, then retry once.
+        parent = os.path.dirname(path)
+        for q in (parent, path):
+            try:
+                if not os.path.islink(q):
+                    os.chmod(q, 0o700)
+            except OSError:
+                pass
+        try:
+            func(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
+    if p.exists() or p.is_symlink():
+        shutil.rmtree(p, onerror=fix)

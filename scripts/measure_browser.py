@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 
+from core.action import Action
 from envd.browser import HOST, BrowserEnv
 from envd.browser_host import process_group
 from envd.games import GameEnv, game_info, names
@@ -56,7 +57,7 @@ def memory() -> None:
         e.close()
 
 
-def _latency(env, action: dict, n: int = 40) -> str:
+def _latency(env, action: Action, n: int = 40) -> str:
     ms = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -70,13 +71,13 @@ def latency() -> None:
     for settle in ("0", "50"):
         e = BrowserEnv({"html": PAGE, "settle_ms": settle, "max_steps": "1000"})
         e.reset(0, {})
-        _latency(e, {"type": "click", "point": [30, 80]}, 5)  # warm-up
+        _latency(e, Action("click", point=(30, 80)), 5)  # warm-up
         print(f"browser click+screenshot (1280x720 png, settle_ms={settle}): "
-              f"{_latency(e, {'type': 'click', 'point': [30, 80]})}")
+              f"{_latency(e, Action('click', point=(30, 80)))}")
         e.close()
     g = GameEnv("2048", {"max_steps": "1000"})
     g.reset(0, {})
-    print(f"games/2048 hotkey+100 ms clock+screenshot (640x560 png): {_latency(g, {'type': 'hotkey', 'key': 'left'})}")
+    print(f"games/2048 hotkey+100 ms clock+screenshot (640x560 png): {_latency(g, Action('hotkey', key='left'))}")
     g.close()
 
 
@@ -90,7 +91,7 @@ def random_scores(episodes: int = 3) -> None:
             r = e.reset(1000 + ep, {})
             total = 0.0
             while r.outcome == "running":
-                r = e.step({"type": "hotkey", "key": rng.choice(keys)})
+                r = e.step(Action("hotkey", key=rng.choice(keys)))
                 total += r.reward
             scores.append(total)
             e.close()

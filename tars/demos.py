@@ -7,8 +7,11 @@ only sees the examples (learner.sft.DemonstrationSource).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from actor.tiny import answer_ids, turn_prompt_ids
+from core.action import Action
+from core.outcome import Outcome
 from core.tokenizer import Tokenizer
 from envd import builtin
 
@@ -37,18 +40,16 @@ def parse_demonstrator(spec: str) -> tuple[str, float, int]:
 GOAL_VERBS = {"open", "then", "click", "type", "into", "answer"}
 
 
-def confused_action(env, rng: random.Random, distractors: int = 0) -> dict:
+def confused_action(env, rng: random.Random, distractors: int = 0) -> Action:
     """The oracle's action with its label or text swapped for a word drawn at random from the goal's words and
     `distractors` plausible wrong ones (a visible label to click, a name to type): the demonstrator knows what to do
     and that the words mostly come from the instruction, not which word goes where."""
-    a = dict(env.oracle_action())
-    key = "content" if a["type"] == "type" else "target"
+    a = env.oracle_action()
+    key = "content" if a.type == "type" else "target"
     words = [w for w in env.observe().instruction.split() if w not in GOAL_VERBS]
     for _ in range(distractors):
         words.append(rng.choice(builtin.VALUES) if key == "content" else rng.choice(env.clickable()))
-    if words:
-        a[key] = rng.choice(words)
-    return a
+    return replace(a, **{key: rng.choice(words)}) if words else a
 
 
 def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
@@ -74,7 +75,7 @@ def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrat
             toks += ans
             mask += [1] * len(ans)
             r = env.step(a)
-            if r.outcome != "running":
+            if r.outcome != Outcome.RUNNING:
                 break
         out.append((toks, mask))
     return out

@@ -106,6 +106,7 @@ class ScriptedPolicy(Policy):
 
     async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
         from actor.envclient import EnvActionError, EnvInfraError
+        from core.action import Action
         from envd.hints import OPTION
 
         t0 = time.monotonic()
@@ -121,7 +122,7 @@ class ScriptedPolicy(Policy):
                     break
                 steps += 1
                 try:
-                    obs = await self.env.step(sid, run_id, action)
+                    obs = await self.env.step(sid, run_id, Action.from_dict(action))
                 except EnvActionError as e:  # same accounting as the model path: a wasted turn with a penalty
                     ret += self.cfg.actor.format_penalty
                     error = f"action rejected: {e}"

@@ -2,8 +2,8 @@
 
 A backend's test subclasses `EnvCompliance` under a `Test*` name and sets:
   env_id          the id to create, e.g. "builtin/click"
-  valid_action    an action dict, or callable(observation: env_pb2.Observation) -> dict
-  invalid_action  an action dict the backend rejects with ActionError
+  valid_action    tars.v1.Action fields as a dict, or callable(observation: env_pb2.Observation) -> such a dict
+  invalid_action  tars.v1.Action fields as a dict, for an action envd answers with INVALID_ARGUMENT
   options         CreateSession options (optional)
   max_episode_steps  valid steps after which an episode is expected to have ended (else the end test is skipped)
 

@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError
+from envd.base import Action, ActionError, Outcome
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
 from core.v1 import common_pb2, env_pb2
 
@@ -134,7 +134,7 @@ class TestBrowserCompliance(EnvCompliance):
 
 def test_observation_has_screenshot_and_accessibility_text(env):
     r = env.observe()
-    assert r.outcome == RUNNING and (r.width, r.height) == (800, 600)
+    assert r.outcome == Outcome.RUNNING and (r.width, r.height) == (800, 600)
     (shot,) = r.images
     assert shot.mime == "image/png" and png_size(shot.data) == (800, 600)
     assert r.text.startswith("url: about:blank\ntitle: Test page\n")
@@ -155,57 +155,57 @@ def test_jpeg_screenshots_and_bounded_text():
 # ---- actions -----------------------------------------------------------------------------------------------------
 
 def test_click_changes_the_page(env):
-    assert "count 1" in env.step({"type": "click", "point": ADD}).text
-    assert "count 2" in env.step({"type": "click", "target": "Add"}).text  # by accessible name
-    r = env.step({"type": "click", "target": "Far"})  # off-screen: scrolled into view first
+    assert "count 1" in env.step(Action("click", point=ADD)).text
+    assert "count 2" in env.step(Action("click", target="Add")).text  # by accessible name
+    r = env.step(Action("click", target="Far"))  # off-screen: scrolled into view first
     assert "far" in r.text and "scroll 0" not in r.text
 
 
 def test_type_into_an_input_and_submit_with_enter(env):
-    r = env.step({"type": "type", "target": "Name", "content": "alice"})
+    r = env.step(Action("type", target="Name", content="alice"))
     assert '- textbox "Name": alice' in r.text and "not submitted" in r.text
-    r = env.step({"type": "type", "content": " smith\n"})  # focus stays in the field; \n presses Enter
+    r = env.step(Action("type", content=" smith\n"))  # focus stays in the field; \n presses Enter
     assert "submitted alice smith" in r.text
 
 
 def test_hotkeys(env):
-    r = env.step({"type": "hotkey", "key": "ctrl a"})
-    r = env.step({"type": "hotkey", "key": "shift tab"})
-    r = env.step({"type": "hotkey", "key": "Up"})
+    r = env.step(Action("hotkey", key="ctrl a"))
+    r = env.step(Action("hotkey", key="shift tab"))
+    r = env.step(Action("hotkey", key="Up"))
     assert "keys: Control+a Shift+Tab" in r.text
-    env.step({"type": "type", "target": "Name", "content": "old"})
-    env.step({"type": "hotkey", "key": "ctrl+a"})  # select all in the field, then overwrite it
-    r = env.step({"type": "type", "content": "new"})
+    env.step(Action("type", target="Name", content="old"))
+    env.step(Action("hotkey", key="ctrl+a"))  # select all in the field, then overwrite it
+    r = env.step(Action("type", content="new"))
     assert '- textbox "Name": new' in r.text
 
 
 def test_drag_double_and_right_click(env):
-    r = env.step({"type": "drag", "point": [20, 170], "end_point": [300, 240]})
+    r = env.step(Action("drag", point=[20, 170], end_point=[300, 240]))
     assert "down@10,10 up@290,80" in r.text
-    r = env.step({"type": "left_double", "point": [100, 200]})
+    r = env.step(Action("left_double", point=[100, 200]))
     assert "dblclick" in r.text
-    r = env.step({"type": "right_single", "point": [100, 200]})
+    r = env.step(Action("right_single", point=[100, 200]))
     assert "contextmenu" in r.text
 
 
 def test_scroll(env):
-    r = env.step({"type": "scroll", "point": [400, 300], "direction": "down"})
+    r = env.step(Action("scroll", point=[400, 300], direction="down"))
     assert "scroll 400" in r.text
-    r = env.step({"type": "scroll", "direction": "up"})  # no point: the middle of the viewport
+    r = env.step(Action("scroll", direction="up"))  # no point: the middle of the viewport
     assert "scroll 0" in r.text
 
 
 def test_bad_actions_are_rejected_and_change_nothing(env):
-    env.step({"type": "click", "point": ADD})
+    env.step(Action("click", point=ADD))
     before = env.observe().text
     for bad in ({"type": "teleport"}, {"type": "click", "point": [800, 10]}, {"type": "click"},
                 {"type": "hotkey", "key": "ctrl warp"}, {"type": "click", "target": "No such button"},
                 {"type": "click", "target": "Twin"}, {"type": "scroll", "direction": "inward"},
                 {"type": "drag", "point": [1, 1]}, {"type": "type", "content": ""}):
         with pytest.raises(ActionError):
-            env.step(bad)
+            env.step(Action(**bad))
     assert env.observe().text == before and env.steps == 1
-    assert "count 2" in env.step({"type": "click", "point": ADD}).text  # and the session still works
+    assert "count 2" in env.step(Action("click", point=ADD)).text  # and the session still works
 
 
 def test_wait_finished_call_user_and_truncation():
@@ -213,13 +213,13 @@ def test_wait_finished_call_user_and_truncation():
     try:
         e.reset(0, {})
         t0 = time.monotonic()
-        assert e.step({"type": "wait"}).outcome == RUNNING and time.monotonic() - t0 >= 0.05
-        assert e.step({"type": "wait"}).outcome == TRUNCATED
+        assert e.step(Action("wait")).outcome == Outcome.RUNNING and time.monotonic() - t0 >= 0.05
+        assert e.step(Action("wait")).outcome == Outcome.TRUNCATED
         e.reset(0, {})
-        r = e.step({"type": "finished", "content": "done it"})
-        assert (r.outcome, r.reward, r.info["answer"]) == (TERMINATED, 0.0, "done it")
+        r = e.step(Action("finished", content="done it"))
+        assert (r.outcome, r.reward, r.info["answer"]) == (Outcome.TERMINATED, 0.0, "done it")
         e.reset(0, {})
-        assert e.step({"type": "call_user"}).outcome == TERMINATED
+        assert e.step(Action("call_user")).outcome == Outcome.TERMINATED
     finally:
         e.close()
 
@@ -231,10 +231,10 @@ def test_verify_js_gives_reward_and_ends_the_episode():
                     "verify_js": "({reward: count === 2 ? 1 : 0, done: count >= 2, count})"})
     try:
         e.reset(0, {})
-        r = e.step({"type": "click", "point": ADD})
-        assert (r.reward, r.outcome, r.info["verify"]["count"]) == (0.0, RUNNING, 1)
-        r = e.step({"type": "click", "point": ADD})
-        assert (r.reward, r.outcome) == (1.0, TERMINATED)
+        r = e.step(Action("click", point=ADD))
+        assert (r.reward, r.outcome, r.info["verify"]["count"]) == (0.0, Outcome.RUNNING, 1)
+        r = e.step(Action("click", point=ADD))
+        assert (r.reward, r.outcome) == (1.0, Outcome.TERMINATED)
     finally:
         e.close()
 
@@ -256,7 +256,7 @@ def test_navigation_off_loopback_is_blocked():
     e = BrowserEnv({"html": page, "settle_ms": "100"})
     try:
         e.reset(0, {})
-        r = e.step({"type": "click", "target": "out"})
+        r = e.step(Action("click", target="out"))
         assert "ERR_BLOCKED_BY_CLIENT" in r.text, r.text  # the gate's abort, not a network failure
     finally:
         e.close()
@@ -268,7 +268,7 @@ def test_contexts_are_isolated_and_snapshots_carry_cookies_and_storage(site):
     a, b, c = BrowserEnv({"url": site}), BrowserEnv({"url": site}), BrowserEnv({})
     try:
         a.reset(0, {})
-        t = a.step({"type": "click", "target": "Set"}).text
+        t = a.step(Action("click", target="Set")).text
         assert "cookie sid=abc storage v" in t, t
         t = b.reset(0, {}).text
         assert "cookie (none) storage (none)" in t, t  # another session: none of a's state
@@ -372,11 +372,11 @@ def test_shutdown_closes_everything_and_a_later_session_starts_again():
     HOST.shutdown()
     assert not process_group(pid)
     with pytest.raises(Exception):
-        e.step({"type": "click", "point": ADD})  # the session's browser is gone: an infrastructure error
+        e.step(Action("click", point=ADD))  # the session's browser is gone: an infrastructure error
     e.close()
     e2 = BrowserEnv({"html": PAGE})
     try:
-        assert "count 1" in (e2.reset(0, {}), e2.step({"type": "click", "point": ADD}))[1].text
+        assert "count 1" in (e2.reset(0, {}), e2.step(Action("click", point=ADD)))[1].text
     finally:
         e2.close()
 

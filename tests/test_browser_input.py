@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from envd.base import ActionError
+from envd.base import Action, ActionError
 from envd.browser_input import BrowserOptions, check_action, check_url, playwright_keys, url_allowed
 
 
@@ -69,12 +69,12 @@ def test_bad_hotkeys(key):
 
 
 def test_check_action_normalises_and_rejects():
-    a = check_action({"type": "click", "point": [10, "20"]}, 100, 50)
-    assert a["point"] == (10.0, 20.0)
-    assert check_action({"type": "hotkey", "key": "ctrl a"}, 100, 50)["keys"] == "Control+a"
-    assert check_action({"type": "hotkey", "content": "enter"}, 100, 50)["keys"] == "Enter"  # key in content
-    assert check_action({"type": "scroll", "direction": "DOWN"}, 100, 50)["direction"] == "down"
-    assert check_action({"type": "click", "target": "OK"}, 100, 50)["target"] == "OK"
+    a = check_action(Action("click", point=[10, "20"]), 100, 50)
+    assert a.action.point == (10.0, 20.0)
+    assert check_action(Action("hotkey", key="ctrl a"), 100, 50).keys == "Control+a"
+    assert check_action(Action("hotkey", content="enter"), 100, 50).keys == "Enter"  # key in content
+    assert check_action(Action("scroll", direction="DOWN"), 100, 50).action.direction == "down"
+    assert check_action(Action("click", target="OK"), 100, 50).action.target == "OK"
     for bad, match in [
         ({"type": "teleport"}, "unknown action type"),
         ({"type": "click"}, "needs a point"),
@@ -90,4 +90,4 @@ def test_check_action_normalises_and_rejects():
         ({"type": "hotkey"}, "needs a key"),
     ]:
         with pytest.raises(ActionError, match=match):
-            check_action(bad, 100, 50)
+            check_action(Action(**bad), 100, 50)

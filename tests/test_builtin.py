@@ -4,7 +4,7 @@ import random
 import pytest
 
 from envd import builtin
-from envd.base import ActionError
+from envd.base import Action, ActionError
 
 
 @pytest.mark.parametrize("task", builtin.TASKS)
@@ -42,20 +42,20 @@ def test_wrong_click_fails_and_step_limit_truncates():
     r = env.reset(1)
     menus = [e["label"] for e in r.info["elements"] if e["kind"] == "menu"]
     for i in range(3):  # toggling menus never ends the task, so the step budget does
-        r = env.step({"type": "click", "target": menus[i % len(menus)]})
+        r = env.step(Action("click", target=menus[i % len(menus)]))
     assert r.outcome == "truncated" and not r.info["success"]
     r = env.reset(2)
     wrong = [e["label"] for e in r.info["elements"] if e["kind"] == "button"][0]
-    r = env.step({"type": "click", "target": wrong})
+    r = env.step(Action("click", target=wrong))
     assert r.outcome == "terminated" and r.reward == 0.0 and not r.info["success"]
 
 
 def test_click_by_coordinates():
     env = builtin.make("click")
     r = env.reset(3)
-    target = env.oracle_action()["target"]
+    target = env.oracle_action().target
     box = next(e["box"] for e in r.info["elements"] if e["label"] == target)
-    r = env.step({"type": "click", "point": [(box[0] + box[2]) / 2, (box[1] + box[3]) / 2]})
+    r = env.step(Action("click", point=[(box[0] + box[2]) / 2, (box[1] + box[3]) / 2]))
     assert r.info["success"]
 
 
@@ -63,9 +63,9 @@ def test_bad_actions():
     env = builtin.make("click")
     env.reset(0)
     with pytest.raises(ActionError):
-        env.step({"type": "teleport"})
+        env.step(Action("teleport"))
     with pytest.raises(ActionError):
-        env.step({"type": "click"})
+        env.step(Action("click"))
     r = env.step(env.oracle_action())  # the session still works
     assert r.info["success"]
     with pytest.raises(ActionError):
@@ -89,8 +89,8 @@ def test_strict_targets_rejects_missing_labels_without_changing_state():
     env = builtin.make("click", {"strict_targets": "1"})
     env.reset(4)
     with pytest.raises(ActionError, match="no element labelled"):
-        env.step({"type": "click", "target": "NoSuchLabel"})
+        env.step(Action("click", target="NoSuchLabel"))
     assert env.observe().step == 0
     loose = builtin.make("click")
     loose.reset(4)
-    assert loose.step({"type": "click", "target": "NoSuchLabel"}).outcome == "running"
+    assert loose.step(Action("click", target="NoSuchLabel")).outcome == "running"

@@ -102,7 +102,7 @@ def test_glued_tokenizer_gives_a_word_one_id_in_prompt_and_answer():
                 assert all(i < glued.byte_base for i in ids), "builtin text fell back to bytes"
                 n_glued, n_spaced = n_glued + len(ids), n_spaced + len(spaced.encode(text))
                 action = env.oracle_action()
-                word = action.get("target") or action.get("content")
+                word = action.target or action.content
                 # glued: the answer's word is the very id the prompt shows
                 assert glued.index[word] in answer_ids(glued, action) and glued.index[word] in ids
                 # spaced: the prompt shows " Save", the answer writes "Save", two ids the model must map

@@ -152,12 +152,12 @@ def test_demonstrators_oracle_noisy_and_confused():
         env = builtin.make("mixed")
         r = env.reset(seed)
         o, a = env.oracle_action(), confused_action(env, rng)
-        key = "content" if o["type"] == "type" else "target"
-        assert a["type"] == o["type"]
+        key = "content" if o.type == "type" else "target"
+        assert a.type == o.type
         words = set(r.instruction.split()) - GOAL_VERBS
-        assert a[key] in words and o[key] in words
-        same += a[key] == o[key]
-        differ += a[key] != o[key]
+        assert getattr(a, key) in words and getattr(o, key) in words
+        same += getattr(a, key) == getattr(o, key)
+        differ += getattr(a, key) != getattr(o, key)
     assert same > 60 and differ > 30
     # confused:P:N also draws from N distractors: a visible label to click, a name to type, never a verb
     rng, off_goal = random.Random(0), 0
@@ -165,11 +165,11 @@ def test_demonstrators_oracle_noisy_and_confused():
         env = builtin.make("mixed")
         r = env.reset(seed)
         o, a = env.oracle_action(), confused_action(env, rng, 1)
-        key = "content" if o["type"] == "type" else "target"
-        assert a["type"] == o["type"] and a[key] not in GOAL_VERBS
+        key = "content" if o.type == "type" else "target"
+        assert a.type == o.type and getattr(a, key) not in GOAL_VERBS
         pool = builtin.VALUES if key == "content" else env.clickable()
-        assert a[key] in set(r.instruction.split()) | set(pool)
-        off_goal += a[key] not in r.instruction.split()
+        assert getattr(a, key) in set(r.instruction.split()) | set(pool)
+        off_goal += getattr(a, key) not in r.instruction.split()
     assert 50 < off_goal < 150  # about a third of the draws for two goal words and one distractor
     # whole demonstrations: loss only on the answers, one answer per turn, ending in <eos>
     tok = Tokenizer.build(builtin.VOCABULARY)

@@ -14,8 +14,8 @@ import zlib
 import grpc
 import pytest
 
-from envd import png, proctree
-from envd.base import ActionError
+from envd import png, proctree, xserver
+from envd.base import Action, ActionError
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
 from core.proc import wait_for
 from core.v1 import common_pb2, env_pb2
@@ -88,8 +88,8 @@ def test_typing_into_xterm_makes_a_file(desk):
     assert '"xterm" (XTerm)' in r.text and '"xedit" (Xedit)' in r.text and desk.workspace in r.text
     assert png.decode_rgb(r.images[0].data)[:2] == (800, 600)
     before = r.images[0].sha256
-    desk.step({"type": "click", "target": "xterm"})  # no window manager: focus follows the pointer
-    r = desk.step({"type": "type", "content": "echo hi > file\n"})
+    desk.step(Action("click", target="xterm"))  # no window manager: focus follows the pointer
+    r = desk.step(Action("type", content="echo hi > file\n"))
     path = os.path.join(desk.workspace, "file")
     _poll(lambda: os.path.exists(path) and open(path).read() == "hi\n", what="xterm to write the file")
     _poll(lambda: desk.screenshot().sha256 != before, what="the screenshot to change")
@@ -106,19 +106,19 @@ def test_every_input_kind_and_rejected_input(desk):
               {"type": "left_double", "point": [cx, cy]}, {"type": "right_single", "point": [cx, cy]},
               {"type": "hotkey", "key": "ctrl e"}, {"type": "scroll", "point": [cx, cy], "direction": "down"},
               {"type": "drag", "point": [cx, cy], "end_point": [cx + 40, cy]}, {"type": "wait"}):
-        r = desk.step(a)
+        r = desk.step(Action(**a))
         assert r.outcome == "running" and r.images[0].width == 800
     steps, text = r.step, desk.observe().text
     for bad in ({"type": "click", "point": [800, 10]}, {"type": "click"}, {"type": "hotkey", "key": "ctrl nope"},
                 {"type": "scroll", "direction": "sideways"}, {"type": "click", "target": "no such window"},
                 {"type": "type", "content": ""}, {"type": "teleport"}):
         with pytest.raises(ActionError):
-            desk.step(bad)
+            desk.step(Action(**bad))
     assert desk.observe().step == steps and desk.observe().text == text
-    r = desk.step({"type": "finished"})
+    r = desk.step(Action("finished"))
     assert r.outcome == "terminated" and r.reward == 0.0
     with pytest.raises(ActionError):
-        desk.step({"type": "wait"})
+        desk.step(Action("wait"))
     with pytest.raises(NotImplementedError, match="snapshot"):
         desk.snapshot()
 
@@ -126,15 +126,15 @@ def test_every_input_kind_and_rejected_input(desk):
 def test_shared_workspace_and_distinct_displays(tmp_path, monkeypatch, desk):
     # Pretend no lock files exist and aim at the display in use: Xvfb itself refuses it and the next one is tried.
     taken = int(desk.display[1:])
-    monkeypatch.setattr(desktop, "_next_display", taken)
+    monkeypatch.setattr(xserver, "_next_display", taken)
     real_exists = os.path.exists
-    monkeypatch.setattr(desktop.os.path, "exists", lambda p: False if str(p).startswith("/tmp/.X") else real_exists(p))
+    monkeypatch.setattr(xserver.os.path, "exists", lambda p: False if str(p).startswith("/tmp/.X") else real_exists(p))
     other = desktop.make("", {"apps": "xterm", "workspace": str(tmp_path), "width": "640", "height": "480"})
     try:
         assert other.display != desk.display
         other.reset(0)
-        other.step({"type": "click", "target": "xterm"})
-        other.step({"type": "type", "content": "pwd > where\n"})
+        other.step(Action("click", target="xterm"))
+        other.step(Action("type", content="pwd > where\n"))
         _poll(lambda: (tmp_path / "where").exists() and (tmp_path / "where").read_text().strip(), what="pwd output")
         assert (tmp_path / "where").read_text().strip() == str(tmp_path)
     finally:

@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from envd import registry
-from envd.base import RUNNING, ActionError, Env, StepResult
-from envd.server import ENV_SERVICE, action_to_dict, serve
+from envd.base import Action, ActionError, Env, Outcome, StepResult
+from envd.server import ENV_SERVICE, serve
 from envd_compliance import envd_client, expect_code, run
 from core import rpc
 from core.config import EnvdConfig
@@ -24,8 +24,12 @@ from core.v1 import common_pb2, control_pb2, control_pb2_grpc, env_pb2, env_pb2_
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+FRAGILE = ("wait", "crash", "hang", "slow")
+
+
 class FragileEnv(Env):
-    """Steps: wait (fine), crash (raises), hang (sleeps past the deadline), slow (checks steps never overlap)."""
+    """Steps: wait (fine), crash (raises), hang (sleeps past the deadline), slow (checks steps never overlap); the
+    kind rides in the target of a wait() (envd passes only known action types to a backend)."""
 
     closed: list[str] = []          # class-level: the tests check that envd closes what it created
     action_space = "wait | crash | hang | slow"
@@ -40,10 +44,10 @@ class FragileEnv(Env):
     def reset(self, seed: int, options: dict[str, str]) -> StepResult:
         return StepResult(text=f"fragile {self.name} seed {seed}")
 
-    def step(self, action: dict) -> StepResult:
+    def step(self, action: Action) -> StepResult:
         self.active += 1
         try:
-            kind = action["type"]
+            kind = action.target or action.type
             if kind == "crash":
                 raise RuntimeError("segfault in the emulator")
             if kind == "hang":
@@ -54,7 +58,7 @@ class FragileEnv(Env):
                     raise AssertionError("two steps ran at once on one env")
             if kind not in ("wait", "hang", "slow"):
                 raise ActionError(f"unsupported {kind!r}")
-            return StepResult(text="ok", outcome=RUNNING)
+            return StepResult(text="ok", outcome=Outcome.RUNNING)
         finally:
             self.active -= 1
 
@@ -76,7 +80,9 @@ async def _started(c, env_id="test-fragile/a", **kw) -> str:
 
 
 def _step(c, sid, kind="wait", **kw):
-    return c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type=kind), **kw))
+    """A FragileEnv step of `kind`; a kind FragileEnv does not know is sent as the action type itself."""
+    a = env_pb2.Action(type="wait", target=kind) if kind in FRAGILE else env_pb2.Action(type=kind)
+    return c.Step(env_pb2.StepRequest(session_id=sid, action=a, **kw))
 
 
 def _control(c):
@@ -92,10 +98,17 @@ async def _health(channel, service="") -> int:
     return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
 
 
-def test_action_to_dict_omits_empty_fields():
+def test_action_from_proto_leaves_empty_fields_unset():
     a = env_pb2.Action(type="drag", point=[1, 2], end_point=[3, 4.5], raw="drag(...)")
-    assert action_to_dict(a) == {"type": "drag", "point": [1.0, 2.0], "end_point": [3.0, 4.5], "raw": "drag(...)"}
-    assert action_to_dict(env_pb2.Action(type="hotkey", key="ctrl c")) == {"type": "hotkey", "key": "ctrl c"}
+    assert Action.from_proto(a) == Action("drag", point=(1.0, 2.0), end_point=(3.0, 4.5), raw="drag(...)")
+    assert Action.from_proto(Action.from_proto(a).to_proto()) == Action.from_proto(a)
+    assert Action.from_proto(env_pb2.Action(type="hotkey", key="ctrl c")) == Action("hotkey", key="ctrl c")
+    assert Action.from_proto(env_pb2.Action(type="hotkey", key="ctrl c")).to_dict() == {"type": "hotkey", "key": "ctrl c"}
+    for bad, why in ((env_pb2.Action(), "unknown action type"), (env_pb2.Action(type="teleport"), "unknown action type"),
+                     (env_pb2.Action(type="click", point=[1]), r"must be \[x, y\]"),
+                     (env_pb2.Action(type="drag", point=[1, 2], end_point=[1, 2, 3]), "end_point")):
+        with pytest.raises(ActionError, match=why):
+            Action.from_proto(bad)
 
 
 def test_registry_resolution():
@@ -370,8 +383,8 @@ def test_hint_policy_option_gives_the_scripted_action_and_never_reaches_the_back
             env = c.server.servicer.sessions[sid].env
             for _ in range(2):
                 hint = json.loads(r.info_json)["hint_action"]
-                assert hint == env.oracle_action()
-                r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(**hint)))
+                assert Action.from_dict(hint) == env.oracle_action()
+                r = await c.Step(env_pb2.StepRequest(session_id=sid, action=Action.from_dict(hint).to_proto()))
             assert r.outcome == common_pb2.TERMINATED and r.reward == 1.0 and "hint_action" not in json.loads(r.info_json)
             await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.CreateSession(env_pb2.CreateSessionRequest(
                 env_id="builtin/click", options={"hint_policy": "psychic"})))

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from envd import registry
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError, Env, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
 from envd_compliance import EnvCompliance
 
 
@@ -25,7 +25,8 @@ class CounterEnv(Env):
         self.n = self.t = 0
 
     def _result(self, reward: float = 0.0) -> StepResult:
-        outcome = TERMINATED if self.n >= self.goal else TRUNCATED if self.t >= self.max_steps else RUNNING
+        outcome = (Outcome.TERMINATED if self.n >= self.goal else Outcome.TRUNCATED if self.t >= self.max_steps
+                   else Outcome.RUNNING)
         return StepResult(text=f"count {self.n} [button inc] [button dec]", instruction=f"count to {self.goal}",
                           reward=reward, outcome=outcome, step=self.t, width=8, height=8,
                           images=[Screenshot(data=f"png:{self.n}".encode(), width=8, height=8)],
@@ -35,13 +36,13 @@ class CounterEnv(Env):
         self.n = self.t = 0
         return self._result()
 
-    def step(self, action: dict) -> StepResult:
-        if action["type"] not in ("click", "wait"):
-            raise ActionError(f"unsupported action {action['type']!r}")
-        if action["type"] == "click":
-            if action.get("target") not in ("inc", "dec"):
-                raise ActionError(f"no button {action.get('target')!r}")
-            self.n += 1 if action["target"] == "inc" else -1
+    def step(self, action: Action) -> StepResult:
+        if action.type not in ("click", "wait"):
+            raise ActionError(f"unsupported action {action.type!r}")
+        if action.type == "click":
+            if action.target not in ("inc", "dec"):
+                raise ActionError(f"no button {action.target!r}")
+            self.n += 1 if action.target == "inc" else -1
         self.t += 1
         return self._result(1.0 if self.n >= self.goal else 0.0)
 

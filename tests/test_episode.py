@@ -26,6 +26,7 @@ from learner.main import Learner
 from learner.staleness import StalenessManager
 from core.config import ActorConfig, EnvdConfig, InferenceConfig
 from core.model import CausalLM, DecoderConfig
+from core.outcome import Fault, Outcome
 from core.schema import Trajectory
 from core.tokenizer import Tokenizer
 
@@ -122,11 +123,40 @@ def test_env_killed_mid_episode_is_infra_error_and_never_trained_on():
 
         tr = asyncio.run(main())
     assert tr.outcome == "infra_error" and "envd" in tr.error
+    assert tr.fault == Fault.ENVD and Trajectory.decode(tr.encode()).fault == Fault.ENVD   # typed, on the wire too
     assert len(tr.turns) == 2 and tr.ret == 0.0          # the two completed turns, no score for the failure
     Trajectory.decode(tr.encode())                        # still a valid trajectory on the wire
     assert learner_admits(tr) is False                    # kept out of the loss
     ok = dataclasses.replace(tr, outcome="truncated")
     assert learner_admits(ok) is True                     # (the same trajectory, not failed, would be trained on)
+
+
+def test_a_retry_avoids_the_daemon_only_when_the_daemon_failed(monkeypatch):
+    """An attempt that ended infra_error because envd failed marks that daemon down for new episodes; one whose
+    backend or inference failed leaves it in rotation (the next attempt may well land on it again)."""
+    from actor import main as M
+
+    class Daemon:
+        down = False
+
+        def mark_down(self):
+            self.down = True
+
+    for fault, down in ((Fault.ENVD, True), (Fault.ENV, False), (Fault.INFERENCE, False)):
+        daemon, outcomes = Daemon(), iter([Outcome.INFRA_ERROR, Outcome.TERMINATED])
+
+        async def attempt(ctx, env, tid, env_id, seed, version, group):
+            o = next(outcomes)
+            return Trajectory(id=tid, env_id=env_id, outcome=o, fault=fault if o == Outcome.INFRA_ERROR else Fault.NONE,
+                              tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                              versions=np.zeros(0, np.int32), mask=np.zeros(0, np.uint8), turns=[], ret=0.0)
+
+        monkeypatch.setattr(M, "run_episode", attempt)
+        actor = types.SimpleNamespace(acfg=types.SimpleNamespace(episode_attempts=2), _pick_env=lambda: daemon,
+                                      ctx=None, _new_id=lambda: "a-1", version=0, stats=collections.Counter())
+        tr = asyncio.run(M.Actor._episode(actor, "", 0, "builtin/click"))
+        assert tr.outcome == Outcome.TERMINATED and tr.timings["attempts"] == 2
+        assert daemon.down is down, fault
 
 
 def test_a_version_change_mid_episode_tags_each_token_with_its_version():

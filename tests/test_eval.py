@@ -12,7 +12,7 @@ import time
 import pytest
 
 from envd import registry
-from envd.base import RUNNING, TERMINATED, ActionError, Env, StepResult
+from envd.base import Action, ActionError, Env, Outcome, StepResult
 from core import config as C
 from tars import eval as E
 from tars import evalsuite as S
@@ -55,15 +55,15 @@ class FakeEnv(Env):
             FakeEnv.actions.append(action)
         if self.mode == "crashy" and self.seed % 2:
             raise RuntimeError("the browser died")
-        if action.get("type") != "click":
+        if action.type != "click":
             raise ActionError("only clicks here")
         info = {"success": True}
         if self.mode == "game":  # a game that reports its score and a human reference
             info.update(score=float(self.seed % 10), human_score=20.0)
-        return StepResult(text="done", instruction="click OK", reward=1.0, outcome=TERMINATED, info=info)
+        return StepResult(text="done", instruction="click OK", reward=1.0, outcome=Outcome.TERMINATED, info=info)
 
     def oracle_action(self):
-        return {"type": "click", "target": "OK"}
+        return Action("click", target="OK")
 
 
 @pytest.fixture
@@ -105,7 +105,7 @@ def test_random_policy_clicks_inside_the_screen_of_a_backend_without_random_acti
     assert res["overall"]["success_rate"] == 1.0
     assert len(FakeEnv.actions) == 5
     for a in FakeEnv.actions:
-        assert a["type"] == "click" and 0 <= a["point"][0] < 100 and 0 <= a["point"][1] < 50
+        assert a.type == "click" and 0 <= a.point[0] < 100 and 0 <= a.point[1] < 50
 
 
 # ---- infra errors -----------------------------------------------------------------------------------------

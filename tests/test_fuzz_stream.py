@@ -134,7 +134,7 @@ def test_action_parser_on_adversarial_model_output():
     def one(t):
         try:
             _, actions = parse_response(t)
-            assert actions and all(a.to_env()["type"] for a in actions)
+            assert actions and all(a.to_dict()["type"] for a in actions)
             seen["parsed"] += 1
         except ParseError:
             seen["ParseError"] += 1

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from envd import registry
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError
+from envd.base import Action, ActionError, Outcome
 from envd_compliance import EnvCompliance
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"),
@@ -64,7 +64,7 @@ def test_bad_game_options(options, match):
 # ---- the clock ---------------------------------------------------------------------------------------------------
 
 def test_paused_clock_freezes_the_game(snake):
-    snake.step({"type": "hotkey", "key": "down"})  # the snake is moving
+    snake.step(Action("hotkey", key="down"))  # the snake is moving
     state, text = snake.game_state(), snake.observe().text
     time.sleep(0.5)  # real time passes; game time does not
     assert snake.game_state() == state and snake.observe().text == text
@@ -75,8 +75,8 @@ def test_a_step_runs_exactly_its_budget_of_game_time():
     try:
         e.reset(3, {})
         c0 = e.game_state()["clock_ms"]
-        v1 = e.step({"type": "wait"}).info["verify"]
-        v2 = e.step({"type": "hotkey", "key": "up"}).info["verify"]
+        v1 = e.step(Action("wait")).info["verify"]
+        v2 = e.step(Action("hotkey", key="up")).info["verify"]
         # 100 ms per tick at level 1: 3 ticks per step, each cell of the way
         assert (v1["clock_ms"] - c0, v1["ticks"], v1["head"]) == (300, 3, [13, 7])
         assert (v2["clock_ms"] - c0, v2["ticks"], v2["head"]) == (600, 6, [13, 4])
@@ -90,10 +90,10 @@ def test_steps_run_faster_than_the_game_time_they_simulate():
     try:
         e.reset(3, {})
         t0 = time.monotonic()
-        rs = [e.step({"type": "wait"}) for _ in range(3)]
+        rs = [e.step(Action("wait")) for _ in range(3)]
         wall = time.monotonic() - t0
         assert [r.info["verify"]["lives"] for r in rs] == [2, 1, 0]
-        assert [r.outcome for r in rs] == [RUNNING, RUNNING, TERMINATED]
+        assert [r.outcome for r in rs] == [Outcome.RUNNING, Outcome.RUNNING, Outcome.TERMINATED]
         assert rs[-1].info["verify"]["clock_ms"] == 3000 and rs[-1].info["verify"]["ticks"] == 30
         assert wall < 3.0, f"3 s of game time took {wall:.2f} s of wall time"
     finally:
@@ -111,9 +111,9 @@ def test_2048_is_seeded_and_step_rewards_sum_to_the_score():
         total, r = 0.0, None
         for k in range(24):
             if k % 8 == 7:  # now and then by clicking the on-screen button instead of a key
-                r = e.step({"type": "click", "target": "Up"})
+                r = e.step(Action("click", target="Up"))
             else:
-                r = e.step({"type": "hotkey", "key": ("left", "down", "right", "down")[k % 4]})
+                r = e.step(Action("hotkey", key=("left", "down", "right", "down")[k % 4]))
             total += r.reward
         v = r.info["verify"]
         assert total == v["score"] > 0 and v["moves"] > 0 and f"Score {v['score']}" in r.text
@@ -154,26 +154,26 @@ def test_puzzle_solved_by_clicking_tiles_scores_100_and_levels_up():
         e.reset(4, {})
         plan = _solve_8_puzzle(e.game_state()["g"]["tiles"])
         assert 0 < len(plan) <= 10
-        rewards = [e.step({"type": "click", "target": str(tile)}).reward for tile in plan]
+        rewards = [e.step(Action("click", target=str(tile))).reward for tile in plan]
         assert rewards == [0.0] * (len(plan) - 1) + [100.0]
         v = e.observe().info["verify"]
         assert (v["level"], v["score"]) == (2, 100) and "Level 2 of 3" in e.observe().text
         with pytest.raises(ActionError):
-            e.step({"type": "click", "target": "9"})  # no such tile
+            e.step(Action("click", target="9"))  # no such tile
     finally:
         e.close()
 
 
 def test_snapshot_replays_identically(snake):
     for k in ("down", "left", "wait"):
-        snake.step({"type": "hotkey", "key": k} if k != "wait" else {"type": "wait"})
+        snake.step(Action("hotkey", key=k) if k != "wait" else Action("wait"))
     snap = snake.snapshot()
     assert json.loads(snap)["env"] == "games/snake"
     copy = GameEnv("snake", {})
     try:
         r = copy.restore(snap)
         assert r.text == snake.observe().text and r.step == 3
-        for a in ({"type": "hotkey", "key": "up"}, {"type": "wait"}, {"type": "hotkey", "key": "right"}):
+        for a in (Action("hotkey", key="up"), Action("wait"), Action("hotkey", key="right")):
             assert snake.step(a).text == copy.step(a).text
         assert snake.game_state() == copy.game_state()
         with pytest.raises(ValueError, match="cannot be restored"):
@@ -186,6 +186,6 @@ def test_max_steps_truncates():
     e = GameEnv("2048", {"max_steps": "2"})
     try:
         e.reset(1, {})
-        assert [e.step({"type": "wait"}).outcome for _ in range(2)] == [RUNNING, TRUNCATED]
+        assert [e.step(Action("wait")).outcome for _ in range(2)] == [Outcome.RUNNING, Outcome.TRUNCATED]
     finally:
         e.close()

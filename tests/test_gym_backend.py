@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from envd import registry
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError
+from envd.base import Action, ActionError, Outcome
 from envd.gym_backend import GymEnv, describe, env_names
 from envd.png import decode_png, encode_png
 from envd_compliance import EnvCompliance, envd_client, run
@@ -49,7 +49,7 @@ gymnasium.register("TarsTestStripes-v0", entry_point=StripesEnv, max_episode_ste
 
 
 def act(env: GymEnv, **a):
-    return env.step(a)
+    return env.step(Action(**a))
 
 
 def test_listing_and_unknown_ids():
@@ -68,31 +68,31 @@ def test_listing_and_unknown_ids():
 def test_discrete_actions_and_outcomes():
     env = registry.make("gym/CartPole-v1", {})
     r = env.reset(1, {})
-    assert r.text.startswith("observation: [") and "0..1" in r.instruction and r.outcome == RUNNING
+    assert r.text.startswith("observation: [") and "0..1" in r.instruction and r.outcome == Outcome.RUNNING
     for a in ({"type": "type", "content": "1"}, {"type": "hotkey", "key": "0"}, {"type": "click", "target": " 1 "}):
-        r = env.step(a)
-        assert r.reward == 1.0 and r.outcome == RUNNING
-    rs = [env.step({"type": "type", "content": "1"}) for _ in range(40) if env.outcome == RUNNING]
-    assert rs[-1].outcome == TERMINATED and r.step >= 3
+        r = env.step(Action(**a))
+        assert r.reward == 1.0 and r.outcome == Outcome.RUNNING
+    rs = [env.step(Action("type", content="1")) for _ in range(40) if env.outcome == Outcome.RUNNING]
+    assert rs[-1].outcome == Outcome.TERMINATED and r.step >= 3
     env.close()
 
 
 def test_truncation_maps_to_truncated():
     env = registry.make("gym/Pendulum-v1", {"max_episode_steps": "3"})
     env.reset(0, {})
-    outs = [env.step({"type": "type", "content": "[0.0]"}).outcome for _ in range(3)]
-    assert outs == [RUNNING, RUNNING, TRUNCATED]
+    outs = [env.step(Action("type", content="[0.0]")).outcome for _ in range(3)]
+    assert outs == [Outcome.RUNNING, Outcome.RUNNING, Outcome.TRUNCATED]
     with pytest.raises(ActionError):
-        env.step({"type": "type", "content": "[0.0]"})
+        env.step(Action("type", content="[0.0]"))
     env.close()
 
 
 def test_box_actions_parse_and_check_bounds():
     env = registry.make("gym/Pendulum-v1", {})
     env.reset(0, {})
-    r = env.step({"type": "type", "content": "[1.5]"})
+    r = env.step(Action("type", content="[1.5]"))
     assert r.reward < 0 and "low [-2.0]" in r.instruction
-    r = env.step({"type": "type", "content": "-0.25"})          # a bare number for a one-element box
+    r = env.step(Action("type", content="-0.25"))          # a bare number for a one-element box
     assert r.step == 2
     env.close()
 
@@ -111,12 +111,12 @@ BAD_ACTIONS = {
 @pytest.mark.parametrize("env_id", sorted(BAD_ACTIONS))
 def test_bad_actions_are_errors_and_change_nothing(env_id):
     env, twin = registry.make(env_id, {}), registry.make(env_id, {})
-    good = {"type": "type", "content": "1" if "CartPole" in env_id else "[0.5]"}
+    good = Action("type", content="1" if "CartPole" in env_id else "[0.5]")
     r0, t0 = env.reset(4, {}), twin.reset(4, {})
     assert r0.text == t0.text
     for bad in BAD_ACTIONS[env_id]:
         with pytest.raises(ActionError):
-            env.step(bad)
+            env.step(Action(**bad))
         assert env.observe().text == r0.text
     a, b = env.step(good), twin.step(good)                    # same trajectory as an env that saw no bad action
     assert (a.text, a.reward, a.step) == (b.text, b.reward, b.step)
@@ -127,8 +127,8 @@ def test_bad_actions_are_errors_and_change_nothing(env_id):
 def test_finished_ends_as_truncated():
     env = registry.make("gym/CartPole-v1", {})
     env.reset(0, {})
-    r = env.step({"type": "finished"})
-    assert (r.outcome, r.reward) == (TRUNCATED, 0.0)
+    r = env.step(Action("finished"))
+    assert (r.outcome, r.reward) == (Outcome.TRUNCATED, 0.0)
     env.close()
 
 
@@ -142,8 +142,8 @@ def test_snapshot_restore_gives_identical_trajectories(env_id, action):
     env = registry.make(env_id, {})
     env.reset(9, {})
     for i in range(2):
-        if env.outcome == RUNNING:
-            env.step({"type": "type", "content": action(i)})
+        if env.outcome == Outcome.RUNNING:
+            env.step(Action("type", content=action(i)))
     snap = env.snapshot()
     json.loads(snap)                                          # plain JSON, no pickle
     copy = registry.make(env_id, {})
@@ -152,9 +152,9 @@ def test_snapshot_restore_gives_identical_trajectories(env_id, action):
     def rollout(e):
         out = []
         for i in range(2, 14):
-            if e.outcome != RUNNING:
+            if e.outcome != Outcome.RUNNING:
                 break
-            r = e.step({"type": "type", "content": action(i)})
+            r = e.step(Action("type", content=action(i)))
             out.append((r.text, r.reward, r.outcome))
         return out
 
@@ -169,7 +169,7 @@ def test_frozenlake_trajectories_depend_on_the_rng():
     for seed in range(6):
         e = registry.make("gym/FrozenLake-v1", {"max_episode_steps": "8"})
         e.reset(seed, {})
-        paths.add(tuple(e.step({"type": "type", "content": "2"}).text for _ in range(8) if e.outcome == RUNNING))
+        paths.add(tuple(e.step(Action("type", content="2")).text for _ in range(8) if e.outcome == Outcome.RUNNING))
         e.close()
     assert len(paths) > 1
 
@@ -207,7 +207,7 @@ def test_frames_as_png_and_unsupported_snapshots():
     assert len(r.images) == 1 and (r.width, r.height) == (10, 6)
     np.testing.assert_array_equal(decode_png(r.images[0].data), env.env.render())
     assert "array shape [8, 8, 3] uint8" in r.text and len(r.text) < 400
-    r = env.step({"type": "type", "content": "2"})
+    r = env.step(Action("type", content="2"))
     assert decode_png(r.images[0].data)[0, 2].tolist() == [255, 128, 7]
     with pytest.raises(NotImplementedError, match="cannot be snapshotted"):
         env.snapshot()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from envd import proctree
-from envd.base import ActionError
+from envd.base import Action, ActionError
 from envd.sandbox import missing_tools
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
 from core.proc import wait_for
@@ -82,37 +82,36 @@ def test_workspace_round_trip_between_gui_and_shell(env):
     ws = env.workspace
     assert r.images[0].width == 640 and '"xterm" (XTerm)' in r.text and r.text.endswith("/workspace$ ")
     assert "hello.txt" in r.instruction and os.stat(env._dir).st_mode & 0o777 == 0o711
-    env.step({"type": "click", "target": "xterm"})      # no window manager: keys go to the window under the pointer
-    env.step({"type": "type", "content": "echo gui > from_gui.txt\n"})
+    env.step(Action("click", target="xterm"))      # no window manager: keys go to the window under the pointer
+    env.step(Action("type", content="echo gui > from_gui.txt\n"))
     _poll(lambda: _read(ws / "from_gui.txt") == "gui\n", what="the xterm to write from_gui.txt")
-    r = env.step({"type": "type", "content": "cat from_gui.txt\n", "target": "terminal"})
+    r = env.step(Action("type", content="cat from_gui.txt\n", target="terminal"))
     assert "$ cat from_gui.txt\ngui\n[exit 0]" in r.text
     # The shell may also change what the GUI wrote, and writes files the GUI side sees.
-    r = env.step({"type": "type", "content": "echo more >> from_gui.txt && echo shell > from_shell.txt\n",
-                  "target": "terminal"})
+    r = env.step(Action("type", content="echo more >> from_gui.txt && echo shell > from_shell.txt\n", target="terminal"))
     assert r.info["terminal"]["exit_status"] == 0 and _read(ws / "from_gui.txt") == "gui\nmore\n"
     assert _read(ws / "from_shell.txt") == "shell\n"
-    env.step({"type": "type", "content": "cat from_shell.txt > seen_by_gui.txt\n"})    # the xterm reads it
+    env.step(Action("type", content="cat from_shell.txt > seen_by_gui.txt\n"))    # the xterm reads it
     _poll(lambda: _read(ws / "seen_by_gui.txt") == "shell\n", what="the xterm to copy from_shell.txt")
-    r = env.step({"type": "finished"})
+    r = env.step(Action("finished"))
     assert r.outcome == "terminated" and r.reward == 0.0 and r.info["success"] is False   # hello.txt was not made
     assert "hello.txt is missing" in r.info["verifier"]
     with pytest.raises(ActionError, match="over"):
-        env.step({"type": "wait"})
+        env.step(Action("wait"))
     r = env.reset(1)                                     # a new episode: the workspace is empty again
     assert sorted(os.listdir(ws)) == [] and r.step == 0 and r.outcome == "running"
 
 
 def test_bad_actions_change_neither_side(env):
     r = env.reset(2)
-    env.step({"type": "type", "content": "echo x", "target": "terminal"})   # pending on the prompt line
+    env.step(Action("type", content="echo x", target="terminal"))   # pending on the prompt line
     before = env.observe()
     for bad in ({"type": "click", "point": [900, 10]}, {"type": "teleport"}, {"type": "hotkey", "key": "ctrl nope"},
                 {"type": "click", "target": "terminal"}, {"type": "hotkey", "key": "alt f4", "target": "terminal"},
                 {"type": "type", "content": "", "target": "terminal"}, {"type": "scroll", "target": "Terminal"},
                 {"type": "type", "content": "a\x07b", "target": "TERMINAL"}):
         with pytest.raises(ActionError):
-            env.step(bad)
+            env.step(Action(**bad))
     after = env.observe()
     assert (after.text, after.step) == (before.text, before.step) and after.text.endswith("/workspace$ echo x")
     assert env.terminal.pending == "echo x" and r.step == 0
@@ -120,14 +119,14 @@ def test_bad_actions_change_neither_side(env):
 
 def test_task_solved_through_either_side(env):
     env.reset(3)
-    env.step({"type": "type", "content": "echo hi > hello.txt\n", "target": "terminal"})
-    r = env.step({"type": "finished"})
+    env.step(Action("type", content="echo hi > hello.txt\n", target="terminal"))
+    r = env.step(Action("finished"))
     assert r.reward == 1.0 and r.outcome == "terminated" and r.info["success"] is True
     env.reset(4)
-    env.step({"type": "click", "target": "xterm"})
-    env.step({"type": "type", "content": "echo hi > hello.txt\n"})
+    env.step(Action("click", target="xterm"))
+    env.step(Action("type", content="echo hi > hello.txt\n"))
     _poll(lambda: _read(env.workspace / "hello.txt") == "hi\n", what="the xterm to write hello.txt")
-    r = env.step({"type": "finished"})
+    r = env.step(Action("finished"))
     assert r.reward == 1.0 and r.info["success"] is True
 
 
@@ -138,7 +137,7 @@ def test_dead_sandbox_is_an_infra_failure():
         os.killpg(e.terminal.sandbox.proc.pid, signal.SIGKILL)
         _poll(lambda: not e.terminal.sandbox.alive, what="the sandbox to die")
         with pytest.raises(RuntimeError, match="sandbox") as ei:
-            e.step({"type": "wait"})
+            e.step(Action("wait"))
         assert not isinstance(ei.value, ActionError)
     finally:
         e.close()

@@ -12,6 +12,7 @@ from inference_server.engine import LocalEngine
 from inference_server.scripted import ScriptedEngine
 from core.config import InferenceConfig
 from core.model import CausalLM, DecoderConfig
+from core.outcome import Fault
 from core.vision import VisionConfig
 from test_episode import TOK, answer, stack
 
@@ -83,9 +84,9 @@ def test_unparseable_verdict_is_infra_error_or_falls_back(on_error, outcome):
     tr = run(TwoVoices("wait()", "hmm"), judge_mode="replace", judge_on_error=on_error)
     assert tr.outcome == outcome and "unparseable" in tr.judge["error"]
     if on_error == "infra_error":
-        assert tr.error.startswith("judge:")
+        assert tr.error.startswith("judge:") and tr.fault == Fault.JUDGE
     else:
-        assert tr.judge["fallback"] == "env" and tr.error == ""
+        assert tr.judge["fallback"] == "env" and tr.error == "" and tr.fault == Fault.NONE
 
 
 def test_judge_server_down_is_infra_error():
@@ -100,6 +101,7 @@ def test_judge_server_down_is_infra_error():
 
     tr = asyncio.run(main())
     assert tr.outcome == "infra_error" and "UNAVAILABLE" in tr.error and len(tr.turns) == 2
+    assert tr.fault == Fault.JUDGE
 
 
 def test_bad_judge_config_is_refused():

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from envd import builtin, latency
-from envd.base import ActionError
+from envd.base import Action, ActionError
 from envd_compliance import envd_client, expect_code, run
 from core.v1 import common_pb2, env_pb2
 
@@ -57,7 +57,7 @@ def test_wrapper_sleeps_reproducibly_and_answers_bad_actions_at_once():
     assert r.outcome == "running"
     t0 = time.perf_counter()
     with pytest.raises(ActionError):
-        env.step({"type": "teleport"})
+        env.step(Action("teleport"))
     assert env.slept_s == pytest.approx(0.1)  # no delay drawn for a rejected action; the session is unchanged
     assert env.step(env.oracle_action()).info["success"]
     # Same seed, same delays.

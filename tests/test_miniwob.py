@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from envd import proctree, registry
-from envd.base import ActionError
+from envd.base import Action, ActionError
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
 from core.v1 import common_pb2, env_pb2
 
@@ -79,31 +79,31 @@ def test_targets_resolve_by_ref_then_text():
 def test_actions_translate_to_the_action_space():
     tr = _translator()
     kinds = lambda out: [tr.types[a["action_type"]] for a in out]  # noqa: E731
-    assert kinds(tr.translate({"type": "click", "target": "Ok"}, PAGE)) == ["CLICK_ELEMENT"]
-    click_text = tr.translate({"type": "click", "target": "label text"}, PAGE)  # a text run is clicked where it is
+    assert kinds(tr.translate(Action("click", target="Ok"), PAGE)) == ["CLICK_ELEMENT"]
+    click_text = tr.translate(Action("click", target="label text"), PAGE)  # a text run is clicked where it is
     assert kinds(click_text) == ["CLICK_COORDS"] and list(click_text[0]["coords"]) == [35.0, 155.5]
-    assert kinds(tr.translate({"type": "left_double", "point": [3, 4]}, PAGE)) == ["DBLCLICK_COORDS"]
-    assert kinds(tr.translate({"type": "drag", "point": [1, 2], "end_point": [50, 60]}, PAGE)) == [
+    assert kinds(tr.translate(Action("left_double", point=[3, 4]), PAGE)) == ["DBLCLICK_COORDS"]
+    assert kinds(tr.translate(Action("drag", point=[1, 2], end_point=[50, 60]), PAGE)) == [
         "MOUSEDOWN_COORDS", "MOVE_COORDS", "MOUSEUP_COORDS"]
-    typed = tr.translate({"type": "type", "content": "a" * 70 + "\nb"}, PAGE)  # 64-char chunks, Enter between lines
+    typed = tr.translate(Action("type", content="a" * 70 + "\nb"), PAGE)  # 64-char chunks, Enter between lines
     assert kinds(typed) == ["TYPE_TEXT", "TYPE_TEXT", "PRESS_KEY", "TYPE_TEXT"]
     assert [a["text"] for a in typed if tr.types[a["action_type"]] == "TYPE_TEXT"] == ["a" * 64, "a" * 6, "b"]
-    into = tr.translate({"type": "type", "target": "[5]", "content": "hi\n"}, PAGE)
+    into = tr.translate(Action("type", target="[5]", content="hi\n"), PAGE)
     assert kinds(into) == ["FOCUS_ELEMENT_AND_TYPE_TEXT", "PRESS_KEY"] and into[0]["ref"] == 5
-    assert kinds(tr.translate({"type": "hotkey", "key": "ctrl a"}, PAGE)) == ["PRESS_KEY"]
-    assert kinds(tr.translate({"type": "scroll", "direction": "down"}, PAGE)) == ["SCROLL_DOWN_COORDS"]
-    assert kinds(tr.translate({"type": "wait"}, PAGE)) == ["NONE"]
+    assert kinds(tr.translate(Action("hotkey", key="ctrl a"), PAGE)) == ["PRESS_KEY"]
+    assert kinds(tr.translate(Action("scroll", direction="down"), PAGE)) == ["SCROLL_DOWN_COORDS"]
+    assert kinds(tr.translate(Action("wait"), PAGE)) == ["NONE"]
     for bad in ({"type": "right_single", "point": [1, 1]}, {"type": "finished"}, {"type": "teleport"},
                 {"type": "click", "point": [161, 5]}, {"type": "click"}, {"type": "scroll", "direction": "left"},
                 {"type": "hotkey", "key": "ctrl shift t"}, {"type": "type", "content": ""},
                 {"type": "type", "target": "label text", "content": "x"}, {"type": "drag", "point": [1, 1]}):
         with pytest.raises(ActionError):
-            tr.translate(bad, PAGE)
+            tr.translate(Action(**bad), PAGE)
     # A narrower preset rejects what it cannot express.
     liu = _translator("liu18")
     with pytest.raises(ActionError, match="no CLICK_COORDS"):
-        liu.translate({"type": "click", "point": [5, 5]}, PAGE)
-    assert [liu.types[a["action_type"]] for a in liu.translate({"type": "click", "target": "Ok"}, PAGE)] == ["CLICK_ELEMENT"]
+        liu.translate(Action("click", point=[5, 5]), PAGE)
+    assert [liu.types[a["action_type"]] for a in liu.translate(Action("click", target="Ok"), PAGE)] == ["CLICK_ELEMENT"]
 
 
 def test_render_is_bounded_and_skips_offscreen_and_containers():
@@ -147,33 +147,33 @@ def test_coordinates_typing_and_rejected_actions(enter_text):
     m = re.search(r"\[(\d+)\] input_text #tt @\((\d+),(\d+) (\d+)x(\d+)\)", r.text)
     assert m, r.text
     x, y = int(m.group(2)) + int(m.group(4)) // 2, int(m.group(3)) + int(m.group(5)) // 2
-    r = env.step({"type": "click", "point": [x, y]})
+    r = env.step(Action("click", point=[x, y]))
     assert "focused" in r.text and r.outcome == "running"
     # Rejected actions change nothing: same page, same step count, and the episode goes on.
     for bad in ({"type": "right_single", "point": [x, y]}, {"type": "click", "point": [x, 999]},
                 {"type": "hotkey", "key": "ctrl t"}, {"type": "click", "target": "[999]"}):
         with pytest.raises(ActionError):
-            env.step(bad)
+            env.step(Action(**bad))
     assert env.observe().text == r.text and env.observe().step == 1
-    r = env.step({"type": "type", "content": word})
+    r = env.step(Action("type", content=word))
     assert f'value="{word}"' in r.text
-    r = env.step({"type": "click", "target": "Submit"})
+    r = env.step(Action("click", target="Submit"))
     assert r.outcome == "terminated" and r.info["success"] and r.info["raw_reward"] == 1.0
     assert 0 < r.reward <= 1.0  # MiniWoB's time-decayed reward
     with pytest.raises(ActionError, match="over"):
-        env.step({"type": "wait"})
+        env.step(Action("wait"))
 
 
 def test_wrong_answer_fails_and_max_steps_truncates(enter_text):
     env = enter_text
     env.reset(8)
-    r = env.step({"type": "type", "target": "[5]", "content": "definitely wrong"})
-    r = env.step({"type": "click", "target": "Submit"})
+    r = env.step(Action("type", target="[5]", content="definitely wrong"))
+    r = env.step(Action("click", target="Submit"))
     assert r.outcome == "terminated" and not r.info["success"] and r.reward < 0
     r = env.reset(9, {"max_steps": "2"})
-    r = env.step({"type": "wait"})
+    r = env.step(Action("wait"))
     assert r.outcome == "running"
-    r = env.step({"type": "wait"})
+    r = env.step(Action("wait"))
     assert r.outcome == "truncated" and r.reward == 0.0
     env.reset(10, {"max_steps": "0"})
 

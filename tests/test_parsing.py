@@ -22,13 +22,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from actor import prompts
 from actor.parsing import (
-    ACTION_TYPES, MAX_ACTIONS, ParseError, ParsedAction, parse_point, parse_response, smart_resize, to_screen,
+    ACTION_TYPES, MAX_ACTIONS, ParseError, on_screen, parse_point, parse_response, smart_resize, to_screen,
 )
+from core.action import Action
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "uitars_strings.json").read_text(encoding="utf-8"))
 
 
-def one(text: str) -> ParsedAction:
+def one(text: str) -> Action:
     _, acts = parse_response(text)
     assert len(acts) == 1
     return acts[0]
@@ -78,10 +79,10 @@ def test_fixture_covers_the_grammar():
 
 
 # ============================================================================ grammar
-def test_basic_and_to_env():
+def test_basic_and_to_dict():
     thought, acts = parse_response("Thought: Save it.\nAction: click(start_box='(100,200)')")
     assert thought == "Save it."
-    assert acts[0].to_env() == {"type": "click", "point": [100.0, 200.0]}
+    assert acts[0].to_dict() == {"type": "click", "point": [100.0, 200.0]}
     assert acts[0].raw == "click(start_box='(100,200)')"
 
 
@@ -112,9 +113,9 @@ def test_basic_and_to_env():
 ])
 def test_each_form(text, env):
     a = one(text)
-    assert a.to_env() == env
-    assert one("Action: " + text).to_env() == env
-    assert one("Thought: x\nAction: " + text).to_env() == env
+    assert a.to_dict() == env
+    assert one("Action: " + text).to_dict() == env
+    assert one("Thought: x\nAction: " + text).to_dict() == env
 
 
 @pytest.mark.parametrize("src,want", [
@@ -217,9 +218,25 @@ def test_non_string_input():
         parse_response(b"wait()")  # type: ignore[arg-type]
 
 
+def test_format_action_is_the_parsers_inverse_and_actions_check_their_invariants():
+    from actor.tiny import format_action
+    from core.action import ActionError
+
+    for a in (Action("click", target="Save"), Action("left_double", point=(12, 34)), Action("hotkey", key="ctrl c"),
+              Action("type", content="it's a\\b\n"), Action("wait"), Action("finished"), Action("call_user")):
+        assert one(format_action(a)).to_dict() == a.to_dict()
+        assert Action.from_dict(a.to_dict()) == a
+    for bad, why in (({"type": "teleport"}, "unknown action type"), ({"point": [1, 2]}, "needs a type"),
+                     ({"type": "click", "point": [1, 2, 3]}, r"\[x, y\]"), ({"type": "click", "point": "12"}, r"\[x, y\]"),
+                     ({"type": "click", "point": ["a", 1]}, "two numbers"), ({"type": "type", "content": 5}, "string"),
+                     ({"type": "wait", "speed": "fast"}, "unknown action field"), ([], "JSON object")):
+        with pytest.raises(ActionError, match=why):
+            Action.from_dict(bad)
+
+
 def test_action_types_match_envd():
-    from envd.base import ACTION_TYPES as ENVD_TYPES
-    assert ACTION_TYPES == ENVD_TYPES
+    from core.action import ACTION_TYPES as CORE_TYPES  # what envd's backends receive
+    assert ACTION_TYPES is CORE_TYPES
 
 
 # ============================================================================ fuzzing and speed
@@ -241,7 +258,7 @@ def _check_any(text: str) -> None:
     assert isinstance(thought, str) and acts
     for a in acts:
         assert a.type in ACTION_TYPES
-        d = a.to_env()
+        d = a.to_dict()
         for k in ("point", "end_point"):
             if k in d:
                 assert len(d[k]) == 2 and all(math.isfinite(v) and v >= 0 for v in d[k])
@@ -334,9 +351,9 @@ def test_to_screen_absolute():
 
 
 def test_on_screen_maps_both_points():
-    a = one("drag(start_box='(0,0)', end_box='(1000,500)')").on_screen("relative", 800, 600)
-    assert a.to_env() == {"type": "drag", "point": [0.0, 0.0], "end_point": [800.0, 300.0]}
-    assert one("click(target='x')").on_screen("absolute", 800, 600).point is None
+    a = on_screen(one("drag(start_box='(0,0)', end_box='(1000,500)')"), "relative", 800, 600)
+    assert a.to_dict() == {"type": "drag", "point": [0.0, 0.0], "end_point": [800.0, 300.0]}
+    assert on_screen(one("click(target='x')"), "absolute", 800, 600).point is None
 
 
 def test_parse_point_forms():

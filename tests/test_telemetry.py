@@ -168,6 +168,7 @@ def test_off_costs_nothing_and_channels_get_no_interceptor(tmp_path):
 
 def test_traceparent_crosses_grpc_into_envd_server_spans(tmp_path):
     from actor.envclient import EnvClient
+    from core.action import Action
     from envd.server import EnvServer
 
     got = telemetry.setup(TelemetryConfig(sample_ratio=1.0), "actor", str(tmp_path))
@@ -182,8 +183,8 @@ def test_traceparent_crosses_grpc_into_envd_server_spans(tmp_path):
                     sid, run_id = await env.create("builtin/mixed", 3, {})
                     await env.reset(sid, run_id, 3)
                 with telemetry.client_span("env.step"):
-                    await env.step(sid, run_id, {"type": "wait"})
-            await env.step(sid, run_id, {"type": "wait"})  # outside any span: a root server span
+                    await env.step(sid, run_id, Action("wait"))
+            await env.step(sid, run_id, Action("wait"))  # outside any span: a root server span
         finally:
             await env.close()
             await srv.stop(0.5)

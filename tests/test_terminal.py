@@ -11,7 +11,7 @@ import time
 import pytest
 
 from envd import terminal_tasks, workspace_archive
-from envd.base import RUNNING, TERMINATED, TRUNCATED, ActionError
+from envd.base import Action, ActionError, Outcome
 from envd.sandbox import missing_tools
 from envd.terminal import TerminalEnv, clean_terminal_text
 from envd_compliance import EnvCompliance
@@ -20,14 +20,14 @@ needs_sandbox = pytest.mark.skipif(bool(missing_tools()), reason=f"sandbox tools
 
 
 def typed(env: TerminalEnv, content: str):
-    return env.step({"type": "type", "content": content})
+    return env.step(Action("type", content=content))
 
 
 def finish_running(env: TerminalEnv):
     r = None
     deadline = time.monotonic() + 30
     while env.state == "running" and time.monotonic() < deadline:
-        r = env.step({"type": "wait"})
+        r = env.step(Action("wait"))
     return r
 
 
@@ -52,12 +52,12 @@ def test_command_transcript_and_line_buffer(env):
     assert r.text.endswith("/workspace$ echo one; false") and env.state == "prompt"   # typed, not submitted
     r = typed(env, "\n")
     assert "/workspace$ echo one; false\none\n[exit 1]\n/workspace$ " in r.text
-    assert r.info["exit_status"] == 1 and r.outcome == RUNNING and r.step == 2
+    assert r.info["exit_status"] == 1 and r.outcome == Outcome.RUNNING and r.step == 2
     r = typed(env, "mkdir -p sub && cd sub\npwd\n")
     assert "/workspace/sub\n[exit 0]\n/workspace/sub$ " in r.text and r.info["cwd"] == "/workspace/sub"
     r = typed(env, "for i in 1 2\ndo echo n$i\ndone\n")        # a construct over several lines (PS2)
     assert "> do echo n$i\n> done\nn1\nn2\n[exit 0]" in r.text
-    r = env.step({"type": "hotkey", "key": "enter"})           # an empty line is a command too
+    r = env.step(Action("hotkey", key="enter"))           # an empty line is a command too
     assert r.text.endswith("/workspace/sub$ ")
 
 
@@ -81,14 +81,14 @@ def test_running_command_wait_input_and_interrupt(env):
     r = typed(env, "abc\n")
     assert r.text.endswith("abc\nabc\n[running: wait() for more output, hotkey(key='ctrl c') to interrupt; killed "
                            "after 30s]")                        # typed (echoed by us), then cat's copy
-    r = env.step({"type": "hotkey", "key": "ctrl d"})           # end of input: cat exits
+    r = env.step(Action("hotkey", key="ctrl d"))           # end of input: cat exits
     assert env.state == "prompt" and r.text.endswith("abc\n[exit 0]\n/workspace$ ")
-    assert env.step({"type": "hotkey", "key": "ctrl l"}).text == "/workspace$ "
+    assert env.step(Action("hotkey", key="ctrl l")).text == "/workspace$ "
     typed(env, "sleep 30\n")
-    r = env.step({"type": "hotkey", "key": "Ctrl+C"})
+    r = env.step(Action("hotkey", key="Ctrl+C"))
     assert env.state == "prompt" and "^C" in r.text and "[exit 130]" in r.text
     r = typed(env, "partial text")
-    r = env.step({"type": "hotkey", "key": "ctrl c"})
+    r = env.step(Action("hotkey", key="ctrl c"))
     assert r.text.endswith("/workspace$ ") and "partial text^C" in r.text
     env.close()
 
@@ -102,7 +102,7 @@ def test_bad_actions_leave_the_session_unchanged(env):
                 {"type": "type", "content": "y" * 20000}, {"type": "hotkey", "key": "alt f4"},
                 {"type": "scroll", "direction": "down"}, {"type": "teleport"}):
         with pytest.raises(ActionError):
-            env.step(bad)
+            env.step(Action(**bad))
         after = env.observe()
         assert (after.text, after.step) == (before.text, before.step), bad
     assert "ok\n[exit 0]" in typed(env, "echo ok\n").text
@@ -112,7 +112,7 @@ def test_bad_actions_leave_the_session_unchanged(env):
 def test_exit_starts_a_new_shell_in_the_same_workspace(env):
     typed(env, "mkdir d; cd d; echo kept > f\n")
     r = typed(env, "exit 7\n")
-    assert "[the shell exited (status 7); a new shell started]" in r.text and r.outcome == RUNNING
+    assert "[the shell exited (status 7); a new shell started]" in r.text and r.outcome == Outcome.RUNNING
     r = typed(env, "pwd; cat f\n")
     assert "/workspace/d\nkept\n[exit 0]" in r.text
 
@@ -122,15 +122,15 @@ def test_open_shell_ends_on_finished_or_max_steps():
     e = TerminalEnv(options={"max_steps": "2"})
     try:
         r = e.reset(0, {})
-        assert r.instruction == "" and r.outcome == RUNNING
+        assert r.instruction == "" and r.outcome == Outcome.RUNNING
         r = typed(e, "true\n")
         r = typed(e, "true\n")
-        assert r.outcome == TRUNCATED and r.reward == 0.0
+        assert r.outcome == Outcome.TRUNCATED and r.reward == 0.0
         with pytest.raises(ActionError):
             typed(e, "true\n")
         e.reset(1, {})
-        r = e.step({"type": "finished"})
-        assert (r.outcome, r.reward) == (TERMINATED, 0.0)
+        r = e.step(Action("finished"))
+        assert (r.outcome, r.reward) == (Outcome.TERMINATED, 0.0)
     finally:
         e.close()
 
@@ -151,14 +151,14 @@ def test_tasks_pass_with_a_solution_and_fail_without(task):
     try:
         r = e.reset(11, {})
         assert r.instruction and r.info["success"] is False
-        r = e.step({"type": "finished"})                      # nothing done: no reward
-        assert (r.outcome, r.reward, r.info["success"]) == (TERMINATED, 0.0, False)
+        r = e.step(Action("finished"))                      # nothing done: no reward
+        assert (r.outcome, r.reward, r.info["success"]) == (Outcome.TERMINATED, 0.0, False)
         e.reset(12, {})
         r = typed(e, "awk -F, 'NR>1{s+=$2} END{print s}' sales.csv > total.txt\n" if task == "sum_column"
                   else SOLUTIONS[task] + "\n")
         assert "[exit 0]" in r.text, r.text
-        r = e.step({"type": "finished"})
-        assert (r.outcome, r.reward, r.info["success"]) == (TERMINATED, 1.0, True), r.info
+        r = e.step(Action("finished"))
+        assert (r.outcome, r.reward, r.info["success"]) == (Outcome.TERMINATED, 1.0, True), r.info
     finally:
         e.close()
 
@@ -175,11 +175,11 @@ def test_verify_each_step_and_verifier_ignores_symlinks():
     try:
         e.reset(0, {})
         r = typed(e, "printf hi > /tmp/h && ln -s /tmp/h hello.txt\n")   # a link, even to the right text
-        assert r.outcome == RUNNING and r.info["success"] is False
+        assert r.outcome == Outcome.RUNNING and r.info["success"] is False
         r = typed(e, "rm hello.txt && mkfifo hello.txt\n")              # a FIFO must not hang the verifier
-        assert r.outcome == RUNNING
+        assert r.outcome == Outcome.RUNNING
         r = typed(e, "rm hello.txt; echo hi > hello.txt\n")
-        assert (r.outcome, r.reward) == (TERMINATED, 1.0)
+        assert (r.outcome, r.reward) == (Outcome.TERMINATED, 1.0)
     finally:
         e.close()
 
@@ -231,8 +231,8 @@ def test_snapshot_restore_keeps_files_cwd_and_task():
         assert "half-typed no more" in r.text        # the line buffer came along
         r = typed(e2, "pwd; cat link; head -1 abs; wc -l < ../data.csv > ../count.txt\n")
         assert "/workspace/a\nx\nid,name,score\n[exit 0]" in r.text
-        assert e2.step({"type": "finished"}).reward == 1.0
-        assert e.step({"type": "finished"}).reward == 0.0   # the original did not change
+        assert e2.step(Action("finished")).reward == 1.0
+        assert e.step(Action("finished")).reward == 0.0   # the original did not change
     finally:
         e.close()
         e2.close()
@@ -245,7 +245,7 @@ def test_snapshot_refused_while_running_or_with_escaping_links():
     typed(env, "sleep 5\n")
     with pytest.raises(ActionError, match="running"):
         env.snapshot()
-    env.step({"type": "hotkey", "key": "ctrl c"})
+    env.step(Action("hotkey", key="ctrl c"))
     typed(env, "ln -s /etc/passwd leak\n")
     with pytest.raises(ActionError, match="outside the workspace"):
         env.snapshot()

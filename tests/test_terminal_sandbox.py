@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from envd.base import TRUNCATED
+from envd.base import Action, Outcome
 from envd.sandbox import missing_tools
 from envd.terminal import TerminalEnv
 
@@ -24,10 +24,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def sh(env: TerminalEnv, cmd: str) -> tuple[str, int, str]:
     """Run one command line to its prompt (or timeout kill): (output, exit status, the [exit] line's note)."""
     before = len(env.transcript)
-    r = env.step({"type": "type", "content": cmd + "\n"})
+    r = env.step(Action("type", content=cmd + "\n"))
     deadline = time.monotonic() + 60
     while env.state == "running" and time.monotonic() < deadline:
-        r = env.step({"type": "wait"})
+        r = env.step(Action("wait"))
     assert env.state == "prompt", f"{cmd!r} did not finish: {r.text[-500:]}"
     new = env.transcript[before:]
     m = list(re.finditer(r"^\[exit (\d+)\](?: \((.*)\))?$", new, re.M))
@@ -126,9 +126,9 @@ def test_memory_bomb_is_contained():
                                  "bash -c 'x=$(tr \"\\0\" x)'")
         assert status != 0 and ("MemoryError" in out or "allocate" in out), out
         # In the shell itself: bash dies of it; a new shell comes up on the same workspace.
-        r = env.step({"type": "type", "content": "x=$(head -c 400000000 /dev/zero | tr '\\0' x)\n"})
+        r = env.step(Action("type", content="x=$(head -c 400000000 /dev/zero | tr '\\0' x)\n"))
         while env.state == "running":
-            r = env.step({"type": "wait"})
+            r = env.step(Action("wait"))
         out, status, _ = sh(env, "echo alive")
         assert (out.strip(), status) == ("alive", 0), r.text[-800:]
     finally:
@@ -143,10 +143,10 @@ def test_busy_loop_in_the_shell_is_interrupted(env):
 
 
 def test_shell_ignoring_sigint_is_replaced(env):
-    env.step({"type": "type", "content": "trap '' INT; while :; do :; done\n"})
+    env.step(Action("type", content="trap '' INT; while :; do :; done\n"))
     deadline = time.monotonic() + 60
     while "new shell started" not in env.transcript and time.monotonic() < deadline:
-        env.step({"type": "wait"})
+        env.step(Action("wait"))
     assert "new shell started" in env.transcript
     out, status, _ = sh(env, "echo fresh")
     assert (out.strip(), status) == ("fresh", 0)
@@ -164,7 +164,7 @@ def test_cpu_limit_kills_a_busy_child():
 def test_output_flood_is_capped():
     env = make_env(output_bytes="4096", screen_chars="3000")
     try:
-        r = env.step({"type": "type", "content": "head -c 200000 /dev/zero | tr '\\0' a; echo\n"})
+        r = env.step(Action("type", content="head -c 200000 /dev/zero | tr '\\0' a; echo\n"))
         assert "bytes of output dropped" in r.text and len(r.text) <= 3000
         assert max(len(line) for line in env.transcript.splitlines()) < 8192
         out, status, note = sh(env, "yes")                       # endless: killed by the flood limit
@@ -182,8 +182,8 @@ def test_file_size_tmp_and_disk_limits():
         assert status != 0 and (env.workspace / "big").stat().st_size <= 1 << 20
         out, status, _ = sh(env, "head -c 900K /dev/zero > /tmp/a && head -c 900K /dev/zero > /tmp/b")
         assert status != 0 and "No space left" in out
-        r = env.step({"type": "type", "content": "for i in 1 2 3; do head -c 1000K /dev/zero > f$i; done\n"})
-        assert r.outcome == TRUNCATED and "quota" in r.text
+        r = env.step(Action("type", content="for i in 1 2 3; do head -c 1000K /dev/zero > f$i; done\n"))
+        assert r.outcome == Outcome.TRUNCATED and "quota" in r.text
     finally:
         env.close()
 
@@ -209,7 +209,7 @@ def test_timeout_kills_children(env):
 
 def test_close_kills_everything():
     env = make_env(timeout_s="60", wait_s="0.3")
-    env.step({"type": "type", "content": "sleep 3181 & sleep 3182\n"})
+    env.step(Action("type", content="sleep 3181 & sleep 3182\n"))
     assert env.state == "running"
     deadline = time.monotonic() + 10
     while len(_host_processes(b"sleep\x00318")) < 2 and time.monotonic() < deadline:

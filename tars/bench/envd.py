@@ -198,6 +198,7 @@ def bench_concurrent(d: Daemon, sessions: int, steps_each: int, inflight: int, m
 def bench_miniwob(task: str, steps: int) -> dict:
     """The same task, seed and action three ways, one step of each in turn (so load drift hits all alike): through
     envd, on the backend in-process, and on the stock gymnasium env (for reference)."""
+    from core.action import Action
     from envd import miniwob_backend
 
     miniwob_backend.configure_offline()
@@ -220,7 +221,7 @@ def bench_miniwob(task: str, steps: int) -> dict:
             t0 = time.perf_counter()
             r = _check(stub.Step(req, timeout=DEADLINE_S))
             t1 = time.perf_counter()
-            local = env.step({"type": "click", "target": f"[{MINIWOB_REF}]"})
+            local = env.step(Action("click", target=f"[{MINIWOB_REF}]"))
             t2 = time.perf_counter()
             gym.step(gym_action)
             t3 = time.perf_counter()
