@@ -95,6 +95,10 @@ class Process:
         """None while it runs."""
         return self.popen.poll()
 
+    def wait(self, timeout: float) -> int:
+        """Its exit status once it has exited; subprocess.TimeoutExpired after `timeout` seconds."""
+        return self.popen.wait(timeout)
+
     @property
     def stopped(self) -> bool:
         """Stopped or killed through this object (its log is closed)."""
