@@ -21,6 +21,7 @@ def tars(*args: str, timeout: float = 170) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT)
 
 
+@pytest.mark.slow  # a whole multi-process run: > 20 s on 2 cores (CI runs the slow set after the default one)
 def test_tiny_async_vs_sync_run(tmp_path):
     out = tmp_path / "async.json"
     p = tars("bench", "async", "--tiny", "--json", str(out), "--out", str(tmp_path / "runs"))

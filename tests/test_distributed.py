@@ -21,6 +21,7 @@ def _run(cmd, out):
     return torch.load(out)
 
 
+@pytest.mark.slow  # a whole multi-process run: > 20 s on 2 cores (CI runs the slow set after the default one)
 def test_two_gloo_processes_train_like_one(tmp_path):
     one = _run([sys.executable], tmp_path / "one.pt")
     accelerate = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",

@@ -41,6 +41,7 @@ def _run_info(out: pathlib.Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out / "run").glob("*.json"))]
 
 
+@pytest.mark.slow  # a whole multi-process run: > 20 s on 2 cores (CI runs the slow set after the default one)
 def test_tars_up_short_run(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tars.cli", "up", "--preset", "quickstart", "--out", str(out), "--quiet",
@@ -66,6 +67,7 @@ def test_tars_up_short_run(tmp_path):
     transformers.AutoModelForCausalLM.from_pretrained(out / "final")
 
 
+@pytest.mark.slow  # a whole multi-process run: > 20 s on 2 cores (CI runs the slow set after the default one)
 def test_tars_up_stops_cleanly_on_ctrl_c(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tars.cli", "up", "--preset", "quickstart", "--out", str(out), "--quiet",

@@ -28,6 +28,7 @@ def _check(res: dict) -> None:
     assert led["trained"] > 0 and led["versions"] >= 3
 
 
+@pytest.mark.slow  # a whole multi-process run: > 20 s on 2 cores (CI runs the slow set after the default one)
 def test_kill_every_role_in_turn(tmp_path):
     """One topology (2 envd, inference, learner, 2 actors), each role SIGKILLed mid-run and restarted in turn."""
     res = faults_bench.run(faults_bench.FAULTS, str(tmp_path / "run"))

@@ -113,6 +113,7 @@ def value(samples: dict, name: str, **labels) -> float:
     return rows[0]
 
 
+@pytest.mark.slow  # a whole multi-process run: > 20 s on 2 cores (CI runs the slow set after the default one)
 def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
     model = wait_policy(tmp_path / "policy")
     out = tmp_path / "run"
