@@ -122,7 +122,7 @@ def test_defaults_bind_loopback():
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE (libsodium)")
 def test_curve_stream_rejects_clients_without_the_right_key(tmp_path):
-    from core.stream import TrajectorySender
+    from core.stream.sender import TrajectorySender
     from test_stream import Consumer, receiver, traj, wait_until
 
     server_pub, server_sec = zmq.curve_keypair()
@@ -238,7 +238,7 @@ def test_curve_on_by_option_in_a_real_run(tmp_path):
     """learner.stream_curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
     client without the learner's public key gets nowhere."""
     from tars.faults import Topology
-    from core.stream import TrajectorySender
+    from core.stream.sender import TrajectorySender
 
     public, secret = zmq.curve_keypair()
     topo = Topology(tmp_path / "run")

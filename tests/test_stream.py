@@ -11,9 +11,10 @@ import pytest
 import zmq
 
 from learner.staleness import StalenessManager
-from core import stream_proto as P
+from core.stream import messages as P
 from core.schema import Trajectory, Turn
-from core.stream import TrajectoryReceiver, TrajectorySender
+from core.stream.receiver import TrajectoryReceiver
+from core.stream.sender import TrajectorySender
 
 FAST = dict(heartbeat_s=0.05, dead_after_s=1.0)
 

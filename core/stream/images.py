@@ -2,7 +2,7 @@
 
 A GUI trajectory repeats screenshots (every sample of a GRPO group starts on the same page; a step that changes
 nothing gives the same screen again), and a screenshot is most of a trajectory's bytes. So the actor sends an image's
-bytes only the first time on a connection (as extra frames of a TRAJ message, see core/stream_proto.py) and later
+bytes only the first time on a connection (as extra frames of a TRAJ message, see core/stream/messages.py) and later
 trajectories refer to it by hash (Turn.obs_ref "sha256:<hex>"). The learner keeps what it received in an ImageStore
 on disk beside its WAL, so that WAL replay after a restart still finds every image its trajectories refer to.
 
