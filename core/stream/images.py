@@ -83,10 +83,9 @@ class ImageStore:
         return [h for h in hashes if h not in self._have]
 
 
-def take_attached(store: ImageStore, names, frames: list[bytes], max_bytes: int) -> None:
-    """Store the images attached to a TRAJ message (body["images"] names the extra frames, in order)."""
-    names = names or []
-    if not isinstance(names, list) or len(names) != len(frames):
+def take_attached(store: ImageStore, names: list[str], frames: list[bytes], max_bytes: int) -> None:
+    """Store the images attached to a TRAJ message (its header's images names the extra frames, in order)."""
+    if len(names) != len(frames):
         raise ImageError(f"{len(frames)} image frames but names {names!r:.80}")
     total = sum(len(f) for f in frames)
     if total > max_bytes:
