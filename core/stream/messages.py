@@ -90,21 +90,36 @@ def _get(raw: dict, name: str, ok, kind: str, default):
     return v
 
 
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_strs(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
 def _str(raw: dict, name: str, default=_REQUIRED) -> str:
-    return _get(raw, name, lambda v: isinstance(v, str), "str", default)
+    return _get(raw, name, _is_str, "str", default)
 
 
 def _int(raw: dict, name: str, default=_REQUIRED) -> int:
-    return _get(raw, name, lambda v: isinstance(v, int) and not isinstance(v, bool), "int", default)
+    return _get(raw, name, _is_int, "int", default)
 
 
 def _bool(raw: dict, name: str, default=_REQUIRED) -> bool:
-    return _get(raw, name, lambda v: isinstance(v, bool), "bool", default)
+    return _get(raw, name, _is_bool, "bool", default)
 
 
 def _strs(raw: dict, name: str, default=_REQUIRED) -> list[str]:
-    return _get(raw, name, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of str",
-                default)
+    return _get(raw, name, _is_strs, "a list of str", default)
 
 
 class Message(ABC):
@@ -160,7 +175,12 @@ class Traj(Message):
 
     @classmethod
     def from_body(cls, raw: dict) -> Traj:
-        tid = raw.get("id")
+        # One per trajectory, on the receiver's io thread: the well-formed case in one check (msgpack gives exact
+        # types), the field readers below only to name what is wrong.
+        seq, tid, images = raw.get("seq"), raw.get("id"), raw.get("images", [])
+        if type(seq) is int and type(tid) is str and tid and type(images) is list and all(
+                type(h) is str for h in images):
+            return cls(seq, tid, images)
         tid = tid if isinstance(tid, str) else None
         try:
             m = cls(_int(raw, "seq"), _str(raw, "id"), _strs(raw, "images", []))

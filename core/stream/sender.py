@@ -116,7 +116,7 @@ class TrajectorySender:
         self._sock.sndhwm = self._sock.rcvhwm = 0
         curve_client(self._sock, *self._curve)
         self._sock.connect(self.address)
-        if self._spool:
+        if self._spool is not None:
             for tid, frame, images in self._spool.load():
                 self._outbox[tid] = _Entry(frame, next(self._seq), 0.0, images)
         self._loop.add_reader(self._sock.FD, self._drain)
@@ -161,7 +161,7 @@ class TrajectorySender:
         if size > self.max_frame_bytes:
             raise ValueError(f"trajectory {tid} is {size} bytes; the learner takes at most {self.max_frame_bytes}")
         deadline = time.monotonic() + timeout
-        if self._spool:
+        if self._spool is not None:
             # Spooled before waiting for credit: an actor killed while it waits (learner backlogged or down)
             # still re-sends this trajectory after its restart instead of losing it.
             self._spool.save(tid, frame, images)
@@ -171,7 +171,7 @@ class TrajectorySender:
                              and len(self._outbox) - self._n_held < self.window
                              and len(self._outbox) < self.max_outbox, deadline, f"no credit to send {tid}")
         except BaseException:
-            if self._spool and not self._closed:
+            if self._spool is not None and not self._closed:
                 self._unspool(tid)  # the caller sees the failure and counts it; a restart must not resurrect it
             raise
         self._credit -= 1
@@ -335,7 +335,7 @@ class TrajectorySender:
                     e.held = m.held
             elif self._pop(tid) is not None:
                 self._stats["acked"] += 1
-                if self._spool:
+                if self._spool is not None:
                     self._unspool(tid)
 
     def _on_nack(self, m: M.Nack) -> None:
@@ -354,7 +354,7 @@ class TrajectorySender:
             log.warning("learner rejected trajectory %s: %s", m.id, m.reason)
             if m.retry:  # the learner still counts the episode as running: give it back
                 self._send(M.Lost(1).encode())
-            if self._spool:
+            if self._spool is not None:
                 self._unspool(m.id)
 
     def _welcome(self, m: M.Welcome) -> None:
