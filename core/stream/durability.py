@@ -218,7 +218,8 @@ class WalDurability(Durability):
 
     def _sync_loop(self) -> None:
         while True:
-            batch = self._sync_req.get()  # idle until the io thread hands over a batch; close() sends None
+            # Idle until the io thread hands over a batch; close() sends None.
+            batch = self._sync_req.get()
             if batch is None:
                 return
             try:
