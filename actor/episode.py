@@ -55,7 +55,7 @@ class EpisodeContext:
 
 def _obs_ref(obs: Obs, images: dict) -> str:
     # The trajectory carries every screenshot it refers to; the stream sender sends each one once per learner
-    # connection and refers to it by hash afterwards (core/stream_images.py).
+    # connection and refers to it by hash afterwards (core/stream/images.py).
     if not obs.images:
         return f"text:{hashlib.sha256(obs.text.encode()).hexdigest()[:16]}"
     img = obs.images[-1]

@@ -22,7 +22,7 @@ from core import proc, rpc, telemetry
 from core.config import RunConfig
 from core.outcome import ENDED, Fault, Outcome
 from core.control import ControlServicer, add_control
-from core.stream_sender import TrajectorySender
+from core.stream.sender import TrajectorySender
 from core.tokenizer import Tokenizer
 
 log = logging.getLogger("tars.actor")

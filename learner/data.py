@@ -1,6 +1,6 @@
 """Trajectories on disk, and the data flywheel's split into an SFT set and a CT (continued-training) set.
 
-A trajectory file is the learner's write-ahead-log format (core/stream_wal.py): crc-checked records of the exact
+A trajectory file is the learner's write-ahead-log format (core/stream/wal.py): crc-checked records of the exact
 Trajectory.encode() bytes, keyed by id. The learner's stream.wal is one (until compacted), and with
 learner.archive=true the learner appends every trajectory it receives to run_dir/trajectories.twl.
 
@@ -17,7 +17,7 @@ import pathlib
 from collections.abc import Iterator
 
 from core.schema import SchemaError, Trajectory
-from core.stream_wal import WriteAheadLog
+from core.stream.wal import WriteAheadLog
 
 
 def read_trajectories(paths) -> Iterator[Trajectory]:

@@ -1,6 +1,6 @@
 """The learner process, top to bottom: stream -> staleness filter -> update -> publish weights -> checkpoint.
 
-Trajectories arrive on the acked ZMQ stream (core/stream.py). infra_error episodes and trajectories past the
+Trajectories arrive on the acked ZMQ stream (core/stream/). infra_error episodes and trajectories past the
 maximum lag are counted and never reach the loss. Each update bumps the policy version; the new weights are written
 in HF layout to a versioned directory (write, then rename) and every inference server is told to load them.
 A checkpoint stores the model, optimizers, RNG, version and the ids of every trajectory consumed, so a killed
@@ -31,8 +31,8 @@ from core import proc, rpc, telemetry
 from core.config import ConfigError, RunConfig
 from core.control import ControlServicer, add_control
 from core.model import CausalLM
-from core.stream import TrajectoryReceiver
-from core.stream_wal import WriteAheadLog
+from core.stream.receiver import TrajectoryReceiver
+from core.stream.wal import WriteAheadLog
 from core.v1 import inference_pb2, inference_pb2_grpc
 
 EV_WINDOW = 10

@@ -24,7 +24,7 @@ import signal
 
 from core import config as C
 from core.proc import read_jsonl, wait_for
-from core.stream_wal import scan_ids
+from core.stream.wal import scan_ids
 from tars.topology import Topology, plan
 from tars.up import build_model
 
@@ -172,7 +172,7 @@ def _rolled_back(records: list[dict]) -> set[str]:
 
 
 def account(out: str | os.PathLike, killed_spools: list[set[str]] = ()) -> dict:
-    from core.stream_wal import WriteAheadLog
+    from core.stream.wal import WriteAheadLog
 
     out = pathlib.Path(out)
     episodes = read_jsonl(out / "episodes.jsonl")

@@ -55,7 +55,7 @@ def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
     import json
 
     from core.model import CausalLM
-    from core.stream import TrajectorySender
+    from core.stream.sender import TrajectorySender
     from test_learner_kill import V, free_port, traj, wait_for  # tests/ is on sys.path (rootless test dir)
 
     CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \

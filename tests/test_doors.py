@@ -122,7 +122,7 @@ def test_defaults_bind_loopback():
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE (libsodium)")
 def test_curve_stream_rejects_clients_without_the_right_key(tmp_path):
-    from core.stream import TrajectorySender
+    from core.stream.sender import TrajectorySender
     from test_stream import Consumer, receiver, traj, wait_until
 
     server_pub, server_sec = zmq.curve_keypair()
@@ -169,7 +169,7 @@ ALLOW = {
     "tars/eval.py: stopper = asyncio.create_task(stop.wait())": "a stop signal raced against work in asyncio.wait, not a wait",
     "actor/main.py: waiters = [*tasks, asyncio.ensure_future(stop.wait())]": "raced in asyncio.wait(timeout=...)",
     "actor/main.py: tr = task.result()": "in a done callback: the task is finished, result() does not block",
-    "core/stream.py: batch = self._sync_req.get()": "the WAL syncer thread's idle wait; stop() sends it None",
+    "core/stream/durability.py: batch = self._sync_req.get()": "the WAL syncer thread's idle wait; stop() sends it None",
     "tars/bench/stream.py: zmq socket without an explicit high-water mark": "benchmark's plain-socket baseline",
     "tars/bench/stream.py: a.recv()": "benchmark child process; the parent joins it with a deadline",
     "tars/bench/stream.py: conn.recv()  # wait for the parent's start signal so only the transfer is timed": "benchmark child",
@@ -238,7 +238,7 @@ def test_curve_on_by_option_in_a_real_run(tmp_path):
     """learner.stream_curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
     client without the learner's public key gets nowhere."""
     from tars.faults import FaultRun
-    from core.stream import TrajectorySender
+    from core.stream.sender import TrajectorySender
 
     public, secret = zmq.curve_keypair()
     topo = FaultRun(tmp_path / "run")

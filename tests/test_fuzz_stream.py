@@ -1,4 +1,4 @@
-"""Hostile input on the trajectory stream (core/stream.py): garbage, truncated, wrong-schema and huge frames from a
+"""Hostile input on the trajectory stream (core/stream/): garbage, truncated, wrong-schema and huge frames from a
 raw ZMQ peer, and raw bytes on the TCP port. The receiver must count every bad frame, never queue one, keep its io
 thread alive, and still deliver a real actor's trajectories exactly once afterwards.
 TARS_FUZZ_EXAMPLES sets the number of frames (default 300; 10000 for the full run).
@@ -11,8 +11,8 @@ import msgpack
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from core import stream_proto as P
-from core.stream import TrajectorySender
+from core.stream import messages as P
+from core.stream.sender import TrajectorySender
 from test_stream import Consumer, receiver, traj, wait_until
 
 N = int(os.environ.get("TARS_FUZZ_EXAMPLES", "300"))

@@ -17,7 +17,7 @@ import pytest
 from core.model import CausalLM, DecoderConfig
 from core.proc import wait_for
 from core.schema import Trajectory, Turn
-from core.stream import TrajectorySender
+from core.stream.sender import TrajectorySender
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N, B, V = 160, 8, 40

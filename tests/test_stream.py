@@ -11,9 +11,10 @@ import pytest
 import zmq
 
 from learner.staleness import StalenessManager
-from core import stream_proto as P
+from core.stream import messages as P
 from core.schema import Trajectory, Turn
-from core.stream import TrajectoryReceiver, TrajectorySender
+from core.stream.receiver import TrajectoryReceiver
+from core.stream.sender import TrajectorySender
 
 FAST = dict(heartbeat_s=0.05, dead_after_s=1.0)
 
@@ -189,6 +190,53 @@ def test_bad_frames_are_counted_and_the_receiver_keeps_working(tmp_path):
     asyncio.run(sender_still_works())
     assert rx.get(timeout=1).id == "fine"
     rx.stop()
+
+
+def test_every_message_round_trips_and_a_malformed_body_raises_one_error():
+    msgs = [P.Hello("a", "inc", 3, ["x"], 2), P.Traj(1, "t", ["h"]), P.Admit(7, 5), P.Lost(1), P.Ping(),
+            P.Welcome("r", 3, 0, 8, 4096), P.Credit(4), P.Ack(["t"]), P.Ack(["t"], held="r"),
+            P.Nack(None, "malformed: x", False), P.Nack("t", "missing images: 1", True, ["h"]), P.Grant(7, 5, 0),
+            P.Version(2), P.Pong("r"), P.Who()]
+    assert len({type(m) for m in msgs}) == 13
+    for m in msgs:
+        assert P.decode(P.TO_LEARNER if m.TAG in P.TO_LEARNER else P.TO_ACTOR, *m.encode()) == m
+    # The bytes earlier builds wrote and read: optional fields are left out when empty, and may be absent.
+    assert P.unpack(P.Ack(["t"]).encode()[1]) == {"ids": ["t"]}
+    assert P.unpack(P.Nack("t", "r", False).encode()[1]) == {"id": "t", "reason": "r", "retry": False}
+    assert P.Ping().encode() == [P.PING, b"\x80"]
+    assert P.parse(P.TO_LEARNER, P.HELLO, {"actor": "a", "incarnation": "i", "hello_id": 1}) == P.Hello("a", "i", 1)
+    assert P.parse(P.TO_LEARNER, P.TRAJ, {"seq": 1, "id": "t"}) == P.Traj(1, "t", [])
+    bad = [(P.TO_LEARNER, P.HELLO, {"actor": "a", "incarnation": 5, "hello_id": 1}),
+           (P.TO_LEARNER, P.HELLO, {"actor": "a", "incarnation": "i", "hello_id": 1, "pending_ids": 5}),
+           (P.TO_LEARNER, P.ADMIT, {"rid": 1}), (P.TO_LEARNER, P.LOST, {"n": "1"}), (P.TO_ACTOR, P.ACK, {"ids": "t"}),
+           (P.TO_ACTOR, P.CREDIT, {"n": True}), (P.TO_ACTOR, P.NACK, {"id": 3, "reason": "r", "retry": False}),
+           (P.TO_ACTOR, P.WELCOME, {}), (P.TO_ACTOR, P.HELLO, {}), (P.TO_LEARNER, b"Z", {})]
+    for kinds, tag, body in bad:
+        with pytest.raises(P.ProtocolError):
+            P.parse(kinds, tag, body)
+    for raw in (b"\xc1", msgpack.packb([1, 2])):
+        with pytest.raises(P.ProtocolError):
+            P.decode(P.TO_LEARNER, P.PING, raw)
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse(P.TO_LEARNER, P.TRAJ, {"id": "t", "images": "h"})
+    assert e.value.msg_id == "t"                          # a refused TRAJ header still names its trajectory
+
+
+def test_ill_typed_messages_count_as_protocol_errors_and_an_ill_typed_traj_is_nacked(tmp_path):
+    rx = receiver(tmp_path)
+    addr = rx.start()
+    d = raw_actor(addr)
+    d.send_multipart([P.HELLO, P.pack({"actor": "raw", "incarnation": 5, "hello_id": 1})])   # never answered
+    d.send_multipart(P.Hello("raw", "x", 2).encode())
+    assert recv_until(d, P.WELCOME)[-1][1]["hello_id"] == 2
+    d.send_multipart([P.ADMIT, P.pack({"rid": "seven", "n": 5})])
+    d.send_multipart([P.TRAJ, P.pack({"id": "no-seq"}), traj("no-seq").encode()])
+    nack = recv_until(d, P.NACK)[-1][1]
+    assert nack["id"] == "no-seq" and nack["reason"].startswith("malformed") and not nack["retry"]
+    d.close()
+    s = rx.stats()
+    rx.stop()
+    assert (s["protocol_errors"], s["malformed"], s["received"], s["accepted"], s["hellos"]) == (2, 1, 1, 0, 1)
 
 
 def test_duplicate_ids_are_acked_but_delivered_once(tmp_path):

@@ -1,4 +1,4 @@
-"""Content-addressed screenshots on the trajectory stream (core/stream_images.py), over real sockets on 127.0.0.1."""
+"""Content-addressed screenshots on the trajectory stream (core/stream/images.py), over real sockets on 127.0.0.1."""
 import asyncio
 import hashlib
 import os
@@ -8,10 +8,11 @@ import pytest
 import zmq
 
 from learner.staleness import StalenessManager
-from core import stream_proto as P
+from core.stream import messages as P
 from core.schema import Trajectory, Turn
-from core.stream import TrajectoryReceiver, TrajectorySender
-from core.stream_images import ImageError, ImageStore
+from core.stream.images import ImageError, ImageStore
+from core.stream.receiver import TrajectoryReceiver
+from core.stream.sender import TrajectorySender
 
 FAST = dict(heartbeat_s=0.05, dead_after_s=1.0)
 IMG_A = os.urandom(20_000)  # incompressible stand-ins for PNG screenshots

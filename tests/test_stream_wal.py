@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from core.stream_wal import WalError, WriteAheadLog, scan_ids
+from core.stream.wal import WalError, WriteAheadLog, scan_ids
 
 
 def payload(i: int, n: int = 40_000) -> bytes:

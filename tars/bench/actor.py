@@ -157,7 +157,8 @@ async def _miniwob_trajectories(envd: str, task: str, groups: int, group_size: i
 
 async def _stream_bytes(trs, dedupe: bool) -> dict:
     from learner.staleness import StalenessManager
-    from core.stream import TrajectoryReceiver, TrajectorySender
+    from core.stream.receiver import TrajectoryReceiver
+    from core.stream.sender import TrajectorySender
 
     tmp = tempfile.mkdtemp(prefix="tars-bench-stream-")
     rx = TrajectoryReceiver("tcp://127.0.0.1:0", os.path.join(tmp, "wal"), StalenessManager(batch_size=8, eta=10**6),

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from core.schema import Trajectory, Turn
-from core.stream_wal import WriteAheadLog
+from core.stream.wal import WriteAheadLog
 
 
 def _trajs(n: int, payload_bytes: int) -> list[Trajectory]:
@@ -51,7 +51,7 @@ def _consume(get, n: int, done: threading.Event, on_item=None, on_done=None) -> 
 
 
 async def _stream_actor(addr: str, trajs, credits: int, go=None) -> None:
-    from core.stream import TrajectorySender
+    from core.stream.sender import TrajectorySender
     s = TrajectorySender(addr, "bench", window=credits)
     await s.start()
     if go is not None:
@@ -119,7 +119,7 @@ def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, sub
     """durability="checkpoint": the consumer commits what it consumed every commit_every trajectories (a learner
     that checkpoints every 16 updates of 64) and at the end, which is when the actor's flush returns."""
     from learner.staleness import StalenessManager
-    from core.stream import TrajectoryReceiver
+    from core.stream.receiver import TrajectoryReceiver
 
     stal = StalenessManager(batch_size=64, eta=10**9)
     rx = TrajectoryReceiver("tcp://127.0.0.1:0", os.path.join(tmp, f"wal-{time.monotonic_ns()}"), stal,

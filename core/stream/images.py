@@ -2,7 +2,7 @@
 
 A GUI trajectory repeats screenshots (every sample of a GRPO group starts on the same page; a step that changes
 nothing gives the same screen again), and a screenshot is most of a trajectory's bytes. So the actor sends an image's
-bytes only the first time on a connection (as extra frames of a TRAJ message, see core/stream_proto.py) and later
+bytes only the first time on a connection (as extra frames of a TRAJ message, see core/stream/messages.py) and later
 trajectories refer to it by hash (Turn.obs_ref "sha256:<hex>"). The learner keeps what it received in an ImageStore
 on disk beside its WAL, so that WAL replay after a restart still finds every image its trajectories refer to.
 
@@ -83,10 +83,9 @@ class ImageStore:
         return [h for h in hashes if h not in self._have]
 
 
-def take_attached(store: ImageStore, names, frames: list[bytes], max_bytes: int) -> None:
-    """Store the images attached to a TRAJ message (body["images"] names the extra frames, in order)."""
-    names = names or []
-    if not isinstance(names, list) or len(names) != len(frames):
+def take_attached(store: ImageStore, names: list[str], frames: list[bytes], max_bytes: int) -> None:
+    """Store the images attached to a TRAJ message (its header's images names the extra frames, in order)."""
+    if len(names) != len(frames):
         raise ImageError(f"{len(frames)} image frames but names {names!r:.80}")
     total = sum(len(f) for f in frames)
     if total > max_bytes:

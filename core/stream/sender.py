@@ -11,7 +11,7 @@ A learner with "checkpoint" durability answers a TRAJ with a "held" notice first
 covers it: a held entry stays in the outbox (max_outbox bounds it) but leaves the send window and is never re-sent
 to the run that holds it; a WELCOME from a different run (the holder died) sends it again.
 
-Screenshots are content-addressed (core/stream_images.py): send() keeps a trajectory's images beside its encoded
+Screenshots are content-addressed (core/stream/images.py): send() keeps a trajectory's images beside its encoded
 frame, and each transmission attaches only the images not yet sent on this learner connection (a new learner run_id
 starts over; a learner that answers "missing images" gets them again).
 
@@ -26,22 +26,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import hashlib
 import itertools
 import logging
-import os
-import struct
 import time
 import uuid
 from dataclasses import dataclass
 
-import msgpack
 import zmq
 
-from core import stream_proto as P
 from core.schema import Trajectory
+from core.stream import messages as M
+from core.stream.curve import curve_client
+from core.stream.spool import Spool
 
 log = logging.getLogger(__name__)
+
+_PING = M.Ping().encode()  # the same two frames every heartbeat
 
 
 @dataclass
@@ -69,6 +69,7 @@ class TrajectorySender:
         self.max_outbox = max_outbox
         self._n_held = 0                      # outbox entries with held set
         self.spool_dir = spool_dir
+        self._spool = Spool(spool_dir) if spool_dir else None
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.resend_after_s = resend_after_s
@@ -113,10 +114,11 @@ class TrajectorySender:
         self._sock.linger = 0
         # Credits bound what is in flight, so unlimited HWMs never buffer more than window + control messages.
         self._sock.sndhwm = self._sock.rcvhwm = 0
-        P.curve_client(self._sock, *self._curve)
+        curve_client(self._sock, *self._curve)
         self._sock.connect(self.address)
-        if self.spool_dir:
-            self._load_spool()
+        if self._spool is not None:
+            for tid, frame, images in self._spool.load():
+                self._outbox[tid] = _Entry(frame, next(self._seq), 0.0, images)
         self._loop.add_reader(self._sock.FD, self._drain)
         self._tasks = [asyncio.create_task(self._heartbeat(), name=f"sender-hb-{self.actor_id}"),
                        asyncio.create_task(self._pump(), name=f"sender-pump-{self.actor_id}")]
@@ -129,7 +131,7 @@ class TrajectorySender:
         fut = asyncio.get_running_loop().create_future()
         self._grants[rid] = fut
         try:
-            self._send([P.ADMIT, P.pack({"rid": rid, "n": n})])
+            self._send(M.Admit(rid, n).encode())
             granted, version = await asyncio.wait_for(fut, timeout)
         finally:
             self._grants.pop(rid, None)
@@ -141,7 +143,7 @@ class TrajectorySender:
         n = min(n, self._inflight)
         if n > 0:
             self._inflight -= n
-            self._send([P.LOST, P.pack({"n": n})])
+            self._send(M.Lost(n).encode())
 
     async def send(self, traj: Trajectory, timeout: float) -> None:
         if self.dedupe_images and traj.images:
@@ -159,16 +161,17 @@ class TrajectorySender:
         if size > self.max_frame_bytes:
             raise ValueError(f"trajectory {tid} is {size} bytes; the learner takes at most {self.max_frame_bytes}")
         deadline = time.monotonic() + timeout
-        if self.spool_dir:
+        if self._spool is not None:
             # Spooled before waiting for credit: an actor killed while it waits (learner backlogged or down)
             # still re-sends this trajectory after its restart instead of losing it.
-            self._spool(tid, frame, images)
+            self._spool.save(tid, frame, images)
+            self._stats["spooled"] += 1
         try:
             await self._wait(lambda: self._ready and self._credit > 0 and not self._resend
                              and len(self._outbox) - self._n_held < self.window
                              and len(self._outbox) < self.max_outbox, deadline, f"no credit to send {tid}")
         except BaseException:
-            if self.spool_dir and not self._closed:
+            if self._spool is not None and not self._closed:
                 self._unspool(tid)  # the caller sees the failure and counts it; a restart must not resurrect it
             raise
         self._credit -= 1
@@ -245,7 +248,7 @@ class TrajectorySender:
     def _transmit(self, tid: str, e: _Entry) -> None:
         e.sent_at = time.monotonic()
         new = [h for h in e.images if h not in self._sent_images] if e.images else []
-        parts = [P.TRAJ, P.pack({"seq": e.seq, "id": tid, "images": new}), e.frame, *(e.images[h] for h in new)]
+        parts = [*M.Traj(e.seq, tid, new).encode(), e.frame, *(e.images[h] for h in new)]
         for h in new:
             self._sent_images[h] = None
         while len(self._sent_images) > self._max_remembered:
@@ -262,10 +265,8 @@ class TrajectorySender:
         self._last_hello = time.monotonic()
         self._hello_id += 1
         self._stats["hellos"] += 1
-        self._send([P.HELLO, P.pack({
-            "actor": self.actor_id, "incarnation": self.incarnation, "hello_id": self._hello_id,
-            "pending_ids": list(self._outbox),
-            "inflight": self._inflight})])
+        self._send(M.Hello(self.actor_id, self.incarnation, self._hello_id, list(self._outbox),
+                           self._inflight).encode())
 
     def _drain(self) -> None:
         """add_reader callback (and after sends): handle every message waiting, in a bounded burst."""
@@ -281,10 +282,7 @@ class TrajectorySender:
                 msg = sock.recv_multipart(zmq.NOBLOCK)
                 self._last_rx = time.monotonic()
                 handled = True
-                try:
-                    self._dispatch(msg)
-                except (TypeError, ValueError, AttributeError) as e:  # a well-formed map with ill-typed values
-                    log.warning("bad %r message from learner: %s", msg[0], e)
+                self._dispatch(msg)
             else:  # more waiting: yield to the loop, come back at once
                 self._drain_scheduled = True
                 self._loop.call_soon(self._drain)
@@ -299,75 +297,77 @@ class TrajectorySender:
     def _dispatch(self, msg: list[bytes]) -> None:
         if len(msg) < 2:
             return
-        tag = msg[0]
         try:
-            body = P.unpack(msg[1])
-        except ValueError:
-            log.warning("bad message from learner (tag %r)", tag)
+            m = M.decode(M.TO_ACTOR, msg[0], msg[1])
+        except M.ProtocolError as e:
+            log.warning("bad %r message from learner: %s", msg[0], e)
             return
-        if tag == P.ACK:
-            held = body.get("held")
-            for tid in body.get("ids", ()):
-                if held:  # that learner run keeps it in memory until a checkpoint: no re-send timer, free the window
-                    e = self._outbox.get(tid)
-                    if e is not None:
-                        self._n_held += not e.held
-                        e.held = str(held)
-                elif self._pop(tid) is not None:
-                    self._stats["acked"] += 1
-                    if self.spool_dir:
-                        self._unspool(tid)
-        elif tag == P.CREDIT:
+        if isinstance(m, M.Ack):
+            self._on_ack(m)
+        elif isinstance(m, M.Credit):
             if self._ready:  # credit from before our last HELLO is void (WELCOME resets it)
-                self._credit += int(body.get("n", 0))
-        elif tag == P.WELCOME:
-            if body.get("hello_id") == self._hello_id:
-                self._welcome(body)
-        elif tag == P.NACK:
-            tid = body.get("id")
-            missing = body.get("missing") or []
-            for h in missing:  # the learner lost these images: attach them again
-                self._sent_images.pop(h, None)
-                self._stats["images_missing"] += 1
-            e = self._outbox.get(tid)
-            # Images we do not hold either can never be supplied: drop the trajectory rather than loop.
-            resendable = e is not None and all(h in (e.images or {}) for h in missing)
-            if body.get("retry") and resendable:
-                self._stats["retried"] += 1
-                self._outbox[tid].sent_at = 0.0
-                self._resend.append(tid)
-            elif self._pop(tid) is not None:
-                self._stats["nacked"] += 1
-                log.warning("learner rejected trajectory %s: %s", tid, body.get("reason"))
-                if body.get("retry"):  # the learner still counts the episode as running: give it back
-                    self._send([P.LOST, P.pack({"n": 1})])
-                if self.spool_dir:
-                    self._unspool(tid)
-        elif tag == P.GRANT:
-            fut = self._grants.get(body.get("rid"))
+                self._credit += m.n
+        elif isinstance(m, M.Welcome):
+            if m.hello_id == self._hello_id:
+                self._welcome(m)
+        elif isinstance(m, M.Nack):
+            self._on_nack(m)
+        elif isinstance(m, M.Grant):
+            fut = self._grants.get(m.rid)
             if fut is not None and not fut.done():
-                fut.set_result((int(body.get("granted", 0)), int(body.get("version", 0))))
-            self.version = int(body.get("version", self.version))
-        elif tag == P.VERSION:
-            self.version = int(body.get("v", self.version))
-        elif tag == P.PONG:
-            if self.run_id is not None and body.get("run_id") != self.run_id:
+                fut.set_result((m.granted, m.version))
+            self.version = m.version
+        elif isinstance(m, M.Version):
+            self.version = m.v
+        elif isinstance(m, M.Pong):
+            if self.run_id is not None and m.run_id != self.run_id:
                 self._hello()
-        elif tag == P.WHO:
+        elif isinstance(m, M.Who):
             if time.monotonic() - self._last_hello > 0.05 or self._ready:  # one HELLO per burst of WHOs
                 self._hello()
 
-    def _welcome(self, body: dict) -> None:
-        rid = body.get("run_id")
+    def _on_ack(self, m: M.Ack) -> None:
+        for tid in m.ids:
+            if m.held:  # that learner run keeps it in memory until a checkpoint: no re-send timer, free the window
+                e = self._outbox.get(tid)
+                if e is not None:
+                    self._n_held += not e.held
+                    e.held = m.held
+            elif self._pop(tid) is not None:
+                self._stats["acked"] += 1
+                if self._spool is not None:
+                    self._unspool(tid)
+
+    def _on_nack(self, m: M.Nack) -> None:
+        for h in m.missing:  # the learner lost these images: attach them again
+            self._sent_images.pop(h, None)
+            self._stats["images_missing"] += 1
+        e = self._outbox.get(m.id) if m.id is not None else None
+        # Images we do not hold either can never be supplied: drop the trajectory rather than loop.
+        resendable = e is not None and all(h in (e.images or {}) for h in m.missing)
+        if m.retry and resendable:
+            self._stats["retried"] += 1
+            e.sent_at = 0.0
+            self._resend.append(m.id)
+        elif m.id is not None and self._pop(m.id) is not None:
+            self._stats["nacked"] += 1
+            log.warning("learner rejected trajectory %s: %s", m.id, m.reason)
+            if m.retry:  # the learner still counts the episode as running: give it back
+                self._send(M.Lost(1).encode())
+            if self._spool is not None:
+                self._unspool(m.id)
+
+    def _welcome(self, m: M.Welcome) -> None:
+        rid = m.run_id
         if self.run_id is not None and rid != self.run_id:
             self._stats["restarts_seen"] += 1
             self._sent_images.clear()  # a new learner process: it may not have our images
             log.info("learner restarted (run %s -> %s): re-sending %d trajectories", self.run_id, rid,
                      len(self._outbox))
         self.run_id = rid
-        self.version = int(body.get("version", self.version))
-        self.max_frame_bytes = int(body.get("max_frame_bytes", self.max_frame_bytes))
-        self._credit = int(body.get("credit", 0))
+        self.version = m.version
+        self.max_frame_bytes = m.max_frame_bytes
+        self._credit = m.credit
         # Held by another (dead) learner run: that memory is gone, send them again.
         for e in self._outbox.values():
             if e.held and e.held != rid:
@@ -401,7 +401,7 @@ class TrajectorySender:
             if now - self._last_rx > self.dead_after_s and now - self._last_hello > self.dead_after_s:
                 self._hello()  # the learner went silent: maybe restarted on a new address/port binding
             else:
-                self._send([P.PING, b"\x80"])  # msgpack {}
+                self._send(_PING)
             if self._ready and self.resend_after_s > 0:
                 stale = [t for t, e in self._outbox.items()
                          if e.sent_at and not e.held and now - e.sent_at > self.resend_after_s]
@@ -417,46 +417,6 @@ class TrajectorySender:
             self._n_held -= 1
         return e
 
-    # --- spool: the outbox on disk, so a killed actor's unacked trajectories survive into its restart ------------
-    def _spool_path(self, tid: str) -> str:
-        return os.path.join(self.spool_dir, hashlib.sha1(tid.encode()).hexdigest() + ".traj")
-
-    def _spool(self, tid: str, frame: bytes, images: dict | None = None) -> None:
-        # Written without fsync: it protects against the actor process dying, not against the machine losing power.
-        # Layout: <u32 id length> id <u32 frame length> frame [msgpack map of the images].
-        p = self._spool_path(tid)
-        idb = tid.encode()
-        with open(p + ".tmp", "wb") as f:
-            f.write(struct.pack("<I", len(idb)) + idb)
-            f.write(struct.pack("<I", len(frame)) + frame)
-            if images:
-                f.write(msgpack.packb(images, use_bin_type=True))
-        os.replace(p + ".tmp", p)
-        self._stats["spooled"] += 1
-
     def _unspool(self, tid: str) -> None:
-        try:
-            os.unlink(self._spool_path(tid))
+        if self._spool.remove(tid):
             self._stats["unspooled"] += 1
-        except FileNotFoundError:
-            pass
-
-    def _load_spool(self) -> None:
-        os.makedirs(self.spool_dir, exist_ok=True)
-        files = []
-        for name in os.listdir(self.spool_dir):
-            p = os.path.join(self.spool_dir, name)
-            if not name.endswith(".traj"):
-                if name.endswith(".tmp"):
-                    os.unlink(p)  # died mid-write: that trajectory was never sent
-                continue
-            files.append((os.stat(p).st_mtime_ns, p))
-        for _, p in sorted(files):  # oldest first, roughly the original order
-            with open(p, "rb") as f:
-                data = f.read()
-            (n,) = struct.unpack_from("<I", data)
-            tid = data[4:4 + n].decode()
-            (m,) = struct.unpack_from("<I", data, 4 + n)
-            frame, rest = data[8 + n:8 + n + m], data[8 + n + m:]
-            images = msgpack.unpackb(rest, raw=False) if rest else None
-            self._outbox[tid] = _Entry(frame, next(self._seq), 0.0, images)

@@ -1,0 +1,335 @@
+"""When the learner may tell an actor to forget a trajectory: the receiver's durability, one strategy chosen at start.
+
+An actor keeps every trajectory it sent until the learner acks it, and re-sends what a restarted learner lost, so an
+ack is a promise that the trajectory survives a learner crash. The receiver (core/stream/receiver.py) validates and
+queues a trajectory, then hands it to its Durability, which decides how that promise is kept:
+
+  "wal"         WalDurability: the trajectory is written to the write-ahead log (core/stream/wal.py) and fsynced, in
+                batches (the io thread stages, a syncer thread writes, checksums and fdatasyncs each batch, one per
+                ack_interval_s, then the io thread acks). A restarted learner replays the entries its checkpoint does
+                not list as consumed; compact() drops consumed entries after a checkpoint.
+  "checkpoint"  CheckpointDurability: no log. An accepted trajectory is answered at once with a "held" notice (the
+                actor keeps it but stops its re-send timer) and acked for good when the training loop calls commit()
+                after a checkpoint that lists it as consumed is on disk. A killed learner loses what it held, and the
+                actors re-send exactly that (the new run does not know those ids). This takes the WAL's write,
+                checksum and fdatasync of every byte off the hot path; the price is actor memory (everything since the
+                last checkpoint, bounded by its max_outbox), so it suits frequent checkpoints and small trajectories.
+
+Methods run on the receiver's io thread (which owns the socket: acks go out through the send hook it passes in),
+except commit(), compact() and stats(), which the training thread calls.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from core.stream.messages import Ack, Message
+from core.stream.wal import WriteAheadLog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IoHooks:
+    """The receiver's io-thread services a durability uses: send(ident, message), count(key, n), warn(reason, ...)."""
+    send: Callable[[bytes, Message], None]
+    count: Callable[..., None]
+    warn: Callable[..., None]
+
+
+class Durability(ABC):
+    name: str = ""
+    acks_ready = False  # set by a background sync that just finished: the io thread stops draining and ticks at once
+
+    def __init__(self, io: IoHooks):
+        self.io = io
+
+    def _ack(self, ident: bytes, ids: list[str]) -> None:
+        """These ids are durable: the actor may forget them."""
+        self.io.send(ident, Ack(ids))
+        self.io.count("acked", len(ids))
+
+    # --- lifecycle ------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def open(self, consumed: frozenset[str]) -> list[str]:
+        """Before the io thread starts: the ids to replay into the queue (arrival order), none of them consumed."""
+
+    @abstractmethod
+    def read(self, tid: str) -> bytes:
+        """The payload of an id that open() returned for replay."""
+
+    @abstractmethod
+    def close(self, timeout: float) -> None:
+        """After the io thread stopped (and flushed)."""
+
+    # --- io thread ------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def holds(self, tid: str) -> bool:
+        """Received by this durability already (logged, or held in memory): a re-send of it is a duplicate."""
+
+    @abstractmethod
+    def backlogged(self) -> bool:
+        """Too much accepted and not yet durable: refuse new trajectories for now (the actor retries)."""
+
+    @abstractmethod
+    def accept(self, ident: bytes, tid: str, payload) -> None:
+        """A validated trajectory from actor ident goes into the queue; answer it once durable. Raises WalError when
+        it cannot be made durable (the receiver NACKs it for a retry)."""
+
+    @abstractmethod
+    def duplicate(self, ident: bytes, tid: str) -> None:
+        """A trajectory received again that this learner already has (holds() or consumed): answer it again."""
+
+    def answer_known(self, ident: bytes, ids: list[str]) -> None:
+        """HELLO: of the actor's pending ids, these are already here (after flush()); tell it which to keep."""
+        if ids:
+            self._ack(ident, ids)
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Synchronous: everything accepted so far is durable and answered when this returns (HELLO, stop)."""
+
+    @abstractmethod
+    def tick(self, now: float) -> None:
+        """Periodic, from the io loop: start and finish background work, send what is due."""
+
+    def poll_timeout(self, now: float) -> float:
+        """How long the io loop may wait for a message before tick() has something to do."""
+        return 0.005
+
+    # --- training thread ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def commit(self, ids: Iterable[str]) -> None:
+        """A checkpoint that lists these ids as consumed is durable."""
+
+    @abstractmethod
+    def compact(self, consumed: frozenset[str]) -> dict:
+        """After a durable checkpoint: forget what it covers; {"kept": n, "dropped": m}."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """{"wal_entries": ..., "held": ...}."""
+
+
+class WalDurability(Durability):
+    name = "wal"
+
+    def __init__(self, io: IoHooks, path: str, *, fsync: bool, ack_interval_s: float, max_staged: int):
+        super().__init__(io)
+        self.wal = WriteAheadLog(path, fsync=fsync)
+        self.ack_interval_s = ack_interval_s
+        self.max_staged = max_staged  # staged payloads are held in memory until the syncer has written them
+        self._pending: dict[bytes, list[str]] = {}  # staged (or duplicate) ids to ack after the next sync
+        self._ack_due = 0.0
+        # One fdatasync at a time runs on the syncer thread while the io thread keeps receiving; its batch of acks
+        # comes back through _sync_done and is sent by the io thread (which owns the socket), in order.
+        self._sync_req: queue.Queue = queue.Queue(maxsize=1)
+        self._sync_done: queue.Queue = queue.Queue(maxsize=1)
+        self._syncing: dict[bytes, list[str]] | None = None
+        self._syncer: threading.Thread | None = None
+
+    def open(self, consumed: frozenset[str]) -> list[str]:
+        self.wal.open()
+        self._syncer = threading.Thread(target=self._sync_loop, name="traj-wal-sync", daemon=True)
+        self._syncer.start()
+        return [t for t in self.wal.index if t not in consumed]
+
+    def read(self, tid: str) -> bytes:
+        return self.wal.read(tid)
+
+    def close(self, timeout: float) -> None:
+        if self._syncer:
+            try:
+                self._sync_req.put(None, timeout=timeout)
+            except queue.Full:
+                pass
+            self._syncer.join(timeout)
+        self.wal.close()
+
+    def holds(self, tid: str) -> bool:
+        return tid in self.wal
+
+    def backlogged(self) -> bool:
+        return self.wal.staged() >= self.max_staged
+
+    def accept(self, ident: bytes, tid: str, payload) -> None:
+        # The same bytes the actor sent, no re-encoding; the syncer thread writes and fdatasyncs them before their
+        # ack goes out (staged payloads are bounded by max_staged through backlogged()).
+        self.wal.stage(tid, payload)
+        self._ack_after_sync(ident, tid)
+
+    def duplicate(self, ident: bytes, tid: str) -> None:
+        self._ack_after_sync(ident, tid)  # ack again so the actor can forget it
+
+    def _ack_after_sync(self, ident: bytes, tid: str) -> None:
+        self._pending.setdefault(ident, []).append(tid)
+        if self._ack_due == 0.0:
+            self._ack_due = time.monotonic() + self.ack_interval_s
+
+    def poll_timeout(self, now: float) -> float:
+        return 0.001 if self._syncing is not None else 0.005 if not self._pending else max(0.0, self._ack_due - now)
+
+    def tick(self, now: float) -> None:
+        if self._collect(None) and self._pending and now >= self._ack_due:
+            # Hand the pending acks to the syncer (one sync in flight at a time keeps acks in order).
+            self._syncing, self._pending, self._ack_due = self._pending, {}, 0.0
+            self.io.count("wal_syncs")
+            self._sync_req.put_nowait(self._syncing)
+
+    def flush(self) -> None:
+        if not self._collect(timeout=30.0):
+            log.error("WAL sync took over 30s; acks delayed")
+            return
+        if not self._pending:
+            return
+        try:
+            self.wal.sync()
+        except OSError as e:
+            self.io.count("wal_errors")
+            self.io.warn("wal", "WAL sync failed, acks withheld: %s", e)
+            self._pending, self._ack_due = {}, 0.0
+            return
+        self.io.count("wal_syncs")
+        self._ack_batch(self._pending)
+        self._pending, self._ack_due = {}, 0.0
+
+    def _ack_batch(self, batch: dict[bytes, list[str]]) -> None:
+        for ident, ids in batch.items():
+            self._ack(ident, ids)
+
+    def _collect(self, timeout: float | None) -> bool:
+        """Send the acks of a finished background sync; timeout=None polls. False if one is still running."""
+        if self._syncing is None:
+            return True
+        try:
+            batch = self._sync_done.get(timeout=timeout) if timeout else self._sync_done.get_nowait()
+        except queue.Empty:
+            return False
+        self._syncing = None
+        self.acks_ready = False
+        self._ack_batch(batch)
+        return True
+
+    def _sync_loop(self) -> None:
+        while True:
+            # Idle until the io thread hands over a batch; close() sends None.
+            batch = self._sync_req.get()
+            if batch is None:
+                return
+            try:
+                self.wal.sync()
+            except OSError:
+                # Sticky (WalError from now on): nothing is acked again, actors keep what they sent.
+                log.exception("WAL write/fdatasync failed; these trajectories stay unacked")
+                batch = {}
+            self._sync_done.put(batch)
+            self.acks_ready = True  # the io thread looks at this after every message: acks go out at once
+
+    def commit(self, ids: Iterable[str]) -> None:
+        """Nothing to do: these ids were acked as soon as their WAL batch was fsynced."""
+
+    def compact(self, consumed: frozenset[str]) -> dict:
+        kept, dropped = self.wal.compact(consumed)
+        return {"kept": kept, "dropped": dropped}
+
+    def stats(self) -> dict:
+        return {"wal_entries": len(self.wal), "held": 0}
+
+
+class CheckpointDurability(Durability):
+    name = "checkpoint"
+
+    def __init__(self, io: IoHooks, run_id: str):
+        super().__init__(io)
+        self.run_id = run_id  # the held notices name this learner run: a restarted one does not hold them
+        self._held: dict[str, bytes] = {}  # id -> actor identity, accepted by this process and not yet committed
+        self._pending_held: dict[bytes, list[str]] = {}  # held notices waiting for the next tick
+        # Id sets from commit() (training thread) for the io thread; one per checkpoint, drained every tick.
+        self._commits: collections.deque[frozenset[str] | set[str]] = collections.deque()
+
+    def open(self, consumed: frozenset[str]) -> list[str]:
+        return []  # nothing survives a restart but the checkpoint: the actors re-send everything else
+
+    def read(self, tid: str) -> bytes:
+        raise KeyError(f"{tid}: checkpoint durability keeps no trajectory payloads")
+
+    def close(self, timeout: float) -> None:
+        """Nothing to close: no file, no thread."""
+
+    def holds(self, tid: str) -> bool:
+        return tid in self._held
+
+    def backlogged(self) -> bool:
+        return False  # nothing waits on a disk: the queue's own bound is the limit
+
+    def accept(self, ident: bytes, tid: str, payload) -> None:
+        self._held[tid] = ident
+        self._pending_held.setdefault(ident, []).append(tid)
+
+    def duplicate(self, ident: bytes, tid: str) -> None:
+        if tid in self._held:  # not durable yet: tell the actor again that we hold it
+            self._pending_held.setdefault(ident, []).append(tid)
+        else:  # consumed and in a durable checkpoint: the actor may forget it
+            self._ack(ident, [tid])
+
+    def answer_known(self, ident: bytes, ids: list[str]) -> None:
+        held = [t for t in ids if t in self._held]
+        if held:  # ours, not yet in a checkpoint: the actor keeps them and does not send them again
+            ids = [t for t in ids if t not in self._held]
+            self.io.send(ident, Ack(held, held=self.run_id))
+        if ids:
+            self._ack(ident, ids)
+
+    def flush(self) -> None:
+        self._send_held()
+        self._send_commits()
+
+    def tick(self, now: float) -> None:
+        if self._pending_held:
+            self._send_held()
+        if self._commits:
+            self._send_commits()
+
+    def _send_held(self) -> None:
+        for ident, ids in self._pending_held.items():
+            self.io.send(ident, Ack(ids, held=self.run_id))
+        self._pending_held = {}
+
+    def _send_commits(self) -> None:
+        while self._commits:
+            durable = self._commits.popleft()
+            by_actor: dict[bytes, list[str]] = {}
+            # O(held), not O(everything ever consumed): a checkpoint lists all consumed ids, most committed long ago.
+            for tid in [t for t in self._held if t in durable]:
+                by_actor.setdefault(self._held.pop(tid), []).append(tid)
+            self.io.count("committed", sum(map(len, by_actor.values())))
+            for ident, ids in by_actor.items():
+                self._ack(ident, ids)
+
+    def commit(self, ids: Iterable[str]) -> None:
+        self._commits.append(ids if isinstance(ids, (set, frozenset)) else frozenset(ids))
+
+    def compact(self, consumed: frozenset[str]) -> dict:
+        return {"kept": 0, "dropped": 0}  # no log to compact
+
+    def stats(self) -> dict:
+        return {"wal_entries": 0, "held": len(self._held)}
+
+
+DURABILITY = ("wal", "checkpoint")
+
+
+def make_durability(mode: str, io: IoHooks, wal_path: str, *, run_id: str, fsync: bool, ack_interval_s: float,
+                    max_staged: int) -> Durability:
+    """learner.stream_durability -> its strategy; ValueError for an unknown mode."""
+    if mode == "wal":
+        return WalDurability(io, wal_path, fsync=fsync, ack_interval_s=ack_interval_s, max_staged=max_staged)
+    if mode == "checkpoint":
+        return CheckpointDurability(io, run_id)
+    raise ValueError(f"durability must be one of {DURABILITY}, got {mode!r}")
