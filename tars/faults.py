@@ -29,8 +29,8 @@ from tars.up import Child, build_model
 
 # A quick, small run: no SFT, tiny batches and frequent checkpoints, so every fault lands mid-run within seconds.
 # The ledger reads the learner's WAL (acked, not yet trained), so the stream keeps "wal" durability here.
-FAST = ["sft.steps=0", "learner.batch_size=16", "actor.concurrency=16", "learner.checkpoint_every=2",
-        "learner.stream_durability=wal",
+FAST = ["sft.steps=0", "learner.batch_size=16", "actor.concurrency=16", "learner.checkpoint.every=2",
+        "learner.stream.durability=wal",
         "actor.max_turns=3", "max_versions=100000", "wall_budget_s=100000", "actor.rpc_timeout_s=10"]
 
 
@@ -73,7 +73,7 @@ class Topology:
                                      str(self.model_dir), "--inference", inf]
         self.stream = self._start("learner", 0, 120)["stream"]
         # A restarted learner must listen where the actors already connect.
-        self.argv[("learner", 0)] += ["--set", f"learner.stream_port={self.stream.rsplit(':', 1)[1]}"]
+        self.argv[("learner", 0)] += ["--set", f"learner.stream.port={self.stream.rsplit(':', 1)[1]}"]
         envds = ",".join(self.addr[("envd", i)] for i in range(self.n_envd))
         for i in range(self.n_actors):
             self.argv[("actor", i)] = [*self.py, "actor", *self.conf, "--envd", envds, "--inference", inf,

@@ -43,7 +43,8 @@ def _code(fn) -> grpc.StatusCode:
 def test_every_grpc_listener_rejects_unauthenticated_calls(tmp_path):
     from tars.up import build_model
 
-    cfg = C.load("quickstart", None, ["sft.steps=0", f"envd.auth_token={TOKEN}", f"inference.auth_token={TOKEN}"])
+    cfg = C.load("quickstart", None, ["sft.steps=0", f"envd.auth_token={TOKEN}", f"inference.auth_token={TOKEN}",
+                                      f"control.auth_token={TOKEN}"])
     C.save(cfg, tmp_path / "config.yaml")
     model, _ = build_model(cfg, tmp_path, lambda m: None)
     conf = ["--config", str(tmp_path / "config.yaml")]
@@ -87,8 +88,8 @@ def test_every_grpc_listener_rejects_unauthenticated_calls(tmp_path):
 
 
 def test_actor_and_learner_control_servers_are_authenticated():
-    # The actor's and the learner's ControlService are built exactly like this (actor/main.py, learner/main.py).
-    for path in ("actor/main.py", "learner/main.py"):
+    # The actor's and the learner's ControlService are built exactly like this (actor/main.py, learner/control.py).
+    for path in ("actor/main.py", "learner/control.py"):
         src = (ROOT / path).read_text()
         assert "rpc.make_server(auth_token=" in src and "127.0.0.1" in src, path
 
@@ -117,7 +118,7 @@ def test_actor_and_learner_control_servers_are_authenticated():
 def test_defaults_bind_loopback():
     cfg = C.RunConfig()
     assert cfg.envd.host == "127.0.0.1" and cfg.inference.host == "127.0.0.1"
-    assert cfg.learner.stream_host == "127.0.0.1"
+    assert cfg.learner.stream.host == "127.0.0.1"
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE (libsodium)")
@@ -242,8 +243,8 @@ def test_curve_on_by_option_in_a_real_run(tmp_path):
 
     public, secret = zmq.curve_keypair()
     topo = Topology(tmp_path / "run")
-    topo.cfg.learner.stream_curve_secret_key = secret.decode()  # keys go in the YAML (Z85 is not --set friendly)
-    topo.cfg.learner.stream_curve_public_key = public.decode()
+    topo.cfg.learner.stream.curve_secret_key = secret.decode()  # keys go in the YAML (Z85 is not --set friendly)
+    topo.cfg.learner.stream.curve_public_key = public.decode()
     with topo:
         topo.start()
         topo.wait_versions(2, 120)
