@@ -115,6 +115,41 @@ def test_actor_and_learner_control_servers_are_authenticated():
     asyncio.run(go())
 
 
+def test_control_token_guards_the_control_service_beside_a_service_token(tmp_path):
+    """envd and the inference server share their listener with their ControlService: control.auth_token guards the
+    latter, the service token the rest; `tars ctl` takes the token from the run's config.yaml."""
+    from envd.server import EnvServer
+    from tars import ctl
+
+    async def go():
+        srv = EnvServer(C.EnvdConfig(auth_token=TOKEN), control_token="ctl-token")
+        await srv.start()
+        try:
+            got = {}
+            for token in ("", TOKEN, "ctl-token"):
+                ch = rpc.channel(srv.address, token)
+                for name, call in (("env", lambda: env_pb2_grpc.EnvServiceStub(ch).Ping(env_pb2.PingRequest(), timeout=5)),
+                                   ("control", lambda: control_pb2_grpc.ControlServiceStub(ch).Status(
+                                       control_pb2.StatusRequest(), timeout=5))):
+                    try:
+                        await call()
+                        got[token, name] = grpc.StatusCode.OK
+                    except grpc.aio.AioRpcError as e:
+                        got[token, name] = e.code()
+                await ch.close()
+            return got
+        finally:
+            await srv.stop(0)
+
+    got = asyncio.run(go())
+    U, OK = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OK
+    assert got == {("", "env"): U, ("", "control"): U, (TOKEN, "env"): OK, (TOKEN, "control"): U,
+                   ("ctl-token", "env"): U, ("ctl-token", "control"): OK}
+    cfg = C.load(None, None, [f"envd.auth_token={TOKEN}", "control.auth_token=ctl-token"])
+    C.save(cfg, tmp_path / "config.yaml")
+    assert ctl.run_control_token(str(tmp_path)) == "ctl-token" and ctl.run_control_token(str(tmp_path / "x")) == ""
+
+
 def test_defaults_bind_loopback():
     cfg = C.RunConfig()
     assert cfg.envd.host == "127.0.0.1" and cfg.inference.host == "127.0.0.1"
