@@ -1,6 +1,9 @@
 """Typed configuration: one dataclass per role, help text on every field, YAML presets, `--set a.b=c` overrides.
 
-The resolved config is written into every run directory (config.yaml) so a run can be reproduced.
+The resolved config is written into every run directory (config.yaml) so a run can be reproduced. A section may
+hold sections (`learner.staleness.eta`; the learner's are in core/config_learner.py); a class's MOVED table maps
+keys of an older layout to their new place, so such a key is refused with an error that names it. `validate` checks
+the rules that span sections.
 """
 from __future__ import annotations
 
