@@ -271,7 +271,7 @@ def test_lint_catches_what_it_should(tmp_path, monkeypatch):
 @pytest.mark.slow  # a whole topology (~20-60 s); the in-process CURVE test above is in the default run
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE (libsodium)")
 def test_curve_on_by_option_in_a_real_run(tmp_path):
-    """learner.stream_curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
+    """learner.stream.curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
     client without the learner's public key gets nowhere."""
     from tars.faults import Topology
     from core.stream import TrajectorySender
