@@ -37,7 +37,7 @@ class Actor:
                                      unavailable_retry_s=cfg.actor.unavailable_retry_s)
         self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,
                                        max_outbox=cfg.actor.max_outbox,
-                                       **_curve_keys(cfg.learner.stream_curve_public_key))
+                                       **_curve_keys(cfg.learner.stream.curve_public_key))
         self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id)
         self.rng = random.Random(f"{cfg.seed}-{actor_id}")
         self.paused = False
@@ -134,7 +134,7 @@ class Actor:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.sender.start(timeout=60.0)
-        k = max(1, self.acfg.group_size)
+        k = max(1, self.cfg.learner.group.size)  # members per seed: the learner's group size, one number
         while not stop.is_set():
             free = self.acfg.concurrency - len(self.running)
             if self.paused or free < k:
@@ -210,7 +210,7 @@ async def serve(cfg: RunConfig, envd: list[str], inference: list[str], stream: s
                 spool_dir: str | None = None) -> None:
     actor_id = actor_id or f"actor-{uuid.uuid4().hex[:6]}"
     actor = Actor(cfg, actor_id, envd, inference, stream, Tokenizer.load(tokenizer_path), spool_dir)
-    server = rpc.make_server(auth_token=cfg.envd.auth_token)
+    server = rpc.make_server(auth_token=cfg.control.auth_token)
     add_control(server, actor.control())
     port = rpc.bind(server, "127.0.0.1", control_port)
     await server.start()

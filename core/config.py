@@ -1,6 +1,9 @@
 """Typed configuration: one dataclass per role, help text on every field, YAML presets, `--set a.b=c` overrides.
 
-The resolved config is written into every run directory (config.yaml) so a run can be reproduced.
+The resolved config is written into every run directory (config.yaml) so a run can be reproduced. A section may
+hold sections (`learner.staleness.eta`; the learner's are in core/config_learner.py); a class's MOVED table maps
+keys of an older layout to their new place, so such a key is refused with an error that names it. `validate` checks
+the rules that span sections.
 """
 from __future__ import annotations
 
@@ -8,18 +11,15 @@ import dataclasses
 import pathlib
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
+from core.config_fields import f
+from core.config_learner import (CheckpointConfig, GroupConfig, LearnerConfig, PPOConfig, PublishConfig,  # noqa: F401
+                                 StalenessConfig, StreamConfig, ValuePretrainConfig)
+
 PRESETS = pathlib.Path(__file__).parent / "presets"
-
-
-def f(default: Any, help: str, **kw):
-    """A dataclass field with help text (mutable defaults are copied)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
 
 
 @dataclass
@@ -54,7 +54,8 @@ class EnvdConfig:
     gc_interval_s: float = f(1.0, "how often expired leases are collected")
     workers: int = f(8, "threads for blocking backends")
     max_message_bytes: int = f(16 << 20, "largest gRPC message accepted")
-    auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>`")
+    auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
+                            "control.auth_token)")
     step_timeout_s: float = f(60.0, "deadline of one blocking backend call (create, reset, step, ...); past it the "
                                     "session ends as INFRA_ERROR")
     shutdown_grace_s: float = f(2.0, "on SIGTERM, how long in-flight RPCs may finish before envs are closed")
@@ -75,7 +76,8 @@ class InferenceConfig:
     threads: int = f(1, "torch intra-op threads of the local engine")
     cache_capacity: int = f(4096, "trajectories whose KV prefix is kept (LRU)")
     max_stale_versions: int = f(0, "default staleness budget for keeping KV across a weight update (0 = recompute)")
-    auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>`")
+    auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
+                            "control.auth_token)")
     cache_max_bytes: int = f(1 << 30, "memory bound of the per-trajectory KV prefix cache (LRU), in bytes")
     prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
     max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
@@ -104,7 +106,6 @@ class ActorConfig:
     temperature: float = f(1.0, "sampling temperature")
     format_penalty: float = f(-0.1, "reward added to a turn whose output does not parse")
     on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)")
-    group_size: int = f(1, "episodes per task seed (GRPO groups); 1 = independent")
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
     retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
     unavailable_retry_s: float = f(60.0, "how long an inference call keeps retrying a server that is down (e.g. "
@@ -126,67 +127,9 @@ class ActorConfig:
     judge_on_error: str = f("infra_error", "unparseable verdict or judge call failed: infra_error (episode kept out "
                                            "of the loss) | env (keep the env reward)")
 
-
-@dataclass
-class LearnerConfig:
-    """learner: consumes trajectories, trains, publishes weights."""
-
-    algo: str = f("ppo", "ppo (decoupled PPO with a critic and GAE) | grpo (group-normalised, no critic)")
-    batch_size: int = f(64, "trajectories per policy update (B in the staleness rule)")
-    eta: int = f(2, "staleness bound: started trajectories <= B * (version + 1 + eta); 0 = synchronous")
-    max_lag: int = f(8, "trajectories whose oldest token is more versions behind than this are dropped")
-    lr: float = f(1e-3, "policy learning rate (AdamW)")
-    critic_lr: float = f(2e-3, "critic learning rate")
-    weight_decay: float = f(0.0, "AdamW weight decay")
-    warmup_steps: int = f(20, "linear learning-rate warm-up, in updates")
-    eps_low: float = f(0.2, "PPO clip, lower side")
-    eps_high: float = f(0.28, "PPO clip, upper side (clip-higher)")
-    behav_cap: float = f(5.0, "cap of the decoupled behaviour weight pi_prox / pi_behav")
-    gamma: float = f(1.0, "discount")
-    lam_policy: float = f(0.95, "GAE lambda for advantages")
-    lam_critic: float = f(1.0, "GAE lambda for value targets (decoupled GAE)")
-    length_adaptive: bool = f(False, "lambda_policy = 1 - 1/(alpha * response length) (VAPO)")
-    length_alpha: float = f(0.05, "alpha of length-adaptive GAE")
-    value_clip: float = f(0.2, "clip range of the value loss")
-    value_pretrain_steps: int = f(0, "critic-only updates before PPO starts (value pretraining)")
-    value_pretrain_ev: float = f(0.5, "stop value pretraining early once the critic's explained variance, averaged "
-                                        "over the last 10 batches, reaches this")
-    epochs: int = f(1, "passes over each batch")
-    minibatches: int = f(1, "minibatches per pass")
-    grad_clip: float = f(1.0, "gradient norm clip")
-    adv_norm: bool = f(True, "normalise advantages over the batch's generated tokens")
-    neg_adv_weight: float = f(1.0, "scale of negative advantages (1 = symmetric PPO); below 1, updates away from failed "
-                                   "samples are tempered, which keeps the shared output-format tokens stable at learning "
-                                   "rates where symmetric updates break them (asymmetric REINFORCE)")
-    entropy_coef: float = f(0.0, "entropy bonus (the starting value when target_entropy is set)")
-    target_entropy: float = f(0.0, "adaptive entropy control: above 0, the entropy bonus's coefficient is raised while "
-                                   "the mean entropy of generated tokens is below this and lowered (not below 0) while "
-                                   "above it, so the policy keeps exploring instead of collapsing onto its first habits")
-    entropy_coef_lr: float = f(0.002, "step of the adaptive coefficient per update, per nat of entropy off target")
-    entropy_coef_max: float = f(0.02, "upper bound of the adaptive entropy coefficient")
-    kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
-                            "tokens; anchors the output format at higher learning rates")
-    checkpoint_every: int = f(20, "checkpoint every N updates (and at the end)")
-    keep_weights: int = f(3, "published weight versions kept on disk")
-    stream_host: str = f("127.0.0.1", "bind address of the trajectory stream")
-    stream_port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one")
-    stream_curve_secret_key: str = f("", "Z85 CURVE secret key of the learner: if set, the stream is encrypted and only "
-                                         "clients that know the public key connect (zmq.curve_keypair() makes a pair)")
-    stream_curve_public_key: str = f("", "the learner's Z85 CURVE public key; actors need it when CURVE is on")
-    credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
-    max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
-    stream_queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")
-    stream_ack_interval_s: float = f(0.002, "WAL fsync / ack batching interval of the trajectory stream")
-    stream_fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
-    stream_durability: str = f("wal", "wal: ack a trajectory once it is fsynced in the learner's write-ahead log | "
-                               "checkpoint: no WAL; ack it once a checkpoint that consumed it is on disk (actors "
-                               "keep everything since the last checkpoint: faster, more actor memory)")
-    threads: int = f(1, "torch intra-op threads")
-    device: str = f("auto", "where the learner (and tars sft) trains: auto (cuda when available, else cpu) | cpu | cuda | "
-                            "cuda:N; under accelerate with several processes, auto/cuda = cuda:LOCAL_RANK with NCCL")
-    precision: str = f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, fp32 master weights "
-                               "and optimizer state; allowed on the CPU too, via CPU autocast)")
-    archive: bool = f(False, "append every trajectory received to run_dir/trajectories.twl (for tars data split / tars sft)")
+    # The group size is the learner's (learner.group.size): one number for the actors that launch the members and
+    # the learner that waits for them.
+    MOVED: ClassVar[dict[str, str]] = {"group_size": "learner.group.size"}
 
 
 @dataclass
@@ -222,6 +165,16 @@ class TelemetryConfig:
 
 
 @dataclass
+class ControlConfig:
+    """control: the ControlService every process serves (status, pause, drain, set eta, checkpoint; `tars ctl`)."""
+
+    auth_token: str = f("", "protects every process's ControlService (envd, inference, actors, learner): if set, every "
+                            "control RPC must carry `authorization: Bearer <token>`, and `tars ctl` sends it. Required "
+                            "when envd.auth_token or inference.auth_token is set (their ControlService shares the "
+                            "listener)")
+
+
+@dataclass
 class RunConfig:
     """A whole `tars up` run."""
 
@@ -239,6 +192,8 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig,
                                        metadata={"help": "traces, metrics and their exporters (docs/telemetry.md)"})
+    control: ControlConfig = field(default_factory=ControlConfig,
+                                   metadata={"help": "the ControlService of every process and `tars ctl`"})
 
 
 class ConfigError(ValueError):
@@ -289,6 +244,10 @@ def from_dict(cls, d: dict, where: str = ""):
     hints = typing.get_type_hints(cls)
     names = {fl.name for fl in dataclasses.fields(cls)}
     unknown = set(d) - names
+    moved = {k: getattr(cls, "MOVED", {})[k] for k in sorted(unknown) if k in getattr(cls, "MOVED", {})}
+    if moved:  # a key of an older layout: say where it lives now
+        where_ = f"{where}." if where else ""
+        raise ConfigError("renamed config key(s): " + ", ".join(f"{where_}{k} is now {v}" for k, v in moved.items()))
     if unknown:
         raise ConfigError(f"unknown config key(s) {sorted(unknown)} in {where or cls.__name__}")
     kw = {k: _coerce(hints[k], v, f"{where}.{k}".lstrip(".")) for k, v in d.items()}
@@ -324,7 +283,18 @@ def load(preset: str | None = None, path: str | None = None, overrides: list[str
             raise ConfigError(f"override {o!r} is not key=value")
         k, v = o.split("=", 1)
         apply_override(d, k.strip(), v)
-    return from_dict(RunConfig, d)
+    cfg = from_dict(RunConfig, d)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Rules that span sections (ConfigError)."""
+    if (cfg.envd.auth_token or cfg.inference.auth_token) and not cfg.control.auth_token:
+        # envd's and the inference server's ControlService (drain, kill sessions, status) share their listener:
+        # a service token alone would leave those commands open.
+        raise ConfigError("envd.auth_token / inference.auth_token is set but control.auth_token is empty: the "
+                          "ControlService on the same listeners would take unauthenticated calls; set control.auth_token")
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -339,10 +309,16 @@ def save(cfg, path: str | pathlib.Path) -> None:
 
 
 def help_text(cls=RunConfig, prefix: str = "") -> str:
+    """Every field with its default and help, a section's fields under a `[section]` heading with its docstring."""
     lines = []
     for fl in dataclasses.fields(cls):
         if dataclasses.is_dataclass(fl.default_factory() if fl.default_factory is not dataclasses.MISSING else None):
-            lines.append(help_text(type(fl.default_factory()), prefix + fl.name + "."))
+            sub = type(fl.default_factory())
+            doc = (sub.__doc__ or "").strip().split("\n")[0]
+            head, _, rest = doc.partition(": ")
+            doc = rest if head in (fl.name, prefix + fl.name) else doc  # "learner.ppo: the loss" -> "the loss"
+            lines.append(f"[{prefix}{fl.name}] {doc}")
+            lines.append(help_text(sub, prefix + fl.name + "."))
         else:
             default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
             lines.append(f"  {prefix}{fl.name} = {default!r}\n      {fl.metadata.get('help', '')}")

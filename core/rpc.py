@@ -7,6 +7,7 @@ import grpc
 from grpc import aio
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+CONTROL_PREFIX = "/tars.v1.ControlService/"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 
 
@@ -19,10 +20,15 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):
-    """Rejects every RPC that lacks `authorization: Bearer <token>`, except grpc.health.v1 health checks."""
+    """Rejects every RPC that lacks `authorization: Bearer <token>`, except grpc.health.v1 health checks.
 
-    def __init__(self, token: str):
-        self._want = f"Bearer {token}"
+    control_token, when not None, is the token of the ControlService methods on this listener instead ("" = they
+    need none): control.auth_token guards every process's ControlService, whatever service shares its port.
+    """
+
+    def __init__(self, token: str, control_token: str | None = None):
+        self._want = f"Bearer {token}" if token else None
+        self._want_control = self._want if control_token is None else (f"Bearer {control_token}" if control_token else None)
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -31,9 +37,11 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        want = self._want_control if method.startswith(CONTROL_PREFIX) else self._want
         md = dict(handler_call_details.invocation_metadata or ())
         # Health checks carry no secrets and orchestrators' probes (Kubernetes gRPC probes) cannot send a token.
-        if md.get("authorization") == self._want or handler_call_details.method.startswith(HEALTH_PREFIX):
+        if want is None or md.get("authorization") == want or method.startswith(HEALTH_PREFIX):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
@@ -92,8 +100,10 @@ class RequestDecodeInterceptor(aio.ServerInterceptor):
         return w
 
 
-def make_server(max_message_bytes: int = 16 << 20, auth_token: str = "") -> aio.Server:
-    interceptors = ([TokenAuthInterceptor(auth_token)] if auth_token else []) + [RequestDecodeInterceptor()]
+def make_server(max_message_bytes: int = 16 << 20, auth_token: str = "", control_token: str | None = None) -> aio.Server:
+    """auth_token guards every RPC; control_token (when not None) the ControlService's instead (TokenAuthInterceptor)."""
+    auth = auth_token or control_token
+    interceptors = ([TokenAuthInterceptor(auth_token, control_token)] if auth else []) + [RequestDecodeInterceptor()]
     return aio.server(interceptors=interceptors, options=_options(max_message_bytes))
 
 

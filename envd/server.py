@@ -30,8 +30,9 @@ CONTROL_SERVICE = "tars.v1.ControlService"
 class EnvServer:
     """envd in-process: `port = await EnvServer(cfg).start()`, then `await server.stop()`."""
 
-    def __init__(self, cfg: EnvdConfig):
+    def __init__(self, cfg: EnvdConfig, control_token: str | None = None):
         self.cfg = cfg
+        self.control_token = control_token  # control.auth_token for the ControlService; None = envd.auth_token
         self.run_id = secrets.token_hex(8)
         self.servicer = EnvServicer(cfg, self.run_id)
         self.server: grpc.aio.Server | None = None
@@ -44,7 +45,7 @@ class EnvServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> int:
-        self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token)
+        self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token, self.control_token)
         env_pb2_grpc.add_EnvServiceServicer_to_server(self.servicer, self.server)
         control = ControlServicer("envd", status=self.servicer.metrics, run_id=self.run_id)
         control.on("drain", lambda args: self.drain(True))
@@ -82,10 +83,11 @@ class EnvServer:
         log.info("envd run %s stopped", self.run_id)
 
 
-async def serve(cfg: EnvdConfig, ready_file: str | None = None, stop: asyncio.Event | None = None) -> EnvServer:
+async def serve(cfg: EnvdConfig, ready_file: str | None = None, stop: asyncio.Event | None = None,
+                control_token: str | None = None) -> EnvServer:
     """Run envd until `stop` is set or SIGTERM/SIGINT arrives, then shut down gracefully."""
     stop = stop or asyncio.Event()
-    server = EnvServer(cfg)
+    server = EnvServer(cfg, control_token)
     await server.start()
     loop = asyncio.get_running_loop()
     installed = []
@@ -105,11 +107,11 @@ async def serve(cfg: EnvdConfig, ready_file: str | None = None, stop: asyncio.Ev
     return server
 
 
-def main(cfg: EnvdConfig, ready_file: str | None = None) -> int:
+def main(cfg: EnvdConfig, ready_file: str | None = None, control_token: str | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s envd %(levelname)s %(message)s")
     try:
-        server = asyncio.run(serve(cfg, ready_file))
+        server = asyncio.run(serve(cfg, ready_file, control_token=control_token))
     except OSError as e:
         log.error("envd could not start: %s", e)
         return 1

@@ -195,8 +195,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 class InferenceServer:
     """InferenceService + ControlService + health + reflection on one grpc.aio server. Owns no engine lifetime."""
 
-    def __init__(self, cfg: InferenceConfig, engine, model_name: str = ""):
+    def __init__(self, cfg: InferenceConfig, engine, model_name: str = "", control_token: str | None = None):
         self.cfg, self.engine = cfg, engine
+        self.control_token = control_token  # control.auth_token for the ControlService; None = inference.auth_token
         self.servicer = InferenceServicer(cfg, engine, model_name)
         self.control = ControlServicer("inference", self.status, lambda: engine.version)
         self.control.on("update_weights", self._cmd_update)
@@ -219,7 +220,7 @@ class InferenceServer:
         return info
 
     async def start(self) -> int:
-        self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token)
+        self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token, self.control_token)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         add_control(self.server, self.control)
         self._health = rpc.add_health_and_reflection(self.server, [SERVICE, CONTROL])
@@ -258,10 +259,11 @@ def make_engine(cfg: InferenceConfig, model_path: str, version: int = 0):
     raise ValueError(f"engine {cfg.engine!r} is not available in this server; use engine=local or engine=sglang")
 
 
-async def serve(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None, stop: asyncio.Event | None = None) -> None:
+async def serve(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None, stop: asyncio.Event | None = None,
+                control_token: str | None = None) -> None:
     """Run an inference server until `stop` is set (or SIGTERM / SIGINT), then shut down gracefully."""
     engine = await asyncio.to_thread(make_engine, cfg, model_path, version)
-    srv = InferenceServer(cfg, engine, model_name=model_path)
+    srv = InferenceServer(cfg, engine, model_name=model_path, control_token=control_token)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -279,10 +281,10 @@ async def serve(cfg: InferenceConfig, model_path: str, version: int = 0, ready_f
         await asyncio.to_thread(engine.close)
 
 
-def main(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None) -> int:
+def main(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None, control_token: str | None = None) -> int:
     die_with_parent()
     try:
-        asyncio.run(serve(cfg, model_path, version, ready_file))
+        asyncio.run(serve(cfg, model_path, version, ready_file, control_token=control_token))
     except (ValueError, OSError) as e:
         print(f"inference_server: {e}", file=sys.stderr)
         return 2

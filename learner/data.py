@@ -16,6 +16,7 @@ import os
 import pathlib
 from collections.abc import Iterator
 
+from core.outcome import Outcome
 from core.schema import SchemaError, Trajectory
 from core.stream.wal import WriteAheadLog
 
@@ -59,9 +60,9 @@ def write_trajectories(path, trajs) -> int:
 
 
 def passes_validation(tr: Trajectory, min_return: float | None = None) -> bool:
-    if tr.outcome == "infra_error":
+    if tr.outcome == Outcome.INFRA_ERROR:
         return False
-    if tr.outcome == "terminated" and tr.success:
+    if tr.outcome == Outcome.TERMINATED and tr.success:
         return True
     return min_return is not None and tr.ret >= min_return
 
@@ -72,7 +73,7 @@ def split(paths, out_dir, min_return: float | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     sft, ct, infra = [], [], 0
     for tr in read_trajectories(paths):
-        if tr.outcome == "infra_error":
+        if tr.outcome == Outcome.INFRA_ERROR:
             infra += 1
         elif passes_validation(tr, min_return):
             sft.append(tr)

@@ -18,8 +18,9 @@ import torch
 
 from learner.distributed import from_accelerate
 from learner.ppo import PPOTrainer
-from core.config import LearnerConfig
+from core.config import LearnerConfig, PPOConfig, ValuePretrainConfig
 from core.model import CausalLM, DecoderConfig
+from core.outcome import Outcome
 from core.schema import Trajectory, Turn
 
 V = 40
@@ -35,7 +36,7 @@ def batch(seed: int, n: int = 12, max_len: int = 30) -> list[Trajectory]:
         m = np.zeros(L, np.uint8)
         m[L - 3:] = 1
         r = float(rng.random() < 0.5)
-        out.append(Trajectory(id=f"{seed}-{i}", env_id="x", outcome="terminated",
+        out.append(Trajectory(id=f"{seed}-{i}", env_id="x", outcome=Outcome.TERMINATED,
                               tokens=rng.integers(0, V, L).astype(np.int32),
                               logprobs=np.where(m, -1.5, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
                               mask=m, turns=[Turn("", "", {}, r, L - 3, L)], ret=r, group=f"g{i // 4}"))
@@ -47,7 +48,8 @@ def run(steps: int, algo: str = "ppo") -> tuple[dict, int]:
     torch.manual_seed(0)
     pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
     critic = CausalLM(pol.config, value_head=True).init_weights(1) if algo == "ppo" else None
-    cfg = LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1, epochs=2, minibatches=2, value_pretrain_steps=1)
+    cfg = LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1, ppo=PPOConfig(epochs=2, minibatches=2),
+                        value_pretrain=ValuePretrainConfig(steps=1))
     tr = PPOTrainer(pol, critic, cfg, 0, dist=dist)
     tr.chunk_tokens = 60  # several chunks per minibatch, so the ranks really split the work
     if critic is not None:

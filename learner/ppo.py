@@ -115,10 +115,10 @@ class PPOTrainer:
         if critic is not None:
             self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=(0.9, 0.99))
         self.ref = None
-        if cfg.kl_coef > 0:  # a frozen copy of the starting policy
+        if cfg.ppo.kl_coef > 0:  # a frozen copy of the starting policy
             self.ref = copy.deepcopy(policy).eval().requires_grad_(False)
         self.updates = 0
-        self.entropy_coef = cfg.entropy_coef  # adapted after each update when cfg.target_entropy > 0
+        self.entropy_coef = cfg.ppo.entropy_coef  # adapted after each update when cfg.ppo.target_entropy > 0
         self.chunk_tokens = 4096  # padded tokens per forward chunk
         # One epoch of one minibatch on one process: the weights before the update are the weights of the training
         # forward, so pi_prox is that forward's logprobs (detached) and the critic's values its own forward's;
@@ -141,11 +141,11 @@ class PPOTrainer:
                 adv_traj[idx] = r - r.mean() if len(idx) > 1 else r - b.returns.mean()
             adv = adv_traj[:, None] * b.mask
             return adv, torch.zeros_like(adv)
-        lam = cfg.lam_policy
-        if cfg.length_adaptive:
+        lam = cfg.ppo.lam_policy
+        if cfg.ppo.length_adaptive:
             mean_len = float(b.mask.sum(1).mean())
-            lam = A.length_adaptive_lambda(mean_len, cfg.length_alpha)
-        return A.decoupled_gae(b.rewards, values, b.mask, cfg.gamma, lam, cfg.lam_critic)
+            lam = A.length_adaptive_lambda(mean_len, cfg.ppo.length_alpha)
+        return A.decoupled_gae(b.rewards, values, b.mask, cfg.ppo.gamma, lam, cfg.ppo.lam_critic)
 
     # ---- the update ----------------------------------------------------------------------------------------
     def _forward_old(self, b: Batch, chunks):
@@ -177,9 +177,9 @@ class PPOTrainer:
             with autocast(dev, amp):
                 v = self.critic.values_at(tok, val, msk).float()
             values[c, :T] = put(v.detach(), msk, msk)
-            _, tg = A.masked_gae(b.rewards[c, :T], values[c, :T], msk, cfg.gamma, cfg.lam_critic)
+            _, tg = A.masked_gae(b.rewards[c, :T], values[c, :T], msk, cfg.ppo.gamma, cfg.ppo.lam_critic)
             w = float(msk.sum()) / n_tok
-            vl = A.clipped_value_loss(v, v.detach(), at(tg, msk), torch.ones_like(v), cfg.value_clip)
+            vl = A.clipped_value_loss(v, v.detach(), at(tg, msk), torch.ones_like(v), cfg.ppo.value_clip)
             (vl * w).backward()
             v_loss += w * float(vl.detach())
         return values, {"v_loss": v_loss}
@@ -192,7 +192,7 @@ class PPOTrainer:
         dev, amp = self.device, self.amp_dtype
         self.policy.eval()
         chunks = length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens)
-        fused = self.fuse_single_pass and cfg.epochs == 1 and cfg.minibatches <= 1 and self.dist.world == 1
+        fused = self.fuse_single_pass and cfg.ppo.epochs == 1 and cfg.ppo.minibatches <= 1 and self.dist.world == 1
         critic_sums = {}
         if fused:
             prox = None  # taken from the training forward below
@@ -202,10 +202,10 @@ class PPOTrainer:
         else:
             prox, values = self._forward_old(b, chunks)
         adv, targets = self.advantages(b, values)
-        if cfg.adv_norm:
+        if cfg.ppo.adv_norm:
             adv = A.masked_scale(adv, b.mask)
-        if cfg.neg_adv_weight != 1.0:
-            adv = A.asymmetric_advantages(adv, cfg.neg_adv_weight)
+        if cfg.ppo.neg_adv_weight != 1.0:
+            adv = A.asymmetric_advantages(adv, cfg.ppo.neg_adv_weight)
         has_signal = bool((adv * b.mask).abs().max() > 0) or self.entropy_coef > 0  # the bonus is a loss term too
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask))}
@@ -215,9 +215,9 @@ class PPOTrainer:
         self.policy.train()
         B = len(trajs)
         stats: dict[str, list[float]] = {"pg_loss": [], "clipfrac": [], "entropy": [], "v_loss": [], "grad_norm": [], "kl_ref": []}
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(B) if cfg.minibatches > 1 else torch.arange(B)
-            for idx in perm.chunk(max(1, cfg.minibatches)):
+        for _ in range(cfg.ppo.epochs):
+            perm = torch.randperm(B) if cfg.ppo.minibatches > 1 else torch.arange(B)
+            for idx in perm.chunk(max(1, cfg.ppo.minibatches)):
                 n_tok = float(b.mask[idx.to(dev)].sum().clamp(min=1))
                 self.opt.zero_grad(set_to_none=True)
                 if self.critic is not None and not fused:  # fused: the critic's gradients are already in place
@@ -241,25 +241,25 @@ class PPOTrainer:
                     if prox is None:
                         kl_sum += float((at(b.behav_logp[c, :T], msk) - p_old).sum())
                     loss = A.decoupled_ppo_loss(logp, p_old, at(b.behav_logp[c, :T], msk), a, ones,
-                                                cfg.eps_low, cfg.eps_high, cfg.behav_cap)
+                                                cfg.ppo.eps_low, cfg.ppo.eps_high, cfg.ppo.behav_cap)
                     if self.entropy_coef:
                         loss = loss - self.entropy_coef * ent.mean()
                     if self.ref is not None:
                         with torch.no_grad(), autocast(dev, amp):
                             ref = self.ref.logprobs_at(tok, val, msk)
                         kl = torch.exp(ref - logp) - (ref - logp) - 1.0
-                        loss = loss + cfg.kl_coef * kl.mean()
+                        loss = loss + cfg.ppo.kl_coef * kl.mean()
                         sums["kl_ref"] = sums.get("kl_ref", 0.0) + w * float(kl.detach().mean())
                     (loss * w).backward()
                     with torch.no_grad():
                         ratio = torch.exp(logp - p_old)
-                        sums["clipfrac"] += w * float(((ratio > 1 + cfg.eps_high) | (ratio < 1 - cfg.eps_low)).float().mean())
+                        sums["clipfrac"] += w * float(((ratio > 1 + cfg.ppo.eps_high) | (ratio < 1 - cfg.ppo.eps_low)).float().mean())
                         sums["pg_loss"] += w * float(loss.detach())
                         sums["entropy"] += w * float(ent.mean())
                     if self.critic is not None and not fused:
                         with autocast(dev, amp):
                             v = self.critic.values_at(tok, val, msk)
-                        vl = A.clipped_value_loss(v.float(), at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.value_clip)
+                        vl = A.clipped_value_loss(v.float(), at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.ppo.value_clip)
                         (vl * w).backward()
                         sums["v_loss"] += w * float(vl.detach())
                 self.dist.allreduce_grads(self.policy.parameters())
@@ -278,12 +278,12 @@ class PPOTrainer:
             m["behav_prox_kl"] = kl_sum / max(1, m["tokens"])
         self.sched.step()
         self.updates += 1
-        if cfg.target_entropy > 0 and stats["entropy"]:
+        if cfg.ppo.target_entropy > 0 and stats["entropy"]:
             # Dual ascent on "entropy >= target" (as SAC's temperature): the bonus grows while the policy is below
             # the target and decays back to 0 once it is above, so it acts only against a collapse.
             ent = float(np.mean(stats["entropy"]))
-            self.entropy_coef = float(min(cfg.entropy_coef_max,
-                                          max(0.0, self.entropy_coef + cfg.entropy_coef_lr * (cfg.target_entropy - ent))))
+            self.entropy_coef = float(min(cfg.ppo.entropy_coef_max,
+                                          max(0.0, self.entropy_coef + cfg.ppo.entropy_coef_lr * (cfg.ppo.target_entropy - ent))))
         m["entropy_coef"] = self.entropy_coef
         self.policy.eval()
         m.update({k: float(np.mean(v)) for k, v in stats.items() if v})
@@ -301,7 +301,7 @@ class PPOTrainer:
         b = b.to(self.device)
         chunks = length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens)
         _, old = self._forward_old(b, chunks)
-        _, targets = A.decoupled_gae(b.rewards, old, b.mask, self.cfg.gamma, 1.0, 1.0)
+        _, targets = A.decoupled_gae(b.rewards, old, b.mask, self.cfg.ppo.gamma, 1.0, 1.0)
         n_tok = float(b.mask.sum().clamp(min=1))
         self.critic_opt.zero_grad(set_to_none=True)
         total = 0.0

@@ -12,7 +12,7 @@ from tars.bench import BENCHES, run_bench  # the registry; each benchmark is imp
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="a preset from core/presets (e.g. quickstart)")
     p.add_argument("--config", help="a YAML config file (e.g. a run's config.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. learner.eta=4")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. learner.staleness.eta=4")
 
 
 def _load(a):
@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs="*", help="eta N for set; N for set-eta; list | kill ID for sessions; ID for kill-session")
     p.add_argument("--run", help="run directory of a local `tars up` (finds every process)")
     p.add_argument("--target", action="append", default=[], help="host:port of a ControlService (repeatable)")
-    p.add_argument("--token", default="", help="bearer token")
+    p.add_argument("--token", default="", help="bearer token of the ControlServices (control.auth_token); default: "
+                                                "control.auth_token from the run's config.yaml")
     p.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds")
     p.add_argument("--json", action="store_true")
 
@@ -184,7 +185,7 @@ def _role(a, cfg) -> int:
         die_with_parent()
         if a.port is not None:
             cfg.envd.port = a.port
-        return envd_main(cfg.envd, a.ready_file)
+        return envd_main(cfg.envd, a.ready_file, control_token=cfg.control.auth_token)
     if a.cmd == "serve":
         from inference_server.server import main as serve_main
         from core.proc import die_with_parent
@@ -192,7 +193,7 @@ def _role(a, cfg) -> int:
         die_with_parent()
         if a.port is not None:
             cfg.inference.port = a.port
-        return serve_main(cfg.inference, a.model, a.version, a.ready_file)
+        return serve_main(cfg.inference, a.model, a.version, a.ready_file, control_token=cfg.control.auth_token)
     if a.cmd == "actor":
         from actor.main import main as actor_main
 

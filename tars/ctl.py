@@ -3,7 +3,9 @@
 Targets, first match wins: --target host:port (repeatable) and/or --run DIR; else $TARS_RUN; else ./run/ when the
 current directory is a run directory; else the run file of the latest local `tars up` ($XDG_CACHE_HOME/tars/last-run,
 ~/.cache/tars/last-run). Every call has a deadline (--timeout); a target that is down is reported as such, and a
-run file whose process has exited is reported without waiting for a deadline.
+run file whose process has exited is reported without waiting for a deadline. Every ControlService checks
+control.auth_token when one is set: --token, else the control.auth_token of the run's config.yaml (--run, or the run
+found as above).
 
     tars ctl status                      role, version, throughput, queue depths, staleness, sessions
     tars ctl pause | resume              actors stop / restart admitting episodes
@@ -21,6 +23,7 @@ import pathlib
 import time
 
 import grpc
+import yaml
 
 from core import rpc
 from core.v1 import control_pb2, control_pb2_grpc
@@ -68,6 +71,16 @@ def targets_of_run(run_dir: str) -> list[dict]:
     if not out:
         raise CtlError(f"{run} lists no processes: the run has not started any yet")
     return out
+
+
+def run_control_token(run_dir: str) -> str:
+    """control.auth_token of the config.yaml `tars up` saved in run_dir; "" when there is none."""
+    try:
+        d = yaml.safe_load((pathlib.Path(run_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return ""
+    control = d.get("control") if isinstance(d, dict) else None
+    return str(control.get("auth_token") or "") if isinstance(control, dict) else ""
 
 
 def find_run() -> tuple[str, str]:
@@ -201,6 +214,7 @@ def main(a) -> int:
     try:
         what, args = parse_command(a.what, list(a.rest or ()))
         targets = [{"role": "?", "address": t} for t in a.target]
+        run_dir = a.run
         if a.run:
             targets += targets_of_run(a.run)
         if not targets:
@@ -211,7 +225,8 @@ def main(a) -> int:
     except CtlError as e:
         print(f"tars ctl: {e}")
         return 2
-    results = [r for r in (_call(t, what, args, a.token, a.timeout) for t in targets) if r is not None]
+    token = a.token or (run_control_token(run_dir) if run_dir else "")  # control.auth_token
+    results = [r for r in (_call(t, what, args, token, a.timeout) for t in targets) if r is not None]
     rc = 1 if any("error" in r for r in results) else 0
     if what != "status" and not any("error" not in r for r in results):
         want = COMMANDS[what][0]

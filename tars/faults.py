@@ -30,8 +30,8 @@ from tars.up import build_model
 
 # A quick, small run: no SFT, tiny batches and frequent checkpoints, so every fault lands mid-run within seconds.
 # The ledger reads the learner's WAL (acked, not yet trained), so the stream keeps "wal" durability here.
-FAST = ["sft.steps=0", "learner.batch_size=16", "actor.concurrency=16", "learner.checkpoint_every=2",
-        "learner.stream_durability=wal",
+FAST = ["sft.steps=0", "learner.batch_size=16", "actor.concurrency=16", "learner.checkpoint.every=2",
+        "learner.stream.durability=wal",
         "actor.max_turns=3", "max_versions=100000", "wall_budget_s=100000", "actor.rpc_timeout_s=10"]
 
 

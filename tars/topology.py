@@ -253,7 +253,7 @@ class Topology:
         elif role == "learner":
             opts += ["--run-dir", str(p.out), "--model", str(p.model), "--inference", self.inference]
             port = self._port(role, i, "stream")
-            opts += ["--set", f"learner.stream_port={port}"] if port else []
+            opts += ["--set", f"learner.stream.port={port}"] if port else []
             opts += ["--resume"] if self._resume else []
         elif role == "actor":
             opts += ["--envd", self.envd, "--inference", self.inference, "--stream", self.stream,

@@ -45,7 +45,7 @@ def test_tiny_async_vs_sync_run(tmp_path):
     sy = runs["sync"]
     assert sy["max_staleness"] == 0 and sy["episodes_spanning_versions"] == 0
     assert set(sy["arrival_lag_histogram"]) == {"0"}
-    assert runs["async"]["max_staleness"] <= 8  # learner.max_lag: eta bounds starts, a slow episode may arrive later
+    assert runs["async"]["max_staleness"] <= 8  # learner.staleness.max_lag: eta bounds starts, a slow episode may arrive later
     f = r["figures"]
     ratio = f["async_over_sync_trajectories_per_s"]
     assert ratio["value"] == pytest.approx(runs["async"]["trajectories_per_s"] / sy["trajectories_per_s"], rel=1e-3)

@@ -125,10 +125,10 @@ def test_tokenizer_save_load(tmp_path):
 
 
 def test_config_overrides_and_errors(tmp_path):
-    cfg = C.load("quickstart", None, ["learner.eta=5", "actor.env_ids=[builtin/click,builtin/menu]", "learner.adv_norm=false"])
-    assert cfg.learner.eta == 5 and cfg.actor.env_ids == ["builtin/click", "builtin/menu"] and cfg.learner.adv_norm is False
+    cfg = C.load("quickstart", None, ["learner.staleness.eta=5", "actor.env_ids=[builtin/click,builtin/menu]", "learner.ppo.adv_norm=false"])
+    assert cfg.learner.staleness.eta == 5 and cfg.actor.env_ids == ["builtin/click", "builtin/menu"] and cfg.learner.ppo.adv_norm is False
     C.save(cfg, tmp_path / "c.yaml")
-    assert C.load(None, str(tmp_path / "c.yaml")).learner.eta == 5
+    assert C.load(None, str(tmp_path / "c.yaml")).learner.staleness.eta == 5
     with pytest.raises(C.ConfigError, match="unknown config key"):
         C.load(None, None, ["learner.etaa=1"])
     with pytest.raises(C.ConfigError, match="not int"):
@@ -137,10 +137,41 @@ def test_config_overrides_and_errors(tmp_path):
         C.load("nope")
 
 
+def test_config_sections_and_renamed_keys(tmp_path):
+    """learner.* is grouped in sections; a key of the flat layout is one ConfigError that names its new place."""
+    cfg = C.load(None, None, ["learner.staleness.eta=4", "learner.group.size=4", "learner.group.timeout_s=30",
+                              "learner.stream.durability=checkpoint", "learner.publish.keep_versions=5"])
+    assert (cfg.learner.staleness.eta, cfg.learner.group.size, cfg.learner.group.timeout_s) == (4, 4, 30.0)
+    assert cfg.learner.stream.durability == "checkpoint" and cfg.learner.publish.keep_versions == 5
+    C.save(cfg, tmp_path / "c.yaml")
+    assert C.load(None, str(tmp_path / "c.yaml")).learner == cfg.learner
+    with pytest.raises(C.ConfigError, match=r"learner\.eta is now learner\.staleness\.eta"):
+        C.load(None, None, ["learner.eta=4"])
+    (tmp_path / "old.yaml").write_text("learner: {eta: 4}\n")
+    with pytest.raises(C.ConfigError, match=r"learner\.eta is now learner\.staleness\.eta"):
+        C.load(None, str(tmp_path / "old.yaml"))
+    with pytest.raises(C.ConfigError, match=r"actor\.group_size is now learner\.group\.size"):
+        C.load(None, None, ["actor.group_size=4"])
+    for old, new in C.LearnerConfig.MOVED.items():  # every old key names a key that exists
+        node = C.RunConfig()
+        for part in new.split("."):
+            node = getattr(node, part)
+    text = C.help_text()
+    assert "[learner.staleness]" in text and "learner.stream.host = '127.0.0.1'" in text and "control.auth_token" in text
+
+
+def test_control_token_is_required_with_a_service_token():
+    with pytest.raises(C.ConfigError, match="control.auth_token"):
+        C.load(None, None, ["envd.auth_token=x"])
+    assert C.load(None, None, ["envd.auth_token=x", "control.auth_token=y"]).control.auth_token == "y"
+
+
 def test_every_config_field_has_help():
     import dataclasses
 
-    for cls in (C.RunConfig, C.ModelConfig, C.EnvdConfig, C.InferenceConfig, C.ActorConfig, C.LearnerConfig, C.SFTConfig):
+    for cls in (C.RunConfig, C.ModelConfig, C.EnvdConfig, C.InferenceConfig, C.ActorConfig, C.LearnerConfig, C.SFTConfig,
+                C.PPOConfig, C.StalenessConfig, C.GroupConfig, C.ValuePretrainConfig, C.CheckpointConfig,
+                C.PublishConfig, C.StreamConfig, C.ControlConfig):
         for f in dataclasses.fields(cls):
             if not dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else None) and f.name not in ("model", "envd", "inference", "actor", "learner", "sft"):
                 assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"

@@ -65,8 +65,8 @@ def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tars.cli", "learner",
            "--run-dir", str(run), "--model", str(tmp_path / "model"), "--set", "learner.batch_size=8",
-           "--set", f"learner.stream_port={port}", "--set", "learner.max_lag=100000", "--set", "max_versions=4",
-           "--set", "actor.group_size=1", "--ready-file", str(tmp_path / "ready")]
+           "--set", f"learner.stream.port={port}", "--set", "learner.staleness.max_lag=100000", "--set", "max_versions=4",
+           "--set", "learner.group.size=1", "--ready-file", str(tmp_path / "ready")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -43,7 +43,8 @@ def _code(fn) -> grpc.StatusCode:
 def test_every_grpc_listener_rejects_unauthenticated_calls(tmp_path):
     from tars.up import build_model
 
-    cfg = C.load("quickstart", None, ["sft.steps=0", f"envd.auth_token={TOKEN}", f"inference.auth_token={TOKEN}"])
+    cfg = C.load("quickstart", None, ["sft.steps=0", f"envd.auth_token={TOKEN}", f"inference.auth_token={TOKEN}",
+                                      f"control.auth_token={TOKEN}"])
     C.save(cfg, tmp_path / "config.yaml")
     model, _ = build_model(cfg, tmp_path, lambda m: None)
     conf = ["--config", str(tmp_path / "config.yaml")]
@@ -87,8 +88,8 @@ def test_every_grpc_listener_rejects_unauthenticated_calls(tmp_path):
 
 
 def test_actor_and_learner_control_servers_are_authenticated():
-    # The actor's and the learner's ControlService are built exactly like this (actor/main.py, learner/main.py).
-    for path in ("actor/main.py", "learner/main.py"):
+    # The actor's and the learner's ControlService are built exactly like this (actor/main.py, learner/control.py).
+    for path in ("actor/main.py", "learner/control.py"):
         src = (ROOT / path).read_text()
         assert "rpc.make_server(auth_token=" in src and "127.0.0.1" in src, path
 
@@ -114,10 +115,45 @@ def test_actor_and_learner_control_servers_are_authenticated():
     asyncio.run(go())
 
 
+def test_control_token_guards_the_control_service_beside_a_service_token(tmp_path):
+    """envd and the inference server share their listener with their ControlService: control.auth_token guards the
+    latter, the service token the rest; `tars ctl` takes the token from the run's config.yaml."""
+    from envd.server import EnvServer
+    from tars import ctl
+
+    async def go():
+        srv = EnvServer(C.EnvdConfig(auth_token=TOKEN), control_token="ctl-token")
+        await srv.start()
+        try:
+            got = {}
+            for token in ("", TOKEN, "ctl-token"):
+                ch = rpc.channel(srv.address, token)
+                for name, call in (("env", lambda: env_pb2_grpc.EnvServiceStub(ch).Ping(env_pb2.PingRequest(), timeout=5)),
+                                   ("control", lambda: control_pb2_grpc.ControlServiceStub(ch).Status(
+                                       control_pb2.StatusRequest(), timeout=5))):
+                    try:
+                        await call()
+                        got[token, name] = grpc.StatusCode.OK
+                    except grpc.aio.AioRpcError as e:
+                        got[token, name] = e.code()
+                await ch.close()
+            return got
+        finally:
+            await srv.stop(0)
+
+    got = asyncio.run(go())
+    U, OK = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OK
+    assert got == {("", "env"): U, ("", "control"): U, (TOKEN, "env"): OK, (TOKEN, "control"): U,
+                   ("ctl-token", "env"): U, ("ctl-token", "control"): OK}
+    cfg = C.load(None, None, [f"envd.auth_token={TOKEN}", "control.auth_token=ctl-token"])
+    C.save(cfg, tmp_path / "config.yaml")
+    assert ctl.run_control_token(str(tmp_path)) == "ctl-token" and ctl.run_control_token(str(tmp_path / "x")) == ""
+
+
 def test_defaults_bind_loopback():
     cfg = C.RunConfig()
     assert cfg.envd.host == "127.0.0.1" and cfg.inference.host == "127.0.0.1"
-    assert cfg.learner.stream_host == "127.0.0.1"
+    assert cfg.learner.stream.host == "127.0.0.1"
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE (libsodium)")
@@ -235,15 +271,15 @@ def test_lint_catches_what_it_should(tmp_path, monkeypatch):
 @pytest.mark.slow  # a whole topology (~20-60 s); the in-process CURVE test above is in the default run
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE (libsodium)")
 def test_curve_on_by_option_in_a_real_run(tmp_path):
-    """learner.stream_curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
+    """learner.stream.curve_* in the config: the actors of a real run talk CURVE and training proceeds, while a
     client without the learner's public key gets nowhere."""
     from tars.faults import FaultRun
     from core.stream.sender import TrajectorySender
 
     public, secret = zmq.curve_keypair()
     topo = FaultRun(tmp_path / "run")
-    topo.cfg.learner.stream_curve_secret_key = secret.decode()  # keys go in the YAML (Z85 is not --set friendly)
-    topo.cfg.learner.stream_curve_public_key = public.decode()
+    topo.cfg.learner.stream.curve_secret_key = secret.decode()  # keys go in the YAML (Z85 is not --set friendly)
+    topo.cfg.learner.stream.curve_public_key = public.decode()
     with topo:
         topo.start()
         topo.wait_versions(2, 120)

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ["--set", "sft.steps=5", "--set", "learner.batch_size=16",
-         "--set", "actor.concurrency=32", "--set", "learner.checkpoint_every=5"]
+         "--set", "actor.concurrency=32", "--set", "learner.checkpoint.every=5"]
 
 
 def _alive(pid: int) -> bool:

@@ -22,9 +22,9 @@ from core.inference_client import InferenceClient
 from inference_server.engine import LocalEngine
 from inference_server.scripted import ScriptedEngine, fixed_answer
 from inference_server.server import InferenceServer
-from learner.main import Learner
+from learner.admission import Admission
 from learner.staleness import StalenessManager
-from core.config import ActorConfig, EnvdConfig, InferenceConfig
+from core.config import ActorConfig, EnvdConfig, GroupConfig, InferenceConfig
 from core.model import CausalLM, DecoderConfig
 from core.outcome import Fault, Outcome
 from core.schema import Trajectory
@@ -91,14 +91,12 @@ async def stack(engine, envd_address: str | None = None, **actor_kw):
 
 
 def learner_admits(tr: Trajectory) -> bool:
-    """The learner's own arrival filter (learner.main.Learner._admit) on a minimal learner state."""
+    """The learner's own arrival filter (learner.admission.Admission.admit) on a minimal learner state."""
     stal = StalenessManager(batch_size=8, eta=100)
     stal.try_admit(1)
-    me = types.SimpleNamespace(counters=collections.Counter(), version=0, episodes=io.StringIO(), staleness=stal,
-                               receiver=types.SimpleNamespace(mark_consumed=lambda ids: None),
-                               lcfg=types.SimpleNamespace(max_lag=8), archive=None,
-                               masked_since_update=[])
-    return Learner._admit(me, tr)
+    adm = Admission(types.SimpleNamespace(mark_consumed=lambda ids: None), stal, max_lag=8, group=GroupConfig(),
+                    episodes=io.StringIO(), archive=None, counters=collections.Counter())
+    return adm.admit(tr, version=0)
 
 
 def test_env_killed_mid_episode_is_infra_error_and_never_trained_on():

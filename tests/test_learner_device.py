@@ -9,10 +9,11 @@ from safetensors.torch import load_file
 
 from learner import dist_check
 from learner.device import autocast, resolve_device, resolve_precision
-from learner.main import Learner, publish_weights
+from learner.main import Learner
+from learner.publish import publish_weights
 from learner.ppo import PPOTrainer
 from core import config as C
-from core.config import ConfigError, LearnerConfig
+from core.config import ConfigError, LearnerConfig, PPOConfig
 from core.model import CausalLM, DecoderConfig
 from core.schema import Trajectory
 
@@ -109,7 +110,7 @@ def _train(device_kw: dict, steps: int = 3, algo: str = "ppo"):
         pol.to(dev)
         if critic is not None:
             critic.to(dev)
-    cfg = LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1, epochs=2, minibatches=2, kl_coef=0.05)
+    cfg = LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1, ppo=PPOConfig(epochs=2, minibatches=2, kl_coef=0.05))
     tr = PPOTrainer(pol, critic, cfg, 0, **device_kw)
     tr.chunk_tokens = 50
     ms = [tr.step(batch(v), v) for v in range(steps)]
@@ -209,7 +210,7 @@ def test_cuda_bf16_steps_train_and_publish_fp32_cpu_weights(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     (tmp_path / "g").mkdir()
-    ln = _learner(tmp_path, "g", ["learner.device=cuda", "learner.precision=auto", "learner.kl_coef=0.05"])
+    ln = _learner(tmp_path, "g", ["learner.device=cuda", "learner.precision=auto", "learner.ppo.kl_coef=0.05"])
     assert ln.device.type == "cuda" and ln.amp_dtype is torch.bfloat16
     assert next(ln.policy.parameters()).device.type == "cuda" and next(ln.critic.parameters()).device.type == "cuda"
     before = [p.detach().clone() for p in ln.policy.parameters()]
@@ -239,7 +240,7 @@ def test_cuda_bf16_steps_train_and_publish_fp32_cpu_weights(tmp_path):
         return set()
 
     assert devices(state) == {"cpu"}
-    r = _learner(tmp_path, "g", ["learner.device=cuda", "learner.precision=auto", "learner.kl_coef=0.05"], resume=True)
+    r = _learner(tmp_path, "g", ["learner.device=cuda", "learner.precision=auto", "learner.ppo.kl_coef=0.05"], resume=True)
     for x, y in zip(ln.policy.parameters(), r.policy.parameters()):
         assert torch.equal(x, y)
     assert torch.equal(torch.cuda.get_rng_state(r.device), state["cuda_rng"])

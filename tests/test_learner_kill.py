@@ -63,10 +63,10 @@ def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path, du
     run, port = tmp_path / "run", free_port()
     run.mkdir()
     cmd = [sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(run), "--model", str(tmp_path / "model"),
-           "--set", "learner.algo=grpo", "--set", f"learner.batch_size={B}", "--set", "learner.checkpoint_every=1",
-           "--set", f"learner.stream_port={port}", "--set", "learner.max_lag=100000", "--set", "learner.credits=16",
-           "--set", "learner.stream_queue_size=32", "--set", "learner.archive=true", "--set", f"max_versions={N // B}",
-           "--set", "actor.group_size=1", "--set", f"learner.stream_durability={durability}"]
+           "--set", "learner.algo=grpo", "--set", f"learner.batch_size={B}", "--set", "learner.checkpoint.every=1",
+           "--set", f"learner.stream.port={port}", "--set", "learner.staleness.max_lag=100000", "--set", "learner.stream.credits=16",
+           "--set", "learner.stream.queue_size=32", "--set", "learner.archive=true", "--set", f"max_versions={N // B}",
+           "--set", "learner.group.size=1", "--set", f"learner.stream.durability={durability}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     logs = [open(tmp_path / f"learner{k}.log", "w") for k in (1, 2)]
     first = subprocess.Popen(cmd + ["--ready-file", str(tmp_path / "r1")], env=env, stdout=logs[0], stderr=subprocess.STDOUT,

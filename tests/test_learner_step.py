@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from learner.ppo import PPOTrainer
-from core.config import LearnerConfig
+from core.config import LearnerConfig, PPOConfig
 from core.model import CausalLM, DecoderConfig
 from core.schema import Trajectory, Turn
 
@@ -59,8 +59,8 @@ def test_stale_samples_are_corrected_not_trusted():
     a, b = copy.deepcopy(pol), copy.deepcopy(pol)
     for t in batch:
         t.group = "g"
-    ta = PPOTrainer(a, None, LearnerConfig(algo="grpo", behav_cap=5.0), 0)
-    tb = PPOTrainer(b, None, LearnerConfig(algo="grpo", behav_cap=1.0), 0)
+    ta = PPOTrainer(a, None, LearnerConfig(algo="grpo", ppo=PPOConfig(behav_cap=5.0)), 0)
+    tb = PPOTrainer(b, None, LearnerConfig(algo="grpo", ppo=PPOConfig(behav_cap=1.0)), 0)
     for tr in (ta, tb):  # plain SGD: Adam's scale invariance would hide a uniform reweighting
         tr.opt = torch.optim.SGD(tr.policy.parameters(), lr=0.1)
         tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
@@ -125,7 +125,7 @@ def test_kl_anchor_keeps_the_policy_near_its_start():
         torch.manual_seed(0)
         pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
         start = copy.deepcopy(pol)
-        tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=3e-3, warmup_steps=1, kl_coef=kl_coef), 0)
+        tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=3e-3, warmup_steps=1, ppo=PPOConfig(kl_coef=kl_coef)), 0)
         g = torch.Generator().manual_seed(0)
         m = {}
         for v in range(20):
@@ -159,7 +159,7 @@ def test_negative_advantages_can_be_tempered():
     torch.manual_seed(0)
     pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
     tr = PPOTrainer(pol, CausalLM(pol.config, value_head=True).init_weights(1),
-                    LearnerConfig(lr=3e-3, warmup_steps=1, neg_adv_weight=0.2), 0)
+                    LearnerConfig(lr=3e-3, warmup_steps=1, ppo=PPOConfig(neg_adv_weight=0.2)), 0)
     g = torch.Generator().manual_seed(0)
     _, p0 = sample(pol, 1)
     for v in range(40):
@@ -204,8 +204,8 @@ def test_adaptive_entropy_bonus_holds_the_entropy_at_its_target():
     def run(target):
         torch.manual_seed(0)
         pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
-        cfg = LearnerConfig(algo="grpo", lr=3e-3, warmup_steps=1, target_entropy=target, entropy_coef_lr=0.2,
-                            entropy_coef_max=1.0)
+        cfg = LearnerConfig(algo="grpo", lr=3e-3, warmup_steps=1,
+                            ppo=PPOConfig(target_entropy=target, entropy_coef_lr=0.2, entropy_coef_max=1.0))
         tr = PPOTrainer(pol, None, cfg, 0)
         g = torch.Generator().manual_seed(0)
         coefs = []
@@ -228,7 +228,7 @@ def test_adaptive_entropy_bonus_holds_the_entropy_at_its_target():
 
 
 def test_value_pretraining_stops_on_the_mean_of_recent_batches_not_one_lucky_batch():
-    from learner.main import EV_WINDOW, value_pretrain_done
+    from learner.update import EV_WINDOW, value_pretrain_done
 
     assert EV_WINDOW == 10
     assert not value_pretrain_done([0.9] * 9, 0.5)  # too few batches to judge

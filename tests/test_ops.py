@@ -123,7 +123,7 @@ def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
     env.pop("TARS_RUN", None)
     cmd = [sys.executable, "-m", "tars.cli", "up", "--preset", "quickstart", "--out", str(out), "--quiet",
            "--set", f"model.path={model}", "--set", "sft.steps=0", "--set", "learner.batch_size=8",
-           "--set", "actor.concurrency=16", "--set", "wall_budget_s=50", "--set", "learner.checkpoint_every=1000",
+           "--set", "actor.concurrency=16", "--set", "wall_budget_s=50", "--set", "learner.checkpoint.every=1000",
            "--set", "telemetry.sample_ratio=1.0", "--set", "telemetry.prometheus_port=0"]
     up = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

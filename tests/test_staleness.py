@@ -132,3 +132,54 @@ def test_staleness_histogram():
     assert h["tokens"] == 6 and h["max"] == 5 and h["mean"] == pytest.approx((0 + 0 + 1 + 5 + 2) / 5)
     s.record_staleness(np.array([], np.int32), train_version=1)                # no-op
     assert s.histogram()["tokens"] == 6
+
+
+# ---- admission: whole GRPO groups, sized and timed by learner.group ------------------------------------------------
+class _Arrivals:
+    """A receiver stand-in: hands out the given trajectories, then nothing (get returns None at once)."""
+
+    def __init__(self, trs):
+        self.trs, self.consumed = list(trs), []
+
+    def get(self, timeout):
+        return self.trs.pop(0) if self.trs else None
+
+    def mark_consumed(self, ids):
+        self.consumed += list(ids)
+
+
+def _admission(trs, size, timeout_s):
+    import collections
+    import io
+
+    from core.config import GroupConfig
+    from learner.admission import Admission
+
+    stal = StalenessManager(batch_size=8, eta=100)
+    stal.try_admit(len(trs))
+    return Admission(_Arrivals(trs), stal, max_lag=8, group=GroupConfig(size=size, timeout_s=timeout_s),
+                     episodes=io.StringIO(), counters=collections.Counter())
+
+
+def test_admission_releases_whole_groups_of_the_configured_size():
+    from learner.dist_check import batch
+
+    trs = batch(0, n=12)  # groups g0, g1, g2 of 4
+    order = [trs[i] for i in (0, 4, 1, 5, 2, 6, 3, 8, 7, 9, 10, 11)]  # g0 completes first, then g1, then g2
+    adm = _admission(order, size=4, timeout_s=3600.0)
+    got = adm.collect(4, version=0, stop=threading.Event())
+    assert [t.group for t in got] == ["g0"] * 4
+    got = adm.collect(4, version=0, stop=threading.Event())
+    assert [t.group for t in got] == ["g1"] * 4 and set(adm.pending_groups) == {"g2"}
+
+
+def test_admission_releases_an_incomplete_group_after_the_configured_timeout():
+    from learner.dist_check import batch
+
+    trs = batch(0, n=12)[:1]  # one of g0's four members ever arrives
+    adm = _admission(trs, size=4, timeout_s=0.0)
+    got = adm.collect(1, version=0, stop=threading.Event())
+    assert [t.id for t in got] == [trs[0].id] and adm.counters["groups_timed_out"] == 1 and not adm.pending_groups
+    stop = threading.Event()
+    stop.set()
+    assert _admission([], size=4, timeout_s=0.0).collect(1, version=0, stop=stop) is None

@@ -327,7 +327,7 @@ DURABILITY = ("wal", "checkpoint")
 
 def make_durability(mode: str, io: IoHooks, wal_path: str, *, run_id: str, fsync: bool, ack_interval_s: float,
                     max_staged: int) -> Durability:
-    """learner.stream_durability -> its strategy; ValueError for an unknown mode."""
+    """learner.stream.durability -> its strategy; ValueError for an unknown mode."""
     if mode == "wal":
         return WalDurability(io, wal_path, fsync=fsync, ack_interval_s=ack_interval_s, max_staged=max_staged)
     if mode == "checkpoint":

@@ -4,7 +4,7 @@
 
 Two real `tars up` runs (envd, inference server, learner, actor: separate processes on loopback) from the same
 warm-started model, with the same processes, actor concurrency, batch size, model, env workload and wall-clock
-budget. They differ in one setting: learner.eta (the staleness bound) is --eta in one and 0 in the other. With
+budget. They differ in one setting: learner.staleness.eta (the staleness bound) is --eta in one and 0 in the other. With
 eta = 0 the learner admits exactly one batch of episodes per policy version, so each version waits for the
 slowest episode of its batch while the finished episodes' actor slots stay empty, and generation stops while
 the learner trains; with eta > 0, finished slots start new episodes at once and the learner trains alongside.
@@ -89,7 +89,7 @@ def run_config(s: dict, eta: int, model_path: str):
     return C.load("quickstart", None, [
         f"wall_budget_s={s['wall']}", "max_versions=1000000", f"seed={s['seed']}", "target_success=0",
         f"model.path={model_path}", "sft.steps=0",
-        f"learner.eta={eta}", f"learner.batch_size={s['batch']}", f"actor.concurrency={s['batch']}",
+        f"learner.staleness.eta={eta}", f"learner.batch_size={s['batch']}", f"actor.concurrency={s['batch']}",
         f"actor.max_turns={s['max_turns']}", f"actor.env_options={json.dumps(opts)}",
         # every concurrent session may be asleep in a worker at once; fewer workers would queue and add delay
         f"envd.workers={s['batch'] + 8}", "envd.step_timeout_s=60",
@@ -204,7 +204,7 @@ def run(a: argparse.Namespace) -> dict:
                                           sy["learner_idle_share"], "share", None),
         "async_max_staleness": figure(
             f"largest version lag of any trained token, async run (eta={s['eta']} bounds episode starts; a slow "
-            "episode overtaken by later ones is trained later, up to learner.max_lag)", asy["max_staleness"],
+            "episode overtaken by later ones is trained later, up to learner.staleness.max_lag)", asy["max_staleness"],
             "versions", None, eta=s["eta"], arrival_lag_histogram=asy["arrival_lag_histogram"]),
         "sync_max_staleness": figure("largest version lag of any trained token, eta=0 run", sy["max_staleness"],
                                      "versions", ("<=", 0), episodes_spanning_versions=sy["episodes_spanning_versions"]),

@@ -97,7 +97,7 @@ def fault_actor(topo: FaultRun, attempts: int = 6) -> dict:
 
 
 def fault_learner(topo: FaultRun) -> dict:
-    every = topo.cfg.learner.checkpoint_every
+    every = topo.cfg.learner.checkpoint.every
     # Kill between two checkpoints, so the updates after the last one are rolled back and trained again.
     wait_for(lambda: topo.version() >= 1 and topo.version() % every != 0, 120, "a version between checkpoints")
     v_killed = topo.version()

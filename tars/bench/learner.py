@@ -4,7 +4,7 @@
 
 Figures:
   stream_over_raw          trajectories/s consumed through the stream (TrajectorySender -> TrajectoryReceiver:
-                           credits, acks, outbox, and the preset's learner.stream_durability: "checkpoint" = held
+                           credits, acks, outbox, and the preset's learner.stream.durability: "checkpoint" = held
                            notices and acks after each commit, "wal" = WAL append + batched fdatasync before each
                            ack) / trajectories/s through a raw DEALER->ROUTER msgpack link with the same payloads;
                            all decode + validate and hand each trajectory to a consumer thread; the actor side is a
@@ -78,7 +78,7 @@ def _start_server(model_dir: pathlib.Path, tmp: pathlib.Path) -> tuple[Process, 
 
 def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
     """Median publish time (to a real inference server) and median training step time, same model."""
-    from learner.main import publish_weights
+    from learner.publish import publish_weights
     from learner.ppo import PPOTrainer
     from core import rpc
     from core.model import CausalLM, DecoderConfig
@@ -128,7 +128,7 @@ def run(a) -> dict:
     s = stream_bench(n=a.n, payload_bytes=a.payload_bytes, repeats=a.repeats, subprocess=True)
     # Headline: the durability the preset runs with; the other is reported beside it.
     by_mode = {"wal": (s["ratio"], s["stream_per_s"]), "checkpoint": (s["ratio_checkpoint"], s["stream_checkpoint_per_s"])}
-    mode = cfg.learner.stream_durability
+    mode = cfg.learner.stream.durability
     other = "wal" if mode == "checkpoint" else "checkpoint"
     for name, m in (("stream_over_raw", mode), (f"stream_over_raw_{other}", other)):
         ratio, rate = by_mode[m]

@@ -85,7 +85,7 @@ def run(minutes: float, out: str | None = None, every_s: float = 5.0, warmup_fra
     tmp = tempfile.TemporaryDirectory(prefix="tars-soak-") if out is None else None
     out = out or tmp.name
     topo = FaultRun(out, n_envd=1, n_actors=1, sets=["learner.batch_size=64", "actor.concurrency=128",
-                                                     "learner.checkpoint_every=50", *sets])
+                                                     "learner.checkpoint.every=50", *sets])
     samples: list[dict] = []
     try:
         topo.start()

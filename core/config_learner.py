@@ -1,0 +1,153 @@
+"""The learner's configuration (`learner.*`), in sections: what a field tunes decides where it lives.
+
+Top level: what every update needs (algo, batch size, optimiser, device). Sections: `ppo` (the loss), `staleness`
+(how off-policy a batch may be), `group` (GRPO groups), `value_pretrain`, `checkpoint`, `publish` (weights to the
+inference servers) and `stream` (the trajectory stream the actors send to).
+
+The keys were flat before (`learner.eta`); MOVED maps every old key to its new place, so an old YAML file or
+`--set learner.eta=4` fails with a ConfigError that names the new key instead of a bare "unknown key".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from core.config_fields import f
+
+
+@dataclass
+class PPOConfig:
+    """learner.ppo: the policy loss (decoupled PPO; GRPO uses the clip, KL and entropy terms too)."""
+
+    eps_low: float = f(0.2, "PPO clip, lower side")
+    eps_high: float = f(0.28, "PPO clip, upper side (clip-higher)")
+    behav_cap: float = f(5.0, "cap of the decoupled behaviour weight pi_prox / pi_behav")
+    gamma: float = f(1.0, "discount")
+    lam_policy: float = f(0.95, "GAE lambda for advantages")
+    lam_critic: float = f(1.0, "GAE lambda for value targets (decoupled GAE)")
+    length_adaptive: bool = f(False, "lambda_policy = 1 - 1/(alpha * response length) (VAPO)")
+    length_alpha: float = f(0.05, "alpha of length-adaptive GAE")
+    value_clip: float = f(0.2, "clip range of the value loss")
+    epochs: int = f(1, "passes over each batch")
+    minibatches: int = f(1, "minibatches per pass")
+    adv_norm: bool = f(True, "normalise advantages over the batch's generated tokens")
+    neg_adv_weight: float = f(1.0, "scale of negative advantages (1 = symmetric PPO); below 1, updates away from failed "
+                                   "samples are tempered, which keeps the shared output-format tokens stable at learning "
+                                   "rates where symmetric updates break them (asymmetric REINFORCE)")
+    entropy_coef: float = f(0.0, "entropy bonus (the starting value when target_entropy is set)")
+    target_entropy: float = f(0.0, "adaptive entropy control: above 0, the entropy bonus's coefficient is raised while "
+                                   "the mean entropy of generated tokens is below this and lowered (not below 0) while "
+                                   "above it, so the policy keeps exploring instead of collapsing onto its first habits")
+    entropy_coef_lr: float = f(0.002, "step of the adaptive coefficient per update, per nat of entropy off target")
+    entropy_coef_max: float = f(0.02, "upper bound of the adaptive entropy coefficient")
+    kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
+                            "tokens; anchors the output format at higher learning rates")
+
+
+@dataclass
+class StalenessConfig:
+    """learner.staleness: how far behind the current policy a trained trajectory may be."""
+
+    eta: int = f(2, "staleness bound: started trajectories <= B * (version + 1 + eta); 0 = synchronous; live: "
+                    "`tars ctl set eta N`")
+    max_lag: int = f(8, "trajectories whose oldest token is more versions behind than this are dropped")
+
+
+@dataclass
+class GroupConfig:
+    """learner.group: GRPO groups (episodes of one task seed), assembled whole before they are trained on."""
+
+    size: int = f(1, "episodes per task seed; 1 = independent. The one source of truth: the actors launch this many "
+                     "members per seed and the learner waits for all of them")
+    timeout_s: float = f(120.0, "a group still incomplete this long after its first member arrived is trained as it "
+                                "is, so a lost actor cannot stall training")
+
+
+@dataclass
+class ValuePretrainConfig:
+    """learner.value_pretrain: critic-only updates (the policy fixed) before PPO starts."""
+
+    steps: int = f(0, "critic-only updates before PPO starts; 0 = none")
+    target_ev: float = f(0.5, "stop early once the critic's explained variance, averaged over the last 10 batches, "
+                              "reaches this")
+
+
+@dataclass
+class CheckpointConfig:
+    """learner.checkpoint: model, optimizers, RNG, version and consumed trajectory ids in run_dir/ckpt."""
+
+    every: int = f(20, "checkpoint every N updates (and at the end; `tars ctl checkpoint` asks for one now)")
+
+
+@dataclass
+class PublishConfig:
+    """learner.publish: each new version written to run_dir/weights/vNNNNNN and loaded by every inference server."""
+
+    keep_versions: int = f(3, "published weight versions kept on disk")
+    timeout_s: float = f(60.0, "deadline of one inference server's UpdateWeights; a server past it is counted as a "
+                               "publish failure (it loads the latest version when it restarts)")
+
+
+@dataclass
+class StreamConfig:
+    """learner.stream: the acked, credit-based ZMQ trajectory stream the actors send to."""
+
+    host: str = f("127.0.0.1", "bind address of the trajectory stream")
+    port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one")
+    curve_secret_key: str = f("", "Z85 CURVE secret key of the learner: if set, the stream is encrypted and only "
+                                  "clients that know the public key connect (zmq.curve_keypair() makes a pair)")
+    curve_public_key: str = f("", "the learner's Z85 CURVE public key; actors need it when CURVE is on")
+    credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
+    max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
+    queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")
+    ack_interval_s: float = f(0.002, "WAL fsync / ack batching interval")
+    fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
+    durability: str = f("wal", "wal: ack a trajectory once it is fsynced in the learner's write-ahead log | "
+                               "checkpoint: no WAL; ack it once a checkpoint that consumed it is on disk (actors "
+                               "keep everything since the last checkpoint: faster, more actor memory)")
+
+
+def _section(cls, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass
+class LearnerConfig:
+    """learner: consumes trajectories, trains, publishes weights."""
+
+    algo: str = f("ppo", "ppo (decoupled PPO with a critic and GAE) | grpo (group-normalised, no critic)")
+    batch_size: int = f(64, "trajectories per policy update (B in the staleness rule)")
+    lr: float = f(1e-3, "policy learning rate (AdamW)")
+    critic_lr: float = f(2e-3, "critic learning rate")
+    weight_decay: float = f(0.0, "AdamW weight decay")
+    warmup_steps: int = f(20, "linear learning-rate warm-up, in updates")
+    grad_clip: float = f(1.0, "gradient norm clip")
+    threads: int = f(1, "torch intra-op threads")
+    device: str = f("auto", "where the learner (and tars sft) trains: auto (cuda when available, else cpu) | cpu | cuda | "
+                            "cuda:N; under accelerate with several processes, auto/cuda = cuda:LOCAL_RANK with NCCL")
+    precision: str = f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, fp32 master weights "
+                               "and optimizer state; allowed on the CPU too, via CPU autocast)")
+    archive: bool = f(False, "append every trajectory received to run_dir/trajectories.twl (for tars data split / tars sft)")
+    ppo: PPOConfig = _section(PPOConfig, "the policy loss")
+    staleness: StalenessConfig = _section(StalenessConfig, "how off-policy a trained trajectory may be")
+    group: GroupConfig = _section(GroupConfig, "GRPO groups")
+    value_pretrain: ValuePretrainConfig = _section(ValuePretrainConfig, "critic-only updates first")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "checkpoints")
+    publish: PublishConfig = _section(PublishConfig, "weights to the inference servers")
+    stream: StreamConfig = _section(StreamConfig, "the trajectory stream")
+
+    # Keys of the flat layout (before the sections) -> their full key now.
+    MOVED: ClassVar[dict[str, str]] = {
+        **{k: f"learner.ppo.{k}" for k in ("eps_low", "eps_high", "behav_cap", "gamma", "lam_policy", "lam_critic",
+                                   "length_adaptive", "length_alpha", "value_clip", "epochs", "minibatches",
+                                   "adv_norm", "neg_adv_weight", "entropy_coef", "target_entropy", "entropy_coef_lr",
+                                   "entropy_coef_max", "kl_coef")},
+        "eta": "learner.staleness.eta", "max_lag": "learner.staleness.max_lag",
+        "value_pretrain_steps": "learner.value_pretrain.steps", "value_pretrain_ev": "learner.value_pretrain.target_ev",
+        "checkpoint_every": "learner.checkpoint.every", "keep_weights": "learner.publish.keep_versions",
+        "stream_host": "learner.stream.host", "stream_port": "learner.stream.port",
+        "stream_curve_secret_key": "learner.stream.curve_secret_key", "stream_curve_public_key": "learner.stream.curve_public_key",
+        "credits": "learner.stream.credits", "max_frame_bytes": "learner.stream.max_frame_bytes",
+        "stream_queue_size": "learner.stream.queue_size", "stream_ack_interval_s": "learner.stream.ack_interval_s",
+        "stream_fsync": "learner.stream.fsync", "stream_durability": "learner.stream.durability",
+    }

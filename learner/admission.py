@@ -1,0 +1,98 @@
+"""Arrivals -> batches: every trajectory off the stream is logged, filtered (infra_error, too stale) and, when episodes
+are sampled in GRPO groups, held until its whole group is in.
+
+Trajectories kept out of the loss never reach a batch: an infra_error episode is never a reward of 0, and one whose
+oldest token is more than `learner.staleness.max_lag` versions behind is dropped. Both are marked consumed on the
+stream at once (they are settled) and listed in `masked`, so trained.jsonl can account for every id.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from typing import Callable, TextIO
+
+from core.config_learner import GroupConfig
+from core.outcome import Outcome
+
+POLL_S = 0.5  # longest wait for one arrival: the stop flag, group deadlines and idle work are checked this often
+
+
+class Admission:
+    def __init__(self, receiver, staleness, max_lag: int, group: GroupConfig, episodes: TextIO, archive=None,
+                 counters: collections.Counter | None = None):
+        self.receiver, self.staleness, self.max_lag = receiver, staleness, max_lag
+        self.group_size, self.group_timeout_s = max(1, group.size), group.timeout_s
+        self.episodes, self.archive = episodes, archive  # episodes.jsonl; the optional trajectory archive (.twl)
+        self.counters = counters if counters is not None else collections.Counter()
+        self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
+        # Ids kept out of the loss since the last update (trained.jsonl records them with the next version).
+        self.masked: list[str] = []
+
+    def take_masked(self) -> list[str]:
+        masked, self.masked = self.masked, []
+        return masked
+
+    def collect(self, n: int, version: int, stop: threading.Event, on_idle: Callable[[], None] = lambda: None):
+        """The next batch of at least n trajectories, in whole groups; None once `stop` is set.
+
+        Group members finish at different times (successes are often shorter), so a batch cut by arrival would
+        split groups and normalise partial ones (all-success or all-failure halves get advantage 0). A group is
+        released once all `group.size` members have arrived (infra_error members count as arrived, never trained);
+        a group incomplete after `group.timeout_s` is released as it is, so a lost actor cannot stall training.
+        `on_idle` runs whenever POLL_S passes with no arrival (the learner checkpoints then if asked to).
+        """
+        k = self.group_size
+        batch: list = []
+        while len(batch) < n:
+            if stop.is_set():
+                return None
+            tr = self.receiver.get(timeout=POLL_S)
+            now = time.monotonic()
+            for g, (t0, arrived, members) in list(self.pending_groups.items()):
+                if now - t0 > self.group_timeout_s:
+                    del self.pending_groups[g]
+                    self.counters["groups_timed_out"] += 1
+                    batch += members
+            if tr is None:
+                on_idle()
+                continue
+            keep = self.admit(tr, version)
+            if k == 1 or not tr.group:
+                batch += [tr] if keep else []
+                continue
+            t0, arrived, members = self.pending_groups.get(tr.group, (now, 0, []))
+            arrived += 1
+            members = members + ([tr] if keep else [])
+            if arrived >= k:
+                self.pending_groups.pop(tr.group, None)
+                batch += members
+            else:
+                self.pending_groups[tr.group] = (t0, arrived, members)
+        return batch
+
+    def admit(self, tr, version: int) -> bool:
+        """Log one arrival; count and drop it (False) if it is an infra_error or too stale to train on."""
+        self.counters["received"] += 1
+        if self.archive is not None and tr.id not in self.archive:  # the data flywheel's raw material
+            self.archive.append(tr.id, tr.encode())
+        gen = tr.versions[tr.mask.astype(bool)]
+        lag = version - int(gen.min()) if len(gen) else 0
+        self.episodes.write(json.dumps({
+            "t": time.time(), "id": tr.id, "env_id": tr.env_id, "outcome": tr.outcome, "success": tr.success,
+            "return": tr.ret, "turns": len(tr.turns), "start_version": tr.start_version,
+            "vmin": int(gen.min()) if len(gen) else -1, "vmax": int(gen.max()) if len(gen) else -1,
+            "train_version": version, "group": tr.group, "error": tr.error,
+            "outputs": [t.output[:80] for t in tr.turns[:8]]}) + "\n")
+        if tr.outcome == Outcome.INFRA_ERROR:  # never a reward of 0: kept out of the loss entirely
+            self.counters[Outcome.INFRA_ERROR] += 1  # the same key as "infra_error" (a str enum)
+        elif lag > self.max_lag:
+            self.counters["too_stale"] += 1
+        else:
+            self.staleness.on_accepted(1)
+            return True
+        self.staleness.on_rejected(1)
+        self.receiver.mark_consumed([tr.id])
+        self.masked.append(tr.id)
+        return False
