@@ -68,7 +68,7 @@ def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
            "--set", f"learner.stream.port={port}", "--set", "learner.staleness.max_lag=100000", "--set", "max_versions=4",
            "--set", "learner.group.size=1", "--ready-file", str(tmp_path / "ready")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(cmd, env=env, stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: (tmp_path / "ready").exists(), 120, "learner did not start")
 
