@@ -283,6 +283,11 @@ def test_learner_restart_delivers_every_trajectory_exactly_once(tmp_path):
         con1.start()
         await asyncio.to_thread(con1.join, 10)
         trained.extend(con1.ids)
+        # The point of the test is a restart with trajectories acked but not consumed: wait (with a deadline) until
+        # the receiver holds some past the consumer's 100, instead of hoping the sender got ahead of it.
+        deadline = asyncio.get_running_loop().time() + 10
+        while rx1.stats()["accepted"] <= 100 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         ckpt = rx1.checkpoint_state()                 # taken with the weights that trained on con1.ids
         await asyncio.to_thread(rx1.stop)
         acked_unconsumed = rx1.stats()["accepted"] - 100
