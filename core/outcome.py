@@ -18,11 +18,6 @@ class Outcome(enum.StrEnum):
     def ended(self) -> bool:
         return self is not Outcome.RUNNING
 
-    @property
-    def trainable(self) -> bool:
-        """An ended episode whose reward says something about the policy."""
-        return self in (Outcome.TERMINATED, Outcome.TRUNCATED)
-
     def to_proto(self) -> int:
         from core.v1 import common_pb2
 
