@@ -1,0 +1,185 @@
+"""The tokenizer of a checkpoint directory, and the one rule for building a conversation from it: token in, token out.
+
+A checkpoint directory carries its tokenizer in the standard files (tokenizer.json, tokenizer_config.json with the
+chat template, or chat_template.jinja); `ChatTokenizer.load` reads them with `transformers.AutoTokenizer`, offline.
+
+The conversation of an episode is a list of token ids that is only ever extended:
+
+    first_prompt(system, user)  the chat template over [system, user] with the generation prompt, as the template
+                                renders it (its BOS included), tokenized once
+    <the engine's output ids>   kept exactly as generated: never decoded and re-encoded
+    next_turn(user, closed)     a new user message and the generation prompt, as the template renders them after an
+                                assistant turn: computed once per tokenizer as the template's text between the end of
+                                an assistant message and the end of the generation prompt, then tokenized on its own.
+                                When the generation stopped without the end-of-turn token (max_new_tokens), that
+                                token is added first, so the conversation stays in the template's shape.
+
+The texts are cut at special tokens (the end-of-turn token and the role markers), which BPE never merges across,
+so tokenizing a piece on its own gives the same ids as tokenizing the whole conversation would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+from collections.abc import Iterable, Sequence
+
+# The files a tokenizer may consist of; they travel with every checkpoint the project writes.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "generation_config.json", "preprocessor_config.json", "processor_config.json")
+# Image placeholder tokens, in order of preference, that the vision path binds screenshots to.
+IMAGE_TOKENS = ("<|image|>", "<|image_pad|>")
+_PROBE_SYSTEM, _PROBE_USER = "\x00tars-system\x00", "\x00tars-user\x00"
+_PROBE_ASSISTANT, _PROBE_USER2 = "\x00tars-assistant\x00", "\x00tars-next\x00"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory that cannot be used: missing files, no chat template, a template the turn rule cannot
+    follow, or a vocabulary that does not fit the model."""
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy every tokenizer file present in src into dst (which must exist); returns the names copied."""
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    out = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            out.append(name)
+    return out
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    p = pathlib.Path(path)
+    return (p / "tokenizer.json").is_file() or (p / "tokenizer.model").is_file() or (p / "vocab.json").is_file()
+
+
+class ChatTokenizer:
+    """A Hugging Face tokenizer plus what an episode needs from it: the first prompt, the next-turn ids, the
+    end-of-turn and stop ids, the image placeholder id."""
+
+    def __init__(self, hf, path: str = "", generation_eos: Sequence[int] = ()):
+        self.hf = hf
+        self.path = path
+        if not getattr(hf, "chat_template", None):
+            raise TokenizerError(f"{path or 'tokenizer'}: no chat template (tokenizer_config.json 'chat_template' or "
+                                 "chat_template.jinja); the conversation is built from it")
+        self.vocab_size = len(hf)
+        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else (hf.eos_token_id or 0)
+        self._eot_text, self._turn_text = self._probe()
+        eot = self.hf.convert_tokens_to_ids(self._eot_text)
+        if eot is None or eot == hf.unk_token_id:
+            raise TokenizerError(f"{path}: the end-of-turn marker {self._eot_text!r} is not a token")
+        self.eot_id = int(eot)
+        self.eos_id = self.eot_id  # what an answer ends with
+        stops = {self.eot_id, *(int(i) for i in generation_eos)}
+        if hf.eos_token_id is not None:
+            stops.add(int(hf.eos_token_id))
+        self.stop_ids = sorted(stops)
+        vocab = hf.get_vocab()
+        self.image_id = next((vocab[t] for t in IMAGE_TOKENS if t in vocab), -1)
+        self.image_token = next((t for t in IMAGE_TOKENS if t in vocab), "")
+
+    # ---- loading ---------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ChatTokenizer":
+        p = pathlib.Path(path)
+        if not p.is_dir():
+            raise TokenizerError(f"tokenizer: {p} is not a directory (give the checkpoint or tokenizer directory)")
+        if not has_tokenizer(p):
+            raise TokenizerError(f"tokenizer: {p} has no tokenizer.json (or tokenizer.model / vocab.json)")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        except Exception as e:  # transformers raises many kinds here; the message is what matters
+            raise TokenizerError(f"tokenizer: cannot load {p}: {type(e).__name__}: {e}") from None
+        gen_eos: list[int] = []
+        gc = p / "generation_config.json"
+        if gc.is_file():
+            e = json.loads(gc.read_text()).get("eos_token_id")
+            gen_eos = [e] if isinstance(e, int) else list(e or [])
+        return cls(hf, str(p), gen_eos)
+
+    def check_fits(self, model_vocab_size: int, where: str = "") -> None:
+        """Every id the tokenizer can produce must have a row in the model's embedding."""
+        if self.vocab_size > int(model_vocab_size):
+            raise TokenizerError(f"{where or self.path}: the tokenizer has {self.vocab_size} tokens but the model's "
+                                 f"embedding has {model_vocab_size} rows; they are not a pair")
+
+    # ---- text <-> ids ----------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids. Special-token strings in it ("<|im_start|>" on a web page) stay plain text: content
+        from an environment must not be able to open a new message."""
+        return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def _encode_template(self, text: str) -> list[int]:
+        # The template's own text, whose special tokens are meant.
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def _fill(self, text: str, contents: dict[str, tuple[str, int]]) -> list[int]:
+        """A rendered template with probe strings -> ids: template text with its specials, each probe's content as
+        plain text (after n image placeholders)."""
+        pat = "(" + "|".join(map(re.escape, contents)) + ")"
+        ids: list[int] = []
+        for i, part in enumerate(re.split(pat, text)):
+            if i % 2 == 0:
+                ids += self._encode_template(part) if part else []
+            else:
+                content, n_images = contents[part]
+                ids += [self.image_id] * n_images + self.encode(content)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    # ---- the conversation ------------------------------------------------------------------------------------
+    def _probe(self) -> tuple[str, str]:
+        """(end-of-turn token text, template text of [new user message + generation prompt] after an assistant turn)
+        with the user text as _PROBE_USER2."""
+        base = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
+        a = self.render(base, False)
+        b = self.render([*base, {"role": "user", "content": _PROBE_USER2}], True)
+        i = a.rfind(_PROBE_ASSISTANT)
+        if i < 0 or not b.startswith(a[: i + len(_PROBE_ASSISTANT)]):
+            raise TokenizerError(f"{self.path}: the chat template does not render a conversation as a growing text "
+                                 "(an assistant message changes when a user message follows it)")
+        rest = a[i + len(_PROBE_ASSISTANT):]
+        specials = sorted((t for t in self.hf.all_special_tokens + list(self.hf.get_added_vocab()) if t),
+                          key=len, reverse=True)
+        eot = next((t for t in specials if rest.startswith(t)), None)
+        if eot is None:
+            raise TokenizerError(f"{self.path}: the chat template ends an assistant message with {rest[:20]!r}, "
+                                 "not with a special token; the turn rule needs an end-of-turn token")
+        turn = b[i + len(_PROBE_ASSISTANT) + len(eot):]
+        if _PROBE_USER2 not in turn:
+            raise TokenizerError(f"{self.path}: the chat template drops a user message that follows an assistant one")
+        return eot, turn
+
+    def first_prompt(self, system: str, user: str, images: int = 0) -> list[int]:
+        """The template over [system (if any), user] with the generation prompt; the user message opens with
+        `images` image placeholders."""
+        if images and self.image_id < 0:
+            raise TokenizerError(f"{self.path}: the tokenizer has no image placeholder token ({', '.join(IMAGE_TOKENS)})")
+        msgs = ([{"role": "system", "content": _PROBE_SYSTEM}] if system else []) + [{"role": "user", "content": _PROBE_USER}]
+        return self._fill(self.render(msgs, True), {_PROBE_SYSTEM: (system, 0), _PROBE_USER: (user, images)})
+
+    def next_turn(self, user: str, closed: bool = True, images: int = 0) -> list[int]:
+        """Ids appended after the engine's output: [end-of-turn if not closed] + user message (opening with `images`
+        image placeholders) + generation prompt."""
+        if images and self.image_id < 0:
+            raise TokenizerError(f"{self.path}: the tokenizer has no image placeholder token ({', '.join(IMAGE_TOKENS)})")
+        ids = self._fill(self._turn_text, {_PROBE_USER2: (user, images)})
+        return ([] if closed else [self.eot_id]) + ids
+
+    def answer(self, text: str) -> list[int]:
+        """What the policy should generate for an answer text: its ids and the end-of-turn token."""
+        return [*self.encode(text), self.eot_id]
+
