@@ -28,20 +28,20 @@ import numpy as np
 from actor import judge as J
 from actor.envclient import EnvActionError, EnvClient, EnvInfraError, Obs
 from actor.parsing import ParseError, parse_response
-from actor.tiny import INVALID_NOTE, turn_prompt_ids
+from actor.tiny import INVALID_NOTE, turn_ids
 from core.inference_client import InferenceClient
 from core import telemetry
 from core.config import ActorConfig
 from core.outcome import Fault, Outcome
 from core.schema import Trajectory, Turn
-from core.tokenizer import Tokenizer
+from core.chat import ChatTokenizer
 from core.v1 import common_pb2
 
 
 @dataclass
 class EpisodeContext:
     cfg: ActorConfig
-    tok: Tokenizer
+    tok: ChatTokenizer
     infer: InferenceClient
     actor_id: str
     judge_infer: InferenceClient | None = None   # the judge's inference servers (default: the policy's)
@@ -49,6 +49,9 @@ class EpisodeContext:
     def __post_init__(self):
         if self.cfg.judge_mode not in ("off", "replace", "add"):
             raise ValueError(f"actor.judge_mode must be off, replace or add, got {self.cfg.judge_mode!r}")
+        from actor.tiny import system_prompt
+
+        system_prompt(self.cfg.system_prompt, "")  # ValueError for an unknown style, before any episode
         if self.cfg.judge_on_error not in ("infra_error", "env"):
             raise ValueError(f"actor.judge_on_error must be infra_error or env, got {self.cfg.judge_on_error!r}")
 
@@ -106,7 +109,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     fault = Fault.NONE
     env_s = gen_s = 0.0
     sid = ""
-    img_id = tok.index.get("<|image|>", -1)
+    closed = True                    # the last output ended with the end-of-turn token
     obs = None
     try:
         t0 = time.perf_counter()
@@ -122,11 +125,12 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
             try:
                 with telemetry.span("turn", attributes={"tars.turn": turn_i}) as turn_span:
                     # 1. prompt: the new observation appended to the conversation
-                    prompt = turn_prompt_ids(tok, obs.text, obs.instruction, note)
                     shot = _screenshot(obs)
-                    if cfg.image_history > 0 and shot and img_id >= 0:
-                        prompt[1:1] = [img_id] * cfg.image_tokens   # after <|user|>: the screenshot, then its text
-                        shown.append(shot)
+                    n_img = cfg.image_tokens if cfg.image_history > 0 and shot and tok.image_id >= 0 else 0
+                    if n_img:
+                        shown.append(shot)   # the user message opens with its placeholders, then the text
+                    prompt = turn_ids(tok, cfg.system_prompt, obs.text, obs.instruction, note, first=not tokens,
+                                      closed=closed, images=n_img)
                     obs_ref = _obs_ref(obs, images)
                     tokens += prompt
                     logprobs += [0.0] * len(prompt)
@@ -137,7 +141,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     t0, c0 = time.perf_counter(), time.thread_time()
                     with telemetry.client_span("generate", {"tars.prompt_tokens": len(tokens)}) as gsp:
                         g = await ctx.infer.generate(tid, tokens, cfg.max_new_tokens, temperature=cfg.temperature,
-                                                     stop_token_ids=[tok.eos_id], timeout_s=cfg.rpc_timeout_s,
+                                                     stop_token_ids=tok.stop_ids, timeout_s=cfg.rpc_timeout_s,
                                                      images=[common_pb2.Image(data=b) for b in window])
                         telemetry.set_attrs(gsp, **{"tars.output_tokens": len(g.output_ids), "tars.replica": g.replica,
                                                     "tars.policy_version": max(g.versions, default=-1)})
@@ -150,6 +154,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     logprobs += list(g.logprobs)
                     versions += list(g.versions)
                     mask += [1] * len(g.output_ids)
+                    closed = bool(g.output_ids) and g.output_ids[-1] == tok.eot_id
                     text = tok.decode(g.output_ids)
                     steps.append(J.Step(obs.text, text.strip(), shot))
                     # 3. parse; unparseable output gets a format penalty and, by default, another try

@@ -7,8 +7,8 @@ logged in the trajectory (Trajectory.judge) and turned into a reward that replac
 failure, not a verdict: by default the episode becomes infra_error (kept out of the loss); actor.judge_on_error=env
 keeps the environment reward instead.
 
-The judge prompt is built in the same token format as the policy's (actor/tiny.py), screenshots as `<|image|>`
-placeholder runs (core/vision.py), so the same inference server and tokenizer serve both.
+The judge prompt is one user message in the judge model's chat template (core.chat), screenshots as image placeholder
+runs (core/vision.py) inside it, so the same inference server and tokenizer can serve both policy and judge.
 """
 from __future__ import annotations
 
@@ -60,14 +60,15 @@ def judge_prompt(tok, instruction: str, steps: list[Step], final_screen: str, fi
     shots = [s.image for s in steps] + [final_image]
     with_image = {i for i in range(len(shots)) if shots[i]}
     keep = sorted(with_image)[-n_images:] if n_images > 0 and image_tokens > 0 else []
-    img_id = tok.index["<|image|>"]
-    ids = [tok.user_id, *tok.encode(f"Task: {instruction}\n")]
+    if tok.image_id < 0:
+        keep = []
+    parts: list = [f"Task: {instruction}\n"]
     for i, s in enumerate(steps):
-        ids += [img_id] * image_tokens if i in keep else []
-        ids += tok.encode(f"Step {i + 1}: Screen: {s.screen}\nAction: {s.action}\n")
-    ids += [img_id] * image_tokens if len(steps) in keep else []
-    ids += [*tok.encode(f"Final screen: {final_screen}\n{QUESTION}"), tok.assistant_id]
-    return ids, [shots[i] for i in keep]
+        parts += [image_tokens] if i in keep else []
+        parts.append(f"Step {i + 1}: Screen: {s.screen}\nAction: {s.action}\n")
+    parts += [image_tokens] if len(steps) in keep else []
+    parts.append(f"Final screen: {final_screen}\n{QUESTION}")
+    return tok.first_prompt("", parts), [shots[i] for i in keep]
 
 
 @dataclass
@@ -90,7 +91,7 @@ async def ask(infer, tok, cfg, tid: str, instruction: str, steps: list[Step], fi
     try:
         # "judge-" first: trajectory ids must never be prefixes of each other (SGLang matches rids by prefix).
         g = await infer.generate(f"judge-{tid}", ids, cfg.judge_max_new_tokens, temperature=0.0,
-                                 stop_token_ids=[tok.eos_id], images=[common_pb2.Image(data=b) for b in images],
+                                 stop_token_ids=tok.stop_ids, images=[common_pb2.Image(data=b) for b in images],
                                  timeout_s=cfg.rpc_timeout_s)
     except grpc.aio.AioRpcError as e:
         raise JudgeError(f"judge inference failed: {e.code().name}: {e.details()}") from None

@@ -23,14 +23,14 @@ from core.config import RunConfig
 from core.outcome import ENDED, Fault, Outcome
 from core.control import ControlServicer, add_control
 from core.stream.sender import TrajectorySender
-from core.tokenizer import Tokenizer
+from core.chat import ChatTokenizer
 
 log = logging.getLogger("tars.actor")
 
 
 class Actor:
     def __init__(self, cfg: RunConfig, actor_id: str, envd: list[str], inference: list[str], stream: str,
-                 tokenizer: Tokenizer, spool_dir: str | None = None):
+                 tokenizer: ChatTokenizer, spool_dir: str | None = None):
         self.cfg, self.acfg, self.actor_id = cfg, cfg.actor, actor_id
         self.envs = [EnvClient(a, cfg.envd.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries) for a in envd]
         self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
@@ -209,7 +209,7 @@ async def serve(cfg: RunConfig, envd: list[str], inference: list[str], stream: s
                 actor_id: str = "", control_port: int = 0, ready_file: str | None = None,
                 spool_dir: str | None = None) -> None:
     actor_id = actor_id or f"actor-{uuid.uuid4().hex[:6]}"
-    actor = Actor(cfg, actor_id, envd, inference, stream, Tokenizer.load(tokenizer_path), spool_dir)
+    actor = Actor(cfg, actor_id, envd, inference, stream, ChatTokenizer.load(tokenizer_path), spool_dir)
     server = rpc.make_server(auth_token=cfg.control.auth_token)
     add_control(server, actor.control())
     port = rpc.bind(server, "127.0.0.1", control_port)

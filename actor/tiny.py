@@ -1,21 +1,38 @@
-"""The `tiny` prompt style: a compact chat format for small text-only policies trained from scratch.
+"""The turns of an episode as token ids, in the checkpoint's own chat template (core.chat's token-in/token-out rule).
 
-    <|user|>Screen: window Mail [button Save] [menu File] ... Goal: click Save<|assistant|>click(target='Save')<|endoftext|>
+    turn 0:  chat template over [system prompt, user: <screenshot placeholders> Screen: ... Goal: ...] + generation prompt
+    turn k:  [end-of-turn if the last output lacked it] + user message + generation prompt, appended
 
-Each turn appends the next observation to the same token sequence, so the conversation is only ever extended
-(never re-tokenised) and the engine's prefix cache serves every earlier turn. Actions use the UI-TARS grammar with
-our text-addressed extension `target='LABEL'`; coordinates (`start_box`) are accepted by the parser as well.
+The episode's ids are only ever extended (never re-tokenised), so the engine's prefix cache serves every earlier
+turn and the learner trains on exactly the ids the engine produced. `turn_ids` is the one place that builds a
+turn's prompt; the actor's episodes and the SFT demonstrations (tars/demos.py) both call it.
+
+The system prompt (actor.system_prompt): `tiny`, a one-line instruction for small policies trained from scratch, or
+a UI-TARS prompt (`computer`, `browser`, `mobile`: actor/prompts.py, the task's instruction inside it), or `none`.
+Actions use the UI-TARS grammar with our text-addressed extension `target='LABEL'`; coordinates (`start_box`) are
+accepted by the parser as well.
 """
 from __future__ import annotations
 
 from core.action import CLICKS, Action
-from core.tokenizer import Tokenizer
-
+from core.chat import ChatTokenizer
 
 # The note the actor puts before the next observation after an invalid action.
 INVALID_NOTE = "Invalid action. "
-# observation_text's fixed text, the note included, for a glued tokenizer (core.tokenizer.Tokenizer.build's `glue`).
-PROMPT_GLUE = ["Screen: ", " Goal: ", INVALID_NOTE]
+TINY_SYSTEM = "Act on the screen to reach the goal. Answer with one action."
+SYSTEM_PROMPTS = ("tiny", "none", "computer", "browser", "mobile")
+
+
+def system_prompt(style: str, instruction: str) -> str:
+    if style == "tiny":
+        return TINY_SYSTEM
+    if style == "none":
+        return ""
+    if style in ("computer", "browser", "mobile"):
+        from actor.prompts import build_system_prompt
+
+        return build_system_prompt(style, instruction)
+    raise ValueError(f"actor.system_prompt must be one of {SYSTEM_PROMPTS}, got {style!r}")
 
 
 def observation_text(text: str, instruction: str, note: str = "") -> str:
@@ -23,8 +40,14 @@ def observation_text(text: str, instruction: str, note: str = "") -> str:
     return f"{note}Screen: {text} Goal: {instruction}"
 
 
-def turn_prompt_ids(tok: Tokenizer, text: str, instruction: str, note: str = "") -> list[int]:
-    return [tok.user_id, *tok.encode(observation_text(text, instruction, note)), tok.assistant_id]
+def turn_ids(tok: ChatTokenizer, style: str, text: str, instruction: str, note: str = "", first: bool = False,
+             closed: bool = True, images: int = 0) -> list[int]:
+    """The ids one turn appends: the first turn's whole prompt, or a later turn's user message and generation prompt.
+    `closed`: the previous output ended with the end-of-turn token; `images`: placeholders before the text."""
+    user = [images, observation_text(text, instruction, note)] if images else observation_text(text, instruction, note)
+    if first:
+        return tok.first_prompt(system_prompt(style, instruction), user)
+    return tok.next_turn(user, closed)
 
 
 def format_action(a: Action) -> str:
@@ -44,5 +67,6 @@ def format_action(a: Action) -> str:
     raise ValueError(f"cannot format action {a!r}")
 
 
-def answer_ids(tok: Tokenizer, action: Action) -> list[int]:
-    return [*tok.encode(format_action(action)), tok.eos_id]
+def answer_ids(tok: ChatTokenizer, action: Action) -> list[int]:
+    """What the policy should generate for an action: its text and the end-of-turn token."""
+    return tok.answer(format_action(action))

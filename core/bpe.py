@@ -35,8 +35,25 @@ LLAMA3_SPECIALS = {"pad": "<|finetune_right_pad_id|>", "eos": "<|eot_id|>", "bos
 TEMPLATES = {"chatml": (CHATML, CHATML_SPECIALS), "llama3": (LLAMA3, LLAMA3_SPECIALS)}
 
 
+def rendered_corpus(conversations: Iterable[list[dict]], template: str = "chatml") -> Iterable[str]:
+    """Conversations (lists of {"role", "content"}) as the chat template renders them, cut at its special tokens:
+    the text a tokenizer trained on it will see, role names and line breaks included."""
+    import re
+
+    import jinja2
+
+    chat_template, sp = TEMPLATES[template]
+    specials = [t for t in (sp["pad"], sp["eos"], sp["bos"], *sp["extra"]) if t]
+    tpl = jinja2.Environment().from_string(chat_template)
+    cut = re.compile("|".join(map(re.escape, specials)))
+    for msgs in conversations:
+        text = tpl.render(messages=msgs, add_generation_prompt=False, bos_token=sp["bos"] or "")
+        yield from (piece for piece in cut.split(text) if piece)
+
+
 def train_bpe(corpus: Iterable[str], vocab_size: int, template: str = "chatml", min_frequency: int = 2):
-    """A PreTrainedTokenizerFast: byte-level BPE trained on `corpus`, the template's special tokens first."""
+    """A PreTrainedTokenizerFast: byte-level BPE trained on `corpus` (texts; rendered_corpus gives a chat corpus),
+    the template's special tokens first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

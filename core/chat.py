@@ -25,6 +25,10 @@ import pathlib
 import re
 import shutil
 from collections.abc import Iterable, Sequence
+from typing import Union
+
+# A message's content: a text, or texts and image runs (int n: n image placeholders) in order.
+Content = Union[str, Sequence[Union[str, int]]]
 
 # The files a tokenizer may consist of; they travel with every checkpoint the project writes.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -121,17 +125,31 @@ class ChatTokenizer:
         # The template's own text, whose special tokens are meant.
         return list(self.hf.encode(text, add_special_tokens=False))
 
-    def _fill(self, text: str, contents: dict[str, tuple[str, int]]) -> list[int]:
-        """A rendered template with probe strings -> ids: template text with its specials, each probe's content as
-        plain text (after n image placeholders)."""
+    def _fill(self, text: str, contents: dict[str, "Content"]) -> list[int]:
+        """A rendered template with probe strings -> ids: the template's text with its special tokens, each probe's
+        content as plain text, image runs as placeholder ids."""
         pat = "(" + "|".join(map(re.escape, contents)) + ")"
         ids: list[int] = []
         for i, part in enumerate(re.split(pat, text)):
             if i % 2 == 0:
                 ids += self._encode_template(part) if part else []
             else:
-                content, n_images = contents[part]
-                ids += [self.image_id] * n_images + self.encode(content)
+                ids += self.content_ids(contents[part])
+        return ids
+
+    def content_ids(self, content: "Content") -> list[int]:
+        """A message's content: a text, or a sequence of texts and image runs (an int n = n placeholders)."""
+        if isinstance(content, str):
+            return self.encode(content)
+        ids: list[int] = []
+        for c in content:
+            if isinstance(c, str):
+                ids += self.encode(c)
+            elif c > 0:
+                if self.image_id < 0:
+                    raise TokenizerError(f"{self.path}: the tokenizer has no image placeholder token "
+                                         f"({', '.join(IMAGE_TOKENS)})")
+                ids += [self.image_id] * int(c)
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
@@ -163,23 +181,32 @@ class ChatTokenizer:
             raise TokenizerError(f"{self.path}: the chat template drops a user message that follows an assistant one")
         return eot, turn
 
-    def first_prompt(self, system: str, user: str, images: int = 0) -> list[int]:
-        """The template over [system (if any), user] with the generation prompt; the user message opens with
-        `images` image placeholders."""
-        if images and self.image_id < 0:
-            raise TokenizerError(f"{self.path}: the tokenizer has no image placeholder token ({', '.join(IMAGE_TOKENS)})")
+    def first_prompt(self, system: str, user: "Content") -> list[int]:
+        """The template over [system (if any), user] with the generation prompt."""
         msgs = ([{"role": "system", "content": _PROBE_SYSTEM}] if system else []) + [{"role": "user", "content": _PROBE_USER}]
-        return self._fill(self.render(msgs, True), {_PROBE_SYSTEM: (system, 0), _PROBE_USER: (user, images)})
+        return self._fill(self.render(msgs, True), {_PROBE_SYSTEM: system, _PROBE_USER: user})
 
-    def next_turn(self, user: str, closed: bool = True, images: int = 0) -> list[int]:
-        """Ids appended after the engine's output: [end-of-turn if not closed] + user message (opening with `images`
-        image placeholders) + generation prompt."""
-        if images and self.image_id < 0:
-            raise TokenizerError(f"{self.path}: the tokenizer has no image placeholder token ({', '.join(IMAGE_TOKENS)})")
-        ids = self._fill(self._turn_text, {_PROBE_USER2: (user, images)})
+    def next_turn(self, user: "Content", closed: bool = True) -> list[int]:
+        """Ids appended after the engine's output: [end-of-turn if the output did not end with it] + the user
+        message + the generation prompt."""
+        ids = self._fill(self._turn_text, {_PROBE_USER2: user})
         return ([] if closed else [self.eot_id]) + ids
 
     def answer(self, text: str) -> list[int]:
         """What the policy should generate for an answer text: its ids and the end-of-turn token."""
         return [*self.encode(text), self.eot_id]
 
+
+
+def open_tokenizer(path: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> ChatTokenizer:
+    """The tokenizer in `path`; with a model directory, also checked against its config's vocabulary size."""
+    tok = ChatTokenizer.load(path)
+    if model_dir is not None:
+        cfg = pathlib.Path(model_dir) / "config.json"
+        if not cfg.is_file():
+            raise TokenizerError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
+        d = json.loads(cfg.read_text())
+        vocab = d.get("vocab_size", d.get("text_config", {}).get("vocab_size"))
+        if vocab is not None:
+            tok.check_fits(int(vocab), str(model_dir))
+    return tok

@@ -35,9 +35,8 @@ class ModelConfig:
     max_positions: int = f(1024, "context length")
     rope_theta: float = f(100.0, "RoPE base of a fresh model; a small base separates nearby positions sharply, "
                                  "which short GUI prompts need more than long-range reach")
-    tokenizer: str = f("glued", "vocabulary of a fresh model's tokenizer: glued (a task word has one id wherever it "
-                                "appears, the spaces around it belong to the fixed text: ' [button ', ' into ') | spaced "
-                                "(each word also has a space-prefixed id, as in BPE vocabularies)")
+    vocab_size: int = f(1024, "BPE vocabulary of a fresh model's tokenizer, trained on the tasks' text (tars/fresh.py); "
+                              "the trainer stops earlier when the text has no more pairs to merge")
     tie_embeddings: bool = f(False, "share the input embedding and the output projection of a fresh model")
     init_std: float = f(0.02, "init scale of a fresh model")
     seed: int = f(0, "init seed of a fresh model")
@@ -116,9 +115,11 @@ class ActorConfig:
     send_window: int = f(256, "trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
     max_outbox: int = f(1 << 16, "trajectories kept for re-send until acknowledged, held ones included (with the learner's "
                         "checkpoint durability: everything since its last checkpoint); sending waits at this bound")
+    system_prompt: str = f("tiny", "system prompt of the first turn: tiny (one line, for small policies trained from "
+                                   "scratch) | computer | browser | mobile (the UI-TARS prompts, actor/prompts.py) | none")
     image_history: int = f(0, "screenshots shown as images in the prompt (the last k turns; older turns keep only their "
                               "text); 0 = text only")
-    image_tokens: int = f(16, "<|image|> placeholder tokens per screenshot: the model's tars_vision grid**2")
+    image_tokens: int = f(16, "image placeholder tokens per screenshot: the model's tars_vision grid**2")
     judge_mode: str = f("off", "LLM-as-judge outcome reward through the inference server: off | replace (the verdict "
                                "replaces the env reward) | add (added to it)")
     judge_weight: float = f(1.0, "reward given for a YES (score 1) verdict")

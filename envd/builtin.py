@@ -35,14 +35,6 @@ DIALOG_TITLES = ["Warning", "Confirm", "Notice", "Alert"]
 DIALOG_BUTTONS = ["OK", "Cancel", "Discard", "Retry", "Keep", "Ignore"]
 APPS = ["Notes", "Mail", "Photos", "Editor", "Calendar", "Music", "Maps", "Terminal"]
 TASKS = ["click", "menu", "form", "dialog", "mixed"]
-VOCABULARY = sorted(set(LABELS + MENUS + FIELDS + VALUES + DIALOG_TITLES + DIALOG_BUTTONS + APPS + [
-    "expanded", "focused", "answer", "then", "into", "open", "click", "type",
-]))
-# The fixed text that render_text and the instructions put around the words above, spaces included: a tokenizer
-# built with these as pieces (core.tokenizer.Tokenizer.build's `glue`) gives each word one id in the screen, the
-# goal and the answer alike.
-TEXT_GLUE = ["window ", " [button ", " [menu ", " [item ", " [field ", " [dialog ", " expanded", " focused", " = ",
-             "click ", "open ", "type ", "answer ", " then ", " into "]
 W, H = 640, 400
 
 

@@ -5,7 +5,8 @@ tests is everything but the model: the actor's own overhead (tars bench actor), 
 LLM judge's verdict parsing (actor/judge.py). Each output token gets logprob -0.1 and the engine's current version;
 update_weights only bumps the version (it has no weights), which is enough to tag tokens of two policy versions.
 
-    python -m inference_server.scripted --answer "wait()" --ready-file r.json     # a server on 127.0.0.1:<free port>
+    python -m inference_server.scripted --tokenizer MODEL_DIR --answer "wait()" --ready-file r.json
+                                                                                 # a server on 127.0.0.1:<free port>
 """
 from __future__ import annotations
 
@@ -78,14 +79,14 @@ def fixed_answer(ids: list[int]) -> Respond:
     return lambda _input, _images: ids
 
 
-async def _serve(answer: str, ready_file: str | None, stop: asyncio.Event | None = None) -> None:
+async def _serve(answer: str, tokenizer: str, ready_file: str | None, stop: asyncio.Event | None = None) -> None:
     from inference_server.server import InferenceServer
     from core.config import InferenceConfig
     from core.proc import write_ready
-    from core.tokenizer import Tokenizer
+    from core.chat import ChatTokenizer
 
-    tok = Tokenizer.build()
-    eng = ScriptedEngine(fixed_answer([*tok.encode(answer), tok.eos_id]), tok.vocab_size)
+    tok = ChatTokenizer.load(tokenizer)
+    eng = ScriptedEngine(fixed_answer(tok.answer(answer)), tok.vocab_size)
     srv = InferenceServer(InferenceConfig(host="127.0.0.1", port=0), eng, model_name="scripted")
     await srv.start()
     write_ready(ready_file, {"role": "inference", "address": srv.address, "version": 0, "t": time.time()})
@@ -106,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--answer", default="wait()", help="text every generation returns (then the stop token)")
+    ap.add_argument("--tokenizer", required=True, help="directory of the tokenizer the answers are written in")
     ap.add_argument("--ready-file")
     a = ap.parse_args(argv)
     die_with_parent()
-    asyncio.run(_serve(a.answer, a.ready_file))
+    asyncio.run(_serve(a.answer, a.tokenizer, a.ready_file))
     return 0
 
 

@@ -1,5 +1,6 @@
 """Scripted demonstrations for the SFT warm start: a demonstrator rolled through envd's builtin tasks in-process,
-each turn written in the actor's `tiny` prompt style -> [(tokens, loss_mask)] for learner.sft.
+each turn built by actor.tiny.turn_ids (the actor's own turn rule, in the checkpoint's chat template, with the
+actor's system prompt) -> [(tokens, loss_mask)] for learner.sft.
 
 This lives on the operations floor because it joins two roles (an environment and a prompt style); the learner
 only sees the examples (learner.sft.DemonstrationSource).
@@ -9,10 +10,10 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from actor.tiny import answer_ids, turn_prompt_ids
+from actor.tiny import answer_ids, turn_ids
 from core.action import Action
 from core.outcome import Outcome
-from core.tokenizer import Tokenizer
+from core.chat import ChatTokenizer
 from envd import builtin
 
 
@@ -52,8 +53,8 @@ def confused_action(env, rng: random.Random, distractors: int = 0) -> Action:
     return replace(a, **{key: rng.choice(words)}) if words else a
 
 
-def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
-                   max_turns: int = 6) -> list[tuple[list[int], list[int]]]:
+def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
+                   max_turns: int = 6, system_prompt: str = "tiny") -> list[tuple[list[int], list[int]]]:
     """Roll the demonstrator through builtin envs in-process -> [(tokens, loss_mask)]."""
     kind, p, n = parse_demonstrator(demonstrator)
     rng = random.Random(seed)
@@ -64,7 +65,7 @@ def demonstrations(tok: Tokenizer, env_ids: list[str], episodes: int, demonstrat
         r = env.reset(rng.randrange(1 << 30))
         toks, mask = [], []
         while True:
-            prompt = turn_prompt_ids(tok, r.text, r.instruction)
+            prompt = turn_ids(tok, system_prompt, r.text, r.instruction, first=not toks)
             toks += prompt
             mask += [0] * len(prompt)
             if rng.random() < p:
@@ -85,4 +86,4 @@ def source(cfg, episodes: int):
     """A learner.sft.DemonstrationSource: `episodes` demonstrations of cfg.sft.demonstrator on cfg.actor.env_ids."""
     parse_demonstrator(cfg.sft.demonstrator)  # a bad spec is refused before any model is loaded
     return lambda tok: demonstrations(tok, list(cfg.actor.env_ids), episodes, cfg.sft.demonstrator, cfg.seed,
-                                      cfg.actor.max_turns)
+                                      cfg.actor.max_turns, cfg.actor.system_prompt)

@@ -4,9 +4,9 @@
     tars eval --compare evals/a evals/b
 
 Policies (--model):
-  a checkpoint directory (HF layout + tars_tokenizer.json)  -> `tars serve` (local engine) started as a child process
+  a checkpoint directory (HF layout, its tokenizer inside)  -> `tars serve` (local engine) started as a child process
   host:port                                          -> an inference server already running (any engine);
-                                                        --tokenizer names its tars_tokenizer.json
+                                                        --tokenizer names the model's tokenizer directory
   random | oracle                                    -> scripted baselines
 
 Model policies run exactly the training path: envd (started as a child `tars envd`, or --envd host:port) holds the
@@ -187,16 +187,20 @@ class ModelPolicy(Policy):
             if not (p / "config.json").is_file():
                 raise EvalError(f"{model}: not an HF-layout checkpoint (no config.json)")
             self.checkpoint = p.resolve()
-            self.tokenizer = tokenizer or str(p / "tars_tokenizer.json")
+            self.tokenizer = tokenizer or str(p)
             self.inference_addr = ""
         elif ADDRESS.match(model):
             if not tokenizer:
-                raise EvalError("--model host:port needs --tokenizer (the policy's tars_tokenizer.json)")
+                raise EvalError("--model host:port needs --tokenizer (the directory of the policy's tokenizer files)")
             self.checkpoint, self.tokenizer, self.inference_addr = None, tokenizer, model
         else:
             raise EvalError(f"--model {model!r}: not a checkpoint directory, a host:port address, 'random' or 'oracle'")
-        if not pathlib.Path(self.tokenizer).is_file():
-            raise EvalError(f"tokenizer {self.tokenizer} does not exist")
+        from core.chat import open_tokenizer
+
+        try:  # the tokenizer (and, for a directory, that it fits the model) before anything starts
+            self.tok = open_tokenizer(self.tokenizer, self.checkpoint)
+        except ValueError as e:
+            raise EvalError(str(e)) from None
         self.name = str(self.checkpoint or model)
         self.topo = None
 
@@ -205,7 +209,6 @@ class ModelPolicy(Policy):
         from actor.episode import EpisodeContext
         from core.inference_client import InferenceClient
         from core import config as C
-        from core.tokenizer import Tokenizer
         from tars.topology import Topology, plan
 
         C.save(self.cfg, out / "config.yaml")
@@ -222,7 +225,6 @@ class ModelPolicy(Policy):
         a = self.cfg.actor
         self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries)
         self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries)
-        self.tok = Tokenizer.load(self.tokenizer)
         self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval")
 
     async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:

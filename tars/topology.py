@@ -257,7 +257,7 @@ class Topology:
             opts += ["--resume"] if self._resume else []
         elif role == "actor":
             opts += ["--envd", self.envd, "--inference", self.inference, "--stream", self.stream,
-                     "--tokenizer", str(p.model / "tars_tokenizer.json"), "--actor-id", f"actor{i}",
+                     "--tokenizer", str(p.model), "--actor-id", f"actor{i}",
                      "--spool-dir", str(self.spool(i))]
         else:
             raise ValueError(f"no role {role!r}")

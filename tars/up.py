@@ -20,51 +20,35 @@ import torch
 from core import config as C
 from tars import ctl, report
 from tars.topology import LaunchError, Topology, plan, prepare
-from core.model import CausalLM, DecoderConfig
-from core.tokenizer import Tokenizer
 
 
 def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path, float | None]:
-    """Tokenizer + policy into out/model (HF layout), after the SFT warm start if configured."""
-    from actor.tiny import PROMPT_GLUE
-    from envd import builtin
+    """The checkpoint directory the run starts from: model.path, or a fresh one in out/model_init (tars/fresh.py);
+    then, if configured, the SFT warm start (learner.sft, the same path as `tars sft`) into out/model."""
+    from core.chat import open_tokenizer
+    from core.model import load_config
 
-    if cfg.model.tokenizer not in ("glued", "spaced"):
-        raise C.ConfigError(f"model.tokenizer: {cfg.model.tokenizer!r} is not glued | spaced")
-    torch.manual_seed(cfg.seed)
     if cfg.model.path:
-        policy = CausalLM.load_hf(cfg.model.path)
-        tok = Tokenizer.load(cfg.model.path)
+        src = pathlib.Path(cfg.model.path).resolve()
+        load_config(src)                      # an unsupported model: one clear error before anything starts
+        open_tokenizer(src, src)              # a missing tokenizer, or one that does not fit the model
     else:
-        glue = [*builtin.TEXT_GLUE, *PROMPT_GLUE] if cfg.model.tokenizer == "glued" else None
-        tok = Tokenizer.build(builtin.VOCABULARY, glue=glue)
-        m = cfg.model
-        dc = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                           num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                           num_key_value_heads=m.num_kv_heads, max_position_embeddings=m.max_positions,
-                           rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
-                           bos_token_id=tok.eos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-        policy = CausalLM(dc).init_weights(m.seed, m.init_std)
-    sft_s = None
-    if cfg.sft.steps > 0:
-        from learner.sft import train_sft
-        from tars.demos import demonstrations
+        from tars.fresh import build_model as fresh
 
-        t0 = time.perf_counter()
-        torch.set_num_threads(2)
-        demos = demonstrations(tok, cfg.actor.env_ids, max(2000, cfg.sft.steps * 4), cfg.sft.demonstrator, cfg.seed,
-                               cfg.actor.max_turns)
-        say(f"SFT warm start: {len(demos)} scripted demonstrations ({cfg.sft.demonstrator}), {cfg.sft.steps} steps")
-        from learner.device import resolve_device, resolve_precision
+        src = fresh(cfg.model, out / "model_init", list(cfg.actor.env_ids))
+        say(f"fresh model in {src} ({cfg.model.num_layers} layers, d={cfg.model.hidden_size}; BPE tokenizer "
+            f"of {open_tokenizer(src).vocab_size} tokens trained on the tasks' text)")
+    if cfg.sft.steps <= 0:
+        return src, None
+    from learner.sft import run as sft_run
+    from tars.demos import source
 
-        dev = resolve_device(cfg.learner.device)  # the learner's choice: a GPU in bf16 when there is one
-        train_sft(policy, demos, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, tok.pad_id, log=say,
-                  device=dev, amp_dtype=resolve_precision(cfg.learner.precision, dev))
-        policy.to("cpu")  # the parent keeps no GPU memory while the roles run
-        sft_s = time.perf_counter() - t0
-    path = out / "model"
-    policy.save_hf(path, extra_files={"tars_tokenizer.json": tok.to_json()})
-    return path, sft_s
+    t0 = time.perf_counter()
+    torch.set_num_threads(2)
+    episodes = max(2000, cfg.sft.steps * 4)
+    say(f"SFT warm start: {episodes} scripted demonstrations ({cfg.sft.demonstrator}), {cfg.sft.steps} steps")
+    sft_run(cfg, str(src), str(out / "model"), [], demos=source(cfg, episodes), log=say)
+    return out / "model", time.perf_counter() - t0
 
 
 def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:

@@ -10,7 +10,6 @@ import torch
 from core import config as C
 from core.model import CausalLM, DecoderConfig
 from core.schema import SCHEMA_VERSION, SchemaError, Trajectory, Turn, turn_rewards
-from core.tokenizer import Tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -72,56 +71,6 @@ def test_schema_rejects_bad_content():
         Trajectory.decode(bad.encode())
     with pytest.raises(SchemaError, match="exceeds"):
         Trajectory.decode(msgpack.packb(d), max_bytes=10)
-
-
-def test_tokenizer_round_trips_any_text():
-    tok = Tokenizer.build(["Save", "Open"])
-    for s in ["click(target='Save')", "Screen: [button Open] Goal: click Save", "ünïcödé 漢字 \n\t", ""]:
-        assert tok.decode(tok.encode(s)) == s
-    ids = tok.encode("click(target='Save')")
-    assert len(ids) == 3  # grammar pieces are single tokens
-    with pytest.raises(ValueError):
-        tok.decode([tok.vocab_size + 5])
-
-
-def test_glued_tokenizer_gives_a_word_one_id_in_prompt_and_answer():
-    from actor.tiny import INVALID_NOTE, PROMPT_GLUE, answer_ids, observation_text
-    from envd import builtin
-
-    glued = Tokenizer.build(builtin.VOCABULARY, glue=[*builtin.TEXT_GLUE, *PROMPT_GLUE])
-    spaced = Tokenizer.build(builtin.VOCABULARY)
-    n_glued = n_spaced = 0
-    for task in ("click", "menu", "form", "dialog"):
-        for seed in range(20):
-            env = builtin.make(task, {})
-            r = env.reset(seed=seed)
-            while True:
-                text = INVALID_NOTE * (seed % 2) + observation_text(r.text, r.instruction)
-                ids = glued.encode(text)
-                assert glued.decode(ids) == text
-                assert all(i < glued.byte_base for i in ids), "builtin text fell back to bytes"
-                n_glued, n_spaced = n_glued + len(ids), n_spaced + len(spaced.encode(text))
-                action = env.oracle_action()
-                word = action.target or action.content
-                # glued: the answer's word is the very id the prompt shows
-                assert glued.index[word] in answer_ids(glued, action) and glued.index[word] in ids
-                # spaced: the prompt shows " Save", the answer writes "Save", two ids the model must map
-                sp = spaced.encode(text)
-                assert spaced.index[word] in answer_ids(spaced, action)
-                assert spaced.index[" " + word] in sp and spaced.index[word] not in sp
-                r = env.step(action)
-                if r.outcome != "running":
-                    break
-    # the spaces ride on the fixed text, so gluing also shortens prompts
-    assert n_glued < n_spaced
-    assert " Save" in spaced.pieces and " Save" not in glued.pieces
-    assert glued.decode(glued.encode("free text: Save the file, then quit")) == "free text: Save the file, then quit"
-
-
-def test_tokenizer_save_load(tmp_path):
-    tok = Tokenizer.build(["Save"])
-    tok.save(tmp_path / "t.json")
-    assert Tokenizer.load(tmp_path / "t.json").pieces == tok.pieces
 
 
 def test_config_overrides_and_errors(tmp_path):
@@ -207,9 +156,3 @@ def test_model_cache_padding_and_logprobs_at():
         assert torch.allclose(lp, ref, atol=1e-5)
 
 
-def test_unknown_tokenizer_kind_is_refused(tmp_path):
-    from tars.up import build_model
-
-    cfg = C.load("quickstart", None, ["model.tokenizer=bpe"])
-    with pytest.raises(C.ConfigError, match="model.tokenizer"):
-        build_model(cfg, tmp_path, lambda m: None)

@@ -28,9 +28,9 @@ from core.config import ActorConfig, EnvdConfig, GroupConfig, InferenceConfig
 from core.model import CausalLM, DecoderConfig
 from core.outcome import Fault, Outcome
 from core.schema import Trajectory
-from core.tokenizer import Tokenizer
+from tars.fresh import shared_tokenizer
 
-TOK = Tokenizer.build()
+TOK = shared_tokenizer()
 
 
 class StripesEnv(gymnasium.Env):
@@ -63,7 +63,7 @@ gymnasium.register("TarsEpisodeStripes-v0", entry_point=StripesEnv, max_episode_
 
 
 def answer(text: str):
-    return fixed_answer([*TOK.encode(text), TOK.eos_id])
+    return fixed_answer(TOK.answer(text))
 
 
 @contextlib.asynccontextmanager
@@ -205,7 +205,7 @@ def test_last_k_screenshots_go_to_the_engine_and_overhead_is_recorded():
 
     tr = asyncio.run(main())
     assert tr.outcome == "terminated" and len(tr.turns) == 4
-    img = TOK.index["<|image|>"]
+    img = TOK.image_id
     for n, (ids, imgs) in enumerate(seen, 1):
         runs = sum(1 for i in range(len(ids)) if ids[i] == img and (i == 0 or ids[i - 1] != img))
         assert runs == n and len(imgs) == min(n, 2)            # one run per turn, only the last 2 images sent

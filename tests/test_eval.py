@@ -257,15 +257,16 @@ def test_shipped_suites_load_and_name_registered_backends():
 # ---- a real checkpoint through envd + inference + run_episode ---------------------------------------------
 
 def _tiny_checkpoint(path: pathlib.Path) -> pathlib.Path:
-    from envd import builtin
+    from core.chat import copy_tokenizer_files
     from core.model import CausalLM, DecoderConfig
-    from core.tokenizer import Tokenizer
+    from tars.fresh import shared_tokenizer
 
-    tok = Tokenizer.build(builtin.VOCABULARY)
+    tok = shared_tokenizer()
     dc = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
-                       bos_token_id=tok.eos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    CausalLM(dc).init_weights(0, 0.02).save_hf(path, extra_files={"tars_tokenizer.json": tok.to_json()})
+                       bos_token_id=tok.eot_id, eos_token_id=tok.eot_id, pad_token_id=tok.pad_id)
+    CausalLM(dc).init_weights(0, 0.02).save_hf(path)
+    copy_tokenizer_files(tok.path, path)
     return path
 
 

@@ -34,7 +34,7 @@ def test_unparseable_verdicts_are_errors(text):
 def test_judge_prompt_keeps_the_last_five_screenshots():
     steps = [J.Step(f"screen {i}", f"click(target='b{i}')", bytes([i]) if i != 3 else b"") for i in range(7)]
     ids, imgs = J.judge_prompt(TOK, "do it", steps, "final", b"F", 5, 16)
-    img = TOK.index["<|image|>"]
+    img = TOK.image_id
     assert imgs == [bytes([2]), bytes([4]), bytes([5]), bytes([6]), b"F"]
     assert ids.count(img) == 5 * 16
     text = TOK.decode(ids)
@@ -46,12 +46,12 @@ class TwoVoices(ScriptedEngine):
     """The policy always says `policy`; a request whose prompt ends with the judge question gets `verdict`."""
 
     def __init__(self, policy: str, verdict: str):
-        q = TOK.encode(J.QUESTION)
         pol, ver = answer(policy), answer(verdict)
 
         def respond(ids, imgs):
-            self.judged += ids[-len(q) - 1:-1] == q
-            return (ver if ids[-len(q) - 1:-1] == q else pol)(ids, imgs)
+            judge = J.QUESTION in TOK.decode(ids)
+            self.judged += judge
+            return (ver if judge else pol)(ids, imgs)
 
         self.judged = 0
         super().__init__(respond, TOK.vocab_size)
@@ -112,7 +112,7 @@ def test_bad_judge_config_is_refused():
 
 
 def test_real_local_engine_with_a_vision_model_judges_with_screenshots():
-    v = VisionConfig(grid=2, patch=4, image_token_id=TOK.index["<|image|>"])
+    v = VisionConfig(grid=2, patch=4, image_token_id=TOK.image_id)
     dc = DecoderConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096, extra=v.to_extra())
     eng = LocalEngine(InferenceConfig(max_context=4096), CausalLM(dc).init_weights(0, std=0.05).eval())

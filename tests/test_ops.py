@@ -30,30 +30,32 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def wait_policy(path: pathlib.Path) -> pathlib.Path:
-    from envd import builtin
+    """A hand-set model that answers `wait()` to every prompt: each token's embedding is a unit vector and the output
+    projection maps it to the next token of the chain [end of the generation prompt, wait() ..., end of turn]."""
+    from core.chat import copy_tokenizer_files
     from core.model import CausalLM, DecoderConfig
-    from core.tokenizer import Tokenizer
+    from tars.fresh import shared_tokenizer
 
-    tok = Tokenizer.build(builtin.VOCABULARY)
-    wait_id = tok.encode("wait()")
-    assert len(wait_id) == 1, "the builtin vocabulary has `wait()` as one token"
-    wait_id = wait_id[0]
+    tok = shared_tokenizer()
+    chain = [tok.first_prompt("", "x")[-1], *tok.answer("wait()")]
+    assert len(set(chain)) == len(chain)
     c = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024, rope_theta=100.0,
-                      tie_word_embeddings=False, bos_token_id=tok.eos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+                      tie_word_embeddings=False, bos_token_id=tok.eot_id, eos_token_id=tok.eot_id, pad_token_id=tok.pad_id)
     m = CausalLM(c).init_weights(0, 0.02)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
                 p.zero_()  # blocks add nothing: the last hidden state is the current token's embedding
         e = m.model.embed_tokens.weight
-        u, v = torch.zeros(32), torch.zeros(32)
-        u[0], v[1] = 1.0, 1.0
-        e[tok.assistant_id], e[wait_id] = u, v
         m.lm_head.weight.zero_()
-        m.lm_head.weight[wait_id] = 8.0 * u     # after the assistant marker: wait()  (logit ~45 vs 0)
-        m.lm_head.weight[tok.eos_id] = 8.0 * v  # after wait(): end of turn
-    m.save_hf(path, extra_files={"tars_tokenizer.json": tok.to_json()})
+        for i, (prev, nxt) in enumerate(zip(chain, chain[1:])):
+            u = torch.zeros(32)
+            u[i] = 1.0
+            e[prev] = u
+            m.lm_head.weight[nxt] = 8.0 * u   # logit ~45 for the next token of the chain, 0 for the rest
+    m.save_hf(path)
+    copy_tokenizer_files(tok.path, path)
     return path
 
 

@@ -48,7 +48,8 @@ class ScriptedServer:
         env = {"PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
         # Not a `tars serve`: the scripted engine's own entry point, started and stopped like any role.
         self.proc = Process(RoleSpec("inference", 0, "inference", [sys.executable, "-m", "inference_server.scripted",
-                                                                   "--answer", answer, "--ready-file", str(ready)],
+                                                                   "--answer", answer, "--tokenizer", _tok_dir(),
+                                                                   "--ready-file", str(ready)],
                                      ready, log, env, None, DEADLINE_S, 10.0))
         try:
             self.address = self.proc.wait_ready()["address"]
@@ -67,19 +68,25 @@ class ScriptedServer:
         self.stop()
 
 
+def _tok_dir() -> str:
+    from tars.fresh import shared_tokenizer
+
+    return shared_tokenizer().path
+
+
 async def _run_episodes(envd: str, inference: str, n: int, concurrency: int, env_id: str, cfg_kw: dict,
                         infer=None, tok=None, group_size: int = 1):
     from actor.envclient import EnvClient
     from actor.episode import EpisodeContext, run_episode
     from core.inference_client import InferenceClient
     from core.config import ActorConfig
-    from core.tokenizer import Tokenizer
+    from tars.fresh import shared_tokenizer
 
     cfg = ActorConfig(**{"rpc_timeout_s": DEADLINE_S, "retries": 3, **cfg_kw})
     own = infer is None
     infer = infer or InferenceClient([inference], timeout_s=DEADLINE_S, retries=3)
     env = EnvClient(envd, "", DEADLINE_S, 3)
-    ctx = EpisodeContext(cfg, tok or Tokenizer.build(), infer, "bench")
+    ctx = EpisodeContext(cfg, tok or shared_tokenizer(), infer, "bench")
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int):
@@ -132,14 +139,13 @@ async def _miniwob_trajectories(envd: str, task: str, groups: int, group_size: i
     from inference_server.scripted import ScriptedEngine
     from inference_server.server import InferenceServer
     from core.config import InferenceConfig
-    from core.tokenizer import Tokenizer
+    from tars.fresh import shared_tokenizer
 
-    tok = Tokenizer.build()
+    tok = shared_tokenizer()
     rng = random.Random(seed)
 
     def click(_ids, _imgs):  # a random-click policy in MiniWoB's 160 x 210 screen (the task text is the top 50)
-        return [*tok.encode(f"click(point='<point>{rng.randrange(4, 156)} {rng.randrange(54, 206)}</point>')"),
-                tok.eos_id]
+        return tok.answer(f"click(point='<point>{rng.randrange(4, 156)} {rng.randrange(54, 206)}</point>')")
 
     eng = ScriptedEngine(click, tok.vocab_size)
     srv = InferenceServer(InferenceConfig(host="127.0.0.1", port=0), eng)
