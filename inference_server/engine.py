@@ -229,7 +229,8 @@ def load_state_dict(path: str) -> dict:
     from core.model import read_weights
 
     p = pathlib.Path(path)
+    is_dir = p.is_dir()  # OSError (a name too long to look at) goes to the caller, as before
     try:
-        return read_weights(p) if p.is_dir() else load_file(str(p))
+        return read_weights(p) if is_dir else load_file(str(p))
     except Exception as e:  # missing file, truncated write, not safetensors: all mean "cannot load"
         raise WeightLoadError(f"cannot load weights from {p}: {type(e).__name__}: {e}") from e
