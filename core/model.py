@@ -1,71 +1,29 @@
-"""A Qwen2-style causal decoder in plain torch, stored in the Hugging Face layout.
+"""Hugging Face Qwen2 / Qwen2.5 and Llama causal LMs in plain torch: a checkpoint directory is the model.
 
 One implementation serves the inference engine (batched decode with per-request KV caches) and the learner
-(full-sequence logprobs), so both compute the same numbers for the same weights. Parameter names, config.json
-and model.safetensors follow `transformers`' Qwen2ForCausalLM, so a checkpoint loads there too.
+(full-sequence logprobs), so both compute the same numbers for the same weights. Parameter names, config.json and
+the safetensors files follow transformers' Qwen2ForCausalLM / LlamaForCausalLM, so a checkpoint loads in either
+direction. Which configs are accepted (and why others are refused): core/model_config.py; the weight files
+(single or sharded): core/model_files.py.
 """
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.model_config import (  # noqa: F401  (re-exported: core.model is where callers look for them)
+    ACCEPTED_CONFIG_FIELDS, DecoderConfig, UnsupportedModel, load_config, rope_inv_freq,
+)
+from core.model_files import MissingWeights, read_weights, write_weights  # noqa: F401
 
-@dataclass
-class DecoderConfig:
-    """The subset of a HF Qwen2 config this decoder understands (names as in config.json)."""
 
-    vocab_size: int = 512
-    hidden_size: int = 64
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 1024
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-    bos_token_id: int = 1
-    eos_token_id: int = 1
-    pad_token_id: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def to_hf(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "extra"}
-        d.update(
-            architectures=["Qwen2ForCausalLM"],
-            model_type="qwen2",
-            hidden_act="silu",
-            torch_dtype="float32",
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=self.num_hidden_layers,
-            attention_dropout=0.0,
-            initializer_range=0.02,
-            use_cache=True,
-        )
-        d.update(self.extra)
-        return d
-
-    @classmethod
-    def from_hf(cls, d: dict) -> "DecoderConfig":
-        if d.get("model_type") not in (None, "qwen2", "llama"):
-            raise ValueError(f"unsupported model_type {d.get('model_type')!r}: expected qwen2 or llama")
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        kw = {k: d[k] for k in known if k in d and d[k] is not None}
-        kw.setdefault("num_key_value_heads", kw.get("num_attention_heads", 4))
-        if d.get("tars_vision"):  # the optional patch-embedding vision path (core/vision.py)
-            kw["extra"] = {"tars_vision": dict(d["tars_vision"])}
-        return cls(**kw)
+class WeightsMismatch(ValueError):
+    """Weights whose names or shapes do not fit the config."""
 
 
 class RMSNorm(nn.Module):
@@ -81,10 +39,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (HF's rotate-half convention)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv  # [B, T, hd/2]
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """positions [B, T], inv_freq [hd/2] float32 -> cos, sin [B, 1, T, head_dim] (HF's rotate-half convention)."""
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
@@ -98,10 +55,10 @@ class Attention(nn.Module):
     def __init__(self, c: DecoderConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=True)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.o_bias)
 
     def forward(self, x, cos, sin, mask, past=None):
         B, T, _ = x.shape
@@ -125,9 +82,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: DecoderConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -169,11 +126,15 @@ def causal_mask(key_valid: torch.Tensor, T: int) -> torch.Tensor:
 
 
 class CausalLM(nn.Module):
-    """Qwen2ForCausalLM-compatible decoder. `value_head=True` adds a scalar head (the critic)."""
+    """Qwen2ForCausalLM / LlamaForCausalLM-compatible decoder. `value_head=True` adds a scalar head (the critic)."""
 
     def __init__(self, c: DecoderConfig, value_head: bool = False):
         super().__init__()
         self.config = c
+        # RoPE frequencies, computed once. A plain float32 tensor, not a buffer: model.to(bfloat16) must not round
+        # them (transformers keeps them in float32 too); _inv_freq_on keeps one copy per device.
+        self.inv_freq = rope_inv_freq(c)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
         self.model = Trunk(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
@@ -216,7 +177,10 @@ class CausalLM(nn.Module):
             rows, cols, pix = images
             dev = x.device
             x = x.index_put((rows.to(dev), cols.to(dev)), self.vision(pix.to(dev)).to(x.dtype))
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        inv = self._inv_freq_on.get(x.device)
+        if inv is None:
+            inv = self._inv_freq_on[x.device] = self.inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(positions, inv, x.dtype)
         mask = causal_mask(key_valid, T)
         new = []
         for i, layer in enumerate(self.model.layers):
@@ -264,16 +228,17 @@ class CausalLM(nn.Module):
             sd.pop("lm_head.weight", None)
         return sd
 
-    def save_hf(self, path: str | os.PathLike, extra_files: dict[str, str] | None = None) -> pathlib.Path:
-        """Write config.json + model.safetensors (+ value_head.safetensors) into `path`, atomically."""
+    def save_hf(self, path: str | os.PathLike, extra_files: dict[str, str] | None = None,
+                max_shard_bytes: int | None = None) -> pathlib.Path:
+        """Write config.json + model.safetensors (or, past max_shard_bytes, model-0000i-of-0000N.safetensors shards and
+        model.safetensors.index.json) + generation_config.json (+ value_head.safetensors) into `path`, atomically."""
         from safetensors.torch import save_file
 
         path = pathlib.Path(path)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         # fp32 on the CPU whatever the model's device and dtype: the files are the same from a GPU learner.
-        save_file({k: v.to("cpu", torch.float32) for k, v in self.hf_state_dict().items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        write_weights(tmp, {k: v.to("cpu", torch.float32) for k, v in self.hf_state_dict().items()}, max_shard_bytes)
         if self.score is not None:
             save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.score.state_dict().items()},
                       str(tmp / "value_head.safetensors"))
@@ -290,29 +255,38 @@ class CausalLM(nn.Module):
 
     @classmethod
     def load_hf(cls, path: str | os.PathLike, value_head: bool = False, dtype=torch.float32) -> "CausalLM":
+        """A checkpoint directory (config.json + model.safetensors or its sharded index) -> the model.
+
+        UnsupportedModel: the config asks for something this decoder does not implement; MissingWeights
+        (a FileNotFoundError): no weights; WeightsMismatch: names or shapes that do not fit the config."""
         from safetensors.torch import load_file
 
         path = pathlib.Path(path)
-        cfg = DecoderConfig.from_hf(json.loads((path / "config.json").read_text()))
-        m = cls(cfg, value_head=value_head)
-        m.load_weights(load_file(str(path / "model.safetensors")))
+        m = cls(load_config(path), value_head=value_head)
+        try:
+            m.load_weights(read_weights(path))
+        except WeightsMismatch as e:
+            raise WeightsMismatch(f"{path}: {e}") from None
         if value_head and (path / "value_head.safetensors").exists():
             m.score.load_state_dict(load_file(str(path / "value_head.safetensors")))
         return m.to(dtype)
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        sd = dict(sd)
+        """Copy an HF-named state dict in; WeightsMismatch lists missing, unexpected and wrongly shaped tensors."""
+        # Old Llama checkpoints carry rotary_emb.inv_freq buffers; transformers ignores them, and so do we.
+        sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
-        own = {k for k in self.state_dict() if not k.startswith("score.")}
+        params = {k: v for k, v in self.state_dict(keep_vars=True).items() if not k.startswith("score.")}
         if self.config.tie_word_embeddings:
-            own.discard("lm_head.weight")
-        missing, unexpected = own - set(sd), set(sd) - own
-        if missing or unexpected:
-            raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+            params.pop("lm_head.weight", None)
+        missing, unexpected = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
+        shapes = [f"{k}: {tuple(v.shape)} in the weights, {tuple(params[k].shape)} in the model"
+                  for k, v in sd.items() if k in params and tuple(v.shape) != tuple(params[k].shape)]
+        if missing or unexpected or shapes:
+            parts = [f"{len(missing)} missing {missing[:5]}" if missing else "", f"{len(unexpected)} unexpected {unexpected[:5]}"
+                     if unexpected else "", f"{len(shapes)} of another shape ({'; '.join(shapes[:3])})" if shapes else ""]
+            raise WeightsMismatch("weights do not match the config: " + ", ".join(p for p in parts if p))
         with torch.no_grad():
-            params = dict(self.named_parameters())
-            params.update(dict(self.named_buffers()))
             for k, v in sd.items():
                 params[k].copy_(v.to(params[k].dtype))
-

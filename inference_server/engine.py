@@ -220,14 +220,17 @@ class LocalEngine:
 
 
 def load_state_dict(path: str) -> dict:
-    """An HF directory (model.safetensors) or a .safetensors file -> state dict; WeightLoadError if unreadable."""
+    """An HF directory (model.safetensors, or shards + model.safetensors.index.json) or a .safetensors file -> state
+    dict; WeightLoadError if unreadable."""
     import pathlib
 
     from safetensors.torch import load_file
 
+    from core.model import read_weights
+
     p = pathlib.Path(path)
-    f = p / "model.safetensors" if p.is_dir() else p
+    is_dir = p.is_dir()  # OSError (a name too long to look at) goes to the caller, as before
     try:
-        return load_file(str(f))
+        return read_weights(p) if is_dir else load_file(str(p))
     except Exception as e:  # missing file, truncated write, not safetensors: all mean "cannot load"
-        raise WeightLoadError(f"cannot load weights from {f}: {type(e).__name__}: {e}") from e
+        raise WeightLoadError(f"cannot load weights from {p}: {type(e).__name__}: {e}") from e

@@ -74,7 +74,7 @@ class SGLangBehaviour:
         self.model_path = model
         self.cfg = cfg or InferenceConfig(max_context=1024, max_stale_versions=KEEP_KV)
         self.engine = LocalEngine(self.cfg, model)
-        self.eos = self.engine.model.config.eos_token_id
+        self.eos = self.engine.model.config.eos_ids  # config.json may name several
         self.tokenizer_workers = tokenizer_workers
         self.health_timeout_s = health_timeout_s
         self.token_delay_s = token_delay_s
@@ -121,7 +121,7 @@ class SGLangBehaviour:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
         stops = set(int(t) for t in sp.get("stop_token_ids") or ())
         if not sp.get("ignore_eos", False):
-            stops.add(self.eos)
+            stops.update(self.eos)
         params = SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 128)), temperature=float(sp.get("temperature", 1.0)),
                                 top_p=top_p, top_k=max(top_k, 0), stop_token_ids=tuple(sorted(stops)), seed=int(sp.get("sampling_seed") or 0))
         self.engine.validate(ids, params)

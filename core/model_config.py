@@ -1,0 +1,327 @@
+"""What a checkpoint's config.json may say for core.model's decoder: Hugging Face Qwen2 / Qwen2.5 and Llama causal LMs.
+
+`DecoderConfig.from_hf(dict)` (and `load_config(dir)`) accepts a config only when the decoder computes exactly what
+transformers' Qwen2ForCausalLM / LlamaForCausalLM compute for it. Anything else is refused with `UnsupportedModel`
+naming the field: another model_type or architecture, a setting the decoder would silently ignore (a sliding window
+shorter than the context, a RoPE type other than default / linear / llama3, an activation other than SiLU, a
+quantization config, ...), and any field not classified below (ACCEPTED_CONFIG_FIELDS lists every accepted name).
+
+The same checks run whether the dict comes straight from config.json or from transformers' AutoConfig.to_dict()
+(`load_config(dir, via_transformers=True)`), which renames rope_scaling / rope_theta to rope_parameters.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED = "model_type qwen2 (Qwen2ForCausalLM: Qwen2, Qwen2.5) or llama (LlamaForCausalLM)"
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# Read by the decoder (each checked for the values it can honour).
+USED_CONFIG_FIELDS = (
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+    "hidden_act", "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "original_max_position_embeddings", "attention_bias", "mlp_bias", "pretraining_tp", "use_sliding_window",
+    "sliding_window", "max_window_layers", "layer_types", "bos_token_id", "eos_token_id", "pad_token_id",
+    "tars_vision",
+)
+# Accepted with any value: metadata, and training- or generation-time settings that do not change the logits
+# (attention_dropout only acts in training; the engine's sampling comes from each request, not from the config).
+IGNORED_CONFIG_FIELDS = (
+    "transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range", "attention_dropout",
+    "_name_or_path", "name_or_path", "output_hidden_states", "output_attentions", "return_dict", "torchscript",
+    "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "chunk_size_feed_forward",
+    "pruned_heads", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+    "is_decoder", "use_bfloat16", "tf_legacy_loss", "_attn_implementation", "_commit_hash",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+)
+# Accepted only at these (transformers' default) values: anything else changes the model in a way not implemented.
+DEFAULT_ONLY_FIELDS = {"is_encoder_decoder": False, "add_cross_attention": False, "tie_encoder_decoder": False,
+                       "cross_attention_hidden_size": None}
+ACCEPTED_CONFIG_FIELDS = tuple(sorted(set(USED_CONFIG_FIELDS) | set(IGNORED_CONFIG_FIELDS) | set(DEFAULT_ONLY_FIELDS)))
+# Refused whatever their value (other than null), with the reason.
+REFUSED_FIELDS = {
+    "quantization_config": "quantized checkpoints are not supported (the decoder reads plain fp32/bf16/fp16 weights)",
+    "auto_map": "a checkpoint with its own modelling code (auto_map) is not the stock architecture",
+}
+
+# transformers' defaults for fields a config.json may leave out (Qwen2Config / LlamaConfig, transformers 5).
+_HF_DEFAULTS = {
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=32768, bos_token_id=None, eos_token_id=None),
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+}
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint the decoder would not compute faithfully: another architecture, or a config setting it lacks."""
+
+
+def _refuse(what: str) -> UnsupportedModel:
+    return UnsupportedModel(f"{what} (core.model implements {SUPPORTED}, RoPE types {', '.join(ROPE_TYPES)})")
+
+
+@dataclass
+class DecoderConfig:
+    """A Qwen2 / Llama decoder's shape and options (names as in config.json)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 1024
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int = 0
+    model_type: str = "qwen2"              # qwen2 | llama: which HF architecture the weights and config.json follow
+    head_dim: int | None = None            # None: hidden_size // num_attention_heads
+    attention_bias: bool = False           # llama: bias on q/k/v/o (qwen2 always has q/k/v biases and no o bias)
+    mlp_bias: bool = False                 # llama: bias on gate/up/down (qwen2: never)
+    rope_scaling: dict | None = None       # None (plain RoPE) or {"rope_type": "linear" | "llama3", ...}
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.model_type not in ARCHITECTURES:
+            raise _refuse(f"model_type {self.model_type!r} is not supported")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.model_type == "qwen2" and self.mlp_bias:
+            raise _refuse("mlp_bias true: qwen2 has no MLP biases")
+        if self.rope_scaling is not None:
+            self.rope_scaling = _rope_scaling(self.rope_scaling, self.max_position_embeddings, "rope_scaling")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return True if self.model_type == "qwen2" else self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return False if self.model_type == "qwen2" else self.attention_bias
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence token ids (config.json may give one, a list, or none)."""
+        e = self.eos_token_id
+        return () if e is None else tuple(int(t) for t in e) if isinstance(e, (list, tuple)) else (int(e),)
+
+    def to_hf(self) -> dict:
+        """config.json for this decoder, readable by transformers 4.45+ and 5 as the same architecture."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("extra", "head_dim", "attention_bias", "mlp_bias")}
+        d.update(architectures=[ARCHITECTURES[self.model_type]], hidden_act="silu", torch_dtype="float32",
+                 attention_dropout=0.0, initializer_range=0.02, use_cache=True)
+        if self.model_type == "qwen2":
+            d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
+            if self.head_dim != self.hidden_size // self.num_attention_heads:
+                d["head_dim"] = self.head_dim
+        else:
+            d.update(head_dim=self.head_dim, attention_bias=self.attention_bias, mlp_bias=self.mlp_bias, pretraining_tp=1)
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "DecoderConfig":
+        """A config.json dict (or transformers' config.to_dict()) -> DecoderConfig; UnsupportedModel if it cannot
+        be computed faithfully."""
+        d = dict(d)
+        mt = _model_type(d)
+        for k, v in d.items():
+            if k in REFUSED_FIELDS:
+                if v not in (None, {}):
+                    raise _refuse(f"config field {k!r}: {REFUSED_FIELDS[k]}")
+                continue
+            if k in DEFAULT_ONLY_FIELDS and v not in (DEFAULT_ONLY_FIELDS[k], None):
+                raise _refuse(f"config field {k!r} = {v!r} is not supported (only {DEFAULT_ONLY_FIELDS[k]!r})")
+            if k not in ACCEPTED_CONFIG_FIELDS:
+                raise _refuse(f"config field {k!r} is not one the decoder knows (accepted: core.model_config."
+                              "ACCEPTED_CONFIG_FIELDS)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise _refuse(f"config field 'hidden_act' = {d['hidden_act']!r}: only silu is implemented")
+        if d.get("pretraining_tp") not in (None, 1):
+            raise _refuse(f"config field 'pretraining_tp' = {d['pretraining_tp']!r}: only 1 is implemented")
+        g = {**_HF_DEFAULTS[mt], **{k: v for k, v in d.items() if v is not None}}
+        n_layers, heads, max_pos = int(g["num_hidden_layers"]), int(g["num_attention_heads"]), int(g["max_position_embeddings"])
+        _check_sliding(d, mt, n_layers, max_pos)
+        if mt == "qwen2":
+            if d.get("attention_bias") is not None:
+                raise _refuse("config field 'attention_bias' on a qwen2 model: Qwen2 always has q/k/v biases and no o bias "
+                              "(transformers ignores the field)")
+            if d.get("mlp_bias"):
+                raise _refuse("config field 'mlp_bias' = true on a qwen2 model: Qwen2 has no MLP biases")
+        theta, scaling = _rope_from_hf(d, max_pos)
+        eos = d.get("eos_token_id", _HF_DEFAULTS[mt]["eos_token_id"])
+        pad = d.get("pad_token_id")
+        if pad is None:  # padding only needs some valid id (masked everywhere): the first eos, as the tokenizer does
+            pad = (eos[0] if eos else 0) if isinstance(eos, list) else (eos if eos is not None else 0)
+        kw = dict(
+            vocab_size=int(g["vocab_size"]), hidden_size=int(g["hidden_size"]), intermediate_size=int(g["intermediate_size"]),
+            num_hidden_layers=n_layers, num_attention_heads=heads,
+            num_key_value_heads=int(g.get("num_key_value_heads", heads)), max_position_embeddings=max_pos,
+            rms_norm_eps=float(g.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            tie_word_embeddings=bool(g.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id", _HF_DEFAULTS[mt]["bos_token_id"]),
+            eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else eos, pad_token_id=int(pad),
+            model_type=mt, head_dim=int(g["head_dim"]) if g.get("head_dim") else None,
+            attention_bias=bool(d.get("attention_bias") or False) if mt == "llama" else False,
+            mlp_bias=bool(d.get("mlp_bias") or False), rope_scaling=scaling,
+        )
+        if d.get("tars_vision"):  # the optional patch-embedding vision path (core/vision.py)
+            kw["extra"] = {"tars_vision": dict(d["tars_vision"])}
+        return cls(**kw)
+
+
+def load_config(path: str | os.PathLike, via_transformers: bool = False) -> DecoderConfig:
+    """DIR/config.json -> DecoderConfig (UnsupportedModel naming DIR and the field when it cannot be served).
+
+    via_transformers: read it through transformers.AutoConfig (local files only) instead of as plain json; the
+    checks are the same. The default needs no transformers (a runtime dependency only of the dev extra)."""
+    path = pathlib.Path(path)
+    f = path / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{path}: no config.json here (a checkpoint directory holds config.json + model.safetensors)")
+    try:
+        c = DecoderConfig.from_hf(json.loads(f.read_text()))
+        if via_transformers:  # after the json check, so a refusal reads the same whichever way (and comes first)
+            import transformers
+
+            c = DecoderConfig.from_hf(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True).to_dict())
+        return c
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not valid json: {e}") from None
+
+
+def _model_type(d: dict) -> str:
+    mt, arch = d.get("model_type"), d.get("architectures")
+    if mt is not None and mt not in ARCHITECTURES:
+        raise _refuse(f"model_type {mt!r} is not supported")
+    if arch is not None and (not isinstance(arch, list) or len(arch) != 1 or arch[0] not in ARCHITECTURES.values()):
+        raise _refuse(f"architectures {arch!r} is not supported")
+    if mt is None:
+        if arch is None:
+            raise _refuse("config.json names no model_type or architectures")
+        mt = next(k for k, v in ARCHITECTURES.items() if v == arch[0])
+    if arch is not None and arch[0] != ARCHITECTURES[mt]:
+        raise _refuse(f"architectures {arch!r} does not match model_type {mt!r}")
+    return mt
+
+
+def _check_sliding(d: dict, mt: str, n_layers: int, max_pos: int) -> None:
+    """Refuse sliding-window attention that would bind: the decoder always attends to the whole context."""
+    window = d.get("sliding_window")
+    if mt == "qwen2":  # Qwen2Config: the window (default 4096) counts only with use_sliding_window
+        window = (d["sliding_window"] if "sliding_window" in d else 4096) if d.get("use_sliding_window") else None
+    elif mt == "llama" and d.get("use_sliding_window"):
+        raise _refuse("config field 'use_sliding_window' = true: llama has no sliding-window attention")
+    types = d.get("layer_types")
+    if types is not None:
+        bad = set(types) - {"full_attention", "sliding_attention"}
+        if bad or len(types) != n_layers:
+            raise _refuse(f"config field 'layer_types' = {types!r}: expected {n_layers} of full_attention / sliding_attention")
+        sliding = "sliding_attention" in types
+    else:
+        mwl = d.get("max_window_layers")  # qwen2: layers from max_window_layers on (default 28) slide
+        sliding = mt == "llama" or (28 if mwl is None else int(mwl)) < n_layers
+    if sliding and window is not None and int(window) < max_pos:
+        raise _refuse(f"config field 'sliding_window' = {window} (use_sliding_window): sliding-window attention shorter "
+                      f"than max_position_embeddings {max_pos} is not implemented")
+
+
+_ROPE_KEYS = {"default": set(), "linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor"}}
+_ROPE_OPTIONAL = {"default": set(), "linear": {"original_max_position_embeddings"},  # transformers ignores it for linear
+                  "llama3": {"original_max_position_embeddings"}}
+
+
+def _rope_from_hf(d: dict, max_pos: int) -> tuple[float, dict | None]:
+    """(rope_theta, normalised rope_scaling or None) from rope_scaling + rope_theta (transformers 4) or
+    rope_parameters (transformers 5; rope_scaling wins when both are there, as in transformers)."""
+    src = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(src, dict):
+        raise _refuse(f"config field 'rope_parameters' = {src!r} is not a dict")
+    nested = [k for k in src if k in ("full_attention", "sliding_attention")]
+    if nested:  # per-layer-type RoPE: fine when every layer type has the same
+        subs = [src[k] for k in nested]
+        if len(nested) != len(src) or any(s != subs[0] for s in subs):
+            raise _refuse(f"config field 'rope_parameters' = {src!r}: per-layer-type RoPE is not supported")
+        src = subs[0] or {}
+    src = dict(src)
+    theta = float(src.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    prf = src.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor")
+    if prf not in (None, 1, 1.0):
+        raise _refuse(f"config field 'partial_rotary_factor' = {prf!r}: only full rotary embeddings are implemented")
+    if not src:
+        return theta, None
+    omp = d.get("original_max_position_embeddings")
+    out = _rope_scaling(src, max_pos, "rope_parameters" if "rope_parameters" in d and not d.get("rope_scaling") else "rope_scaling")
+    if out is not None and out["rope_type"] == "llama3" and omp is not None:  # a top-level value wins, as in transformers
+        out["original_max_position_embeddings"] = int(omp)
+    return theta, out
+
+
+def _rope_scaling(src: dict, max_pos: int, name: str) -> dict | None:
+    """Normalise one RoPE dict (without rope_theta) -> None for plain RoPE, else {"rope_type", parameters...}."""
+    src = {k: v for k, v in src.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = src.pop("rope_type", None) or src.pop("type", None) or "default"
+    src.pop("type", None)
+    if kind == "dynamic":
+        raise _refuse(f"config field {name!r}: rope type 'dynamic' is not supported (transformers recomputes its "
+                      "frequencies from the whole batch's length once it passes max_position_embeddings, which a "
+                      "per-request KV cache cannot reproduce)")
+    if kind not in ROPE_TYPES:
+        raise _refuse(f"config field {name!r}: rope type {kind!r} is not supported")
+    need, optional = _ROPE_KEYS[kind], _ROPE_OPTIONAL[kind]
+    if need - set(src):
+        raise _refuse(f"config field {name!r}: rope type {kind!r} needs {sorted(need - set(src))}")
+    if set(src) - need - optional:
+        raise _refuse(f"config field {name!r}: keys {sorted(set(src) - need - optional)} are not supported for rope type {kind!r}")
+    if kind == "default":
+        return None
+    out = {"rope_type": kind, **{k: float(src[k]) for k in sorted(need)}}
+    if not out["factor"] > 0:
+        raise _refuse(f"config field {name!r}: factor must be > 0, got {out['factor']}")
+    if kind == "llama3":
+        out["original_max_position_embeddings"] = int(src.get("original_max_position_embeddings") or max_pos)
+    return out
+
+
+def rope_inv_freq(c: DecoderConfig) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2], float32, computed as transformers' modeling_rope_utils does."""
+    dim, base, s = c.head_dim, c.rope_theta, c.rope_scaling
+    if s is None:  # the models' compute_default_rope_parameters
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    factor = s["factor"]
+    if s["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3 (_compute_llama3_parameters), step for step
+    low, high, old_context_len = s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)

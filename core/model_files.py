@@ -1,0 +1,85 @@
+"""A checkpoint directory's weights, as transformers lays them out: one model.safetensors, or shards named
+model-00001-of-0000N.safetensors listed in model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"}).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import torch
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class MissingWeights(FileNotFoundError):
+    """A checkpoint directory without (all of) its weights."""
+
+
+def has_weights(path: str | os.PathLike) -> bool:
+    path = pathlib.Path(path)
+    return (path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file()
+
+
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """DIR -> {name: tensor} from model.safetensors or the sharded index; MissingWeights names DIR and what lacks."""
+    from safetensors.torch import load_file
+
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise MissingWeights(f"{path}: no such checkpoint directory")
+    if (path / WEIGHTS_NAME).is_file():
+        return load_file(str(path / WEIGHTS_NAME))
+    if not (path / INDEX_NAME).is_file():
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf", ".safetensors"))
+        hint = f"; found {other} (only {WEIGHTS_NAME} or a sharded {INDEX_NAME} are read)" if other else ""
+        raise MissingWeights(f"{path}: no weights: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there{hint}")
+    try:
+        weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+        assert isinstance(weight_map, dict) and weight_map
+    except Exception as e:
+        raise ValueError(f"{path / INDEX_NAME}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
+    shards = sorted(set(weight_map.values()))
+    bad = [s for s in shards if not isinstance(s, str) or pathlib.PurePath(s).name != s]
+    if bad:
+        raise ValueError(f"{path / INDEX_NAME}: shard names must be plain file names in the directory, got {bad[:3]}")
+    missing = [s for s in shards if not (path / s).is_file()]
+    if missing:
+        raise MissingWeights(f"{path}: {INDEX_NAME} lists shards that are not there: {missing[:5]}")
+    sd: dict[str, torch.Tensor] = {}
+    for s in shards:
+        sd.update(load_file(str(path / s)))
+    absent = [k for k in weight_map if k not in sd]
+    if absent:
+        raise MissingWeights(f"{path}: {INDEX_NAME} maps tensors that no shard holds: {absent[:5]}")
+    return sd
+
+
+def write_weights(path: str | os.PathLike, sd: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> list[str]:
+    """Write sd into the directory DIR as model.safetensors, or, when it exceeds max_shard_bytes, as shards + index
+    (a tensor larger than the limit gets a shard of its own, as in transformers). Returns the file names written."""
+    from safetensors.torch import save_file
+
+    path = pathlib.Path(path)
+    meta = {"format": "pt"}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()
+        if max_shard_bytes and shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(path / WEIGHTS_NAME), metadata=meta)
+        return [WEIGHTS_NAME]
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(path / name), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names + [INDEX_NAME]

@@ -1,0 +1,279 @@
+"""core.model against transformers: checkpoint directories written by transformers' own Qwen2 / Llama classes load
+into CausalLM and give the same logits (fp32, max abs diff <= 1e-4); ours load back into transformers; everything
+the decoder does not implement is refused by name."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from core.config import InferenceConfig
+from core.model import (ACCEPTED_CONFIG_FIELDS, CausalLM, DecoderConfig, MissingWeights, UnsupportedModel,
+                        WeightsMismatch, load_config)
+from hf_dirs import TINY, make_hf_model
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+
+
+def llama3_rope() -> dict:  # a fresh dict each time: transformers adds keys to the one it is given
+    return {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+
+
+VARIANTS = {
+    "qwen2-gqa-untied": ("qwen2", {}),
+    "qwen2-gqa-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen2-mha-head_dim16": ("qwen2", {"num_key_value_heads": 4, "head_dim": 16, "rope_theta": 1e6}),
+    "llama-gqa": ("llama", {}),
+    "llama-attention_bias": ("llama", {"attention_bias": True}),
+    "llama-mlp_bias": ("llama", {"mlp_bias": True, "tie_word_embeddings": True}),
+    "llama-head_dim16": ("llama", {"head_dim": 16, "num_key_value_heads": 1}),
+    "llama-rope-llama3": ("llama", {"rope_scaling": llama3_rope(), "rope_theta": 500000.0}),
+    "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+}
+
+
+def ids(B: int = 2, T: int = 120, seed: int = 0) -> torch.Tensor:  # up to near max_position_embeddings (128)
+    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(tmp_path, variant):
+    arch, kw = VARIANTS[variant]
+    kw = {**kw, "rope_scaling": dict(kw["rope_scaling"])} if "rope_scaling" in kw else kw
+    hf = make_hf_model(tmp_path, arch, **kw)
+    assert (tmp_path / "model.safetensors.index.json").is_file()  # sharded, as transformers writes it
+    m = CausalLM.load_hf(tmp_path).eval()
+    assert m.config.model_type == arch
+    # the same checks and result whether config.json is read as json or through AutoConfig
+    assert load_config(tmp_path, via_transformers=True) == m.config
+    x = ids()
+    with torch.no_grad():
+        ref = hf(x).logits
+        d = max_diff(m(x)[0], ref)
+        print(f"{variant}: max abs logit diff {d:.3g}")
+        assert d <= TOL
+        if m.config.rope_scaling:  # the test can tell: plain RoPE on the same weights is visibly different
+            plain = CausalLM(DecoderConfig(**{**vars(m.config), "rope_scaling": None}))
+            plain.load_weights(m.hf_state_dict())
+            assert max_diff(plain(x)[0], ref) > 1e-2
+
+
+def test_kv_cache_decode_matches_full_forward_llama(tmp_path):
+    hf = make_hf_model(tmp_path, "llama", head_dim=16, rope_scaling=llama3_rope(), attention_bias=True)
+    m = CausalLM.load_hf(tmp_path).eval()
+    x = ids(2, 40, seed=1)
+    with torch.no_grad():
+        full = m(x)[0][:, -1]
+        h, past = m.hidden(x[:, :30])
+        for t in range(30, 40):  # one token at a time on the cache, as the engine decodes
+            pos = torch.full((2, 1), t)
+            h, past = m.hidden(x[:, t:t + 1], pos, torch.ones(2, t + 1, dtype=torch.bool), past)
+        step = m.lm_head(h[:, -1])
+        ref = hf(x).logits[:, -1]
+    assert max_diff(step, full) <= 1e-5
+    assert max_diff(step, ref) <= TOL
+
+
+def test_engine_serves_a_transformers_checkpoint_directory(tmp_path):
+    from inference_server.engine import LocalEngine, SamplingParams
+
+    hf = make_hf_model(tmp_path / "ck", "llama", rope_scaling=llama3_rope(), tie_word_embeddings=True)
+    prompt = [5, 17, 33, 8, 61, 2, 9]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    eng = LocalEngine(InferenceConfig(max_context=128), str(tmp_path / "ck"))
+    try:
+        assert eng.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0.0)).output_ids == want
+        make_hf_model(tmp_path / "v1", "llama", seed=1, rope_scaling=llama3_rope(), tie_word_embeddings=True)
+        assert eng.update_weights(1, path=str(tmp_path / "v1"))["version"] == 1  # sharded directories update too
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_save_hf_sharded_loads_in_transformers(tmp_path, arch):
+    kw = {"attention_bias": True, "head_dim": 16, "rope_scaling": llama3_rope()} if arch == "llama" else {}
+    make_hf_model(tmp_path / "src", arch, **kw)
+    m = CausalLM.load_hf(tmp_path / "src")
+    m.save_hf(tmp_path / "out", max_shard_bytes=20_000, extra_files={"note.txt": "hi"})
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert not (out / "model.safetensors").exists() and (out / "note.txt").read_text() == "hi"
+    assert not list(tmp_path.glob("out.tmp*"))
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["model_type"] == arch and conf["architectures"] == [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+    assert DecoderConfig.from_hf(conf) == m.config
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == conf["architectures"][0]
+    x = ids(2, 50)
+    with torch.no_grad():
+        assert max_diff(CausalLM.load_hf(out)(x)[0], hf(x).logits) <= TOL
+        assert max_diff(m(x)[0], hf(x).logits) <= TOL
+
+
+def test_config_round_trip_and_unsharded_default(tmp_path):
+    c = DecoderConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, model_type="llama",
+                      head_dim=16, attention_bias=True, mlp_bias=True, eos_token_id=[2, 3],
+                      rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert DecoderConfig.from_hf(c.to_hf()) == c and c.eos_ids == (2, 3)
+    CausalLM(c).init_weights(0).save_hf(tmp_path / "one")
+    assert (tmp_path / "one" / "model.safetensors").is_file() and not (tmp_path / "one" / "model.safetensors.index.json").exists()
+    assert CausalLM.load_hf(tmp_path / "one").config == c
+
+
+def write_config(path: pathlib.Path, **fields) -> pathlib.Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(fields))
+    return path
+
+
+BASE = dict(TINY, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(BASE, model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2' is not supported"),
+    (dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"]), "model_type .mistral. is not supported"),
+    (dict(BASE, model_type=None, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
+    (dict(BASE, model_type="qwen2_vl", architectures=None), "model_type 'qwen2_vl' is not supported"),
+    (dict(BASE, architectures=["LlamaForCausalLM"]), "does not match model_type 'qwen2'"),
+    (dict(BASE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding_window"),
+    (dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "foo", "factor": 2.0}),
+     "rope type 'foo' is not supported"),
+    (dict(BASE, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), "rope type 'yarn'"),
+    (dict(BASE, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "'dynamic' is not supported"),
+    (dict(BASE, rope_parameters={"rope_type": "linear", "factor": 2.0, "mrope_section": [1, 1]}), "mrope_section"),
+    (dict(BASE, hidden_act="gelu"), "hidden_act"),
+    (dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], pretraining_tp=2), "pretraining_tp"),
+    (dict(BASE, quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    (dict(BASE, partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(BASE, attention_bias=False), "attention_bias"),
+    (dict(BASE, some_new_field=3), "'some_new_field' is not one the decoder knows"),
+])
+def test_unsupported_configs_are_refused_by_name(tmp_path, fields, match):
+    d = write_config(tmp_path / "ck", **fields)
+    with pytest.raises(UnsupportedModel, match=match) as e:
+        CausalLM.load_hf(d)
+    assert str(d) in str(e.value) and "qwen2" in str(e.value) and "llama" in str(e.value)
+    with pytest.raises(UnsupportedModel, match=match):
+        DecoderConfig.from_hf(fields)
+    assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("arch,kw,match", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding_window"),
+    ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic"),
+    ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
+])
+def test_refusals_are_the_same_through_autoconfig(tmp_path, arch, kw, match):
+    make_hf_model(tmp_path, arch, **kw)
+    for via in (False, True):
+        with pytest.raises(UnsupportedModel, match=match):
+            load_config(tmp_path, via_transformers=via)
+    with pytest.raises(UnsupportedModel, match=match):  # transformers' normalised dict is refused the same way
+        DecoderConfig.from_hf(transformers.AutoConfig.from_pretrained(tmp_path, local_files_only=True).to_dict())
+
+
+def test_harmless_fields_are_accepted(tmp_path):
+    # sliding window configured but binding nowhere: off, as long as the context, or above the last layer
+    for kw in (dict(use_sliding_window=False, sliding_window=16), dict(use_sliding_window=True, sliding_window=128),
+               dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)):
+        c = DecoderConfig.from_hf(dict(BASE, attention_dropout=0.1, torch_dtype="bfloat16", use_cache=False,
+                                       initializer_range=0.5, transformers_version="4.43.1", rope_scaling=None, **kw))
+        assert c.rope_scaling is None and c.tie_word_embeddings is False
+    assert {"transformers_version", "torch_dtype", "use_cache", "attention_dropout", "max_window_layers"} <= set(ACCEPTED_CONFIG_FIELDS)
+    c = DecoderConfig.from_hf(dict(BASE, rope_scaling={"type": "linear", "factor": 2}, bos_token_id=None, pad_token_id=None,
+                                   eos_token_id=[7, 8], tars_vision={"grid": 2, "patch": 4}))
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0} and c.pad_token_id == 7 and c.eos_ids == (7, 8)
+    assert c.extra == {"tars_vision": {"grid": 2, "patch": 4}} and c.to_hf()["tars_vision"] == {"grid": 2, "patch": 4}
+
+
+def test_missing_weights_name_the_directory(tmp_path):
+    d = write_config(tmp_path / "ck", **BASE)
+    with pytest.raises(FileNotFoundError, match="no weights: neither model.safetensors nor") as e:
+        CausalLM.load_hf(d)
+    assert isinstance(e.value, MissingWeights) and str(d) in str(e.value)
+    (d / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(MissingWeights, match="pytorch_model.bin"):
+        CausalLM.load_hf(d)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        CausalLM.load_hf(tmp_path / "empty")
+    make_hf_model(tmp_path / "sh", "qwen2")
+    shard = sorted((tmp_path / "sh").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(MissingWeights, match=f"lists shards that are not there: \\['{shard.name}'\\]"):
+        CausalLM.load_hf(tmp_path / "sh")
+
+
+def test_weights_that_do_not_fit_the_config(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model(tmp_path / "ck", "llama", shard_bytes=None)
+    f = tmp_path / "ck" / "model.safetensors"
+    sd = load_file(str(f))
+    k = "model.layers.0.self_attn.k_proj.weight"
+    save_file({**sd, k: torch.zeros(sd[k].shape[0] + 8, sd[k].shape[1])}, str(f))
+    with pytest.raises(WeightsMismatch, match=r"1 of another shape \(model.layers.0.self_attn.k_proj.weight: \(24, 32\) in the "
+                                              r"weights, \(16, 32\) in the model\)") as e:
+        CausalLM.load_hf(tmp_path / "ck")
+    assert str(tmp_path / "ck") in str(e.value)
+    save_file({n: t for n, t in sd.items() if n != k}, str(f))
+    with pytest.raises(WeightsMismatch, match=f"1 missing \\['{k}'\\]"):
+        CausalLM.load_hf(tmp_path / "ck")
+    # llama weights under a config that says attention_bias: the biases are missing, by name
+    conf = json.loads((tmp_path / "ck" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps({**conf, "attention_bias": True}))
+    save_file(sd, str(f))
+    with pytest.raises(WeightsMismatch, match=r"missing .*bias"):
+        CausalLM.load_hf(tmp_path / "ck")
+
+
+# config.json of two published checkpoints (Qwen/Qwen2.5-0.5B-Instruct, meta-llama/Llama-3.2-1B-Instruct), verbatim
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+    "max_position_embeddings": 32768, "max_window_layers": 21, "model_type": "qwen2", "num_attention_heads": 14,
+    "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.43.1",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+LLAMA32_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256}
+
+
+@pytest.mark.parametrize("conf", [QWEN25_05B, LLAMA32_1B], ids=["qwen2.5-0.5b", "llama3.2-1b"])
+def test_published_configs_are_accepted_with_transformers_rope(tmp_path, conf):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from core.model import rope_inv_freq
+
+    c = DecoderConfig.from_hf(conf)
+    assert (c.model_type, c.tie_word_embeddings, c.head_dim) == (conf["model_type"], True, 64)
+    eos = conf["eos_token_id"]
+    assert c.eos_ids == (tuple(eos) if isinstance(eos, list) else (eos,))
+    assert load_config(write_config(tmp_path, **conf), via_transformers=True) == c
+    hc = transformers.AutoConfig.from_pretrained(tmp_path, local_files_only=True)
+    kind = hc.rope_parameters["rope_type"]
+    if kind == "default":
+        ref = transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding.compute_default_rope_parameters(hc)[0]
+    else:
+        ref = ROPE_INIT_FUNCTIONS[kind](hc)[0]
+    assert torch.equal(rope_inv_freq(c), ref)  # bit for bit
