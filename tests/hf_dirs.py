@@ -50,3 +50,26 @@ def make_hf_model(dir: str | os.PathLike, arch: str = "qwen2", shard_bytes: int 
     kw = {"max_shard_size": shard_bytes} if shard_bytes is not None else {}
     model.save_pretrained(str(pathlib.Path(dir)), **kw)
     return model
+
+
+def make_checkpoint(dir: str | os.PathLike, arch: str = "qwen2", shard_bytes: int | str | None = 200_000, seed: int = 0,
+                    vocab_size: int = 600, **config_overrides):
+    """A whole checkpoint directory as a user would bring it: make_hf_model's sharded weights plus a byte-level BPE
+    tokenizer trained on the builtin tasks' conversations, with the architecture's chat template (ChatML for qwen2,
+    Llama 3's for llama), and a generation_config.json naming the end-of-turn token. Returns the model."""
+    import json
+
+    from core.bpe import rendered_corpus, save_tokenizer, train_bpe
+    from tars.fresh import task_corpus
+
+    template = {"qwen2": "chatml", "llama": "llama3"}[arch]
+    tok = train_bpe(rendered_corpus(task_corpus(["builtin/mixed"], episodes=400, seed=seed), template),
+                    vocab_size, template)
+    d = pathlib.Path(dir)
+    model = make_hf_model(d, arch, shard_bytes, seed, **{
+        "vocab_size": len(tok), "max_position_embeddings": 2048, "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **config_overrides})
+    save_tokenizer(tok, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id,
+                                                           "pad_token_id": tok.pad_token_id}))
+    return model

@@ -1,0 +1,117 @@
+"""A Hugging Face checkpoint directory end to end, on CPU: tiny random Qwen2 and Llama checkpoints (transformers' own
+classes, sharded safetensors, a byte-level BPE tokenizer with the ChatML / Llama-3 chat template) through `tars serve`,
+the actor's episodes, the learner's model class, `tars sft`, `tars eval` and a short `tars up`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dirs import make_checkpoint
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def ckpt(request, tmp_path_factory) -> pathlib.Path:
+    d = tmp_path_factory.mktemp(request.param) / "ckpt"
+    make_checkpoint(d, request.param)
+    return d
+
+
+def _cli(*args, timeout=240) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "tars.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_the_checkpoint_is_sharded_and_has_a_chat_template(ckpt):
+    assert (ckpt / "model.safetensors.index.json").is_file() and not (ckpt / "model.safetensors").exists()
+    assert len(list(ckpt.glob("model-*-of-*.safetensors"))) >= 2
+    from core.chat import open_tokenizer
+
+    tok = open_tokenizer(ckpt, ckpt)
+    assert tok.hf.chat_template and tok.eot_id in tok.stop_ids
+
+
+def test_learner_logprobs_equal_the_engines_over_multi_turn_episodes(ckpt, tmp_path):
+    """Episodes through a real `tars serve` and `tars envd`; then the learner's model class (transformers) recomputes
+    the logprob of every sampled token on the trajectory's own ids: each matches the engine's within 1e-4 (fp32)."""
+    from actor.envclient import EnvClient
+    from actor.episode import EpisodeContext, run_episode
+    from core import config as C
+    from core.chat import ChatTokenizer
+    from core.inference_client import InferenceClient
+    from learner.policy import TrainPolicy
+    from tars.topology import Topology, plan
+
+    cfg = C.load(None, None, ["actor.max_turns=3", "actor.max_new_tokens=10", "actor.temperature=1.0",
+                              "actor.on_parse_error=continue"])
+    out = tmp_path / "out"
+    out.mkdir()
+    C.save(cfg, out / "config.yaml")
+    tok = ChatTokenizer.load(ckpt)
+
+    async def episodes(envd, inference):
+        env = EnvClient(envd, "", 30, 2)
+        infer = InferenceClient([inference], timeout_s=30, retries=2)
+        ctx = EpisodeContext(cfg.actor, tok, infer, "test")
+        try:
+            return await asyncio.gather(*(run_episode(ctx, env, f"lp-{i:04d}", "builtin/mixed", i, 0)
+                                          for i in range(4)))
+        finally:
+            await infer.close()
+            await env.close()
+
+    with Topology(plan(cfg, out, ckpt, learner=False, n_actors=0)) as topo:
+        topo.start()
+        trs = asyncio.run(episodes(topo.envd, topo.inference))
+    assert all(t.outcome != "infra_error" for t in trs), [t.error for t in trs]
+    assert sum(len(t.turns) for t in trs) > len(trs)          # multi-turn: later turns were appended
+    policy = TrainPolicy.load(ckpt).eval()
+    worst, n = 0.0, 0
+    for tr in trs:
+        ids = torch.as_tensor(tr.tokens.astype(np.int64))[None]
+        mask = torch.as_tensor(tr.mask.astype(np.int64))[None]
+        with torch.no_grad():
+            lp = policy.logprobs_at(ids, torch.ones_like(ids, dtype=torch.bool), mask).numpy()
+        behaviour = tr.logprobs[tr.mask.astype(bool)]
+        assert lp.shape == behaviour.shape
+        worst, n = max(worst, float(np.abs(lp - behaviour).max())), n + len(lp)
+        # the ids are the engine's: each turn's output sits where the trajectory says
+        for t in tr.turns:
+            assert tr.mask[t.start:t.end].all() and (tr.versions[t.start:t.end] == 0).all()
+    print(f"{ckpt.parent.name}: {n} sampled tokens, max |learner - engine| logprob {worst:.2e}")
+    assert n > 20 and worst <= 1e-4
+
+
+def test_sft_eval_and_a_short_up_run_on_the_checkpoint(ckpt, tmp_path):
+    _cli("sft", "--model", str(ckpt), "--out", str(tmp_path / "sft"), "--demos", "40", "--steps", "4",
+         "--set", "sft.batch_size=4")
+    sft = tmp_path / "sft"
+    import transformers
+
+    transformers.AutoModelForCausalLM.from_pretrained(sft)             # the output is a checkpoint directory
+    assert transformers.AutoTokenizer.from_pretrained(sft).chat_template  # with the tokenizer and its template
+    _cli("eval", "--suite", "builtin", "--model", str(sft), "--out", str(tmp_path / "eval"), "--episodes", "1",
+         "--tasks", "builtin/click", "--concurrency", "2", "--set", "actor.max_new_tokens=8")
+    res = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert res["overall"]["episodes"] == 1 and res["overall"]["infra_errors"] == 0
+    out = tmp_path / "up"
+    _cli("up", "--out", str(out), "--quiet", "--set", f"model.path={ckpt}", "--set", "sft.steps=0",
+         "--set", "learner.batch_size=8", "--set", "actor.concurrency=8", "--set", "actor.max_new_tokens=8",
+         "--set", "actor.max_turns=2", "--set", "learner.algo=grpo", "--set", "learner.group.size=2",
+         "--set", "max_versions=2", "--set", "wall_budget_s=90")
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["policy_version"] >= 2, rep
+    final = out / "final"
+    transformers.AutoModelForCausalLM.from_pretrained(final)
+    assert transformers.AutoTokenizer.from_pretrained(final).chat_template
+    assert json.loads((final / "config.json").read_text())["model_type"] == ckpt.parent.name
