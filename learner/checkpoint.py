@@ -15,8 +15,8 @@ import shutil
 
 import torch
 
-from core.model import CausalLM
 from learner.device import to_cpu
+from learner.policy import TrainPolicy, read_weights
 
 log = logging.getLogger("tars.learner")
 
@@ -24,7 +24,7 @@ log = logging.getLogger("tars.learner")
 class Checkpointer:
     """Saves and restores the training state of one learner: its models, its trainer's optimizers and the RNG."""
 
-    def __init__(self, run: pathlib.Path, policy: CausalLM, critic: CausalLM | None, trainer, device: torch.device):
+    def __init__(self, run: pathlib.Path, policy: TrainPolicy, critic: TrainPolicy | None, trainer, device: torch.device):
         self.dir, self.tmp = run / "ckpt", run / "ckpt.tmp"
         self.run, self.policy, self.critic, self.trainer, self.device = run, policy, critic, trainer, device
 
@@ -54,7 +54,7 @@ class Checkpointer:
     def load(self) -> dict:
         """Restore models, optimizers, RNG and the trainer's counters; returns meta.json for the caller's part."""
         meta = json.loads((self.dir / "meta.json").read_text())
-        self.policy.load_weights(CausalLM.load_hf(self.dir / "policy").hf_state_dict())
+        self.policy.load_weights(read_weights(self.dir / "policy"))
         # Loaded to the CPU: the RNG states must be CPU tensors, and load_state_dict moves the optimizer state
         # and the critic's weights onto their parameters' device.
         state = torch.load(self.dir / "train_state.pt", weights_only=False, map_location="cpu")
@@ -64,11 +64,17 @@ class Checkpointer:
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         if self.critic is not None and "critic" in state:
-            self.critic.load_state_dict(state["critic"])
+            self.critic.load_state_dict(critic_state(state["critic"]))
             self.trainer.critic_opt.load_state_dict(state["critic_opt"])
         self.trainer.updates = int(meta["updates"])
         self.trainer.entropy_coef = float(meta.get("entropy_coef", self.trainer.cfg.ppo.entropy_coef))
         return meta
+
+
+def critic_state(sd: dict) -> dict:
+    """A critic's state dict as TrainPolicy names it: a checkpoint written before the learner trained transformers'
+    model class (core.model.CausalLM: model.*, lm_head.*) has the transformers model's names without the `lm.`."""
+    return {(f"lm.{k}" if k.startswith(("model.", "lm_head.")) else k): v for k, v in sd.items()}
 
 
 def fsync_tree(root: pathlib.Path, files: bool = True) -> None:

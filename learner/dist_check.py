@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from learner.distributed import from_accelerate
+from learner.policy import TrainPolicy
 from learner.ppo import PPOTrainer
 from core.config import LearnerConfig, PPOConfig, ValuePretrainConfig
-from core.model import CausalLM, DecoderConfig
+from core.model import DecoderConfig
 from core.outcome import Outcome
 from core.schema import Trajectory, Turn
 
@@ -46,8 +47,9 @@ def batch(seed: int, n: int = 12, max_len: int = 30) -> list[Trajectory]:
 def run(steps: int, algo: str = "ppo") -> tuple[dict, int]:
     dist = from_accelerate(cpu=True)
     torch.manual_seed(0)
-    pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
-    critic = CausalLM(pol.config, value_head=True).init_weights(1) if algo == "ppo" else None
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2),
+                                  seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1) if algo == "ppo" else None
     cfg = LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1, ppo=PPOConfig(epochs=2, minibatches=2),
                         value_pretrain=ValuePretrainConfig(steps=1))
     tr = PPOTrainer(pol, critic, cfg, 0, dist=dist)

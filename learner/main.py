@@ -23,7 +23,6 @@ import torch
 
 from core import proc, telemetry
 from core.config import ConfigError, RunConfig
-from core.model import CausalLM
 from core.outcome import Outcome
 from core.stream.receiver import TrajectoryReceiver
 from core.stream.wal import WriteAheadLog
@@ -32,6 +31,7 @@ from learner.checkpoint import Checkpointer
 from learner.control import learner_control, serve_control
 from learner.device import describe, resolve_device, resolve_precision
 from learner.distributed import Dist, from_accelerate
+from learner.policy import TrainPolicy
 from learner.ppo import PPOTrainer
 from learner.publish import Publisher, export
 from learner.staleness import StalenessManager
@@ -55,13 +55,10 @@ class Learner:
 
         # ---- models and the update ----
         torch.manual_seed(cfg.seed)
-        self.policy = CausalLM.load_hf(model_dir)
-        self.critic = None
-        if self.lcfg.algo == "ppo":
-            self.critic = CausalLM(self.policy.config, value_head=True)
-            self.critic.load_state_dict(self.policy.state_dict(), strict=False)  # critic starts from the policy trunk
-            torch.nn.init.zeros_(self.critic.score.weight)
-            torch.nn.init.zeros_(self.critic.score.bias)
+        # The transformers model of the checkpoint (learner/policy.py); the critic starts from the policy's trunk
+        # with a zero value head.
+        self.policy = TrainPolicy.load(model_dir)
+        self.critic = TrainPolicy.critic_from(self.policy) if self.lcfg.algo == "ppo" else None
         # Built on the CPU (same initialisation on every device), then moved; weights stay fp32 (master weights).
         self.policy.to(self.device)
         if self.critic is not None:
@@ -92,7 +89,7 @@ class Learner:
             fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability)
         self.counters = collections.Counter()
         self.publisher = Publisher(self.policy, self.run, inference, cfg.inference.auth_token, self.lcfg.publish,
-                                   self.counters)
+                                   self.counters, tokenizer_from=self.model_dir)
         self.checkpoint_requested = threading.Event()
         self.last_metrics: dict = {}
         self.last_checkpoint: dict = {}

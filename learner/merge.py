@@ -4,8 +4,11 @@ Each CKPT is an HF-layout directory (config.json + model.safetensors: a publishe
 a `tars sft` output), a learner checkpoint directory (its policy/ is used) or a run directory (its ckpt/policy/).
 The weights must be >= 0 and sum to 1 (within 1e-6), so the result is a point on the segment/simplex between the
 models; every checkpoint must hold the same tensor names and shapes. The sum is taken in float64 and stored in the
-first checkpoint's dtypes, with its config.json (and tars_tokenizer.json, generation_config.json when present), so
-the output loads in transformers and in `tars serve` like any other checkpoint.
+first checkpoint's dtypes, with its config.json and generation_config.json, and the tokenizer files
+(core.chat.copy_tokenizer_files) of the first checkpoint that has a tokenizer, so the output loads in transformers and
+in `tars serve` like any other checkpoint. Configs are compared as transformers reads them, so a checkpoint written by
+the learner (transformers' save_pretrained) and one written by core.model (the same fields, older spelling: rope_theta
+at the top level) merge when they describe the same architecture.
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import pathlib
 import shutil
 
 import torch
+
+from core.chat import has_tokenizer
+from learner.policy import copy_tokenizer
 
 
 class MergeError(ValueError):
@@ -52,12 +58,24 @@ def check_weights(w: list[float]) -> None:
         raise MergeError(f"weights must sum to 1 (within 1e-6), they sum to {math.fsum(w)!r}")
 
 
+_NOT_ARCH = ("torch_dtype", "dtype", "_name_or_path", "transformers_version", "use_cache", "rope_theta")
+
+
 def _arch(d: pathlib.Path) -> dict:
-    """config.json without the fields that do not change what the weights mean."""
+    """config.json as transformers reads it (one spelling for the RoPE base, defaults filled in), without the fields
+    that do not change what the weights mean."""
     c = json.loads((d / "config.json").read_text())
-    for k in ("torch_dtype", "dtype", "_name_or_path", "transformers_version", "use_cache"):
-        c.pop(k, None)
-    return c
+    try:
+        from transformers import AutoConfig
+
+        norm = AutoConfig.for_model(**c).to_dict()
+    except Exception:  # not a config transformers knows: compare the file as written
+        norm = dict(c)
+    if "rope_parameters" not in norm and "rope_theta" in norm:
+        norm["rope_parameters"] = {"rope_theta": norm["rope_theta"]}
+    for k in _NOT_ARCH:
+        norm.pop(k, None)
+    return norm
 
 
 def merge(ckpts: list, weights: list[float], out) -> dict:
@@ -97,7 +115,8 @@ def merge(ckpts: list, weights: list[float], out) -> dict:
     tmp.mkdir(parents=True)
     save_file({n: t.to(dtypes[n]).contiguous() for n, t in acc.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
-    for name in ("config.json", "generation_config.json", "tars_tokenizer.json"):
+    copy_tokenizer(next((d for d in dirs if has_tokenizer(d)), dirs[0]), tmp)
+    for name in ("config.json", "generation_config.json"):
         if (dirs[0] / name).exists():
             shutil.copyfile(dirs[0] / name, tmp / name)
     info = {"sources": [str(d) for d in dirs], "weights": weights, "tensors": len(acc)}

@@ -19,8 +19,8 @@ import torch
 from learner import algorithms as A
 from learner.device import autocast
 from learner.distributed import Dist
+from learner.policy import TrainPolicy
 from core.config import LearnerConfig
-from core.model import CausalLM
 from core.schema import Trajectory, turn_rewards
 
 
@@ -102,7 +102,7 @@ class PPOTrainer:
     optimizer state and the loss math stay fp32. None (the default) is plain fp32.
     """
 
-    def __init__(self, policy: CausalLM, critic: CausalLM | None, cfg: LearnerConfig, pad_id: int = 0, dist=None,
+    def __init__(self, policy: TrainPolicy, critic: TrainPolicy | None, cfg: LearnerConfig, pad_id: int = 0, dist=None,
                  amp_dtype: torch.dtype | None = None):
         self.policy, self.critic, self.cfg, self.pad_id = policy, critic, cfg, pad_id
         self.device = next(policy.parameters()).device
@@ -322,6 +322,6 @@ class PPOTrainer:
         return {"v_loss": total, "explained_variance": float(A.explained_variance(old, targets, b.mask))}
 
 
-def sft_loss(policy: CausalLM, tokens: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sft_loss(policy: TrainPolicy, tokens: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Token-level cross-entropy over the masked (answer) tokens."""
     return -policy.logprobs_at(tokens, valid, mask).mean()

@@ -1,7 +1,9 @@
 """Weight publishing: each new policy version goes to disk in HF layout and to every inference server.
 
 weights/v{version} is written to a temporary name and renamed (a server never loads half a version), every server is
-told to load it (UpdateWeights), and all but the last `learner.publish.keep_versions` versions are pruned.
+told to load it (UpdateWeights), and all but the last `learner.publish.keep_versions` versions are pruned. Each
+version carries the starting model directory's tokenizer files (core.chat.copy_tokenizer_files), so it is a model
+directory of its own, as is the final export.
 """
 from __future__ import annotations
 
@@ -13,16 +15,16 @@ import time
 
 from core import rpc
 from core.config_learner import PublishConfig
-from core.model import CausalLM
 from core.v1 import inference_pb2, inference_pb2_grpc
+from learner.policy import TrainPolicy
 
 log = logging.getLogger("tars.learner")
 
 MAX_MESSAGE_BYTES = 512 << 20  # UpdateWeights may carry inline weights
 
 
-def publish_weights(policy: CausalLM, wdir: pathlib.Path, version: int, stubs, keep: int, counters=None,
-                    timeout_s: float = 60.0) -> float:
+def publish_weights(policy: TrainPolicy, wdir: pathlib.Path, version: int, stubs, keep: int, counters=None,
+                    timeout_s: float = 60.0, tokenizer_from: pathlib.Path | None = None) -> float:
     """weights/v{version} in HF layout (write, then rename), every server told to load it, old versions pruned.
 
     Returns the seconds from the start of the write until the last server answered (it serves the new weights then).
@@ -30,7 +32,7 @@ def publish_weights(policy: CausalLM, wdir: pathlib.Path, version: int, stubs, k
     t0 = time.perf_counter()
     wdir.mkdir(exist_ok=True)
     path = wdir / f"v{version:06d}"
-    policy.save_hf(path)
+    policy.save_hf(path, tokenizer_from=tokenizer_from)
     for stub in stubs:
         try:
             stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=version, path=str(path)), timeout=timeout_s)
@@ -46,9 +48,10 @@ def publish_weights(policy: CausalLM, wdir: pathlib.Path, version: int, stubs, k
 class Publisher:
     """The learner's publisher: its policy, run_dir/weights and one stub per inference server."""
 
-    def __init__(self, policy: CausalLM, run: pathlib.Path, inference: list[str], auth_token: str, cfg: PublishConfig,
-                 counters: collections.Counter):
+    def __init__(self, policy: TrainPolicy, run: pathlib.Path, inference: list[str], auth_token: str, cfg: PublishConfig,
+                 counters: collections.Counter, tokenizer_from: pathlib.Path | None = None):
         self.policy, self.wdir, self.cfg, self.counters = policy, run / "weights", cfg, counters
+        self.tokenizer_from = tokenizer_from
         self.stubs = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, auth_token, MAX_MESSAGE_BYTES))
                       for a in inference]
 
@@ -57,10 +60,9 @@ class Publisher:
         if version == 0:
             return 0.0  # the servers started from model_dir at version 0
         return publish_weights(self.policy, self.wdir, version, self.stubs, self.cfg.keep_versions, self.counters,
-                               self.cfg.timeout_s)
+                               self.cfg.timeout_s, self.tokenizer_from)
 
 
-def export(policy: CausalLM, model_dir: pathlib.Path, path: pathlib.Path) -> None:
-    """The final policy in HF layout with the tokenizer of the starting model: a model directory of its own."""
-    tok = (model_dir / "tars_tokenizer.json").read_text()
-    policy.save_hf(path, extra_files={"tars_tokenizer.json": tok})
+def export(policy: TrainPolicy, model_dir: pathlib.Path, path: pathlib.Path) -> None:
+    """The final policy in HF layout with the tokenizer files of the starting model: a model directory of its own."""
+    policy.save_hf(path, tokenizer_from=model_dir)

@@ -15,15 +15,15 @@ import torch
 
 from learner.device import autocast, describe, resolve_device, resolve_precision
 from learner.ppo import sft_loss
-from core.model import CausalLM
-from core.tokenizer import Tokenizer
+from core.chat import ChatTokenizer
+from learner.policy import TrainPolicy
 
 
-# A demonstration source: tokenizer -> [(tokens, loss_mask)], loss on the answer tokens. The learner knows nothing
+# A demonstration source: the model directory's tokenizer -> [(tokens, loss_mask)], loss on the answer tokens. The learner knows nothing
 # of environments or prompt styles; the operations floor (tars.demos) builds scripted ones from envd's builtin
 # tasks and the actor's prompt style and hands them in here.
 Example = tuple[list[int], list[int]]
-DemonstrationSource = Callable[[Tokenizer], list[Example]]
+DemonstrationSource = Callable[[ChatTokenizer], list[Example]]
 
 
 def pad(seqs: list[tuple[list[int], list[int]]], pad_id: int):
@@ -38,7 +38,7 @@ def pad(seqs: list[tuple[list[int], list[int]]], pad_id: int):
     return tokens, valid, mask
 
 
-def train_sft(policy: CausalLM, demos, steps: int, batch_size: int, lr: float, seed: int, pad_id: int,
+def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float, seed: int, pad_id: int,
               log=None, device: torch.device | None = None, amp_dtype: torch.dtype | None = None) -> dict:
     """SFT on `device` (default: where the policy is), forward passes under bf16 autocast when amp_dtype is set;
     weights, optimizer and loss stay fp32. The policy is left on `device`; save_hf writes fp32 CPU tensors."""
@@ -81,24 +81,23 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
     amp_dtype = resolve_precision(cfg.learner.precision, device)
     torch.manual_seed(cfg.seed)
     src = pathlib.Path(model_dir)
-    policy = CausalLM.load_hf(src)
+    policy = TrainPolicy.load(src)
     examples = sft_examples(read_trajectories(data)) if data else []
     n_traj = len(examples)
-    tok_file = src / "tars_tokenizer.json"
-    if demos is not None:
-        if not tok_file.exists():
-            raise ValueError(f"--demos needs the tars tokenizer in {tok_file}")
-        examples += demos(Tokenizer.load(src))
+    pad_id = policy.config.pad_token_id
+    if demos is not None:  # the model directory's tokenizer (a TokenizerError, a ValueError, when it has none)
+        tok = ChatTokenizer.load(src)
+        examples += demos(tok)
+        pad_id = tok.pad_id
     if not examples:
         raise ValueError("the trajectory files hold no trajectory with generated tokens")
     steps = cfg.sft.steps if steps is None else steps
     if steps <= 0:
         raise ValueError("--steps must be >= 1")
     log(f"sft on {describe(device, amp_dtype)}")
-    m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, policy.config.pad_token_id, log=log,
+    m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, pad_id, log=log,
                   device=device, amp_dtype=amp_dtype)
-    extra = {"tars_tokenizer.json": tok_file.read_text()} if tok_file.exists() else {}
-    policy.save_hf(out_dir, extra_files=extra)
+    policy.save_hf(out_dir, tokenizer_from=src)  # with the model directory's tokenizer files
     m.update(trajectories=n_traj, demonstrations=len(examples) - n_traj, out=str(out_dir), device=str(device),
              precision="bf16" if amp_dtype is not None else "fp32")
     pathlib.Path(out_dir, "sft.json").write_text(json.dumps(m, indent=2))

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from learner.data import read_trajectories, write_trajectories
 from tars import cli
 from core.model import CausalLM, DecoderConfig
+from learner.policy import TrainPolicy
 from core.schema import Trajectory, Turn
 
 V, PROMPT, GOOD = 40, [1, 5, 6, 7], 11
@@ -73,11 +74,46 @@ def test_sft_on_stored_trajectories_learns_them(tmp_path, capsys):
     assert "nothing to train on" in capsys.readouterr().err
 
 
+def test_sft_on_demonstrations_uses_the_model_directorys_tokenizer(tmp_path):
+    """The demonstration source gets the checkpoint's ChatTokenizer; the output carries the same tokenizer files."""
+    from core import config as C
+    from core.bpe import save_tokenizer, train_bpe
+    from core.chat import ChatTokenizer
+    from learner.sft import run
+
+    hf = train_bpe(["click Save", "type carol into Name", "open File then click Save"] * 20, 300)
+    TrainPolicy.from_config(DecoderConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          pad_token_id=hf.pad_token_id), seed=0).save_hf(tmp_path / "m0")
+    save_tokenizer(hf, tmp_path / "m0")
+    seen = []
+
+    def demos(tok):
+        seen.append(tok)
+        prompt, answer = tok.first_prompt("", "Goal: click Save"), tok.answer("click(target='Save')")
+        return [(prompt + answer, [0] * len(prompt) + [1] * len(answer))] * 4
+
+    m = run(C.load(overrides=["sft.batch_size=2"]), str(tmp_path / "m0"), str(tmp_path / "m1"), [], demos=demos, steps=3,
+            log=lambda *_: None)
+    assert isinstance(seen[0], ChatTokenizer) and m["demonstrations"] == 4
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "m1" / name).read_bytes() == (tmp_path / "m0" / name).read_bytes()
+    assert ChatTokenizer.load(tmp_path / "m1").encode("click Save") == seen[0].encode("click Save")
+    # no tokenizer in the model directory: demonstrations are a clear error
+    TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1),
+                            seed=0).save_hf(tmp_path / "bare")
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        run(C.load(), str(tmp_path / "bare"), str(tmp_path / "m2"), [], demos=demos, steps=1, log=lambda *_: None)
+
+
 def test_merge_interpolates_and_loads_in_transformers(tmp_path, capsys):
-    a, b = model(0), model(1)
-    a.save_hf(tmp_path / "a", extra_files={"tars_tokenizer.json": "{}"})
+    # one checkpoint written by core.model (as `tars up` writes a fresh model), one by the learner (transformers'
+    # save_pretrained): the same architecture, whichever wrote it
+    a = model(0)
+    b = TrainPolicy.from_config(a.config, seed=1)
+    a.save_hf(tmp_path / "a")
     (tmp_path / "run" / "ckpt").mkdir(parents=True)
-    b.save_hf(tmp_path / "run" / "ckpt" / "policy")  # a learner run directory is accepted too
+    b.save_hf(tmp_path / "run" / "ckpt" / "policy",  # a learner run directory is accepted too
+              extra_files={"tokenizer.json": "{}", "tokenizer_config.json": "{}"})
     out = tmp_path / "m"
     assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "run"), "--weights", "0.25,0.75", "--out", str(out)]) == 0
     got = load_file(str(out / "model.safetensors"))
@@ -85,7 +121,9 @@ def test_merge_interpolates_and_loads_in_transformers(tmp_path, capsys):
     assert got.keys() == sa.keys()
     for k in sa:
         assert torch.allclose(got[k], 0.25 * sa[k] + 0.75 * sb[k], atol=1e-6), k
-    assert (out / "tars_tokenizer.json").exists()
+    # the tokenizer files of the first checkpoint that has them; config.json from the first
+    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
+    assert (out / "config.json").read_text() == (tmp_path / "a" / "config.json").read_text()
     merged = CausalLM.load_hf(out)
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

@@ -32,9 +32,10 @@ def test_two_gloo_processes_train_like_one(tmp_path):
     diff = max(float((one["params"][k] - two["params"][k]).abs().max()) for k in one["params"])
     assert diff < 1e-4, diff  # summation order differs across ranks; nothing else may
     # The check is only meaningful if training moved the weights far more than the tolerance.
-    from core.model import CausalLM
+    from learner.policy import TrainPolicy
 
-    init = CausalLM(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
+    init = TrainPolicy.from_config(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2),
+                                   seed=0)
     moved = max(float((one["params"][f"policy.{k}"] - v).abs().max()) for k, v in init.state_dict().items())
     assert moved > 100 * max(diff, 1e-6), (moved, diff)
 
@@ -59,7 +60,7 @@ def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
     from test_learner_kill import V, free_port, traj, wait_for  # tests/ is on sys.path (rootless test dir)
 
     CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \
-        .save_hf(tmp_path / "model", extra_files={"tars_tokenizer.json": "{}"})
+        .save_hf(tmp_path / "model")
     port, run = free_port(), tmp_path / "run"
     run.mkdir()
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",

@@ -14,7 +14,8 @@ from learner.publish import publish_weights
 from learner.ppo import PPOTrainer
 from core import config as C
 from core.config import ConfigError, LearnerConfig, PPOConfig
-from core.model import CausalLM, DecoderConfig
+from core.model import DecoderConfig
+from learner.policy import TrainPolicy
 from core.schema import Trajectory
 
 V = dist_check.V
@@ -25,8 +26,8 @@ def batch(seed: int, n: int = 8) -> list[Trajectory]:
     return dist_check.batch(seed, n, max_len=24)
 
 
-def tiny() -> CausalLM:
-    return CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
+def tiny() -> TrainPolicy:
+    return TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=0)
 
 
 # ---- resolution ------------------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def test_a_learner_with_cuda_asked_for_and_none_there_exits_with_a_clear_error(m
 def _train(device_kw: dict, steps: int = 3, algo: str = "ppo"):
     torch.manual_seed(0)
     pol = tiny()
-    critic = CausalLM(pol.config, value_head=True).init_weights(1) if algo == "ppo" else None
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1) if algo == "ppo" else None
     dev = device_kw.pop("device", None)
     if dev is not None:
         pol.to(dev)
@@ -144,7 +145,7 @@ def test_bf16_autocast_on_the_cpu_trains_with_fp32_master_weights():
         moved = max(float((x - y).abs().max()) for x, y in zip(p32.parameters(), tiny().parameters()))
     assert 0 < diff < moved, (diff, moved)  # really bf16 (not identical), yet the same training
     with autocast(dev, torch.bfloat16):
-        logits, _ = pbf(torch.tensor([[1, 2, 3]]))
+        logits = pbf(torch.tensor([[1, 2, 3]]))
     assert logits.dtype == torch.bfloat16  # the forward really ran in bf16
 
 
@@ -201,6 +202,25 @@ def test_learner_on_cpu_checkpoints_resume_to_the_same_state(tmp_path):
         assert torch.equal(x, y)
     _close(a)
     _close(b)
+
+
+def test_published_and_final_weights_carry_the_model_directorys_tokenizer(tmp_path):
+    """Each published version and the final export are model directories of their own: the HF layout the engine
+    loads (the policy's exact weights) and the starting model directory's tokenizer files."""
+    from core.model import CausalLM
+    from learner.publish import export
+
+    (tmp_path / "p").mkdir()
+    tiny().save_hf(tmp_path / "model", extra_files={"tokenizer.json": "{}", "chat_template.jinja": "{{ messages }}"})
+    ln = _learner(tmp_path, "p", ["learner.device=cpu", "learner.algo=grpo"])
+    ln._update(batch(0))
+    ln.publisher.publish(1)
+    export(ln.policy, ln.model_dir, tmp_path / "p" / "final")
+    for d in (tmp_path / "p" / "weights" / "v000001", tmp_path / "p" / "final"):
+        assert (d / "tokenizer.json").read_text() == "{}" and (d / "chat_template.jinja").exists()
+        engine = CausalLM.load_hf(d)
+        assert all(torch.equal(engine.hf_state_dict()[k], v) for k, v in ln.policy.hf_state_dict().items())
+    _close(ln)
 
 
 @pytest.mark.gpu

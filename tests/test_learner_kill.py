@@ -59,7 +59,7 @@ def updates(path, start=0, end=None):
 def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path, durability):
     """wal: the restarted learner replays what its WAL acked; checkpoint: the actor re-sends what no checkpoint covered."""
     CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \
-        .save_hf(tmp_path / "model", extra_files={"tars_tokenizer.json": "{}"})
+        .save_hf(tmp_path / "model")
     run, port = tmp_path / "run", free_port()
     run.mkdir()
     cmd = [sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(run), "--model", str(tmp_path / "model"),

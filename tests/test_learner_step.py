@@ -7,7 +7,8 @@ import torch
 
 from learner.ppo import PPOTrainer
 from core.config import LearnerConfig, PPOConfig
-from core.model import CausalLM, DecoderConfig
+from core.model import DecoderConfig
+from learner.policy import TrainPolicy
 from core.schema import Trajectory, Turn
 
 V, PROMPT, GOOD = 40, [1, 5, 6, 7], 11
@@ -16,7 +17,7 @@ V, PROMPT, GOOD = 40, [1, 5, 6, 7], 11
 def sample(policy, n, version=0, gen=None):
     """One-token answers to a fixed prompt; reward 1 for token GOOD."""
     with torch.no_grad():
-        logits, _ = policy(torch.tensor([PROMPT]))
+        logits = policy(torch.tensor([PROMPT]))
         lp = torch.log_softmax(logits[0, -1], -1)
     toks = torch.multinomial(lp.exp(), n, replacement=True, generator=gen)
     out = []
@@ -32,8 +33,8 @@ def sample(policy, n, version=0, gen=None):
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_policy_learns_a_bandit(algo):
     torch.manual_seed(0)
-    pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
-    critic = CausalLM(pol.config, value_head=True).init_weights(1) if algo == "ppo" else None
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1) if algo == "ppo" else None
     tr = PPOTrainer(pol, critic, LearnerConfig(algo=algo, lr=3e-3, warmup_steps=1), 0)
     g = torch.Generator().manual_seed(0)
     _, p0 = sample(pol, 1)
@@ -50,7 +51,7 @@ def test_policy_learns_a_bandit(algo):
 def test_stale_samples_are_corrected_not_trusted():
     """Decoupled PPO: with samples from an old policy the update differs from trusting them as on-policy."""
     torch.manual_seed(0)
-    pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0, std=0.3)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0, std=0.3)
     batch, _ = sample(pol, 64)
     for i, t in enumerate(batch):  # pretend an older policy produced half of them, with other logprobs
         t.logprobs = t.logprobs.copy()
@@ -74,8 +75,8 @@ def test_chunked_update_equals_one_padded_batch():
     """Length-bucketed chunks with accumulation give the same parameters as one big chunk (SGD, exact)."""
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
-    critic = CausalLM(pol.config, value_head=True).init_weights(1)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1)
     trajs = []
     for i in range(12):
         n = int(rng.integers(6, 30))
@@ -104,7 +105,7 @@ def test_no_policy_step_without_advantage_signal():
     """A batch whose advantages are all zero (every group member equal) leaves the policy exactly as it was,
     even after earlier steps filled Adam's momentum."""
     torch.manual_seed(0)
-    pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
     tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=1e-2, warmup_steps=1), 0)
     batch, _ = sample(pol, 32)
     for i, t in enumerate(batch):
@@ -123,7 +124,7 @@ def test_kl_anchor_keeps_the_policy_near_its_start():
     """kl_coef > 0 penalises drift from the starting policy: after the same updates it is measurably closer."""
     def run(kl_coef):
         torch.manual_seed(0)
-        pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
+        pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
         start = copy.deepcopy(pol)
         tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=3e-3, warmup_steps=1, ppo=PPOConfig(kl_coef=kl_coef)), 0)
         g = torch.Generator().manual_seed(0)
@@ -134,8 +135,8 @@ def test_kl_anchor_keeps_the_policy_near_its_start():
                 t.group = "g"
             m = tr.step(batch, v)
         with torch.no_grad():
-            p = torch.log_softmax(pol(torch.tensor([PROMPT]))[0][0, -1], -1)
-            q = torch.log_softmax(start(torch.tensor([PROMPT]))[0][0, -1], -1)
+            p = torch.log_softmax(pol(torch.tensor([PROMPT]))[0, -1], -1)
+            q = torch.log_softmax(start(torch.tensor([PROMPT]))[0, -1], -1)
         return float((p.exp() * (p - q)).sum()), m
 
     free, m_free = run(0.0)
@@ -157,8 +158,8 @@ def test_negative_advantages_can_be_tempered():
         asymmetric_advantages(a, 1.5)
 
     torch.manual_seed(0)
-    pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
-    tr = PPOTrainer(pol, CausalLM(pol.config, value_head=True).init_weights(1),
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    tr = PPOTrainer(pol, TrainPolicy.from_config(pol.config, value_head=True, seed=1),
                     LearnerConfig(lr=3e-3, warmup_steps=1, ppo=PPOConfig(neg_adv_weight=0.2)), 0)
     g = torch.Generator().manual_seed(0)
     _, p0 = sample(pol, 1)
@@ -175,8 +176,8 @@ def test_fused_single_pass_equals_the_separate_proximal_pass(algo):
     the decoupled weight and the clip are live), across several length chunks and two updates."""
     from learner.dist_check import batch
     torch.manual_seed(0)
-    pol = CausalLM(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2)).init_weights(0)
-    critic = CausalLM(pol.config, value_head=True).init_weights(1) if algo == "ppo" else None
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1) if algo == "ppo" else None
     runs = []
     for fused in (True, False):
         p, c = copy.deepcopy(pol), copy.deepcopy(critic)
@@ -203,7 +204,7 @@ def test_adaptive_entropy_bonus_holds_the_entropy_at_its_target():
     [0, entropy_coef_max]; the policy learning the bandit keeps far more entropy than the same run without it."""
     def run(target):
         torch.manual_seed(0)
-        pol = CausalLM(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1)).init_weights(0)
+        pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
         cfg = LearnerConfig(algo="grpo", lr=3e-3, warmup_steps=1,
                             ppo=PPOConfig(target_entropy=target, entropy_coef_lr=0.2, entropy_coef_max=1.0))
         tr = PPOTrainer(pol, None, cfg, 0)
@@ -215,7 +216,7 @@ def test_adaptive_entropy_bonus_holds_the_entropy_at_its_target():
                 t.group = "g"
             coefs.append(tr.step(batch, v)["entropy_coef"])
         with torch.no_grad():
-            lp = torch.log_softmax(pol(torch.tensor([PROMPT]))[0][0, -1], -1)
+            lp = torch.log_softmax(pol(torch.tensor([PROMPT]))[0, -1], -1)
         return float(-(lp.exp() * lp).sum()), float(lp[GOOD].exp()), coefs
 
     ent_off, p_off, coefs_off = run(0.0)

@@ -81,7 +81,8 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
     from learner.publish import publish_weights
     from learner.ppo import PPOTrainer
     from core import rpc
-    from core.model import CausalLM, DecoderConfig
+    from core.model import DecoderConfig
+    from learner.policy import TrainPolicy
     from core.v1 import inference_pb2, inference_pb2_grpc
 
     m = cfg.model
@@ -90,10 +91,9 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
                        num_key_value_heads=m.num_kv_heads, max_position_embeddings=m.max_positions,
                        rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings)
     torch.manual_seed(0)
-    policy = CausalLM(dc).init_weights(0)
-    critic = CausalLM(dc, value_head=True) if cfg.learner.algo == "ppo" else None
-    if critic is not None:
-        critic.load_state_dict(policy.state_dict(), strict=False)
+    policy = TrainPolicy.from_config(dc, seed=0)
+    # As the learner builds it: the policy's trunk and a zero value head.
+    critic = TrainPolicy.critic_from(policy) if cfg.learner.algo == "ppo" else None
     policy.save_hf(tmp / "model")
     torch.set_num_threads(max(1, cfg.learner.threads))
     trainer = PPOTrainer(policy, critic, cfg.learner, 0)

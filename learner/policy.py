@@ -1,0 +1,317 @@
+"""The model the learner trains: `transformers`' own causal LM class, loaded from a Hugging Face checkpoint directory.
+
+The inference engine runs its own decoder (core.model.CausalLM, with KV-cache batching); the learner trains the real
+`transformers` model (AutoModelForCausalLM, fp32 parameters, SDPA attention), as AReaL and verl do, and writes the
+same HF layout back: config.json + model.safetensors with the checkpoint's parameter names, which both the engine
+and `transformers` load. `tests/test_learner_policy.py` holds the two to the same logprobs on the same weights.
+
+TrainPolicy wraps the model with what the update needs:
+
+    logprobs_at / values_at   the trunk (the base model) over a right-padded batch, then the vocabulary projection
+                              (or the critic's value head) only at the positions that are trained on
+    hf_state_dict / load_weights / save_hf / load
+                              the HF layout; the critic's value head (`score`, Linear(hidden, 1)) lives beside the
+                              transformers model and is saved apart, in value_head.safetensors
+    config                    a core.model.DecoderConfig (pad_token_id, vocab_size, eos_token_id, ...); the
+                              transformers config is `lm.config`
+
+A checkpoint whose config.json carries "tars_vision" keeps its patch-embedding module (core/vision.py), weights
+`vision.proj.*` in model.safetensors, as the engine's decoder does.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+
+import torch
+import torch.nn as nn
+
+from core.model import DecoderConfig
+from core.vision import PatchEmbed, VisionConfig
+
+log = logging.getLogger("tars.learner")
+
+ATTENTION = "sdpa"  # the same logprobs as the engine's SDPA attention (tests/test_learner_policy.py)
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def _transformers():
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    return transformers
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers draws a progress bar per load and save; a learner saves once per version."""
+    from transformers.utils import logging as tlog
+
+    was = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tlog.enable_progress_bar()
+
+
+def _engine_readable(hf_config) -> None:
+    """transformers 5 keeps the RoPE base only in `rope_parameters`; the engine's DecoderConfig.from_hf (and older
+    readers) read the top-level `rope_theta`. Set it, so config.json carries both and every reader agrees."""
+    rp = getattr(hf_config, "rope_parameters", None)
+    if isinstance(rp, dict) and "rope_theta" in rp and getattr(hf_config, "rope_theta", None) is None:
+        hf_config.rope_theta = rp["rope_theta"]
+
+
+def config_dict(hf_config) -> dict:
+    """The transformers config as config.json holds it (rope_theta included, see _engine_readable)."""
+    _engine_readable(hf_config)
+    return hf_config.to_dict()
+
+
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of an HF-layout directory: model.safetensors, or the shards its index names."""
+    from safetensors.torch import load_file
+
+    p = pathlib.Path(path)
+    if (p / "model.safetensors").is_file():
+        return load_file(str(p / "model.safetensors"))
+    index = p / "model.safetensors.index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{p}: no model.safetensors (nor model.safetensors.index.json)")
+    sd: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        sd.update(load_file(str(p / shard)))
+    return sd
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """from_pretrained logs a table of missing / unexpected weights; TrainPolicy.load checks them itself."""
+    lg = logging.getLogger("transformers.modeling_utils")  # (its level must stay: it gates other checks)
+    drop = lambda record: "LOAD REPORT" not in str(record.msg)  # noqa: E731
+    lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        lg.removeFilter(drop)
+
+
+# The tiny models' own tokenizer file, read by the parts not yet on the checkpoint's HF tokenizer (core.chat); it goes
+# along with the HF files while it exists, and nothing here reads it.
+LEGACY_TOKENIZER = "tars_tokenizer.json"
+
+
+def copy_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """The tokenizer files of model directory src into dst (core.chat.copy_tokenizer_files); the names copied."""
+    from core.chat import copy_tokenizer_files
+
+    names = copy_tokenizer_files(src, dst)
+    if (pathlib.Path(src) / LEGACY_TOKENIZER).is_file():
+        shutil.copyfile(pathlib.Path(src) / LEGACY_TOKENIZER, pathlib.Path(dst) / LEGACY_TOKENIZER)
+        names.append(LEGACY_TOKENIZER)
+    return names
+
+
+class TrainPolicy(nn.Module):
+    """A transformers causal LM (`lm`) + the optional critic value head (`score`) + the optional vision module."""
+
+    def __init__(self, lm, value_head: bool = False):
+        super().__init__()
+        self.lm = lm
+        self.config = DecoderConfig.from_hf(config_dict(lm.config))
+        # Today's learner trains every embedding row, the padding id's included (a real token in many vocabularies:
+        # Qwen pads with <|endoftext|>); nn.Embedding's padding_idx would freeze that row. Forward is unaffected.
+        emb = lm.get_input_embeddings()
+        if getattr(emb, "padding_idx", None) is not None:
+            emb.padding_idx = None
+        hidden = lm.config.hidden_size
+        self.score = nn.Linear(hidden, 1) if value_head else None
+        self.vision_config = VisionConfig.from_extra(self.config.extra)
+        self.vision = PatchEmbed(self.vision_config, hidden) if self.vision_config else None
+
+    # ---- building ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, dc: DecoderConfig, value_head: bool = False, seed: int | None = None,
+                    std: float = 0.02) -> "TrainPolicy":
+        """A fresh model for `dc` (tests, benches). With a seed, the same initial weights as
+        core.model.CausalLM(dc).init_weights(seed, std) (same names, same order); without one, transformers' own."""
+        t = _transformers()
+        d = dc.to_hf()
+        hf_config = t.AutoConfig.for_model(**d)
+        lm = t.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=ATTENTION)
+        m = cls(lm, value_head=value_head)
+        if seed is not None:
+            m.init_weights(seed, std)
+        return m
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, value_head: bool = False) -> "TrainPolicy":
+        """An HF checkpoint directory (config.json + safetensors) in fp32, offline. The architecture is checked by
+        core.model.DecoderConfig.from_hf first, so an unsupported model is the core's clear error."""
+        p = pathlib.Path(path)
+        DecoderConfig.from_hf(json.loads((p / "config.json").read_text()))
+        t = _transformers()
+        with _no_progress_bars(), _quiet_load_report():  # missing and unexpected weights are checked below
+            lm, info = t.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32,
+                                                              attn_implementation=ATTENTION, output_loading_info=True)
+        m = cls(lm, value_head=value_head)
+        # transformers initialises a missing weight at random and says so in a log line: an error here.
+        tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()
+        missing = sorted(set(info.get("missing_keys") or ()) - tied)
+        if missing or info.get("mismatched_keys"):
+            raise ValueError(f"{p}: weights do not match the model: missing {missing[:5]}, "
+                             f"mismatched {list(info.get('mismatched_keys') or ())[:5]}")
+        unexpected = [k for k in info.get("unexpected_keys") or ()
+                      if not (m.vision is not None and k.startswith("vision."))]
+        if unexpected:
+            log.warning("%s: weights the model does not use: %s", p, sorted(unexpected)[:5])
+        if m.vision is not None:  # not a transformers parameter: read from the same file
+            sd = read_weights(p)
+            m.vision.load_state_dict({k[len("vision."):]: v for k, v in sd.items() if k.startswith("vision.")})
+        if value_head and (p / VALUE_HEAD_FILE).is_file():
+            from safetensors.torch import load_file
+
+            m.score.load_state_dict(load_file(str(p / VALUE_HEAD_FILE)))
+        return m
+
+    @classmethod
+    def critic_from(cls, policy: "TrainPolicy") -> "TrainPolicy":
+        """The critic: the policy's architecture and trunk weights, with a zero-initialised value head."""
+        import copy
+
+        critic = cls(copy.deepcopy(policy.lm), value_head=True)
+        if policy.vision is not None:
+            critic.vision.load_state_dict(policy.vision.state_dict())
+        nn.init.zeros_(critic.score.weight)
+        nn.init.zeros_(critic.score.bias)
+        return critic.to(next(policy.parameters()).device)
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "TrainPolicy":
+        """core.model.CausalLM.init_weights on the same names in the same order: norms 1, biases 0, the rest N(0, std)."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    # ---- forward -----------------------------------------------------------------------------------------------
+    def hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None, images=None) -> torch.Tensor:
+        """Final hidden states [B, T, H] of the base model. input_ids [B, T], right-padded; key_valid [B, T] bool
+        (False = padding). Positions are 0..T-1 in every row, as the engine numbers a sequence's tokens.
+
+        images: (rows [N], columns [N], patch pixels [N, patch_dim]) -> those positions take the patch embeddings
+        instead of their token embeddings (core/vision.py); ignored by a model without the vision module."""
+        base = self.lm.base_model
+        if images is not None and self.vision is not None and len(images[0]):
+            rows, cols, pix = images
+            x = self.lm.get_input_embeddings()(input_ids)
+            dev = x.device
+            x = x.index_put((rows.to(dev), cols.to(dev)), self.vision(pix.to(dev)).to(x.dtype))
+            out = base(inputs_embeds=x, attention_mask=key_valid, use_cache=False)
+        else:
+            out = base(input_ids=input_ids, attention_mask=key_valid, use_cache=False)
+        return out.last_hidden_state
+
+    def forward(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] at every position."""
+        return self.lm.lm_head(self.hidden(input_ids, key_valid))
+
+    def token_logprobs(self, input_ids, key_valid=None, temperature: float = 1.0) -> torch.Tensor:
+        """logprob of input_ids[:, t] given the prefix, for t >= 1 -> [B, T] (position 0 gets 0)."""
+        logits = self.forward(input_ids, key_valid)[:, :-1].float()
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        return nn.functional.pad(lp, (1, 0))
+
+    def logprobs_at(self, input_ids, key_valid, mask, with_entropy: bool = False):
+        """Logprobs of input_ids[:, t] for the positions where mask[:, t] > 0 only -> [N] (row-major order), and
+        their entropies with with_entropy.
+
+        The vocabulary projection runs only where it is needed (generated tokens are a small share of a multi-turn
+        conversation); log_softmax in fp32."""
+        h = self.hidden(input_ids, key_valid)
+        sel = mask[:, 1:] > 0                                   # [B, T-1]: token t predicted from position t-1
+        logits = self.lm.lm_head(h[:, :-1][sel]).float()        # [N, V]
+        lp_all = torch.log_softmax(logits, dim=-1)
+        lp = lp_all.gather(-1, input_ids[:, 1:][sel][:, None]).squeeze(-1)
+        if not with_entropy:
+            return lp
+        return lp, -(lp_all.exp() * lp_all).sum(-1)
+
+    def values_at(self, input_ids, key_valid, mask) -> torch.Tensor:
+        """Critic values V(state before token t) for the positions where mask[:, t] > 0 -> [N]."""
+        h = self.hidden(input_ids, key_valid)
+        return self.score(h[:, :-1][mask[:, 1:] > 0]).squeeze(-1)
+
+    # ---- HF layout ---------------------------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameter names as in the checkpoint (model.layers.0.self_attn.q_proj.weight, ...): no lm_head.weight
+        when the embeddings are tied, no value head; vision.proj.* when the model has the vision module."""
+        sd = {k: v.detach().contiguous() for k, v in self.lm.state_dict().items()}
+        if self.lm.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        if self.vision is not None:
+            sd.update({f"vision.{k}": v.detach().contiguous() for k, v in self.vision.state_dict().items()})
+        return sd
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in (all of them, no more): the inverse of hf_state_dict."""
+        sd = dict(sd)
+        if self.lm.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        own = self._hf_tensors()
+        missing, unexpected = set(own) - set(sd), set(sd) - set(own)
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        with torch.no_grad():
+            for k, v in sd.items():
+                own[k].copy_(v.to(own[k].dtype))
+
+    def _hf_tensors(self) -> dict[str, torch.Tensor]:
+        """HF name -> the parameter (or persistent buffer) itself, for the names hf_state_dict writes."""
+        names = set(self.hf_state_dict())
+        own = {k: v for k, v in self.lm.named_parameters()}
+        own.update({k: v for k, v in self.lm.named_buffers() if k in names})
+        if self.vision is not None:
+            own.update({f"vision.{k}": v for k, v in self.vision.named_parameters()})
+        return {k: v for k, v in own.items() if k in names}
+
+    def save_hf(self, path: str | os.PathLike, extra_files: dict[str, str] | None = None,
+                tokenizer_from: str | os.PathLike | None = None) -> pathlib.Path:
+        """config.json + model.safetensors (+ value_head.safetensors) into `path`, atomically (a temporary directory,
+        then a rename). Tensors are written fp32 on the CPU whatever the model's device. tokenizer_from: a directory
+        whose tokenizer files (core.chat.copy_tokenizer_files) go in too; extra_files: name -> text."""
+        from safetensors.torch import save_file
+
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        sd = {k: v.to("cpu", torch.float32).contiguous() for k, v in self.hf_state_dict().items()}
+        _engine_readable(self.lm.config)
+        with _no_progress_bars():
+            self.lm.save_pretrained(str(tmp), state_dict=sd)
+        if self.score is not None:
+            save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.score.state_dict().items()},
+                      str(tmp / VALUE_HEAD_FILE))
+        if tokenizer_from is not None:
+            copy_tokenizer(tokenizer_from, tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        return path

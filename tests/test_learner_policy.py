@@ -1,0 +1,176 @@
+"""learner.policy.TrainPolicy (transformers' model class, what the learner trains) against core.model.CausalLM (what the
+engine runs) on the same weights, and the HF layout it writes: transformers and the engine load it back."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from core.model import CausalLM, DecoderConfig
+from learner.checkpoint import critic_state
+from learner.policy import TrainPolicy
+
+V = 97
+TOL = 1e-4
+
+
+def config(tie: bool = True, kv_heads: int = 8, **kw) -> DecoderConfig:
+    return DecoderConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=kv_heads, rope_theta=100.0, tie_word_embeddings=tie, **kw)
+
+
+def padded_batch(seed: int = 0, lengths=(40, 23, 7)):
+    """Right padding (as learner.ppo.collate pads), rows of different lengths, a trained-token mask inside each row."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    valid = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    ids[~valid] = 0
+    mask = (torch.rand(B, T, generator=g) < 0.5).float() * valid
+    mask[:, 0] = 0
+    return ids, valid, mask
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().abs().max())
+
+
+@pytest.mark.parametrize("tie,kv_heads", [(True, 8), (False, 8), (False, 2)])
+def test_logprobs_and_weights_match_the_engine_decoder(tmp_path, tie, kv_heads):
+    """A checkpoint written by core.model, loaded by TrainPolicy.load: the same HF state dict, and the same logprobs,
+    entropies and critic values over a padded batch of two lengths (fp32, <= 1e-4)."""
+    dc = config(tie, kv_heads)
+    ref = CausalLM(dc, value_head=True).init_weights(0, std=0.1)
+    ref.save_hf(tmp_path / "m")
+    pol = TrainPolicy.load(tmp_path / "m", value_head=True)
+    assert pol.config.rope_theta == 100.0 and pol.config.tie_word_embeddings == tie
+    a, b = ref.hf_state_dict(), pol.hf_state_dict()
+    assert list(a) == list(b)  # names and order: model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ...
+    assert ("lm_head.weight" in b) == (not tie) and not any(k.startswith("score") for k in b)
+    assert max(maxdiff(a[k], b[k]) for k in a) == 0.0
+    ids, valid, mask = padded_batch()
+    with torch.no_grad():
+        lp_ref, ent_ref = ref.logprobs_at(ids, valid, mask, with_entropy=True)
+        lp, ent = pol.logprobs_at(ids, valid, mask, with_entropy=True)
+        v_ref, v = ref.values_at(ids, valid, mask), pol.values_at(ids, valid, mask)
+        full_ref, full = ref.token_logprobs(ids, valid), pol.token_logprobs(ids, valid)
+    assert lp.shape == lp_ref.shape == (int(mask[:, 1:].sum()),)
+    assert maxdiff(lp, lp_ref) <= TOL and maxdiff(ent, ent_ref) <= TOL and maxdiff(v, v_ref) <= TOL
+    assert maxdiff(full[valid], full_ref[valid]) <= TOL
+    assert float(v.abs().max()) > 0  # the value head was loaded, not left at zero
+    # a row's logprobs do not depend on the padding of the batch it is in
+    with torch.no_grad():
+        alone = pol.logprobs_at(ids[2:, :7], valid[2:, :7], mask[2:, :7])
+    assert maxdiff(alone, lp[-len(alone):]) <= TOL
+
+
+def test_a_fresh_model_starts_from_the_engine_decoders_initial_weights():
+    for dc in (config(True), config(False, 2)):
+        for seed, std in ((0, 0.02), (3, 0.3)):
+            a = CausalLM(dc, value_head=True).init_weights(seed, std)
+            b = TrainPolicy.from_config(dc, value_head=True, seed=seed, std=std)
+            sa, sb = a.state_dict(), {k.removeprefix("lm."): v for k, v in b.state_dict().items()}
+            assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert TrainPolicy.from_config(config()).config == config()
+
+
+def test_save_hf_loads_in_transformers_and_in_the_engine(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    dc = config(tie=False)
+    pol = TrainPolicy.from_config(dc, value_head=True, seed=1, std=0.1)
+    torch.nn.init.normal_(pol.score.weight)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "tok" / "chat_template.jinja").write_text("{{ messages }}")
+    out = pol.save_hf(tmp_path / "out", extra_files={"note.txt": "hi"}, tokenizer_from=tmp_path / "tok")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "value_head.safetensors", "tokenizer.json", "chat_template.jinja",
+            "note.txt"} <= names
+    assert not list(tmp_path.glob("out.tmp*"))  # written to a temporary directory, then renamed
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["rope_theta"] == 100.0  # the engine's reader needs the top-level key
+    sd = load_file(str(out / "model.safetensors"))
+    assert sd.keys() == pol.hf_state_dict().keys() and {t.dtype for t in sd.values()} == {torch.float32}
+    ids, valid, mask = padded_batch(1, (30, 12))
+    with torch.no_grad():
+        ours = pol(ids, valid)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        theirs = hf(input_ids=ids, attention_mask=valid.long()).logits
+        engine = CausalLM.load_hf(out, value_head=True)
+        eng_logits, _ = engine(ids, key_valid=valid)
+    assert maxdiff(ours[valid], theirs[valid]) <= TOL and maxdiff(ours[valid], eng_logits[valid]) <= TOL
+    assert engine.config.rope_theta == 100.0
+    assert all(torch.equal(engine.hf_state_dict()[k], v) for k, v in pol.hf_state_dict().items())
+    assert torch.equal(engine.score.weight, pol.score.weight)
+    back = TrainPolicy.load(out, value_head=True)
+    assert all(torch.equal(back.hf_state_dict()[k], v) for k, v in pol.hf_state_dict().items())
+    assert torch.equal(back.score.weight, pol.score.weight)
+    # written again over the same path: replaced whole
+    pol.save_hf(out)
+    assert not (out / "note.txt").exists()
+
+
+def test_the_vision_module_is_kept(tmp_path):
+    dc = config(extra={"tars_vision": {"grid": 2, "patch": 4, "image_token_id": 5}})
+    ref = CausalLM(dc).init_weights(0, std=0.1)
+    ref.save_hf(tmp_path / "m")
+    pol = TrainPolicy.load(tmp_path / "m")
+    assert pol.vision is not None and pol.config.extra == dc.extra
+    sd = pol.hf_state_dict()
+    assert {"vision.proj.weight", "vision.proj.bias"} <= set(sd)
+    assert all(torch.equal(ref.hf_state_dict()[k], v) for k, v in sd.items()) and sd.keys() == ref.hf_state_dict().keys()
+    pol.save_hf(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tars_vision"] == dc.extra["tars_vision"]
+    engine = CausalLM.load_hf(tmp_path / "out")
+    assert torch.equal(engine.vision.proj.weight, pol.vision.proj.weight)
+    # images at placeholder positions: the same hidden states as the engine's decoder
+    ids = torch.randint(1, V, (1, 9))
+    images = (torch.tensor([0, 0]), torch.tensor([2, 3]), torch.rand(2, 48))
+    with torch.no_grad():
+        h_ref, _ = ref.hidden(ids, images=images)
+        h = pol.hidden(ids, images=images)
+    assert maxdiff(h, h_ref) <= TOL and maxdiff(h, pol.hidden(ids)) > 1e-3
+
+
+def test_critic_starts_from_the_policy_trunk_with_a_zero_value_head():
+    pol = TrainPolicy.from_config(config(), seed=0)
+    critic = TrainPolicy.critic_from(pol)
+    assert all(torch.equal(critic.hf_state_dict()[k], v) for k, v in pol.hf_state_dict().items())
+    assert not critic.score.weight.any() and not critic.score.bias.any()
+    assert critic.lm is not pol.lm and pol.score is None
+    ids, valid, mask = padded_batch()
+    assert float(critic.values_at(ids, valid, mask).abs().max()) == 0
+    # a critic saved by the learner before it trained transformers' model class (core.model names) still loads
+    old = CausalLM(config(), value_head=True).init_weights(2)
+    critic.load_state_dict(critic_state(old.state_dict()))
+    assert torch.equal(critic.lm.model.layers[0].mlp.up_proj.weight, old.model.layers[0].mlp.up_proj.weight)
+
+
+def test_every_embedding_row_trains_the_padding_ids_too():
+    """As the learner always did: the pad id is a real token in many vocabularies (Qwen pads with <|endoftext|>)."""
+    pol = TrainPolicy.from_config(config(), seed=0)
+    ids = torch.tensor([[3, pol.config.pad_token_id, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1.0]])
+    pol.logprobs_at(ids, torch.ones_like(ids, dtype=torch.bool), mask).sum().backward()
+    assert float(pol.lm.get_input_embeddings().weight.grad[pol.config.pad_token_id].abs().sum()) > 0
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path):
+    TrainPolicy.from_config(config(), seed=0).save_hf(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        TrainPolicy.load(tmp_path / "m")
+    # a weight missing from the file is an error (transformers alone would initialise it at random and log a line)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(tmp_path / "m" / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if k != "model.norm.weight"}, str(tmp_path / "m" / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        TrainPolicy.load(tmp_path / "m")
+    pol = TrainPolicy.from_config(config(), seed=0)
+    sd = pol.hf_state_dict()
+    with pytest.raises(ValueError, match="missing .*model.norm.weight"):
+        pol.load_weights({k: v for k, v in sd.items() if k != "model.norm.weight"})
+    with pytest.raises(ValueError, match="unexpected .*extra"):
+        pol.load_weights({**sd, "extra": torch.zeros(1)})
