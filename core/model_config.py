@@ -191,11 +191,11 @@ class DecoderConfig:
         return cls(**kw)
 
 
-def load_config(path: str | os.PathLike, via_transformers: bool = False) -> DecoderConfig:
+def load_config(path: str | os.PathLike, via_transformers: bool = True) -> DecoderConfig:
     """DIR/config.json -> DecoderConfig (UnsupportedModel naming DIR and the field when it cannot be served).
 
-    via_transformers: read it through transformers.AutoConfig (local files only) instead of as plain json; the
-    checks are the same. The default needs no transformers (a runtime dependency only of the dev extra)."""
+    via_transformers: also read it through transformers.AutoConfig (local files only), as the learner will, and
+    check what it makes of the file the same way."""
     path = pathlib.Path(path)
     f = path / "config.json"
     if not f.is_file():

@@ -28,7 +28,7 @@ import torch.nn as nn
 class VisionConfig:
     grid: int = 4                 # patches per side: grid**2 placeholder tokens per image
     patch: int = 8                # pixels per patch side after downscaling
-    image_token_id: int = 4       # "<|image|>" in core.tokenizer.SPECIALS
+    image_token_id: int = 4       # the tokenizer's image placeholder id (core.chat.ChatTokenizer.image_id)
 
     @property
     def tokens(self) -> int:

@@ -102,20 +102,11 @@ def _quiet_load_report():
         lg.removeFilter(drop)
 
 
-# The tiny models' own tokenizer file, read by the parts not yet on the checkpoint's HF tokenizer (core.chat); it goes
-# along with the HF files while it exists, and nothing here reads it.
-LEGACY_TOKENIZER = "tars_tokenizer.json"
-
-
 def copy_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
     """The tokenizer files of model directory src into dst (core.chat.copy_tokenizer_files); the names copied."""
     from core.chat import copy_tokenizer_files
 
-    names = copy_tokenizer_files(src, dst)
-    if (pathlib.Path(src) / LEGACY_TOKENIZER).is_file():
-        shutil.copyfile(pathlib.Path(src) / LEGACY_TOKENIZER, pathlib.Path(dst) / LEGACY_TOKENIZER)
-        names.append(LEGACY_TOKENIZER)
-    return names
+    return copy_tokenizer_files(src, dst)
 
 
 class TrainPolicy(nn.Module):

@@ -175,7 +175,7 @@ def test_demonstrators_oracle_noisy_and_confused():
 
     from envd import builtin
     from tars.demos import GOAL_VERBS, confused_action, demonstrations, parse_demonstrator
-    from core.tokenizer import Tokenizer
+    from tars.fresh import shared_tokenizer
 
     assert parse_demonstrator("oracle") == ("oracle", 1.0, 0)
     assert parse_demonstrator("confused:0.25") == ("confused", 0.25, 0)
@@ -209,12 +209,15 @@ def test_demonstrators_oracle_noisy_and_confused():
         assert getattr(a, key) in set(r.instruction.split()) | set(pool)
         off_goal += getattr(a, key) not in r.instruction.split()
     assert 50 < off_goal < 150  # about a third of the draws for two goal words and one distractor
-    # whole demonstrations: loss only on the answers, one answer per turn, ending in <eos>
-    tok = Tokenizer.build(builtin.VOCABULARY)
+    # whole demonstrations: loss only on the answers, one answer per turn, ending in the end-of-turn token
+    tok = shared_tokenizer()
     for spec in ("oracle", "noisy:0.5", "confused:0", "confused:0:1"):
         demos = demonstrations(tok, ["builtin/mixed"], 20, spec, 0, 3)
         assert len(demos) == 20
         for toks, mask in demos:
-            assert len(toks) == len(mask) and mask[-1] == 1 and toks[-1] == tok.eos_id
+            assert len(toks) == len(mask) and mask[-1] == 1 and toks[-1] == tok.eot_id
             turns = sum(1 for i in range(1, len(mask)) if mask[i] and not mask[i - 1])
-            assert 1 <= turns <= 3 and toks.count(tok.assistant_id) == turns
+            assert 1 <= turns <= 3
+            # every answer ends with the end-of-turn token, and the ids are the chat template's rendering
+            assert [toks[i] for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])] == [tok.eot_id] * turns
+            assert tok.decode(toks, skip_special=False).count("<|im_start|>assistant") == turns

@@ -159,7 +159,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     TrainPolicy.from_config(config(), seed=0).save_hf(tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         TrainPolicy.load(tmp_path / "m")
     # a weight missing from the file is an error (transformers alone would initialise it at random and log a line)
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))

@@ -88,7 +88,7 @@ def test_learner_logprobs_equal_the_engines_over_multi_turn_episodes(ckpt, tmp_p
         # the ids are the engine's: each turn's output sits where the trajectory says
         for t in tr.turns:
             assert tr.mask[t.start:t.end].all() and (tr.versions[t.start:t.end] == 0).all()
-    print(f"{ckpt.parent.name}: {n} sampled tokens, max |learner - engine| logprob {worst:.2e}")
+    print(f"{ckpt}: {n} sampled tokens, max |learner - engine| logprob {worst:.2e}")
     assert n > 20 and worst <= 1e-4
 
 
@@ -114,4 +114,5 @@ def test_sft_eval_and_a_short_up_run_on_the_checkpoint(ckpt, tmp_path):
     final = out / "final"
     transformers.AutoModelForCausalLM.from_pretrained(final)
     assert transformers.AutoTokenizer.from_pretrained(final).chat_template
-    assert json.loads((final / "config.json").read_text())["model_type"] == ckpt.parent.name
+    model_type = json.loads((ckpt / "config.json").read_text())["model_type"]
+    assert json.loads((final / "config.json").read_text())["model_type"] == model_type
