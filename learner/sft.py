@@ -19,9 +19,9 @@ from core.chat import ChatTokenizer
 from learner.policy import TrainPolicy
 
 
-# A demonstration source: the model directory's tokenizer -> [(tokens, loss_mask)], loss on the answer tokens. The learner knows nothing
-# of environments or prompt styles; the operations floor (tars.demos) builds scripted ones from envd's builtin
-# tasks and the actor's prompt style and hands them in here.
+# A demonstration source: the model directory's tokenizer (core.chat.ChatTokenizer) -> [(tokens, loss_mask)], loss on
+# the answer tokens. The learner knows nothing of environments or prompt styles; the operations floor (tars.demos)
+# builds scripted ones from envd's builtin tasks and the actor's prompt style and hands them in here.
 Example = tuple[list[int], list[int]]
 DemonstrationSource = Callable[[ChatTokenizer], list[Example]]
 
