@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from learner.device import autocast, describe, resolve_device, resolve_precision
-from learner.ppo import sft_loss
 from core.chat import ChatTokenizer
 from learner.policy import TrainPolicy
 
@@ -38,8 +37,38 @@ def pad(seqs: list[tuple[list[int], list[int]]], pad_id: int):
     return tokens, valid, mask
 
 
+def _length_chunks(batch: list[Example], max_tokens: int) -> list[list[Example]]:
+    """batch sorted longest first -> consecutive chunks whose padded size (rows x longest) stays <= max_tokens."""
+    chunks, cur = [], []
+    for e in batch:
+        if cur and (len(cur) + 1) * len(cur[0][0]) > max_tokens:
+            chunks.append(cur)
+            cur = []
+        cur.append(e)
+    return chunks + ([cur] if cur else [])
+
+
+def sft_backward(policy: TrainPolicy, batch: list[Example], pad_id: int, chunk_tokens: int,
+                 device: torch.device, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Backpropagate the SFT loss (mean -logprob over every answer token of the batch) and return it. The batch runs
+    in chunks of similar length (<= chunk_tokens padded tokens each): the gradient of one padded batch, without the
+    attention over the shorter rows' padding."""
+    batch = sorted(batch, key=lambda e: len(e[0]), reverse=True)
+    n_tokens = max(1, sum(sum(m) for _, m in batch))
+    total = 0.0
+    for chunk in _length_chunks(batch, chunk_tokens):
+        tokens, valid, mask = (x.to(device) for x in pad(chunk, pad_id))
+        with autocast(device, amp_dtype):
+            lp = policy.logprobs_at(tokens, valid, mask)  # fp32: logprobs_at upcasts the logits
+        loss = -lp.sum() / n_tokens
+        loss.backward()
+        total += float(loss.detach())
+    return torch.tensor(total)
+
+
 def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float, seed: int, pad_id: int,
-              log=None, device: torch.device | None = None, amp_dtype: torch.dtype | None = None) -> dict:
+              log=None, device: torch.device | None = None, amp_dtype: torch.dtype | None = None,
+              chunk_tokens: int = 2048) -> dict:
     """SFT on `device` (default: where the policy is), forward passes under bf16 autocast when amp_dtype is set;
     weights, optimizer and loss stay fp32. The policy is left on `device`; save_hf writes fp32 CPU tensors."""
     device = device if device is not None else next(policy.parameters()).device
@@ -51,11 +80,8 @@ def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float
     t0, losses = time.perf_counter(), []
     for s in range(steps):
         idx = g.integers(0, len(demos), batch_size)
-        tokens, valid, mask = (x.to(device) for x in pad([demos[i] for i in idx], pad_id))
-        with autocast(device, amp_dtype):
-            loss = sft_loss(policy, tokens, valid, mask)  # fp32: logprobs_at upcasts the logits
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = sft_backward(policy, [demos[i] for i in idx], pad_id, chunk_tokens, device, amp_dtype)
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         sched.step()

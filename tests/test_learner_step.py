@@ -237,3 +237,28 @@ def test_value_pretraining_stops_on_the_mean_of_recent_batches_not_one_lucky_bat
     assert not value_pretrain_done([0.3] * 9 + [0.95], 0.5)  # one batch passing the bar is not enough
     assert value_pretrain_done([0.0] * 5 + [0.45] * 5 + [0.6] * 5, 0.5)  # only the last 10 count
     assert not value_pretrain_done([0.5] * 9 + [0.0], 0.5)  # mean 0.45
+
+
+def test_sft_in_length_chunks_gives_the_gradient_of_one_padded_batch():
+    from learner.ppo import sft_loss
+    from learner.sft import pad, sft_backward
+
+    V = 50
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2), seed=0)
+    g = np.random.default_rng(0)
+    batch = []
+    for n in g.integers(5, 60, 12):
+        toks = g.integers(1, V, n).tolist()
+        mask = [0] * (n - 4) + [1] * 4
+        batch.append((toks, mask))
+    pol.zero_grad()
+    ref_loss = sft_loss(pol, *pad(batch, 0))
+    ref_loss.backward()
+    ref = {k: p.grad.clone() for k, p in pol.named_parameters() if p.grad is not None}
+    pol.zero_grad()
+    loss = sft_backward(pol, batch, 0, chunk_tokens=120, device=torch.device("cpu"))  # several chunks
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    for k, p in pol.named_parameters():
+        if k in ref:
+            assert torch.allclose(p.grad, ref[k], atol=1e-6), k
