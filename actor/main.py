@@ -7,6 +7,7 @@ learner has written it durably. Pause/resume come over the ControlService.
 from __future__ import annotations
 
 import asyncio
+import os
 import collections
 import itertools
 import logging
@@ -23,7 +24,7 @@ from core.config import RunConfig
 from core.outcome import ENDED, Fault, Outcome
 from core.control import ControlServicer, add_control
 from core.stream.sender import TrajectorySender
-from core.chat import ChatTokenizer
+from core.chat import ChatTokenizer, open_tokenizer
 
 log = logging.getLogger("tars.actor")
 
@@ -209,7 +210,9 @@ async def serve(cfg: RunConfig, envd: list[str], inference: list[str], stream: s
                 actor_id: str = "", control_port: int = 0, ready_file: str | None = None,
                 spool_dir: str | None = None) -> None:
     actor_id = actor_id or f"actor-{uuid.uuid4().hex[:6]}"
-    actor = Actor(cfg, actor_id, envd, inference, stream, ChatTokenizer.load(tokenizer_path), spool_dir)
+    model_dir = tokenizer_path if os.path.isfile(os.path.join(tokenizer_path, "config.json")) else None
+    tok = open_tokenizer(tokenizer_path, model_dir)  # a checkpoint directory: also checked against its embedding
+    actor = Actor(cfg, actor_id, envd, inference, stream, tok, spool_dir)
     server = rpc.make_server(auth_token=cfg.control.auth_token)
     add_control(server, actor.control())
     port = rpc.bind(server, "127.0.0.1", control_port)

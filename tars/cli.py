@@ -155,6 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tars: config error: {e}", file=sys.stderr)
         return 2
+    from core.chat import TokenizerError
+    from core.model import MissingWeights, UnsupportedModel, WeightsMismatch
+
+    try:  # a checkpoint directory that cannot be used: one line naming what is wrong, not a traceback
+        return _dispatch(a, cfg)
+    except (UnsupportedModel, MissingWeights, WeightsMismatch, TokenizerError) as e:
+        print(f"tars {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(a, cfg) -> int:
     if a.cmd == "up":
         from tars.up import up
 

@@ -116,3 +116,43 @@ def test_sft_eval_and_a_short_up_run_on_the_checkpoint(ckpt, tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(final).chat_template
     model_type = json.loads((ckpt / "config.json").read_text())["model_type"]
     assert json.loads((final / "config.json").read_text())["model_type"] == model_type
+
+
+def _fails(*args) -> str:
+    r = subprocess.run([sys.executable, "-m", "tars.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    return r.stderr
+
+
+def test_unusable_checkpoints_are_one_clear_error_from_every_command(tmp_path):
+    import shutil
+
+    from hf_dirs import make_hf_model
+
+    # another architecture
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                                  "vocab_size": 300, "n_embd": 32}))
+    assert "is not supported" in _fails("serve", "--model", str(gpt2))
+    assert "is not supported" in _fails("up", "--out", str(tmp_path / "u1"), "--set", f"model.path={gpt2}")
+    # a checkpoint without a tokenizer, then with one that does not fit its embedding
+    bare = tmp_path / "bare"
+    make_hf_model(bare, "qwen2")
+    err = _fails("up", "--out", str(tmp_path / "u2"), "--set", f"model.path={bare}")
+    assert "TokenizerError" in err and "no tokenizer.json" in err
+    small = tmp_path / "small"
+    make_checkpoint(small, "qwen2", vocab_size=400)
+    cfg = json.loads((small / "config.json").read_text())
+    for f in small.glob("model*"):
+        f.unlink()
+    make_hf_model(small, "qwen2", vocab_size=cfg["vocab_size"] - 10)   # weights and config now 10 rows short
+    err = _fails("eval", "--suite", "builtin", "--model", str(small), "--out", str(tmp_path / "e"), "--episodes", "1")
+    assert "embedding has" in err
+    # missing weight files
+    shutil.rmtree(bare)
+    make_hf_model(bare, "llama")
+    for f in bare.glob("model-*"):
+        f.unlink()
+    err = _fails("serve", "--model", str(bare))
+    assert "model.safetensors.index.json" in err and "model-00001-of-" in err
