@@ -31,9 +31,11 @@ class MergeError(ValueError):
 def resolve(path) -> pathlib.Path:
     p = pathlib.Path(path)
     for d in (p, p / "policy", p / "ckpt" / "policy"):
-        if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
+        weights = (d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()
+        if weights and (d / "config.json").is_file():
             return d
-    raise MergeError(f"{path}: no model.safetensors + config.json here (nor in policy/ or ckpt/policy/)")
+    raise MergeError(f"{path}: no model.safetensors (or model.safetensors.index.json) + config.json here (nor in "
+                     "policy/ or ckpt/policy/)")
 
 
 def parse_weights(text: str, n: int) -> list[float]:
@@ -80,7 +82,9 @@ def _arch(d: pathlib.Path) -> dict:
 
 def merge(ckpts: list, weights: list[float], out) -> dict:
     """Write the interpolated model to `out` (atomically: a temporary directory, then rename)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from core.model import read_weights
 
     if len(ckpts) != len(weights):
         raise MergeError(f"{len(weights)} weights for {len(ckpts)} checkpoints")
@@ -94,7 +98,7 @@ def merge(ckpts: list, weights: list[float], out) -> dict:
     acc: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     for k, (d, a) in enumerate(zip(dirs, weights)):
-        sd = load_file(str(d / "model.safetensors"))
+        sd = read_weights(d)   # single or sharded
         if k == 0:
             dtypes = {n: t.dtype for n, t in sd.items()}
             for n, t in sd.items():

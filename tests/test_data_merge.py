@@ -221,3 +221,19 @@ def test_demonstrators_oracle_noisy_and_confused():
             # every answer ends with the end-of-turn token, and the ids are the chat template's rendering
             assert [toks[i] for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])] == [tok.eot_id] * turns
             assert tok.decode(toks, skip_special=False).count("<|im_start|>assistant") == turns
+
+
+def test_merge_reads_sharded_checkpoints(tmp_path):
+    import transformers
+
+    from hf_dirs import make_checkpoint
+    from learner.merge import merge
+
+    a = make_checkpoint(tmp_path / "a", "llama", seed=0)
+    b = make_checkpoint(tmp_path / "b", "llama", seed=1)
+    merge([tmp_path / "a", tmp_path / "b"], [0.25, 0.75], tmp_path / "m")
+    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    sa, sb = a.state_dict(), b.state_dict()
+    for k, v in m.state_dict().items():
+        assert torch.allclose(v, 0.25 * sa[k] + 0.75 * sb[k], atol=1e-6), k
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "m").chat_template
