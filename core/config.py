@@ -26,7 +26,8 @@ PRESETS = pathlib.Path(__file__).parent / "presets"
 class ModelConfig:
     """The policy network: a Qwen2-style decoder created from scratch or loaded from an HF directory."""
 
-    path: str = f("", "HF-layout directory to start from; empty = create a fresh tiny model")
+    path: str = f("", "Hugging Face checkpoint directory to start from (config.json, safetensors, tokenizer with a chat "
+                      "template; Qwen2/Qwen2.5 or Llama: docs/model.md); empty = a fresh tiny model (tars/fresh.py)")
     hidden_size: int = f(64, "width of a fresh model")
     intermediate_size: int = f(256, "MLP width of a fresh model")
     num_layers: int = f(2, "decoder layers of a fresh model")
