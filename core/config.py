@@ -177,6 +177,16 @@ class ControlConfig:
 
 
 @dataclass
+class SupervisorConfig:
+    """supervisor: what `tars up` does when one of its processes dies (tars/supervisor.py)."""
+
+    max_restarts: int = f(5, "restarts of one process (envd, inference, the learner, each actor) before the run "
+                             "ends; 0 = a death ends the run")
+    backoff_s: float = f(1.0, "wait before the first restart; doubled for each further death of that process, "
+                              "at most 30 s")
+
+
+@dataclass
 class RunConfig:
     """A whole `tars up` run."""
 
@@ -196,6 +206,8 @@ class RunConfig:
                                        metadata={"help": "traces, metrics and their exporters (docs/telemetry.md)"})
     control: ControlConfig = field(default_factory=ControlConfig,
                                    metadata={"help": "the ControlService of every process and `tars ctl`"})
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig,
+                                         metadata={"help": "restarts of the processes of `tars up`"})
 
 
 class ConfigError(ValueError):

@@ -10,9 +10,13 @@ recorded and reports
   trained     ids in the final lineage of updates (trained.jsonl, rolled-back updates dropped)
   masked      ids kept out of the loss (infra_error, too stale)
   pending     ids still waiting in the learner's WAL at the end (durable, trained by the next run)
+  spooled     ids still in an actor's spool at the end and not trained (sent again by that actor's next start)
   duplicated  ids trained on more than once, or both trained and masked (goal 0)
-  lost        ids received but neither trained, masked nor pending, plus ids an actor held unacked when it was
-              killed that never arrived (goal 0)
+  lost        ids seen anywhere (received, in a killed actor's spool, in any spool at the end) that are none of
+              trained, masked, pending or spooled (goal 0)
+
+`tars bench faults` (tars/bench/faults.py) kills the roles of a real `tars up` run and lets its supervisor restart
+them; FaultRun below restarts them itself, for the soak benchmark and tests that drive one process at a time.
 """
 from __future__ import annotations
 
@@ -20,7 +24,6 @@ import collections
 import json
 import os
 import pathlib
-import signal
 
 from core import config as C
 from core.proc import read_jsonl, wait_for
@@ -64,11 +67,11 @@ class FaultRun:
         return self.topo.spool(i)
 
     def kill(self, role: str, i: int = 0) -> None:
-        """SIGKILL the process group (the role and anything it started), and reap it."""
-        if role == "actor":
-            self.topo.signal(role, i, signal.SIGSTOP)  # frozen, the spool read below is what it held when it died
-            self.killed_spools.append(self.spool_ids(i))
+        """SIGKILL the process group (the role and anything it started), and reap it. A dead actor's spool is
+        read before anything restarts it: what it held unacked when it died."""
         self.topo.kill(role, i)
+        if role == "actor":
+            self.killed_spools.append(self.spool_ids(i))
 
     def restart(self, role: str, i: int = 0, timeout: float = 120) -> dict:
         return self.topo.restart(role, i, timeout)
@@ -126,15 +129,7 @@ class FaultRun:
         return ids | set(self.received())
 
     def spool_ids(self, i: int) -> set[str]:
-        ids = set()
-        for p in self.spool(i).glob("*.traj"):
-            try:
-                data = p.read_bytes()
-                n = int.from_bytes(data[:4], "little")
-                ids.add(data[4:4 + n].decode())
-            except (OSError, UnicodeDecodeError):
-                pass
-        return ids
+        return spool_ids(self.spool(i))
 
     def wait_versions(self, n: int, timeout: float) -> int:
         """Wait until the learner has made n more updates; returns the version reached."""
@@ -143,7 +138,22 @@ class FaultRun:
 
     def ledger(self) -> dict:
         """The counts described in the module docstring (call after stop())."""
-        return account(self.out, self.killed_spools)
+        return account(self.out, self.killed_spools, [self.spool_ids(i) for i in range(self.n_actors)])
+
+
+def spool_ids(directory: str | os.PathLike) -> set[str]:
+    """The trajectory ids of the whole records in an actor's spool directory (core/stream/spool.py's layout: a
+    record is renamed into place once written, so a *.traj file is whole unless the disk lied)."""
+    ids = set()
+    for p in pathlib.Path(directory).glob("*.traj"):
+        try:
+            data = p.read_bytes()
+            n = int.from_bytes(data[:4], "little")
+            if 4 + n <= len(data):
+                ids.add(data[4:4 + n].decode())
+        except (OSError, UnicodeDecodeError):
+            pass
+    return ids
 
 
 def lineage(records: list[dict]) -> dict[int, dict]:
@@ -171,7 +181,10 @@ def _rolled_back(records: list[dict]) -> set[str]:
     return dropped
 
 
-def account(out: str | os.PathLike, killed_spools: list[set[str]] = ()) -> dict:
+def account(out: str | os.PathLike, killed_spools: list[set[str]] = (), final_spools: list[set[str]] = ()) -> dict:
+    """The ledger of a run directory (module docstring). `killed_spools`: what each killed actor's spool held just
+    after its death; `final_spools`: every actor's spool once the run stopped (held, not yet trained: sent again by
+    that actor's next start, so counted as `spooled`, not lost)."""
     from core.stream.wal import WriteAheadLog
 
     out = pathlib.Path(out)
@@ -186,19 +199,23 @@ def account(out: str | os.PathLike, killed_spools: list[set[str]] = ()) -> dict:
     rolled_back = _rolled_back(records)
     trained = collections.Counter(t for r in lin.values() for t in r.get("ids", ()))
     masked = collections.Counter(t for r in lin.values() for t in r.get("masked", ()))
-    wal = WriteAheadLog(out / "stream.wal", fsync=False)
-    in_wal = set(wal.open().index)
-    wal.close()
-    pending = in_wal - set(trained) - set(masked)
+    in_wal: set[str] = set()
+    if (out / "stream.wal").exists():  # the "wal" durability mode's log ("checkpoint" mode keeps none)
+        wal = WriteAheadLog(out / "stream.wal", fsync=False)
+        in_wal = set(wal.open().index)
+        wal.close()
+    done = set(trained) | set(masked)
+    pending = in_wal - done
     received |= in_wal  # durable and acked, but not yet taken by the training loop (so not in episodes.jsonl)
     dup = [t for t in trained if trained[t] > 1 or t in masked] + [t for t in masked if masked[t] > 1]
     held = set().union(*killed_spools) if killed_spools else set()
-    lost_received = received - set(trained) - set(masked) - pending
-    lost_held = held - received
+    at_end = set().union(*final_spools) if final_spools else set()
+    spooled = at_end - done - pending
+    lost = (received | held | at_end) - done - pending - spooled
     return {"received": len(received), "trained": len(trained), "masked": len(masked), "pending": len(pending),
-            "duplicated": len(set(dup)), "lost": len(lost_received) + len(lost_held),
-            "lost_ids": sorted(lost_received | lost_held)[:20], "duplicated_ids": sorted(set(dup))[:20],
-            "held_by_killed_actors": len(held), "rolled_back_then_retrained": len(rolled_back & set(trained)), "outcomes": dict(outcomes),
-            "versions": max((v for v, r in lin.items() if not r.get("partial")), default=0)}
+            "spooled": len(spooled), "duplicated": len(set(dup)), "lost": len(lost),
+            "lost_ids": sorted(lost)[:20], "duplicated_ids": sorted(set(dup))[:20],
+            "held_by_killed_actors": len(held), "rolled_back_then_retrained": len(rolled_back & set(trained)),
+            "outcomes": dict(outcomes), "versions": max((v for v, r in lin.items() if not r.get("partial")), default=0)}
 
 

@@ -11,6 +11,8 @@ report.json (stable, read by outside checks):
   max_staleness     largest (train version - oldest token version) seen in a training batch
   episode_staleness_mean  mean (learner version on arrival - oldest token version) of received episodes
   trajectories_per_s_peak best 10 s window
+  restarts          {process: times the supervisor restarted it} (tars/supervisor.py; empty when none died)
+  restarts_total    their sum
 learning.png: success/return, per-version batch figures, throughput over time, staleness histogram and per update.
 """
 from __future__ import annotations
@@ -69,7 +71,7 @@ class Monitor:
 
 
 def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: bool, sft_s: float | None,
-                 status: str) -> dict:
+                 status: str, restarts: dict[str, int] | None = None) -> dict:
     scored = mon.scored()
     k = max(1, len(scored) // 10)
     first = [e["success"] for e in scored[:k]]
@@ -93,6 +95,8 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
         "episode_staleness_mean": float(episode_lags(mon).mean()) if len(episode_lags(mon)) else None,
         "trajectories_per_s_peak": float(throughput(mon)[1].max(initial=0.0)),
         "status": status,
+        "restarts": dict(restarts or {}),
+        "restarts_total": sum((restarts or {}).values()),
     }
     (run_dir / "report.json").write_text(json.dumps(rep, indent=2))
     plot(run_dir / "learning.png", mon)

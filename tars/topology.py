@@ -297,15 +297,24 @@ class Topology:
             self.await_ready("actor", i)
         return self
 
-    def restart(self, role: str, i: int = 0, timeout: float | None = None) -> dict:
-        """Start a killed role again where the others expect it (see the module docstring)."""
+    def relaunch(self, role: str, i: int = 0) -> Process:
+        """Start a dead role again where the others expect it (see the module docstring), without waiting for it:
+        the supervisor (tars/supervisor.py) watches its ready file while the run goes on."""
         if role == "learner":
             self._resume = True
         if role == "inference":
             # Come back with the newest published weights (what an orchestrator restarting it would load).
-            w = sorted((self.plan.out / "weights").glob("v*"))
-            self._weights = (w[-1], int(w[-1].name[1:])) if w else None
-        self.launch(role, i)
+            # Numerically newest (v10 after v9), whole versions only (a half-written one has a temporary name).
+            w = sorted((int(d.name[1:]), d) for d in (self.plan.out / "weights").glob("v*") if d.name[1:].isdigit())
+            self._weights = (w[-1][1], w[-1][0]) if w else None
+        old = self.procs.get((role, i))
+        if old is not None and not old.stopped:
+            old.kill()  # reaped, its log closed, and anything it started gone with its group
+        return self.launch(role, i)
+
+    def restart(self, role: str, i: int = 0, timeout: float | None = None) -> dict:
+        """relaunch() and wait until it is ready."""
+        self.relaunch(role, i)
         return self.await_ready(role, i, timeout)
 
     # ---- watching and stopping ----------------------------------------------------------------------------

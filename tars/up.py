@@ -5,7 +5,9 @@
 
 The processes are placed, started and stopped by tars.topology (the layout `tars eval` and the fault benchmark
 use too): they announce themselves through ready files, die with this process, and on the way out are stopped in
-order (actors, learner, inference, envd) with deadlines; anything left is killed, so no orphans remain.
+order (actors, learner, inference, envd) with deadlines; anything left is killed, so no orphans remain. While the
+run goes on, tars.supervisor restarts a process that dies (backoff, up to supervisor.max_restarts each); the report
+counts the restarts.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 from core import config as C
 from tars import ctl, report
+from tars.supervisor import Supervisor
 from tars.topology import LaunchError, Topology, plan, prepare
 
 
@@ -76,11 +79,14 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     old = signal.signal(signal.SIGINT, on_sigint)
     signal.signal(signal.SIGTERM, on_sigint)
     status = "done"
+    sup = None
     try:
         topo.start()
         say(f"running: envd {topo.envd}, inference {topo.inference}, learner {topo.stream}, {cfg.actors} actor(s); "
             "Ctrl-C stops")
-        status = _watch(cfg, topo, out_p, quiet, tty, lambda: interrupted)
+        sup = Supervisor(topo, cfg.supervisor.max_restarts, cfg.supervisor.backoff_s,
+                         say=(lambda m: say(m) if not tty else print("\r\033[K[tars up] " + m, flush=True)))
+        status = _watch(cfg, sup, out_p, quiet, tty, lambda: interrupted)
         if tty:
             print()
         say(f"stopping ({status})")
@@ -92,14 +98,15 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         signal.signal(signal.SIGINT, old)
     mon = report.Monitor(out_p)
     mon.poll()
-    rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s, status=status)
+    rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s, status=status,
+                              restarts=sup.counts() if sup else {})
     say(f"report: {json.dumps({k: rep[k] for k in ('episodes', 'success_first', 'success_last', 'success_sft', 'policy_version', 'wall_s')})}")
     say(f"wrote {out_p / 'report.json'}, {out_p / 'learning.png'}, {out_p / 'final'}")
     return 0 if status in ("done", "wall budget reached", "target success reached", "interrupted") else 1
 
 
-def _watch(cfg: C.RunConfig, topo: Topology, out_p: pathlib.Path, quiet: bool, tty: bool, interrupted) -> str:
-    """Live progress until the run ends; returns why it ended (the report's status)."""
+def _watch(cfg: C.RunConfig, sup: Supervisor, out_p: pathlib.Path, quiet: bool, tty: bool, interrupted) -> str:
+    """Live progress, and the supervisor's restarts, until the run ends; returns why it ended (the report's status)."""
     t_rl = time.time()
     mon = report.Monitor(out_p)
     last_print = 0.0
@@ -113,12 +120,9 @@ def _watch(cfg: C.RunConfig, topo: Topology, out_p: pathlib.Path, quiet: bool, t
             last_print = now
         if interrupted():
             return "interrupted"
-        rc = topo.returncode("learner")
-        if rc is not None:
-            return "done" if rc == 0 else f"learner exited with {rc}"
-        dead = topo.exited(("envd", "inference", "actor"))
-        if dead:
-            return f"{', '.join(dead)} exited unexpectedly"
+        end = sup.poll()
+        if end is not None:
+            return end
         if now - t_rl > cfg.wall_budget_s:
             return "wall budget reached"
         if cfg.target_success and mon.rolling_success() is not None and mon.rolling_success() >= cfg.target_success and mon.episodes >= 10 * cfg.learner.batch_size:

@@ -1,0 +1,133 @@
+"""The supervisor of `tars up`: a role whose process dies is started again, with backoff, up to a limit.
+
+    poll()  every half second from the run's watch loop; never blocks on a starting process
+      a process that exited (and was not stopped by us)    -> "down": restart due after backoff_s * 2**(n-1), <= 30 s
+      due                                                   -> Topology.relaunch(): "starting"
+      "starting" and its ready file appeared                -> "up" (its address is the old one)
+      "starting" and it exited, or no ready file in time    -> counts as another death: backoff, try again
+      a role that died more than max_restarts times         -> poll() returns why the run must end
+
+Where a restarted role comes back (tars/topology.py): envd and the inference server on their old ports (inference
+with the newest published weights), the learner with --resume from its checkpoint on its old stream port, an actor
+under its old id with its spool (its unacknowledged trajectories are sent again). The others ride it out: actors
+retry envd and inference with backoff (actor.unavailable_retry_s) and end what cannot go on as infra_error (kept out
+of the loss); their stream re-sends whatever a dead learner had not made durable.
+
+The learner exiting with status 0 is the end of the run (it reached max_versions), not a death. Every death and
+restart is one JSON line in RUN/supervisor.jsonl; the report counts them (report.json "restarts").
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Callable
+
+from tars.topology import Topology
+
+MAX_BACKOFF_S = 30.0
+
+
+@dataclasses.dataclass
+class _Role:
+    role: str
+    index: int
+    name: str
+    state: str = "up"             # up | down (waiting for its backoff) | starting | given_up
+    deaths: int = 0               # exits since the run started (a failed restart counts)
+    restarts: int = 0             # successful restarts
+    due: float = 0.0              # down: when to start it again (monotonic)
+    started: float = 0.0          # starting: when (monotonic)
+    down_since: float = 0.0       # wall clock of the latest death
+
+
+class Supervisor:
+    """Watches every process of a started Topology and restarts the ones that die (module docstring)."""
+
+    def __init__(self, topo: Topology, max_restarts: int = 5, backoff_s: float = 1.0,
+                 say: Callable[[str], None] = lambda m: None, log: pathlib.Path | None = None):
+        self.topo, self.max_restarts, self.backoff_s, self.say = topo, max_restarts, backoff_s, say
+        self.log = log if log is not None else topo.plan.out / "supervisor.jsonl"
+        self.roles = {key: _Role(key[0], key[1], topo.plan.name(*key)) for key in topo.procs}
+
+    # ---- the loop's one call ------------------------------------------------------------------------------------
+    def poll(self) -> str | None:
+        """Handle deaths, due restarts and restarts that became ready. Returns why the run must end, or None:
+        "done" once the learner exited with status 0, or the role that died more often than allowed."""
+        now = time.monotonic()
+        for key, r in self.roles.items():
+            proc = self.topo.procs[key]
+            if r.state == "up":
+                rc = proc.returncode
+                if rc is None:
+                    continue
+                if r.role == "learner" and rc == 0:
+                    return "done"
+                self._died(r, rc, now, "exited")
+            elif r.state == "starting":
+                if proc.spec.ready.exists():
+                    try:
+                        self.topo.ready[key] = json.loads(proc.spec.ready.read_text())
+                    except ValueError:  # caught while being written: next poll
+                        continue
+                    r.state, r.restarts = "up", r.restarts + 1
+                    self._event(r, "up", down_s=round(time.time() - r.down_since, 2))
+                    self.say(f"{r.name} is back ({time.time() - r.down_since:.1f} s down, restart {r.restarts})")
+                elif proc.returncode is not None:
+                    self._died(r, proc.returncode, now, "exited before it was ready")
+                elif now - r.started > proc.spec.ready_s:
+                    proc.kill()
+                    self._died(r, None, now, f"not ready after {proc.spec.ready_s:.0f} s")
+            if r.state == "given_up":
+                return f"{r.name} died {r.deaths} times (supervisor.max_restarts={self.max_restarts}); see {proc.spec.log}"
+            if r.state == "down" and now >= r.due:
+                self._start(r, now)
+        return None
+
+    def _died(self, r: _Role, rc: int | None, now: float, how: str) -> None:
+        r.deaths += 1
+        r.down_since = time.time() if r.state == "up" else r.down_since
+        self._event(r, "died", rc=rc, how=how)
+        if r.deaths > self.max_restarts:
+            r.state = "given_up"
+            self.say(f"{r.name} {how} (rc {rc}); it died {r.deaths} times: giving up")
+            return
+        delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (r.deaths - 1))
+        r.state, r.due = "down", now + delay
+        self.say(f"{r.name} {how} (rc {rc}); restarting in {delay:.0f} s ({r.deaths}/{self.max_restarts})")
+
+    def _start(self, r: _Role, now: float) -> None:
+        try:
+            self.topo.relaunch(r.role, r.index)
+        except OSError as e:  # could not even exec: counts as a death
+            self._died(r, None, now, f"could not start: {e}")
+            return
+        r.state, r.started = "starting", now
+        self._event(r, "restarting")
+
+    def _event(self, r: _Role, what: str, **kw) -> None:
+        rec = {"t": round(time.time(), 3), "role": r.role, "name": r.name, "event": what, "deaths": r.deaths, **kw}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    # ---- what the report shows --------------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        """{"envd": 1, "actor0": 2, ...}: successful restarts per process (names as in the run's logs/)."""
+        return {r.name: r.restarts for r in self.roles.values() if r.restarts}
+
+    def restarting(self) -> list[str]:
+        return [r.name for r in self.roles.values() if r.state in ("down", "starting")]
+
+
+def read_events(run_dir: pathlib.Path) -> list[dict]:
+    """RUN/supervisor.jsonl (whole lines only)."""
+    p = pathlib.Path(run_dir) / "supervisor.jsonl"
+    out = []
+    if p.exists():
+        for line in p.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
