@@ -17,8 +17,12 @@ Delivery is exactly-once for training, across learner restarts:
     a new receiver given those consumed_ids replays the logged entries not consumed into the queue before anything
     new; after each durable checkpoint the loop calls compact_wal() and commit(its consumed ids).
 Staleness bookkeeping (which side calls what) is described in learner/staleness.py: this receiver calls try_admit,
-adopt, on_lost and on_rejected (for NACKed frames only); the training loop calls on_accepted/on_rejected once for
-every trajectory get() returns.
+adopt, adopt_claim, on_lost and on_rejected (for NACKed frames only); the training loop calls on_accepted/on_rejected
+once for every trajectory get() returns.
+
+Content is checked before anything is queued or logged: a trajectory that cannot be trained on (token ids outside the
+learner's vocabulary, non-finite rewards, return or logprobs, arrays of different lengths) is NACKed "invalid" and
+counted; the rest of the stream goes on.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from core.schema import SchemaError, Trajectory
+from core.schema import InvalidTrajectory, SchemaError, Trajectory
 from core.stream import messages as M
 from core.stream.curve import curve_server
 from core.stream.durability import IoHooks, make_durability
@@ -47,6 +51,8 @@ class _Actor:
     credit: int = 0         # credit granted and not yet spent: each unit is a reserved queue slot
     ledger: int = 0         # episodes this receiver admitted for the actor and has not seen finish
     last_seen: float = 0.0
+    claimed: int = 0        # part of the ledger taken on the actor's word (HELLO inflight), not yet borne out
+    claim_deadline: float = 0.0  # claims still unconfirmed by an arrival then are given back
 
 
 def _recv_message(sock) -> list:
@@ -62,10 +68,19 @@ class TrajectoryReceiver:
     def __init__(self, bind: str, wal_path: str, staleness, credits: int = 512, queue_size: int = 4096,
                  max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *,
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
-                 log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal"):
+                 log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
+                 vocab_size: int | None = None):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
         for every NACKed frame (keep it cheap). curve_secret_key: see core/stream/curve.py. durability: "wal" or
-        "checkpoint" (core/stream/durability.py)."""
+        "checkpoint" (core/stream/durability.py). vocab_size: the learner's model's; a trajectory with a token id
+        outside [0, vocab_size) is NACKed "invalid" (as are non-finite rewards, return or logprobs, and arrays of
+        different lengths: core.schema.Trajectory.validate).
+
+        actor_timeout_s: an actor silent that long is dropped (its admissions given back). It also bounds how much
+        an actor's word is trusted: HELLO's `inflight` (episodes a previous learner admitted) is adopted only in the
+        first actor_timeout_s after start (when actors re-introduce themselves to a restarted learner; any other
+        time a new actor has none), never beyond what could be admitted now, and whatever of it no trajectory from
+        that actor bears out within actor_timeout_s is given back."""
         if credits < 1 or queue_size < 1:
             raise ValueError("credits and queue_size must be >= 1")
         self.bind = bind
@@ -77,6 +92,8 @@ class TrajectoryReceiver:
         self.actor_timeout_s = actor_timeout_s
         self.log_every_s = log_every_s
         self.curve_secret_key = curve_secret_key
+        self.vocab_size = vocab_size
+        self._claims_until = 0.0  # set at start(): HELLO inflight is adopted until then
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
         self.durability = make_durability(durability, IoHooks(self._send, self._count, self._warn), wal_path,
                                           run_id=self.run_id, fsync=fsync, ack_interval_s=ack_interval_s,
@@ -98,7 +115,7 @@ class TrajectoryReceiver:
             ("received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked",
              "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
              "protocol_errors", "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images",
-             "committed"), 0)
+             "committed", "invalid", "claimed", "claims_capped", "claims_expired"), 0)
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
@@ -113,6 +130,7 @@ class TrajectoryReceiver:
             # These were admitted by a previous learner; the training loop will resolve each with on_accepted/rejected.
             self.staleness.adopt(len(self._replay))
         self._replay.reverse()  # popped from the end, so replay goes in file (arrival) order
+        self._claims_until = time.monotonic() + self.actor_timeout_s
         self._thread = threading.Thread(target=self._run, name="traj-receiver", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -283,6 +301,7 @@ class TrajectoryReceiver:
             k = min(m.n, st.ledger) if m.n > 0 else 0
             if k:
                 st.ledger -= k
+                st.claimed = min(st.claimed, st.ledger)
                 self.staleness.on_lost(k)
             self._count("lost", k)
         elif isinstance(m, M.Ping):
@@ -298,11 +317,19 @@ class TrajectoryReceiver:
                 self.staleness.on_lost(st.ledger)
                 self._count("lost", st.ledger)
             st = None
+        now = time.monotonic()
         if st is None:
-            st = self._actors[ident] = _Actor(incarnation=m.incarnation, ledger=inflight)
-            if inflight:
-                self.staleness.adopt(inflight)  # admitted by a previous learner, still running on the actor
-        st.last_seen = time.monotonic()
+            # Episodes a previous learner admitted, still running on the actor: taken on its word only while actors
+            # re-introduce themselves after a (re)start, and never beyond what could be admitted now, so a lying
+            # HELLO cannot hold admissions; what arrives uncovered is adopted on arrival (_traj).
+            claim = self.staleness.adopt_claim(inflight) if inflight and now < self._claims_until else 0
+            if claim < inflight:
+                self._count("claims_capped")
+                self._warn("claim", "HELLO from %r claims %d episodes in flight: %d taken", ident, inflight, claim)
+            self._count("claimed", claim)
+            st = self._actors[ident] = _Actor(incarnation=m.incarnation, ledger=claim, claimed=claim,
+                                              claim_deadline=now + self.actor_timeout_s)
+        st.last_seen = now
         st.credit = 0  # WELCOME's credit is absolute: whatever was granted before is void on both sides
         # Make everything received so far durable and acked first, then answer the pending ids we already have, so
         # the actor's outbox holds exactly what must be re-sent when WELCOME arrives (same pipe, so in order).
@@ -333,6 +360,7 @@ class TrajectoryReceiver:
         if not retry and st.ledger:
             # The episode finished but can never be trained on: it stops counting as running.
             st.ledger -= 1
+            st.claimed = min(st.claimed, st.ledger)
             self.staleness.on_rejected(1)
         if self.on_reject is not None:
             try:
@@ -361,13 +389,14 @@ class TrajectoryReceiver:
             n_img = len(self.images)
             # Stored even if the trajectory is then refused: later trajectories may refer to them.
             take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
-            tr = Trajectory.decode(payload, self.max_frame_bytes)
+            tr = Trajectory.decode(payload, self.max_frame_bytes, self.vocab_size)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
             missing = resolve(self.images, tr)
             self._count("images_stored", len(self.images) - n_img)
         except (SchemaError, ImageError) as e:
-            counter = "unknown_schema" if "unknown schema version" in str(e) else "malformed"
+            counter = ("invalid" if isinstance(e, InvalidTrajectory) else
+                       "unknown_schema" if "unknown schema version" in str(e) else "malformed")
             self._warn(counter, "dropping trajectory %s from %r: %s", tid, ident, e)
             self._nack(ident, st, tid, f"{counter}: {e}", counter)
             return
@@ -391,6 +420,9 @@ class TrajectoryReceiver:
         # Accounting before the put: the training thread may call on_accepted the instant the item is queued.
         if st.ledger:
             st.ledger -= 1
+            if st.claimed:  # a claimed episode borne out (those started first): the rest get more time
+                st.claimed -= 1
+                st.claim_deadline = time.monotonic() + self.actor_timeout_s
         else:
             self.staleness.adopt(1)     # admitted by a previous learner, or sent without ADMIT
         self._q.put_nowait(tr)
@@ -411,7 +443,7 @@ class TrajectoryReceiver:
         while self._replay and free > 0:
             tid = self._replay.pop()
             try:
-                tr = Trajectory.decode(self.durability.read(tid), self.max_frame_bytes)
+                tr = Trajectory.decode(self.durability.read(tid), self.max_frame_bytes, self.vocab_size)
                 if resolve(self.images, tr):
                     raise SchemaError("refers to images missing from the image store")
             except (SchemaError, ImageError) as e:  # crc-checked, so a schema change or a lost image store
@@ -439,6 +471,14 @@ class TrajectoryReceiver:
                 self._send(ident, M.Version(v))
             self._version_sent = v
         for ident, st in list(self._actors.items()):
+            if st.claimed and now > st.claim_deadline:
+                # In flight on the actor's word and nothing came: give them back (if one does arrive after all, it
+                # is adopted then, as any uncovered arrival).
+                self._warn("claim_expired", "actor %r: %d claimed episodes never arrived: given back", ident, st.claimed)
+                st.ledger -= st.claimed
+                self.staleness.on_lost(st.claimed)
+                self._count("claims_expired", st.claimed)
+                st.claimed = 0
             if now - st.last_seen > self.actor_timeout_s:
                 # Silent for too long (actors PING every heartbeat): free its credit and give back its admissions.
                 self._warn("dead", "actor %r silent for %.0fs: dropping it", ident, now - st.last_seen)
