@@ -27,10 +27,20 @@ MAX_FRAME_BYTES = 64 << 20
 class SchemaError(ValueError):
     """A frame that is not a valid trajectory of a known schema version."""
 
+    kind = "malformed"  # the stream's NACK reason and counter
+
+
+class UnknownSchema(SchemaError):
+    """A trajectory of a schema version this build does not read."""
+
+    kind = "unknown_schema"
+
 
 class InvalidTrajectory(SchemaError):
     """A well-formed trajectory whose content cannot be trained on: arrays of different lengths, token ids outside the
     model's vocabulary, non-finite rewards, return or logprobs (the stream NACKs it "invalid")."""
+
+    kind = "invalid"
 
 
 @dataclass
@@ -155,7 +165,7 @@ class Trajectory:
         if not isinstance(d, dict):
             raise SchemaError(f"frame is a {type(d).__name__}, expected a map")
         if d.get("schema") != SCHEMA_VERSION:
-            raise SchemaError(f"unknown schema version {d.get('schema')!r} (this build reads {SCHEMA_VERSION})")
+            raise UnknownSchema(f"unknown schema version {d.get('schema')!r} (this build reads {SCHEMA_VERSION})")
         try:
             arrays = {}
             for name, dt in (("tokens", "<i4"), ("logprobs", "<f4"), ("versions", "<i4"), ("mask", "u1")):

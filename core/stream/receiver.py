@@ -17,12 +17,8 @@ Delivery is exactly-once for training, across learner restarts:
     a new receiver given those consumed_ids replays the logged entries not consumed into the queue before anything
     new; after each durable checkpoint the loop calls compact_wal() and commit(its consumed ids).
 Staleness bookkeeping (which side calls what) is described in learner/staleness.py: this receiver calls try_admit,
-adopt, adopt_claim, on_lost and on_rejected (for NACKed frames only); the training loop calls on_accepted/on_rejected
-once for every trajectory get() returns.
-
-Content is checked before anything is queued or logged: a trajectory that cannot be trained on (token ids outside the
-learner's vocabulary, non-finite rewards, return or logprobs, arrays of different lengths) is NACKed "invalid" and
-counted; the rest of the stream goes on.
+adopt, adopt_claim (core/stream/peers.py), on_lost and on_rejected (for NACKed frames only); the training loop calls
+on_accepted/on_rejected once for every trajectory get() returns. What cannot be trained on is NACKed "invalid".
 """
 from __future__ import annotations
 
@@ -31,28 +27,17 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-
 import zmq
 
-from core.schema import InvalidTrajectory, SchemaError, Trajectory
+from core.schema import SchemaError, Trajectory
 from core.stream import messages as M
 from core.stream.curve import curve_server
 from core.stream.durability import IoHooks, make_durability
 from core.stream.images import ImageError, ImageStore, resolve, take_attached
+from core.stream.peers import Peer
 from core.stream.wal import WalError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Actor:
-    incarnation: str
-    credit: int = 0         # credit granted and not yet spent: each unit is a reserved queue slot
-    ledger: int = 0         # episodes this receiver admitted for the actor and has not seen finish
-    last_seen: float = 0.0
-    claimed: int = 0        # part of the ledger taken on the actor's word (HELLO inflight), not yet borne out
-    claim_deadline: float = 0.0  # claims still unconfirmed by an arrival then are given back
 
 
 def _recv_message(sock) -> list:
@@ -72,15 +57,8 @@ class TrajectoryReceiver:
                  vocab_size: int | None = None):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
         for every NACKed frame (keep it cheap). curve_secret_key: see core/stream/curve.py. durability: "wal" or
-        "checkpoint" (core/stream/durability.py). vocab_size: the learner's model's; a trajectory with a token id
-        outside [0, vocab_size) is NACKed "invalid" (as are non-finite rewards, return or logprobs, and arrays of
-        different lengths: core.schema.Trajectory.validate).
-
-        actor_timeout_s: an actor silent that long is dropped (its admissions given back). It also bounds how much
-        an actor's word is trusted: HELLO's `inflight` (episodes a previous learner admitted) is adopted only in the
-        first actor_timeout_s after start (when actors re-introduce themselves to a restarted learner; any other
-        time a new actor has none), never beyond what could be admitted now, and whatever of it no trajectory from
-        that actor bears out within actor_timeout_s is given back."""
+        "checkpoint" (core/stream/durability.py). vocab_size: the learner's model's (other token ids are NACKed
+        "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
         if credits < 1 or queue_size < 1:
             raise ValueError("credits and queue_size must be >= 1")
         self.bind = bind
@@ -92,8 +70,7 @@ class TrajectoryReceiver:
         self.actor_timeout_s = actor_timeout_s
         self.log_every_s = log_every_s
         self.curve_secret_key = curve_secret_key
-        self.vocab_size = vocab_size
-        self._claims_until = 0.0  # set at start(): HELLO inflight is adopted until then
+        self.vocab_size, self._claims_until = vocab_size, 0.0  # HELLO inflight is adopted until then (set by start)
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
         self.durability = make_durability(durability, IoHooks(self._send, self._count, self._warn), wal_path,
                                           run_id=self.run_id, fsync=fsync, ack_interval_s=ack_interval_s,
@@ -108,7 +85,7 @@ class TrajectoryReceiver:
         self._error: BaseException | None = None
         self._sock: zmq.Socket | None = None  # the io thread's, from bind to close
         self.address = ""
-        self._actors: dict[bytes, _Actor] = {}
+        self._actors: dict[bytes, Peer] = {}
         self._replay: list[str] = []
         self._version_sent = -1
         self._stats = dict.fromkeys(
@@ -300,8 +277,7 @@ class TrajectoryReceiver:
         elif isinstance(m, M.Lost):
             k = min(m.n, st.ledger) if m.n > 0 else 0
             if k:
-                st.ledger -= k
-                st.claimed = min(st.claimed, st.ledger)
+                st.finish(k)
                 self.staleness.on_lost(k)
             self._count("lost", k)
         elif isinstance(m, M.Ping):
@@ -319,16 +295,13 @@ class TrajectoryReceiver:
             st = None
         now = time.monotonic()
         if st is None:
-            # Episodes a previous learner admitted, still running on the actor: taken on its word only while actors
-            # re-introduce themselves after a (re)start, and never beyond what could be admitted now, so a lying
-            # HELLO cannot hold admissions; what arrives uncovered is adopted on arrival (_traj).
+            # Admitted by a previous learner, still running on the actor: bounded claims (core/stream/peers.py).
             claim = self.staleness.adopt_claim(inflight) if inflight and now < self._claims_until else 0
             if claim < inflight:
                 self._count("claims_capped")
                 self._warn("claim", "HELLO from %r claims %d episodes in flight: %d taken", ident, inflight, claim)
             self._count("claimed", claim)
-            st = self._actors[ident] = _Actor(incarnation=m.incarnation, ledger=claim, claimed=claim,
-                                              claim_deadline=now + self.actor_timeout_s)
+            st = self._actors[ident] = Peer(m.incarnation, ledger=claim, claimed=claim, claim_deadline=now + self.actor_timeout_s)
         st.last_seen = now
         st.credit = 0  # WELCOME's credit is absolute: whatever was granted before is void on both sides
         # Make everything received so far durable and acked first, then answer the pending ids we already have, so
@@ -345,7 +318,7 @@ class TrajectoryReceiver:
         with self._consumed_lock:
             return tid in self._consumed
 
-    def _traj_refused(self, ident: bytes, st: _Actor, tid: str | None, reason: str) -> None:
+    def _traj_refused(self, ident: bytes, st: Peer, tid: str | None, reason: str) -> None:
         """A TRAJ without a usable header or payload: counted as received and malformed, NACKed for good."""
         self._count("received")
         if st.credit > 0:
@@ -353,14 +326,13 @@ class TrajectoryReceiver:
         self._warn("malformed", "TRAJ from %r refused: %s", ident, reason)
         self._nack(ident, st, tid, reason, "malformed")
 
-    def _nack(self, ident: bytes, st: _Actor, tid: str | None, reason: str, counter: str, retry: bool = False) -> None:
+    def _nack(self, ident: bytes, st: Peer, tid: str | None, reason: str, counter: str, retry: bool = False) -> None:
         self._count(counter)
         self._count("nacked")
         self._send(ident, M.Nack(tid, reason, retry))
         if not retry and st.ledger:
             # The episode finished but can never be trained on: it stops counting as running.
-            st.ledger -= 1
-            st.claimed = min(st.claimed, st.ledger)
+            st.finish(1)
             self.staleness.on_rejected(1)
         if self.on_reject is not None:
             try:
@@ -368,7 +340,7 @@ class TrajectoryReceiver:
             except Exception:
                 log.exception("on_reject callback failed")
 
-    def _traj(self, ident: bytes, st: _Actor, m: M.Traj, payload, image_frames=()) -> None:
+    def _traj(self, ident: bytes, st: Peer, m: M.Traj, payload, image_frames=()) -> None:
         """payload: the encoded trajectory (bytes or a memoryview), image_frames: the attached screenshots."""
         if payload is None:
             self._traj_refused(ident, st, m.id, "malformed: no id or payload")
@@ -395,8 +367,7 @@ class TrajectoryReceiver:
             missing = resolve(self.images, tr)
             self._count("images_stored", len(self.images) - n_img)
         except (SchemaError, ImageError) as e:
-            counter = ("invalid" if isinstance(e, InvalidTrajectory) else
-                       "unknown_schema" if "unknown schema version" in str(e) else "malformed")
+            counter = getattr(e, "kind", "malformed")  # SchemaError: malformed | unknown_schema | invalid
             self._warn(counter, "dropping trajectory %s from %r: %s", tid, ident, e)
             self._nack(ident, st, tid, f"{counter}: {e}", counter)
             return
@@ -418,12 +389,7 @@ class TrajectoryReceiver:
             self._nack(ident, st, tid, "busy: write-ahead log failed", "wal_errors", retry=True)
             return
         # Accounting before the put: the training thread may call on_accepted the instant the item is queued.
-        if st.ledger:
-            st.ledger -= 1
-            if st.claimed:  # a claimed episode borne out (those started first): the rest get more time
-                st.claimed -= 1
-                st.claim_deadline = time.monotonic() + self.actor_timeout_s
-        else:
+        if not st.arrived(time.monotonic(), self.actor_timeout_s):
             self.staleness.adopt(1)     # admitted by a previous learner, or sent without ADMIT
         self._q.put_nowait(tr)
         self._count("accepted")
@@ -471,14 +437,9 @@ class TrajectoryReceiver:
                 self._send(ident, M.Version(v))
             self._version_sent = v
         for ident, st in list(self._actors.items()):
-            if st.claimed and now > st.claim_deadline:
-                # In flight on the actor's word and nothing came: give them back (if one does arrive after all, it
-                # is adopted then, as any uncovered arrival).
-                self._warn("claim_expired", "actor %r: %d claimed episodes never arrived: given back", ident, st.claimed)
-                st.ledger -= st.claimed
-                self.staleness.on_lost(st.claimed)
-                self._count("claims_expired", st.claimed)
-                st.claimed = 0
+            if k := st.expire_claims(now):  # claimed in HELLO and never borne out: given back
+                self.staleness.on_lost(k)
+                self._count("claims_expired", k)
             if now - st.last_seen > self.actor_timeout_s:
                 # Silent for too long (actors PING every heartbeat): free its credit and give back its admissions.
                 self._warn("dead", "actor %r silent for %.0fs: dropping it", ident, now - st.last_seen)
