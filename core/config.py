@@ -82,6 +82,9 @@ class InferenceConfig:
     prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
     max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
     update_timeout_s: float = f(120.0, "longest wait for a weight update to be applied between two steps")
+    max_version_jump: int = f(1000, "UpdateWeights to a version more than this beyond the one served is refused "
+                              "(INVALID_ARGUMENT; a huge version would lock out every later publish); 0 = unbounded. "
+                              "A server started from older weights than the learner's: start it with --version")
     sglang_pause_mode: str = f("abort", "engine=sglang: pause_generation mode around a weight update: abort (in-flight requests "
                                "come back and are resumed from their tokens) | retract | in_place (the server keeps them)")
     sglang_request_timeout_s: float = f(600.0, "engine=sglang: longest a generation may take, resumes included")

@@ -11,6 +11,7 @@ infra_error the fault (core.outcome.Fault: which part broke; absent in frames fr
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,21 @@ MAX_FRAME_BYTES = 64 << 20
 
 class SchemaError(ValueError):
     """A frame that is not a valid trajectory of a known schema version."""
+
+    kind = "malformed"  # the stream's NACK reason and counter
+
+
+class UnknownSchema(SchemaError):
+    """A trajectory of a schema version this build does not read."""
+
+    kind = "unknown_schema"
+
+
+class InvalidTrajectory(SchemaError):
+    """A well-formed trajectory whose content cannot be trained on: arrays of different lengths, token ids outside the
+    model's vocabulary, non-finite rewards, return or logprobs (the stream NACKs it "invalid")."""
+
+    kind = "invalid"
 
 
 @dataclass
@@ -63,27 +79,41 @@ class Trajectory:
     judge: dict = field(default_factory=dict)   # LLM-as-judge verdict (actor/judge.py), empty when not judged
     fault: Fault = Fault.NONE                    # which part broke, when the outcome is infra_error
 
-    def validate(self) -> "Trajectory":
+    def validate(self, vocab_size: int | None = None) -> "Trajectory":
+        """Raise InvalidTrajectory unless every part is consistent and trainable; vocab_size (the learner's model's)
+        bounds the token ids, which are never negative."""
         n = len(self.tokens)
         for name in ("logprobs", "versions", "mask"):
             if len(getattr(self, name)) != n:
-                raise SchemaError(f"{name} has {len(getattr(self, name))} entries, tokens has {n}")
+                raise InvalidTrajectory(f"{name} has {len(getattr(self, name))} entries, tokens has {n}")
         if self.outcome not in ENDED:
-            raise SchemaError(f"outcome {str(self.outcome)!r} not one of {tuple(map(str, ENDED))}")
+            raise InvalidTrajectory(f"outcome {str(self.outcome)!r} not one of {tuple(map(str, ENDED))}")
         if self.fault not in tuple(Fault):
-            raise SchemaError(f"fault {str(self.fault)!r} not one of {tuple(map(str, Fault))}")
+            raise InvalidTrajectory(f"fault {str(self.fault)!r} not one of {tuple(map(str, Fault))}")
         if not self.id:
-            raise SchemaError("trajectory id is empty")
+            raise InvalidTrajectory("trajectory id is empty")
         for t in self.turns:
             if not 0 <= t.start <= t.end <= n:
-                raise SchemaError(f"turn span [{t.start}, {t.end}) outside [0, {n}]")
+                raise InvalidTrajectory(f"turn span [{t.start}, {t.end}) outside [0, {n}]")
+        if n:
+            lo, hi = int(self.tokens.min()), int(self.tokens.max())
+            if lo < 0:
+                raise InvalidTrajectory(f"token id {lo} at position {int(np.argmin(self.tokens))} is negative")
+            if vocab_size is not None and hi >= vocab_size:
+                raise InvalidTrajectory(f"token id {hi} at position {int(np.argmax(self.tokens))} outside the "
+                                        f"vocabulary [0, {vocab_size})")
         if n and (self.mask.max(initial=0) > 1):
-            raise SchemaError("mask must be 0 or 1")
+            raise InvalidTrajectory("mask must be 0 or 1")
         gen = self.mask.astype(bool)
         if gen.any() and (self.versions[gen] < 0).any():
-            raise SchemaError("a generated token has no policy version")
+            raise InvalidTrajectory("a generated token has no policy version")
         if not np.isfinite(self.logprobs).all() or (self.logprobs > 1e-4).any():
-            raise SchemaError("logprobs must be finite and <= 0")
+            raise InvalidTrajectory("logprobs must be finite and <= 0")
+        if not math.isfinite(self.ret):
+            raise InvalidTrajectory(f"return {self.ret} is not finite")
+        bad_turn = next((i for i, t in enumerate(self.turns) if not math.isfinite(t.reward)), None)
+        if bad_turn is not None:
+            raise InvalidTrajectory(f"turn {bad_turn}'s reward {self.turns[bad_turn].reward} is not finite")
         return self
 
     @property
@@ -120,21 +150,22 @@ class Trajectory:
         return msgpack.packb(self.to_dict(), use_bin_type=True)
 
     @classmethod
-    def decode(cls, frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> "Trajectory":
+    def decode(cls, frame: bytes, max_bytes: int = MAX_FRAME_BYTES, vocab_size: int | None = None) -> "Trajectory":
+        """A frame -> a validated Trajectory (SchemaError / InvalidTrajectory); vocab_size: see validate."""
         if len(frame) > max_bytes:
             raise SchemaError(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
         try:
             d = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_bin_len=max_bytes, max_str_len=max_bytes)
         except Exception as e:  # msgpack raises several types for garbage
             raise SchemaError(f"not msgpack: {type(e).__name__}: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(d, vocab_size)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Trajectory":
+    def from_dict(cls, d: Any, vocab_size: int | None = None) -> "Trajectory":
         if not isinstance(d, dict):
             raise SchemaError(f"frame is a {type(d).__name__}, expected a map")
         if d.get("schema") != SCHEMA_VERSION:
-            raise SchemaError(f"unknown schema version {d.get('schema')!r} (this build reads {SCHEMA_VERSION})")
+            raise UnknownSchema(f"unknown schema version {d.get('schema')!r} (this build reads {SCHEMA_VERSION})")
         try:
             arrays = {}
             for name, dt in (("tokens", "<i4"), ("logprobs", "<f4"), ("versions", "<i4"), ("mask", "u1")):
@@ -161,7 +192,7 @@ class Trajectory:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise SchemaError(f"malformed trajectory: {type(e).__name__}: {e}") from None
-        return tr.validate()
+        return tr.validate(vocab_size)
 
 
 def turn_rewards(tr: Trajectory) -> np.ndarray:

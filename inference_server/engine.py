@@ -19,7 +19,8 @@ from core.config import InferenceConfig
 from core.model import CausalLM
 # The shared types are re-exported here: callers import the engine's vocabulary from the engine.
 from inference_server.engine_types import (LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
-                                           Request, SamplingParams, TokenCallback, WeightLoadError, WeightUpdate)
+                                           Request, SamplingParams, TokenCallback, WeightLoadError, WeightsRefused,
+                                           WeightUpdate, check_finite, check_version_step)
 from inference_server.scheduler import Scheduler
 from inference_server.work_queue import WorkQueue
 
@@ -154,13 +155,13 @@ class LocalEngine:
 
         Reading and checking the weights happens in the calling thread so decoding goes on meanwhile. With
         wait=False the Future of that info is returned (safe to call from an on_token callback).
-        Raises ValueError when version is not newer, WeightLoadError when the weights do not fit.
+        Raises ValueError when version is not newer, WeightsRefused when it jumps past cfg.max_version_jump or a
+        weight is not finite, WeightLoadError when the weights do not fit; the weights served stay in every case.
         """
         t0 = time.monotonic()
         version = int(version)
         with self._update_lock:
-            if version <= self._target_version:
-                raise ValueError(f"version {version} is not newer than the current version {self._target_version}")
+            check_version_step(self._target_version, version, self.cfg.max_version_jump)
             if state_dict is None:
                 if not path:
                     raise WeightLoadError("update_weights needs a path or a state_dict")
@@ -184,6 +185,7 @@ class LocalEngine:
         wrong = [(k, tuple(v.shape), self._shapes[k]) for k, v in sd.items() if tuple(v.shape) != self._shapes[k]]
         if wrong:
             raise WeightLoadError(f"weight shapes do not match the model, e.g. {wrong[0][0]}: {wrong[0][1]} vs {wrong[0][2]}")
+        check_finite(sd)
 
     # ---- metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict:

@@ -25,6 +25,28 @@ class WeightLoadError(RuntimeError):
     """New weights could not be read or do not fit the model (FAILED_PRECONDITION)."""
 
 
+class WeightsRefused(ValueError):
+    """An update no server state makes acceptable: non-finite weights, or a version jump past
+    inference.max_version_jump (INVALID_ARGUMENT). The weights served before stay."""
+
+
+def check_version_step(current: int, version: int, max_jump: int) -> None:
+    """The one rule for an update's version, every engine: newer than `current` (ValueError, FAILED_PRECONDITION),
+    and at most `max_jump` beyond it (0 = unbounded; WeightsRefused)."""
+    if version <= current:
+        raise ValueError(f"version {version} is not newer than the current version {current}")
+    if max_jump > 0 and version - current > max_jump:
+        raise WeightsRefused(f"version {version} jumps {version - current} beyond the current version {current}; "
+                             f"inference.max_version_jump allows {max_jump}")
+
+
+def check_finite(state_dict: dict) -> None:
+    """WeightsRefused naming the first tensor that holds a NaN or an infinity."""
+    for k, v in state_dict.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise WeightsRefused(f"weight {k} holds non-finite values (NaN or inf): refused, the served weights stay")
+
+
 class EngineClosed(RuntimeError):
     """The engine was closed while the request was pending (UNAVAILABLE)."""
 

@@ -14,7 +14,8 @@ import sys
 import grpc
 
 from inference_server.engine import LocalEngine
-from inference_server.engine_types import EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError
+from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError,
+                                           WeightsRefused, check_version_step)
 from core.weights_stream import Assembler, BadChunk, WrongWeights
 from core import rpc, telemetry
 from core.config import InferenceConfig
@@ -158,17 +159,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         async def receive():
             async for c in request_iterator:
                 asm.add(c)
-                if asm.version is not None and asm.version <= self.engine.version:  # refuse before reading gigabytes
-                    raise WrongWeights(f"version {asm.version} is not newer than the current version {self.engine.version}")
+                if asm.version is not None:  # refuse a version that cannot be installed before reading gigabytes
+                    check_version_step(self.engine.version, asm.version, self.cfg.max_version_jump)
             return asm.finish()
 
         try:
             version, sd = await asyncio.wait_for(receive(), remaining)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the weights stream ended")
-        except BadChunk as e:
+        except (BadChunk, WeightsRefused) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except WrongWeights as e:
+        except (WrongWeights, ValueError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return await self._update(context, version, None, sd)
 
@@ -177,6 +178,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         timeout = self.cfg.update_timeout_s if remaining is None else max(0.01, min(self.cfg.update_timeout_s, remaining))
         try:
             info = await asyncio.to_thread(self.engine.update_weights, version, path, sd, timeout)
+        except WeightsRefused as e:  # non-finite weights, a version jump past inference.max_version_jump
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (ValueError, WeightLoadError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except OSError as e:  # a path that cannot even be looked at (name too long, ...)

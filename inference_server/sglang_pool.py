@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from core.config import InferenceConfig
-from inference_server.engine_types import EngineClosed, WeightLoadError
+from inference_server.engine_types import EngineClosed, WeightLoadError, check_version_step
 from inference_server.sglang_http import http_json, parse_version
 
 log = logging.getLogger("tars.inference.sglang")
@@ -123,12 +123,13 @@ class ReplicaPool:
         """Install `path` as `version` on every healthy replica; {version, load_ms, interrupted_requests, replicas}.
 
         requests_in_flight() is asked once the update has the pool to itself: the engine's generations it interrupts.
-        Raises ValueError when the version is not newer, NoHealthyReplica when none is up, WeightLoadError when no
-        replica accepts the weights (one that refuses is taken out until it can be brought up to date).
+        Raises ValueError when the version is not newer, WeightsRefused when it jumps past cfg.max_version_jump,
+        NoHealthyReplica when none is up, WeightLoadError when no replica accepts the weights (one that refuses is
+        taken out until it can be brought up to date). SGLang reads the weights itself: they are not checked for
+        non-finite values here (the local engine does).
         """
         with self._update_lock:
-            if version <= self.version:
-                raise ValueError(f"version {version} is not newer than the current version {self.version}")
+            check_version_step(self.version, version, self.cfg.max_version_jump)
             t0 = time.monotonic()
             self._updating.set()
             self._no_update.clear()

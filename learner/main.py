@@ -86,7 +86,8 @@ class Learner:
             f"tcp://{s.host}:{s.port}", str(self.run / "stream.wal"), self.staleness,
             credits=s.credits, queue_size=max(s.queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=s.max_frame_bytes, consumed_ids=consumed, ack_interval_s=s.ack_interval_s,
-            fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability)
+            fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability,
+            vocab_size=self.policy.config.vocab_size)  # token ids outside the model's vocabulary are NACKed
         self.counters = collections.Counter()
         self.publisher = Publisher(self.policy, self.run, inference, cfg.inference.auth_token, self.lcfg.publish,
                                    self.counters, tokenizer_from=self.model_dir)
@@ -117,6 +118,9 @@ class Learner:
                           "learner's queue")
         telemetry.observe("tars.learner.version", lambda: self.version, description="policy version")
         telemetry.observe("tars.learner.eta", lambda: self.staleness.stats()["eta"], description="staleness bound eta")
+        telemetry.observe("tars.learner.nonfinite_updates", lambda: self.counters["nonfinite_updates"],
+                          description="updates whose loss or gradient was not finite: no optimiser step taken",
+                          kind="counter")
         telemetry.observe("tars.learner.dropped", lambda: {k: self.counters[k] for k in (Outcome.INFRA_ERROR, "too_stale")},
                           description="trajectories kept out of the loss, by reason", kind="counter", label="reason")
 
@@ -139,8 +143,11 @@ class Learner:
                 publish_s = self.publisher.publish(self.version)
                 self.staleness.set_version(self.version)
                 self.receiver.mark_consumed(tr.id for tr in batch)
-                self.trained_log.write(json.dumps({"version": self.version, "ids": [tr.id for tr in batch],
-                                                   "masked": self.admission.take_masked()}) + "\n")
+                rec = {"version": self.version, "ids": [tr.id for tr in batch], "masked": self.admission.take_masked()}
+                if m.get("nonfinite_steps"):  # the weights did not move: the batch is consumed, its update skipped
+                    self.counters["nonfinite_updates"] += 1
+                    rec["nonfinite_steps"] = m["nonfinite_steps"]
+                self.trained_log.write(json.dumps(rec) + "\n")
                 self.counters["trained"] += len(batch)
                 m.update(version=self.version, t=time.time(), step_s=time.perf_counter() - t0, publish_s=publish_s,
                          **batch_figures(batch, self.version), queue=self.receiver.qsize(),

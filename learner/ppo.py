@@ -91,6 +91,11 @@ def length_chunks(lengths: torch.Tensor, idx: torch.Tensor, max_tokens: int) -> 
     return chunks
 
 
+def all_finite(*xs) -> bool:
+    """Every figure (float, 0-d tensor, or None: skipped) finite."""
+    return all(x is None or math.isfinite(float(x)) for x in xs)
+
+
 def lr_lambda(warmup: int):
     return lambda step: min(1.0, (step + 1) / max(1, warmup))
 
@@ -215,6 +220,7 @@ class PPOTrainer:
         self.policy.train()
         B = len(trajs)
         stats: dict[str, list[float]] = {"pg_loss": [], "clipfrac": [], "entropy": [], "v_loss": [], "grad_norm": [], "kl_ref": []}
+        nonfinite = 0  # minibatch steps skipped for a non-finite loss or gradient
         for _ in range(cfg.ppo.epochs):
             perm = torch.randperm(B) if cfg.ppo.minibatches > 1 else torch.arange(B)
             for idx in perm.chunk(max(1, cfg.ppo.minibatches)):
@@ -266,12 +272,19 @@ class PPOTrainer:
                 if self.critic is not None:
                     self.dist.allreduce_grads(self.critic.parameters())
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+                cgn = (torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.grad_clip)
+                       if self.critic is not None else None)
+                totals = self.dist.sum_floats(list(sums.values()))  # metrics of the whole minibatch (every rank)
+                if not all_finite(*totals, gn, cgn):
+                    # A NaN / inf loss or gradient (policy or critic): neither optimiser steps, or it would sit in the
+                    # weights and Adam's moments for good and every later update would be NaN too.
+                    nonfinite += 1
+                    continue
                 if has_signal:  # Adam's momentum would still move the weights on a batch with no advantage signal
                     self.opt.step()
                 if self.critic is not None:
-                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.grad_clip)
                     self.critic_opt.step()
-                for k, v in zip(sums, self.dist.sum_floats(list(sums.values()))):  # metrics of the whole minibatch
+                for k, v in zip(sums, totals):
                     stats.setdefault(k, []).append(v)
                 stats["grad_norm"].append(float(gn))
         if prox is None:
@@ -290,7 +303,8 @@ class PPOTrainer:
         if values is not None:
             m["explained_variance"] = float(A.explained_variance(values, targets, b.mask))
         m["update_s"] = time.perf_counter() - t0
-        m["policy_step_skipped"] = not has_signal
+        m["policy_step_skipped"] = not has_signal or nonfinite > 0
+        m["nonfinite_steps"] = nonfinite
         m["lr"] = self.sched.get_last_lr()[0]
         return m
 
@@ -317,9 +331,12 @@ class PPOTrainer:
             total += w * float(vl.detach())
         (total,) = self.dist.sum_floats([total])
         self.dist.allreduce_grads(self.critic.parameters())
-        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
-        self.critic_opt.step()
-        return {"v_loss": total, "explained_variance": float(A.explained_variance(old, targets, b.mask))}
+        gn = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
+        finite = all_finite(total, gn)
+        if finite:  # a non-finite loss or gradient would stay in the critic for good
+            self.critic_opt.step()
+        return {"v_loss": total, "explained_variance": float(A.explained_variance(old, targets, b.mask)),
+                "nonfinite_steps": int(not finite)}
 
 
 def sft_loss(policy: TrainPolicy, tokens: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

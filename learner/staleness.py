@@ -14,7 +14,10 @@ the learner's max_lag, which drops and counts anything older.
 Who calls what (nothing may be counted twice):
   try_admit   the stream receiver, answering an actor's ADMIT          running += granted
   adopt       the stream receiver, for trajectories it did not admit    running += n
-              (WAL replay after a learner restart, in-flight episodes of an actor that re-introduces itself)
+              (WAL replay after a learner restart, an arrival no admission covers)
+  adopt_claim the stream receiver, for the in-flight episodes an actor  running += min(n, capacity)
+              says (HELLO) a previous learner admitted: taken on its word, so never more than could be admitted
+              now (a lying HELLO cannot push running past the bound and hold admissions shut)
   on_lost     the stream receiver, for FINISHED_LOST / dead actors      running -= n
   on_rejected the stream receiver for a NACKed (undecodable) frame,     running -= n, rejected += n
               the training loop for a delivered trajectory it drops (infra_error, too stale)
@@ -84,6 +87,17 @@ class StalenessManager:
         """Count n episodes as running that were admitted elsewhere (a previous learner); no capacity check."""
         with self._lock:
             self._running += n
+
+    def adopt_claim(self, n: int) -> int:
+        """Count as running up to n episodes an actor claims a previous learner admitted, never more than the
+        capacity (what it could be admitted now); returns how many were taken. The receiver gives back (on_lost)
+        what no arrival bears out in time; an arrival beyond the claim is adopted on its own."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        with self._lock:
+            g = min(n, self._capacity_locked())
+            self._running += g
+            return g
 
     def _finish_locked(self, n: int, what: str) -> None:
         if n < 0:

@@ -3,6 +3,7 @@ per-batch figures the learner logs with each version."""
 from __future__ import annotations
 
 import collections
+import math
 
 import numpy as np
 
@@ -33,7 +34,8 @@ class Updater:
         if self.value_pretrain_left > 0:  # critic only; the policy (and so the behaviour) is unchanged
             m = self.trainer.value_pretrain_step(batch)
             self.value_pretrain_left -= 1
-            self.evs.append(m["explained_variance"])
+            if math.isfinite(m["explained_variance"]):  # a skipped, non-finite step says nothing of the critic
+                self.evs.append(m["explained_variance"])
             if value_pretrain_done(list(self.evs), self.target_ev):
                 self.value_pretrain_left = 0
             m["phase"] = "value_pretrain"

@@ -4,6 +4,7 @@
   sender.py      actor side: TrajectorySender (asyncio DEALER, credit, outbox, re-sends)
   spool.py       the sender's outbox on disk, for actor restarts
   receiver.py    learner side: TrajectoryReceiver (ROUTER io thread, credit, validation, bounded queue)
+  peers.py       the receiver's view of one actor: credit, admitted episodes, and the bounds on HELLO's claims
   durability.py  when an accepted trajectory may be acked: through the WAL, or through the learner's checkpoints
   wal.py         the write-ahead log (also the learner's trajectory-file format)
   images.py      content-addressed screenshots, each sent once per learner connection

@@ -17,8 +17,8 @@ Delivery is exactly-once for training, across learner restarts:
     a new receiver given those consumed_ids replays the logged entries not consumed into the queue before anything
     new; after each durable checkpoint the loop calls compact_wal() and commit(its consumed ids).
 Staleness bookkeeping (which side calls what) is described in learner/staleness.py: this receiver calls try_admit,
-adopt, on_lost and on_rejected (for NACKed frames only); the training loop calls on_accepted/on_rejected once for
-every trajectory get() returns.
+adopt, adopt_claim (core/stream/peers.py), on_lost and on_rejected (for NACKed frames only); the training loop calls
+on_accepted/on_rejected once for every trajectory get() returns. What cannot be trained on is NACKed "invalid".
 """
 from __future__ import annotations
 
@@ -27,8 +27,6 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-
 import zmq
 
 from core.schema import SchemaError, Trajectory
@@ -36,17 +34,10 @@ from core.stream import messages as M
 from core.stream.curve import curve_server
 from core.stream.durability import IoHooks, make_durability
 from core.stream.images import ImageError, ImageStore, resolve, take_attached
+from core.stream.peers import Peer
 from core.stream.wal import WalError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Actor:
-    incarnation: str
-    credit: int = 0         # credit granted and not yet spent: each unit is a reserved queue slot
-    ledger: int = 0         # episodes this receiver admitted for the actor and has not seen finish
-    last_seen: float = 0.0
 
 
 def _recv_message(sock) -> list:
@@ -62,10 +53,12 @@ class TrajectoryReceiver:
     def __init__(self, bind: str, wal_path: str, staleness, credits: int = 512, queue_size: int = 4096,
                  max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *,
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
-                 log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal"):
+                 log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
+                 vocab_size: int | None = None):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
         for every NACKed frame (keep it cheap). curve_secret_key: see core/stream/curve.py. durability: "wal" or
-        "checkpoint" (core/stream/durability.py)."""
+        "checkpoint" (core/stream/durability.py). vocab_size: the learner's model's (other token ids are NACKed
+        "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
         if credits < 1 or queue_size < 1:
             raise ValueError("credits and queue_size must be >= 1")
         self.bind = bind
@@ -77,6 +70,7 @@ class TrajectoryReceiver:
         self.actor_timeout_s = actor_timeout_s
         self.log_every_s = log_every_s
         self.curve_secret_key = curve_secret_key
+        self.vocab_size, self._claims_until = vocab_size, 0.0  # HELLO inflight is adopted until then (set by start)
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
         self.durability = make_durability(durability, IoHooks(self._send, self._count, self._warn), wal_path,
                                           run_id=self.run_id, fsync=fsync, ack_interval_s=ack_interval_s,
@@ -91,14 +85,14 @@ class TrajectoryReceiver:
         self._error: BaseException | None = None
         self._sock: zmq.Socket | None = None  # the io thread's, from bind to close
         self.address = ""
-        self._actors: dict[bytes, _Actor] = {}
+        self._actors: dict[bytes, Peer] = {}
         self._replay: list[str] = []
         self._version_sent = -1
         self._stats = dict.fromkeys(
             ("received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked",
              "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
              "protocol_errors", "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images",
-             "committed"), 0)
+             "committed", "invalid", "claimed", "claims_capped", "claims_expired"), 0)
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
@@ -113,6 +107,7 @@ class TrajectoryReceiver:
             # These were admitted by a previous learner; the training loop will resolve each with on_accepted/rejected.
             self.staleness.adopt(len(self._replay))
         self._replay.reverse()  # popped from the end, so replay goes in file (arrival) order
+        self._claims_until = time.monotonic() + self.actor_timeout_s
         self._thread = threading.Thread(target=self._run, name="traj-receiver", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -282,7 +277,7 @@ class TrajectoryReceiver:
         elif isinstance(m, M.Lost):
             k = min(m.n, st.ledger) if m.n > 0 else 0
             if k:
-                st.ledger -= k
+                st.finish(k)
                 self.staleness.on_lost(k)
             self._count("lost", k)
         elif isinstance(m, M.Ping):
@@ -298,11 +293,16 @@ class TrajectoryReceiver:
                 self.staleness.on_lost(st.ledger)
                 self._count("lost", st.ledger)
             st = None
+        now = time.monotonic()
         if st is None:
-            st = self._actors[ident] = _Actor(incarnation=m.incarnation, ledger=inflight)
-            if inflight:
-                self.staleness.adopt(inflight)  # admitted by a previous learner, still running on the actor
-        st.last_seen = time.monotonic()
+            # Admitted by a previous learner, still running on the actor: bounded claims (core/stream/peers.py).
+            claim = self.staleness.adopt_claim(inflight) if inflight and now < self._claims_until else 0
+            if claim < inflight:
+                self._count("claims_capped")
+                self._warn("claim", "HELLO from %r claims %d episodes in flight: %d taken", ident, inflight, claim)
+            self._count("claimed", claim)
+            st = self._actors[ident] = Peer(m.incarnation, ledger=claim, claimed=claim, claim_deadline=now + self.actor_timeout_s)
+        st.last_seen = now
         st.credit = 0  # WELCOME's credit is absolute: whatever was granted before is void on both sides
         # Make everything received so far durable and acked first, then answer the pending ids we already have, so
         # the actor's outbox holds exactly what must be re-sent when WELCOME arrives (same pipe, so in order).
@@ -318,7 +318,7 @@ class TrajectoryReceiver:
         with self._consumed_lock:
             return tid in self._consumed
 
-    def _traj_refused(self, ident: bytes, st: _Actor, tid: str | None, reason: str) -> None:
+    def _traj_refused(self, ident: bytes, st: Peer, tid: str | None, reason: str) -> None:
         """A TRAJ without a usable header or payload: counted as received and malformed, NACKed for good."""
         self._count("received")
         if st.credit > 0:
@@ -326,13 +326,13 @@ class TrajectoryReceiver:
         self._warn("malformed", "TRAJ from %r refused: %s", ident, reason)
         self._nack(ident, st, tid, reason, "malformed")
 
-    def _nack(self, ident: bytes, st: _Actor, tid: str | None, reason: str, counter: str, retry: bool = False) -> None:
+    def _nack(self, ident: bytes, st: Peer, tid: str | None, reason: str, counter: str, retry: bool = False) -> None:
         self._count(counter)
         self._count("nacked")
         self._send(ident, M.Nack(tid, reason, retry))
         if not retry and st.ledger:
             # The episode finished but can never be trained on: it stops counting as running.
-            st.ledger -= 1
+            st.finish(1)
             self.staleness.on_rejected(1)
         if self.on_reject is not None:
             try:
@@ -340,7 +340,7 @@ class TrajectoryReceiver:
             except Exception:
                 log.exception("on_reject callback failed")
 
-    def _traj(self, ident: bytes, st: _Actor, m: M.Traj, payload, image_frames=()) -> None:
+    def _traj(self, ident: bytes, st: Peer, m: M.Traj, payload, image_frames=()) -> None:
         """payload: the encoded trajectory (bytes or a memoryview), image_frames: the attached screenshots."""
         if payload is None:
             self._traj_refused(ident, st, m.id, "malformed: no id or payload")
@@ -361,13 +361,13 @@ class TrajectoryReceiver:
             n_img = len(self.images)
             # Stored even if the trajectory is then refused: later trajectories may refer to them.
             take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
-            tr = Trajectory.decode(payload, self.max_frame_bytes)
+            tr = Trajectory.decode(payload, self.max_frame_bytes, self.vocab_size)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
             missing = resolve(self.images, tr)
             self._count("images_stored", len(self.images) - n_img)
         except (SchemaError, ImageError) as e:
-            counter = "unknown_schema" if "unknown schema version" in str(e) else "malformed"
+            counter = getattr(e, "kind", "malformed")  # SchemaError: malformed | unknown_schema | invalid
             self._warn(counter, "dropping trajectory %s from %r: %s", tid, ident, e)
             self._nack(ident, st, tid, f"{counter}: {e}", counter)
             return
@@ -389,9 +389,7 @@ class TrajectoryReceiver:
             self._nack(ident, st, tid, "busy: write-ahead log failed", "wal_errors", retry=True)
             return
         # Accounting before the put: the training thread may call on_accepted the instant the item is queued.
-        if st.ledger:
-            st.ledger -= 1
-        else:
+        if not st.arrived(time.monotonic(), self.actor_timeout_s):
             self.staleness.adopt(1)     # admitted by a previous learner, or sent without ADMIT
         self._q.put_nowait(tr)
         self._count("accepted")
@@ -411,7 +409,7 @@ class TrajectoryReceiver:
         while self._replay and free > 0:
             tid = self._replay.pop()
             try:
-                tr = Trajectory.decode(self.durability.read(tid), self.max_frame_bytes)
+                tr = Trajectory.decode(self.durability.read(tid), self.max_frame_bytes, self.vocab_size)
                 if resolve(self.images, tr):
                     raise SchemaError("refers to images missing from the image store")
             except (SchemaError, ImageError) as e:  # crc-checked, so a schema change or a lost image store
@@ -439,6 +437,9 @@ class TrajectoryReceiver:
                 self._send(ident, M.Version(v))
             self._version_sent = v
         for ident, st in list(self._actors.items()):
+            if k := st.expire_claims(now):  # claimed in HELLO and never borne out: given back
+                self.staleness.on_lost(k)
+                self._count("claims_expired", k)
             if now - st.last_seen > self.actor_timeout_s:
                 # Silent for too long (actors PING every heartbeat): free its credit and give back its admissions.
                 self._warn("dead", "actor %r silent for %.0fs: dropping it", ident, now - st.last_seen)

@@ -1,0 +1,314 @@
+"""Poisoning the learner from a local process: each attack a process on the same host could make on the trajectory
+stream or on the inference server's UpdateWeights, sent over real sockets, and what stops it.
+
+  * untrainable trajectories (token ids outside the vocabulary, non-finite rewards / return / logprobs, arrays of
+    different lengths) are NACKed "invalid" by the stream, the rest of the stream unaffected, and a real learner
+    process trains on the good ones instead of crashing;
+  * a non-finite loss or gradient skips both optimiser steps: the weights stay finite;
+  * a HELLO claiming 10**12 episodes in flight cannot hold admissions shut;
+  * NaN weights and a version jump to 10**12 are refused by the inference server, which keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import msgpack
+import numpy as np
+import pytest
+import torch
+from grpc import aio
+
+from core import rpc
+from core.config import LearnerConfig, PPOConfig
+from core.inference_client import InferenceClient
+from core.model import CausalLM, DecoderConfig
+from core.proc import wait_for
+from core.schema import InvalidTrajectory, Trajectory, Turn
+from core.stream import messages as P
+from core.v1 import inference_pb2, inference_pb2_grpc
+from learner.policy import TrainPolicy
+from learner.ppo import PPOTrainer
+from learner.staleness import StalenessManager
+from test_inference_server import Servers, run
+from test_inference_engine import make_model
+from test_stream import raw_actor, receiver, recv_until
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+V = 40
+NAN = float("nan")
+
+
+def good(tid: str, n: int = 12, reward: float = 1.0) -> Trajectory:
+    m = np.zeros(n, np.uint8)
+    m[-4:] = 1
+    return Trajectory(id=tid, env_id="x", outcome="terminated", tokens=(np.arange(n, dtype=np.int32) % (V - 2)) + 2,
+                      logprobs=np.where(m, -1.0, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                      mask=m, turns=[Turn("text:1", "out", {}, reward, n - 4, n)], ret=reward, success=reward > 0)
+
+
+def frame(tid: str, **change) -> bytes:
+    """A hand-built msgpack trajectory, as a fake actor would send it: a good one with some fields replaced."""
+    d = good(tid).to_dict()
+    d.update(change)
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def tokens(*ids) -> bytes:
+    t = good("x").tokens.copy()
+    t[-len(ids):] = ids
+    return t.astype("<i4").tobytes()
+
+
+# (id, payload, what the NACK reason says)
+POISON = [
+    ("oov-1", lambda: frame("oov-1", tokens=tokens(10**9)), "outside the vocabulary"),
+    ("oov-2", lambda: frame("oov-2", tokens=tokens(V)), "outside the vocabulary"),
+    ("oov-3", lambda: frame("oov-3", tokens=tokens(7, 10**9, 3)), "outside the vocabulary"),
+    ("negative", lambda: frame("negative", tokens=tokens(-5)), "negative"),
+    ("nan-return", lambda: frame("nan-return", **{"return": NAN}), "return nan is not finite"),
+    ("inf-return", lambda: frame("inf-return", **{"return": float("inf")}), "return inf is not finite"),
+    ("nan-reward", lambda: frame("nan-reward", turns=[["text:1", "o", {}, NAN, 8, 12, 0.0, 0.0, ""]]), "reward nan"),
+    ("inf-logprob", lambda: frame("inf-logprob", logprobs=np.full(12, -np.inf, "<f4").tobytes()), "logprobs"),
+    ("short-logprobs", lambda: frame("short-logprobs", logprobs=np.zeros(11, "<f4").tobytes()), "logprobs has 11"),
+    ("short-versions", lambda: frame("short-versions", versions=np.zeros(13, "<i4").tobytes()), "versions has 13"),
+    ("short-mask", lambda: frame("short-mask", mask=np.ones(3, "u1").tobytes()), "mask has 3"),
+]
+
+
+def answers(d, ids, timeout=10.0) -> dict:
+    """{id: ("ack" | "nack", reason)} for every id in `ids`, read off a raw actor socket."""
+    out: dict = {}
+    end = time.monotonic() + timeout
+    while set(ids) - set(out) and time.monotonic() < end:
+        if not d.poll(50):
+            continue
+        tag, body = d.recv_multipart()
+        b = P.unpack(body)
+        if tag == P.NACK:
+            out[b["id"]] = ("nack", b["reason"])
+        elif tag == P.ACK:
+            out.update({t: ("ack", "") for t in b["ids"]})
+    assert not set(ids) - set(out), f"no answer for {sorted(set(ids) - set(out))}"
+    return out
+
+
+def test_stream_nacks_untrainable_trajectories_and_delivers_the_rest(tmp_path):
+    rx = receiver(tmp_path, vocab_size=V)
+    addr = rx.start()
+    d = raw_actor(addr, b"poisoner")
+    d.send_multipart(P.Hello("poisoner", "i", 1).encode())
+    recv_until(d, P.WELCOME)
+    sent = []
+    for i, (tid, payload, _) in enumerate(POISON):
+        d.send_multipart([P.TRAJ, P.pack({"seq": i, "id": tid}), payload()])
+        sent.append(tid)
+        d.send_multipart([P.TRAJ, P.pack({"seq": 100 + i, "id": f"ok-{i}"}), good(f"ok-{i}").encode()])
+        sent.append(f"ok-{i}")
+    got = answers(d, sent)
+    d.close()
+    for tid, _, why in POISON:
+        kind, reason = got[tid]
+        assert kind == "nack" and reason.startswith("invalid: ") and why in reason, (tid, got[tid])
+    assert all(got[f"ok-{i}"] == ("ack", "") for i in range(len(POISON)))
+    delivered = [rx.get(timeout=1) for _ in range(len(POISON))]
+    assert [t.id for t in delivered] == [f"ok-{i}" for i in range(len(POISON))] and rx.get(timeout=0.2) is None
+    s = rx.stats()
+    rx.stop()
+    assert (s["invalid"], s["malformed"], s["accepted"], s["nacked"]) == (len(POISON), 0, len(POISON), len(POISON))
+
+
+def test_the_learner_trains_past_out_of_vocabulary_and_nan_trajectories(tmp_path):
+    """A real learner process, a fake actor on its stream socket: 3 trajectories with token id 10**9 (an IndexError
+    in the embedding, the learner dead, on the old code) and NaN rewards ahead of the good ones."""
+    CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \
+        .save_hf(tmp_path / "model")
+    run_dir, B = tmp_path / "run", 4
+    run_dir.mkdir()
+    cmd = [sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(run_dir), "--model", str(tmp_path / "model"),
+           "--ready-file", str(tmp_path / "ready"), "--set", "learner.algo=ppo", "--set", f"learner.batch_size={B}",
+           "--set", "max_versions=1", "--set", "learner.group.size=1", "--set", "learner.staleness.max_lag=100"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "learner.log", "w") as log:
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ready = wait_for(lambda: (tmp_path / "ready").exists() and json.loads((tmp_path / "ready").read_text()), 60,
+                         "learner did not start")
+        d = raw_actor(ready["stream"], b"poisoner")
+        d.send_multipart(P.Hello("poisoner", "i", 1).encode())
+        recv_until(d, P.WELCOME, timeout=10)
+        bad = [("oov-a", frame("oov-a", tokens=tokens(10**9))), ("oov-b", frame("oov-b", tokens=tokens(10**9))),
+               ("oov-c", frame("oov-c", tokens=tokens(10**9))),
+               ("nan-r", frame("nan-r", **{"return": NAN}, turns=[["t", "o", {}, NAN, 8, 12, 0.0, 0.0, ""]]))]
+        oks = [(f"ok-{i}", good(f"ok-{i}", reward=float(i % 2)).encode()) for i in range(B)]
+        for seq, (tid, payload) in enumerate(bad + oks):
+            d.send_multipart([P.TRAJ, P.pack({"seq": seq, "id": tid}), payload])
+        got = answers(d, [t for t, _ in bad + oks], timeout=20)
+        d.close()
+        assert all(got[t][0] == "nack" and got[t][1].startswith("invalid: ") for t, _ in bad), got
+        assert p.wait(90) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    trained = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()]
+    assert [sorted(r["ids"]) for r in trained if r.get("version") == 1] == [sorted(t for t, _ in oks)]
+    final = TrainPolicy.load(run_dir / "final")
+    assert all(torch.isfinite(q).all() for q in final.parameters())
+
+
+def _nan_batch(n: int = 64) -> list[Trajectory]:
+    """The attack's batch: rewards (and so returns) NaN; built directly, as the stream would refuse it."""
+    out = []
+    for i in range(n):
+        t = good(f"nan-{i}", reward=NAN)
+        out.append(t)
+    with pytest.raises(InvalidTrajectory):
+        out[0].validate(V)
+    return out
+
+
+def _params(*models) -> list[torch.Tensor]:
+    return [q.detach().clone() for m in models if m is not None for q in m.parameters()]
+
+
+@pytest.mark.parametrize("algo,minibatches,entropy", [("ppo", 1, 0.0), ("ppo", 2, 0.0), ("grpo", 1, 0.01)])
+def test_a_nonfinite_loss_skips_both_optimiser_steps(algo, minibatches, entropy):
+    torch.manual_seed(0)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1) if algo == "ppo" else None
+    tr = PPOTrainer(pol, critic, LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1,
+                                               ppo=PPOConfig(minibatches=minibatches, entropy_coef=entropy)), 0)
+    before = _params(pol, critic)
+    m = tr.step(_nan_batch(), 0)
+    after = _params(pol, critic)
+    assert all(torch.isfinite(q).all() for q in after), "NaN reached the weights"
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "an optimiser stepped on a non-finite gradient"
+    assert m["nonfinite_steps"] == minibatches and m["policy_step_skipped"]
+    assert math.isfinite(tr.entropy_coef)
+    if critic is not None:
+        assert tr.value_pretrain_step(_nan_batch())["nonfinite_steps"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, _params(pol, critic)))
+    # Training goes on: a clean batch moves the weights, and they stay finite.
+    m = tr.step([good(f"ok-{i}", reward=float(i % 2)) for i in range(16)], 1)
+    moved = _params(pol, critic)
+    assert m["nonfinite_steps"] == 0 and all(torch.isfinite(q).all() for q in moved)
+    assert any(not torch.equal(a, b) for a, b in zip(before, moved))
+    for opt in (tr.opt, tr.critic_opt):
+        for st in (opt.state.values() if opt is not None else ()):
+            assert all(torch.isfinite(v).all() for v in st.values() if torch.is_tensor(v))
+
+
+def test_a_lying_hello_cannot_hold_admissions_shut(tmp_path):
+    stal = StalenessManager(batch_size=4, eta=1)        # at most 8 episodes may start at version 0
+    rx = receiver(tmp_path, stal=stal, actor_timeout_s=1.5)
+    addr = rx.start()
+    liar = raw_actor(addr, b"liar")
+    liar.send_multipart(P.Hello("liar", "x", 1, [], 10**12).encode())
+    recv_until(liar, P.WELCOME)
+    stop = threading.Event()
+
+    def keep_pinging():                                 # the liar stays alive, as a live actor would
+        while not stop.is_set():
+            liar.send_multipart(P.Ping().encode())
+            stop.wait(0.05)
+
+    pinger = threading.Thread(target=keep_pinging, daemon=True)
+    pinger.start()
+    honest = raw_actor(addr, b"honest")
+    try:
+        honest.send_multipart(P.Hello("honest", "h", 1).encode())
+        recv_until(honest, P.WELCOME)
+        assert stal.stats()["running"] <= 8             # the claim is capped at what could have been admitted
+
+        def admit(rid: int) -> int:
+            honest.send_multipart(P.Admit(rid, 4).encode())
+            return recv_until(honest, P.GRANT)[-1][1]["granted"]
+
+        rid, granted, end = 0, 0, time.monotonic() + 10
+        while not granted and time.monotonic() < end:   # the claim never arrives: given back, admissions go on
+            rid += 1
+            granted = admit(rid)
+            time.sleep(0.1)
+        assert granted == 4
+        # The liar again, as a new incarnation, after the start-up window: its word is not taken at all.
+        stop.set()
+        pinger.join(2)
+        liar.send_multipart(P.Hello("liar", "y", 2, [], 10**12).encode())
+        recv_until(liar, P.WELCOME)
+        assert admit(rid + 1) == 4
+        s, st = rx.stats(), stal.stats()
+    finally:
+        stop.set()
+        pinger.join(2)
+        liar.close()
+        honest.close()
+        rx.stop()
+    assert (s["claimed"], s["claims_capped"], s["claims_expired"]) == (8, 2, 8)
+    assert st["running"] == 8 and st["capacity"] == 0   # the honest actor's 8, nothing of the liar's
+
+
+def _weights(model: CausalLM, tmp_path, name: str) -> bytes:
+    model.save_hf(tmp_path / name)
+    return (tmp_path / name / "model.safetensors").read_bytes()
+
+
+def test_inference_server_refuses_nan_weights_and_version_jumps(tmp_path):
+    from safetensors.torch import load as st_load, save as st_save
+
+    good_bytes = _weights(make_model(1), tmp_path, "v1")
+    sd = st_load(good_bytes)
+    name = next(k for k, v in sd.items() if v.is_floating_point())
+    sd[name] = torch.full_like(sd[name], NAN)
+    nan_bytes = st_save(sd)
+
+    async def main():
+        async with Servers() as s:
+            _, eng, addr = await s.start(make_model(0))
+            ch = rpc.channel(addr)
+            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+
+            async def refused(**req) -> str:
+                with pytest.raises(aio.AioRpcError) as ei:
+                    await stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(**req), timeout=30)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+                return ei.value.details()
+
+            assert "non-finite" in await refused(version=1, safetensors=nan_bytes)
+            assert "max_version_jump" in await refused(version=10**12, safetensors=good_bytes)
+            assert "max_version_jump" in await refused(version=1001, path=str(tmp_path / "v1"))
+            c = InferenceClient([addr], retries=0)
+            with pytest.raises(aio.AioRpcError) as ei:
+                await c.update_weights_streamed(10**12, st_load(good_bytes))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # The previous weights stay served: finite logprobs at version 0.
+            r = await c.generate("t", [1, 2, 3], 8, temperature=1.0)
+            assert r.versions == [0] * 8 and all(math.isfinite(lp) for lp in r.logprobs)
+            assert eng.version == 0 and eng.target_version == 0
+            # And the learner's next publish (a path, version + 1) is taken.
+            up = await stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=1, path=str(tmp_path / "v1")), timeout=30)
+            assert up.version == 1
+            r = await c.generate("t2", [1, 2, 3], 8, temperature=1.0)
+            assert set(r.versions) == {1} and all(math.isfinite(lp) for lp in r.logprobs)
+            await c.close()
+            await ch.close()
+            # inference.max_version_jump = 0: unbounded (non-finite weights are refused all the same).
+            _, eng2, addr2 = await s.start(make_model(0), max_version_jump=0)
+            c2 = InferenceClient([addr2], retries=0)
+            assert (await c2.update_weights(10**12, data=good_bytes))[0]["version"] == 10**12
+            with pytest.raises(aio.AioRpcError) as ei:
+                await c2.update_weights(10**12 + 1, data=nan_bytes)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and eng2.version == 10**12
+            await c2.close()
+
+    run(main())
