@@ -1,9 +1,28 @@
 """Checkpoints: run_dir/ckpt holds the policy (HF layout), the optimizers, the RNG states, the critic and a meta.json
-(version, update count, the stream's consumed ids, ...), so a killed learner restarted with --resume loses nothing
-and trains on nothing twice.
+(version, update count, scheduler state, the stream's consumed ids, ...), so a killed learner restarted with
+--resume loses nothing and trains on nothing twice.
 
-A checkpoint is written to ckpt.tmp, fsynced, then renamed over ckpt: a kill at any point leaves the previous one
-whole. Tensors are saved on the CPU whatever the device, so a checkpoint resumes on another device (or none).
+Layout of one checkpoint directory:
+
+    policy/            the policy in HF layout (safetensors)
+    train_state.pt     tensors only: optimizer state dicts, critic weights, torch / CUDA RNG states. Read with
+                       torch.load(weights_only=True): a file that holds anything but tensors and plain containers
+                       (a pickled callable, say) is refused, nothing in it runs.
+    meta.json          everything else, as JSON: version, updates, entropy_coef, scheduler state, consumed ids, ...
+    MANIFEST.json      written last: every other file with its size. A directory without it, or whose files do not
+                       match it, is not a checkpoint (a save was interrupted, or the disk lied).
+
+Saving (a kill at any point leaves one whole checkpoint, the new or the previous one):
+
+    1. write ckpt.tmp/ (files, then MANIFEST.json), fsync every file and directory
+    2. rename ckpt -> ckpt.old (only a whole ckpt; a broken one is removed, keeping ckpt.old), fsync run_dir
+    3. rename ckpt.tmp -> ckpt, fsync run_dir
+    4. remove ckpt.old
+
+Loading takes ckpt if it is whole, else ckpt.old if that is whole (with a warning: the save after it was
+interrupted). Neither there: `locate` returns None (the caller decides whether a fresh start is allowed); something
+there but nothing whole: CheckpointError. Tensors are saved on the CPU whatever the device, so a checkpoint resumes
+on another device (or none).
 """
 from __future__ import annotations
 
@@ -20,46 +39,122 @@ from learner.policy import TrainPolicy, read_weights
 
 log = logging.getLogger("tars.learner")
 
+MANIFEST = "MANIFEST.json"
+FORMAT = 2  # 1: the format before MANIFEST.json (train_state.pt pickled with the scheduler in it); not read
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one is required, or a checkpoint that is refused (broken, or not plain tensors)."""
+
+
+def paths(run: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """(ckpt, ckpt.old, ckpt.tmp) of a run directory."""
+    return run / "ckpt", run / "ckpt.old", run / "ckpt.tmp"
+
+
+def why_not_whole(d: pathlib.Path) -> str | None:
+    """None if `d` is a whole checkpoint (its MANIFEST.json is there, every file it lists has its size), else why."""
+    if not d.is_dir():
+        return "missing"
+    try:
+        man = json.loads((d / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST} (its save was interrupted, or an older tars wrote it)"
+    except (OSError, ValueError) as e:
+        return f"unreadable {MANIFEST}: {e}"
+    if not isinstance(man, dict) or man.get("format") != FORMAT or not isinstance(man.get("files"), dict):
+        return f"{MANIFEST} is not a format-{FORMAT} manifest"
+    for rel, size in man["files"].items():
+        p = d / rel
+        if not p.resolve().is_relative_to(d.resolve()):
+            return f"{MANIFEST} names {rel!r}, outside the checkpoint"
+        try:
+            actual = p.stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if actual != size:
+            return f"{rel} has {actual} bytes, its manifest says {size}"
+    return None
+
+
+def locate(run: pathlib.Path) -> pathlib.Path | None:
+    """The checkpoint directory to resume from: ckpt if whole, else a whole ckpt.old (warned); None if neither exists.
+    Raises CheckpointError when one exists but none is whole (resuming from nothing would silently lose training)."""
+    cur, old, _ = paths(run)
+    why = why_not_whole(cur)
+    if why is None:
+        return cur
+    why_old = why_not_whole(old)
+    if why_old is None:
+        log.warning("checkpoint %s is not usable (%s): resuming from the previous one, %s", cur, why, old)
+        return old
+    if not cur.exists() and not old.exists():
+        return None
+    raise CheckpointError(f"no whole checkpoint in {run}: ckpt: {why}; ckpt.old: {why_old}")
+
 
 class Checkpointer:
     """Saves and restores the training state of one learner: its models, its trainer's optimizers and the RNG."""
 
     def __init__(self, run: pathlib.Path, policy: TrainPolicy, critic: TrainPolicy | None, trainer, device: torch.device):
-        self.dir, self.tmp = run / "ckpt", run / "ckpt.tmp"
+        self.dir, self.old, self.tmp = paths(run)
         self.run, self.policy, self.critic, self.trainer, self.device = run, policy, critic, trainer, device
-
-    def exists(self) -> bool:
-        return (self.dir / "meta.json").exists()
 
     def save(self, meta: dict) -> pathlib.Path:
         """Write the training state plus `meta` (the caller's: version, stream state, ...) and make it durable."""
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self.policy.save_hf(self.tmp / "policy")
-        state = {"opt": self.trainer.opt.state_dict(), "sched": self.trainer.sched.state_dict(),
-                 "torch_rng": torch.get_rng_state()}
+        state = {"opt": self.trainer.opt.state_dict(), "torch_rng": torch.get_rng_state()}
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if self.critic is not None:
             state.update(critic=self.critic.state_dict(), critic_opt=self.trainer.critic_opt.state_dict())
         torch.save(to_cpu(state), self.tmp / "train_state.pt")
-        meta = {"updates": self.trainer.updates, "entropy_coef": self.trainer.entropy_coef, **meta}
+        meta = {"updates": self.trainer.updates, "entropy_coef": self.trainer.entropy_coef,
+                "sched": self.trainer.sched.state_dict(), **meta}
         (self.tmp / "meta.json").write_text(json.dumps(meta))
-        fsync_tree(self.tmp)  # on disk before it replaces the old one, and before anything is acked against it
-        shutil.rmtree(self.dir, ignore_errors=True)
+        fsync_tree(self.tmp)  # every file on disk before the manifest says the checkpoint is whole
+        files = {p.relative_to(self.tmp).as_posix(): p.stat().st_size
+                 for p in sorted(self.tmp.rglob("*")) if p.is_file()}
+        write_durably(self.tmp / MANIFEST, json.dumps({"format": FORMAT, "version": meta.get("version"),
+                                                        "files": files}, indent=1))
+        fsync_tree(self.tmp, files=False)
+        # The swap: at every point either ckpt or ckpt.old is whole (module docstring).
+        if why_not_whole(self.dir) is None:
+            shutil.rmtree(self.old, ignore_errors=True)  # a leftover of an interrupted step 4: ckpt is newer
+            os.replace(self.dir, self.old)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)  # not a checkpoint; ckpt.old (if whole) stays the fallback
+        fsync_tree(self.run, files=False)
         os.replace(self.tmp, self.dir)
         fsync_tree(self.run, files=False)
+        shutil.rmtree(self.old, ignore_errors=True)
         return self.dir
 
-    def load(self) -> dict:
-        """Restore models, optimizers, RNG and the trainer's counters; returns meta.json for the caller's part."""
-        meta = json.loads((self.dir / "meta.json").read_text())
-        self.policy.load_weights(read_weights(self.dir / "policy"))
-        # Loaded to the CPU: the RNG states must be CPU tensors, and load_state_dict moves the optimizer state
+    def load(self, src: pathlib.Path | None = None) -> dict:
+        """Restore models, optimizers, RNG and the trainer's counters from `src` (default: locate()); returns
+        meta.json for the caller's part. CheckpointError if there is none, or it is refused."""
+        src = src if src is not None else locate(self.run)
+        if src is None:
+            raise CheckpointError(f"no checkpoint in {self.run}")
+        why = why_not_whole(src)
+        if why is not None:
+            raise CheckpointError(f"{src} is not a whole checkpoint: {why}")
+        meta = json.loads((src / "meta.json").read_text())
+        # Plain tensors and containers only: a pickled object (code) in the file is refused before anything of it
+        # runs. Loaded to the CPU: the RNG states must be CPU tensors, and load_state_dict moves the optimizer state
         # and the critic's weights onto their parameters' device.
-        state = torch.load(self.dir / "train_state.pt", weights_only=False, map_location="cpu")
+        try:
+            state = torch.load(src / "train_state.pt", weights_only=True, map_location="cpu")
+        except Exception as e:  # pickle.UnpicklingError (not plain tensors), RuntimeError (not a torch file), ...
+            raise CheckpointError(f"{src / 'train_state.pt'} refused: not a file of plain tensors "
+                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
+        if not isinstance(state, dict) or "opt" not in state or "torch_rng" not in state:
+            raise CheckpointError(f"{src / 'train_state.pt'} refused: not a tars training state")
+        self.policy.load_weights(read_weights(src / "policy"))
         self.trainer.opt.load_state_dict(state["opt"])
-        self.trainer.sched.load_state_dict(state["sched"])
+        self.trainer.sched.load_state_dict(meta["sched"])
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
@@ -75,6 +170,13 @@ def critic_state(sd: dict) -> dict:
     """A critic's state dict as TrainPolicy names it: a checkpoint written before the learner trained transformers'
     model class (core.model.CausalLM: model.*, lm_head.*) has the transformers model's names without the `lm.`."""
     return {(f"lm.{k}" if k.startswith(("model.", "lm_head.")) else k): v for k, v in sd.items()}
+
+
+def write_durably(path: pathlib.Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def fsync_tree(root: pathlib.Path, files: bool = True) -> None:

@@ -5,7 +5,8 @@ infra_error episodes and trajectories past the maximum lag out of the loss, and 
 update (learner/update.py) bumps the policy version; the new weights are written in HF layout to a versioned
 directory and every inference server is told to load them (learner/publish.py). A checkpoint
 (learner/checkpoint.py) stores the model, optimizers, RNG, version and the ids of every trajectory consumed, so a
-killed learner restarted with --resume loses nothing and trains on nothing twice. `tars ctl` talks to it through
+killed learner restarted with --resume loses nothing and trains on nothing twice (--resume-or-fresh: the same, or a
+fresh start at version 0 when the run directory has no checkpoint yet). `tars ctl` talks to it through
 its ControlService (learner/control.py).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from core.outcome import Outcome
 from core.stream.receiver import TrajectoryReceiver
 from core.stream.wal import WriteAheadLog
 from learner.admission import Admission
-from learner.checkpoint import Checkpointer
+from learner.checkpoint import CheckpointError, Checkpointer, locate
 from learner.control import learner_control, serve_control
 from learner.device import describe, resolve_device, resolve_precision
 from learner.distributed import Dist, from_accelerate
@@ -42,11 +43,14 @@ log = logging.getLogger("tars.learner")
 
 class Learner:
     def __init__(self, cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], resume: bool = False,
-                 dist: Dist | None = None):
+                 dist: Dist | None = None, fresh_if_none: bool = False):
+        """resume: continue from run_dir's checkpoint; CheckpointError if there is none, unless fresh_if_none (then
+        version 0), and if there is one but it is broken or refused (never a silent fresh start over it)."""
         self.cfg, self.lcfg = cfg, cfg.learner
         # Under `accelerate launch` rank 0 does all I/O and broadcasts batches; other ranks only train (follow()).
         self.dist = dist if dist is not None else Dist()
         self.run = pathlib.Path(run_dir)
+        ckpt = resume_from(self.run, resume, fresh_if_none)  # before any model is built: a missing one fails fast
         self.model_dir = pathlib.Path(model_dir)
         torch.set_num_threads(max(1, self.lcfg.threads))
         # learner.device / learner.precision, checked before any model is built (ConfigError on a bad value).
@@ -74,8 +78,8 @@ class Learner:
         # ---- resume ----
         self.checkpointer = Checkpointer(self.run, self.policy, self.critic, self.trainer, self.device)
         consumed: set[str] = set()
-        if resume and self.checkpointer.exists():
-            consumed = self._load_checkpoint()
+        if ckpt is not None:
+            consumed = self._load_checkpoint(ckpt)
         self.stop = threading.Event()
         if not self.dist.is_main:
             return
@@ -164,7 +168,12 @@ class Learner:
         # Masked after the last update: covered by the final checkpoint, so recorded as a partial next version.
         self.trained_log.write(json.dumps({"version": self.version + 1, "ids": [], "partial": True,
                                            "masked": self.admission.take_masked()}) + "\n")
-        export(self.policy, self.model_dir, self.run / "final")
+        try:
+            export(self.policy, self.model_dir, self.run / "final")
+        except OSError as e:  # a full disk, an unwritable or occupied path: said plainly, and the learner fails
+            log.error("final export to %s failed: %s", self.run / "final", e)
+            raise
+        log.info("exported the final policy to %s", self.run / "final")
 
     def _idle(self) -> None:
         """No arrival for a poll interval (actors paused, say): a checkpoint asked for meanwhile is taken now."""
@@ -193,11 +202,12 @@ class Learner:
         self.receiver.commit(frozenset(meta["consumed_ids"]))  # checkpoint durability: actors may now forget these
         self.last_checkpoint = {"version": self.version, "t": meta["t"], "path": str(path)}
 
-    def _load_checkpoint(self) -> set[str]:
-        meta = self.checkpointer.load()
+    def _load_checkpoint(self, src: pathlib.Path) -> set[str]:
+        meta = self.checkpointer.load(src)
         self.version = int(meta["version"])
         self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
-        log.info("resumed from checkpoint at version %d (%d trajectories consumed)", self.version, len(meta["consumed_ids"]))
+        log.info("resumed from checkpoint %s at version %d (%d trajectories consumed)", src, self.version,
+                 len(meta["consumed_ids"]))
         return set(meta["consumed_ids"])
 
     # ---- control ---------------------------------------------------------------------------------------------
@@ -211,18 +221,36 @@ class Learner:
                                lambda: self.last_checkpoint, self.stop)
 
 
+def resume_from(run: pathlib.Path, resume: bool, fresh_if_none: bool) -> pathlib.Path | None:
+    """The checkpoint directory a (re)start continues from, or None for a fresh start at version 0."""
+    if not resume:
+        return None
+    ckpt = locate(run)  # CheckpointError: one is there but none is whole
+    if ckpt is None and not fresh_if_none:
+        raise CheckpointError(f"--resume: no checkpoint in {run} (no ckpt/ or ckpt.old/); use --resume-or-fresh to "
+                              "start at version 0 when there is none")
+    if ckpt is None:
+        log.info("no checkpoint in %s yet: starting fresh at version 0 (--resume-or-fresh)", run)
+    return ckpt
+
+
 def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], ready_file: str | None = None,
-         resume: bool = False) -> int:
+         resume: bool = False, fresh_if_none: bool = False) -> int:
     proc.die_with_parent()
-    try:  # a bad learner.device / precision is a one-line error, before any process group or model
+    try:  # a bad learner.device / precision, or no checkpoint to resume, is a one-line error before any model
         device = resolve_device(cfg.learner.device)
         resolve_precision(cfg.learner.precision, device)
-    except ConfigError as e:
+        resume_from(pathlib.Path(run_dir), resume, fresh_if_none)
+    except (ConfigError, CheckpointError) as e:
         print(f"tars learner: {e}", file=sys.stderr)
         return 2
     # learner.device decides the backend: NCCL for CUDA (each rank on cuda:LOCAL_RANK), gloo on the CPU.
     dist = from_accelerate(device=device)
-    learner = Learner(cfg, run_dir, model_dir, inference, resume=resume, dist=dist)
+    try:
+        learner = Learner(cfg, run_dir, model_dir, inference, resume=resume, dist=dist, fresh_if_none=fresh_if_none)
+    except CheckpointError as e:  # train_state.pt refused (not plain tensors), say
+        print(f"tars learner: {e}", file=sys.stderr)
+        return 2
     if not dist.is_main:
         learner.follow()
         return 0

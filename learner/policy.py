@@ -291,18 +291,22 @@ class TrainPolicy(nn.Module):
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        sd = {k: v.to("cpu", torch.float32).contiguous() for k, v in self.hf_state_dict().items()}
-        _engine_readable(self.lm.config)
-        with _no_progress_bars():
-            self.lm.save_pretrained(str(tmp), state_dict=sd)
-        if self.score is not None:
-            save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.score.state_dict().items()},
-                      str(tmp / VALUE_HEAD_FILE))
-        if tokenizer_from is not None:
-            copy_tokenizer(tokenizer_from, tmp)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        try:
+            sd = {k: v.to("cpu", torch.float32).contiguous() for k, v in self.hf_state_dict().items()}
+            _engine_readable(self.lm.config)
+            with _no_progress_bars():
+                self.lm.save_pretrained(str(tmp), state_dict=sd)
+            if self.score is not None:
+                save_file({k: v.detach().to("cpu", torch.float32).contiguous()
+                           for k, v in self.score.state_dict().items()}, str(tmp / VALUE_HEAD_FILE))
+            if tokenizer_from is not None:
+                copy_tokenizer(tokenizer_from, tmp)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed write (full disk, occupied path) leaves no half copy
+            raise
         return path

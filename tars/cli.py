@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model", required=True, help="initial HF-layout model directory (version 0)")
     p.add_argument("--inference", default="", help="inference addresses to publish weights to, comma-separated")
-    p.add_argument("--resume", action="store_true", help="continue from run-dir/ckpt")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from run-dir/ckpt (or ckpt.old when the save "
+                       "after it was interrupted); no checkpoint there is an error (exit 2)")
+    start.add_argument("--resume-or-fresh", action="store_true", help="like --resume, but with no checkpoint at all "
+                       "in run-dir start fresh at version 0 (a learner's first start under a supervisor)")
     p.add_argument("--ready-file")
 
     p = sub.add_parser("sft", help="supervised fine-tuning on stored trajectories and/or scripted demonstrations")
@@ -212,7 +216,8 @@ def _role(a, cfg) -> int:
     if a.cmd == "learner":
         from learner.main import main as learner_main
 
-        return learner_main(cfg, a.run_dir, a.model, _split(a.inference), a.ready_file, a.resume)
+        return learner_main(cfg, a.run_dir, a.model, _split(a.inference), a.ready_file,
+                            resume=a.resume or a.resume_or_fresh, fresh_if_none=a.resume_or_fresh)
     if a.cmd == "sft":
         from learner.sft import run as sft_run
 

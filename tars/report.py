@@ -11,13 +11,19 @@ report.json (stable, read by outside checks):
   max_staleness     largest (train version - oldest token version) seen in a training batch
   episode_staleness_mean  mean (learner version on arrival - oldest token version) of received episodes
   trajectories_per_s_peak best 10 s window
-  restarts          {process: times the supervisor restarted it} (tars/supervisor.py; empty when none died)
-  restarts_total    their sum
+  status            why the run ended; with "; not written: ..." appended when an output is missing
+  not_written       output -> why it is not there (final/ the learner did not export in this run, a plot that
+                    failed); {} when everything was written
 learning.png: success/return, per-version batch figures, throughput over time, staleness histogram and per update.
+
+write_report returns the report plus "written": the paths it checked or wrote successfully, and only those (a full
+disk, an unwritable or occupied final/ path is in not_written with its error instead; report.json itself too, when
+it could not be written).
 """
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -70,8 +76,25 @@ class Monitor:
                 f"traj/s={len(self.eps) / max(elapsed, 1e-9):6.1f}  infra_errors={infra}")
 
 
+def final_problem(final: pathlib.Path, since: float | None) -> str | None:
+    """None if `final` is a model directory the learner exported (at or after `since`, a time.time()), else why not."""
+    if not final.exists():
+        return "missing (the learner did not export it)"
+    if not final.is_dir():
+        return "not a directory (the learner's export could not replace it)"
+    cfg = final / "config.json"
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    if not cfg.is_file() or not any((final / w).is_file() for w in weights):
+        return "incomplete (no config.json or weights)"
+    if since is not None and cfg.stat().st_mtime < since - 1.0:
+        return "left from an earlier run (the learner did not export it in this one)"
+    return None
+
+
 def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: bool, sft_s: float | None,
-                 status: str, restarts: dict[str, int] | None = None) -> dict:
+                 status: str, since: float | None = None, restarts: dict[str, int] | None = None) -> dict:
+    """report.json and learning.png, and a check of the learner's final/ export (written at or after `since`).
+    Returns the report with "written" (paths actually there) and "not_written" (path -> error); never raises on I/O."""
     scored = mon.scored()
     k = max(1, len(scored) // 10)
     first = [e["success"] for e in scored[:k]]
@@ -98,9 +121,31 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
         "restarts": dict(restarts or {}),
         "restarts_total": sum((restarts or {}).values()),
     }
-    (run_dir / "report.json").write_text(json.dumps(rep, indent=2))
-    plot(run_dir / "learning.png", mon)
-    return rep
+    written: list[str] = []
+    failed: dict[str, str] = {}
+    png, final, out = run_dir / "learning.png", run_dir / "final", run_dir / "report.json"
+    try:
+        plot(png, mon)
+        written.append(str(png))
+    except Exception as e:  # a full disk (OSError) or anything else matplotlib raises: reported, not fatal
+        failed[str(png)] = f"{type(e).__name__}: {e}"
+    why = final_problem(final, since)
+    if why is None:
+        written.append(str(final))
+    else:
+        failed[str(final)] = why
+    if failed:
+        rep["status"] = f"{status}; not written: {', '.join(pathlib.Path(k).name for k in failed)}"
+    rep["not_written"] = dict(failed)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(rep, indent=2))  # whole or not at all: a full disk leaves the old one
+        os.replace(tmp, out)
+        written.insert(0, str(out))
+    except OSError as e:
+        failed[str(out)] = f"{type(e).__name__}: {e}"
+        tmp.unlink(missing_ok=True)
+    return {**rep, "written": written, "not_written": failed}
 
 
 def plot(path: pathlib.Path, mon: Monitor) -> None:

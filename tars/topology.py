@@ -14,7 +14,8 @@ the run has one of it, else role + index ("envd0", "envd1"); actors are always "
 Shutdown goes by tiers (actors, learner, inference, envd by default): every process of a tier gets SIGTERM, each
 has its own deadline to exit, and what is left is SIGKILLed with its whole process group, so no orphans remain.
 A restarted role comes back where the others already connect: envd and inference on their old port (inference
-with the newest published weights), the learner with --resume on its old stream port, an actor with its spool.
+with the newest published weights), the learner with --resume-or-fresh on its old stream port, an actor with its
+spool.
 """
 from __future__ import annotations
 
@@ -254,7 +255,7 @@ class Topology:
             opts += ["--run-dir", str(p.out), "--model", str(p.model), "--inference", self.inference]
             port = self._port(role, i, "stream")
             opts += ["--set", f"learner.stream.port={port}"] if port else []
-            opts += ["--resume"] if self._resume else []
+            opts += ["--resume-or-fresh"] if self._resume else []  # killed before its first checkpoint: version 0
         elif role == "actor":
             opts += ["--envd", self.envd, "--inference", self.inference, "--stream", self.stream,
                      "--tokenizer", str(p.model), "--actor-id", f"actor{i}",

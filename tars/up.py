@@ -98,11 +98,15 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         signal.signal(signal.SIGINT, old)
     mon = report.Monitor(out_p)
     mon.poll()
-    rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s, status=status,
-                              restarts=sup.counts() if sup else {})
+    rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s,
+                              status=status, since=t_start, restarts=sup.counts() if sup else {})
     say(f"report: {json.dumps({k: rep[k] for k in ('episodes', 'success_first', 'success_last', 'success_sft', 'policy_version', 'wall_s')})}")
-    say(f"wrote {out_p / 'report.json'}, {out_p / 'learning.png'}, {out_p / 'final'}")
-    return 0 if status in ("done", "wall budget reached", "target success reached", "interrupted") else 1
+    if rep["written"]:  # only what is there: a failed write is an error line instead
+        say(f"wrote {', '.join(rep['written'])}")
+    for path, why in rep["not_written"].items():
+        print(f"[tars up] error: {path} not written: {why}", file=sys.stderr, flush=True)
+    ok = ("done", "wall budget reached", "target success reached", "interrupted")
+    return 0 if status in ok and not rep["not_written"] else 1
 
 
 def _watch(cfg: C.RunConfig, sup: Supervisor, out_p: pathlib.Path, quiet: bool, tty: bool, interrupted) -> str:

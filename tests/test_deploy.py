@@ -117,7 +117,7 @@ def test_systemd_execstart_matches_cli_and_env_files():
         a = build_parser().parse_args(argv[1:])
         assert a.cmd == {"inference": "serve"}.get(role, role)
         if role == "learner":
-            assert a.resume and any(s.startswith("learner.stream.host=") for s in a.set)
+            assert a.resume_or_fresh and any(s.startswith("learner.stream.host=") for s in a.set)
 
 
 # ---- Kubernetes --------------------------------------------------------------------------------------------

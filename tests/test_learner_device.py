@@ -187,7 +187,7 @@ def test_learner_on_cpu_checkpoints_resume_to_the_same_state(tmp_path):
         a._update(batch(v))
         a.version += 1
     a.checkpoint()
-    state = torch.load(tmp_path / "a" / "ckpt" / "train_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "a" / "ckpt" / "train_state.pt", weights_only=True)
     assert "cuda_rng" not in state and state["torch_rng"].device.type == "cpu"
     b = _learner(tmp_path, "a", ["learner.device=cpu"], resume=True)
     assert b.version == 2
@@ -247,7 +247,7 @@ def test_cuda_bf16_steps_train_and_publish_fp32_cpu_weights(tmp_path):
     own = ln.policy.hf_state_dict()
     assert all(torch.equal(sd[k], own[k].cpu()) for k in sd)
     ln.checkpoint()
-    state = torch.load(tmp_path / "g" / "ckpt" / "train_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "g" / "ckpt" / "train_state.pt", weights_only=True)
     assert "cuda_rng" in state
 
     def devices(o):

@@ -6,7 +6,8 @@ is fsynced in the learner's WAL. The outbox is re-sent whenever the learner may 
     longer than dead_after_s): the learner first acks the pending ids it already has, so only the rest is re-sent;
   * an entry unacked for resend_after_s (a lost ack on a bounced connection); the learner dedupes by id.
 Re-sends go before new trajectories and spend credit like any TRAJ. Every wait has a deadline (TimeoutError).
-With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories its previous process never got acked.
+With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories its previous process never got acked;
+a spool file that does not parse is set aside with a warning (stats()["spool_skipped"]) and the rest are re-sent.
 A learner with "checkpoint" durability answers a TRAJ with a "held" notice first and acks it only once a checkpoint
 covers it: a held entry stays in the outbox (max_outbox bounds it) but leaves the send window and is never re-sent
 to the run that holds it; a WELCOME from a different run (the holder died) sends it again.
@@ -102,7 +103,7 @@ class TrajectorySender:
         self._closed = False
         self._stats = dict.fromkeys(("sent", "acked", "resent", "nacked", "retried", "hellos", "restarts_seen",
                                      "spooled", "unspooled", "bytes_sent", "image_bytes_sent", "images_sent",
-                                     "images_deduped", "images_missing"), 0)
+                                     "images_deduped", "images_missing", "spool_skipped"), 0)
 
     # --- public API -----------------------------------------------------------------------------------------------
     async def start(self, timeout: float = 10.0) -> None:
@@ -119,6 +120,7 @@ class TrajectorySender:
         if self._spool is not None:
             for tid, frame, images in self._spool.load():
                 self._outbox[tid] = _Entry(frame, next(self._seq), 0.0, images)
+            self._stats["spool_skipped"] += len(self._spool.skipped)  # unreadable files, set aside (logged)
         self._loop.add_reader(self._sock.FD, self._drain)
         self._tasks = [asyncio.create_task(self._heartbeat(), name=f"sender-hb-{self.actor_id}"),
                        asyncio.create_task(self._pump(), name=f"sender-pump-{self.actor_id}")]

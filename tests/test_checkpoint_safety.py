@@ -1,0 +1,359 @@
+"""Crash safety of what the run writes to disk: learner checkpoints (a kill inside the save, a truncated newest copy,
+a pickled payload in train_state.pt, --resume with nothing to resume), the actor's spool (a truncated file) and the
+end of `tars up` (no "wrote" line for what was not written). Kills, attacks and the actor are real processes."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from core import config as C
+from core.model import DecoderConfig
+from core.schema import Trajectory, Turn
+from core.stream.spool import Spool
+from learner.checkpoint import MANIFEST, CheckpointError, Checkpointer, locate
+from learner.main import Learner
+from learner.policy import TrainPolicy
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+V = 40
+OVERRIDES = ["learner.device=cpu", "learner.batch_size=4", "learner.algo=ppo"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> pathlib.Path:
+    d = tmp_path_factory.mktemp("model") / "m"
+    TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1),
+                            seed=0).save_hf(d)
+    return d
+
+
+def learner(run: pathlib.Path, model: pathlib.Path, **kw) -> Learner:
+    run.mkdir(exist_ok=True)
+    return Learner(C.load(overrides=OVERRIDES), str(run), str(model), [], **kw)
+
+
+def close(ln: Learner) -> None:
+    for f in (ln.episodes, ln.metrics_log, ln.trained_log):
+        f.close()
+
+
+def saved_at(run: pathlib.Path, model: pathlib.Path, *versions: int) -> Learner:
+    """A learner that checkpointed at each of `versions` (the optimizer state moved in between)."""
+    ln = learner(run, model)
+    for v in versions:
+        for p in ln.policy.parameters():
+            p.grad = torch.ones_like(p)
+        ln.trainer.opt.step()
+        ln.version = v
+        ln.checkpoint()
+    return ln
+
+
+# ---- a kill inside the save ---------------------------------------------------------------------------------------
+KILLER = textwrap.dedent("""
+    import os, pathlib, shutil, signal, sys
+    from core import config as C
+    from learner.main import Learner
+
+    run, model, point = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    ln = Learner(C.load(overrides={overrides!r}), str(run), model, [])
+    ln.version = 1
+    ln.checkpoint()                                    # a whole checkpoint at version 1
+    die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    real_replace, real_rmtree = os.replace, shutil.rmtree
+
+    def replace(src, dst, *a, **k):
+        if point == "rename-" + pathlib.Path(dst).name:  # SIGKILL just before this rename
+            die()
+        return real_replace(src, dst, *a, **k)
+
+    def rmtree(path, *a, **k):
+        if point == "remove-old" and pathlib.Path(path) == run / "ckpt.old" and not (run / "ckpt.tmp").exists():
+            real_rmtree(path / "policy", *a, **k)       # killed half way through removing the old one
+            die()
+        return real_rmtree(path, *a, **k)
+
+    os.replace, shutil.rmtree = replace, rmtree
+    ln.version = 2
+    ln.checkpoint()
+    print("the save finished: no kill point was reached", flush=True)
+""").format(overrides=OVERRIDES)
+
+
+@pytest.mark.parametrize("point,expect", [("rename-ckpt.old", 1), ("rename-ckpt", 1), ("remove-old", 2)])
+def test_a_learner_killed_inside_the_save_resumes_at_the_last_whole_version(tmp_path, model, point, expect, caplog):
+    """SIGKILL before the old checkpoint is renamed aside, between the two renames (no ckpt/ at all: the old code
+    came up at version 0) and half way through removing the old one: the resume is at the last whole version."""
+    run = tmp_path / "run"
+    run.mkdir()
+    p = subprocess.run([sys.executable, "-c", KILLER, str(run), str(model), point], env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, (p.returncode, p.stdout, p.stderr[-3000:])
+    caplog.set_level("WARNING", logger="tars.learner")
+    ln = learner(run, model, resume=True)
+    assert ln.version == expect
+    assert ("resuming from the previous one" in caplog.text) == (point == "rename-ckpt")
+    # The next save after such a resume leaves one whole checkpoint and nothing else.
+    ln.version = 3
+    ln.checkpoint()
+    assert locate(run) == run / "ckpt" and json.loads((run / "ckpt" / "meta.json").read_text())["version"] == 3
+    assert not (run / "ckpt.old").exists() and not (run / "ckpt.tmp").exists()
+    close(ln)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, model, caplog):
+    """Only a directory whose manifest (written last) matches its files is a checkpoint: a truncated train_state.pt
+    in ckpt/ sends the resume to a whole ckpt.old, with its optimizer state, not a crash; a ckpt/ without its
+    manifest and no ckpt.old is an error even with fresh_if_none."""
+    run = tmp_path / "run"
+    ln = saved_at(run, model, 1)
+    opt_v1 = {k: v.clone() for k, v in ln.trainer.opt.state_dict()["state"][0].items()}
+    shutil.copytree(run / "ckpt", tmp_path / "v1")
+    ln.trainer.opt.step()
+    ln.version = 2
+    ln.checkpoint()
+    close(ln)
+    # ckpt/ at version 2 with its train_state.pt cut in half, ckpt.old/ the whole version 1
+    ts = run / "ckpt" / "train_state.pt"
+    ts.write_bytes(ts.read_bytes()[: ts.stat().st_size // 2])
+    shutil.copytree(tmp_path / "v1", run / "ckpt.old")
+    caplog.set_level("WARNING", logger="tars.learner")
+    r = learner(run, model, resume=True)
+    assert r.version == 1 and "train_state.pt has" in caplog.text and "resuming from the previous one" in caplog.text
+    assert all(torch.equal(r.trainer.opt.state_dict()["state"][0][k], v) for k, v in opt_v1.items())
+    close(r)
+    # No manifest in ckpt/ (a save killed while writing it) and no ckpt.old: an error, never a silent version 0.
+    shutil.rmtree(run / "ckpt.old")
+    (run / "ckpt" / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=r"no whole checkpoint .*no MANIFEST\.json"):
+        learner(run, model, resume=True, fresh_if_none=True)
+
+
+# ---- a pickled payload in train_state.pt -------------------------------------------------------------------------
+class Payload:
+    def __init__(self, marker: pathlib.Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_train_state_with_a_pickled_payload_is_refused_and_never_runs(tmp_path, model):
+    """An attacker's train_state.pt (a pickled os.system call, the manifest fixed up to match) is refused by a real
+    `tars learner --resume`: exit 2, a one-line error, and the payload's file never appears."""
+    run, marker = tmp_path / "run", tmp_path / "PWNED"
+    close(saved_at(run, model, 1))
+    ts = run / "ckpt" / "train_state.pt"
+    torch.save({"opt": Payload(marker), "torch_rng": torch.get_rng_state()}, ts)
+    man = json.loads((run / "ckpt" / MANIFEST).read_text())
+    man["files"]["train_state.pt"] = ts.stat().st_size
+    (run / "ckpt" / MANIFEST).write_text(json.dumps(man))
+    p = subprocess.run([sys.executable, "-m", "tars.cli", "learner", "--resume", "--run-dir", str(run), "--model",
+                        str(model), "--set", "learner.device=cpu", "--set", "max_versions=0"], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert not marker.exists(), "the pickled payload ran"
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert "train_state.pt refused: not a file of plain tensors" in p.stderr
+    # In process too: the Checkpointer refuses it with a CheckpointError.
+    ln = learner(tmp_path / "fresh", model)
+    with pytest.raises(CheckpointError, match="refused"):
+        Checkpointer(run, ln.policy, ln.critic, ln.trainer, ln.device).load()
+    assert not marker.exists()
+    close(ln)
+
+
+def test_optimizer_state_dicts_load_with_weights_only(tmp_path, model):
+    """What train_state.pt holds (AdamW state dicts of policy and critic, RNG states) loads with weights_only=True;
+    the scheduler state lives in meta.json and round-trips."""
+    run = tmp_path / "run"
+    ln = saved_at(run, model, 1)
+    state = torch.load(run / "ckpt" / "train_state.pt", weights_only=True)
+    assert set(state) == {"opt", "torch_rng", "critic", "critic_opt"}
+    assert state["opt"]["param_groups"] == ln.trainer.opt.state_dict()["param_groups"]
+    assert json.loads((run / "ckpt" / "meta.json").read_text())["sched"]["last_epoch"] == ln.trainer.sched.last_epoch
+    close(ln)
+
+
+# ---- --resume with nothing to resume -----------------------------------------------------------------------------
+def test_resume_without_a_checkpoint_fails_and_resume_or_fresh_starts(tmp_path, model):
+    cmd = [sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(tmp_path / "run"), "--model", str(model),
+           "--set", "learner.device=cpu", "--set", "max_versions=0", "--ready-file", str(tmp_path / "ready.json")]
+    (tmp_path / "run").mkdir()
+    p = subprocess.run(cmd + ["--resume"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--resume: no checkpoint in" in p.stderr, (p.returncode, p.stderr[-3000:])
+    assert not (tmp_path / "ready.json").exists()
+    p = subprocess.run(cmd + ["--resume-or-fresh"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "ready.json").read_text())["version"] == 0  # it came up, fresh
+    assert locate(tmp_path / "run") == tmp_path / "run" / "ckpt"               # and checkpointed on the way out
+
+
+def test_a_restarted_learner_in_a_topology_starts_fresh_if_it_had_no_checkpoint(tmp_path, model):
+    from tars.cli import build_parser
+    from tars.topology import Topology, plan
+
+    topo = Topology(plan(C.load(), tmp_path, model, n_envd=0, inference=False, n_actors=0, inference_addr="x:1"))
+    topo._resume = True  # what restart("learner") sets
+    argv = topo.spec("learner").argv
+    a = build_parser().parse_args(argv[3:])
+    assert a.resume_or_fresh and not a.resume
+
+
+# ---- a truncated spool file ---------------------------------------------------------------------------------------
+def traj(tid: str, n: int = 24) -> Trajectory:
+    return Trajectory(id=tid, env_id="builtin/test", outcome="terminated", tokens=np.arange(n, dtype=np.int32),
+                      logprobs=np.full(n, -0.5, np.float32), versions=np.zeros(n, np.int32),
+                      mask=np.ones(n, np.uint8), turns=[Turn("text:1", "out", {}, 1.0, 0, n)], ret=1.0)
+
+
+IMAGES = {"ab" * 32: b"\x89PNG..."}
+
+
+def spool_with_bad_files(d: pathlib.Path, images: dict | None = None) -> tuple[list[str], list[pathlib.Path]]:
+    """Three whole spool records, two cut short (at the id, in the frame) and a stray file."""
+    sp = Spool(str(d))
+    os.makedirs(d, exist_ok=True)
+    good = [f"good{i}" for i in range(3)]
+    for tid in good:
+        sp.save(tid, traj(tid).encode(), images)
+    bad = []
+    for tid, keep in (("cut-in-id", 6), ("cut-in-frame", 60)):  # a crash or a full disk in the middle of a write
+        sp.save(tid, traj(tid).encode())
+        p = pathlib.Path(sp._path(tid))
+        p.write_bytes(p.read_bytes()[:keep])
+        bad.append(p)
+    (d / "stray.traj").write_bytes(b"\xff\xff\xff\xff\x00")
+    bad.append(d / "stray.traj")
+    return good, bad
+
+
+def test_a_truncated_spool_file_is_skipped_and_the_good_ones_load(tmp_path, caplog):
+    good, bad = spool_with_bad_files(tmp_path / "spool", IMAGES)
+    caplog.set_level("WARNING")
+    sp = Spool(str(tmp_path / "spool"))
+    got = sp.load()
+    assert sorted(t for t, _, _ in got) == good
+    assert all(Trajectory.decode(f).id == t and imgs == IMAGES for t, f, imgs in got)
+    assert sorted(sp.skipped) == sorted(map(str, bad)) and caplog.text.count("skipped") == 3
+    assert all(not p.exists() and pathlib.Path(f"{p}.corrupt").exists() for p in bad)  # set aside, kept
+    assert sorted(t for t, _, _ in Spool(str(tmp_path / "spool")).load()) == good   # and not seen again
+
+
+def test_an_actor_with_a_truncated_spool_starts_and_resends_the_good_records(tmp_path):
+    """A real `tars actor` whose spool holds truncated files: it starts, re-sends the whole records to the learner's
+    stream, skips the rest with a warning, and keeps running."""
+    from core.bpe import rendered_corpus, save_tokenizer, train_bpe
+    from core.stream.receiver import TrajectoryReceiver
+    from learner.staleness import StalenessManager
+
+    conv = [{"role": "user", "content": "Screen: window Mail [button Save] Goal: click Save"},
+            {"role": "assistant", "content": "click(target='Save')"}]
+    save_tokenizer(train_bpe(rendered_corpus([conv] * 20, "chatml"), 300, "chatml"), tmp_path / "tok")
+    good, bad = spool_with_bad_files(tmp_path / "spool")
+    rx = TrajectoryReceiver("tcp://127.0.0.1:0", str(tmp_path / "wal.log"), StalenessManager(batch_size=1, eta=0),
+                            fsync=False)
+    addr = rx.start()
+    log = open(tmp_path / "actor.log", "w")
+    actor = subprocess.Popen(
+        [sys.executable, "-m", "tars.cli", "actor", "--envd", "127.0.0.1:9", "--inference", "127.0.0.1:9",
+         "--stream", addr, "--tokenizer", str(tmp_path / "tok"), "--actor-id", "a0",
+         "--spool-dir", str(tmp_path / "spool"), "--set", "actor.concurrency=1"],
+        env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    got: set[str] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not set(good) <= got and time.monotonic() < deadline and actor.poll() is None:
+            tr = rx.get(timeout=0.2)
+            if tr is not None:
+                got.add(tr.id)
+        time.sleep(0.5)
+        assert actor.poll() is None, (tmp_path / "actor.log").read_text()[-3000:]
+        assert set(good) <= got, (got, (tmp_path / "actor.log").read_text()[-3000:])
+        assert not got & {"cut-in-id", "cut-in-frame"}
+        assert (tmp_path / "actor.log").read_text().count("skipped") == 3
+    finally:
+        if actor.poll() is None:
+            os.killpg(actor.pid, signal.SIGKILL)
+        actor.wait(10)
+        log.close()
+        rx.stop()
+
+
+# ---- the end of `tars up` -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("broken", ["final-export-failed", "final-from-an-earlier-run", "report-and-plot-unwritable"])
+def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypatch, capsys, broken):
+    """The learner's final export failed (a file where final/ goes: a real learner process exits nonzero), final/
+    is an earlier run's, or report.json / learning.png cannot be written: no "wrote" for them, an error line on
+    stderr, the status says so, exit 1."""
+    from tars import up
+
+    out = tmp_path / "out"
+    out.mkdir()
+    status = "done"
+    if broken == "final-export-failed":
+        (out / "final").write_text("in the way")
+        p = subprocess.run([sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(out), "--model", str(model),
+                            "--set", "learner.device=cpu", "--set", "max_versions=0"], env=ENV, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode != 0 and "final export to" in p.stderr, p.stderr[-3000:]
+        assert (out / "final").is_file() and not list(out.glob("final.tmp*"))
+        status = f"learner exited with {p.returncode}"
+    elif broken == "final-from-an-earlier-run":
+        shutil.copytree(model, out / "final")
+        old = time.time() - 3600
+        for f in (out / "final").iterdir():
+            os.utime(f, (old, old))
+    else:
+        shutil.copytree(model, out / "final")
+        soon = time.time() + 5  # exported during this run
+        for f in (out / "final").iterdir():
+            os.utime(f, (soon, soon))
+        (out / "report.json").mkdir()
+        (out / "learning.png").mkdir()
+
+    class Started:  # the processes already ran (or failed) above; up() goes on to the report
+        envd = inference = stream = "-"
+
+        def __init__(self, plan):
+            pass
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(up, "build_model", lambda cfg, out, say: (model, None))
+    monkeypatch.setattr(up, "plan", lambda *a, **k: None)
+    monkeypatch.setattr(up, "Topology", Started)
+    monkeypatch.setattr(up, "_watch", lambda *a: status)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = up.up(C.load(overrides=["sft.steps=0"]), str(out))
+    finally:
+        signal.signal(signal.SIGTERM, term)  # up() installs its own
+    o = capsys.readouterr()
+    wrote = [ln for ln in o.out.splitlines() if "] wrote " in ln]
+    assert rc == 1
+    if broken == "report-and-plot-unwritable":
+        assert wrote == [f"[tars up] wrote {out / 'final'}"], o.out
+        assert f"{out / 'report.json'} not written: IsADirectoryError" in o.err
+        assert f"{out / 'learning.png'} not written" in o.err
+    else:
+        assert not any("final" in ln for ln in wrote), o.out
+        assert f"{out / 'final'} not written: " in o.err
+        rep = json.loads((out / "report.json").read_text())
+        assert rep["status"] == f"{status}; not written: final" and list(rep["not_written"]) == [str(out / "final")]
