@@ -6,12 +6,14 @@ as text, and scripted policies (the builtin oracle, envd.hints) return it. Two e
 the wire message tars.v1.Action (`to_proto` / `from_proto`) and a plain dict for JSON and msgpack records
 (`to_dict` / `from_dict`: a trajectory turn's parsed action, a hint in a step's info).
 
-The type holds what is true of every action whatever the backend: a known type, points of two numbers, string
-fields. What an action needs to be applicable (a click's point or target, a drag's end point, a point inside the
-screen, a key the backend knows) is each backend's to check: only it knows its screen and its action space.
+The type holds what is true of every action whatever the backend: a known type, points of two finite numbers,
+string fields. What an action needs to be applicable (a click's point or target, a drag's end point, a point inside
+the screen: `check_on_screen`, a key the backend knows) is each backend's to check: only it knows its screen and its
+action space.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
@@ -34,9 +36,12 @@ def _point(p: Any, what: str) -> Point | None:
     if isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or len(p) != 2:
         raise ActionError(f"{what} must be [x, y] (two numbers), got {p!r}")
     try:
-        return float(p[0]), float(p[1])
-    except (TypeError, ValueError):
+        x, y = float(p[0]), float(p[1])
+    except (TypeError, ValueError, OverflowError):
         raise ActionError(f"{what} must be two numbers, got {p!r}") from None
+    if not (math.isfinite(x) and math.isfinite(y)):  # NaN compares false with every bound a backend checks
+        raise ActionError(f"{what} must be two finite numbers, got {[x, y]}")
+    return x, y
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,12 @@ class Action:
     @property
     def submit(self) -> bool:
         return self.type == "type" and self.content.endswith("\n")
+
+    def check_on_screen(self, width: float, height: float) -> None:
+        """ActionError unless every point set lies on a width x height screen: 0 <= x < width, 0 <= y < height."""
+        for what, p in (("point", self.point), ("end_point", self.end_point)):
+            if p is not None and not (0 <= p[0] < width and 0 <= p[1] < height):
+                raise ActionError(f"{what} {list(p)} is outside the {width:g}x{height:g} screen")
 
     def map_points(self, fn: Callable[[Point], Point]) -> Action:
         """A copy with point and end_point (where set) passed through `fn` (e.g. model -> screen coordinates)."""

@@ -50,6 +50,16 @@ class EnvdConfig:
     host: str = f("127.0.0.1", "bind address (loopback by default)")
     port: int = f(0, "gRPC port; 0 = pick a free one")
     max_sessions: int = f(4096, "session cap; CreateSession beyond it answers RESOURCE_EXHAUSTED")
+    max_sessions_per_client: int = f(1024, "sessions one client (its gRPC peer address: the IP without the port, since "
+                                           "the shared auth token names nobody and a request's client_id is whatever "
+                                           "the caller writes) may hold; CreateSession/Fork/Restore beyond it answer "
+                                           "RESOURCE_EXHAUSTED; 0 = no per-client cap")
+    max_total_pids: int = f(0, "host-wide budget of processes (threads included) that all sessions together may be "
+                               "allowed: the sum of their sandboxes' nproc (estimates for backends without a sandbox); "
+                               "a session past it answers RESOURCE_EXHAUSTED; 0 = half of the host's pid/thread limit")
+    max_total_memory_mb: int = f(0, "host-wide budget of memory (MiB) that all sessions together may be allowed: the sum "
+                                    "of their sandboxes' memory_mb plus tmpfs sizes (estimates for backends without a "
+                                    "sandbox); past it RESOURCE_EXHAUSTED; 0 = 3/4 of the host's physical memory")
     lease_ttl_s: float = f(60.0, "default session lease; renewed by every step and heartbeat")
     gc_interval_s: float = f(1.0, "how often expired leases are collected")
     workers: int = f(8, "threads for blocking backends")

@@ -8,6 +8,8 @@ INFRA_ERROR), and maps its exceptions to statuses:
   ActionError        -> INVALID_ARGUMENT (the session keeps working)
   NotImplementedError from snapshot/restore/fork -> UNIMPLEMENTED
   any other exception -> the episode ends as INFRA_ERROR (never a reward of 0)
+and says what it may use of the host (`resources`): the daemon sums that over its sessions against a host-wide
+budget (envd.max_total_pids / max_total_memory_mb) before a session is let in.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Any
 from core.action import Action, ActionError
 from core.outcome import Outcome
 
-__all__ = ["Action", "ActionError", "Env", "Outcome", "Screenshot", "StepResult"]
+__all__ = ["Action", "ActionError", "Env", "Outcome", "Resources", "Screenshot", "StepResult"]
 
 
 @dataclass
@@ -49,6 +51,24 @@ class StepResult:
     step: int = 0
 
 
+@dataclass(frozen=True)
+class Resources:
+    """What one session may use of the host at most: processes (threads included) and memory (MiB). For a sandbox
+    these are the limits it is given; for a backend without one, a documented estimate."""
+
+    pids: int = 0
+    memory_mb: int = 0
+
+    def __add__(self, other: "Resources") -> "Resources":
+        return Resources(self.pids + other.pids, self.memory_mb + other.memory_mb)
+
+    def __sub__(self, other: "Resources") -> "Resources":
+        return Resources(self.pids - other.pids, self.memory_mb - other.memory_mb)
+
+    def __str__(self) -> str:
+        return f"{self.pids} processes, {self.memory_mb} MiB"
+
+
 class Env(abc.ABC):
     """One stateful environment instance (one session)."""
 
@@ -57,12 +77,21 @@ class Env(abc.ABC):
     # True only for backends whose reset/step are pure in-memory computation that cannot block (microseconds):
     # the daemon then calls them on its event loop instead of a worker thread, so they get no deadline.
     nonblocking: bool = False
+    # What a session of this backend may use of the host (see `resources`); in-process backends use nothing beyond
+    # the daemon's own memory, which envd.max_sessions bounds.
+    claim: Resources = Resources()
 
     @abc.abstractmethod
     def reset(self, seed: int, options: dict[str, str]) -> StepResult: ...
 
     @abc.abstractmethod
     def step(self, action: Action) -> StepResult: ...
+
+    def resources(self, options: dict[str, str] | None = None) -> Resources:
+        """The host resources this session may use, now (options None) or after a Reset with `options` (ValueError
+        when it would refuse them). The daemon charges it against its host-wide budget before it lets the session
+        in and before such a Reset, and gives it back when the session is gone."""
+        return self.claim
 
     def observe(self) -> StepResult:
         raise NotImplementedError(f"{self.env_id} cannot re-render its observation")

@@ -22,7 +22,7 @@ import math
 import time
 from typing import Any
 
-from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
 from envd.browser_host import BrowserGone, BrowserHost
 from envd.browser_input import POINTED, BrowserOptions, Checked, check_action, check_url, url_allowed
 
@@ -38,6 +38,8 @@ _PAGE_STATE_JS = "typeof window.__tars_get_state === 'function' ? window.__tars_
 
 class BrowserEnv(Env):
     env_id = "browser"
+    # An estimate for the host budget: a BrowserContext's renderer and helper processes in the shared Chromium.
+    claim = Resources(pids=16, memory_mb=512)
     action_space = ("click/left_double/right_single(point=[x,y] | target=LABEL), drag(point, end_point), "
                     "hotkey(key='ctrl a'), type(content; a trailing \\n presses Enter), "
                     "scroll(point, direction=up|down|left|right), wait(), finished(content), call_user()")

@@ -229,6 +229,7 @@ class BuiltinEnv(Env):
         kind = action.type
         if s.done:
             raise ActionError("the episode is over; reset first")
+        action.check_on_screen(W, H)   # a point off the screen (negative, past the edge) is no click at all
         # Resolve the target before changing any state: a rejected action leaves the session as it was.
         w = self._find(action) if kind in ("click", "left_double") else None
         if kind in ("click", "left_double") and w is None and action.target and self.strict_targets:

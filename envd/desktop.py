@@ -28,7 +28,7 @@ import time
 import weakref
 from typing import Any
 
-from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
 from envd.png import encode_rgb
 from envd.proctree import kill_session, with_parent_death_signal
 from envd.xserver import XServer
@@ -104,6 +104,9 @@ _WINDOW = re.compile(r'^\s+(0x[0-9a-f]+) "(.*)": \((?:"([^"]*)" "([^"]*)")?\)\s+
 
 class DesktopEnv(Env):
     """One Xvfb desktop with real apps."""
+
+    # An estimate for the host budget (no sandbox limits these processes): Xvfb, xterm with its shell, xedit.
+    claim = Resources(pids=64, memory_mb=512)
 
     def __init__(self, name: str = "", options: dict[str, str] | None = None):
         options = dict(options or {})

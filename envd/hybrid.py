@@ -39,7 +39,7 @@ import weakref
 from dataclasses import replace
 
 from envd import terminal_tasks
-from envd.base import Action, ActionError, Env, Outcome, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult
 from envd.desktop import DesktopEnv
 from envd.sandbox_limits import Limits, chown_tree
 from envd.terminal import TerminalEnv
@@ -100,6 +100,11 @@ class HybridEnv(Env):
             raise
         self.action_space = (f"{self.desktop.action_space}; with target='terminal': {TerminalEnv.action_space} "
                              "go to the sandboxed shell on the same workspace")
+
+    def resources(self, options: dict[str, str] | None = None) -> Resources:
+        """The terminal sandbox's limits (after a Reset with `options`) plus the desktop's estimate."""
+        term_opts = _split_options(dict(options))[1] if options else None
+        return self.terminal.resources(term_opts) + self.desktop.resources()
 
     # ---- health ----------------------------------------------------------------------------------------------
     def _check_alive(self) -> None:

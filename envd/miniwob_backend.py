@@ -28,7 +28,7 @@ import threading
 import weakref
 from typing import Any
 
-from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
 from envd.miniwob_actions import Translator, flatten_dom, render
 from envd.miniwob_oracle import oracle_action
 from envd.png import encode_rgb
@@ -229,6 +229,9 @@ def _float_opt(options: dict[str, str], name: str, default: float) -> float:
 
 class MiniWoBEnv(Env):
     """One MiniWoB task in its own Chromium."""
+
+    # An estimate for the host budget: chromedriver and a Chromium of its own (browser, GPU, renderer processes).
+    claim = Resources(pids=64, memory_mb=1024)
 
     def __init__(self, task: str, options: dict[str, str] | None = None):
         options = dict(options or {})

@@ -37,9 +37,10 @@ import time
 from dataclasses import dataclass
 
 from envd.sandbox_limits import (INNER_ID, Limits, SandboxError, uid_task_count, allocate_uid, chown_tree,
-                                 missing_tools, release_uid, workspace_usage)
+                                 missing_tools, quota_breach, release_uid, workspace_usage)
 
-__all__ = ["SANDBOX_WORKSPACE", "Event", "Limits", "SandboxError", "ShellSandbox", "missing_tools", "workspace_usage"]
+__all__ = ["SANDBOX_WORKSPACE", "Event", "Limits", "SandboxError", "ShellSandbox", "missing_tools", "quota_breach",
+           "workspace_usage"]
 
 SANDBOX_WORKSPACE = "/workspace"
 ROWS, COLS = 40, 160
@@ -345,11 +346,13 @@ class ShellSandbox:
                 fg_seen = self._police(now, fg_seen)
                 check_disk = bool(self._deadline or fg_seen[0]) and now >= next_disk
             if check_disk:                # a tree walk: outside the lock, so `wait` is never held up by it
-                next_disk = now + 1.0
-                over = workspace_usage(self.workspace)[0] > self.limits.disk_mb << 20
+                t0 = time.monotonic()
+                breach = quota_breach(self.workspace, self.limits)
+                # Every second, or less often when the walk itself is slow (it is bounded by disk_files entries).
+                next_disk = now + max(1.0, 4 * (time.monotonic() - t0))
                 with self._cond:
-                    if over and not self._expired_at and self._deadline:
-                        self._expire(f"workspace over its {self.limits.disk_mb} MiB quota")
+                    if breach and not self._expired_at and self._deadline:
+                        self._expire(breach)
 
     def _parse(self, buf: bytes, seg: _Segment, decoder) -> bytes:
         """Turn raw output into events (caller holds the condition); returns the unparsed rest."""

@@ -13,6 +13,8 @@ import shutil
 import threading
 from dataclasses import dataclass
 
+from envd.base import Resources
+
 INNER_ID = 1000                      # the uid/gid the shell has inside the sandbox
 SANDBOX_UID_BASE = 2_000_000_000     # host uids for sandboxes of a root daemon: far above any real user's
 _uid_lock = threading.Lock()
@@ -71,6 +73,7 @@ class Limits:
     nofile: int = 256            # RLIMIT_NOFILE
     tmp_mb: int = 64             # size of the /tmp tmpfs (it is memory)
     disk_mb: int = 256           # workspace quota, checked while a command runs and after it
+    disk_files: int = 100_000    # workspace quota on entries (files, directories, links: inodes), checked likewise
     output_bytes: int = 16384    # output kept per command line (head and tail); the rest is dropped, and said so
 
     @classmethod
@@ -92,6 +95,12 @@ class Limits:
             changes[f.name] = v
         return dataclasses.replace(base, **changes)
 
+    def host_claim(self) -> Resources:
+        """What a sandbox with these limits may use of the host, as the daemon's budget counts it: `nproc`
+        processes; `memory_mb` (RLIMIT_AS is per process, so this is the allowance, not a cgroup bound) plus the
+        tmpfs sizes (/tmp and /dev/shm are memory)."""
+        return Resources(self.nproc, self.memory_mb + self.tmp_mb + min(self.tmp_mb, 16))
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -100,7 +109,7 @@ class Limits:
 LIMIT_BOUNDS = {
     "timeout_s": (0.1, 600.0), "wait_s": (0.0, 30.0), "cpu_s": (1, 3600), "memory_mb": (32, 16384),
     "nproc": (8, 4096), "fsize_mb": (1, 4096), "nofile": (16, 4096), "tmp_mb": (1, 1024), "disk_mb": (1, 16384),
-    "output_bytes": (256, 1 << 20),
+    "disk_files": (16, 1_000_000), "output_bytes": (256, 1 << 20),
 }
 
 
@@ -109,11 +118,13 @@ def missing_tools() -> list[str]:
     return [t for t in ("bwrap", "prlimit", "setpriv", "setsid", "bash") if shutil.which(t) is None]
 
 
-def workspace_usage(root: pathlib.Path, max_entries: int = 100_000) -> tuple[int, int]:
-    """(bytes, entries) under `root`, not following symlinks; stops counting at max_entries entries."""
+def workspace_usage(root: pathlib.Path, max_entries: int) -> tuple[int, int]:
+    """(bytes, entries) under `root`, not following symlinks. The walk stops once it has seen more than
+    `max_entries` entries and then answers max_entries + 1: the bytes are a lower bound, and the caller must treat
+    the workspace as over its entry quota (a partial count is never a total)."""
     total = entries = 0
     stack = [str(root)]
-    while stack and entries < max_entries:
+    while stack:
         try:
             it = os.scandir(stack.pop())
         except OSError:
@@ -121,6 +132,8 @@ def workspace_usage(root: pathlib.Path, max_entries: int = 100_000) -> tuple[int
         with it:
             for e in it:
                 entries += 1
+                if entries > max_entries:
+                    return total, entries
                 try:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
@@ -129,6 +142,17 @@ def workspace_usage(root: pathlib.Path, max_entries: int = 100_000) -> tuple[int
                 if e.is_dir(follow_symlinks=False):
                     stack.append(e.path)
     return total, entries
+
+
+def quota_breach(root: pathlib.Path, limits: Limits) -> str:
+    """Why the workspace is over its quota (`disk_mb` bytes, `disk_files` entries), e.g. "workspace holds 300 MiB,
+    over its 256 MiB quota"; "" when it is within it."""
+    used, entries = workspace_usage(root, limits.disk_files)
+    if entries > limits.disk_files:
+        return f"workspace holds more than {limits.disk_files} files and directories, over its quota"
+    if used > limits.disk_mb << 20:
+        return f"workspace holds {used >> 20} MiB, over its {limits.disk_mb} MiB quota"
+    return ""
 
 
 def uid_task_count(uid: int) -> int:

@@ -5,7 +5,7 @@ pool are envd/sessions.py.
 
 Error contract (see proto/tars/v1/env.proto and envd/base.py):
   unknown session / env id -> NOT_FOUND            malformed action or options -> INVALID_ARGUMENT
-  session cap -> RESOURCE_EXHAUSTED                draining -> UNAVAILABLE
+  session cap, per-client cap, host budget -> RESOURCE_EXHAUSTED      draining -> UNAVAILABLE
   backend lacks snapshots -> UNIMPLEMENTED         request from before a daemon restart -> FAILED_PRECONDITION
   a crashing or hanging backend never raises: Reset/Step/Observe answer outcome INFRA_ERROR and the session is gone.
 """
@@ -24,8 +24,9 @@ import time
 import grpc
 
 from envd import hints, registry
-from envd.base import Action, ActionError, Outcome
-from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, check_result, to_response
+from envd.base import Action, ActionError, Outcome, Resources
+from envd.admission import Admission, Status as _Status, peer_identity, rpc as _rpc
+from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, check_result, list_page, to_response
 from core import telemetry
 from core.config import EnvdConfig
 from core.v1 import env_pb2, env_pb2_grpc
@@ -36,29 +37,6 @@ ENV_SERVICE = env_pb2.DESCRIPTOR.services_by_name["EnvService"].full_name
 MAX_LEASE_TTL_S = 7 * 24 * 3600.0
 
 
-class _Status(Exception):
-    """Raised inside a handler; the wrapper turns it into a gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-def _rpc(fn):
-    @functools.wraps(fn)
-    async def wrapper(self, request, context):
-        try:
-            return await fn(self, request, context)
-        except _Status as e:
-            await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug in the daemon itself, not in a backend
-            log.exception("envd %s failed", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"envd {fn.__name__}: {type(e).__name__}: {e}")
-    return wrapper
-
-
 class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     def __init__(self, cfg: EnvdConfig, run_id: str):
         self.cfg, self.run_id = cfg, run_id
@@ -67,8 +45,10 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self.draining = False
         self.latency = LatencyWindow(cfg.latency_window)
         self.counters: collections.Counter[str] = collections.Counter()
-        self._opening = 0                        # CreateSession calls between the cap check and registration
         self._tasks: set[asyncio.Task] = set()   # background closes, tracked so shutdown can await them
+        # Session caps and the host budget; closes give budget back, so a session that does not fit waits for them.
+        self.admission = Admission(cfg, self.sessions, lambda: [t for t in self._tasks if not t.done()])
+        self.budget = self.admission.budget
         self._gc: asyncio.Task | None = None
         self.step_seconds = telemetry.histogram("tars.env.step.duration", "s", "envd backend step latency")
         telemetry.observe("tars.envd.sessions", lambda: len(self.sessions), description="open sessions")
@@ -118,17 +98,20 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         t.add_done_callback(self._tasks.discard)
 
     async def _dispose(self, s: Session) -> None:
+        """Close the env, then give its share of the host budget back (its processes are gone by then)."""
         try:
             async with s.lock:  # a call still running on this env finishes first
                 cf = s.inflight
                 if cf is not None and not cf.done():
                     # The env is stuck in a call past its deadline and is not thread-safe: close it from that
-                    # worker thread when (if ever) the call returns, instead of holding a task until then.
-                    cf.add_done_callback(lambda _: s.close_quietly())
+                    # worker thread when (if ever) the call returns, instead of holding a task until then. Its
+                    # budget stays taken until then: its processes may still be running.
+                    cf.add_done_callback(lambda _: (s.close_quietly(), self.budget.give_back(s)))
                     return
                 await self.workers.run(s.env.close, timeout=self.cfg.step_timeout_s, session=s)
         except Exception as e:
             log.warning("closing session %s (%s) failed: %s: %s", s.id, s.env_id, type(e).__name__, e)
+        self.budget.give_back(s)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _check_run(self, run_id: str) -> None:
@@ -168,33 +151,47 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         return requested or self.cfg.lease_ttl_s
 
     async def _open(self, env_id: str, options: dict[str, str], ttl_s: float, client_id: str = "",
-                    seed: int = 0) -> Session:
+                    seed: int = 0, owner: str = "") -> Session:
         self._check_accepting()
-        if len(self.sessions) + self._opening >= self.cfg.max_sessions:
-            raise _Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"session cap reached ({self.cfg.max_sessions})")
+        self.admission.check(owner, client_id)
         options, hint = hints.split_options(options)
         if hint and hint not in hints.POLICIES:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{hints.OPTION}={hint!r}: expected one of {hints.POLICIES}")
-        self._opening += 1
-        try:
-            env = await self.workers.run(registry.make, env_id, options, timeout=self.cfg.step_timeout_s,
-                                         orphan=lambda e: e.close())
-        except KeyError as e:
-            raise _Status(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else f"unknown env id {env_id!r}")
-        except ValueError as e:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{env_id}: {e}")
-        except Exception as e:
-            log.warning("creating %s failed: %s: %s", env_id, type(e).__name__, e)
-            raise _Status(grpc.StatusCode.INTERNAL, f"{env_id}: {type(e).__name__}: {e}")
-        finally:
-            self._opening -= 1
+        with self.admission.building(owner):
+            try:
+                env = await self.workers.run(registry.make, env_id, options, timeout=self.cfg.step_timeout_s,
+                                             orphan=lambda e: e.close())
+            except KeyError as e:
+                raise _Status(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else f"unknown env id {env_id!r}")
+            except ValueError as e:
+                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{env_id}: {e}")
+            except Exception as e:
+                log.warning("creating %s failed: %s: %s", env_id, type(e).__name__, e)
+                raise _Status(grpc.StatusCode.INTERNAL, f"{env_id}: {type(e).__name__}: {e}")
+            try:  # charged before the session exists (a fresh env has started nothing its reset would not restart)
+                need = env.resources()
+                await self.admission.charge(need, f"a new {env_id} session")
+            except BaseException:
+                self._close_env(env)
+                raise
         s = Session(id=secrets.token_hex(12), env_id=env_id, env=env, options=options, ttl_s=ttl_s,
-                    client_id=client_id, seed=seed, hint_policy=hint,
+                    client_id=client_id, owner=owner, charge=need, seed=seed, hint_policy=hint,
                     hint_rng=random.Random(f"{hint}:{env_id}:{seed}") if hint else None)
         s.renew()
         self.sessions[s.id] = s
         self.counters["sessions_created"] += 1
         return s
+
+    def _close_env(self, env) -> None:
+        """Close an env that never became a session, in the background (in a worker thread)."""
+        t = asyncio.get_running_loop().create_task(self.workers.run(env.close, timeout=self.cfg.step_timeout_s))
+        self._tasks.add(t)
+        t.add_done_callback(self._closed_env)
+
+    def _closed_env(self, t: asyncio.Task) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("closing a refused env failed: %s: %s", type(t.exception()).__name__, t.exception())
 
     def _created(self, s: Session) -> env_pb2.CreateSessionResponse:
         return env_pb2.CreateSessionResponse(session_id=s.id, run_id=self.run_id,
@@ -235,7 +232,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def CreateSession(self, request, context):
         with telemetry.server_span("envd.create_session", context, {"tars.env_id": request.env_id}):
             s = await self._open(request.env_id, dict(request.options), self._ttl(request.lease_ttl_s),
-                                 request.client_id, request.seed)
+                                 request.client_id, request.seed, owner=peer_identity(context.peer()))
             return self._created(s)
 
     @_rpc
@@ -249,13 +246,23 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         async with s.lock:
             self._alive(s)
             s.renew()
+            options = hints.split_options(dict(request.options))[0]
+            if options:  # new limits take their share of the host budget before the sandbox gets them
+                try:
+                    need = s.env.resources(options)
+                except ValueError as e:
+                    self.counters["action_errors"] += 1
+                    raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"reset: {e}")
+                await self.admission.charge(Resources(max(need.pids, s.charge.pids),
+                                                      max(need.memory_mb, s.charge.memory_mb)), f"session {s.id}", s)
             # ValueError too: a reset fails on malformed options, which is the caller's fault, not an infra error.
             # Seed 0 means "the session's seed" (proto3 has no unset): CreateSession's seed, itself 0 by default.
-            out = await self._drive(s, "reset", (ValueError,), s.env.reset, request.seed or s.seed,
-                                    hints.split_options(dict(request.options))[0])
+            out = await self._drive(s, "reset", (ValueError,), s.env.reset, request.seed or s.seed, options)
             if isinstance(out, env_pb2.StepResponse):
                 return out
             r, ms = out
+            if options:
+                await self.admission.charge(s.env.resources(), f"session {s.id}", s)  # what it now has: no more
             s.last, s.episodes = r, s.episodes + 1
             s.renew()
             self.counters["resets"] += 1
@@ -361,13 +368,17 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         return bytes(state)
 
     async def _restore(self, env_id: str, options: dict[str, str], state: bytes, ttl_s: float,
-                       client_id: str = "") -> Session:
-        s = await self._open(env_id, options, ttl_s, client_id)
+                       client_id: str = "", owner: str = "") -> Session:
+        s = await self._open(env_id, options, ttl_s, client_id, owner=owner)
         async with s.lock:
             try:
                 r = await self.workers.run(s.env.restore, state, timeout=self.cfg.step_timeout_s, session=s)
                 s.last = check_result(r)
+                # The state brings limits of its own (a terminal snapshot's): charge what the session now has.
+                await self.admission.charge(s.env.resources(), f"restored session {s.id} ({env_id})", s)
                 return s
+            except _Status as e:
+                status = e
             except NotImplementedError as e:
                 status = _Status(grpc.StatusCode.UNIMPLEMENTED, str(e) or f"{env_id} does not support restore")
             except ValueError as e:  # ActionError included: the state blob is not one this backend made
@@ -385,7 +396,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     @_rpc
     async def Restore(self, request, context):
-        s = await self._restore(request.env_id, {}, request.state, self._ttl(request.lease_ttl_s))
+        s = await self._restore(request.env_id, {}, request.state, self._ttl(request.lease_ttl_s),
+                                owner=peer_identity(context.peer()))
         return self._created(s)
 
     @_rpc
@@ -394,7 +406,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self._check_accepting()  # before the snapshot, which may be expensive
         src = self._get(request.session_id)
         state = await self._snapshot(src)
-        s = await self._restore(src.env_id, dict(src.options), state, src.ttl_s, src.client_id)
+        s = await self._restore(src.env_id, dict(src.options), state, src.ttl_s, src.client_id,
+                                owner=peer_identity(context.peer()))
         return self._created(s)
 
     @_rpc
@@ -419,10 +432,12 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             "step_ms_p50": round(self.latency.percentile(50), 4), "step_ms_p99": round(self.latency.percentile(99), 4),
             "step_ms_window": len(self.latency), "workers": self.cfg.workers,
             "backend_calls_running": self.workers.running, "sessions_by_env": dict(by_env),
+            "budget": self.admission.describe(),
         }
 
-    def sessions_list(self, args: dict[str, str]) -> list[dict]:
-        return [s.describe() for s in self.sessions.values()]
+    def sessions_list(self, args: dict[str, str]) -> dict:
+        """One page of the sessions (envd.sessions.list_page: args offset, limit)."""
+        return list_page(list(self.sessions.values()), args)
 
     def sessions_kill(self, args: dict[str, str]):
         sid = args["id"]  # KeyError -> INVALID_ARGUMENT via ControlServicer
@@ -431,3 +446,4 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             return False, f"unknown session {sid!r}", {}
         self._retire(s)
         return True, f"session {sid} closed", {"id": sid, "env_id": s.env_id}
+

@@ -1,4 +1,5 @@
-"""Session state, the worker pool that runs blocking backend calls, and StepResult -> proto conversion for envd.
+"""Session state, the worker pool that runs blocking backend calls, paged session listings, and StepResult -> proto
+conversion for envd.
 
 Backends are synchronous and not thread-safe, so every call on one Env goes through its session's asyncio.Lock and
 runs in a bounded thread pool with a deadline. A call whose deadline passed (or whose RPC was cancelled) keeps
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from envd.base import Env, Outcome, StepResult
+from envd.base import Env, Outcome, Resources, StepResult
 from core.v1 import env_pb2
 
 log = logging.getLogger("envd")
@@ -38,7 +39,9 @@ class Session:
     env: Env
     options: dict[str, str]
     ttl_s: float
-    client_id: str = ""
+    client_id: str = ""                 # what the client says it is (shown in listings; it decides nothing)
+    owner: str = ""                     # who the per-client cap counts it against: the creator's peer address
+    charge: Resources = field(default_factory=Resources)   # what it holds of the host budget (envd.budget)
     seed: int = 0                       # default seed for a Reset that sends 0
     hint_policy: str = ""               # scripted baseline whose next action every result carries (envd.hints)
     hint_rng: Any = None                # its random stream (random.Random), seeded from the session's seed
@@ -79,10 +82,39 @@ class Session:
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
         return {
-            "id": self.id, "env_id": self.env_id, "client_id": self.client_id, "age_s": round(now - self.created, 3),
+            "id": self.id, "env_id": self.env_id, "client_id": self.client_id, "owner": self.owner,
+            "pids": self.charge.pids, "memory_mb": self.charge.memory_mb, "age_s": round(now - self.created, 3),
             "lease_left_s": round(self.expires - now, 3), "steps": self.steps, "episodes": self.episodes,
             "outcome": self.last.outcome if self.last is not None else "", "busy": self.busy,
         }
+
+
+LIST_PAGE_MAX = 500              # sessions in one sessions_list reply (the default page is 100) ...
+LIST_PAGE_BYTES = 1 << 20        # ... and at most about this much JSON, whatever the sessions hold
+
+
+def list_page(sessions: list[Session], args: dict[str, str]) -> dict:
+    """One page of a session listing (the ControlService's sessions_list), oldest first: args offset (0) and limit
+    (100, at most LIST_PAGE_MAX); a page also ends before it passes LIST_PAGE_BYTES of JSON. next_offset is where
+    the next page starts (None after the last); sessions that end between two pages shift the later ones back.
+    ValueError on a malformed offset or limit."""
+    try:
+        offset, limit = int(args.get("offset", 0)), int(args.get("limit", 100))
+    except (TypeError, ValueError):
+        raise ValueError(f"offset and limit must be integers, got {args.get('offset')!r}, {args.get('limit')!r}") \
+            from None
+    if offset < 0 or not 1 <= limit <= LIST_PAGE_MAX:
+        raise ValueError(f"offset must be >= 0 and limit in [1, {LIST_PAGE_MAX}], got offset={offset} limit={limit}")
+    page, size = [], 0
+    for s in sessions[offset:offset + limit]:
+        d = s.describe()
+        size += len(json.dumps(d, default=str))
+        if page and size > LIST_PAGE_BYTES:
+            break
+        page.append(d)
+    end = offset + len(page)
+    return {"sessions": page, "total": len(sessions), "offset": offset,
+            "next_offset": end if end < len(sessions) else None}
 
 
 class LatencyWindow:

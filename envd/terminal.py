@@ -35,8 +35,8 @@ import tempfile
 import time
 
 from envd import terminal_tasks, workspace_archive
-from envd.base import Action, ActionError, Env, Outcome, StepResult
-from envd.sandbox import SANDBOX_WORKSPACE, Limits, SandboxError, ShellSandbox, workspace_usage
+from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult
+from envd.sandbox import SANDBOX_WORKSPACE, Limits, SandboxError, ShellSandbox, quota_breach
 from envd.terminal_text import KEYS, MAX_LINE, check_content, clean_terminal_text, normalize_key
 from envd.workspace_archive import clear_dir, rmtree
 
@@ -100,6 +100,13 @@ class TerminalEnv(Env):
         self.verify_mode = options.get("verify", "finished")
         if self.verify_mode not in ("finished", "step"):
             raise ValueError(f"verify={self.verify_mode!r}: use 'finished' or 'step'")
+
+    def resources(self, options: dict[str, str] | None = None) -> Resources:
+        """The sandbox's process and memory limits (after a Reset with `options`: its limits merged over these)."""
+        if not options:
+            return self.limits.host_claim()
+        merged = {k: v for k, v in (self.options | dict(options)).items() if k in Limits.__dataclass_fields__}
+        return Limits.from_options(merged).host_claim()
 
     # ---- episode -------------------------------------------------------------------------------------------
     def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
@@ -175,9 +182,9 @@ class TerminalEnv(Env):
             ok, self.detail = terminal_tasks.verify(self.spec.name, self.workspace, self.spec.answer)
             if ok:
                 return self._end(Outcome.TERMINATED, success=True)
-        used, _ = workspace_usage(self.workspace)
-        if used > self.limits.disk_mb << 20:
-            self.detail = f"the workspace holds {used >> 20} MiB, over its {self.limits.disk_mb} MiB quota"
+        breach = quota_breach(self.workspace, self.limits)
+        if breach:
+            self.detail = f"the {breach}"
             self._append(f"[{self.detail}: the episode ends]\n")
             return self._end(Outcome.TRUNCATED, success=False)
         if self.steps >= self.max_steps:

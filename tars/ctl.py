@@ -12,7 +12,7 @@ found as above).
     tars ctl drain | undrain             envd finishes running sessions, accepts no new ones (undrain: accept again)
     tars ctl set eta N | set-eta N       learner staleness bound, live
     tars ctl checkpoint                  learner checkpoints after the current update
-    tars ctl sessions [list]             envd sessions
+    tars ctl sessions [list]             envd sessions (fetched a page at a time)
     tars ctl sessions kill ID | kill-session ID
 """
 from __future__ import annotations
@@ -163,6 +163,8 @@ def _call(t: dict, what: str, args: dict, token: str, timeout: float) -> dict | 
         want_role, name = COMMANDS[what]
         if st.role != want_role:
             return None
+        if what == "sessions":
+            return {**r, "ok": True, "message": "ok", "result": _all_sessions(stub, args, timeout)}
         c = stub.Command(control_pb2.CommandRequest(name=name, args=args), timeout=timeout)
         return {**r, "ok": c.ok, "message": c.message, "result": json.loads(c.result_json or "null")}
     except grpc.RpcError as e:
@@ -176,6 +178,23 @@ def _call(t: dict, what: str, args: dict, token: str, timeout: float) -> dict | 
         return {**r, "error": msg}
     finally:
         ch.close()
+
+
+def _all_sessions(stub, args: dict, timeout: float, page: int = 500) -> list:
+    """Every session of an envd, fetched a page at a time (one reply for thousands would pass the message limit)."""
+    out: list = []
+    offset = 0
+    for _ in range(1_000_000 // page):  # a bound on pages: far beyond any envd.max_sessions
+        c = stub.Command(control_pb2.CommandRequest(name="sessions_list", args={**args, "offset": str(offset),
+                                                                                "limit": str(page)}), timeout=timeout)
+        res = json.loads(c.result_json or "null")
+        if isinstance(res, list):  # an envd from before paging answers everything at once
+            return res
+        out += res["sessions"]
+        if res.get("next_offset") is None or res["next_offset"] <= offset:
+            return out
+        offset = res["next_offset"]
+    return out
 
 
 def summary(role: str, m: dict) -> str:
@@ -195,7 +214,9 @@ def summary(role: str, m: dict) -> str:
     if role == "envd":
         return (f"sessions={m.get('sessions')}/{m.get('max_sessions')} draining={m.get('draining')} steps={m.get('steps')} "
                 f"step_ms p50={num(m.get('step_ms_p50'), '{:.2f}')} p99={num(m.get('step_ms_p99'), '{:.2f}')} "
-                f"infra_errors={m.get('infra_errors')} by_env={m.get('sessions_by_env')}")
+                f"infra_errors={m.get('infra_errors')} by_env={m.get('sessions_by_env')} "
+                f"budget pids={g(m, 'budget', 'pids')}/{g(m, 'budget', 'max_total_pids')} "
+                f"memory_mb={g(m, 'budget', 'memory_mb')}/{g(m, 'budget', 'max_total_memory_mb')}")
     if role == "inference":
         return (f"tokens/s={num(m.get('tokens_per_s'))} waiting={m.get('waiting')} running={m.get('running')} "
                 f"idle_share={num(m.get('idle_share'), '{:.2f}')} cache_hit={num(m.get('cache_hit_share'), '{:.2f}')} "

@@ -80,7 +80,7 @@ def test_check_action_normalises_and_rejects():
         ({"type": "click"}, "needs a point"),
         ({"type": "click", "point": [100, 10]}, "outside the 100x50 viewport"),
         ({"type": "click", "point": [-1, 10]}, "outside"),
-        ({"type": "click", "point": [float("nan"), 10]}, "outside"),
+        ({"type": "click", "point": [float("nan"), 10]}, "finite"),   # refused by the Action type itself
         ({"type": "click", "point": [1]}, r"must be \[x, y\]"),
         ({"type": "click", "point": ["a", 1]}, "two numbers"),
         ({"type": "drag", "point": [1, 1]}, "end_point"),

@@ -315,7 +315,8 @@ def test_control_status_and_session_commands():
             assert m["sessions"] == 1 and m["steps"] == 5 and m["infra_errors"] == 0 and m["draining"] is False
             assert 0 < m["step_ms_p50"] <= m["step_ms_p99"]
             ctl = _control(c)
-            listed = json.loads((await ctl.Command(control_pb2.CommandRequest(name="sessions_list"), timeout=5)).result_json)
+            listed = json.loads((await ctl.Command(control_pb2.CommandRequest(name="sessions_list"),
+                                                   timeout=5)).result_json)["sessions"]
             assert [s["id"] for s in listed] == [sid] and listed[0]["steps"] == 5
             await expect_code(grpc.StatusCode.INVALID_ARGUMENT, ctl.Command(
                 control_pb2.CommandRequest(name="sessions_kill"), timeout=5))
