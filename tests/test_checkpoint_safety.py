@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import numpy as np
 import pytest
@@ -327,7 +328,8 @@ def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypat
         envd = inference = stream = "-"
 
         def __init__(self, plan):
-            pass
+            self.procs = {}  # nothing for the supervisor to watch
+            self.plan = types.SimpleNamespace(out=out)
 
         def start(self):
             return self
