@@ -21,14 +21,14 @@ import time
 
 import torch
 
-from core import proc, telemetry
+from core import auth, proc, telemetry
 from core.config import ConfigError, RunConfig
 from core.outcome import Outcome
 from core.stream.receiver import TrajectoryReceiver
 from core.stream.wal import WriteAheadLog
 from learner.admission import Admission
 from learner.checkpoint import Checkpointer
-from learner.control import learner_control, serve_control
+from learner.control import CONTROL_HOST, learner_control, serve_control
 from learner.device import describe, resolve_device, resolve_precision
 from learner.distributed import Dist, from_accelerate
 from learner.policy import TrainPolicy
@@ -204,13 +204,22 @@ class Learner:
                                lambda: self.last_checkpoint, self.stop)
 
 
+def check_bind(cfg: RunConfig) -> None:
+    """core.auth.check_listener for the trajectory stream: off loopback only with CURVE. (The ControlService binds
+    127.0.0.1 and checks control.auth_token.)"""
+    s = cfg.learner.stream
+    auth.check_listener("learner", "the trajectory stream", s.host, {"learner.stream.curve_secret_key (CURVE)": s.curve_secret_key})
+    auth.check_listener("learner", "the ControlService", CONTROL_HOST, {"control.auth_token": cfg.control.auth_token})
+
+
 def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], ready_file: str | None = None,
          resume: bool = False) -> int:
     proc.die_with_parent()
-    try:  # a bad learner.device / precision is a one-line error, before any process group or model
+    try:  # a bad learner.device / precision or an open stream off loopback: one line, before any model loads
+        check_bind(cfg)
         device = resolve_device(cfg.learner.device)
         resolve_precision(cfg.learner.precision, device)
-    except ConfigError as e:
+    except (ConfigError, auth.InsecureBind) as e:
         print(f"tars learner: {e}", file=sys.stderr)
         return 2
     # learner.device decides the backend: NCCL for CUDA (each rank on cuda:LOCAL_RANK), gloo on the CPU.
