@@ -19,7 +19,7 @@ import uuid
 from actor.envclient import EnvClient
 from actor.episode import EpisodeContext, run_episode
 from core.inference_client import InferenceClient
-from core import proc, rpc, telemetry
+from core import auth, proc, rpc, telemetry
 from core.config import RunConfig
 from core.outcome import ENDED, Fault, Outcome
 from core.control import ControlServicer, add_control
@@ -213,6 +213,8 @@ async def serve(cfg: RunConfig, envd: list[str], inference: list[str], stream: s
     model_dir = tokenizer_path if os.path.isfile(os.path.join(tokenizer_path, "config.json")) else None
     tok = open_tokenizer(tokenizer_path, model_dir)  # a checkpoint directory: also checked against its embedding
     actor = Actor(cfg, actor_id, envd, inference, stream, tok, spool_dir)
+    # The ControlService binds loopback only; control.auth_token (never a service token) guards it.
+    auth.check_listener("actor", "the ControlService", "127.0.0.1", {"control.auth_token": cfg.control.auth_token})
     server = rpc.make_server(auth_token=cfg.control.auth_token)
     add_control(server, actor.control())
     port = rpc.bind(server, "127.0.0.1", control_port)

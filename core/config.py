@@ -8,6 +8,7 @@ the rules that span sections.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import typing
 from dataclasses import dataclass, field
@@ -65,7 +66,10 @@ class EnvdConfig:
     workers: int = f(8, "threads for blocking backends")
     max_message_bytes: int = f(16 << 20, "largest gRPC message accepted")
     auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
-                            "control.auth_token)")
+                            "control.auth_token); required off loopback (envd refuses to start, exit 2); `tars up` "
+                            "makes one per run when empty")
+    auth_token_file: str = f("", "read envd.auth_token from this file (a Kubernetes Secret volume, a systemd "
+                                 "credential: %d/envd-token), so it never sits on a command line")
     step_timeout_s: float = f(60.0, "deadline of one blocking backend call (create, reset, step, ...); past it the "
                                     "session ends as INFRA_ERROR")
     shutdown_grace_s: float = f(2.0, "on SIGTERM, how long in-flight RPCs may finish before envs are closed")
@@ -87,7 +91,10 @@ class InferenceConfig:
     cache_capacity: int = f(4096, "trajectories whose KV prefix is kept (LRU)")
     max_stale_versions: int = f(0, "default staleness budget for keeping KV across a weight update (0 = recompute)")
     auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
-                            "control.auth_token)")
+                            "control.auth_token); required off loopback (the server refuses to start, exit 2); "
+                            "`tars up` makes one per run when empty")
+    auth_token_file: str = f("", "read inference.auth_token from this file (a Kubernetes Secret volume, a systemd "
+                                 "credential), so it never sits on a command line")
     cache_max_bytes: int = f(1 << 30, "memory bound of the per-trajectory KV prefix cache (LRU), in bytes")
     prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
     max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
@@ -186,7 +193,9 @@ class ControlConfig:
     auth_token: str = f("", "protects every process's ControlService (envd, inference, actors, learner): if set, every "
                             "control RPC must carry `authorization: Bearer <token>`, and `tars ctl` sends it. Required "
                             "when envd.auth_token or inference.auth_token is set (their ControlService shares the "
-                            "listener)")
+                            "listener); `tars up` makes one per run when empty, apart from the service tokens")
+    auth_token_file: str = f("", "read control.auth_token from this file (a Kubernetes Secret volume, a systemd "
+                                 "credential; `tars ctl` reads it too)")
 
 
 @dataclass
@@ -311,6 +320,12 @@ def load(preset: str | None = None, path: str | None = None, overrides: list[str
         k, v = o.split("=", 1)
         apply_override(d, k.strip(), v)
     cfg = from_dict(RunConfig, d)
+    from core.auth import SecretFileError, read_secret_files
+
+    try:
+        read_secret_files(cfg)  # every X_file field into X (envd.auth_token_file, ...)
+    except SecretFileError as e:
+        raise ConfigError(str(e)) from None
     validate(cfg)
     return cfg
 
@@ -332,7 +347,18 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 def save(cfg, path: str | pathlib.Path) -> None:
-    pathlib.Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write cfg as YAML, readable by its owner only (0600: it may hold tokens and keys), atomically."""
+    p = pathlib.Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def help_text(cls=RunConfig, prefix: str = "") -> str:

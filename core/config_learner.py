@@ -97,6 +97,9 @@ class StreamConfig:
     curve_secret_key: str = f("", "Z85 CURVE secret key of the learner: if set, the stream is encrypted and only "
                                   "clients that know the public key connect (zmq.curve_keypair() makes a pair)")
     curve_public_key: str = f("", "the learner's Z85 CURVE public key; actors need it when CURVE is on")
+    curve_secret_key_file: str = f("", "read curve_secret_key from this file (a Kubernetes Secret volume, a systemd "
+                                       "credential); CURVE is required when the stream binds off loopback")
+    curve_public_key_file: str = f("", "read curve_public_key from this file")
     credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
     max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
     queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")

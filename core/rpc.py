@@ -1,6 +1,7 @@
 """gRPC plumbing shared by every service: servers with auth, health and reflection; channels with deadlines."""
 from __future__ import annotations
 
+import hmac
 import inspect
 
 import grpc
@@ -41,12 +42,17 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         want = self._want_control if method.startswith(CONTROL_PREFIX) else self._want
         md = dict(handler_call_details.invocation_metadata or ())
         # Health checks carry no secrets and orchestrators' probes (Kubernetes gRPC probes) cannot send a token.
-        if want is None or md.get("authorization") == want or method.startswith(HEALTH_PREFIX):
+        if want is None or _same(md.get("authorization"), want) or method.startswith(HEALTH_PREFIX):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
             return self._deny_stream
         return self._deny
+
+
+def _same(got, want: str) -> bool:
+    """Constant-time comparison of the presented header with the expected one."""
+    return isinstance(got, str) and hmac.compare_digest(got.encode(), want.encode())
 
 
 class _BadRequest:

@@ -12,11 +12,12 @@ import logging
 import os
 import secrets
 import signal
+import sys
 
 import grpc
 
 from envd.servicer import ENV_SERVICE, EnvServicer
-from core import rpc
+from core import auth, rpc
 from core.config import EnvdConfig
 from core.control import ControlServicer, add_control
 from core.proc import write_ready
@@ -25,6 +26,14 @@ from core.v1 import env_pb2_grpc
 log = logging.getLogger("envd")
 
 CONTROL_SERVICE = "tars.v1.ControlService"
+
+
+def check_bind(cfg: EnvdConfig, control_token: str | None) -> None:
+    """core.auth.check_listener for envd: off loopback only with envd.auth_token and control.auth_token (sessions
+    include shells and files: an open envd is a remote shell)."""
+    control = cfg.auth_token if control_token is None else control_token
+    auth.check_listener("envd", "the EnvService and its ControlService", cfg.host,
+                        {"envd.auth_token": cfg.auth_token, "control.auth_token": control})
 
 
 class EnvServer:
@@ -45,6 +54,7 @@ class EnvServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> int:
+        check_bind(self.cfg, self.control_token)
         self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token, self.control_token)
         env_pb2_grpc.add_EnvServiceServicer_to_server(self.servicer, self.server)
         control = ControlServicer("envd", status=self.servicer.metrics, run_id=self.run_id)
@@ -112,6 +122,9 @@ def main(cfg: EnvdConfig, ready_file: str | None = None, control_token: str | No
         logging.basicConfig(level=logging.INFO, format="%(asctime)s envd %(levelname)s %(message)s")
     try:
         server = asyncio.run(serve(cfg, ready_file, control_token=control_token))
+    except auth.InsecureBind as e:
+        print(f"tars envd: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         log.error("envd could not start: %s", e)
         return 1

@@ -17,7 +17,7 @@ from inference_server.engine import LocalEngine
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError,
                                            WeightsRefused, check_version_step)
 from core.weights_stream import Assembler, BadChunk, WrongWeights
-from core import rpc, telemetry
+from core import auth, rpc, telemetry
 from core.config import InferenceConfig
 from core.control import ControlServicer, add_control
 from core.proc import die_with_parent, write_ready
@@ -223,6 +223,7 @@ class InferenceServer:
         return info
 
     async def start(self) -> int:
+        check_bind(self.cfg, self.control_token)
         self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token, self.control_token)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         add_control(self.server, self.control)
@@ -241,6 +242,13 @@ class InferenceServer:
         await rpc.set_serving(*self._health, [SERVICE, CONTROL], False)
         await self.server.stop(grace)
         self.server = None
+
+
+def check_bind(cfg: InferenceConfig, control_token: str | None) -> None:
+    """core.auth.check_listener for this server (InsecureBind off loopback without its tokens)."""
+    control = cfg.auth_token if control_token is None else control_token
+    auth.check_listener("inference", "the InferenceService (UpdateWeights included) and its ControlService", cfg.host,
+                        {"inference.auth_token": cfg.auth_token, "control.auth_token": control})
 
 
 def make_engine(cfg: InferenceConfig, model_path: str, version: int = 0):
@@ -265,6 +273,7 @@ def make_engine(cfg: InferenceConfig, model_path: str, version: int = 0):
 async def serve(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None, stop: asyncio.Event | None = None,
                 control_token: str | None = None) -> None:
     """Run an inference server until `stop` is set (or SIGTERM / SIGINT), then shut down gracefully."""
+    check_bind(cfg, control_token)  # before the model loads: a refused bind is an immediate error
     engine = await asyncio.to_thread(make_engine, cfg, model_path, version)
     srv = InferenceServer(cfg, engine, model_name=model_path, control_token=control_token)
     stop = stop or asyncio.Event()

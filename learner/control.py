@@ -13,6 +13,7 @@ from typing import Callable
 from core import rpc
 from core.control import ControlServicer, add_control
 
+CONTROL_HOST = "127.0.0.1"  # loopback only: `tars ctl` runs on the learner's machine (or through a tunnel)
 START_TIMEOUT_S = 10.0
 STOP_POLL_S = 0.2
 
@@ -31,14 +32,14 @@ def learner_control(status: Callable[[], dict], version: Callable[[], int], stal
 
 def serve_control(servicer: ControlServicer, auth_token: str, stop: threading.Event, ready: dict,
                   port: int = 0) -> threading.Thread:
-    """Serve `servicer` on 127.0.0.1:port until `stop` is set; ready["control"] = its address once it listens."""
+    """Serve `servicer` on CONTROL_HOST:port until `stop` is set; ready["control"] = its address once it listens."""
     started = threading.Event()
 
     def run():
         async def main():
             server = rpc.make_server(auth_token=auth_token)
             add_control(server, servicer)
-            ready["control"] = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', port)}"
+            ready["control"] = f"{CONTROL_HOST}:{rpc.bind(server, CONTROL_HOST, port)}"
             await server.start()
             started.set()
             while not stop.is_set():

@@ -22,14 +22,14 @@ import time
 
 import torch
 
-from core import proc, telemetry
+from core import auth, proc, telemetry
 from core.config import ConfigError, RunConfig
 from core.outcome import Outcome
 from core.stream.receiver import TrajectoryReceiver
 from core.stream.wal import WriteAheadLog
 from learner.admission import Admission
 from learner.checkpoint import CheckpointError, Checkpointer, locate
-from learner.control import learner_control, serve_control
+from learner.control import CONTROL_HOST, learner_control, serve_control
 from learner.device import describe, resolve_device, resolve_precision
 from learner.distributed import Dist, from_accelerate
 from learner.policy import TrainPolicy
@@ -234,14 +234,24 @@ def resume_from(run: pathlib.Path, resume: bool, fresh_if_none: bool) -> pathlib
     return ckpt
 
 
+def check_bind(cfg: RunConfig) -> None:
+    """core.auth.check_listener for the trajectory stream: off loopback only with CURVE. (The ControlService binds
+    127.0.0.1 and checks control.auth_token.)"""
+    s = cfg.learner.stream
+    auth.check_listener("learner", "the trajectory stream", s.host, {"learner.stream.curve_secret_key (CURVE)": s.curve_secret_key})
+    auth.check_listener("learner", "the ControlService", CONTROL_HOST, {"control.auth_token": cfg.control.auth_token})
+
+
 def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], ready_file: str | None = None,
          resume: bool = False, fresh_if_none: bool = False) -> int:
     proc.die_with_parent()
-    try:  # a bad learner.device / precision, or no checkpoint to resume, is a one-line error before any model
+    try:  # a bad learner.device / precision, an open stream off loopback, or no checkpoint to resume: one line,
+        # before any model loads
+        check_bind(cfg)
         device = resolve_device(cfg.learner.device)
         resolve_precision(cfg.learner.precision, device)
         resume_from(pathlib.Path(run_dir), resume, fresh_if_none)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, auth.InsecureBind) as e:
         print(f"tars learner: {e}", file=sys.stderr)
         return 2
     # learner.device decides the backend: NCCL for CUDA (each rank on cuda:LOCAL_RANK), gloo on the CPU.

@@ -127,7 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="run directory of a local `tars up` (finds every process)")
     p.add_argument("--target", action="append", default=[], help="host:port of a ControlService (repeatable)")
     p.add_argument("--token", default="", help="bearer token of the ControlServices (control.auth_token); default: "
-                                                "control.auth_token from the run's config.yaml")
+                                                "control.auth_token from the run's config.yaml (a token given here "
+                                                "is visible to other local users in ps: prefer --token-file)")
+    p.add_argument("--token-file", default="", help="read the control token from this file (e.g. a systemd "
+                                                     "credential or a Kubernetes Secret volume)")
     p.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds")
     p.add_argument("--json", action="store_true")
 

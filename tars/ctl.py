@@ -4,8 +4,8 @@ Targets, first match wins: --target host:port (repeatable) and/or --run DIR; els
 current directory is a run directory; else the run file of the latest local `tars up` ($XDG_CACHE_HOME/tars/last-run,
 ~/.cache/tars/last-run). Every call has a deadline (--timeout); a target that is down is reported as such, and a
 run file whose process has exited is reported without waiting for a deadline. Every ControlService checks
-control.auth_token when one is set: --token, else the control.auth_token of the run's config.yaml (--run, or the run
-found as above).
+control.auth_token when one is set (`tars up` makes one per run): --token-file (or --token, which other local users
+can read in `ps`), else the control.auth_token of the run's config.yaml (--run, or the run found as above).
 
     tars ctl status                      role, version, throughput, queue depths, staleness, sessions
     tars ctl pause | resume              actors stop / restart admitting episodes
@@ -74,13 +74,27 @@ def targets_of_run(run_dir: str) -> list[dict]:
 
 
 def run_control_token(run_dir: str) -> str:
-    """control.auth_token of the config.yaml `tars up` saved in run_dir; "" when there is none."""
+    """control.auth_token of the config.yaml `tars up` saved in run_dir (or the file its control.auth_token_file
+    names); "" when there is none. The file is the owner's only (0600): another user's run cannot be controlled."""
     try:
         d = yaml.safe_load((pathlib.Path(run_dir) / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         return ""
     control = d.get("control") if isinstance(d, dict) else None
-    return str(control.get("auth_token") or "") if isinstance(control, dict) else ""
+    if not isinstance(control, dict):
+        return ""
+    if not control.get("auth_token") and control.get("auth_token_file"):
+        return token_from_file(str(control["auth_token_file"]))
+    return str(control.get("auth_token") or "")
+
+
+def token_from_file(path: str) -> str:
+    from core.auth import SecretFileError, read_secret
+
+    try:
+        return read_secret(path, "control token file")
+    except SecretFileError as e:
+        raise CtlError(str(e)) from None
 
 
 def find_run() -> tuple[str, str]:
@@ -246,7 +260,12 @@ def main(a) -> int:
     except CtlError as e:
         print(f"tars ctl: {e}")
         return 2
-    token = a.token or (run_control_token(run_dir) if run_dir else "")  # control.auth_token
+    try:  # control.auth_token
+        token = (a.token or (token_from_file(a.token_file) if getattr(a, "token_file", "") else "")
+                 or (run_control_token(run_dir) if run_dir else ""))
+    except CtlError as e:
+        print(f"tars ctl: {e}")
+        return 2
     results = [r for r in (_call(t, what, args, token, a.timeout) for t in targets) if r is not None]
     rc = 1 if any("error" in r for r in results) else 0
     if what != "status" and not any("error" not in r for r in results):

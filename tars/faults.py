@@ -106,7 +106,7 @@ class FaultRun:
         from core.v1 import control_pb2, control_pb2_grpc
 
         addr = self.topo.ready[(role, i)]["address"]  # as announced by its latest start
-        ch = rpc.sync_channel(addr, self.cfg.envd.auth_token)
+        ch = rpc.sync_channel(addr, self.cfg.control.auth_token)
         try:
             r = control_pb2_grpc.ControlServiceStub(ch).Status(control_pb2.StatusRequest(), timeout=timeout)
             return json.loads(r.metrics_json)

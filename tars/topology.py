@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from tars import tokens
+
 ROLES = ("envd", "inference", "learner", "actor")
 COMMAND = {"envd": "envd", "inference": "serve", "learner": "learner", "actor": "actor"}  # `tars COMMAND`
 READY_S = {"envd": 60.0, "inference": 120.0, "learner": 120.0, "actor": 60.0}  # start -> ready file, at most
@@ -200,8 +202,10 @@ def plan(cfg, out: str | os.PathLike, model: str | os.PathLike | None, *, n_envd
          learner: bool = True, n_actors: int | None = None, envd_addrs: tuple[str, ...] = (),
          inference_addr: str = "") -> Plan:
     """The topology of a run of `cfg` in `out` (whose config.yaml the caller has saved): by default the whole
-    training topology of `tars up` (one envd, the inference server, the learner, cfg.actors actors)."""
+    training topology of `tars up` (one envd, the inference server, the learner, cfg.actors actors). Empty tokens
+    of the services it starts, and control.auth_token, get per-run values, saved to config.yaml (0600; tars.tokens)."""
     out = pathlib.Path(out).resolve()
+    tokens.issue(cfg, out / "config.yaml", envd=n_envd > 0 and not envd_addrs, inference=inference and not inference_addr)
     return Plan(out, out / "config.yaml", pathlib.Path(model).resolve() if model else None,
                 0 if envd_addrs else n_envd, inference and not inference_addr, learner,
                 cfg.actors if n_actors is None else n_actors, tuple(envd_addrs), inference_addr)

@@ -92,9 +92,10 @@ def test_systemd_units_content():
             assert fams == ["AF_UNIX", "AF_INET", "AF_INET6"], unit
 
 
-def _expand_exec(cmd: str, env: dict[str, str], instance: str = "1") -> list[str]:
-    """systemd's ExecStart expansion: ${VAR} = one word, $VAR = split on whitespace, %i = the instance."""
-    cmd = cmd.replace("%i", instance)
+def _expand_exec(cmd: str, env: dict[str, str], instance: str = "1", credentials: str = "/run/credentials/x") -> list[str]:
+    """systemd's ExecStart expansion: ${VAR} = one word, $VAR = split on whitespace, %i = the instance, %d = the
+    credentials directory."""
+    cmd = cmd.replace("%i", instance).replace("%d", credentials)
     out = []
     for word in shlex.split(cmd):
         if re.fullmatch(r"\$[A-Za-z_][A-Za-z0-9_]*", word):
@@ -118,6 +119,130 @@ def test_systemd_execstart_matches_cli_and_env_files():
         assert a.cmd == {"inference": "serve"}.get(role, role)
         if role == "learner":
             assert a.resume_or_fresh and any(s.startswith("learner.stream.host=") for s in a.set)
+
+
+# ---- secrets: systemd credentials and Kubernetes Secrets, read through *_file settings -----------------------------
+
+# What each role needs to start on a non-loopback address (core.auth), and which setting names a secret.
+SECRET_SETTINGS = ("auth_token", "curve_secret_key", "curve_public_key")
+
+
+def _secret_values(tmp: pathlib.Path) -> dict[str, str]:
+    """A value for every secret file name the deploy files use; CURVE keys are real Z85 keys."""
+    import zmq
+
+    pub, sec = zmq.curve_keypair()
+    return {"envd-token": "t-envd", "inference-token": "t-inference", "control-token": "t-control",
+            "stream-curve-secret": sec.decode(), "stream-curve-public": pub.decode()}
+
+
+def _sets(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+def _check_role_starts(role: str, sets: list[str]) -> None:
+    """The role's bind checks pass with these --set values (secrets read from their files), and fail without the
+    *_file settings: the deploy file is what makes the role start."""
+    from core import auth
+    from core import config as C
+    from envd.server import check_bind as envd_bind
+    from inference_server.server import check_bind as inference_bind
+    from learner.main import check_bind as learner_bind
+
+    def check(sets):
+        cfg = C.load(None, None, sets)
+        if role == "envd":
+            envd_bind(cfg.envd, cfg.control.auth_token)
+        elif role == "inference":
+            inference_bind(cfg.inference, cfg.control.auth_token)
+        elif role == "learner":
+            learner_bind(cfg)
+            assert cfg.inference.auth_token and cfg.control.auth_token  # publishing weights, its ControlService
+        else:
+            assert cfg.envd.auth_token and cfg.inference.auth_token and cfg.control.auth_token
+            assert cfg.learner.stream.curve_public_key  # the learner's stream is CURVE off loopback
+        return cfg
+
+    check(sets)
+    if role != "actor":
+        with pytest.raises(auth.InsecureBind):
+            check([s for s in sets if "_file=" not in s])
+
+
+def test_systemd_secrets_are_credentials(tmp_path):
+    """No token or key on a unit's command line or in its env file: each is a LoadCredential= that ExecStart names
+    as %d/NAME through a *_file setting; with those files each role passes its non-loopback bind checks."""
+    values = _secret_values(tmp_path)
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    for name, v in values.items():
+        (creds / name).write_text(v + "\n")
+    for unit in UNITS:
+        role = ROLE_ENV[unit]
+        d = _directives((SYSTEMD / unit).read_text())
+        env_text = (SYSTEMD / "env" / f"{role}.env").read_text()
+        assert "TOKEN=" not in env_text and "KEY=" not in env_text, role
+        loaded = {}
+        for lc in d.get("LoadCredential", []):
+            name, _, src = lc.partition(":")
+            assert src.startswith("/etc/tars/credentials/"), (unit, lc)
+            loaded[name] = src
+        cmd = d["ExecStart"][0]
+        named = set(re.findall(r"%d/([A-Za-z0-9_.-]+)", cmd))
+        assert named and named == set(loaded), (unit, named, loaded)
+        argv = _expand_exec(cmd, _env_file(SYSTEMD / "env" / f"{role}.env"), credentials=str(creds))
+        sets = _sets(argv)
+        for st in sets:
+            key = st.split("=", 1)[0].rsplit(".", 1)[-1]
+            assert key not in SECRET_SETTINGS, (unit, st)  # only *_file settings carry secrets
+        _check_role_starts(role, sets)
+
+
+def _mounted_secret_files(pod: dict, c: dict) -> dict[str, str]:
+    """{path in the container: Secret key} of every Secret volume the container mounts."""
+    vols = {v["name"]: v for v in pod.get("volumes", [])}
+    out = {}
+    for m in c.get("volumeMounts", []):
+        v = vols[m["name"]]
+        if "secret" in v:
+            assert m.get("readOnly") is True
+            mode = v["secret"].get("defaultMode")
+            assert mode is not None and mode & 0o007 == 0, "secret files must not be world-readable"
+            for item in v["secret"]["items"]:
+                out[f"{m['mountPath'].rstrip('/')}/{item['path']}"] = item["key"]
+    return out
+
+
+def test_k8s_secrets_come_from_a_secret_volume(rendered, tmp_path):
+    """Every tars container reads its tokens and keys from files of a mounted Secret (*_file settings); no secret
+    value sits in args, env or the ConfigMaps; with those files each role passes its non-loopback bind checks."""
+    overlay, objs = rendered
+    values = _secret_values(tmp_path)
+    for o in objs:
+        if o["kind"] == "ConfigMap":
+            for v in o.get("data", {}).values():
+                assert "auth_token:" not in v.replace("auth_token_file:", "") and "curve_secret_key:" not in v, o["metadata"]["name"]
+    pods = _pods(objs)
+    for pod, cname in [("envd", "envd"), ("inference", "tars"), ("learner", "learner"), ("actor", "actor")]:
+        c = _container(pods[pod], cname)
+        files = _mounted_secret_files(pods[pod], c)
+        assert files, (overlay, pod)
+        for e in c.get("env", []):
+            assert "TOKEN" not in e["name"] and "secretKeyRef" not in e.get("valueFrom", {}), (overlay, pod, e)
+        sets, local = [], {}
+        for st in _sets(c["args"]):
+            k, _, v = st.partition("=")
+            assert k.rsplit(".", 1)[-1] not in SECRET_SETTINGS, (overlay, pod, st)
+            if k.endswith("_file"):
+                assert v in files, (overlay, pod, st, files)  # a file of a mounted Secret
+                f = tmp_path / overlay / pod / files[v]
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.write_text(values[files[v]])
+                local[v] = str(f)
+                v = str(f)
+            sets.append(f"{k}={v}")
+        assert set(local) == set(files), (overlay, pod, "mounted but unused", set(files) - set(local))
+        _check_role_starts(pod, sets)
 
 
 # ---- Kubernetes --------------------------------------------------------------------------------------------

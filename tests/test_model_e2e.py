@@ -60,8 +60,8 @@ def test_learner_logprobs_equal_the_engines_over_multi_turn_episodes(ckpt, tmp_p
     tok = ChatTokenizer.load(ckpt)
 
     async def episodes(envd, inference):
-        env = EnvClient(envd, "", 30, 2)
-        infer = InferenceClient([inference], timeout_s=30, retries=2)
+        env = EnvClient(envd, cfg.envd.auth_token, 30, 2)  # the run's tokens: plan() made them
+        infer = InferenceClient([inference], cfg.inference.auth_token, timeout_s=30, retries=2)
         ctx = EpisodeContext(cfg.actor, tok, infer, "test")
         try:
             return await asyncio.gather(*(run_episode(ctx, env, f"lp-{i:04d}", "builtin/mixed", i, 0)

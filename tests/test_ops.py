@@ -23,7 +23,8 @@ import grpc
 import pytest
 import torch
 
-from core import metrics_http
+from core import config as C
+from core import metrics_http, rpc
 from core.v1 import env_pb2, env_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -165,7 +166,9 @@ def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
         assert meta["version"] >= 2
 
         # sessions list | kill, on a session this test opens; drain refuses new ones, undrain accepts again
-        envd = env_pb2_grpc.EnvServiceStub(grpc.insecure_channel(info["envd"]["address"]))
+        run_cfg = C.load(None, str(out / "config.yaml"))  # the per-run tokens `tars up` made (mode 0600)
+        assert run_cfg.envd.auth_token and run_cfg.control.auth_token
+        envd = env_pb2_grpc.EnvServiceStub(rpc.sync_channel(info["envd"]["address"], run_cfg.envd.auth_token))
         sid = envd.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/mixed", seed=1), timeout=10).session_id
         listed = ctl_json("sessions", "list", env=env, cwd=elsewhere)[0]["result"]
         assert sid in [s["id"] for s in listed]
@@ -178,7 +181,9 @@ def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
         with pytest.raises(grpc.RpcError) as e:
             envd.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/mixed"), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
-        assert by_role(ctl_json("status", "--target", info["envd"]["address"], env=env, cwd=elsewhere))["envd"]["metrics"]["draining"]
+        (tmp_path / "control-token").write_text(run_cfg.control.auth_token)  # a --target alone sends no token
+        assert by_role(ctl_json("status", "--target", info["envd"]["address"], "--token-file", str(tmp_path / "control-token"),
+                                env=env, cwd=elsewhere))["envd"]["metrics"]["draining"]
         assert ctl_json("undrain", env=env, cwd=elsewhere)[0]["result"]["draining"] is False
         envd.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/mixed"), timeout=10)
 

@@ -1,0 +1,111 @@
+"""Auth rules every listener shares: no secret-less service off loopback, and secrets read from files.
+
+check_listener() is the one check a server runs before it binds: on a loopback address anything goes (a local
+dev run; `tars up` still hands every role its per-run tokens), on any other address every secret the listener
+depends on must be set, else InsecureBind (each role's command prints it and exits with status 2):
+
+    envd, inference server   their service token (envd.auth_token / inference.auth_token) and control.auth_token
+                             (the ControlService shares their listener)
+    trajectory stream        CURVE (learner.stream.curve_secret_key)
+    actor / learner control  bind 127.0.0.1 only (control.auth_token guards them all the same)
+
+read_secret_files() is the `*_file` convention: a string field X with a sibling X_file (envd.auth_token_file,
+control.auth_token_file, learner.stream.curve_secret_key_file, ...) takes its value from that file, so a secret
+can come from a Kubernetes Secret volume or a systemd credential ($CREDENTIALS_DIRECTORY, `%d` in a unit) and
+never sits in a unit file, a manifest or a command line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import os
+import stat
+
+log = logging.getLogger("tars.auth")
+
+FILE_SUFFIX = "_file"
+MAX_SECRET_BYTES = 4096
+_warned: set[tuple[str, str, str]] = set()
+
+
+class InsecureBind(ValueError):
+    """A listener asked to serve off loopback without the secret that guards it."""
+
+
+class SecretFileError(ValueError):
+    """A `*_file` field names a file that cannot be used."""
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and `localhost`; everything else (0.0.0.0, ::, '', names, private addresses) is not."""
+    h = (host or "").strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listener(role: str, what: str, host: str, needs: dict[str, str]) -> None:
+    """Refuse to serve `what` on a non-loopback `host` while any of `needs` ({setting name: value}) is empty."""
+    missing = [name for name, value in needs.items() if not value]
+    if not missing:
+        return
+    if is_loopback(host):
+        if (role, what, host) not in _warned:
+            _warned.add((role, what, host))
+            log.warning("%s: %s on %s without %s: any local process may call it", role, what, host, ", ".join(missing))
+        return
+    raise InsecureBind(
+        f"{role}: refusing to serve {what} on {host!r}, which is not a loopback address, without "
+        f"{' and '.join(missing)}: anyone who can reach this host could use it. Set {'them' if len(missing) > 1 else 'it'} "
+        f"(or the matching *_file setting; docs/deploy.md) or bind 127.0.0.1")
+
+
+def read_secret(path: str, setting: str) -> str:
+    """The stripped contents of a secret file (one line: a token or a Z85 key)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SecretFileError(f"{setting}: {path} is not a regular file")
+            data = os.read(fd, MAX_SECRET_BYTES + 1)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise SecretFileError(f"{setting}: cannot read {path}: {e.strerror or e}") from None
+    if len(data) > MAX_SECRET_BYTES:
+        raise SecretFileError(f"{setting}: {path} is over {MAX_SECRET_BYTES} bytes; it should hold one secret")
+    try:
+        value = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise SecretFileError(f"{setting}: {path} is not UTF-8 text") from None
+    if not value:
+        raise SecretFileError(f"{setting}: {path} is empty")
+    if any(c.isspace() for c in value):
+        raise SecretFileError(f"{setting}: {path} holds more than one word; it should hold one secret")
+    if st.st_mode & stat.S_IROTH:
+        log.warning("%s: %s is readable by every user of this machine (chmod o-r)", setting, path)
+    return value
+
+
+def read_secret_files(cfg, where: str = "") -> None:
+    """Fill every field X from its X_file sibling, in place, through the whole config tree. X set as well is
+    allowed only when it holds the same value (a config saved after it was read); anything else is ambiguous."""
+    for fl in dataclasses.fields(cfg):
+        value = getattr(cfg, fl.name)
+        name = f"{where}{fl.name}"
+        if dataclasses.is_dataclass(value):
+            read_secret_files(value, name + ".")
+        elif fl.name.endswith(FILE_SUFFIX) and value:
+            target = fl.name[: -len(FILE_SUFFIX)]
+            if not hasattr(cfg, target):
+                continue
+            secret = read_secret(str(value), name)
+            current = getattr(cfg, target)
+            if current and current != secret:
+                raise SecretFileError(f"{where}{target} and {name} are both set, to different values: set one")
+            setattr(cfg, target, secret)

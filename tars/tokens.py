@@ -1,0 +1,37 @@
+"""Per-run tokens for the processes a launcher starts (`tars up`, `tars eval`, the fault and soak benchmarks).
+
+tars.topology.plan() calls issue() for every run: each empty token gets a fresh secrets.token_urlsafe value, one
+per service the run starts (envd.auth_token, inference.auth_token) and a separate control.auth_token for every
+process's ControlService, and the config is saved again as the run's config.yaml, mode 0600. The roles read
+their tokens from that file (`--config`), never from their command line (which any local user can read in
+/proc/PID/cmdline); `tars ctl` reads control.auth_token from it too. Tokens the user set (directly or through an
+`*_file` setting) are kept.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import secrets
+
+TOKEN_BYTES = 32
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def issue(cfg, config_path: str | os.PathLike, *, envd: bool = True, inference: bool = True) -> dict[str, bool]:
+    """Fill the empty tokens of `cfg` (in place) for a run that starts envd / the inference server, and save it
+    to `config_path` readable by its owner only. Returns {setting: whether this call made it}."""
+    from core import config as C
+
+    made = {}
+    for setting, section, wanted in (("envd.auth_token", cfg.envd, envd),
+                                     ("inference.auth_token", cfg.inference, inference),
+                                     ("control.auth_token", cfg.control, True)):
+        made[setting] = wanted and not section.auth_token
+        if made[setting]:
+            section.auth_token = new_token()
+    C.validate(cfg)
+    C.save(cfg, pathlib.Path(config_path))
+    return made
