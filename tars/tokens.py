@@ -6,6 +6,10 @@ process's ControlService, and the config is saved again as the run's config.yaml
 their tokens from that file (`--config`), never from their command line (which any local user can read in
 /proc/PID/cmdline); `tars ctl` reads control.auth_token from it too. Tokens the user set (directly or through an
 `*_file` setting) are kept.
+
+A run that starts the learner also gets a CURVE keypair for its trajectory stream (learner.stream.curve_*), when
+libzmq has CURVE and the user set no key: the stream is then encrypted, and a local process that cannot read the
+run's config.yaml (another user) does not get past the handshake, so it cannot send the learner trajectories.
 """
 from __future__ import annotations
 
@@ -20,9 +24,12 @@ def new_token() -> str:
     return secrets.token_urlsafe(TOKEN_BYTES)
 
 
-def issue(cfg, config_path: str | os.PathLike, *, envd: bool = True, inference: bool = True) -> dict[str, bool]:
-    """Fill the empty tokens of `cfg` (in place) for a run that starts envd / the inference server, and save it
-    to `config_path` readable by its owner only. Returns {setting: whether this call made it}."""
+def issue(cfg, config_path: str | os.PathLike, *, envd: bool = True, inference: bool = True,
+          learner: bool = False) -> dict[str, bool]:
+    """Fill the empty tokens of `cfg` (in place) for a run that starts envd / the inference server / the learner, and
+    save it to `config_path` readable by its owner only. Returns {setting: whether this call made it}."""
+    import zmq
+
     from core import config as C
 
     made = {}
@@ -32,6 +39,12 @@ def issue(cfg, config_path: str | os.PathLike, *, envd: bool = True, inference: 
         made[setting] = wanted and not section.auth_token
         if made[setting]:
             section.auth_token = new_token()
+    stream = cfg.learner.stream
+    made["learner.stream.curve"] = (learner and zmq.has("curve") and not stream.curve_secret_key
+                                    and not stream.curve_public_key)
+    if made["learner.stream.curve"]:
+        public, secret = zmq.curve_keypair()
+        stream.curve_public_key, stream.curve_secret_key = public.decode(), secret.decode()
     C.validate(cfg)
     C.save(cfg, pathlib.Path(config_path))
     return made

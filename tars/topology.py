@@ -205,7 +205,8 @@ def plan(cfg, out: str | os.PathLike, model: str | os.PathLike | None, *, n_envd
     training topology of `tars up` (one envd, the inference server, the learner, cfg.actors actors). Empty tokens
     of the services it starts, and control.auth_token, get per-run values, saved to config.yaml (0600; tars.tokens)."""
     out = pathlib.Path(out).resolve()
-    tokens.issue(cfg, out / "config.yaml", envd=n_envd > 0 and not envd_addrs, inference=inference and not inference_addr)
+    tokens.issue(cfg, out / "config.yaml", envd=n_envd > 0 and not envd_addrs, inference=inference and not inference_addr,
+                 learner=learner)
     return Plan(out, out / "config.yaml", pathlib.Path(model).resolve() if model else None,
                 0 if envd_addrs else n_envd, inference and not inference_addr, learner,
                 cfg.actors if n_actors is None else n_actors, tuple(envd_addrs), inference_addr)

@@ -156,7 +156,8 @@ def test_tokens_set_by_the_user_are_kept(tmp_path):
 
     cfg = C.load(None, None, ["envd.auth_token=mine-envd", "control.auth_token=mine-control"])
     made = tokens.issue(cfg, tmp_path / "config.yaml")
-    assert made == {"envd.auth_token": False, "inference.auth_token": True, "control.auth_token": False}
+    assert made == {"envd.auth_token": False, "inference.auth_token": True, "control.auth_token": False,
+                    "learner.stream.curve": False}  # no learner in this run
     assert cfg.envd.auth_token == "mine-envd" and cfg.control.auth_token == "mine-control"
     assert len(cfg.inference.auth_token) >= 32
     assert stat.S_IMODE((tmp_path / "config.yaml").stat().st_mode) == 0o600
@@ -275,3 +276,28 @@ def test_a_missing_token_file_stops_a_role_with_one_line(tmp_path):
     rc, out = _role(tmp_path, "envd", ["envd", "--set", f"envd.auth_token_file={tmp_path / 'nope'}",
                                        "--set", "control.auth_token=c"], timeout=60)
     assert rc == 2 and "envd.auth_token_file" in out and "cannot read" in out, (rc, out[-2000:])
+
+
+def test_a_run_with_a_learner_gets_a_curve_stream(tmp_path):
+    """A run that starts the learner gets a per-run CURVE keypair for its trajectory stream (0600 config.yaml);
+    keys the user set are kept; a run without a learner gets none."""
+    import zmq
+
+    from tars import tokens
+
+    if not zmq.has("curve"):
+        pytest.skip("libzmq built without CURVE")
+    cfg = C.load("quickstart")
+    made = tokens.issue(cfg, tmp_path / "config.yaml", learner=True)
+    assert made["learner.stream.curve"]
+    s = C.load(None, str(tmp_path / "config.yaml")).learner.stream
+    assert len(s.curve_public_key) == 40 and len(s.curve_secret_key) == 40
+    assert zmq.curve_public(s.curve_secret_key.encode()).decode() == s.curve_public_key
+    public, secret = zmq.curve_keypair()
+    cfg = C.load("quickstart")
+    cfg.learner.stream.curve_public_key, cfg.learner.stream.curve_secret_key = public.decode(), secret.decode()
+    assert not tokens.issue(cfg, tmp_path / "c2.yaml", learner=True)["learner.stream.curve"]
+    assert cfg.learner.stream.curve_secret_key == secret.decode()
+    cfg = C.load("quickstart")
+    assert not tokens.issue(cfg, tmp_path / "c3.yaml")["learner.stream.curve"]
+    assert not cfg.learner.stream.curve_secret_key

@@ -41,9 +41,13 @@ def traj(i: int) -> Trajectory:
 
 
 def read_meta(run):
+    """meta.json of the checkpoint a resume would use (a kill mid-swap leaves the previous one in ckpt.old)."""
+    from learner.checkpoint import CheckpointError, locate
+
     try:
-        return json.loads((run / "ckpt" / "meta.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        ckpt = locate(run)
+        return json.loads((ckpt / "meta.json").read_text()) if ckpt else None
+    except (FileNotFoundError, json.JSONDecodeError, CheckpointError):
         return None
 
 
