@@ -303,10 +303,13 @@ class TrainPolicy(nn.Module):
                 copy_tokenizer(tokenizer_from, tmp)
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
-            if path.exists():
-                shutil.rmtree(path)
+            aside = path.with_name(path.name + f".old{os.getpid()}")
+            if path.is_dir():  # the old one stays whole until the new one is in place (a rename each)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(path, aside)
             os.replace(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed write (full disk, occupied path) leaves no half copy
             raise
+        shutil.rmtree(aside, ignore_errors=True)
         return path
