@@ -121,6 +121,7 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
         "restarts": dict(restarts or {}),
         "restarts_total": sum((restarts or {}).values()),
     }
+    rep["warnings"] = warnings(rep)
     written: list[str] = []
     failed: dict[str, str] = {}
     png, final, out = run_dir / "learning.png", run_dir / "final", run_dir / "report.json"
@@ -148,6 +149,31 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
     return {**rep, "written": written, "not_written": failed}
 
 
+INFRA_WARN = 0.10  # infra_error share of episodes above which the report warns
+
+
+def warnings(rep: dict) -> list[str]:
+    """What a reader of the report must not miss: a run that mostly failed for infrastructure reasons, or did not
+    train at all, would otherwise look like a policy that learnt nothing."""
+    out = []
+    if rep["episodes"] == 0:
+        out.append("no episode reached the learner: see logs/ (envd, inference, actor)")
+    elif rep["infra_errors"] > INFRA_WARN * rep["episodes"]:
+        out.append(f"{rep['infra_errors']} of {rep['episodes']} episodes "
+                   f"({rep['infra_errors'] / rep['episodes']:.0%}) were infra errors (kept out of the loss): "
+                   "see logs/envd*.log and logs/inference.log")
+    if rep["policy_version"] == 0:
+        out.append("no policy update happened: the policy is the one the run started from")
+    if rep["restarts_total"]:
+        out.append("restarted: " + ", ".join(f"{k} x{v}" for k, v in sorted(rep["restarts"].items()))
+                   + " (supervisor.jsonl)")
+    return out
+
+
+def _no_data(ax) -> None:
+    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey", fontsize=14)
+
+
 def plot(path: pathlib.Path, mon: Monitor) -> None:
     import matplotlib
 
@@ -173,6 +199,8 @@ def plot(path: pathlib.Path, mon: Monitor) -> None:
         axes[0].set_title(f"rolling mean over {w} episodes")
         axes[0].legend()
         axes[0].set_ylim(-0.15, 1.05)
+    else:
+        _no_data(axes[0])
     if mon.steps:
         v = [m["version"] for m in mon.steps]
         axes[1].plot(v, [m["success"] for m in mon.steps], ".", alpha=0.4, label="batch success")
@@ -184,6 +212,9 @@ def plot(path: pathlib.Path, mon: Monitor) -> None:
         axes[2].plot(v, [m.get("entropy", 0) for m in mon.steps], label="entropy")
         axes[2].set_xlabel("policy version")
         axes[2].legend()
+    else:
+        _no_data(axes[1])
+        _no_data(axes[2])
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -216,6 +247,8 @@ def plot_throughput(ax, mon: Monitor) -> None:
         ax.plot(t, traj, "-o", ms=3, label="trajectories/s")
         ax.plot(t, ups * 10, "-", alpha=0.7, label="policy updates/s x10")
         ax.legend()
+    else:
+        _no_data(ax)
     ax.set_xlabel("seconds of RL")
     ax.set_title("throughput")
 
@@ -224,6 +257,8 @@ def plot_staleness(ax_hist, ax_steps, mon: Monitor) -> None:
     lags = episode_lags(mon)
     if len(lags):
         ax_hist.bar(*np.unique(lags, return_counts=True), width=0.8)
+    else:
+        _no_data(ax_hist)
     ax_hist.set_xlabel("versions behind on arrival (oldest token)")
     ax_hist.set_ylabel("episodes")
     ax_hist.set_title("staleness of received episodes")
@@ -232,5 +267,7 @@ def plot_staleness(ax_hist, ax_steps, mon: Monitor) -> None:
         ax_steps.plot([m["version"] for m in mon.steps], [m.get("queue", 0) for m in mon.steps], alpha=0.7,
                       label="learner queue depth")
         ax_steps.legend()
+    else:
+        _no_data(ax_steps)
     ax_steps.set_xlabel("policy version")
     ax_steps.set_title("staleness and buffer per update")

@@ -27,6 +27,19 @@ from collections.abc import Callable
 from tars.topology import Topology
 
 MAX_BACKOFF_S = 30.0
+TAIL_LINES = 5  # of a dead process's log, shown on screen
+
+
+def log_tail(path: pathlib.Path, n: int, max_bytes: int = 16384) -> list[str]:
+    """The last n non-empty lines of a log file (its last max_bytes only); [] if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - max_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [ln.rstrip() for ln in text.splitlines() if ln.strip()][-n:]
 
 
 @dataclasses.dataclass
@@ -92,10 +105,18 @@ class Supervisor:
         if r.deaths > self.max_restarts:
             r.state = "given_up"
             self.say(f"{r.name} {how} (rc {rc}); it died {r.deaths} times: giving up")
+            self._say_tail(r)
             return
         delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (r.deaths - 1))
         r.state, r.due = "down", now + delay
         self.say(f"{r.name} {how} (rc {rc}); restarting in {delay:.0f} s ({r.deaths}/{self.max_restarts})")
+        self._say_tail(r)
+
+    def _say_tail(self, r: _Role) -> None:
+        """The last lines of the dead process's log, so the reason is on screen, not only in logs/."""
+        log = self.topo.procs[(r.role, r.index)].spec.log
+        for line in log_tail(log, TAIL_LINES):
+            self.say(f"  {r.name}| {line}")
 
     def _start(self, r: _Role, now: float) -> None:
         try:

@@ -101,6 +101,8 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s,
                               status=status, since=t_start, restarts=sup.counts() if sup else {})
     say(f"report: {json.dumps({k: rep[k] for k in ('episodes', 'success_first', 'success_last', 'success_sft', 'policy_version', 'wall_s')})}")
+    for w in rep["warnings"]:
+        print(f"[tars up] warning: {w}", file=sys.stderr if quiet else sys.stdout, flush=True)
     if rep["written"]:  # only what is there: a failed write is an error line instead
         say(f"wrote {', '.join(rep['written'])}")
     for path, why in rep["not_written"].items():

@@ -1,6 +1,7 @@
 """The supervisor of `tars up` (tars/supervisor.py) over real processes: a killed envd daemon comes back on its old
 port with backoff and serves again; a process that keeps dying ends the run once it has used up its restarts.
 (The whole `tars up` under kills is tests/test_faults.py, in the slow set.)"""
+import json
 import os
 import signal
 import time
@@ -48,8 +49,11 @@ def test_killed_envd_comes_back_on_its_port(tmp_path):
     with topo:
         topo.start()
         addr, pid0 = topo.envd, topo.ready[("envd", 0)]["pid"]
-        sup = Supervisor(topo, max_restarts=2, backoff_s=0.2)
+        said: list[str] = []
+        sup = Supervisor(topo, max_restarts=2, backoff_s=0.2, say=said.append)
         assert sup.poll() is None and sup.counts() == {}
+        with open(topo.procs[("envd", 0)].spec.log, "a") as f:
+            f.write("the last words of envd\n")
         os.killpg(pid0, signal.SIGKILL)
         _poll_until(sup, lambda end: sup.counts() == {"envd": 1}, 60)
         assert topo.envd == addr                               # the same address the actors already use
@@ -57,6 +61,9 @@ def test_killed_envd_comes_back_on_its_port(tmp_path):
         assert _serves(addr, cfg)
         events = [e["event"] for e in read_events(topo.plan.out)]
         assert events == ["died", "restarting", "up"], events
+        # the reason is on screen: the death, then the end of the dead process's log
+        i = next(i for i, m in enumerate(said) if "envd exited (rc -9); restarting in 0 s (1/2)" in m)
+        assert any("envd| the last words of envd" in m for m in said[i + 1:i + 6]), said
 
 
 def test_a_process_that_keeps_dying_ends_the_run(tmp_path):
@@ -92,3 +99,30 @@ def test_backoff_doubles_for_a_process_that_fails_to_start(tmp_path):
         assert len(starts) == 3 and len(deaths) == 4
         gaps = [s - d for d, s in zip(deaths, starts)]       # death -> next start: 0.3, 0.6, 1.2 s
         assert gaps[0] >= 0.3 and gaps[1] >= 0.6 and gaps[2] >= 1.2, gaps
+
+
+def test_report_warns_of_infra_errors_no_update_and_restarts(tmp_path):
+    """A run whose episodes were mostly infra errors, that made no update, and that restarted a process says so in
+    report.json; its plot says "no data" where there is none instead of staying blank."""
+    from tars import report
+
+    eps = [{"id": f"e{i}", "outcome": "infra_error" if i < 3 else "success", "success": i >= 3, "return": 1.0,
+            "vmax": 0, "vmin": 0, "t": float(i), "train_version": 0} for i in range(10)]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps))
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    rep = report.write_report(tmp_path, mon, wall_s=1.0, sft_used=False, sft_s=None, status="done",
+                              restarts={"envd": 2})
+    w = rep["warnings"]
+    assert any("3 of 10 episodes (30%) were infra errors" in x for x in w), w
+    assert any("no policy update happened" in x for x in w), w
+    assert any("envd x2" in x for x in w), w
+    assert json.loads((tmp_path / "report.json").read_text())["warnings"] == w
+    assert (tmp_path / "learning.png").stat().st_size > 0
+    # a healthy run: none of these
+    (tmp_path / "learner.jsonl").write_text(json.dumps({"version": 1, "success": 1.0, "ret": 1.0}) + "\n")
+    eps = [dict(e, outcome="success") for e in eps]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps))
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    assert report.write_report(tmp_path, mon, 1.0, False, None, "done")["warnings"] == []
