@@ -10,6 +10,10 @@ screenshot, a run of <|image|> placeholders; the request carries the last k scre
 the last k runs (core/vision.py). Older turns keep their placeholders as plain tokens, so only their text speaks for
 them, and the token sequence is still only ever extended.
 
+A truncated episode (actor.max_turns, the env's own step or time limit, or on_parse_error=stop) ends with the prompt
+its next turn would have had, with mask 0, and `boot_at` pointing past it: the learner's critic reads the value of
+that state there and bootstraps the return from it (core/schema.py). Nothing earlier is re-tokenised.
+
 timings["actor_ms"] is the time each turn spent in this module's own code: the turn's wall time minus the awaited
 env and inference calls (what `tars bench actor` reports as per-turn actor overhead); timings["actor_cpu_ms"] the
 same in this thread's CPU time, which leaves out time the process spent descheduled on a busy machine (the event
@@ -71,6 +75,16 @@ def _screenshot(obs: Obs) -> bytes:
     return bytes(obs.images[-1].data) if obs.images else b""
 
 
+def _prompt(cfg: ActorConfig, tok: ChatTokenizer, obs: Obs, note: str, first: bool,
+            closed: bool) -> tuple[list[int], bool]:
+    """The tokens a turn appends for `obs` (the user message opens with a screenshot's placeholder run when
+    screenshots are shown, then its text; the first turn's carries the system prompt) and whether the screenshot is
+    shown."""
+    n_img = cfg.image_tokens if cfg.image_history > 0 and _screenshot(obs) and tok.image_id >= 0 else 0
+    return turn_ids(tok, cfg.system_prompt, obs.text, obs.instruction, note, first=first, closed=closed,
+                    images=n_img), bool(n_img)
+
+
 def _success(info_json: str) -> bool:
     try:
         return bool(json.loads(info_json or "{}").get("success", False))
@@ -107,6 +121,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     actor_cpu_ms: list[float] = []
     outcome, ret, success, error, instruction = Outcome.TRUNCATED, 0.0, False, "", ""
     fault = Fault.NONE
+    note = ""
     env_s = gen_s = 0.0
     sid = ""
     closed = True                    # the last output ended with the end-of-turn token
@@ -125,12 +140,10 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
             try:
                 with telemetry.span("turn", attributes={"tars.turn": turn_i}) as turn_span:
                     # 1. prompt: the new observation appended to the conversation
+                    prompt, with_image = _prompt(cfg, tok, obs, note, first=not tokens, closed=closed)
                     shot = _screenshot(obs)
-                    n_img = cfg.image_tokens if cfg.image_history > 0 and shot and tok.image_id >= 0 else 0
-                    if n_img:
+                    if with_image:
                         shown.append(shot)   # the user message opens with its placeholders, then the text
-                    prompt = turn_ids(tok, cfg.system_prompt, obs.text, obs.instruction, note, first=not tokens,
-                                      closed=closed, images=n_img)
                     obs_ref = _obs_ref(obs, images)
                     tokens += prompt
                     logprobs += [0.0] * len(prompt)
@@ -164,9 +177,9 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     except ParseError as e:
                         turns.append(Turn(obs_ref, text, {}, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
                         ret += cfg.format_penalty
+                        note = INVALID_NOTE  # what the next prompt says (the bootstrap state, if this stops here)
                         if cfg.on_parse_error == "stop":
                             break
-                        note = INVALID_NOTE
                         continue
                     # 4. step the environment
                     t0, c0 = time.perf_counter(), time.thread_time()
@@ -210,6 +223,16 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
         outcome, ret, error, verdict = await _judge(ctx, tid, instruction, steps, obs, turns, outcome, ret, error)
         if outcome == Outcome.INFRA_ERROR:  # no verdict, and judge_on_error says that is not a verdict of 0
             fault = Fault.JUDGE
+    boot_at = 0
+    if outcome == Outcome.TRUNCATED and obs is not None:
+        # Cut by a limit, not over: the state it was cut in (the next turn's prompt) still has a value, which the
+        # learner's critic reads at boot_at. Appended, never re-tokenised, like every prompt before it.
+        final, _ = _prompt(cfg, tok, obs, note, first=not tokens, closed=closed)
+        tokens += final
+        logprobs += [0.0] * len(final)
+        versions += [-1] * len(final)
+        mask += [0] * len(final)
+        boot_at = len(tokens)
     return Trajectory(
         id=tid, env_id=env_id, outcome=outcome,
         tokens=np.asarray(tokens, np.int32), logprobs=np.minimum(np.asarray(logprobs, np.float32), 0.0),
@@ -218,7 +241,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
         timings={"start": t_start, "end": time.time(), "env_s": env_s, "gen_s": gen_s, "actor_ms": actor_ms,
                  "actor_cpu_ms": actor_cpu_ms},
         actor=ctx.actor_id, images=images, error=error, judge=verdict,
-        fault=fault,
+        fault=fault, boot_at=boot_at,
     )
 
 

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 import yaml
 
 from core.config_fields import f
-from core.config_learner import (CheckpointConfig, GroupConfig, LearnerConfig, PPOConfig, PublishConfig,  # noqa: F401
-                                 StalenessConfig, StreamConfig, ValuePretrainConfig)
+from core.config_learner import (CheckpointConfig, CorrectionConfig, GroupConfig, LearnerConfig,  # noqa: F401
+                                 PPOConfig, PublishConfig, StalenessConfig, StreamConfig, ValuePretrainConfig)
 
 PRESETS = pathlib.Path(__file__).parent / "presets"
 
@@ -337,6 +337,8 @@ def validate(cfg: RunConfig) -> None:
         # a service token alone would leave those commands open.
         raise ConfigError("envd.auth_token / inference.auth_token is set but control.auth_token is empty: the "
                           "ControlService on the same listeners would take unauthenticated calls; set control.auth_token")
+    if err := cfg.learner.config_error():
+        raise ConfigError(err)
 
 
 def _merge(a: dict, b: dict) -> dict:

@@ -1,8 +1,9 @@
 """The learner's configuration (`learner.*`), in sections: what a field tunes decides where it lives.
 
-Top level: what every update needs (algo, batch size, optimiser, device). Sections: `ppo` (the loss), `staleness`
-(how off-policy a batch may be), `group` (GRPO groups), `value_pretrain`, `checkpoint`, `publish` (weights to the
-inference servers) and `stream` (the trajectory stream the actors send to).
+Top level: what every update needs (algo, batch size, optimiser, device). Sections: `ppo` (the loss), `correction`
+(how the loss corrects for tokens older weights generated), `staleness` (how off-policy a batch may be), `group`
+(GRPO groups), `value_pretrain`, `checkpoint`, `publish` (weights to the inference servers) and `stream` (the
+trajectory stream the actors send to).
 
 The keys were flat before (`learner.eta`); MOVED maps every old key to its new place, so an old YAML file or
 `--set learner.eta=4` fails with a ConfigError that names the new key instead of a bare "unknown key".
@@ -21,10 +22,11 @@ class PPOConfig:
 
     eps_low: float = f(0.2, "PPO clip, lower side")
     eps_high: float = f(0.28, "PPO clip, upper side (clip-higher)")
-    behav_cap: float = f(5.0, "cap of the decoupled behaviour weight pi_prox / pi_behav")
+    behav_cap: float = f(5.0, "cap of the decoupled behaviour weight pi_prox / pi_behav (learner.correction.kind="
+                              "decoupled)")
     gamma: float = f(1.0, "discount")
-    lam_policy: float = f(0.95, "GAE lambda for advantages")
-    lam_critic: float = f(1.0, "GAE lambda for value targets (decoupled GAE)")
+    lam_policy: float = f(0.95, "GAE lambda for advantages (unused under learner.correction.kind=vtrace)")
+    lam_critic: float = f(1.0, "GAE lambda for value targets (decoupled GAE; unused under vtrace)")
     length_adaptive: bool = f(False, "lambda_policy = 1 - 1/(alpha * response length) (VAPO)")
     length_alpha: float = f(0.05, "alpha of length-adaptive GAE")
     value_clip: float = f(0.2, "clip range of the value loss")
@@ -42,6 +44,29 @@ class PPOConfig:
     entropy_coef_max: float = f(0.02, "upper bound of the adaptive entropy coefficient")
     kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
                             "tokens; anchors the output format at higher learning rates")
+
+
+@dataclass
+class CorrectionConfig:
+    """learner.correction: how the update corrects for tokens that older weights generated (docs/learner.md).
+
+    The staleness bound (learner.staleness) decides which trajectories are trained on whatever the correction;
+    the correction decides how the loss weighs them.
+    """
+
+    KINDS: ClassVar[tuple[str, ...]] = ("decoupled", "vtrace", "tis", "none")
+
+    kind: str = f("decoupled", "decoupled: AReaL's decoupled PPO, clipped against pi_prox (the learner's weights before "
+                               "the update) and weighted by min(pi_prox / pi_behav, learner.ppo.behav_cap) | vtrace: "
+                               "IMPALA's V-trace targets for the critic and rho-weighted advantages for the policy, "
+                               "clipped against pi_prox (needs algo=ppo) | tis: truncated importance sampling, no "
+                               "proximal pass and no clip, each token's gradient weighted by min(pi_theta / pi_behav, "
+                               "tis_cap) | none: plain PPO clipped against pi_behav, no proximal pass")
+    rho_bar: float = f(1.0, "vtrace: truncation of the importance weight rho = min(rho_bar, pi_prox / pi_behav) in the "
+                            "TD errors and the policy advantages (which value function V-trace converges to)")
+    c_bar: float = f(1.0, "vtrace: truncation of the trace coefficients c = min(c_bar, pi_prox / pi_behav) (how far "
+                          "back a TD error is carried; c_bar <= rho_bar)")
+    tis_cap: float = f(2.0, "tis: cap C of the truncated importance ratio min(pi_theta / pi_behav, C)")
 
 
 @dataclass
@@ -118,7 +143,8 @@ def _section(cls, help: str) -> Any:
 class LearnerConfig:
     """learner: consumes trajectories, trains, publishes weights."""
 
-    algo: str = f("ppo", "ppo (decoupled PPO with a critic and GAE) | grpo (group-normalised, no critic)")
+    algo: str = f("ppo", "ppo (PPO with a critic: GAE advantages, or V-trace under learner.correction.kind=vtrace) | "
+                         "grpo (group-centred returns, no critic)")
     batch_size: int = f(64, "trajectories per policy update (B in the staleness rule)")
     lr: float = f(1e-3, "policy learning rate (AdamW)")
     critic_lr: float = f(2e-3, "critic learning rate")
@@ -132,12 +158,26 @@ class LearnerConfig:
                                "and optimizer state; allowed on the CPU too, via CPU autocast)")
     archive: bool = f(False, "append every trajectory received to run_dir/trajectories.twl (for tars data split / tars sft)")
     ppo: PPOConfig = _section(PPOConfig, "the policy loss")
+    correction: CorrectionConfig = _section(CorrectionConfig, "the off-policy correction of the loss")
     staleness: StalenessConfig = _section(StalenessConfig, "how off-policy a trained trajectory may be")
     group: GroupConfig = _section(GroupConfig, "GRPO groups")
     value_pretrain: ValuePretrainConfig = _section(ValuePretrainConfig, "critic-only updates first")
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "checkpoints")
     publish: PublishConfig = _section(PublishConfig, "weights to the inference servers")
     stream: StreamConfig = _section(StreamConfig, "the trajectory stream")
+
+    def config_error(self) -> str:
+        """What is wrong with this learner config that no single field can say ("" when nothing): the config loader
+        raises it as a ConfigError, PPOTrainer as a ValueError."""
+        kind = self.correction.kind
+        if kind not in CorrectionConfig.KINDS:
+            return f"learner.correction.kind: {kind!r} is not one of {' | '.join(CorrectionConfig.KINDS)}"
+        if kind == "vtrace" and self.algo != "ppo":
+            return f"learner.correction.kind=vtrace needs a critic (learner.algo=ppo), not learner.algo={self.algo}"
+        for name in ("rho_bar", "c_bar", "tis_cap"):
+            if not getattr(self.correction, name) > 0:
+                return f"learner.correction.{name} must be > 0, got {getattr(self.correction, name)}"
+        return ""
 
     # Keys of the flat layout (before the sections) -> their full key now.
     MOVED: ClassVar[dict[str, str]] = {

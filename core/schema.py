@@ -8,6 +8,11 @@ Per token (packed little-endian arrays, all of the conversation's length):
 Per turn: observation reference, model output text, parsed action, reward, the generated token span.
 Per episode: id, env id, outcome (core.outcome: terminated | truncated | infra_error), return, timings, and for an
 infra_error the fault (core.outcome.Fault: which part broke; absent in frames from before it existed).
+
+A truncated episode still has a future, so its tokens end with the prompt of the observation it was cut at (mask 0,
+appended by the actor as the next turn would have) and `boot_at` is the length of that prefix: the learner's critic
+reads V(tokens[:boot_at]) there and bootstraps from it. 0 = nothing to bootstrap from (every other outcome, and
+truncated frames from before the field existed, which bootstrap 0 as they always did).
 """
 from __future__ import annotations
 
@@ -78,6 +83,7 @@ class Trajectory:
     error: str = ""
     judge: dict = field(default_factory=dict)   # LLM-as-judge verdict (actor/judge.py), empty when not judged
     fault: Fault = Fault.NONE                    # which part broke, when the outcome is infra_error
+    boot_at: int = 0        # truncated: the prefix whose value bootstraps the return (see the module docstring)
 
     def validate(self, vocab_size: int | None = None) -> "Trajectory":
         """Raise InvalidTrajectory unless every part is consistent and trainable; vocab_size (the learner's model's)
@@ -92,6 +98,12 @@ class Trajectory:
             raise InvalidTrajectory(f"fault {str(self.fault)!r} not one of {tuple(map(str, Fault))}")
         if not self.id:
             raise InvalidTrajectory("trajectory id is empty")
+        if self.boot_at:
+            if self.outcome != Outcome.TRUNCATED or not 0 < self.boot_at <= n:
+                raise InvalidTrajectory(f"boot_at {self.boot_at} on a {str(self.outcome)} trajectory of {n} tokens "
+                                        "(only a truncated one bootstraps, from a prefix of its tokens)")
+            if self.mask[self.boot_at:].any():
+                raise InvalidTrajectory(f"boot_at {self.boot_at} leaves generated tokens after the bootstrap state")
         for t in self.turns:
             if not 0 <= t.start <= t.end <= n:
                 raise InvalidTrajectory(f"turn span [{t.start}, {t.end}) outside [0, {n}]")
@@ -144,6 +156,7 @@ class Trajectory:
             "error": self.error,
             "judge": self.judge,
             "fault": str(self.fault),
+            "boot_at": self.boot_at,
         }
 
     def encode(self) -> bytes:
@@ -186,7 +199,7 @@ class Trajectory:
                 task=str(d.get("task", "")), start_version=int(d.get("start_version", 0)),
                 timings=dict(d.get("timings") or {}), actor=str(d.get("actor", "")),
                 traceparent=str(d.get("traceparent", "")), images=images, error=str(d.get("error", "")),
-                judge=dict(d.get("judge") or {}), **arrays,
+                judge=dict(d.get("judge") or {}), boot_at=int(d.get("boot_at", 0)), **arrays,
             )
         except SchemaError:
             raise

@@ -20,7 +20,8 @@ __all__ = [
     "gae", "length_adaptive_lambda", "decoupled_ppo_loss", "vtrace", "grpo_advantages",
     "masked_gae", "decoupled_gae", "clipped_value_loss", "explained_variance",
     "masked_mean", "masked_whiten", "entropy_from_logits", "token_logprobs_from_logits",
-    "kl_k3",
+    "kl_k1", "kl_k3", "masked_vtrace", "grouped_advantages", "tis_pg_loss", "masked_scale",
+    "asymmetric_advantages",
 ]
 
 
@@ -121,44 +122,70 @@ def length_adaptive_lambda(length: float, alpha: float = 0.05) -> float:
     return min(1.0, max(0.0, 1.0 - 1.0 / x))
 
 
+def _compact(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Where each row's masked (generated) positions go in a compact [B, L] layout, right-aligned.
+
+    Returns (m, rows, cols, L): m the bool mask; rows, cols [N] the compact coordinates of x[m] (row-major); L the
+    most steps in a row. Right-aligned, every row's last step is the compact layout's last column, so a backward
+    recursion starts all rows together from their bootstrap value, and the zero padding in front of shorter rows
+    comes after their first step in that recursion (it never reaches a real step).
+    """
+    m = _valid(mask)
+    n = m.sum(-1)                                                     # [B] steps per row
+    L = int(n.max()) if m.numel() else 0
+    cols = torch.cumsum(m.long(), -1) - 1 + (L - n)[:, None]          # [B, T]
+    rows = torch.arange(m.shape[0], device=m.device)[:, None].expand_as(m)
+    return m, rows[m], cols[m], L
+
+
+def _pack(x: Tensor, m: Tensor, rows: Tensor, cols: Tensor, L: int, dt: torch.dtype) -> Tensor:
+    """x [B, T] at the masked positions -> [B, L] (zeros in the padding); garbage elsewhere in x never enters."""
+    out = torch.zeros(m.shape[0], L, dtype=dt, device=m.device)
+    out[rows, cols] = x[m].to(dt)
+    return out
+
+
+def _unpack(y: Tensor, m: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """Inverse of _pack: [B, L] -> [B, T], zeros at the unmasked positions."""
+    out = torch.zeros(m.shape, dtype=y.dtype, device=y.device)
+    out[m] = y[rows, cols]
+    return out
+
+
+def _bootstrap(bootstrap: float | Tensor, B: int, dt: torch.dtype, device) -> Tensor:
+    return torch.as_tensor(bootstrap, dtype=dt, device=device).expand(B)
+
+
 @torch.no_grad()
 def masked_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
-               lam: float) -> tuple[Tensor, Tensor]:
-    """GAE over token sequences where only masked (generated) tokens are MDP steps.
+               lam: float, bootstrap: float | Tensor = 0.0) -> tuple[Tensor, Tensor]:
+    """GAE over token sequences where only masked (generated) tokens are MDP steps: ``gae`` on each row's steps.
 
-    rewards, values, mask: [B, T]. For each row the masked positions t_0 < t_1 < ... < t_n
-    form the trajectory; the recursion jumps from t_k to t_{k+1} (prompt / environment
-    tokens in between are skipped), t_n is terminal with bootstrap 0. Rewards at unmasked
-    positions are ignored. Unmasked positions get advantage 0 and return 0.
-    Equivalent to ``gae`` on the compacted row with done at the last step.
+    rewards, values, mask: [B, T]. For each row the masked positions t_0 < t_1 < ... < t_n form the trajectory;
+    the recursion jumps from t_k to t_{k+1} (prompt / environment tokens in between are skipped). After t_n the
+    episode ends: ``bootstrap`` [B] (or a scalar) is V of the state after the last step, 0 for an episode that
+    terminated, the critic's value of the final observation for one that a limit truncated. Rewards and values at
+    unmasked positions are ignored; unmasked positions get advantage 0 and return 0.
     Returns (advantages [B, T], returns [B, T]), detached.
     """
     dt = _fdtype(values)
-    m = _valid(mask)                                       # [B, T]
-    r, v = rewards.to(dt), values.to(dt)                   # [B, T]
-    r = torch.where(m, r, torch.zeros((), dtype=dt, device=v.device))
-    v = torch.where(m, v, torch.zeros((), dtype=dt, device=v.device))
-    B, T = v.shape
-    next_v = torch.zeros(B, dtype=dt, device=v.device)     # V of next generated token
-    next_a = torch.zeros(B, dtype=dt, device=v.device)     # A of next generated token
-    adv = torch.zeros_like(v)
-    for t in range(T - 1, -1, -1):
-        mt = m[:, t]                                       # [B]
-        a_t = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_a
-        adv[:, t] = torch.where(mt, a_t, adv[:, t])
-        next_a = torch.where(mt, a_t, next_a)
-        next_v = torch.where(mt, v[:, t], next_v)
-    return adv, torch.where(m, adv + v, adv)
+    m, rows, cols, L = _compact(mask)
+    r, v = _pack(rewards, m, rows, cols, L, dt), _pack(values, m, rows, cols, L, dt)      # [B, L]
+    boot = _bootstrap(bootstrap, m.shape[0], dt, v.device)
+    adv, ret = gae(r, v, torch.zeros_like(v), gamma, lam, bootstrap_value=boot)
+    return _unpack(adv, m, rows, cols), _unpack(ret, m, rows, cols)
 
 
 def decoupled_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
-                  lam_policy: float, lam_critic: float = 1.0) -> tuple[Tensor, Tensor]:
+                  lam_policy: float, lam_critic: float = 1.0,
+                  bootstrap: float | Tensor = 0.0) -> tuple[Tensor, Tensor]:
     """Decoupled GAE (VAPO / UI-TARS-2): policy advantages use ``lam_policy``; the critic's
     value targets are the returns A + V computed with ``lam_critic`` (1.0 = Monte-Carlo,
-    unbiased for the value). Shapes as ``masked_gae``. Returns (advantages, value_targets).
+    unbiased for the value). Both bootstrap from ``bootstrap`` after each row's last step.
+    Shapes as ``masked_gae``. Returns (advantages, value_targets).
     """
-    adv, _ = masked_gae(rewards, values, mask, gamma, lam_policy)
-    _, targets = masked_gae(rewards, values, mask, gamma, lam_critic)
+    adv, _ = masked_gae(rewards, values, mask, gamma, lam_policy, bootstrap)
+    _, targets = masked_gae(rewards, values, mask, gamma, lam_critic, bootstrap)
     return adv, targets
 
 
@@ -187,6 +214,27 @@ def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor,
     u = torch.exp(log_u)                                                       # [B, T]
     surr = torch.minimum(u * adv, u.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
     return -masked_mean(w * surr, m)
+
+
+def tis_pg_loss(logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
+                cap: float = 2.0) -> Tensor:
+    """Truncated importance sampling policy gradient (ACER's truncated term; Yao et al. 2025's TIS cap):
+    no proximal policy and no clip, each token's policy gradient weighted by its truncated behaviour ratio.
+
+        rho_t = exp(logp_t - behav_logp_t)                     # current / behaviour
+        L     = - mean_{t: mask_t} sg[min(rho_t, cap)] * exp(logp_t - sg[logp_t]) * A_t
+
+    The value of L is -mean(min(rho, cap) A) (the truncated IS estimate of the surrogate); its gradient is
+    -mean(min(rho, cap) A grad logp). Shapes and masking as ``decoupled_ppo_loss``; only ``logp`` carries gradient.
+    """
+    m = _valid(mask)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    adv = torch.where(m, advantages.detach().to(logp.dtype), zero)
+    log_rho = torch.where(m, (logp.detach() - behav_logp.detach()).to(logp.dtype), zero)
+    if cap is not None and math.isfinite(cap):
+        log_rho = log_rho.clamp(max=math.log(cap))      # == min(rho, cap), overflow-free
+    grad_carrier = torch.exp(torch.where(m, logp - logp.detach(), zero))   # 1 in value, d/dlogp = 1
+    return -masked_mean(torch.exp(log_rho) * grad_carrier * adv, m)
 
 
 def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
@@ -238,11 +286,33 @@ def vtrace(behav_logp: Tensor, target_logp: Tensor, rewards: Tensor, values: Ten
     return vs, pg_adv
 
 
+@torch.no_grad()
+def masked_vtrace(behav_logp: Tensor, target_logp: Tensor, rewards: Tensor, values: Tensor, mask: Tensor,
+                  gamma: float, bootstrap: float | Tensor = 0.0, clip_rho: float = 1.0,
+                  clip_c: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``vtrace`` over token sequences where only masked (generated) tokens are steps, as ``masked_gae`` does GAE.
+
+    All [B, T]; each row's masked positions are its steps (discount ``gamma`` between them), and ``bootstrap`` [B]
+    (or a scalar) is V after the last one: 0 for a terminated episode, V of the final observation for a truncated
+    one. Returns (policy-gradient advantages [B, T], value targets vs [B, T]) -- the order of ``decoupled_gae`` --
+    zeros at unmasked positions, detached.
+    """
+    dt = _fdtype(values)
+    m, rows, cols, L = _compact(mask)
+    mu, pi, r, v = (_pack(x, m, rows, cols, L, dt) for x in (behav_logp, target_logp, rewards, values))
+    boot = _bootstrap(bootstrap, m.shape[0], dt, v.device)
+    # The padding in front of shorter rows: ratio 1, reward 0, V 0; the recursion reaches it only after the row's
+    # real steps are done, and its results are dropped.
+    vs, pg = vtrace(mu, pi, r, v, boot, torch.full_like(v, gamma), clip_rho=clip_rho, clip_c=clip_c)
+    return _unpack(pg, m, rows, cols), _unpack(vs, m, rows, cols)
+
+
 # --------------------------------------------------------------------------- GRPO
 @torch.no_grad()
-def grpo_advantages(group_returns: Tensor) -> Tensor:
+def grpo_advantages(group_returns: Tensor, std_norm: bool = True) -> Tensor:
     """GRPO group-normalised advantages along the last dim:
-        A_k = (r_k - mean(r)) / (std(r) + 1e-6)
+        A_k = (r_k - mean(r)) / (std(r) + 1e-6)       std_norm=True (GRPO)
+        A_k =  r_k - mean(r)                           std_norm=False (Dr. GRPO: centred only)
     ``std`` is the unbiased (Bessel-corrected) sample std, as ``torch.std`` / TRL / verl.
     [K] -> [K] or [G, K] -> [G, K]. All-equal returns give exactly 0 (as does K == 1).
     """
@@ -250,8 +320,29 @@ def grpo_advantages(group_returns: Tensor) -> Tensor:
     centred = r - r.mean(dim=-1, keepdim=True)
     if r.shape[-1] < 2:
         return torch.zeros_like(r)
+    if not std_norm:
+        return centred
     std = r.std(dim=-1, keepdim=True)
     return centred / (std + 1e-6)
+
+
+@torch.no_grad()
+def grouped_advantages(returns: Tensor, groups: list, std_norm: bool = False) -> Tensor:
+    """Per-trajectory GRPO advantages for a batch of ragged groups: returns [B], groups [B] (any hashable label).
+
+    Each group of two or more goes through ``grpo_advantages``; a group of one (GRPO with group.size = 1, or a
+    group cut short by its timeout down to one member) is centred on the batch mean instead (REINFORCE with a
+    batch baseline). The learner uses std_norm=False (Dr. GRPO): dividing by a tiny std turns -0.1 format
+    penalties in an all-failed group into advantages as large as a success; the batch-level scaling sets the size.
+    """
+    out = torch.zeros_like(returns, dtype=_fdtype(returns))
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    for idx in members.values():
+        r = returns[idx]
+        out[idx] = grpo_advantages(r, std_norm) if len(idx) > 1 else r - returns.mean()
+    return out
 
 
 # --------------------------------------------------------------------------- diagnostics
@@ -292,9 +383,17 @@ def token_logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
     return picked - torch.logsumexp(x, dim=-1)                              # [B, T]
 
 
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token k1 estimator (Schulman) of KL(pi || pi_ref) with tokens sampled from pi:
+        k1 = logp - ref_logp
+    Unbiased, high variance, can be negative per token. The learner logs it as behav_prox_kl: KL(pi_behav || pi_prox)
+    on the behaviour policy's own tokens, how far the weights moved since those tokens were generated."""
+    return logp - ref_logp
+
+
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token k3 estimator (Schulman) of KL(pi || pi_ref) with tokens sampled from pi:
         k3 = exp(ref_logp - logp) - 1 - (ref_logp - logp)  >= 0
     Same shape as inputs; unbiased for KL, low variance. No clamping applied."""
     d = ref_logp - logp
-    return torch.exp(d) - 1.0 - d
+    return torch.exp(d) - d - 1.0

@@ -1,4 +1,5 @@
-"""Tests for learner/algorithms.py.
+"""Tests for the estimators of learner/algorithms.py: advantages and value targets (GAE, masked and decoupled GAE
+with the truncation bootstrap, V-trace, GRPO). The losses and diagnostics are in tests/test_losses.py.
 
 Every fast function is checked against a slow reference written directly from the paper
 notation (plain Python loops over floats / numpy), independently of the vectorised code.
@@ -12,9 +13,8 @@ import pytest
 import torch
 
 from learner.algorithms import (
-    clipped_value_loss, decoupled_gae, decoupled_ppo_loss, entropy_from_logits,
-    explained_variance, gae, grpo_advantages, kl_k3, length_adaptive_lambda, masked_gae,
-    masked_mean, masked_whiten, token_logprobs_from_logits, vtrace,
+    decoupled_gae, gae, grouped_advantages, grpo_advantages, length_adaptive_lambda, masked_gae, masked_vtrace,
+    vtrace,
 )
 
 SEEDS = [0, 1, 2, 3, 4]
@@ -64,22 +64,6 @@ def ref_vtrace(mu_logp, pi_logp, r, v, boot, g, clip_rho, clip_c):
     vs_ext = vs + [float(boot)]
     pg = [rho[t] * (r[t] + g[t] * vs_ext[t + 1] - V[t]) for t in range(T)]
     return vs, pg
-
-
-def ref_ppo_loss(logp, prox, behav, adv, mask, eps_low, eps_high, cap):
-    """Per-token autograd loop. ``logp`` is a leaf tensor; everything else python floats."""
-    flat = logp.reshape(-1)
-    P, Bh, A, M = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (prox, behav, adv, mask))
-    total, n = flat.sum() * 0.0, 0
-    for i in range(flat.numel()):
-        if M[i] <= 0:
-            continue
-        u = torch.exp(flat[i] - P[i])
-        w = min(math.exp(P[i] - Bh[i]), cap)       # a float: carries no gradient
-        clipped = torch.clamp(u, 1 - eps_low, 1 + eps_high)
-        total = total + w * min(u * A[i], clipped * A[i])
-        n += 1
-    return -total / max(n, 1)
 
 
 def rand_traj(seed, T, p_done=0.2):
@@ -158,15 +142,18 @@ def rand_masked(seed, B=5, T=40):
     return r, v, mask
 
 
-def ref_masked_gae(r, v, mask, gamma, lam):
+def ref_masked_gae(r, v, mask, gamma, lam, boot=None):
+    """Each row's generated steps through ref_gae: done after the last one (boot None), or not done and bootstrapped
+    from boot[b] (a truncated episode: the value of the state it was cut in)."""
     B, T = r.shape
     A = np.zeros((B, T)); R = np.zeros((B, T))
     for b in range(B):
         idx = [i for i in range(T) if mask[b, i] > 0]
         if not idx:
             continue
-        d = [0.0] * (len(idx) - 1) + [1.0]
-        a, ret = ref_gae([r[b, i] for i in idx], [v[b, i] for i in idx], d, gamma, lam, 0.0)
+        d = [0.0] * (len(idx) - 1) + [1.0 if boot is None else 0.0]
+        a, ret = ref_gae([r[b, i] for i in idx], [v[b, i] for i in idx], d, gamma, lam,
+                         0.0 if boot is None else boot[b])
         for k, i in enumerate(idx):
             A[b, i], R[b, i] = a[k], ret[k]
     return A, R
@@ -203,156 +190,40 @@ def test_decoupled_gae(seed):
     close(adv2, A_ref); close(targ2, R_ref)
 
 
-# ============================================================================ decoupled PPO loss
-def rand_ppo(seed, shape, spread=0.5):
-    g = np.random.default_rng(seed)
-    prox = g.normal(-1.0, 0.5, size=shape)
-    logp = prox + g.normal(0, spread, size=shape)
-    behav = prox + g.normal(0, 1.0, size=shape)     # some w above the cap of 5
-    adv = g.normal(size=shape)
-    mask = (g.random(shape) < 0.7).astype(np.float64)
-    return logp, prox, behav, adv, mask
-
-
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("shape", [(50,), (4, 13)])
-def test_ppo_loss_value_and_grad_match_reference(seed, shape):
-    logp, prox, behav, adv, mask = rand_ppo(seed, shape)
-    kw = dict(eps_low=0.2, eps_high=0.28)
-    x = t(logp).requires_grad_()
-    loss = decoupled_ppo_loss(x, t(prox), t(behav), t(adv), t(mask), behav_cap=5.0, **kw)
-    loss.backward()
-    y = t(logp).requires_grad_()
-    ref = ref_ppo_loss(y, prox, behav, adv, mask, cap=5.0, **kw)
-    ref.backward()
-    assert loss.dim() == 0
-    close(loss.item(), ref.item())
-    close(x.grad, y.grad)
-    assert torch.all(x.grad[t(mask) == 0] == 0)
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 1.0), (0.9, 0.0)])
+def test_masked_gae_bootstraps_each_row_from_its_own_value(seed, gamma, lam):
+    """bootstrap [B]: V after each row's last step (0 = terminated, as the default). Advantages and targets both
+    bootstrap, and a row bootstrapped from 0 is exactly the terminated row."""
+    r, v, mask = rand_masked(seed)
+    boot = np.random.default_rng(100 + seed).normal(size=r.shape[0])
+    boot[3] = 0.0
+    A, R = masked_gae(t(r), t(v), t(mask), gamma, lam, bootstrap=t(boot))
+    A_ref, R_ref = ref_masked_gae(r, v, mask, gamma, lam, boot=boot)
+    close(A, A_ref); close(R, R_ref)
+    A0, R0 = masked_gae(t(r), t(v), t(mask), gamma, lam)
+    assert torch.equal(A[3], A0[3]) and torch.equal(R[3], R0[3])
+    adv, targ = decoupled_gae(t(r), t(v), t(mask), gamma, lam, 1.0, bootstrap=t(boot))
+    close(adv, A_ref); close(targ, ref_masked_gae(r, v, mask, gamma, 1.0, boot=boot)[1])
 
 
-def test_ppo_2d_is_token_level_mean():
-    logp, prox, behav, adv, mask = rand_ppo(11, (3, 9))
-    mask[0, :] = 0.0; mask[1, :8] = 0.0            # rows with very different token counts
-    args = [t(a) for a in (logp, prox, behav, adv, mask)]
-    flat = [a.reshape(-1) for a in args]
-    close(decoupled_ppo_loss(*args).item(), decoupled_ppo_loss(*flat).item())
-    close(decoupled_ppo_loss(*args).item(),
-          ref_ppo_loss(t(logp), prox, behav, adv, mask, 0.2, 0.28, 5.0).item())
-
-
-def test_ppo_weight_gets_no_gradient_and_matches_plain_ppo_on_policy():
-    logp, prox, behav, adv, mask = rand_ppo(3, (30,))
-    x, p, b = t(logp).requires_grad_(), t(prox).requires_grad_(), t(behav).requires_grad_()
-    decoupled_ppo_loss(x, p, b, t(adv), t(mask)).backward()
-    assert p.grad is None or torch.all(p.grad == 0)
-    assert b.grad is None or torch.all(b.grad == 0)
-    # behav == prox -> w = 1 -> standard PPO-clip; logp == prox -> loss = -mean(A)
-    l = decoupled_ppo_loss(t(prox), t(prox), t(prox), t(adv), t(mask))
-    close(l.item(), -(adv * mask).sum() / mask.sum())
-
-
-def test_ppo_clipping_zeroes_gradient_where_it_should():
-    lo, hi = 0.2, 0.28
-    # u values and advantage signs
-    u = torch.tensor([1.5, 0.5, 1.5, 0.5, 1.1, 0.9], dtype=D)
-    A = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0], dtype=D)
-    prox = torch.full((6,), -1.0, dtype=D)
-    x = (prox + torch.log(u)).requires_grad_()
-    decoupled_ppo_loss(x, prox, prox, A, torch.ones(6), eps_low=lo, eps_high=hi).backward()
-    g = x.grad
-    assert g[0] == 0 and g[1] == 0            # A>0,u>1+hi  and  A<0,u<1-lo : clipped
-    # A<0,u>1+hi and A>0,u<1-lo keep the unclipped (pessimistic) term: dL/dlogp = -u*A/N
-    close(g[2].item(), -(1.5 * -1.0) / 6); close(g[3].item(), -(0.5 * 1.0) / 6)
-    close(g[4].item(), -(1.1 * 1.0) / 6); close(g[5].item(), -(0.9 * -1.0) / 6)
-    # asymmetric: u = 1.25 is inside [0.8, 1.28] -> gradient flows; u = 1.3 is clipped
-    for uu, nonzero in ((1.25, True), (1.3, False), (0.81, True), (0.79, True)):
-        x = torch.tensor([math.log(uu)], dtype=D, requires_grad=True)
-        decoupled_ppo_loss(x, torch.zeros(1, dtype=D), torch.zeros(1, dtype=D),
-                           torch.ones(1, dtype=D), torch.ones(1)).backward()
-        assert (x.grad.abs().item() > 0) == nonzero
-    x = torch.tensor([math.log(0.79)], dtype=D, requires_grad=True)   # A<0 below 1-lo: clipped
-    decoupled_ppo_loss(x, torch.zeros(1, dtype=D), torch.zeros(1, dtype=D),
-                       -torch.ones(1, dtype=D), torch.ones(1)).backward()
-    assert x.grad.item() == 0
-
-
-def test_ppo_behaviour_cap():
-    z = torch.zeros(1, dtype=D)
-    behav = torch.tensor([-math.log(100.0)], dtype=D)     # prox/behav = 100
-    A = torch.tensor([2.0], dtype=D)
-    assert decoupled_ppo_loss(z, z, behav, A, torch.ones(1)).item() == pytest.approx(-10.0)
-    assert decoupled_ppo_loss(z, z, behav, A, torch.ones(1), behav_cap=50.0).item() == pytest.approx(-100.0)
-    assert decoupled_ppo_loss(z, z, behav, A, torch.ones(1), behav_cap=math.inf).item() == pytest.approx(-200.0)
-    behav = torch.tensor([math.log(2.0)], dtype=D)       # prox/behav = 0.5 < cap: untouched
-    assert decoupled_ppo_loss(z, z, behav, A, torch.ones(1)).item() == pytest.approx(-1.0)
-
-
-def test_ppo_zero_mask_and_single_token():
-    for shape in ((7,), (2, 5)):
-        x = torch.randn(shape, dtype=D, requires_grad=True)
-        loss = decoupled_ppo_loss(x, torch.randn(shape, dtype=D), torch.randn(shape, dtype=D),
-                                  torch.randn(shape, dtype=D), torch.zeros(shape))
-        assert loss.item() == 0.0 and loss.requires_grad
-        loss.backward()
-        assert torch.all(x.grad == 0)
-    x = torch.tensor([0.1], dtype=D, requires_grad=True)
-    loss = decoupled_ppo_loss(x, torch.zeros(1, dtype=D), torch.zeros(1, dtype=D),
-                              torch.tensor([3.0], dtype=D), torch.ones(1, dtype=torch.bool))
-    close(loss.item(), -min(math.exp(0.1), 1.28) * 3.0)
-
-
-@pytest.mark.parametrize("seed", SEEDS[:3])
-def test_ppo_junk_invalid_samples_do_not_change_loss(seed):
-    """sample-factory style: padding with invalid garbage must leave loss and grads alone."""
-    logp, prox, behav, adv, mask = rand_ppo(seed, (4, 12))
-    x = t(logp).requires_grad_()
-    base = decoupled_ppo_loss(x, t(prox), t(behav), t(adv), t(mask))
-    base.backward()
-    J = 6
-    jl = torch.tensor([[1e4, -1e9, 80.0, -80.0, 3e38, -3e38]] * 4, dtype=D)
-    jp = torch.tensor([[-1e9, 1e4, -math.inf, math.inf, math.nan, 0.0]] * 4, dtype=D)
-    jb = torch.tensor([[math.inf, -1e9, math.nan, 1e9, -math.inf, 500.0]] * 4, dtype=D)
-    ja = torch.tensor([[1e30, -1e30, math.nan, math.inf, -math.inf, 1e6]] * 4, dtype=D)
-    x2 = torch.cat([t(logp), jl], 1).requires_grad_()
-    loss = decoupled_ppo_loss(x2, torch.cat([t(prox), jp], 1), torch.cat([t(behav), jb], 1),
-                              torch.cat([t(adv), ja], 1), torch.cat([t(mask), torch.zeros(4, J)], 1))
-    loss.backward()
-    close(loss.item(), base.item(), 1e-12)
-    close(x2.grad[:, :12], x.grad, 1e-12)
-    assert torch.all(x2.grad[:, 12:] == 0)
-    # interleaved junk (not only appended) and a fully invalid row
-    xs = torch.cat([jl[:, :3], t(logp), jl[:, 3:]], 1).requires_grad_()
-    pad = lambda a, j: torch.cat([j[:, :3], a, j[:, 3:]], 1)
-    m3 = torch.cat([torch.zeros(4, 3), t(mask), torch.zeros(4, 3)], 1)
-    extra_row = lambda a, val: torch.cat([a, torch.full((1, a.shape[1]), val, dtype=a.dtype)], 0)
-    loss3 = decoupled_ppo_loss(extra_row(xs, 1e9), extra_row(pad(t(prox), jp), -1e9),
-                               extra_row(pad(t(behav), jb), math.nan),
-                               extra_row(pad(t(adv), ja), math.inf), extra_row(m3, 0.0))
-    close(loss3.item(), base.item(), 1e-12)
-
-
-# ============================================================================ value loss
-def test_clipped_value_loss_matches_reference_and_grad():
-    g = np.random.default_rng(5)
-    v, old, ret = g.normal(size=(3, 20)), g.normal(size=(3, 20)), g.normal(size=(3, 20))
-    mask = (g.random((3, 20)) < 0.6).astype(np.float64)
-    x = t(v).requires_grad_()
-    loss = clipped_value_loss(x, t(old), t(ret), t(mask), clip=0.2)
-    loss.backward()
-    y = t(v).requires_grad_()
-    total, n = y.sum() * 0, 0
-    for i in range(3):
-        for j in range(20):
-            if mask[i, j]:
-                vc = old[i, j] + min(max(y[i, j] - old[i, j], -0.2), 0.2)
-                total = total + max((y[i, j] - ret[i, j]) ** 2, (vc - ret[i, j]) ** 2)
-                n += 1
-    ref = 0.5 * total / n
-    ref.backward()
-    close(loss.item(), ref.item()); close(x.grad, y.grad)
-    z = clipped_value_loss(x, t(old), t(ret), torch.zeros(3, 20))
-    assert z.item() == 0.0 and z.requires_grad
+def test_masked_gae_truncated_against_terminated_by_hand():
+    """Two generated tokens (prompt tokens around them), rewards 0 then 1, V = 0.5, 0.8, gamma 0.9; the truncated
+    row bootstraps from V_final = 2.0. By hand:
+        terminated: delta_1 = 1 - 0.8 = 0.2            delta_0 = 0.9 * 0.8 - 0.5 = 0.22
+        truncated:  delta_1 = 1 + 0.9 * 2 - 0.8 = 2.0   delta_0 = 0.22
+        A_0 = delta_0 + 0.9 * lam * delta_1;  lambda-return targets R = A + V."""
+    mask = t([[0, 0, 1, 0, 0, 1, 0], [0, 0, 1, 0, 0, 1, 0]])
+    r = t([[9, 9, 0.0, 9, 9, 1.0, 9], [9, 9, 0.0, 9, 9, 1.0, 9]])       # 9s at unmasked positions: ignored
+    v = t([[7, 7, 0.5, 7, 7, 0.8, 7], [7, 7, 0.5, 7, 7, 0.8, 7]])
+    boot = t([0.0, 2.0])
+    for lam, a0 in ((1.0, (0.40, 2.02)), (0.5, (0.31, 1.12)), (0.0, (0.22, 0.22))):
+        A, R = masked_gae(r, v, mask, 0.9, lam, bootstrap=boot)
+        close(A[:, [2, 5]], [[a0[0], 0.2], [a0[1], 2.0]], 1e-12)
+        close(R[:, [2, 5]], [[a0[0] + 0.5, 1.0], [a0[1] + 0.5, 2.8]], 1e-12)
+    # lam = 1 value targets: discounted returns, the truncated one with gamma^k V_final added
+    _, targ = decoupled_gae(r, v, mask, 0.9, 0.5, lam_critic=1.0, bootstrap=boot)
+    close(targ[:, [2, 5]], [[0.9, 1.0], [0.9 * 1.0 + 0.81 * 2.0, 1.0 + 0.9 * 2.0]], 1e-12)
 
 
 # ============================================================================ v-trace
@@ -406,6 +277,49 @@ def test_vtrace_on_policy_reduces_to_gae_lambda_one(seed):
     close(vs[0].item(), sum(gamma ** k * r[k] for k in range(30)) + gamma ** 30 * boot)
 
 
+def ref_masked_vtrace(mu, pi, r, v, mask, gamma, boot, clip_rho, clip_c):
+    B, T = r.shape
+    PG = np.zeros((B, T)); VS = np.zeros((B, T))
+    for b in range(B):
+        idx = [i for i in range(T) if mask[b, i] > 0]
+        if not idx:
+            continue
+        vs, pg = ref_vtrace([mu[b, i] for i in idx], [pi[b, i] for i in idx], [r[b, i] for i in idx],
+                            [v[b, i] for i in idx], boot[b], [gamma] * len(idx), clip_rho, clip_c)
+        for k, i in enumerate(idx):
+            PG[b, i], VS[b, i] = pg[k], vs[k]
+    return PG, VS
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("clip_rho,clip_c", [(1.0, 1.0), (2.0, 0.9)])
+def test_masked_vtrace_matches_compacted_reference(seed, clip_rho, clip_c):
+    r, v, mask = rand_masked(seed)
+    g = np.random.default_rng(200 + seed)
+    mu, pi = g.normal(-1, 0.7, size=r.shape), g.normal(-1, 0.7, size=r.shape)
+    boot = g.normal(size=r.shape[0]); boot[2] = 0.0
+    pg, vs = masked_vtrace(t(mu), t(pi), t(r), t(v), t(mask), 0.95, t(boot), clip_rho, clip_c)
+    pg_ref, vs_ref = ref_masked_vtrace(mu, pi, r, v, mask, 0.95, boot, clip_rho, clip_c)
+    close(pg, pg_ref); close(vs, vs_ref)
+    assert torch.all(pg[t(mask) == 0] == 0) and torch.all(vs[t(mask) == 0] == 0)
+    mu2, r2, v2 = mu.copy(), r.copy(), v.copy()                     # garbage where nothing was generated
+    mu2[mask == 0] = np.nan; r2[mask == 0] = 1e30; v2[mask == 0] = -np.inf
+    pg2, vs2 = masked_vtrace(t(mu2), t(pi), t(r2), t(v2), t(mask).bool(), 0.95, t(boot), clip_rho, clip_c)
+    close(pg2, pg_ref); close(vs2, vs_ref)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_masked_vtrace_on_policy_is_masked_gae_lambda_one(seed):
+    """On-policy (rho = c = 1) V-trace targets are the lambda = 1 returns and its advantages GAE(1)'s, bootstrap
+    included."""
+    r, v, mask = rand_masked(seed)
+    logp = np.random.default_rng(seed).normal(-1, 0.5, size=r.shape)
+    boot = np.random.default_rng(300 + seed).normal(size=r.shape[0])
+    pg, vs = masked_vtrace(t(logp), t(logp), t(r), t(v), t(mask), 0.97, t(boot))
+    A, R = masked_gae(t(r), t(v), t(mask), 0.97, 1.0, bootstrap=t(boot))
+    close(pg, A); close(vs, R)
+
+
 # ============================================================================ GRPO
 @pytest.mark.parametrize("seed", SEEDS)
 def test_grpo_advantages(seed):
@@ -425,82 +339,40 @@ def test_grpo_advantages(seed):
     assert grpo_advantages(torch.tensor([0, 1, 1, 0])).is_floating_point()
 
 
-# ============================================================================ diagnostics
-def test_explained_variance():
-    g = np.random.default_rng(1)
-    y, p = g.normal(size=100), g.normal(size=100)
-    assert explained_variance(t(p), t(y)) == pytest.approx(1 - np.var(y - p) / np.var(y))
-    assert explained_variance(t(y), t(y)) == pytest.approx(1.0)
-    assert explained_variance(torch.full((100,), float(y.mean()), dtype=D), t(y)) == pytest.approx(0.0, abs=1e-12)
-    m = (g.random(100) < 0.5)
-    p2 = p.copy(); p2[~m] = np.nan
-    assert explained_variance(t(p2), t(y), t(m)) == pytest.approx(1 - np.var((y - p)[m]) / np.var(y[m]))
-    assert explained_variance(t(p), torch.ones(100, dtype=D)) == 0.0         # Var[target] = 0
-    assert explained_variance(t(p), t(y), torch.zeros(100)) == 0.0           # empty mask
-    assert isinstance(explained_variance(t(p), t(y)), float)
 
 
-def test_masked_mean_and_whiten():
-    g = np.random.default_rng(2)
-    x = g.normal(3.0, 2.0, size=(4, 10)); m = (g.random((4, 10)) < 0.5).astype(np.float64)
-    xj = x.copy(); xj[m == 0] = np.inf
-    assert masked_mean(t(xj), t(m)).item() == pytest.approx(x[m > 0].mean())
-    close(masked_mean(t(xj), t(m), dim=1), [x[i][m[i] > 0].mean() if m[i].any() else 0.0 for i in range(4)])
-    assert masked_mean(t(x), torch.zeros(4, 10)).item() == 0.0
-    w = masked_whiten(t(xj), t(m))
-    sel = w[t(m) > 0].numpy()
-    assert abs(sel.mean()) < 1e-9 and sel.std() == pytest.approx(1.0, abs=1e-6)
-    close(sel, (x[m > 0] - x[m > 0].mean()) / np.sqrt(x[m > 0].var() + 1e-8))
-    assert torch.all(w[t(m) == 0] == 0)
-    assert torch.all(masked_whiten(t(x), torch.zeros(4, 10)) == 0)
+def test_grpo_advantages_centred_only():
+    """std_norm=False (Dr. GRPO): centred, not divided by the std."""
+    g = np.random.default_rng(7)
+    X = g.normal(size=(3, 5)) * 0.01
+    close(grpo_advantages(t(X), std_norm=False), X - X.mean(1, keepdims=True))
+    assert torch.all(grpo_advantages(t([0.4]), std_norm=False) == 0)
 
 
-def test_entropy_and_token_logprobs():
-    g = np.random.default_rng(3)
-    L = g.normal(size=(2, 5, 11)) * 3
-    tok = g.integers(0, 11, size=(2, 5))
-    H = entropy_from_logits(t(L))
-    lp = token_logprobs_from_logits(t(L), torch.as_tensor(tok))
-    assert H.shape == (2, 5) and lp.shape == (2, 5)
-    for b in range(2):
-        for s in range(5):
-            z = L[b, s] - L[b, s].max()
-            p = np.exp(z) / np.exp(z).sum()
-            assert H[b, s].item() == pytest.approx(-(p * np.log(p)).sum())
-            assert lp[b, s].item() == pytest.approx(math.log(p[tok[b, s]]))
-    # uniform -> log V; banned (-inf) logits are fine for values and gradients
-    assert entropy_from_logits(torch.zeros(7)).item() == pytest.approx(math.log(7))
-    Lb = torch.tensor([[0.0, 0.0, -math.inf, -math.inf]], requires_grad=True)
-    h = entropy_from_logits(Lb)
-    assert h.item() == pytest.approx(math.log(2))
-    h.sum().backward()
-    assert torch.all(torch.isfinite(Lb.grad))
-    # bf16 input computed in fp32
-    assert entropy_from_logits(t(L).bfloat16()).dtype == torch.float32
-    close(token_logprobs_from_logits(t(L).float(), torch.as_tensor(tok)), lp, 1e-5)
+def ref_grouped(returns, groups, std_norm):
+    out = [0.0] * len(returns)
+    batch_mean = sum(returns) / len(returns)
+    for g in dict.fromkeys(groups):
+        idx = [i for i, x in enumerate(groups) if x == g]
+        rs = [returns[i] for i in idx]
+        mean = sum(rs) / len(rs)
+        std = math.sqrt(sum((x - mean) ** 2 for x in rs) / (len(rs) - 1)) if len(rs) > 1 else 0.0
+        for i in idx:
+            if len(idx) == 1:
+                out[i] = returns[i] - batch_mean
+            else:
+                out[i] = (returns[i] - mean) / (std + 1e-6) if std_norm else returns[i] - mean
+    return out
 
 
-def test_kl_k3():
-    g = np.random.default_rng(4)
-    a, b = g.normal(size=50), g.normal(size=50)
-    k = kl_k3(t(a), t(b))
-    close(k, [math.exp(b[i] - a[i]) - 1 - (b[i] - a[i]) for i in range(50)])
-    assert torch.all(k >= 0) and torch.all(kl_k3(t(a), t(a)) == 0)
-    # unbiased estimator of KL(pi || ref) for samples from pi
-    torch.manual_seed(0)
-    pi = torch.softmax(torch.randn(6, dtype=D), 0); ref = torch.softmax(torch.randn(6, dtype=D), 0)
-    s = torch.multinomial(pi, 200000, replacement=True)
-    est = kl_k3(pi.log()[s], ref.log()[s]).mean().item()
-    assert est == pytest.approx((pi * (pi.log() - ref.log())).sum().item(), rel=0.03)
-
-
-def test_masked_scale_keeps_zero_advantages_at_zero():
-    from learner.algorithms import masked_scale
-
-    x = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, -1.0, 0.0, 5.0]])
-    m = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    y = masked_scale(x, m)
-    assert torch.all(y[0] == 0) and y[1, 2] == 0 and y[1, 3] == 0
-    assert torch.sign(y[1, :2]).tolist() == [1.0, -1.0]
-    sel = y[m.bool()]
-    assert torch.isclose((sel ** 2).mean(), torch.tensor(1.0), atol=1e-5)
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("std_norm", [False, True])
+def test_grouped_advantages_matches_reference(seed, std_norm):
+    """Ragged groups in any order (a group of one is centred on the batch mean), as the learner's batches come."""
+    g = np.random.default_rng(seed)
+    groups = [f"g{int(x)}" for x in g.integers(0, 5, size=17)]
+    returns = g.normal(size=17)
+    got = grouped_advantages(t(returns), groups, std_norm=std_norm)
+    close(got, ref_grouped(list(returns), groups, std_norm))
+    same = grouped_advantages(torch.ones(4), ["a", "a", "b", "b"])
+    assert torch.all(same == 0)

@@ -214,3 +214,54 @@ def test_last_k_screenshots_go_to_the_engine_and_overhead_is_recorded():
     assert len(set(refs)) == 4 and set(tr.images) == set(refs)  # every frame differs; each carried once
     assert seen[-1][1][-1] == tr.images[refs[-1]]
     assert len(tr.timings["actor_ms"]) == 4 and all(0 <= x < 1000 for x in tr.timings["actor_ms"])
+
+
+def test_a_truncated_episode_ends_with_the_state_it_was_cut_in():
+    """Cut by actor.max_turns after 3 turns: the trajectory ends with the prompt a 4th turn would have sent (mask 0,
+    version -1), appended to the tokens as they were, and boot_at marks it for the learner's critic to bootstrap
+    from; a terminated episode carries none."""
+    def run(max_turns, text):
+        eng = ScriptedEngine(answer(text), TOK.vocab_size)
+        seen = []
+        respond = eng.respond
+        eng.respond = lambda ids, imgs: (seen.append(list(ids)), respond(ids, imgs))[1]
+
+        async def main():
+            async with stack(eng, max_turns=max_turns) as (ctx, env):
+                return await run_episode(ctx, env, f"cut-{max_turns}", "gym/TarsEpisodeStripes-v0", 1, 0)
+        return asyncio.run(main()), seen
+
+    cut, seen3 = run(3, "type(content='0')")  # action 0: the frame never moves, the episode never ends by itself
+    _, seen4 = run(4, "type(content='0')")
+    assert cut.outcome == "truncated" and len(cut.turns) == 3
+    assert cut.tokens.tolist() == seen4[3]                  # the final state: exactly the 4th turn's prompt
+    assert cut.tokens[:len(seen3[2])].tolist() == seen3[2]  # earlier tokens untouched (never re-tokenised)
+    end = cut.turns[-1].end
+    assert cut.boot_at == len(cut.tokens) > end
+    assert not cut.mask[end:].any() and (cut.versions[end:] == -1).all() and (cut.logprobs[end:] == 0).all()
+    back = Trajectory.decode(cut.encode())
+    assert back.boot_at == cut.boot_at and learner_admits(back)
+    done, _ = run(6, "type(content='1')")
+    assert done.outcome == "terminated" and done.boot_at == 0 and len(done.tokens) == done.turns[-1].end
+
+
+def test_the_bootstrap_marker_is_checked_on_the_wire():
+    """A boot_at that is not a truncated episode's final prompt is an invalid trajectory (the stream NACKs it
+    "invalid"), in a frame as in a Trajectory."""
+    from core.schema import InvalidTrajectory
+
+    base = dict(id="x", env_id="e", tokens=np.arange(6, dtype=np.int32), logprobs=np.zeros(6, np.float32),
+                versions=np.array([-1, -1, 0, -1, -1, -1], np.int32), mask=np.array([0, 0, 1, 0, 0, 0], np.uint8),
+                turns=[], ret=0.0)
+    assert Trajectory(outcome="truncated", boot_at=6, **base).validate().boot_at == 6
+    assert Trajectory.decode(Trajectory(outcome="truncated", boot_at=3, **base).encode()).boot_at == 3
+    assert Trajectory.decode(Trajectory(outcome="truncated", **base).encode()).boot_at == 0
+    for outcome, boot_at, why in (("terminated", 6, "only a truncated"), ("truncated", 7, "only a truncated"),
+                                  ("truncated", 2, "generated tokens after")):
+        with pytest.raises(InvalidTrajectory, match=why):
+            Trajectory(outcome=outcome, boot_at=boot_at, **base).validate()
+        bad = Trajectory(outcome="truncated", boot_at=6, **base).to_dict()
+        bad.update(outcome=outcome, boot_at=boot_at)
+        with pytest.raises(InvalidTrajectory, match=why) as e:
+            Trajectory.from_dict(bad)
+        assert e.value.kind == "invalid"

@@ -20,7 +20,7 @@ def config(tie: bool = True, kv_heads: int = 8, **kw) -> DecoderConfig:
 
 
 def padded_batch(seed: int = 0, lengths=(40, 23, 7)):
-    """Right padding (as learner.ppo.collate pads), rows of different lengths, a trained-token mask inside each row."""
+    """Right padding (as learner.batch.collate pads), rows of different lengths, a trained-token mask inside each row."""
     g = torch.Generator().manual_seed(seed)
     B, T = len(lengths), max(lengths)
     ids = torch.randint(1, V, (B, T), generator=g)

@@ -1,5 +1,7 @@
-"""The learner's update: behaviour tests on a bandit, and chunked accumulation equals one padded batch."""
+"""The learner's update: behaviour tests on a bandit, chunked accumulation equals one padded batch, and truncated
+episodes bootstrap from the critic's value of their final state."""
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -262,3 +264,89 @@ def test_sft_in_length_chunks_gives_the_gradient_of_one_padded_batch():
     for k, p in pol.named_parameters():
         if k in ref:
             assert torch.allclose(p.grad, ref[k], atol=1e-6), k
+
+
+# ---- truncation: the return bootstraps from the critic's value of the state the episode was cut in ----------------
+def two_turns(outcome, boot_at=0, final=()):
+    """Prompt, answer, prompt, answer (rewards 0 then 1); a truncated one carries the next prompt and boot_at."""
+    toks = [1, 5, 6, 11, 7, 8, 12, *final]
+    m = np.array([0, 0, 0, 1, 0, 0, 1] + [0] * len(final), np.uint8)
+    return Trajectory(id=f"{outcome}-{boot_at}", env_id="x", outcome=outcome, tokens=np.array(toks, np.int32),
+                      logprobs=np.where(m, -1.0, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                      mask=m, turns=[Turn("", "", {}, 0.0, 3, 4), Turn("", "", {}, 1.0, 6, 7)], ret=1.0,
+                      boot_at=boot_at).validate()
+
+
+def test_truncated_returns_bootstrap_by_hand_plain_and_length_adaptive():
+    """V = 0.5, 0.8 at the two answers, V(final state) = 2.0, gamma 0.9 (hand values in tests/test_algorithms.py):
+    the truncated episode's advantages and lambda = 1 targets include gamma^k * 2.0; the terminated one's, and a
+    truncated frame without its final state (boot_at 0, from before the field), do not."""
+    from learner.batch import collate
+
+    trajs = [two_turns("terminated"), two_turns("truncated", 9, final=(7, 9)), two_turns("truncated")]
+    b = collate(trajs)
+    assert b.tokens.shape[1] == 10 and b.widths.tolist() == [7, 10, 7] and b.boot.sum() == 1 and b.boot[1, 9] == 1
+    values = torch.zeros(b.mask.shape)
+    values[:, 3], values[:, 6], values[1, 9] = 0.5, 0.8, 2.0
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    want_targets = [[0.9, 1.0], [2.52, 2.8], [0.9, 1.0]]
+    for ppo, a0 in ((PPOConfig(gamma=0.9, lam_policy=1.0), (0.40, 2.02)),                       # plain GAE, lambda 1
+                    (PPOConfig(gamma=0.9, length_adaptive=True, length_alpha=1.0), (0.31, 1.12))):  # lambda = 1 - 1/2
+        tr = PPOTrainer(pol, TrainPolicy.from_config(pol.config, value_head=True, seed=1), LearnerConfig(ppo=ppo), 0)
+        adv, targets = tr.advantages(b, values, None)
+        np.testing.assert_allclose(adv[:, [3, 6]].numpy(), [[a0[0], 0.2], [a0[1], 2.0], [a0[0], 0.2]], atol=1e-6)
+        np.testing.assert_allclose(targets[:, [3, 6]].numpy(), want_targets, atol=1e-6)
+
+
+def test_the_critic_reads_the_bootstrap_value_at_the_final_state():
+    """The value a truncated row bootstraps from is the critic's V(tokens[:boot_at]): the final prompt's last hidden
+    state, read one column past the row's tokens; nothing is read for a terminated row."""
+    from learner.batch import bootstrap_values, collate, length_chunks
+
+    torch.manual_seed(0)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1)
+    tr = PPOTrainer(pol, critic, LearnerConfig(), 0)
+    trajs = [two_turns("terminated"), two_turns("truncated", 10, final=(7, 9, 13))]
+    b = collate(trajs)
+    _, values = tr._forward_old(b, length_chunks(b.widths, torch.arange(2), tr.chunk_tokens), with_prox=False)
+    boot = bootstrap_values(values, b.boot)
+    with torch.no_grad():
+        h = critic.hidden(torch.tensor([trajs[1].tokens.tolist()]))
+        want = float(critic.score(h[0, -1]))
+    assert boot[0] == 0.0 and float(boot[1]) == pytest.approx(want, abs=1e-5) and abs(want) > 1e-3
+
+
+def test_fused_single_pass_equals_the_separate_pass_with_truncated_episodes():
+    """The single pass reads the bootstrap values in the critic's own training forward; the separate pass in its
+    no-grad pass: the same parameters either way, and different ones from the same batch read as terminated."""
+    from learner.dist_check import batch
+    trajs = batch(3, n=12, max_len=30)
+    for i, t in enumerate(trajs[::2]):  # every other episode cut by a limit, with its final prompt appended
+        t.outcome, t.tokens = "truncated", np.concatenate([t.tokens, np.array([3, 4, 5][: 1 + i % 3], np.int32)])
+        for k in ("logprobs", "versions", "mask"):
+            pad = np.zeros(len(t.tokens) - len(getattr(t, k)), getattr(t, k).dtype) - (k == "versions")
+            setattr(t, k, np.concatenate([getattr(t, k), pad]))
+        t.boot_at = len(t.tokens)
+        t.validate()
+    torch.manual_seed(0)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1)
+    runs = []
+    for fused, boot in ((True, True), (False, True), (True, False)):
+        p, c = copy.deepcopy(pol), copy.deepcopy(critic)
+        tr = PPOTrainer(p, c, LearnerConfig(lr=3e-2, warmup_steps=1, critic_lr=3e-2), 0)
+        tr.fuse_single_pass, tr.chunk_tokens = fused, 60
+        # plain SGD: Adam divides each gradient by its own size, which turns rounding noise in the near-zero
+        # gradients of an initial step into 1e-6 parameter differences
+        tr.opt, tr.critic_opt = torch.optim.SGD(p.parameters(), lr=0.1), torch.optim.SGD(c.parameters(), lr=0.1)
+        tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+        batch_ = trajs if boot else [dataclasses.replace(t, boot_at=0) for t in trajs]
+        m = tr.step(batch_, 0)
+        assert m["bootstrapped"] == (6 if boot else 0)
+        runs.append((p, c))
+    for x, y in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert torch.allclose(x, y, atol=1e-6)
+    for x, y in zip(runs[0][1].parameters(), runs[1][1].parameters()):
+        assert torch.allclose(x, y, atol=1e-6)
+    assert any(not torch.allclose(x, y, atol=1e-5) for x, y in zip(runs[0][1].parameters(), runs[2][1].parameters()))

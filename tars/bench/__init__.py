@@ -9,7 +9,8 @@ import importlib
 
 # name -> module under tars.bench whose main(argv) runs it; `async` runs last in `tars bench all` (the headline).
 BENCHES: dict[str, str] = {"actor": "actor", "env": "envd", "faults": "faults", "inference": "inference",
-                           "learner": "learner", "soak": "soak", "async": "async_rl", "all": "all"}
+                           "learner": "learner", "soak": "soak", "corrections": "corrections", "async": "async_rl",
+                           "all": "all"}
 
 
 def run_bench(name: str, argv: list[str]) -> int:
