@@ -172,18 +172,25 @@ class TelemetryConfig:
     """OpenTelemetry traces and metrics of every process (docs/telemetry.md)."""
 
     enabled: bool = f(True, "trace and meter this process; false = no spans, no metrics, near-zero cost")
-    dir: str = f("", "span files (spans-<role>-<pid>.jsonl) go here when no OTLP endpoint is set; `tars up` uses "
-                     "<out>/telemetry; empty with no endpoint = no spans")
-    otlp_endpoint: str = f("", "OTLP base URL, e.g. http://otel-collector:4318; empty = $OTEL_EXPORTER_OTLP_ENDPOINT; "
-                               "neither = span file")
-    otlp_protocol: str = f("http/json", "http/json (built in) | grpc | http/protobuf (these two need the "
-                                        "opentelemetry-exporter-otlp package installed)")
+    exporter: str = f("", "where spans go: otlp-grpc | otlp-http (the official OpenTelemetry OTLP exporters; they "
+                          "honour every OTEL_EXPORTER_OTLP_* variable) | console (stdout) | file (span files in dir) | "
+                          "none; empty = $OTEL_TRACES_EXPORTER (otlp, console, none), else OTLP when an endpoint is "
+                          "set, else the span file when dir is known, else none")
+    dir: str = f("", "span files (spans-<role>-<pid>.jsonl) go here (exporter=file, or auto with no OTLP endpoint); "
+                     "`tars up` uses <out>/telemetry; empty with no endpoint = no spans")
+    otlp_endpoint: str = f("", "OTLP endpoint: base URL for otlp-http (e.g. http://otel-collector:4318; /v1/traces is "
+                               "added), host URL for otlp-grpc (e.g. http://otel-collector:4317; http:// = no TLS); "
+                               "set = wins over $OTEL_EXPORTER_OTLP_ENDPOINT, empty = that variable (or "
+                               "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is used")
+    otlp_protocol: str = f("", "OTLP protocol when exporter is auto: grpc | http/protobuf (http/json is sent as "
+                               "http/protobuf); empty = $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, "
+                               "$OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf")
     sample_ratio: float = f(0.1, "share of episodes traced (their turns, env steps and generations follow the "
                                  "episode); learner steps are always traced")
     max_queued_spans: int = f(8192, "spans waiting for export; past it new spans are dropped, never waited for")
     max_file_mb: float = f(256.0, "a span file stops growing past this size (spans then counted as dropped)")
-    prometheus_port: int = f(-1, "serve Prometheus text at http://127.0.0.1:PORT/metrics; 0 = any free port (named "
-                                 "in the run file, shown by `tars ctl status`); -1 = off")
+    prometheus_port: int = f(-1, "serve Prometheus text (prometheus_client) at http://127.0.0.1:PORT/metrics; 0 = any "
+                                 "free port (named in the run file, shown by `tars ctl status`); -1 = off")
 
 
 @dataclass
@@ -332,6 +339,13 @@ def load(preset: str | None = None, path: str | None = None, overrides: list[str
 
 def validate(cfg: RunConfig) -> None:
     """Rules that span sections (ConfigError)."""
+    t = cfg.telemetry
+    if t.exporter.strip().lower() not in ("", "otlp-grpc", "otlp-http", "console", "file", "none"):
+        raise ConfigError(f"telemetry.exporter={t.exporter!r}: one of otlp-grpc, otlp-http, console, file, none "
+                          "(empty = auto)")
+    if t.otlp_protocol.strip().lower() not in ("", "grpc", "http/protobuf", "http/json"):
+        raise ConfigError(f"telemetry.otlp_protocol={t.otlp_protocol!r}: one of grpc, http/protobuf (empty = "
+                          "$OTEL_EXPORTER_OTLP_PROTOCOL)")
     if (cfg.envd.auth_token or cfg.inference.auth_token) and not cfg.control.auth_token:
         # envd's and the inference server's ControlService (drain, kill sessions, status) share their listener:
         # a service token alone would leave those commands open.

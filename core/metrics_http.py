@@ -1,135 +1,95 @@
-"""Prometheus text exposition (format 0.0.4) of OpenTelemetry MetricsData, served at /metrics on loopback.
+"""The Prometheus endpoint of a process: prometheus_client serves the process's OpenTelemetry metrics.
 
-prometheus_client is not a dependency: the format is small. Names: dots become underscores, monotonic sums get
-`_total`, histograms give cumulative `_bucket{le=...}`, `_sum` and `_count`. Every point carries the resource's
-service.name as `role` so one Prometheus can scrape every process of a run.
+Each process gets its own prometheus_client CollectorRegistry holding one collector, which reads the process's
+OpenTelemetry MetricsData (core.telemetry's in-memory reader) at every scrape and hands it over as prometheus_client
+metric families; prometheus_client writes the exposition text (0.0.4 by default, what the scraper negotiates) and
+serves it. Names: dots become underscores, a unit "s" adds `_seconds`, monotonic sums are counters (`_total`),
+histograms keep their explicit buckets. Every sample carries the resource's service.name as `role`, so one
+Prometheus can scrape every process of a run.
 """
 from __future__ import annotations
 
 import math
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, Iterable
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
 _BAD = re.compile(r"[^a-zA-Z0-9_:]")
 
 
 def metric_name(name: str, unit: str = "") -> str:
+    """The Prometheus family name of an OpenTelemetry instrument (`_total` is added by prometheus_client)."""
     n = _BAD.sub("_", name)
     if unit == "s" and not n.endswith("_seconds"):
         n += "_seconds"
     return n if not n[:1].isdigit() else "_" + n
 
 
-def _esc(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _labels(attrs, base: dict) -> dict[str, str]:
+    return {**{_BAD.sub("_", str(k)): str(v) for k, v in (attrs or {}).items()}, **base}
 
 
-def _labels(attrs: dict, extra: dict | None = None) -> str:
-    d = {**{_BAD.sub("_", k): v for k, v in (attrs or {}).items()}, **(extra or {})}
-    if not d:
-        return ""
-    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in sorted(d.items())) + "}"
+class OtelCollector(Collector):
+    """A prometheus_client collector over `collect()` -> OpenTelemetry MetricsData (or None)."""
 
+    def __init__(self, collect: Callable[[], object]):
+        self._collect = collect
 
-def _num(x: float) -> str:
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "NaN"
-        if math.isinf(x):
-            return "+Inf" if x > 0 else "-Inf"
-    return repr(float(x)) if isinstance(x, float) else str(x)
+    def collect(self) -> Iterable[Metric]:
+        from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
 
-
-def render(data) -> str:
-    """MetricsData -> exposition text."""
-    from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
-
-    if data is None:
-        return ""
-    out: list[str] = []
-    seen: set[str] = set()
-    for rm in data.resource_metrics:
-        base = {"role": rm.resource.attributes.get("service.name", "")}
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                d = m.data
-                name = metric_name(m.name, m.unit)
-                if isinstance(d, Sum):
-                    typ = "counter" if d.is_monotonic else "gauge"
-                    if d.is_monotonic and not name.endswith("_total"):
-                        name += "_total"
-                elif isinstance(d, Gauge):
-                    typ = "gauge"
-                elif isinstance(d, Histogram):
-                    typ = "histogram"
-                else:
-                    continue
-                if name not in seen:  # HELP/TYPE once per family
-                    seen.add(name)
-                    out.append(f"# HELP {name} {_esc(m.description or m.name)}")
-                    out.append(f"# TYPE {name} {typ}")
-                for p in d.data_points:
-                    if typ == "histogram":
-                        cum = 0
-                        for bound, c in zip([*p.explicit_bounds, math.inf], p.bucket_counts):
-                            cum += c
-                            out.append(f"{name}_bucket{_labels(p.attributes, {**base, 'le': _num(float(bound))})} {cum}")
-                        out.append(f"{name}_sum{_labels(p.attributes, base)} {_num(float(p.sum))}")
-                        out.append(f"{name}_count{_labels(p.attributes, base)} {p.count}")
+        data = self._collect()
+        if data is None:
+            return []
+        families: dict[str, Metric] = {}
+        for rm in data.resource_metrics:
+            base = {"role": str(rm.resource.attributes.get("service.name", ""))}
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    d = m.data
+                    name = metric_name(m.name, m.unit)
+                    if isinstance(d, Sum) and d.is_monotonic:
+                        typ, name = "counter", name.removesuffix("_total")
+                    elif isinstance(d, (Sum, Gauge)):
+                        typ = "gauge"
+                    elif isinstance(d, Histogram):
+                        typ = "histogram"
                     else:
-                        out.append(f"{name}{_labels(p.attributes, base)} {_num(p.value)}")
-    return "\n".join(out) + "\n"
-
-
-def parse(text: str) -> dict[str, list[tuple[dict, float]]]:
-    """Exposition text -> {sample name: [(labels, value)]}; raises ValueError on a malformed line (tests, tools)."""
-    line_re = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)$')
-    label_re = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-    out: dict[str, list[tuple[dict, float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = line_re.match(line)
-        if m is None:
-            raise ValueError(f"not an exposition line: {line!r}")
-        labels = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\") for k, v in label_re.findall(m.group(3) or "")}
-        out.setdefault(m.group(1), []).append((labels, float(m.group(4))))
-    return out
+                        continue
+                    fam = families.get(name)
+                    if fam is None:
+                        fam = families[name] = Metric(name, m.description or m.name, typ)
+                    elif fam.type != typ:
+                        continue  # one type per family: a clash (two instruments, one name) keeps the first
+                    for p in d.data_points:
+                        labels = _labels(p.attributes, base)
+                        if typ == "histogram":
+                            cum = 0
+                            for bound, c in zip([*p.explicit_bounds, math.inf], p.bucket_counts):
+                                cum += c
+                                le = "+Inf" if math.isinf(bound) else repr(float(bound))
+                                fam.add_sample(name + "_bucket", {**labels, "le": le}, cum)
+                            fam.add_sample(name + "_count", labels, p.count)
+                            fam.add_sample(name + "_sum", labels, float(p.sum))
+                        else:
+                            fam.add_sample(name + ("_total" if typ == "counter" else ""), labels, float(p.value))
+        return list(families.values())
 
 
 class MetricsServer:
-    """GET /metrics on host:port (port 0 = any free port) in a daemon thread; everything else is 404."""
+    """prometheus_client's HTTP server on host:port (port 0 = any free port) in a daemon thread, over a registry of
+    this process's own (`address` = host:actual port). It answers /metrics (and, as prometheus_client does, any
+    other path) with the exposition of `collect()`."""
 
     def __init__(self, collect: Callable[[], object], host: str = "127.0.0.1", port: int = 0):
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics here")
-                    return
-                try:
-                    body = render(collect()).encode()
-                except Exception as e:  # report, do not kill the server thread
-                    self.send_error(500, f"{type(e).__name__}: {e}")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):  # scrapes are not news
-                pass
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(OtelCollector(collect))
+        self.httpd, self.thread = start_http_server(port, addr=host, registry=self.registry)
         self.httpd.timeout = 5.0
         self.address = f"{host}:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
-                                       name="tars-metrics-http", daemon=True)
-        self.thread.start()
 
     def close(self) -> None:
         self.httpd.shutdown()

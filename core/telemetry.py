@@ -8,12 +8,19 @@ Spans (names are stable; docs/telemetry.md):
 Context crosses gRPC as a W3C `traceparent` metadata entry (client interceptor in core.rpc, server_span() here) and
 crosses the trajectory stream in Trajectory.traceparent (the episode span), which the learner step links to.
 
-Export: OTLP/HTTP JSON to an endpoint when one is configured (no extra package: the encoding is written here), else
-one JSON object per span into <dir>/spans-<role>-<pid>.jsonl, batched by the SDK's BatchSpanProcessor (a bounded
-queue; spans past it are dropped, never blocking the hot path) and capped in size. With neither, or enabled=false,
-every helper here is a no-op that costs a function call and a flag test.
+Export (docs/telemetry.md): the official OpenTelemetry exporters. telemetry.exporter picks one: otlp-grpc and
+otlp-http (opentelemetry-exporter-otlp-proto-grpc / -http, OTLP protobuf; they read every standard
+OTEL_EXPORTER_OTLP_* variable: endpoint, headers, timeout, compression, certificates, insecure), console (the SDK's
+ConsoleSpanExporter, one JSON document per span on stdout), file (one JSON object per span into
+<dir>/spans-<role>-<pid>.jsonl, the format `tars` tooling and the tests read, capped in size) or none. Empty (auto):
+$OTEL_TRACES_EXPORTER if set, else OTLP when an endpoint is configured (telemetry.otlp_endpoint or
+$OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT) with the protocol of telemetry.otlp_protocol or
+$OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL (default http/protobuf), else the span file when a directory is known, else off.
+Spans are batched by the SDK's BatchSpanProcessor (a bounded queue; spans past it are dropped, never blocking the
+hot path). With no exporter, or enabled=false, every helper here is a no-op that costs a function call and a flag test.
 Metrics: instruments registered by the roles (counter / histogram / observable gauges read from their status) go to
-an in-memory reader that core.metrics_http renders as Prometheus text on 127.0.0.1 when prometheus_port >= 0.
+an in-memory reader; core.metrics_http hands them to prometheus_client (a registry per process), which serves them
+on 127.0.0.1 when prometheus_port >= 0.
 """
 from __future__ import annotations
 
@@ -23,7 +30,6 @@ import logging
 import os
 import pathlib
 import threading
-import urllib.request
 from typing import Any, Callable, Iterable, Sequence
 
 from opentelemetry import trace
@@ -122,76 +128,6 @@ class JsonLinesSpanExporter(SpanExporter):
             self.f.close()
 
 
-def _otlp_value(v) -> dict:
-    if isinstance(v, bool):
-        return {"boolValue": v}
-    if isinstance(v, int):
-        return {"intValue": str(v)}  # int64 is a string in OTLP/JSON
-    if isinstance(v, float):
-        return {"doubleValue": v}
-    if isinstance(v, (list, tuple)):
-        return {"arrayValue": {"values": [_otlp_value(x) for x in v]}}
-    return {"stringValue": str(v)}
-
-
-def _otlp_kv(a) -> list[dict]:
-    return [{"key": k, "value": _otlp_value(v)} for k, v in (a or {}).items()]
-
-
-def otlp_json(spans: Sequence) -> dict:
-    """ExportTraceServiceRequest in the OTLP/JSON encoding (ids as hex, kinds and status codes as numbers)."""
-    by_resource: dict[int, tuple[Any, list]] = {}
-    for s in spans:
-        by_resource.setdefault(id(s.resource), (s.resource, []))[1].append(s)
-    out = []
-    for res, group in by_resource.values():
-        rows = []
-        for s in group:
-            row = {"traceId": _hex(s.context.trace_id, 32), "spanId": _hex(s.context.span_id, 16), "name": s.name,
-                   "kind": s.kind.value + 1,  # SDK INTERNAL=0.. ; OTLP UNSPECIFIED=0, INTERNAL=1, SERVER=2, CLIENT=3
-                   "startTimeUnixNano": str(s.start_time), "endTimeUnixNano": str(s.end_time),
-                   "attributes": _otlp_kv(s.attributes),
-                   "links": [{"traceId": _hex(lk.context.trace_id, 32), "spanId": _hex(lk.context.span_id, 16),
-                              "attributes": _otlp_kv(lk.attributes)} for lk in s.links],
-                   "events": [{"timeUnixNano": str(e.timestamp), "name": e.name, "attributes": _otlp_kv(e.attributes)}
-                              for e in s.events],
-                   "status": {"code": s.status.status_code.value, "message": s.status.description or ""}}
-            if s.parent is not None:
-                row["parentSpanId"] = _hex(s.parent.span_id, 16)
-            rows.append(row)
-        out.append({"resource": {"attributes": _otlp_kv(res.attributes)},
-                    "scopeSpans": [{"scope": {"name": "tars"}, "spans": rows}]})
-    return {"resourceSpans": out}
-
-
-class OtlpHttpJsonSpanExporter(SpanExporter):
-    """POSTs batches to <endpoint>/v1/traces as OTLP/JSON (what every OpenTelemetry collector's otlp http receiver
-    accepts). Runs in the BatchSpanProcessor's thread; each POST has a deadline, a failed batch is dropped."""
-
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, headers: dict | None = None):
-        base = endpoint.rstrip("/")
-        self.url = base if base.endswith("/v1/traces") else base + "/v1/traces"
-        self.timeout_s, self.headers = timeout_s, dict(headers or {})
-        self.sent = self.failed = 0
-
-    def export(self, spans: Sequence) -> "SpanExportResult":
-        body = json.dumps(otlp_json(spans)).encode()
-        req = urllib.request.Request(self.url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **self.headers})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                r.read()
-            self.sent += len(spans)
-            return SpanExportResult.SUCCESS
-        except OSError as e:  # URLError, HTTPError, timeouts: all OSError
-            self.failed += len(spans)
-            log.warning("OTLP export of %d spans to %s failed: %s", len(spans), self.url, e)
-            return SpanExportResult.FAILURE
-
-    def shutdown(self) -> None:
-        pass
-
-
 def _sampler(ratio: float):
     """Episodes are sampled at `ratio` (everything under them follows the parent); learner steps always."""
     from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
@@ -210,23 +146,94 @@ def _sampler(ratio: float):
 
 
 # ---- set-up -----------------------------------------------------------------------------------------------------
+EXPORTERS = ("", "otlp-grpc", "otlp-http", "console", "file", "none")   # telemetry.exporter ("" = auto)
+PROTOCOLS = ("", "grpc", "http/protobuf", "http/json")                   # telemetry.otlp_protocol ("" = from env)
+_STD_EXPORTERS = {"otlp": "otlp", "console": "console", "none": "none"}  # $OTEL_TRACES_EXPORTER values tars offers
+
+
+def _env(name: str, env) -> str:
+    """OTEL_EXPORTER_OTLP_TRACES_<name>, else OTEL_EXPORTER_OTLP_<name> (the spec's order), else ""."""
+    return (env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(f"OTEL_EXPORTER_OTLP_{name}") or "").strip()
+
+
+def resolve(cfg, run_dir: str | None = None, env=None) -> dict:
+    """Which span exporter a TelemetryConfig (and the standard OTEL_* environment) gives this process:
+    {exporter: otlp-grpc | otlp-http | console | file | none, endpoint, protocol, span_dir}. ConfigError on a value
+    tars does not know, from the config or from the environment."""
+    from core.config import ConfigError
+
+    env = os.environ if env is None else env
+    kind = (cfg.exporter or "").strip().lower()
+    if kind not in EXPORTERS:
+        raise ConfigError(f"telemetry.exporter={cfg.exporter!r}: one of otlp-grpc, otlp-http, console, file, none "
+                          "(empty = auto)")
+    endpoint = cfg.otlp_endpoint or _env("ENDPOINT", env)
+    span_dir = cfg.dir or (str(pathlib.Path(run_dir) / "telemetry") if run_dir else "")
+    if not kind:
+        std = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+        if std:
+            first = std.split(",")[0].strip()
+            if first not in _STD_EXPORTERS:
+                raise ConfigError(f"$OTEL_TRACES_EXPORTER={std!r}: tars offers otlp, console or none "
+                                  "(or set telemetry.exporter)")
+            kind = _STD_EXPORTERS[first]
+        else:
+            kind = "otlp" if endpoint else "file" if span_dir else "none"
+    protocol = ""
+    if kind == "otlp":
+        protocol = (cfg.otlp_protocol or _env("PROTOCOL", env) or "http/protobuf").strip().lower()
+        if protocol not in PROTOCOLS[1:]:
+            raise ConfigError(f"OTLP protocol {protocol!r} (telemetry.otlp_protocol or $OTEL_EXPORTER_OTLP_PROTOCOL): "
+                              "one of grpc, http/protobuf")
+        kind = "otlp-grpc" if protocol == "grpc" else "otlp-http"
+    elif kind in ("otlp-grpc", "otlp-http"):
+        protocol = "grpc" if kind == "otlp-grpc" else "http/protobuf"
+    if protocol == "http/json":  # not offered by the official exporter; every collector's HTTP receiver takes both
+        log.warning("OTLP http/json is not offered by the OpenTelemetry exporter: sending http/protobuf to the same "
+                    "endpoint")
+        protocol = "http/protobuf"
+    if kind == "file" and not span_dir:
+        raise ConfigError("telemetry.exporter=file needs telemetry.dir (or a role's --run-dir)")
+    return {"exporter": kind, "endpoint": endpoint, "protocol": protocol, "span_dir": span_dir}
+
+
+def _span_exporter(cfg, r: dict, role: str):
+    """(the SpanExporter, what it does in words) for a resolve() result; (None, "off") for none."""
+    kind = r["exporter"]
+    if kind in ("otlp-grpc", "otlp-http"):
+        endpoint = cfg.otlp_endpoint  # None below: the exporter reads OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT itself
+        if kind == "otlp-grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            if endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):  # a base URL, like the env variable
+                endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return OTLPSpanExporter(endpoint=endpoint or None), f"otlp {r['protocol']} {r['endpoint'] or '(default)'}"
+    if kind == "console":
+        import sys
+
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter(service_name=role, out=sys.stdout), "console"  # stdout as of now (its default: at import)
+    if kind == "file":
+        S.span_file = str(pathlib.Path(r["span_dir"]) / f"spans-{role}-{os.getpid()}.jsonl")
+        return JsonLinesSpanExporter(S.span_file, int(cfg.max_file_mb * (1 << 20))), S.span_file
+    return None, "off"
+
+
 def setup(cfg, role: str, run_dir: str | None = None) -> dict:
-    """Configure this process from a TelemetryConfig. Returns what was set up ({traces, span_file, metrics})."""
+    """Configure this process from a TelemetryConfig. Returns what was set up ({traces, metrics}); ConfigError when
+    the exporter settings (config or OTEL_* environment) name something tars does not offer."""
     shutdown()
     if not cfg.enabled:
         return {"traces": "off", "metrics": "off"}
     from opentelemetry.sdk.resources import Resource
 
+    r = resolve(cfg, run_dir)
     S.role = role
     res = Resource.create({"service.name": role, "service.namespace": "tars", "process.pid": os.getpid()})
-    endpoint = cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-    span_dir = cfg.dir or (str(pathlib.Path(run_dir) / "telemetry") if run_dir else "")
-    exporter, what = None, "off"
-    if endpoint:
-        exporter, what = _otlp_exporter(endpoint, cfg.otlp_protocol or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", ""))
-    if exporter is None and span_dir:
-        S.span_file = str(pathlib.Path(span_dir) / f"spans-{role}-{os.getpid()}.jsonl")
-        exporter, what = JsonLinesSpanExporter(S.span_file, int(cfg.max_file_mb * (1 << 20))), S.span_file
+    exporter, what = _span_exporter(cfg, r, role)
     if exporter is not None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -256,22 +263,6 @@ BUCKETS = {
     "tars.env.step.duration": [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
     "tars.learner.step.duration": [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120],
 }
-
-
-def _otlp_exporter(endpoint: str, protocol: str):
-    protocol = protocol or "http/json"
-    if protocol == "http/json":
-        return OtlpHttpJsonSpanExporter(endpoint), f"otlp http/json {endpoint}"
-    try:  # the official exporters, where installed (not a tars dependency: they pin an older protobuf)
-        if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    except ImportError:
-        log.warning("OTLP protocol %r needs the opentelemetry-exporter-otlp package, which is not installed; "
-                    "use otlp_protocol=http/json (port 4318). Falling back to the span file.", protocol)
-        return None, "off"
-    return OTLPSpanExporter(endpoint=endpoint), f"otlp {protocol} {endpoint}"
 
 
 def shutdown() -> None:

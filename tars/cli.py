@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UnsupportedModel, MissingWeights, WeightsMismatch, TokenizerError) as e:
         print(f"tars {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except ConfigError as e:  # e.g. an OTEL_* variable naming an exporter tars does not offer (telemetry.setup)
+        print(f"tars: config error: {e}", file=sys.stderr)
+        return 2
 
 
 def _dispatch(a, cfg) -> int:

@@ -22,9 +22,10 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from core import config as C
-from core import metrics_http, rpc
+from core import rpc
 from core.v1 import env_pb2, env_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -107,7 +108,11 @@ def poll(fn, timeout: float, what: str, interval: float = 0.3):
 def scrape(address: str) -> dict:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        return metrics_http.parse(r.read().decode())
+        out: dict[str, list[tuple[dict, float]]] = {}
+        for fam in text_string_to_metric_families(r.read().decode()):  # prometheus_client's parser
+            for smp in fam.samples:
+                out.setdefault(smp.name, []).append((smp.labels, smp.value))
+        return out
 
 
 def value(samples: dict, name: str, **labels) -> float:
