@@ -200,25 +200,28 @@ def _host_processes(prefix: bytes) -> list[str]:
 
 
 def test_timeout_kills_children(env):
-    out, status, note = sh(env, "sleep 3171 & sleep 3172 & bash -c 'sleep 3173 & sleep 3174'")
+    t = str(os.getpid() % 100000 + 200000)  # sleeps of this run only (another test run may share the host)
+    out, status, note = sh(env, f"sleep {t}1 & sleep {t}2 & bash -c 'sleep {t}3 & sleep {t}4'")
     assert "timed out" in note
-    assert _host_processes(b"sleep\x00317") == []
+    assert _host_processes(b"sleep\x00" + t.encode()) == []
     out, _, _ = sh(env, "ps -e -o comm=")
     assert "sleep" not in out and out.split().count("bash") == 1, out
 
 
 def test_close_kills_everything():
     env = make_env(timeout_s="60", wait_s="0.3")
-    env.step(Action("type", content="sleep 3181 & sleep 3182\n"))
+    tag = str(os.getpid() % 100000 + 100000)  # sleeps of this run only (another test run may share the host)
+    env.step(Action("type", content=f"sleep {tag}1 & sleep {tag}2\n"))
     assert env.state == "running"
+    mine = b"sleep\x00" + tag.encode()
     deadline = time.monotonic() + 10
-    while len(_host_processes(b"sleep\x00318")) < 2 and time.monotonic() < deadline:
+    while len(_host_processes(mine)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(_host_processes(b"sleep\x00318")) == 2
+    assert len(_host_processes(mine)) == 2
     pid = env.sandbox.proc.pid
     env.close()
     assert not os.path.exists(f"/proc/{pid}")      # reaped, not a zombie
-    assert _host_processes(b"sleep\x00318") == []
+    assert _host_processes(mine) == []
 
 
 def test_containment_over_a_real_envd():
