@@ -114,8 +114,7 @@ class FaultRun:
             ch.close()
 
     def version(self) -> int:
-        recs = [r for r in read_jsonl(self.out / "trained.jsonl") if "version" in r and not r.get("partial")]
-        return max((r["version"] for r in recs), default=0)
+        return trained_version(self.out)
 
     def received(self) -> collections.Counter:
         return collections.Counter(r["id"] for r in read_jsonl(self.out / "episodes.jsonl"))
@@ -132,13 +131,23 @@ class FaultRun:
         return spool_ids(self.spool(i))
 
     def wait_versions(self, n: int, timeout: float) -> int:
-        """Wait until the learner has made n more updates; returns the version reached."""
-        v0 = self.version()
-        return wait_for(lambda: self.version() >= v0 + n and self.version(), timeout, f"{n} updates after v{v0}")
+        return wait_versions(self.out, n, timeout)
 
     def ledger(self) -> dict:
         """The counts described in the module docstring (call after stop())."""
         return account(self.out, self.killed_spools, [self.spool_ids(i) for i in range(self.n_actors)])
+
+
+def trained_version(out: str | os.PathLike) -> int:
+    """The newest whole policy version a run directory's learner recorded (trained.jsonl; 0 before the first)."""
+    recs = [r for r in read_jsonl(pathlib.Path(out) / "trained.jsonl") if "version" in r and not r.get("partial")]
+    return max((r["version"] for r in recs), default=0)
+
+
+def wait_versions(out: str | os.PathLike, n: int, timeout: float) -> int:
+    """Wait until the run's learner has made n more updates; returns the version reached."""
+    v0 = trained_version(out)
+    return wait_for(lambda: (v := trained_version(out)) >= v0 + n and v, timeout, f"{n} updates after v{v0}")
 
 
 def spool_ids(directory: str | os.PathLike) -> set[str]:

@@ -24,7 +24,7 @@ import pathlib
 import time
 from collections.abc import Callable
 
-from tars.topology import Topology
+from tars.topology import LaunchError, Topology
 
 MAX_BACKOFF_S = 30.0
 TAIL_LINES = 5  # of a dead process's log, shown on screen
@@ -79,17 +79,17 @@ class Supervisor:
                     return "done"
                 self._died(r, rc, now, "exited")
             elif r.state == "starting":
-                if proc.spec.ready.exists():
-                    try:
-                        self.topo.ready[key] = json.loads(proc.spec.ready.read_text())
-                    except ValueError:  # caught while being written: next poll
-                        continue
+                try:
+                    info = proc.poll_ready()
+                except LaunchError:
+                    info = None
+                    self._died(r, proc.returncode, now, "exited before it was ready")
+                if info is not None:
+                    self.topo.ready[key] = info
                     r.state, r.restarts = "up", r.restarts + 1
                     self._event(r, "up", down_s=round(time.time() - r.down_since, 2))
                     self.say(f"{r.name} is back ({time.time() - r.down_since:.1f} s down, restart {r.restarts})")
-                elif proc.returncode is not None:
-                    self._died(r, proc.returncode, now, "exited before it was ready")
-                elif now - r.started > proc.spec.ready_s:
+                elif r.state == "starting" and now - r.started > proc.spec.ready_s:
                     proc.kill()
                     self._died(r, None, now, f"not ready after {proc.spec.ready_s:.0f} s")
             if r.state == "given_up":

@@ -107,16 +107,24 @@ class Process:
         """Stopped or killed through this object (its log is closed)."""
         return self.log.closed
 
+    def poll_ready(self) -> dict | None:
+        """The ready file's JSON ({role, address, pid, ...}) if the process has written it, else None; LaunchError
+        if it exited first. Never blocks (the supervisor polls a restarted process with it)."""
+        if self.spec.ready.exists():
+            return json.loads(self.spec.ready.read_text())  # written to a temporary name and renamed: whole
+        if self.popen.poll() is not None:
+            raise LaunchError(f"{self.spec.role} exited with {self.popen.returncode} before it was ready; "
+                              f"see {self.spec.log}", self.spec.log)
+        return None
+
     def wait_ready(self, timeout: float | None = None) -> dict:
-        """The ready file's JSON ({role, address, pid, ...}), once the process has written it."""
+        """poll_ready() until the process has announced itself; LaunchError after `timeout` (default spec.ready_s)."""
         timeout = self.spec.ready_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.spec.ready.exists():
-                return json.loads(self.spec.ready.read_text())
-            if self.popen.poll() is not None:
-                raise LaunchError(f"{self.spec.role} exited with {self.popen.returncode} before it was ready; "
-                                  f"see {self.spec.log}", self.spec.log)
+            info = self.poll_ready()
+            if info is not None:
+                return info
             time.sleep(0.05)
         raise LaunchError(f"{self.spec.role} not ready after {timeout:.0f} s; see {self.spec.log}", self.spec.log)
 

@@ -37,7 +37,7 @@ import tempfile
 import time
 
 from core.proc import read_jsonl, wait_for
-from tars.faults import account, lineage, spool_ids
+from tars.faults import account, lineage, spool_ids, trained_version, wait_versions
 
 ROLES = ("envd", "inference", "actor", "learner")
 MODES = ("checkpoint", "wal")
@@ -54,16 +54,6 @@ def _ready(out: pathlib.Path, name: str) -> dict | None:
         return json.loads((out / "run" / f"{name}.json").read_text())
     except (OSError, ValueError):
         return None
-
-
-def _version(out: pathlib.Path) -> int:
-    recs = [r for r in read_jsonl(out / "trained.jsonl") if "version" in r and not r.get("partial")]
-    return max((r["version"] for r in recs), default=0)
-
-
-def _wait_versions(out: pathlib.Path, n: int, timeout: float) -> int:
-    v0 = _version(out)
-    return wait_for(lambda: _version(out) >= v0 + n and _version(out), timeout, f"{n} updates after v{v0}")
 
 
 def run_mode(durability: str, out: pathlib.Path, seed: int = 0, roles=ROLES, tail_versions: int = 2,
@@ -91,7 +81,7 @@ def run_mode(durability: str, out: pathlib.Path, seed: int = 0, roles=ROLES, tai
         rng.shuffle(order)
         for role in order:
             name = f"actor{rng.randrange(N_ACTORS)}" if role == "actor" else role
-            _wait_versions(out, rng.randint(1, 3), 240)
+            wait_versions(out, rng.randint(1, 3), 240)
             mid = ""
             if role == "learner" and learner_mid_checkpoint:
                 # ckpt.* exists only while a checkpoint is being written and swapped in (learner/checkpoint.py)
@@ -100,7 +90,7 @@ def run_mode(durability: str, out: pathlib.Path, seed: int = 0, roles=ROLES, tai
             else:
                 time.sleep(rng.uniform(0.0, 3.0))
             info = _ready(out, name)
-            v = _version(out)
+            v = trained_version(out)
             try:
                 os.killpg(info["pid"], signal.SIGKILL)  # the role and whatever it started; no warning
             except ProcessLookupError:
@@ -116,7 +106,7 @@ def run_mode(durability: str, out: pathlib.Path, seed: int = 0, roles=ROLES, tai
                           "mid_checkpoint": bool(mid),
                           "held_unacked": len(held[-1]) if role == "actor" else None})
             say(f"{durability}: {name} back after {kills[-1]['back_after_s']} s")
-        _wait_versions(out, tail_versions, 240)
+        wait_versions(out, tail_versions, 240)
         up.send_signal(signal.SIGINT)  # Ctrl-C: the run stops in order and writes its report
         rc = up.wait(300)
     finally:
