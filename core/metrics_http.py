@@ -80,7 +80,7 @@ class OtelCollector(Collector):
 
 
 class MetricsServer:
-    """prometheus_client's HTTP server on host:port (port 0 = any free port) in a daemon thread, over a registry of
+    """prometheus_client's HTTP server on host:port (telemetry.prometheus_host / prometheus_port; port 0 = any free port) in a daemon thread, over a registry of
     this process's own (`address` = host:actual port). It answers /metrics (and, as prometheus_client does, any
     other path) with the exposition of `collect()`."""
 
@@ -89,7 +89,8 @@ class MetricsServer:
         self.registry.register(OtelCollector(collect))
         self.httpd, self.thread = start_http_server(port, addr=host, registry=self.registry)
         self.httpd.timeout = 5.0
-        self.address = f"{host}:{self.httpd.server_address[1]}"
+        port = self.httpd.server_address[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
 
     def close(self) -> None:
         self.httpd.shutdown()
