@@ -48,13 +48,24 @@ def server_command(model_path: str, host: str, port: int, weight_version: int = 
             *[str(a) for a in extra_args or ()]]
 
 
-def _spawn(cmd: list[str], gpu: str | None) -> subprocess.Popen:
-    from core.proc import die_with_parent
+# Run by the server's own Python before it becomes the server: SIGTERM when the thread that started it goes
+# (PR_SET_PDEATHSIG, kept across exec), then exec the server in the same process (same pid, same process group).
+# Standard library only, as sglang_python is another environment. Not a preexec_fn: Python code between fork and
+# exec in a process with gRPC's threads can deadlock or abort the child; without one the fork is a vfork.
+_PDEATHSIG_THEN_EXEC = ("import ctypes, os, signal, sys\n"
+                        "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+                        "if os.getppid() != {ppid}: sys.exit(1)\n"
+                        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
 
+
+def _spawn(cmd: list[str], gpu: str | None) -> subprocess.Popen:
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    trampoline = [cmd[0], "-c", _PDEATHSIG_THEN_EXEC.format(ppid=os.getpid()), *cmd[1:]]
+    proc = subprocess.Popen(trampoline, env=env, start_new_session=True)
+    proc.command = cmd  # the server's command line, for messages
+    return proc
 
 
 def _kill_group(p: subprocess.Popen, sig: int) -> None:
@@ -231,9 +242,9 @@ def wait_healthy(urls: list[str], timeout_s: float = 60.0, interval_s: float = 0
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     while pending:
-        dead = [p.args for p in procs or () if p.poll() is not None]
+        dead = [getattr(p, "command", p.args) for p in procs or () if p.poll() is not None]
         if dead:
-            raise SGLangStartupError(f"SGLang server exited before it was healthy: {dead[0]}")
+            raise SGLangStartupError(f"SGLang server exited before it was healthy: {shlex.join(map(str, dead[0]))}")
         for u in list(pending):
             if _answers(u, max(0.5, min(30.0, deadline - time.monotonic()))):
                 pending.remove(u)
