@@ -277,3 +277,32 @@ def test_one_sglang_version_everywhere():
     assert FLAGS.name == "sglang_0.5.23_flags.tsv"
     pod = yaml.safe_load(OVERLAY.read_text())["spec"]["template"]["spec"]
     assert next(c for c in pod["containers"] if c["name"] == "sglang")["image"].startswith("lmsysorg/sglang:v0.5.23-")
+
+
+def test_a_launched_server_dies_with_the_front(tmp_path):
+    """PDEATHSIG through the launcher's exec trampoline: the front killed with SIGKILL takes its servers down."""
+    script = tmp_path / "front.py"
+    script.write_text(f"""import os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from inference_server.sglang_launch import _spawn
+p = _spawn([sys.executable, "-c", "import time; time.sleep(120)"], None)
+print(p.pid, flush=True)
+time.sleep(120)
+""")
+    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pid = int(front.stdout.readline())
+    assert _state(pid) not in ("Z", None)
+    time.sleep(0.5)  # the trampoline has exec'd the server
+    front.kill()
+    front.wait(10)
+    t0 = time.monotonic()
+    while _state(pid) not in ("Z", None):  # reaped by init, or a zombie of it
+        assert time.monotonic() - t0 < 10, "the server outlived its front"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
