@@ -91,16 +91,21 @@ class Actor:
         task.add_done_callback(self._finished)
 
     async def _episode(self, group: str, seed: int, env_id: str):
-        """One admitted episode. An infra_error attempt (a daemon killed or restarted, inference down for longer
-        than unavailable_retry_s) is thrown away and the episode rerun from scratch, under a new id, on a live
-        daemon: nothing of a broken attempt is ever sent, so nothing of it can reach the loss. Only when every
-        attempt failed is the last one sent, as infra_error (the learner masks it)."""
+        """One admitted episode. An infra_error attempt of the environment (a daemon killed or restarted, its backend
+        broken) is thrown away and the episode rerun from scratch, under a new id, on a live daemon: nothing of a
+        broken attempt is ever sent, so nothing of it can reach the loss. Only when every attempt failed is the last
+        one sent, as infra_error (the learner masks it). An attempt that failed because inference stayed down for
+        longer than unavailable_retry_s is sent at once as infra_error (fault inference), not rerun."""
         attempts = max(1, self.acfg.episode_attempts)
         for attempt in range(attempts):
             env = self._pick_env()  # the episode then sticks to this daemon (sessions are stateful)
             tr = await run_episode(self.ctx, env, self._new_id(), env_id, seed, self.version, group)
-            if tr.outcome != Outcome.INFRA_ERROR or attempt == attempts - 1:
+            # Inference down: the client already kept retrying for unavailable_retry_s, and a rerun would only wait
+            # as long again while nothing reached the learner (or `tars up`'s screen). Sent at once, infra_error.
+            if tr.outcome != Outcome.INFRA_ERROR or attempt == attempts - 1 or tr.fault == Fault.INFERENCE:
                 tr.timings["attempts"] = attempt + 1
+                if tr.fault == Fault.INFERENCE:
+                    self.stats["infra_inference"] += 1
                 return tr
             if tr.fault == Fault.ENVD:  # the daemon itself failed us (not its backend, not inference): avoid it a while
                 env.mark_down()

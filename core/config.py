@@ -110,6 +110,24 @@ class InferenceConfig:
     sglang_health_failures: int = f(1, "engine=sglang: failed health checks in a row that take a replica out")
     sglang_max_resumes: int = f(32, "engine=sglang: aborts / replica failures one request survives before it fails")
     sglang_max_concurrency: int = f(256, "engine=sglang: HTTP calls in flight at once (threads of the client pool)")
+    sglang_launch: int = f(0, "engine=sglang: start and supervise this many SGLang servers on the --model directory "
+                           "(restarted when one dies, stopped with the server); 0 = attach to sglang_urls (docs/sglang.md)")
+    sglang_gpus: list = f([], "engine=sglang with sglang_launch: CUDA_VISIBLE_DEVICES of each launched server, round-robin "
+                          "(e.g. [\"0\", \"1\"] or [\"0,1\"] for --tp-size 2); empty = inherit")
+    sglang_host: str = f("127.0.0.1", "engine=sglang with sglang_launch: the launched servers' bind address")
+    sglang_base_port: int = f(30000, "engine=sglang with sglang_launch: server i listens on sglang_base_port + i")
+    sglang_args: list = f([], "engine=sglang with sglang_launch: extra SGLang server flags, e.g. [--mem-fraction-static, "
+                          "'0.85', --tp-size, '2']")
+    sglang_python: str = f("", "engine=sglang with sglang_launch: the Python that runs SGLang (its own environment: "
+                           "SGLang 0.5.23 pins another torch than tars); empty = this interpreter")
+    sglang_module: str = f("sglang.launch_server", "engine=sglang with sglang_launch: the module run as `python -m` "
+                           "(inference_server.sglang_conformance is the stand-in the tests use)")
+    sglang_startup_timeout_s: float = f(900.0, "engine=sglang: at start, how long to wait for a first server to answer "
+                                        "GET /health_generate (model load included) before exiting with status 2")
+    sglang_max_restarts: int = f(5, "engine=sglang with sglang_launch: restarts of one server that died before it is "
+                                 "given up (its replica stays out)")
+    sglang_restart_backoff_s: float = f(2.0, "engine=sglang with sglang_launch: wait before a restart, doubled for each "
+                                        "restart of the same server (at most 60 s)")
     sticky_max_imbalance: int = f(8, "a trajectory leaves its replica (and its prefix cache) when that replica has more than "
                                   "this many requests in flight beyond the least loaded one; 0 = always sticky")
 
@@ -131,7 +149,8 @@ class ActorConfig:
     unavailable_retry_s: float = f(60.0, "how long an inference call keeps retrying a server that is down (e.g. "
                                          "restarting) before the episode ends as infra_error; the rollout resumes")
     episode_attempts: int = f(3, "attempts per episode: an infra_error episode is rerun from scratch on a live envd "
-                                 "(the failed attempt is never sent); the last one is sent as infra_error")
+                                 "(the failed attempt is never sent); the last one is sent as infra_error. One whose "
+                                 "inference stayed down past unavailable_retry_s is sent at once (fault inference)")
     admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
     send_window: int = f(256, "trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
     max_outbox: int = f(1 << 16, "trajectories kept for re-send until acknowledged, held ones included (with the learner's "

@@ -14,6 +14,7 @@ import sys
 import grpc
 
 from inference_server.engine import LocalEngine
+from inference_server.sglang_launch import SGLangStartupError  # standard library only
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError,
                                            WeightsRefused, check_version_step)
 from core.weights_stream import Assembler, BadChunk, WrongWeights
@@ -214,6 +215,7 @@ class InferenceServer:
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self._health = None
+        self._health_task: asyncio.Task | None = None
 
     def status(self) -> dict:
         return {**self.engine.metrics(), "images_ignored": self.servicer.images_ignored, "address": self.address}
@@ -233,12 +235,33 @@ class InferenceServer:
         self.servicer.replica = self.address
         await self.server.start()
         await rpc.set_serving(*self._health, [SERVICE, CONTROL], True)
+        if callable(getattr(self.engine, "healthy", None)):  # the sglang engine: its replicas can all be down
+            self._health_task = asyncio.create_task(self._follow_engine_health())
         return port
+
+    async def _follow_engine_health(self, every_s: float = 0.25) -> None:
+        """grpc.health.v1 for the InferenceService follows engine.healthy(): NOT_SERVING while no replica is in
+        rotation (readiness probes take the pod out), SERVING again when one is. "" (the process is alive, what
+        liveness probes ask) and the ControlService stay SERVING."""
+        hs, pb2 = self._health
+        serving = True
+        while True:
+            ok = bool(self.engine.healthy())  # a look at the replicas' flags: cheap, no I/O
+            if ok != serving:
+                serving = ok
+                log.warning("InferenceService health: %s", "SERVING" if ok else "NOT_SERVING (no healthy replica)")
+                r = hs.set(SERVICE, pb2.HealthCheckResponse.SERVING if ok else pb2.HealthCheckResponse.NOT_SERVING)
+                if hasattr(r, "__await__"):
+                    await r
+            await asyncio.sleep(every_s)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop taking calls; in-flight ones get `grace` seconds to finish."""
         if self.server is None:
             return
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
         await rpc.set_serving(*self._health, [SERVICE, CONTROL], False)
         await self.server.stop(grace)
         self.server = None
@@ -252,21 +275,20 @@ def check_bind(cfg: InferenceConfig, control_token: str | None) -> None:
 
 
 def make_engine(cfg: InferenceConfig, model_path: str, version: int = 0):
-    """The engine cfg.engine names: `local` (LocalEngine over model_path) or `sglang` (SGLangEngine over
-    cfg.sglang_urls; model_path, if it holds a config.json, only supplies the vocabulary size for validation)."""
+    """The engine cfg.engine names: `local` (LocalEngine over model_path) or `sglang` (SGLangEngine over the servers it
+    launches on model_path, cfg.sglang_launch, or over cfg.sglang_urls; model_path's config.json supplies the
+    vocabulary size for validation)."""
     if cfg.engine == "local":
         return LocalEngine(cfg, model_path, version)
     if cfg.engine == "sglang":
         import json
         import pathlib
 
-        from inference_server.sglang_engine import SGLangEngine
+        from inference_server.sglang_engine import open_sglang_engine
 
-        if not cfg.sglang_urls:
-            raise ValueError("engine=sglang needs sglang_urls (base URLs of running SGLang servers)")
         conf = pathlib.Path(model_path or ".") / "config.json"
         vocab = json.loads(conf.read_text()).get("vocab_size") if model_path and conf.is_file() else None
-        return SGLangEngine(cfg, list(cfg.sglang_urls), version, vocab_size=vocab)
+        return open_sglang_engine(cfg, model_path, version, vocab)  # launched or attached; waits for a first replica
     raise ValueError(f"engine {cfg.engine!r} is not available in this server; use engine=local or engine=sglang")
 
 
@@ -297,7 +319,7 @@ def main(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=Non
     die_with_parent()
     try:
         asyncio.run(serve(cfg, model_path, version, ready_file, control_token=control_token))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, SGLangStartupError) as e:
         print(f"inference_server: {e}", file=sys.stderr)
         return 2
     return 0

@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="SGLang native-API stand-in over the local engine")
     ap.add_argument("--model", "--model-path", dest="model", required=True, help="HF-layout directory (config.json + model.safetensors)")
     ap.add_argument("--skip-tokenizer-init", action="store_true", help="accepted for sglang.launch_server parity (always token ids)")
+    ap.add_argument("--tokenizer-path", help="accepted for sglang.launch_server parity (no tokenizer is loaded)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--weight-version", default="default", help="initial weight_version string")

@@ -18,11 +18,14 @@ without the `sglang` package.
 - Routing, health and installing weights on every replica: inference_server.sglang_pool. This module is the
   request path: one generation per worker thread, resumed across aborts and failed replicas.
 
-Launching (inference_server.sglang_launch): `launch_sglang_servers` starts `python -m sglang.launch_server
---model-path M --host H --port P --skip-tokenizer-init --weight-version V` per replica (one GPU each through
-CUDA_VISIBLE_DEVICES, own process group, PDEATHSIG) and waits for /health_generate; the tests run the same code
-with the conformance server as the module.
-Or attach to running servers with SGLangEngine(cfg, ["http://host:port", ...]).
+Starting (`open_sglang_engine`, what make_engine calls): either launch cfg.sglang_launch servers on the checkpoint
+directory and supervise them (inference_server.sglang_launch.SGLangFleet: `python -m sglang.launch_server
+--model-path M --tokenizer-path M --skip-tokenizer-init --host H --port P --weight-version V`, one GPU each through
+CUDA_VISIBLE_DEVICES, own process group, PDEATHSIG, restarted when one dies), or attach to cfg.sglang_urls. Either
+way the start waits (cfg.sglang_startup_timeout_s) until a first server answers /health_generate; the others start
+out of rotation until the health thread lets them in. `healthy()` (some replica in rotation) is what the gRPC
+front's health service reports for the InferenceService. The tests run the same code with the conformance server
+as the module.
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ class SGLangEngine:
         self.stats = collections.Counter()
         self.pool = ReplicaPool(cfg, urls, version, self.stats)
         self.uid = uuid.uuid4().hex[:8]
+        self.fleet = None  # the launched servers (SGLangFleet), stopped by close(); None when attached
         self._seq = 0
         self._lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
@@ -100,6 +104,10 @@ class SGLangEngine:
     def check_health(self) -> None:
         """One health round over the replicas (the health thread runs these every sglang_health_interval_s)."""
         self.pool.check_health()
+
+    def healthy(self) -> bool:
+        """Some replica is in rotation (what grpc.health.v1 reports for the InferenceService)."""
+        return any(r.healthy for r in self.pool.replicas)
 
     def in_flight(self) -> int:
         """Generations submitted and not finished."""
@@ -326,6 +334,7 @@ class SGLangEngine:
             "weight_updates": s["weight_updates"], "interrupted_requests": s["interrupted"], "resumed_requests": s["resumed"],
             "replicas_healthy": sum(r["healthy"] for r in reps), "replica_down_events": s["replica_down"],
             "replica_up_events": s["replica_up"], "sticky_moved_for_load": s["sticky_moved_for_load"], "replicas": reps, "pause_mode": self.cfg.sglang_pause_mode,
+            **({"server_restarts": sum(f["restarts"] for f in self.fleet.status())} if self.fleet is not None else {}),
         }
 
     def close(self, timeout: float = 10.0) -> None:
@@ -345,4 +354,46 @@ class SGLangEngine:
                     pass
         self._workers.shutdown(wait=False, cancel_futures=True)
         self.pool.close(timeout)
+        if self.fleet is not None:
+            self.fleet.stop()
+
+
+def open_sglang_engine(cfg: InferenceConfig, model_path: str = "", version: int = 0, vocab_size: int | None = None) -> SGLangEngine:
+    """The `sglang` engine as cfg says: launch and supervise cfg.sglang_launch servers on model_path, or attach to
+    cfg.sglang_urls; returns once a first server answers /health_generate (SGLangStartupError, one line, when none
+    does within cfg.sglang_startup_timeout_s or a launched one exits first; the launched ones are stopped then)."""
+    from inference_server.sglang_launch import SGLangFleet, wait_first_healthy
+
+    if cfg.sglang_launch and cfg.sglang_urls:
+        raise ValueError("engine=sglang: set inference.sglang_launch (start servers) or inference.sglang_urls (attach to "
+                         "running ones), not both")
+    if cfg.sglang_launch < 0:
+        raise ValueError(f"inference.sglang_launch must be >= 0, got {cfg.sglang_launch}")
+    if not cfg.sglang_launch and not cfg.sglang_urls:
+        raise ValueError("engine=sglang needs inference.sglang_urls (base URLs of running SGLang servers) or "
+                         "inference.sglang_launch (how many to start on the model directory)")
+    fleet = None
+    if cfg.sglang_launch:
+        if not model_path:
+            raise ValueError("inference.sglang_launch needs the model directory (--model)")
+        fleet = SGLangFleet(cfg, model_path, version)
+        fleet.start()
+        try:
+            healthy = fleet.wait_first_healthy(cfg.sglang_startup_timeout_s)
+        except BaseException:
+            fleet.stop()
+            raise
+        urls = fleet.urls
+    else:
+        urls = [str(u).rstrip("/") for u in cfg.sglang_urls]
+        healthy = wait_first_healthy(urls, cfg.sglang_startup_timeout_s)
+    engine = SGLangEngine(cfg, urls, version, vocab_size=vocab_size, health_thread=False)
+    for rep in engine.replicas:  # still loading: out of rotation until the health thread lets it in
+        if rep.url not in healthy:
+            engine.pool.mark_down(rep, "not answering /health_generate yet")
+    if fleet is not None:
+        engine.fleet = fleet
+        fleet.on_exit = lambda i, code: engine.pool.mark_down(engine.replicas[i], f"server exited with status {code}")
+    engine.pool.start_health_thread()
+    return engine
 

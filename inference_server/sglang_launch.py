@@ -1,40 +1,219 @@
-"""Starting SGLang servers as subprocesses for the `sglang` engine, stopping them, and waiting for them to be healthy.
+"""Starting SGLang servers as subprocesses for the `sglang` engine, supervising them, and waiting for them to be healthy.
 
 Each server is its own process group with PDEATHSIG (core.proc.die_with_parent), so stopping it (or this process
 dying) takes SGLang's scheduler and detokenizer processes down with it.
+
+- `server_command`: the one command line of a server (tests check its flags against SGLang 0.5.23's parser).
+- `SGLangFleet`: `inference.sglang_launch` servers on the checkpoint directory, started by `make_engine`; one that
+  exits is restarted on its port (at most sglang_max_restarts times, the wait doubling from sglang_restart_backoff_s),
+  and `stop` ends every group. The replica pool (inference_server.sglang_pool) takes a dead server's replica out at
+  once (`on_exit`) and lets it back in when its /health_generate answers again, weights brought up to date first.
+- `wait_first_healthy`: the start-up deadline (sglang_startup_timeout_s); SGLangStartupError names what failed in one
+  line, which `tars serve` prints before exiting with status 2.
+- `launch_sglang_servers` / `stop_sglang_servers` / `wait_healthy`: unsupervised launching for scripts and tests.
 """
 from __future__ import annotations
 
+import logging
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import Callable
 
 from inference_server.sglang_http import http_json
+
+log = logging.getLogger("tars.inference.sglang")
+
+MAX_BACKOFF_S = 60.0
+
+
+class SGLangStartupError(RuntimeError):
+    """No SGLang server became usable at start (none answered in time, or a launched one exited): one line."""
+
+
+def server_command(model_path: str, host: str, port: int, weight_version: int = 0, extra_args: list[str] | None = None,
+                   module: str = "sglang.launch_server", python: str = "") -> list[str]:
+    """`python -m sglang.launch_server` with the flags the `sglang` engine relies on.
+
+    --skip-tokenizer-init: token ids in, token ids out (tars never lets a server re-tokenize). --tokenizer-path: the
+    checkpoint directory, where its tokenizer files ship (docs/model.md). --weight-version: meta_info reports tars
+    versions from the first token on.
+    """
+    return [python or sys.executable, "-m", module, "--model-path", model_path, "--tokenizer-path", model_path,
+            "--skip-tokenizer-init", "--host", host, "--port", str(port), "--weight-version", str(int(weight_version)),
+            *[str(a) for a in extra_args or ()]]
+
+
+# Run by the server's own Python before it becomes the server: SIGTERM when the thread that started it goes
+# (PR_SET_PDEATHSIG, kept across exec), then exec the server in the same process (same pid, same process group).
+# Standard library only, as sglang_python is another environment. Not a preexec_fn: Python code between fork and
+# exec in a process with gRPC's threads can deadlock or abort the child; without one the fork is a vfork.
+_PDEATHSIG_THEN_EXEC = ("import ctypes, os, signal, sys\n"
+                        "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+                        "if os.getppid() != {ppid}: sys.exit(1)\n"
+                        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+
+
+def _spawn(cmd: list[str], gpu: str | None) -> subprocess.Popen:
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    trampoline = [cmd[0], "-c", _PDEATHSIG_THEN_EXEC.format(ppid=os.getpid()), *cmd[1:]]
+    proc = subprocess.Popen(trampoline, env=env, start_new_session=True)
+    proc.command = cmd  # the server's command line, for messages
+    return proc
+
+
+def _kill_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _answers(url: str, timeout: float) -> bool:
+    try:
+        return http_json(url, "/health_generate", timeout=timeout)[0] == 200
+    except OSError:
+        return False
+
+
+class SGLangFleet:
+    """cfg.sglang_launch SGLang servers on model_path, supervised from one thread (which also starts them, so that
+    PDEATHSIG, bound to the thread that forks, outlives no spawning thread)."""
+
+    def __init__(self, cfg, model_path: str, weight_version: int = 0):
+        n = int(cfg.sglang_launch)
+        if n < 1:
+            raise ValueError(f"inference.sglang_launch must be >= 1 to launch servers, got {n}")
+        self.cfg, self.n = cfg, n
+        ports = [int(cfg.sglang_base_port) + i for i in range(n)]
+        self.urls = [f"http://{cfg.sglang_host}:{p}" for p in ports]
+        self.commands = [server_command(model_path, cfg.sglang_host, p, weight_version, list(cfg.sglang_args),
+                                        cfg.sglang_module, cfg.sglang_python) for p in ports]
+        gpus = [str(g) for g in cfg.sglang_gpus]
+        self.gpus = [gpus[i % len(gpus)] if gpus else None for i in range(n)]
+        self.procs: list[subprocess.Popen | None] = [None] * n
+        self.restarts = [0] * n
+        self.given_up = [False] * n
+        self.exits: list[tuple[int, int]] = []      # (server index, exit status), in order
+        self.on_exit: Callable[[int, int], None] | None = None
+        self.supervising = False                     # before that, an exit is a start-up failure, not restarted
+        self._next = [0.0] * n
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="tars-sglang-fleet", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the supervisor must not die of one bad round
+                log.exception("SGLang supervision round failed")
+            if self._stop.wait(0.2):
+                return
+
+    def poll(self) -> None:
+        """One round: note servers that exited (restarting them once supervising), start the ones due."""
+        now = time.monotonic()
+        for i in range(self.n):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                p = self.procs[i]
+                if p is not None and p.poll() is not None:
+                    code = p.returncode
+                    _kill_group(p, signal.SIGKILL)  # what it left behind (scheduler, detokenizer)
+                    self.exits.append((i, code))
+                    self.procs[i] = None
+                    if not self.supervising:
+                        self.given_up[i] = True
+                    elif self.restarts[i] >= self.cfg.sglang_max_restarts:
+                        self.given_up[i] = True
+                        log.error("SGLang server %s exited (status %s) after %d restarts: given up",
+                                  self.urls[i], code, self.restarts[i])
+                    else:
+                        wait = min(MAX_BACKOFF_S, self.cfg.sglang_restart_backoff_s * 2 ** self.restarts[i])
+                        self.restarts[i] += 1
+                        self._next[i] = now + wait
+                        log.warning("SGLang server %s exited (status %s); restart %d/%d in %.1f s", self.urls[i], code,
+                                    self.restarts[i], self.cfg.sglang_max_restarts, wait)
+                    exited = True
+                else:
+                    exited = False
+                if self.procs[i] is None and not self.given_up[i] and now >= self._next[i]:
+                    self.procs[i] = _spawn(self.commands[i], self.gpus[i])
+            if exited and self.on_exit is not None:
+                self.on_exit(i, code)
+
+    def first_exit(self) -> tuple[int, int] | None:
+        with self._lock:
+            return self.exits[0] if self.exits else None
+
+    def wait_first_healthy(self, timeout_s: float) -> list[str]:
+        """The URLs that answer /health_generate once the first one does (SGLangStartupError when a server exits
+        first, or none answers within timeout_s); then supervision (restarts) begins."""
+        healthy = wait_first_healthy(self.urls, timeout_s, self)
+        with self._lock:
+            self.supervising = True
+        return healthy
+
+    def status(self) -> list[dict]:
+        with self._lock:
+            return [{"url": u, "pid": p.pid if p is not None else None, "restarts": r, "given_up": g}
+                    for u, p, r, g in zip(self.urls, self.procs, self.restarts, self.given_up)]
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop supervising, then SIGTERM every server's group (SIGKILL what is left after timeout_s)."""
+        with self._lock:
+            self._stop.set()
+            procs = [p for p in self.procs if p is not None]
+        if self._thread is not None:
+            self._thread.join(5.0)
+        stop_sglang_servers(procs, timeout_s)
+
+
+def wait_first_healthy(urls: list[str], timeout_s: float, fleet: SGLangFleet | None = None,
+                       interval_s: float = 0.2) -> list[str]:
+    """Block until at least one URL answers GET /health_generate with 200 and return those that do.
+
+    SGLangStartupError, in one line, when none does within timeout_s, or at once when a server of `fleet` exits.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if fleet is not None and fleet.first_exit() is not None:
+            i, code = fleet.first_exit()
+            raise SGLangStartupError(f"SGLang server {fleet.urls[i]} exited with status {code} before it answered "
+                                     f"/health_generate: {shlex.join(fleet.commands[i])}")
+        left = deadline - time.monotonic()
+        healthy = [u for u in urls if _answers(u, max(0.2, min(5.0, left)))]
+        if healthy:
+            return healthy
+        if time.monotonic() >= deadline:
+            raise SGLangStartupError(f"no SGLang server answered /health_generate at {', '.join(urls)} "
+                                     f"within {timeout_s:g} s")
+        time.sleep(interval_s)
 
 
 def launch_sglang_servers(model_path: str, n: int = 1, host: str = "127.0.0.1", base_port: int = 30000,
                           gpus: list[str] | None = None, weight_version: int = 0, extra_args: list[str] | None = None,
                           wait_s: float = 900.0, module: str = "sglang.launch_server") -> tuple[list[subprocess.Popen], list[str]]:
-    """Start n `python -m sglang.launch_server` processes (one GPU each) and wait until they answer /health_generate.
-
-    The flags are SGLang's: --skip-tokenizer-init for token-in-token-out, --weight-version so meta_info reports tars
-    versions from the start. Each server is its own process group with PDEATHSIG, so stop_sglang_servers (or this
-    process dying) takes its workers down too. `module` swaps in another launcher with the same flags (the tests use
-    inference_server.sglang_conformance, which accepts them).
-    """
-    from core.proc import die_with_parent
-
+    """Start n servers (server_command; one GPU each through CUDA_VISIBLE_DEVICES) and wait until every one answers
+    /health_generate. Unsupervised: the caller stops them with stop_sglang_servers."""
     procs, urls = [], []
     try:
         for i in range(n):
             port = base_port + i
-            env = dict(os.environ)
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-            cmd = [sys.executable, "-m", module, "--model-path", model_path, "--host", host, "--port", str(port),
-                   "--skip-tokenizer-init", "--weight-version", str(weight_version), *(extra_args or [])]
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent))
+            procs.append(_spawn(server_command(model_path, host, port, weight_version, extra_args, module),
+                                gpus[i % len(gpus)] if gpus else None))
             urls.append(f"http://{host}:{port}")
         wait_healthy(urls, wait_s, procs=procs)
     except BaseException:
@@ -45,41 +224,30 @@ def launch_sglang_servers(model_path: str, n: int = 1, host: str = "127.0.0.1", 
 
 def stop_sglang_servers(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
     """SIGTERM each server's process group, then SIGKILL what is left after timeout_s."""
-    import signal
-
     for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_group(p, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the group may outlive its leader (SGLang's scheduler processes)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_group(p, signal.SIGKILL)  # the group may outlive its leader (SGLang's scheduler processes)
         p.wait(5)
 
 
 def wait_healthy(urls: list[str], timeout_s: float = 60.0, interval_s: float = 0.2, procs: list | None = None) -> None:
-    """Block until every URL answers GET /health_generate with 200; TimeoutError otherwise (RuntimeError at once
-    when one of `procs`, the servers behind the URLs, has exited)."""
+    """Block until every URL answers GET /health_generate with 200; TimeoutError otherwise (SGLangStartupError at
+    once when one of `procs`, the servers behind the URLs, has exited)."""
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     while pending:
-        dead = [p.args for p in procs or () if p.poll() is not None]
+        dead = [getattr(p, "command", p.args) for p in procs or () if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"SGLang server exited before it was healthy: {dead[0]}")
+            raise SGLangStartupError(f"SGLang server exited before it was healthy: {shlex.join(map(str, dead[0]))}")
         for u in list(pending):
-            try:
-                if http_json(u, "/health_generate", timeout=max(0.5, min(30.0, deadline - time.monotonic())))[0] == 200:
-                    pending.remove(u)
-            except OSError:
-                pass
+            if _answers(u, max(0.5, min(30.0, deadline - time.monotonic()))):
+                pending.remove(u)
         if pending:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"SGLang servers not healthy within {timeout_s}s: {pending}")

@@ -83,7 +83,7 @@ class Admission:
             "t": time.time(), "id": tr.id, "env_id": tr.env_id, "outcome": tr.outcome, "success": tr.success,
             "return": tr.ret, "turns": len(tr.turns), "start_version": tr.start_version,
             "vmin": int(gen.min()) if len(gen) else -1, "vmax": int(gen.max()) if len(gen) else -1,
-            "train_version": version, "group": tr.group, "error": tr.error,
+            "train_version": version, "group": tr.group, "error": tr.error, "fault": str(tr.fault),
             "outputs": [t.output[:80] for t in tr.turns[:8]]}) + "\n")
         if tr.outcome == Outcome.INFRA_ERROR:  # never a reward of 0: kept out of the loss entirely
             self.counters[Outcome.INFRA_ERROR] += 1  # the same key as "infra_error" (a str enum)

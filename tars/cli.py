@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF-layout model directory")
     p.add_argument("--version", type=int, default=0, help="policy version of these weights")
     p.add_argument("--port", type=int, help="override inference.port")
+    p.add_argument("--engine", choices=["local", "sglang"], help="override inference.engine (docs/sglang.md)")
+    p.add_argument("--sglang-launch", type=int, metavar="N", help="engine sglang: start and supervise N SGLang servers "
+                   "on --model (inference.sglang_launch)")
+    p.add_argument("--sglang-url", action="append", metavar="URL", help="engine sglang: attach to this running SGLang "
+                   "server (repeatable; inference.sglang_urls)")
     p.add_argument("--ready-file")
 
     p = sub.add_parser("actor", help="run an actor")
@@ -214,6 +219,9 @@ def _role(a, cfg) -> int:
         die_with_parent()
         if a.port is not None:
             cfg.inference.port = a.port
+        for key, value in (("engine", a.engine), ("sglang_launch", a.sglang_launch), ("sglang_urls", a.sglang_url)):
+            if value is not None:
+                setattr(cfg.inference, key, value)
         return serve_main(cfg.inference, a.model, a.version, a.ready_file, control_token=cfg.control.auth_token)
     if a.cmd == "actor":
         from actor.main import main as actor_main

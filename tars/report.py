@@ -2,6 +2,7 @@
 
 report.json (stable, read by outside checks):
   episodes          trajectories received by the learner (infra_error included, counted apart)
+  infra_errors      infra_error episodes; infra_errors_by_fault: the same by the part that broke ({"inference": n, ...})
   success_first     success rate over the first 10 % of scored episodes (infra_error excluded)
   success_last      success rate over the last 10 %
   success_sft       success of episodes generated entirely by the warm-started policy (version 0), or null
@@ -62,6 +63,16 @@ class Monitor:
     def scored(self) -> list[dict]:
         return [e for e in self.eps if e["outcome"] != "infra_error"]
 
+    def infra_by_fault(self) -> dict[str, int]:
+        """infra_error episodes by the part that broke (core.outcome.Fault: envd, env, inference, judge; "unknown"
+        for episodes logged before the learner recorded it)."""
+        out: dict[str, int] = {}
+        for e in self.eps:
+            if e["outcome"] == "infra_error":
+                k = e.get("fault") or "unknown"
+                out[k] = out.get(k, 0) + 1
+        return dict(sorted(out.items()))
+
     def rolling_success(self, n: int = 256) -> float | None:
         s = self.scored()[-n:]
         return float(np.mean([e["success"] for e in s])) if s else None
@@ -70,7 +81,8 @@ class Monitor:
         v = self.steps[-1]["version"] if self.steps else 0
         st = self.steps[-1].get("max_staleness", 0) if self.steps else 0
         rs = self.rolling_success()
-        infra = sum(e["outcome"] == "infra_error" for e in self.eps)
+        by = self.infra_by_fault()
+        infra = f"{sum(by.values())}" + (f" ({', '.join(f'{k} {n}' for k, n in by.items())})" if by else "")
         return (f"t={elapsed:5.0f}s  episodes={len(self.eps):6d}  success(last 256)="
                 f"{'-' if rs is None else f'{rs:.3f}'}  version={v:4d}  staleness={st}  "
                 f"traj/s={len(self.eps) / max(elapsed, 1e-9):6.1f}  infra_errors={infra}")
@@ -106,6 +118,7 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
         "episodes": len(mon.eps),
         "scored_episodes": len(scored),
         "infra_errors": len(mon.eps) - len(scored),
+        "infra_errors_by_fault": mon.infra_by_fault(),   # e.g. {"inference": 12}: which part broke
         "success_first": float(np.mean(first)) if first else None,
         "success_last": float(np.mean(last)) if last else None,
         "success_sft": (float(np.mean(v0)) if v0 else None) if sft_used else None,
@@ -161,7 +174,8 @@ def warnings(rep: dict) -> list[str]:
     elif rep["infra_errors"] > INFRA_WARN * rep["episodes"]:
         out.append(f"{rep['infra_errors']} of {rep['episodes']} episodes "
                    f"({rep['infra_errors'] / rep['episodes']:.0%}) were infra errors (kept out of the loss): "
-                   "see logs/envd*.log and logs/inference.log")
+                   + ", ".join(f"{k} {n}" for k, n in rep.get("infra_errors_by_fault", {}).items())
+                   + ": see logs/envd*.log and logs/inference.log")
     if rep["policy_version"] == 0:
         out.append("no policy update happened: the policy is the one the run started from")
     if rep["restarts_total"]:

@@ -7,8 +7,11 @@ import collections
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import signal
+import socket
+import time
 import types
 
 import gymnasium
@@ -131,7 +134,8 @@ def test_env_killed_mid_episode_is_infra_error_and_never_trained_on():
 
 def test_a_retry_avoids_the_daemon_only_when_the_daemon_failed(monkeypatch):
     """An attempt that ended infra_error because envd failed marks that daemon down for new episodes; one whose
-    backend or inference failed leaves it in rotation (the next attempt may well land on it again)."""
+    backend failed leaves it in rotation (the next attempt may well land on it again). One whose inference failed
+    is not rerun (test_an_episode_whose_inference_is_down_is_sent_at_once)."""
     from actor import main as M
 
     class Daemon:
@@ -140,7 +144,7 @@ def test_a_retry_avoids_the_daemon_only_when_the_daemon_failed(monkeypatch):
         def mark_down(self):
             self.down = True
 
-    for fault, down in ((Fault.ENVD, True), (Fault.ENV, False), (Fault.INFERENCE, False)):
+    for fault, down in ((Fault.ENVD, True), (Fault.ENV, False)):
         daemon, outcomes = Daemon(), iter([Outcome.INFRA_ERROR, Outcome.TERMINATED])
 
         async def attempt(ctx, env, tid, env_id, seed, version, group):
@@ -155,6 +159,47 @@ def test_a_retry_avoids_the_daemon_only_when_the_daemon_failed(monkeypatch):
         tr = asyncio.run(M.Actor._episode(actor, "", 0, "builtin/click"))
         assert tr.outcome == Outcome.TERMINATED and tr.timings["attempts"] == 2
         assert daemon.down is down, fault
+
+
+def test_an_episode_whose_inference_is_down_is_sent_at_once(tmp_path):
+    """The SGLang server behind the inference front is gone: every generate answers UNAVAILABLE. After the client's
+    unavailable_retry_s the episode ends infra_error with fault inference and the actor hands it on at once (on
+    main it was rerun episode_attempts times, each waiting as long again, while nothing reached the learner, so
+    `tars up` showed 0 episodes and 0 infra errors); the learner logs the fault and the run report counts it."""
+    from actor import main as M
+    from inference_server.sglang_engine import SGLangEngine
+    from tars import report
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens: the SGLang server died
+    engine = SGLangEngine(InferenceConfig(engine="sglang", sglang_urls=[dead]), [dead], health_thread=False)
+
+    async def main():
+        async with stack(engine, max_turns=2, max_new_tokens=4) as (ctx, env):
+            ctx.infer.unavailable_retry_s = 0.5
+            actor = types.SimpleNamespace(acfg=types.SimpleNamespace(episode_attempts=3), _pick_env=lambda: env, ctx=ctx,
+                                          _new_id=lambda: "a-000000001", version=0, stats=collections.Counter())
+            return await M.Actor._episode(actor, "", 0, "builtin/click"), actor.stats
+
+    t0 = time.monotonic()
+    tr, stats = asyncio.run(main())
+    assert tr.outcome == Outcome.INFRA_ERROR and tr.fault == Fault.INFERENCE and "UNAVAILABLE" in tr.error, tr.error
+    assert tr.timings["attempts"] == 1 and stats["infra_inference"] == 1 and not stats["episodes_retried"]
+    assert time.monotonic() - t0 < 20
+    with open(tmp_path / "episodes.jsonl", "w") as f:  # the learner's log of the arrival, read by `tars up`
+        stal = StalenessManager(batch_size=8, eta=100)
+        stal.try_admit(1)
+        adm = Admission(types.SimpleNamespace(mark_consumed=lambda ids: None), stal, max_lag=8, group=GroupConfig(),
+                        episodes=f, archive=None, counters=collections.Counter())
+        assert adm.admit(tr, version=0) is False
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    assert "infra_errors=1 (inference 1)" in mon.progress_line(1.0)
+    rep = report.write_report(tmp_path, mon, wall_s=1.0, sft_used=False, sft_s=0.0, status="done")
+    assert rep["episodes"] == 1 and rep["infra_errors"] == 1 and rep["infra_errors_by_fault"] == {"inference": 1}
+    assert json.loads((tmp_path / "report.json").read_text())["infra_errors_by_fault"] == {"inference": 1}
+    assert any("inference 1" in w for w in rep["warnings"])
 
 
 def test_a_version_change_mid_episode_tags_each_token_with_its_version():

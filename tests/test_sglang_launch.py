@@ -1,0 +1,308 @@
+"""SGLang as a managed backend of the inference server: `tars serve --engine sglang` launching and supervising
+servers (real processes: the conformance stand-in run as the SGLang module) or attaching to running ones, the
+start-up deadline, grpc.health.v1 following the replicas, and the flags the launcher and the k8s overlay pass,
+checked against SGLang 0.5.23's own parser."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from core.config import InferenceConfig
+from inference_server.engine import SamplingParams
+from inference_server.sglang_launch import SGLangStartupError, server_command
+from test_sglang import DC, PROMPT, greedy, models  # noqa: F401 - fixtures
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FLAGS = ROOT / "tests" / "data" / "sglang_0.5.23_flags.tsv"
+OVERLAY = ROOT / "deploy" / "k8s" / "overlays" / "gpu" / "inference-sglang.yaml"
+CONFORMANCE = "inference_server.sglang_conformance"
+SERVICE = "tars.v1.InferenceService"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`tars serve ...`; stderr without the loopback-without-tokens warning of tars.auth (not what is tested here)."""
+    r = subprocess.run([sys.executable, "-m", "tars.cli", "serve", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r.stderr = "".join(ln for ln in r.stderr.splitlines(True) if " tars.auth WARNING " not in ln)
+    return r
+
+
+# ---- start-up: fail fast, in one line ----------------------------------------------------------------
+def test_serve_exits_2_with_one_line_when_no_sglang_server_answers(models):  # noqa: F811
+    port = _free_port()  # nothing listens there
+    t0 = time.monotonic()
+    r = _serve("--model", models["a"], "--port", "0", "--engine", "sglang", "--sglang-url", f"http://127.0.0.1:{port}",
+               "--set", "inference.sglang_startup_timeout_s=1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"inference_server: no SGLang server answered /health_generate at http://127.0.0.1:{port} within 1 s"], r.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_serve_exits_2_at_once_when_a_launched_server_dies_before_it_is_healthy(tmp_path):
+    t0 = time.monotonic()
+    r = _serve("--model", str(tmp_path / "missing"), "--port", "0", "--engine", "sglang", "--sglang-launch", "1",
+               "--set", f"inference.sglang_module={CONFORMANCE}", "--set", f"inference.sglang_base_port={_free_port()}",
+               "--set", "inference.sglang_startup_timeout_s=120")
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]  # before it: the dead server's own output
+    assert last.startswith("inference_server: SGLang server http://127.0.0.1:") and "exited with status 1 before it " \
+        "answered /health_generate" in last and CONFORMANCE in last, r.stderr
+    assert time.monotonic() - t0 < 60  # not the 120 s deadline
+    assert "Traceback" not in r.stderr.split("inference_server: SGLang server")[-1]
+
+
+def test_engine_config_mistakes_are_one_line_errors(models):  # noqa: F811
+    r = _serve("--model", models["a"], "--port", "0", "--engine", "sglang")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "inference_server: engine=sglang needs inference.sglang_urls (base URLs of running SGLang servers) or "
+        "inference.sglang_launch (how many to start on the model directory)"], r.stderr
+    r = _serve("--model", models["a"], "--port", "0", "--engine", "sglang", "--sglang-launch", "1", "--sglang-url",
+               "http://127.0.0.1:9")
+    assert r.returncode == 2 and "not both" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ---- health follows the replicas; a dead launched server is restarted ----------------------------------
+async def _health(address: str, service: str) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from core import rpc
+
+    ch = rpc.channel(address)
+    try:
+        r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    finally:
+        await ch.close()
+
+
+async def _until(address: str, status: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while (s := await _health(address, SERVICE)) != status:
+        assert time.monotonic() - t0 < timeout, f"{SERVICE} still {s} after {timeout} s, expected {status}"
+        await asyncio.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_launched_servers_are_supervised_and_health_follows_them(models):  # noqa: F811
+    """The front launches a conformance server as its SGLang; SIGKILL its process group: the InferenceService turns
+    NOT_SERVING (process alive: "" stays SERVING), the supervisor restarts it on its port, SERVING again, and it
+    generates; closing the engine ends the group."""
+    from core.inference_client import InferenceClient
+    from inference_server.server import InferenceServer, make_engine
+
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_module=CONFORMANCE,
+                          sglang_base_port=_free_port(), sglang_startup_timeout_s=60, sglang_health_interval_s=0.2,
+                          sglang_health_timeout_s=2, sglang_restart_backoff_s=0.1, sglang_max_restarts=2)
+
+    async def main():
+        eng = await asyncio.to_thread(make_engine, cfg, models["a"])
+        srv = InferenceServer(cfg, eng, model_name="sglang")
+        await srv.start()
+        client = InferenceClient([srv.address])
+        pids = []
+        try:
+            assert await _health(srv.address, SERVICE) == "SERVING"
+            r = await client.generate("t", PROMPT, 4, temperature=0.0)
+            assert r.output_ids == greedy(models["a"], PROMPT, 4)[0]
+            (st,) = eng.fleet.status()
+            pids.append(st["pid"])
+            os.killpg(st["pid"], signal.SIGKILL)
+            await _until(srv.address, "NOT_SERVING", 10)
+            assert await _health(srv.address, "") == "SERVING"
+            await _until(srv.address, "SERVING", 60)
+            (st,) = eng.fleet.status()
+            assert st["restarts"] == 1 and st["pid"] != pids[0] and not st["given_up"]
+            pids.append(st["pid"])
+            r = await client.generate("t", PROMPT, 4, temperature=0.0)
+            assert r.output_ids == greedy(models["a"], PROMPT, 4)[0]
+            assert eng.metrics()["server_restarts"] == 1
+        finally:
+            await client.close()
+            await srv.stop()
+            await asyncio.to_thread(eng.close)
+        return pids
+
+    pids = asyncio.run(asyncio.wait_for(main(), 120))
+    assert all(_gone(p) for p in pids)
+
+
+def test_health_follows_an_attached_server_killed_and_restarted(models):  # noqa: F811
+    from inference_server.server import InferenceServer, make_engine
+
+    port = _free_port()
+    cmd = server_command(models["a"], "127.0.0.1", port, 0, module=CONFORMANCE)
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[f"http://127.0.0.1:{port}"],
+                          sglang_startup_timeout_s=60, sglang_health_interval_s=0.2, sglang_health_timeout_s=2)
+
+    async def main(procs):
+        procs.append(subprocess.Popen(cmd, start_new_session=True))
+        eng = await asyncio.to_thread(make_engine, cfg, models["a"])  # waits for its /health_generate
+        srv = InferenceServer(cfg, eng, model_name="sglang")
+        await srv.start()
+        try:
+            assert await _health(srv.address, SERVICE) == "SERVING"
+            os.killpg(procs[-1].pid, signal.SIGKILL)
+            procs[-1].wait(10)
+            await _until(srv.address, "NOT_SERVING", 10)
+            procs.append(subprocess.Popen(cmd, start_new_session=True))
+            await _until(srv.address, "SERVING", 60)
+            out = await asyncio.to_thread(eng.generate, PROMPT, SamplingParams(max_new_tokens=3, temperature=0.0), "t")
+            assert out.output_ids == greedy(models["a"], PROMPT, 3)[0]
+        finally:
+            await srv.stop()
+            await asyncio.to_thread(eng.close)
+
+    procs: list[subprocess.Popen] = []
+    try:
+        asyncio.run(asyncio.wait_for(main(procs), 120))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+def test_startup_deadline_in_process_names_every_url():
+    from inference_server.sglang_engine import open_sglang_engine
+
+    urls = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
+    with pytest.raises(SGLangStartupError, match=f"at {urls[0]}, {urls[1]} within 0.5 s"):
+        open_sglang_engine(InferenceConfig(engine="sglang", sglang_urls=urls, sglang_startup_timeout_s=0.5))
+
+
+# ---- the flags, against SGLang 0.5.23's parser ---------------------------------------------------------
+def _sglang_flags() -> dict[str, str]:
+    """flag -> arity ("0" a switch, "1" one value, else argparse nargs): SGLang's own parser where the package is
+    importable, else the copy of 0.5.23's flag list in tests/data."""
+    try:
+        import argparse
+
+        from sglang.srt.server_args import ServerArgs  # a GPU machine with sglang installed
+    except Exception:  # noqa: BLE001 - absent, or present without its GPU dependencies
+        rows = [ln.split("\t") for ln in FLAGS.read_text().splitlines() if ln and not ln.startswith("#")]
+        return {f: a for f, a in rows}
+    p = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(p)
+    return {s: "0" if a.nargs == 0 else "1" if a.nargs is None else str(a.nargs)
+            for s, a in p._option_string_actions.items() if s.startswith("--")}
+
+
+def check_flags(argv: list[str], flags: dict[str, str]) -> None:
+    """Raise ValueError unless argv (a server's arguments, after `-m module`) is flags and their values only."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if name not in flags:
+            raise ValueError(f"{name!r} is not a flag of SGLang 0.5.23's server")
+        arity = flags[name]
+        if "=" in a or arity in ("0", "?", "*"):
+            i += 1
+            if arity == "*":
+                while i < len(argv) and not argv[i].startswith("--"):
+                    i += 1
+            continue
+        n = 1 if arity == "1" else None
+        if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+            raise ValueError(f"{name} takes a value")
+        i += 2
+        if n is None:  # "+": one or more
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+
+
+def test_the_pinned_flag_list_is_sglang_0_5_23s():
+    head = FLAGS.read_text().splitlines()[:5]
+    assert any("sglang 0.5.23" in ln and "server_args.py" in ln for ln in head)
+    flags = _sglang_flags()
+    assert len(flags) > 400 and flags["--skip-tokenizer-init"] == "0" and flags["--weight-version"] == "1"
+
+
+def test_launcher_and_k8s_overlay_flags_exist_in_sglang(models):  # noqa: F811
+    flags = _sglang_flags()
+    cfg = InferenceConfig(engine="sglang", sglang_launch=2, sglang_args=["--mem-fraction-static", "0.85", "--tp-size", "1"])
+    from inference_server.sglang_launch import SGLangFleet
+
+    fleet = SGLangFleet(cfg, models["a"], weight_version=3)  # not started: only its command lines
+    for cmd in fleet.commands:
+        assert cmd[1:3] == ["-m", "sglang.launch_server"]
+        check_flags(cmd[3:], flags)
+        for needed in ("--skip-tokenizer-init", "--weight-version", "--model-path", "--tokenizer-path", "--port"):
+            assert needed in cmd
+        assert cmd[cmd.index("--weight-version") + 1] == "3"
+    assert [c[c.index("--port") + 1] for c in fleet.commands] == ["30000", "30001"]
+    pod = yaml.safe_load(OVERLAY.read_text())["spec"]["template"]["spec"]
+    sg = next(c for c in pod["containers"] if c["name"] == "sglang")
+    assert sg["command"][-2:] == ["-m", "sglang.launch_server"] and sg["image"] == "lmsysorg/sglang:v0.5.23-cu130"
+    check_flags(sg["args"], flags)
+    launcher = {a for a in fleet.commands[0] if a.startswith("--")} - {"--mem-fraction-static", "--tp-size"}
+    assert launcher <= set(sg["args"])  # the overlay passes what the launcher passes
+    # A misspelt flag, or a flag without its value, is caught.
+    for bad in (["--skip-tokenizer-int"], ["--weight-versions", "1"], ["--model-path"], ["--port", "--host", "x"]):
+        with pytest.raises(ValueError):
+            check_flags(bad, flags)
+
+
+
+def test_one_sglang_version_everywhere():
+    """The pyproject extra, the flag list and the overlay's image name the same SGLang release."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang"]
+    assert extra == ["sglang==0.5.23"]
+    assert FLAGS.name == "sglang_0.5.23_flags.tsv"
+    pod = yaml.safe_load(OVERLAY.read_text())["spec"]["template"]["spec"]
+    assert next(c for c in pod["containers"] if c["name"] == "sglang")["image"].startswith("lmsysorg/sglang:v0.5.23-")
+
+
+def test_a_launched_server_dies_with_the_front(tmp_path):
+    """PDEATHSIG through the launcher's exec trampoline: the front killed with SIGKILL takes its servers down."""
+    script = tmp_path / "front.py"
+    script.write_text(f"""import os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from inference_server.sglang_launch import _spawn
+p = _spawn([sys.executable, "-c", "import time; time.sleep(120)"], None)
+print(p.pid, flush=True)
+time.sleep(120)
+""")
+    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pid = int(front.stdout.readline())
+    assert _state(pid) not in ("Z", None)
+    time.sleep(0.5)  # the trampoline has exec'd the server
+    front.kill()
+    front.wait(10)
+    t0 = time.monotonic()
+    while _state(pid) not in ("Z", None):  # reaped by init, or a zombie of it
+        assert time.monotonic() - t0 < 10, "the server outlived its front"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
