@@ -99,9 +99,6 @@ class InferenceConfig:
                                 "memory available at start (MemAvailable, or free GPU memory for a CUDA model), at most 4 GiB")
     cache_block_tokens: int = f(32, "the prefix cache holds KV in blocks of this many tokens; over the byte bound the least "
                                     "recently used trajectory loses its tail blocks first")
-    admit_gap_ms: float = f(1.0, "local engine: on waking from idle, keep waiting while requests arrive less than this far "
-                                 "apart, so a burst of calls prefills as one batch (0 = off)")
-    admit_max_wait_ms: float = f(10.0, "local engine: the longest such wait")
     prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
     max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
     update_timeout_s: float = f(120.0, "longest wait for a weight update to be applied between two steps")

@@ -207,6 +207,7 @@ class LocalEngine:
             "decode_steps": steps,
             "batch_mean": s["batch_rows"] / steps if steps else 0.0,
             "batch_hist": {k: self.batch_hist[k] for k in sorted(self.batch_hist, key=lambda x: int(x.split("-")[0]))},
+            "prefill_steps": s["prefill_steps"],
             "prefill_tokens": s["prefill_tokens"],
             "cache_hit_tokens": s["cache_hit_tokens"],
             "cache_hit_share": s["cache_hit_tokens"] / prompt if prompt else 0.0,

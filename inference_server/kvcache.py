@@ -4,6 +4,9 @@ Layout invariant of a batched cache: row i's valid keys are its LAST n_i columns
 Then key_valid follows from the lengths alone, a decode step appends one valid column to every row (which is
 what `Attention` does with torch.cat), finished rows leave with index_select, and the common left padding is
 trimmed by slicing. Only membership changes copy the cache; a decode step copies nothing beyond the model's cat.
+
+The prefix cache (PrefixCache) holds each trajectory's KV in fixed-size token blocks, evicted tail first under a
+byte bound (docs/model.md, "The local engine's prefix cache").
 """
 from __future__ import annotations
 
@@ -161,7 +164,7 @@ class PrefixCache:
 
     def __init__(self, capacity: int, max_bytes: int, block_tokens: int = 32):
         if block_tokens <= 0:
-            raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+            raise ValueError(f"inference.cache_block_tokens must be > 0, got {block_tokens}")
         self.capacity, self.max_bytes, self.block_tokens = capacity, max_bytes, block_tokens
         self._d: OrderedDict[str, PrefixEntry] = OrderedDict()
         self.nbytes = 0

@@ -61,6 +61,8 @@ class Scheduler:
         # The model's device (CPU here; a CUDA model works too): step inputs are built there, sampling stays on CPU.
         self.device = next(self.model.parameters()).device
         # cache_max_bytes 0 = derived from the memory available now (where the KV lives: RAM, or the GPU's).
+        if self.cfg.cache_max_bytes < 0:
+            raise ValueError(f"inference.cache_max_bytes must be >= 0 (0 = auto), got {self.cfg.cache_max_bytes}")
         self.cache = PrefixCache(self.cfg.cache_capacity, self.cfg.cache_max_bytes or auto_cache_bytes(self.device),
                                  self.cfg.cache_block_tokens)
         self.max_stale_seen = 0                    # largest staleness budget any admitted request asked for
@@ -84,7 +86,6 @@ class Scheduler:
                     t0 = time.monotonic()
                     while not self.queue.wait(IDLE_WAIT_S):
                         pass
-                    self.queue.settle(self.cfg.admit_gap_ms / 1e3, self.cfg.admit_max_wait_ms / 1e3)
                     self.idle_s += time.monotonic() - t0
                 work = self.queue.take(self.cfg.max_batch - self.active())
                 if work is None:  # closed
@@ -227,6 +228,7 @@ class Scheduler:
     def _prefill_step(self) -> None:
         group = self._take_group()
         B = len(group)
+        self.stats["prefill_steps"] += 1
         seqs = [r.sequence() for r in group]
         P_i = [r.prefix_len for r in group]
         T_i = [len(s) - p for s, p in zip(seqs, P_i)]

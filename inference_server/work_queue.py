@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from dataclasses import dataclass, field
 
 from inference_server.engine_types import EngineClosed, QueueFull, Request, WeightUpdate
@@ -77,28 +76,6 @@ class WorkQueue:
             if not self._ready():
                 self._cv.wait(timeout)
             return self._ready()
-
-    def settle(self, gap_s: float, max_s: float) -> int:
-        """Wait while requests keep arriving: return once `gap_s` passes with none new, or after `max_s` in all.
-
-        A burst of calls reaches the engine one by one (each crosses the gRPC front on its own); the scheduler
-        calls this when it wakes from idle, so the burst prefills as one batch rather than its first request alone
-        while the front, busy with the rest, holds the GIL. Returns the requests waiting now.
-        """
-        with self._cv:
-            seen = len(self._requests)
-            if gap_s <= 0 or max_s <= 0:
-                return seen
-            end = time.monotonic() + max_s
-            while not self._closed and not self._updates:
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(min(gap_s, left))
-                if len(self._requests) == seen:  # quiet for gap_s (or woken by an update or close)
-                    break
-                seen = len(self._requests)
-            return len(self._requests)
 
     def take(self, room: int) -> Work | None:
         """Every pending update plus up to `room` waiting requests (oldest first); None once closed."""

@@ -170,3 +170,11 @@ def test_default_bound_is_derived_from_available_memory():
         assert e.metrics()["cache_max_bytes"] == 12345
     finally:
         e.close()
+
+
+def test_bad_cache_settings_are_refused_with_their_names():
+    import pytest
+
+    for kw, name in (({"cache_max_bytes": -1}, "cache_max_bytes"), ({"cache_block_tokens": 0}, "cache_block_tokens")):
+        with pytest.raises(ValueError, match=name):
+            LocalEngine(InferenceConfig(max_context=64, **kw), make_model(0))
