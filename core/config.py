@@ -95,7 +95,10 @@ class InferenceConfig:
                             "`tars up` makes one per run when empty")
     auth_token_file: str = f("", "read inference.auth_token from this file (a Kubernetes Secret volume, a systemd "
                                  "credential), so it never sits on a command line")
-    cache_max_bytes: int = f(1 << 30, "memory bound of the per-trajectory KV prefix cache (LRU), in bytes")
+    cache_max_bytes: int = f(0, "memory bound of the per-trajectory KV prefix cache, in bytes; 0 = auto: a tenth of the "
+                                "memory available at start (MemAvailable, or free GPU memory for a CUDA model), at most 4 GiB")
+    cache_block_tokens: int = f(32, "the prefix cache holds KV in blocks of this many tokens; over the byte bound the least "
+                                    "recently used trajectory loses its tail blocks first")
     prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
     max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
     update_timeout_s: float = f(120.0, "longest wait for a weight update to be applied between two steps")

@@ -4,6 +4,9 @@ Layout invariant of a batched cache: row i's valid keys are its LAST n_i columns
 Then key_valid follows from the lengths alone, a decode step appends one valid column to every row (which is
 what `Attention` does with torch.cat), finished rows leave with index_select, and the common left padding is
 trimmed by slicing. Only membership changes copy the cache; a decode step copies nothing beyond the model's cat.
+
+The prefix cache (PrefixCache) holds each trajectory's KV in fixed-size token blocks, evicted tail first under a
+byte bound (docs/model.md, "The local engine's prefix cache").
 """
 from __future__ import annotations
 
@@ -69,11 +72,13 @@ def take_rows(kv: KV, lengths: torch.Tensor, keep: list[int]) -> tuple[KV | None
     return [(k.index_select(0, idx)[:, :, -n:], v.index_select(0, idx)[:, :, -n:]) for k, v in kv], lengths
 
 
-def row_kv(kv: KV, lengths: torch.Tensor, i: int, n: int | None = None) -> RowKV:
-    """Row i's first n (default all) valid keys, copied so the batch storage can be freed."""
+def row_kv(kv: KV, lengths: torch.Tensor, i: int, n: int | None = None, clone: bool = True) -> RowKV:
+    """Row i's first n (default all) valid keys, copied so the batch storage can be freed (clone=False: views)."""
     have = int(lengths[i])
     n = have if n is None else n
     S = kv[0][0].shape[2]
+    if not clone:
+        return [(k[i, :, S - have:S - have + n], v[i, :, S - have:S - have + n]) for k, v in kv]
     return [(k[i, :, S - have:S - have + n].clone(), v[i, :, S - have:S - have + n].clone()) for k, v in kv]
 
 
@@ -109,25 +114,70 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-@dataclass
+def block_bytes(b: torch.Tensor) -> int:
+    return b.numel() * b.element_size()
+
+
+@dataclass(eq=False)
 class PrefixEntry:
-    ids: list[int]   # tokens whose KV is held (the finished request's sequence minus its last, unfed token)
-    kv: RowKV
-    version: int     # oldest weight version that contributed to this KV
+    """One trajectory's cached KV, in fixed-size token blocks so its tail can be evicted block by block."""
+
+    ids: list[int]     # tokens whose KV is held (the finished request's sequence minus its last, unfed token)
+    blocks: list[torch.Tensor]  # each [layers, 2 (k, v), Hkv, t, hd]; t == block_tokens for all but the last
+    version: int       # oldest weight version that contributed to this KV
     nbytes: int
     images: dict | None = None  # placeholder-run start -> image hash the KV was computed with (core/vision.py)
 
+    def kv(self, n: int) -> RowKV:
+        """The first n cached tokens' KV per layer, [Hkv, n, hd] each (a copy: the entry may be evicted later)."""
+        if not 0 < n <= len(self.ids):
+            raise ValueError(f"{n} tokens asked of an entry holding {len(self.ids)}")
+        bt = self.blocks[0].shape[3]
+        x = torch.cat(self.blocks[:-(-n // bt)], dim=3)[:, :, :, :n]
+        return [(x[layer, 0], x[layer, 1]) for layer in range(x.shape[0])]
+
+
+def to_blocks(kv: RowKV, n: int, block_tokens: int) -> list[torch.Tensor]:
+    """A sequence's KV (per layer [Hkv, >= n, hd], views are fine) -> blocks of block_tokens tokens (the last may
+    be shorter), each one allocation [layers, 2, Hkv, t, hd] so evicting it gives its memory back."""
+    L = len(kv)
+    H, _, hd = kv[0][0].shape
+    out = []
+    for s in range(0, n, block_tokens):
+        e = min(n, s + block_tokens)
+        b = kv[0][0].new_empty(L, 2, H, e - s, hd)
+        for layer, (k, v) in enumerate(kv):
+            b[layer, 0].copy_(k[:, s:e])
+            b[layer, 1].copy_(v[:, s:e])
+        out.append(b)
+    return out
+
 
 class PrefixCache:
-    """LRU of one KV prefix per trajectory, bounded by entries and bytes. Used by the scheduler thread only."""
+    """One KV prefix per trajectory, bounded by entries and bytes; used by the scheduler thread only.
 
-    def __init__(self, capacity: int, max_bytes: int):
-        self.capacity, self.max_bytes = capacity, max_bytes
+    Memory is held in fixed-size token blocks. Over the bounds, the least recently used entry (put or hit) loses
+    its tail block first, then the next one, and so on: an entry whose head survives still serves a hit of its
+    longest remaining prefix (whole blocks), so a bound a little too small costs a few blocks' recompute, not
+    whole trajectories'. Over `capacity` entries, the least recently used entry goes whole.
+    """
+
+    def __init__(self, capacity: int, max_bytes: int, block_tokens: int = 32):
+        if block_tokens <= 0:
+            raise ValueError(f"inference.cache_block_tokens must be > 0, got {block_tokens}")
+        self.capacity, self.max_bytes, self.block_tokens = capacity, max_bytes, block_tokens
         self._d: OrderedDict[str, PrefixEntry] = OrderedDict()
         self.nbytes = 0
+        self.evicted_blocks = 0   # tail blocks given up to the byte bound
+        self.evicted_entries = 0  # entries gone whole (capacity, or every block evicted)
+        self.dropped_stale = 0    # entries dropped by drop_older (too old for any request's staleness budget)
 
     def __len__(self) -> int:
         return len(self._d)
+
+    @property
+    def blocks(self) -> int:
+        return sum(len(e.blocks) for e in self._d.values())
 
     def get(self, key: str) -> PrefixEntry | None:
         e = self._d.get(key)
@@ -141,16 +191,69 @@ class PrefixCache:
             self.nbytes -= e.nbytes
 
     def put(self, key: str, ids: list[int], kv: RowKV, version: int, images: dict | None = None) -> None:
+        """Cache the KV of `ids` (kv per layer [Hkv, >= len(ids), hd]; copied into blocks) for `key`."""
         self.pop(key)
-        nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-        if self.capacity <= 0 or nbytes > self.max_bytes or not ids:
+        if self.capacity <= 0 or self.max_bytes <= 0 or not ids:
             return
-        self._d[key] = PrefixEntry(ids, kv, version, nbytes, images or None)
+        blocks = to_blocks(kv, len(ids), self.block_tokens)
+        nbytes = sum(map(block_bytes, blocks))
+        self._d[key] = PrefixEntry(list(ids), blocks, version, nbytes, images or None)
         self.nbytes += nbytes
-        while len(self._d) > self.capacity or self.nbytes > self.max_bytes:
-            _, old = self._d.popitem(last=False)
-            self.nbytes -= old.nbytes
+        self._evict()
+
+    def drop_older(self, version: int) -> int:
+        """Drop every entry computed (in part) by weights older than `version`; returns how many went."""
+        old = [k for k, e in self._d.items() if e.version < version]
+        for k in old:
+            self.pop(k)
+        self.dropped_stale += len(old)
+        return len(old)
+
+    def _evict(self) -> None:
+        while len(self._d) > self.capacity:
+            self.pop(next(iter(self._d)))
+            self.evicted_entries += 1
+        while self.nbytes > self.max_bytes and self._d:
+            key, e = next(iter(self._d.items()))  # least recently used
+            b = e.blocks.pop()
+            nb = block_bytes(b)
+            e.nbytes -= nb
+            self.nbytes -= nb
+            self.evicted_blocks += 1
+            del e.ids[len(e.blocks) * self.block_tokens:]
+            if not e.blocks:
+                del self._d[key]
+                self.evicted_entries += 1
 
     def clear(self) -> None:
         self._d.clear()
         self.nbytes = 0
+
+
+def auto_cache_bytes(device: torch.device | None = None, fraction: float = 0.1, cap: int = 4 << 30,
+                     floor: int = 64 << 20) -> int:
+    """The prefix cache's default byte bound (inference.cache_max_bytes = 0): `fraction` of the memory available
+    at start (MemAvailable, or the free memory of the CUDA device the model is on), at most `cap`, at least `floor`."""
+    avail = None
+    if device is not None and device.type == "cuda":
+        try:
+            avail = torch.cuda.mem_get_info(device)[0]
+        except Exception:
+            avail = None
+    if avail is None:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        avail = int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
+    if avail is None:  # no /proc (not Linux): the physical memory
+        try:
+            import os
+
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            avail = 10 * (1 << 30)
+    return int(max(floor, min(cap, avail * fraction)))

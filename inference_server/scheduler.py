@@ -21,7 +21,7 @@ import torch
 from core.config import InferenceConfig
 from core.model import CausalLM
 from inference_server.engine_types import LENGTH, STOP, EngineClosed, GenerateOutput, Request, WeightUpdate
-from inference_server.kvcache import KV, PrefixCache, cat_rows, common_prefix, compact_right, pack, row_kv, take_rows, valid_from_lengths
+from inference_server.kvcache import KV, PrefixCache, auto_cache_bytes, cat_rows, common_prefix, compact_right, pack, row_kv, take_rows, valid_from_lengths
 from inference_server.sampling import RowParams, sample
 from inference_server.work_queue import WorkQueue
 
@@ -58,9 +58,14 @@ class Scheduler:
         self.stats = stats                         # shared with the engine, which reports them in metrics()
         self.batch_hist = batch_hist               # decode batch sizes, bucketed by _bucket
         self.version = int(version)                # the weight version installed now
-        self.cache = PrefixCache(self.cfg.cache_capacity, self.cfg.cache_max_bytes)
         # The model's device (CPU here; a CUDA model works too): step inputs are built there, sampling stays on CPU.
         self.device = next(self.model.parameters()).device
+        # cache_max_bytes 0 = derived from the memory available now (where the KV lives: RAM, or the GPU's).
+        if self.cfg.cache_max_bytes < 0:
+            raise ValueError(f"inference.cache_max_bytes must be >= 0 (0 = auto), got {self.cfg.cache_max_bytes}")
+        self.cache = PrefixCache(self.cfg.cache_capacity, self.cfg.cache_max_bytes or auto_cache_bytes(self.device),
+                                 self.cfg.cache_block_tokens)
+        self.max_stale_seen = 0                    # largest staleness budget any admitted request asked for
         self.rows: list[Request] = []              # running requests, row i of self.kv
         self.kv: KV | None = None
         self.lengths: torch.Tensor | None = None   # [B] tokens held in each row's KV
@@ -154,6 +159,10 @@ class Scheduler:
                 r.recomputed_tokens += n
                 self.stats["recomputed_tokens"] += n
                 self.prefill.appendleft(r)
+        # Cached prefixes staler than every budget seen so far, by more than one version (the grace lets a caller
+        # that raises its budget right after an update still hit), are dead weight: give their memory back now.
+        # A finished trajectory's entry is never asked for again; this is what keeps the cache from filling with them.
+        self.cache.drop_older(self.version - max(self.cfg.max_stale_versions, self.max_stale_seen) - 1)
         self.stats["weight_updates"] += 1
         self.stats["interrupted"] += interrupted
         self.stats["stale_kept"] += len(keep)
@@ -180,6 +189,7 @@ class Scheduler:
         if r.future.cancelled():
             self.stats["cancelled"] += 1
             return
+        self.max_stale_seen = max(self.max_stale_seen, r.max_stale_versions)
         e = self.cache.get(r.trajectory_id) if r.trajectory_id else None
         if e is not None:
             if self.version - e.version > r.max_stale_versions:
@@ -192,7 +202,7 @@ class Scheduler:
                     a, b = e.images or {}, r.img_key or {}
                     n = min([n, *(s for s in set(a) | set(b) if a.get(s) != b.get(s))])
                 if n > 0:
-                    r.prefix_kv, r.prefix_len, r.cached_tokens, r.kv_version = e.kv, n, n, e.version
+                    r.prefix_kv, r.prefix_len, r.cached_tokens, r.kv_version = e.kv(n), n, n, e.version
         self.prefill.append(r)
 
     def _suffix_len(self, r: Request) -> int:
@@ -218,6 +228,7 @@ class Scheduler:
     def _prefill_step(self) -> None:
         group = self._take_group()
         B = len(group)
+        self.stats["prefill_steps"] += 1
         seqs = [r.sequence() for r in group]
         P_i = [r.prefix_len for r in group]
         T_i = [len(s) - p for s, p in zip(seqs, P_i)]
@@ -299,7 +310,7 @@ class Scheduler:
     def _finish(self, r: Request, reason: str, kv: KV, lengths: torch.Tensor, i: int) -> None:
         if r.trajectory_id and self.cfg.cache_capacity > 0 and not r.future.cancelled():
             n = int(lengths[i])  # the KV holds the sequence minus its last (sampled, never fed) token
-            self.cache.put(r.trajectory_id, r.sequence()[:n], row_kv(kv, lengths, i), r.kv_version, r.img_key)
+            self.cache.put(r.trajectory_id, r.sequence()[:n], row_kv(kv, lengths, i, clone=False), r.kv_version, r.img_key)
         out = GenerateOutput(r.out, r.logprobs, r.versions, reason, len(r.input_ids), r.cached_tokens,
                              r.interruptions, r.recomputed_tokens)
         self.stats["finished" if _resolve(r.future, out) else "cancelled"] += 1

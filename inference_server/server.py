@@ -1,12 +1,15 @@
 """The gRPC front of the inference server: InferenceService over an engine, plus Control, health and reflection.
 
-Engine calls that block (submit is quick; update_weights waits for a step boundary) stay off the event loop:
-results come back through concurrent Futures wrapped with asyncio.wrap_future, tokens for streams through
-loop.call_soon_threadsafe. A call whose deadline passes or whose client goes away cancels its engine request.
+Engine calls that block (submit is quick; update_weights waits for a step boundary) stay off the event loop.
+Results (concurrent Futures) and streamed tokens come back through one _Mailbox per event loop: the engine's
+thread appends to it and wakes the loop only when it was empty, so the requests a decode step finishes together
+cost one wake-up of the loop, not one each. A call whose deadline passes or whose client goes away cancels its
+engine request.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 import sys
@@ -43,12 +46,80 @@ def _response(out: GenerateOutput, replica: str) -> inference_pb2.GenerateRespon
         interruptions=out.interruptions, replica=replica)
 
 
+class _Mailbox:
+    """Calls posted from any thread, run in order on one event loop; the loop is woken once per batch of posts.
+
+    post() appends, then arms a wake-up unless one is pending; _drain disarms before it empties the deque, so a
+    post that races with a drain is either seen by it or arms the next one (an extra, empty drain at worst)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._q: collections.deque = collections.deque()
+        self._armed = False
+
+    def post(self, fn, *args) -> None:
+        self._q.append((fn, args))
+        if not self._armed:
+            self._armed = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: nobody is left to hear the result
+                pass
+
+    def _drain(self) -> None:
+        self._armed = False
+        q = self._q
+        while q:
+            fn, args = q.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("posted callback failed")
+
+
+def _settle(waiter: asyncio.Future, fut) -> None:
+    """Copy a finished concurrent Future's outcome onto the loop's waiter (unless it expired or was cancelled)."""
+    if waiter.done():
+        return
+    if fut.cancelled():
+        waiter.cancel()
+    elif fut.exception() is not None:
+        waiter.set_exception(fut.exception())
+    else:
+        waiter.set_result(fut.result())
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(asyncio.TimeoutError())
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, cfg: InferenceConfig, engine, model_name: str = ""):
         # engine: LocalEngine or SGLangEngine (inference_server.sglang_engine); same interface.
         self.cfg, self.engine, self.model_name = cfg, engine, model_name
         self.replica = ""
         self.images_ignored = 0
+        self._mailbox: _Mailbox | None = None
+
+    def _mail(self) -> _Mailbox:
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = _Mailbox(loop)
+        return self._mailbox
+
+    async def _result(self, fut, context):
+        """The engine Future's outcome, awaited on this loop; asyncio.TimeoutError once the call's deadline passes."""
+        loop = asyncio.get_running_loop()
+        mail, waiter = self._mail(), loop.create_future()
+        fut.add_done_callback(lambda f: mail.post(_settle, waiter, f))
+        remaining = context.time_remaining()
+        timer = None if remaining is None else loop.call_later(max(0.0, remaining), _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _submit(self, request, context, on_token=None):
         kw = {}
@@ -84,7 +155,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def _generate(self, request, context):
         fut = await self._submit(request, context)
         try:
-            out = await asyncio.wait_for(asyncio.wrap_future(fut), context.time_remaining())
+            out = await self._result(fut, context)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished")
         except (EngineClosed, RuntimeError) as e:
@@ -102,13 +173,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def _generate_stream(self, request, context):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()  # bounded by the request's max_new_tokens (+1 end marker)
+        mail = self._mail()
 
         def on_token(t: int, lp: float, v: int) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, (t, lp, v))
+            mail.post(q.put_nowait, (t, lp, v))
 
         fut = await self._submit(request, context, on_token)
         # Runs after the last on_token of this request, in the same thread, so the marker arrives last.
-        fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(q.put_nowait, None))
+        fut.add_done_callback(lambda _f: mail.post(q.put_nowait, None))
         remaining = context.time_remaining()
         deadline = None if remaining is None else loop.time() + remaining
         try:

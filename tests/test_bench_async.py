@@ -75,7 +75,7 @@ def test_all_runs_what_is_registered_and_reports_a_failure_without_crashing(tmp_
     assert json.loads(out.read_text())["benchmarks"].keys() == {"broken", "inference"}
     b, i = r["benchmarks"]["broken"], r["benchmarks"]["inference"]
     assert b["status"] == "failed" and b["rc"] == 2 and b["result"] is None and "broken" in b["output_tail"]
-    assert i["status"] == "ok" and i["args"] == ["--quick"] and i["result"]["front"]["concurrency"] == 16
+    assert i["status"] == "ok" and i["args"] == ["--quick"] and i["result"]["front"]["concurrency"] == 64
     assert 0 < bench_all.figures_of(i["result"])["grpc_over_direct"]["value"]
     assert r["headline"] == {"status": "not run"}
     assert r["plot"] and os.path.getsize(r["plot"]) > 1000       # grpc_over_direct is a ratio figure
