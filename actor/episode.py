@@ -14,6 +14,15 @@ A truncated episode (actor.max_turns, the env's own step or time limit, or on_pa
 its next turn would have had, with mask 0, and `boot_at` pointing past it: the learner's critic reads the value of
 that state there and bootstraps the return from it (core/schema.py). Nothing earlier is re-tokenised.
 
+The context: an observation's text is clipped to actor.max_obs_tokens (with a visible marker, actor/tiny.py). Before
+each generate the actor checks that the conversation + the new prompt + max_new_tokens fits the inference server's
+max_context (EpisodeContext.max_context: inference.max_context of the run's config, lowered to what a server says in
+an INVALID_ARGUMENT "exceeds max_context" answer, which ends the episode the same way, never retried). One that does
+not fit is a truncation (truncated_by "context"), not an infra error: it ends with that prompt as its final state and
+boot_at past it, like any other cut. When even the first prompt does not fit, the trajectory has no generated token
+(the learner counts it and drops it). Older turns are never dropped to make room: that would re-tokenise the
+conversation (docs/actor.md).
+
 timings["actor_ms"] is the time each turn spent in this module's own code: the turn's wall time minus the awaited
 env and inference calls (what `tars bench actor` reports as per-turn actor overhead); timings["actor_cpu_ms"] the
 same in this thread's CPU time, which leaves out time the process spent descheduled on a busy machine (the event
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass
 
@@ -49,6 +59,7 @@ class EpisodeContext:
     infer: InferenceClient
     actor_id: str
     judge_infer: InferenceClient | None = None   # the judge's inference servers (default: the policy's)
+    max_context: int = 0   # longest prompt + max_new_tokens the inference server takes (inference.max_context); 0 = unknown
 
     def __post_init__(self):
         if self.cfg.judge_mode not in ("off", "replace", "add"):
@@ -82,7 +93,16 @@ def _prompt(cfg: ActorConfig, tok: ChatTokenizer, obs: Obs, note: str, first: bo
     shown."""
     n_img = cfg.image_tokens if cfg.image_history > 0 and _screenshot(obs) and tok.image_id >= 0 else 0
     return turn_ids(tok, cfg.system_prompt, obs.text, obs.instruction, note, first=first, closed=closed,
-                    images=n_img), bool(n_img)
+                    images=n_img, obs_budget=cfg.max_obs_tokens), bool(n_img)
+
+
+_OVERFLOW = re.compile(r"exceeds max_context (\d+)")
+
+
+def _context_overflow(e: grpc.aio.AioRpcError) -> int | None:
+    """The server's max_context when `e` is its INVALID_ARGUMENT answer to a prompt that does not fit, else None."""
+    m = _OVERFLOW.search(e.details() or "") if e.code() == grpc.StatusCode.INVALID_ARGUMENT else None
+    return int(m.group(1)) if m else None
 
 
 def _success(info_json: str) -> bool:
@@ -121,6 +141,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     actor_cpu_ms: list[float] = []
     outcome, ret, success, error, instruction = Outcome.TRUNCATED, 0.0, False, "", ""
     fault = Fault.NONE
+    cut = ""                         # what cut a truncated episode (core.schema.CUTS); set where it is cut
     note = ""
     env_s = gen_s = 0.0
     sid = ""
@@ -139,9 +160,38 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
             c_turn = time.thread_time()
             try:
                 with telemetry.span("turn", attributes={"tars.turn": turn_i}) as turn_span:
-                    # 1. prompt: the new observation appended to the conversation
+                    # 1. prompt: the new observation after the conversation; one that does not fit the context
+                    #    cuts the episode here (it becomes the final state, appended below like any other cut)
                     prompt, with_image = _prompt(cfg, tok, obs, note, first=not tokens, closed=closed)
+                    need = len(tokens) + len(prompt) + cfg.max_new_tokens
+                    if ctx.max_context and need > ctx.max_context:
+                        cut, error = "context", (f"context: prompt ({len(tokens) + len(prompt)} tokens) + max_new_tokens "
+                                                 f"({cfg.max_new_tokens}) exceeds max_context {ctx.max_context}")
+                        break
                     shot = _screenshot(obs)
+                    window = ([*shown, shot] if with_image else shown)[-cfg.image_history:] if cfg.image_history > 0 else []
+                    # 2. generate, sticky to one replica under this trajectory id
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    with telemetry.client_span("generate", {"tars.prompt_tokens": len(tokens) + len(prompt)}) as gsp:
+                        try:
+                            g = await ctx.infer.generate(tid, tokens + prompt, cfg.max_new_tokens,
+                                                         temperature=cfg.temperature, stop_token_ids=tok.stop_ids,
+                                                         timeout_s=cfg.rpc_timeout_s,
+                                                         images=[common_pb2.Image(data=b) for b in window])
+                        except grpc.aio.AioRpcError as e:
+                            limit = _context_overflow(e)
+                            if limit is None:
+                                raise
+                            # The server's own limit is lower than the config said (or the config did not say):
+                            # the same cut, and later episodes check against it before asking.
+                            ctx.max_context = min(ctx.max_context or limit, limit)
+                            cut, error = "context", f"context: {e.details()}"[:500]
+                            waited += (time.perf_counter() - t0) * 1000
+                            c_turn += time.thread_time() - c0
+                            break
+                        telemetry.set_attrs(gsp, **{"tars.output_tokens": len(g.output_ids), "tars.replica": g.replica,
+                                                    "tars.policy_version": max(g.versions, default=-1)})
+                    c_turn += time.thread_time() - c0
                     if with_image:
                         shown.append(shot)   # the user message opens with its placeholders, then the text
                     obs_ref = _obs_ref(obs, images)
@@ -149,16 +199,6 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     logprobs += [0.0] * len(prompt)
                     versions += [-1] * len(prompt)
                     mask += [0] * len(prompt)
-                    window = shown[-cfg.image_history:] if cfg.image_history > 0 else []
-                    # 2. generate, sticky to one replica under this trajectory id
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    with telemetry.client_span("generate", {"tars.prompt_tokens": len(tokens)}) as gsp:
-                        g = await ctx.infer.generate(tid, tokens, cfg.max_new_tokens, temperature=cfg.temperature,
-                                                     stop_token_ids=tok.stop_ids, timeout_s=cfg.rpc_timeout_s,
-                                                     images=[common_pb2.Image(data=b) for b in window])
-                        telemetry.set_attrs(gsp, **{"tars.output_tokens": len(g.output_ids), "tars.replica": g.replica,
-                                                    "tars.policy_version": max(g.versions, default=-1)})
-                    c_turn += time.thread_time() - c0
                     gen_ms = (time.perf_counter() - t0) * 1000
                     gen_s += gen_ms / 1000
                     waited += gen_ms
@@ -179,6 +219,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                         ret += cfg.format_penalty
                         note = INVALID_NOTE  # what the next prompt says (the bootstrap state, if this stops here)
                         if cfg.on_parse_error == "stop":
+                            cut = "parse_error"
                             break
                         continue
                     # 4. step the environment
@@ -207,10 +248,13 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     if obs.outcome != Outcome.RUNNING:
                         outcome = obs.outcome
                         success = _success(obs.info_json)
+                        cut = "env" if outcome == Outcome.TRUNCATED else ""
                         break
             finally:
                 actor_ms.append((time.perf_counter() - t_turn) * 1000 - waited)
                 actor_cpu_ms.append((time.thread_time() - c_turn) * 1000)
+        else:
+            cut = "max_turns"
     except EnvInfraError as e:
         outcome, fault, error = Outcome.INFRA_ERROR, Fault.ENVD, str(e)[:500]
     except grpc.aio.AioRpcError as e:  # inference failed after the client's retries
@@ -241,7 +285,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
         timings={"start": t_start, "end": time.time(), "env_s": env_s, "gen_s": gen_s, "actor_ms": actor_ms,
                  "actor_cpu_ms": actor_cpu_ms},
         actor=ctx.actor_id, images=images, error=error, judge=verdict,
-        fault=fault, boot_at=boot_at,
+        fault=fault, boot_at=boot_at, truncated_by=(cut or "max_turns") if outcome == Outcome.TRUNCATED else "",
     )
 
 

@@ -39,7 +39,8 @@ class Actor:
         self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,
                                        max_outbox=cfg.actor.max_outbox,
                                        **_curve_keys(cfg.learner.stream.curve_public_key))
-        self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id)
+        # The inference server's context, from the run's config (the server's own answer lowers it: actor/episode.py).
+        self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id, max_context=cfg.inference.max_context)
         self.rng = random.Random(f"{cfg.seed}-{actor_id}")
         self.paused = False
         self.version = 0
@@ -126,6 +127,8 @@ class Actor:
         tr = task.result()
         self.stats["episodes"] += 1
         self.stats[str(tr.outcome)] += 1
+        if tr.truncated_by:
+            self.stats[f"truncated_{tr.truncated_by}"] += 1  # what cut it: truncated_context, truncated_max_turns, ...
         self.stats["successes"] += int(tr.success)
         self.recent.append((tr.success, tr.outcome))
         s = asyncio.create_task(self.sender.send(tr, timeout=self.acfg.admission_timeout_s))

@@ -40,10 +40,29 @@ def observation_text(text: str, instruction: str, note: str = "") -> str:
     return f"{note}Screen: {text} Goal: {instruction}"
 
 
+def clip_observation(tok: ChatTokenizer, text: str, budget: int) -> str:
+    """`text` if it is at most `budget` tokens, else its first lines (the first tokens, when one line is already too
+    long) within the budget and a marker saying how much was cut: never clipped silently. budget 0 = no budget."""
+    if budget <= 0 or len(text.encode("utf-8")) <= budget:  # a token covers at least one byte: fits, no encoding
+        return text
+    ids = tok.encode(text)
+    if len(ids) <= budget:
+        return text
+    marker = f"\n[observation clipped: {len(ids)} tokens, the first ~{budget} shown]"
+    keep = max(0, budget - len(tok.encode(marker)))
+    head = tok.decode(ids[:keep]).rstrip("\ufffd")  # a character cut in its bytes decodes as U+FFFD
+    nl = head.rfind("\n")
+    if nl > len(head) // 2:  # end on a whole line (an element of a DOM listing) when that keeps most of it
+        head = head[:nl]
+    return head.rstrip() + marker
+
+
 def turn_ids(tok: ChatTokenizer, style: str, text: str, instruction: str, note: str = "", first: bool = False,
-             closed: bool = True, images: int = 0) -> list[int]:
+             closed: bool = True, images: int = 0, obs_budget: int = 0) -> list[int]:
     """The ids one turn appends: the first turn's whole prompt, or a later turn's user message and generation prompt.
-    `closed`: the previous output ended with the end-of-turn token; `images`: placeholders before the text."""
+    `closed`: the previous output ended with the end-of-turn token; `images`: placeholders before the text;
+    `obs_budget`: the observation text's token budget (clip_observation; 0 = none)."""
+    text = clip_observation(tok, text, obs_budget)
     user = [images, observation_text(text, instruction, note)] if images else observation_text(text, instruction, note)
     if first:
         return tok.first_prompt(system_prompt(style, instruction), user)

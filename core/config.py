@@ -144,6 +144,8 @@ class ActorConfig:
     env_options: dict = f({}, "options passed to CreateSession")
     max_turns: int = f(6, "step budget per episode; beyond it the episode is truncated")
     max_new_tokens: int = f(16, "generation budget per turn")
+    max_obs_tokens: int = f(1024, "token budget of one observation's text in the prompt: a longer one is clipped, with a "
+                                  "visible '[observation clipped ...]' marker (docs/actor.md); 0 = no budget")
     temperature: float = f(1.0, "sampling temperature")
     format_penalty: float = f(-0.1, "reward added to a turn whose output does not parse")
     on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)")

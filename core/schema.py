@@ -12,7 +12,10 @@ infra_error the fault (core.outcome.Fault: which part broke; absent in frames fr
 A truncated episode still has a future, so its tokens end with the prompt of the observation it was cut at (mask 0,
 appended by the actor as the next turn would have) and `boot_at` is the length of that prefix: the learner's critic
 reads V(tokens[:boot_at]) there and bootstraps from it. 0 = nothing to bootstrap from (every other outcome, and
-truncated frames from before the field existed, which bootstrap 0 as they always did).
+truncated frames from before the field existed, which bootstrap 0 as they always did). `truncated_by` says what cut a
+truncated episode (core.schema.CUTS: the actor's max_turns, the env's own limit, a parse error under
+on_parse_error=stop, or the context: the next prompt + max_new_tokens would not fit the inference server's
+max_context); "" on every other outcome and in frames from before it existed.
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ from core.outcome import ENDED, Fault, Outcome
 
 SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
+
+
+# What cut a truncated episode (Trajectory.truncated_by).
+CUTS = ("max_turns", "env", "parse_error", "context")
 
 
 class SchemaError(ValueError):
@@ -84,6 +91,7 @@ class Trajectory:
     judge: dict = field(default_factory=dict)   # LLM-as-judge verdict (actor/judge.py), empty when not judged
     fault: Fault = Fault.NONE                    # which part broke, when the outcome is infra_error
     boot_at: int = 0        # truncated: the prefix whose value bootstraps the return (see the module docstring)
+    truncated_by: str = ""  # truncated: what cut it (CUTS); "" otherwise
 
     def validate(self, vocab_size: int | None = None) -> "Trajectory":
         """Raise InvalidTrajectory unless every part is consistent and trainable; vocab_size (the learner's model's)
@@ -104,6 +112,9 @@ class Trajectory:
                                         "(only a truncated one bootstraps, from a prefix of its tokens)")
             if self.mask[self.boot_at:].any():
                 raise InvalidTrajectory(f"boot_at {self.boot_at} leaves generated tokens after the bootstrap state")
+        if self.truncated_by and (self.outcome != Outcome.TRUNCATED or self.truncated_by not in CUTS):
+            raise InvalidTrajectory(f"truncated_by {self.truncated_by!r} on a {str(self.outcome)} trajectory (only a "
+                                    f"truncated one is cut, by one of {CUTS})")
         for t in self.turns:
             if not 0 <= t.start <= t.end <= n:
                 raise InvalidTrajectory(f"turn span [{t.start}, {t.end}) outside [0, {n}]")
@@ -157,6 +168,7 @@ class Trajectory:
             "judge": self.judge,
             "fault": str(self.fault),
             "boot_at": self.boot_at,
+            "truncated_by": self.truncated_by,
         }
 
     def encode(self) -> bytes:
@@ -199,7 +211,8 @@ class Trajectory:
                 task=str(d.get("task", "")), start_version=int(d.get("start_version", 0)),
                 timings=dict(d.get("timings") or {}), actor=str(d.get("actor", "")),
                 traceparent=str(d.get("traceparent", "")), images=images, error=str(d.get("error", "")),
-                judge=dict(d.get("judge") or {}), boot_at=int(d.get("boot_at", 0)), **arrays,
+                judge=dict(d.get("judge") or {}), boot_at=int(d.get("boot_at", 0)),
+                truncated_by=str(d.get("truncated_by", "")), **arrays,
             )
         except SchemaError:
             raise

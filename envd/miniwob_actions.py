@@ -1,11 +1,17 @@
 """MiniWoB++ observations as text, and UI-TARS actions as MiniWoB actions (pure functions; no browser needed).
 
-Text observation: one line per element a policy can act on (leaves and form controls), in document order:
+Text observation (`render`, the one place it is built): one line per element a policy can see and act on or read
+(leaves and form controls), in document order:
     [6] button "Ok" @(2,74 34x21)
     [5] input_text value="abc" focused @(17,64 128x21)
     t "91YPF" @(29,59 30x11)              <- a run of text inside a larger element (click it by its text)
 `[6]` is MiniWoB's element ref, stable within an episode. Text runs get no ref: MiniWoB renumbers them on every
-read of the page. Coordinates are screenshot pixels (the task area, 160x210 for most tasks).
+read of the page. Coordinates are screenshot pixels (the task area, 160x210 for most tasks). Pruned, so that a page
+costs few tokens: elements of no size, wholly outside the visible task area (counted in one line: scrolling brings
+them in), and decorations (textless, valueless, id-less leaves that are no form control and too small to be a target:
+resize handles, spacers) are not listed; at most 2 classes are shown (the most specific: none that is a prefix of
+another), only for elements without text; the listing stops at a character budget with a line saying how many
+elements were left out.
 
 Action mapping (UI-TARS -> MiniWoB's ActionTypes; every produced action is checked against the task's action
 space before anything runs, so a rejected action changes nothing):
@@ -85,6 +91,12 @@ def _quote(s: str, limit: int = 80) -> str:
     return '"' + (s if len(s) <= limit else s[:limit - 1] + "…").replace('"', "'") + '"'
 
 
+def _telling_classes(classes: str, n: int = 2) -> list[str]:
+    """The first n classes that are not a prefix of another one ("ui-icon" says less than "ui-icon-closethick")."""
+    cs = list(dict.fromkeys(classes.split()))
+    return [c for c in cs if not any(o != c and o.startswith(c) for o in cs)][:n]
+
+
 def render_element(e: Element) -> str:
     parts = [f"[{e.ref}] {e.tag}" if e.ref > 0 else "t"]
     if e.text:
@@ -92,7 +104,7 @@ def render_element(e: Element) -> str:
     if e.id:
         parts.append(f"#{e.id}")
     if not e.text and e.classes and not e.tag.startswith("t"):
-        parts.append("." + ".".join(e.classes.split()[:3]))
+        parts.append("." + ".".join(_telling_classes(e.classes)))
     if isinstance(e.value, bool):
         parts.append("checked" if e.value else "unchecked")
     elif e.value not in (None, "") and not e.text:
@@ -103,19 +115,34 @@ def render_element(e: Element) -> str:
     return " ".join(parts)
 
 
-def render(elements: list[Element], max_chars: int) -> str:
-    """The element lines, cut to `max_chars` with a note of how many were left out. Elements wholly above or left
-    of the page (hidden-by-offset tricks) are skipped; those below the fold stay (scrolling reaches them)."""
-    lines = [render_element(e) for e in elements
-             if e.listed and e.left + e.width > 0 and e.top + e.height > 0 and e.width > 0 and e.height > 0]
-    out, used = [], 0
+def decoration(e: Element) -> bool:
+    """A leaf that says nothing and offers nothing to act on: no text, value or id, no form control, and too small
+    to be a target (a resize handle, a spacer, a rule)."""
+    return (e.leaf and not e.text and e.value in (None, "") and not e.id and not e.tag.startswith(_FORM_TAGS)
+            and (min(e.width, e.height) < 4 or e.width * e.height < 64))
+
+
+def render(elements: list[Element], max_chars: int, width: float = 0, height: float = 0) -> str:
+    """The element lines (pruned: see the module docstring), cut to `max_chars` with a note of how many were left
+    out. Elements wholly above or left of the page (hidden-by-offset tricks) are skipped; with the visible area's
+    `width` and `height` given, those wholly right of or below it are counted in one line instead of listed."""
+    lines, out_of_view = [], 0
+    for e in elements:
+        if not e.listed or e.width <= 0 or e.height <= 0 or e.left + e.width <= 0 or e.top + e.height <= 0:
+            continue
+        if (width and e.left >= width) or (height and e.top >= height):
+            out_of_view += 1
+        elif not decoration(e):
+            lines.append(render_element(e))
+    tail = [f"({out_of_view} more elements outside the visible area: scroll to reach them)"] if out_of_view else []
+    out, used = [], sum(len(t) + 1 for t in tail)
     for i, line in enumerate(lines):
         if used + len(line) + 1 > max_chars:
             out.append(f"... ({len(lines) - i} more elements not shown)")
             break
         out.append(line)
         used += len(line) + 1
-    return "\n".join(out)
+    return "\n".join(out + tail)
 
 
 _REF = re.compile(r"^\s*(?:\[\s*(-?\d+)\s*\]|ref\s*[=:]\s*(-?\d+)|#\s*(-?\d+))\s*$", re.IGNORECASE)

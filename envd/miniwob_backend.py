@@ -12,7 +12,8 @@ Options (CreateSession / Reset):
   max_steps       steps after which the episode is truncated (default 0: only MiniWoB's time limit ends it)
   episode_time_s  override the task's time limit (MiniWoB: 10 s for most tasks); the reward decays over it
   data_mode       MiniWoB data mode, "train" (default) or "test"
-  max_text_chars  bound on the element-list text (default 6000)
+  max_text_chars  character budget of the element-list text (default 3000; envd.miniwob_actions.render prunes it,
+                  and cuts it at the budget with a line saying how many elements were left out)
   command_timeout_s  deadline of each WebDriver command (default 30)
 """
 from __future__ import annotations
@@ -244,7 +245,7 @@ class MiniWoBEnv(Env):
             raise ValueError(f"action_space={preset!r}: expected one of {PRESETS}")
         self.task, self.env_id = task, f"miniwob/{task}"
         self.max_steps = _int_opt(options, "max_steps", 0)
-        self.max_text_chars = _int_opt(options, "max_text_chars", 6000, low=200)
+        self.max_text_chars = _int_opt(options, "max_text_chars", 3000, low=200)
         timeout = _float_opt(options, "command_timeout_s", 30.0) or 30.0
         self._episode_options(options)  # validate now: bad options fail CreateSession, not the first Reset
         configure_offline()
@@ -337,7 +338,7 @@ class MiniWoBEnv(Env):
         if done:
             body = f"(episode over: {info.get('reason') or 'done'}; reward {float(info.get('env_reward') or 0):.3f})"
         else:
-            body = render(elements, self.max_text_chars) or "(no elements)"
+            body = render(elements, self.max_text_chars, self.width, self.height) or "(no elements)"
         text = f"instruction: {self._utterance}\n{body}"
         shot = obs["screenshot"]
         h, w = int(shot.shape[0]), int(shot.shape[1])

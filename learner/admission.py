@@ -1,8 +1,10 @@
 """Arrivals -> batches: every trajectory off the stream is logged, filtered (infra_error, too stale) and, when episodes
 are sampled in GRPO groups, held until its whole group is in.
 
-Trajectories kept out of the loss never reach a batch: an infra_error episode is never a reward of 0, and one whose
-oldest token is more than `learner.staleness.max_lag` versions behind is dropped. Both are marked consumed on the
+Trajectories kept out of the loss never reach a batch: an infra_error episode is never a reward of 0, one whose
+oldest token is more than `learner.staleness.max_lag` versions behind is dropped, and so is one with no generated
+token (counted no_generated_tokens: a truncated episode whose first prompt did not fit the inference server's context;
+in a GRPO group its return of 0 would only move the others' baseline). Both are marked consumed on the
 stream at once (they are settled) and listed in `masked`, so trained.jsonl can account for every id.
 """
 from __future__ import annotations
@@ -84,11 +86,14 @@ class Admission:
             "return": tr.ret, "turns": len(tr.turns), "start_version": tr.start_version,
             "vmin": int(gen.min()) if len(gen) else -1, "vmax": int(gen.max()) if len(gen) else -1,
             "train_version": version, "group": tr.group, "error": tr.error, "fault": str(tr.fault),
+            "truncated_by": tr.truncated_by,
             "outputs": [t.output[:80] for t in tr.turns[:8]]}) + "\n")
         if tr.outcome == Outcome.INFRA_ERROR:  # never a reward of 0: kept out of the loss entirely
             self.counters[Outcome.INFRA_ERROR] += 1  # the same key as "infra_error" (a str enum)
         elif lag > self.max_lag:
             self.counters["too_stale"] += 1
+        elif not len(gen):  # nothing the policy generated (its first prompt did not fit the context): no loss to take
+            self.counters["no_generated_tokens"] += 1
         else:
             self.staleness.on_accepted(1)
             return True

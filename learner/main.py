@@ -125,7 +125,8 @@ class Learner:
         telemetry.observe("tars.learner.nonfinite_updates", lambda: self.counters["nonfinite_updates"],
                           description="updates whose loss or gradient was not finite: no optimiser step taken",
                           kind="counter")
-        telemetry.observe("tars.learner.dropped", lambda: {k: self.counters[k] for k in (Outcome.INFRA_ERROR, "too_stale")},
+        telemetry.observe("tars.learner.dropped", lambda: {k: self.counters[k] for k in (Outcome.INFRA_ERROR, "too_stale",
+                                                                                    "no_generated_tokens")},
                           description="trajectories kept out of the loss, by reason", kind="counter", label="reason")
 
     # ---- the loop --------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 report.json (stable, read by outside checks):
   episodes          trajectories received by the learner (infra_error included, counted apart)
   infra_errors      infra_error episodes; infra_errors_by_fault: the same by the part that broke ({"inference": n, ...})
+  truncated         truncated episodes; truncated_by: the same by what cut them ({"context": n, "max_turns": n, ...};
+                    "unknown" for episodes logged before the learner recorded it)
   success_first     success rate over the first 10 % of scored episodes (infra_error excluded)
   success_last      success rate over the last 10 %
   success_sft       success of episodes generated entirely by the warm-started policy (version 0), or null
@@ -73,6 +75,15 @@ class Monitor:
                 out[k] = out.get(k, 0) + 1
         return dict(sorted(out.items()))
 
+    def truncated_by(self) -> dict[str, int]:
+        """truncated episodes by what cut them (core.schema.CUTS: max_turns, env, parse_error, context)."""
+        out: dict[str, int] = {}
+        for e in self.eps:
+            if e["outcome"] == "truncated":
+                k = e.get("truncated_by") or "unknown"
+                out[k] = out.get(k, 0) + 1
+        return dict(sorted(out.items()))
+
     def rolling_success(self, n: int = 256) -> float | None:
         s = self.scored()[-n:]
         return float(np.mean([e["success"] for e in s])) if s else None
@@ -119,6 +130,8 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
         "scored_episodes": len(scored),
         "infra_errors": len(mon.eps) - len(scored),
         "infra_errors_by_fault": mon.infra_by_fault(),   # e.g. {"inference": 12}: which part broke
+        "truncated": sum(mon.truncated_by().values()),
+        "truncated_by": mon.truncated_by(),              # e.g. {"context": 40, "max_turns": 3}: what cut them
         "success_first": float(np.mean(first)) if first else None,
         "success_last": float(np.mean(last)) if last else None,
         "success_sft": (float(np.mean(v0)) if v0 else None) if sft_used else None,

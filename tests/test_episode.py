@@ -310,3 +310,129 @@ def test_the_bootstrap_marker_is_checked_on_the_wire():
         with pytest.raises(InvalidTrajectory, match=why) as e:
             Trajectory.from_dict(bad)
         assert e.value.kind == "invalid"
+
+
+# ---- the context: a prompt that would not fit is a truncation, not an infra error -----------------------------------
+def _recording(engine):
+    """The engine, recording the input ids of every request it is given (those it refuses too)."""
+    seen = []
+    submit = engine.submit
+
+    def rec(input_ids, *a, **kw):
+        seen.append(list(input_ids))
+        return submit(input_ids, *a, **kw)
+    engine.submit = rec
+    return seen
+
+
+def test_a_prompt_that_would_overflow_the_context_on_turn_3_truncates_the_episode_there():
+    """inference.max_context (EpisodeContext.max_context) leaves room for two turns: the third turn's prompt is never
+    sent; the episode ends truncated ("context") with the tokens of turns 1-2 as they were and that prompt as its final
+    state (boot_at past it), is admitted by the learner and trained on with its bootstrap (on main the server refused
+    the prompt and the episode was an infra_error, rerun and never trained on)."""
+    from learner.ppo import PPOTrainer
+    from learner.policy import TrainPolicy
+    from core.config import LearnerConfig
+
+    def run(max_context):
+        eng = ScriptedEngine(answer("type(content='0')"), TOK.vocab_size)  # the frame never moves: never ends
+        seen = _recording(eng)
+
+        async def main():
+            async with stack(eng, max_turns=4) as (ctx, env):
+                ctx.max_context = max_context
+                return await run_episode(ctx, env, f"ctx-{max_context}", "gym/TarsEpisodeStripes-v0", 1, 0)
+        return asyncio.run(main()), seen
+
+    full, seen_full = run(0)  # 0: no limit known
+    assert full.outcome == "truncated" and len(seen_full) == 4
+    limit = len(seen_full[2]) + ActorConfig().max_new_tokens - 1   # turn 3's prompt is one token too long
+    cut, seen = run(limit)
+    assert len(seen) == 2 and seen == seen_full[:2]                # the third prompt never reached the server
+    assert cut.outcome == Outcome.TRUNCATED and cut.fault == Fault.NONE and cut.truncated_by == "context"
+    assert full.truncated_by == "max_turns"
+    assert "exceeds max_context" in cut.error and len(cut.turns) == 2
+    assert cut.tokens.tolist() == seen_full[2]                     # turns 1-2 untouched + turn 3's prompt, once
+    end = cut.turns[-1].end
+    assert cut.boot_at == len(cut.tokens) > end and not cut.mask[end:].any()
+    back = Trajectory.decode(cut.encode())
+    assert back.truncated_by == "context" and back.boot_at == cut.boot_at and learner_admits(back)
+    # The learner trains on it: its generated tokens, and the critic's value of the state it was cut in.
+    dc = DecoderConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2)
+    pol = TrainPolicy.from_config(dc, seed=0)
+    stats = PPOTrainer(pol, TrainPolicy.from_config(dc, value_head=True, seed=1), LearnerConfig(), 0).step([back], 0)
+    assert stats["tokens"] == int(back.mask[1:].sum()) > 0 and stats["bootstrapped"] == 1
+    assert not stats["nonfinite_steps"] and not stats["policy_step_skipped"]
+
+
+def test_the_servers_context_answer_is_the_same_truncation_never_retried():
+    """The actor does not know the server's context (or its config says more): the server answers INVALID_ARGUMENT
+    "exceeds max_context" to turn 3. That is the same truncation, the episode is not rerun and no call is retried,
+    and the actor keeps the server's limit, so its next episode stops before sending the prompt (on main: an
+    infra_error with fault inference)."""
+    from actor import main as M
+
+    dc = DecoderConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048)
+
+    def run(max_context, episodes=1):
+        model = CausalLM(dc).init_weights(0, std=0.05).eval()
+        eng = LocalEngine(InferenceConfig(max_context=max_context), model)
+        seen = _recording(eng)
+
+        async def main():
+            async with stack(eng, env_options={"max_steps": "50"}, max_turns=4, max_new_tokens=4,
+                             temperature=0.0) as (ctx, env):
+                actor = types.SimpleNamespace(acfg=types.SimpleNamespace(episode_attempts=3), _pick_env=lambda: env,
+                                              ctx=ctx, _new_id=lambda: f"s-{len(seen):09d}", version=0,
+                                              stats=collections.Counter())
+                out = [await M.Actor._episode(actor, "", 0, "builtin/click") for _ in range(episodes)]
+                return out, actor.stats, ctx
+        return asyncio.run(main()), seen
+
+    (full, _, _), seen_full = run(2048)
+    assert len(seen_full) == 4 and full[0].outcome == Outcome.TRUNCATED
+    limit = len(seen_full[2]) + 4 - 1
+    (trs, stats, ctx), seen = run(limit, episodes=2)
+    tr = trs[0]
+    assert tr.outcome == Outcome.TRUNCATED and tr.fault == Fault.NONE, tr.error
+    assert tr.truncated_by == "context" and full[0].truncated_by == "max_turns"
+    assert f"exceeds max_context {limit}" in tr.error and len(tr.turns) == 2
+    assert tr.tokens.tolist() == seen[2] == seen_full[2]       # ends with exactly the prompt the server refused
+    assert tr.boot_at == len(tr.tokens) and learner_admits(Trajectory.decode(tr.encode()))
+    assert tr.timings["attempts"] == 1 and not stats["episodes_retried"] and not stats["infra_inference"]
+    assert ctx.infer.retried == 0 and ctx.max_context == limit
+    # The second episode (the same seed) knows the limit: it stops before sending the prompt that cannot fit.
+    assert len(seen) == 3 + 2 and trs[1].truncated_by == "context" and trs[1].tokens.tolist() == seen_full[2]
+
+
+def test_a_first_prompt_that_does_not_fit_is_counted_and_dropped_by_the_learner(tmp_path):
+    """The first prompt alone overflows the context: truncated ("context") with no generated token, its prompt as the
+    final state; the learner drops it at arrival, counted no_generated_tokens (a PPO step on it alone is a
+    non-finite update), and the run report counts it as truncated by the context."""
+    from tars import report
+
+    eng = ScriptedEngine(answer("wait()"), TOK.vocab_size)
+    seen = _recording(eng)
+
+    async def main():
+        async with stack(eng) as (ctx, env):
+            ctx.max_context = 8
+            return await run_episode(ctx, env, "tiny-ctx-1", "builtin/click", 3, 0)
+
+    tr = Trajectory.decode(asyncio.run(main()).encode())
+    assert not seen and tr.outcome == Outcome.TRUNCATED and tr.truncated_by == "context" and tr.turns == []
+    assert len(tr.tokens) > 8 and tr.boot_at == len(tr.tokens) and not tr.mask.any()
+    counters = collections.Counter()
+    with open(tmp_path / "episodes.jsonl", "w") as f:
+        stal = StalenessManager(batch_size=8, eta=100)
+        stal.try_admit(1)
+        adm = Admission(types.SimpleNamespace(mark_consumed=lambda ids: None), stal, max_lag=8, group=GroupConfig(),
+                        episodes=f, archive=None, counters=counters)
+        assert adm.admit(tr, version=0) is False
+    assert counters["no_generated_tokens"] == 1 and adm.masked == [tr.id]
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    rep = report.write_report(tmp_path, mon, wall_s=1.0, sft_used=False, sft_s=0.0, status="done")
+    assert rep["truncated"] == 1 and rep["truncated_by"] == {"context": 1} and rep["infra_errors"] == 0

@@ -114,6 +114,36 @@ def test_render_is_bounded_and_skips_offscreen_and_containers():
     assert len(short) <= 360 and "more elements not shown" in short
 
 
+def test_a_long_real_page_is_pruned_to_what_is_visible_and_clipped_with_a_marker():
+    """social-media's feed runs far below the 160x210 task area, with spacer decorations between the names: the
+    listing keeps the visible, text-bearing and clickable elements (the tweets' icons) and counts the rest in one
+    line; a character budget cuts it with a marker, and the actor's token budget clips the text with one too (on
+    main the whole feed was listed, spacers included, ~2,600 characters)."""
+    env = miniwob_backend.make("social-media")
+    try:
+        r = env.reset(3)
+        elements = env._elements
+    finally:
+        env.close()
+    body = r.text.split("\n")[1:]
+    listed = [line for line in body if line.startswith("[")]
+    tops = [int(m.group(1)) for line in listed if (m := re.search(r"@\(-?\d+,(-?\d+) ", line))]
+    assert listed and len(tops) == len(listed) and max(tops) < 210, r.text          # only what is in view
+    assert re.fullmatch(r"\((\d+) more elements outside the visible area: scroll to reach them\)", body[-1]), body[-1]
+    assert ".spacer" not in r.text and ".more" in r.text and "@" in r.text          # decorations out, icons in
+    assert len(r.text) < 1200 and sum(e.top >= 210 for e in elements) > 20
+    short = render(elements, 300, 160, 210)
+    assert len(short) <= 400 and re.search(r"\.\.\. \(\d+ more elements not shown\)", short)
+    from actor.tiny import clip_observation
+    from tars.fresh import shared_tokenizer
+
+    tok = shared_tokenizer()
+    clipped = clip_observation(tok, r.text, 48)
+    assert re.search(r"\[observation clipped: \d+ tokens, the first ~48 shown\]$", clipped), clipped
+    assert len(tok.encode(clipped)) <= 56 and r.text.startswith(clipped.split("\n")[0])
+    assert clip_observation(tok, r.text, 0) == r.text == clip_observation(tok, r.text, 10_000)
+
+
 def test_all_tasks_are_listed():
     names = miniwob_backend.task_names()
     assert len(names) == 128 and "click-button" in names and "flight.AA" in names
