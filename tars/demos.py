@@ -54,8 +54,9 @@ def confused_action(env, rng: random.Random, distractors: int = 0) -> Action:
 
 
 def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
-                   max_turns: int = 6, system_prompt: str = "tiny") -> list[tuple[list[int], list[int]]]:
-    """Roll the demonstrator through builtin envs in-process -> [(tokens, loss_mask)]."""
+                   max_turns: int = 6, system_prompt: str = "tiny", obs_budget: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Roll the demonstrator through builtin envs in-process -> [(tokens, loss_mask)]. `obs_budget`: the actor's
+    actor.max_obs_tokens, so a demonstration's prompts are the ones the policy will see in RL."""
     kind, p, n = parse_demonstrator(demonstrator)
     rng = random.Random(seed)
     envs = {e: builtin.make(e.split("/", 1)[1], {"max_steps": str(max_turns)}) for e in env_ids}
@@ -65,7 +66,7 @@ def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demons
         r = env.reset(rng.randrange(1 << 30))
         toks, mask = [], []
         while True:
-            prompt = turn_ids(tok, system_prompt, r.text, r.instruction, first=not toks)
+            prompt = turn_ids(tok, system_prompt, r.text, r.instruction, first=not toks, obs_budget=obs_budget)
             toks += prompt
             mask += [0] * len(prompt)
             if rng.random() < p:
@@ -86,4 +87,4 @@ def source(cfg, episodes: int):
     """A learner.sft.DemonstrationSource: `episodes` demonstrations of cfg.sft.demonstrator on cfg.actor.env_ids."""
     parse_demonstrator(cfg.sft.demonstrator)  # a bad spec is refused before any model is loaded
     return lambda tok: demonstrations(tok, list(cfg.actor.env_ids), episodes, cfg.sft.demonstrator, cfg.seed,
-                                      cfg.actor.max_turns, cfg.actor.system_prompt)
+                                      cfg.actor.max_turns, cfg.actor.system_prompt, cfg.actor.max_obs_tokens)

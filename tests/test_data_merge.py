@@ -237,3 +237,22 @@ def test_merge_reads_sharded_checkpoints(tmp_path):
     for k, v in m.state_dict().items():
         assert torch.allclose(v, 0.25 * sa[k] + 0.75 * sb[k], atol=1e-6), k
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "m").chat_template
+
+
+def test_demonstrations_clip_observations_as_the_actor_does():
+    """SFT prompts are the RL prompts: a demonstration's observation is clipped to the actor's max_obs_tokens."""
+    from envd import builtin
+    from actor.tiny import turn_ids
+    from tars.demos import demonstrations
+    from tars.fresh import shared_tokenizer
+
+    tok = shared_tokenizer()
+    (toks, mask), = demonstrations(tok, ["builtin/mixed"], 1, "oracle", 0, 1, obs_budget=8)
+    first = toks[:mask.index(1)]
+    assert "[observation clipped:" in tok.decode(first, skip_special=False)
+    # the same first prompt the actor builds for that observation with the same budget
+    import random
+    r = builtin.make("mixed", {"max_steps": "1"}).reset(random.Random(0).randrange(1 << 30))
+    assert first == turn_ids(tok, "tiny", r.text, r.instruction, first=True, obs_budget=8)
+    (unclipped, m2), = demonstrations(tok, ["builtin/mixed"], 1, "oracle", 0, 1)
+    assert "[observation clipped:" not in tok.decode(unclipped, skip_special=False)
