@@ -219,7 +219,7 @@ def preflight(a, cfg) -> None:
             _demos_possible(cfg, "actor.env_ids (the SFT warm start, sft.steps > 0)")
     elif a.cmd == "sft":
         checks.device(cfg)
-        checks.model_dir(a.model)
+        checks.model_dir(a.model, need_tokenizer=a.demos > 0)  # demonstrations are tokenized with the model's
         checks.out_dir(a.out)
         missing = [d for d in a.data if not pathlib.Path(d).is_file()]
         if missing:
