@@ -414,5 +414,7 @@ def help_text(cls=RunConfig, prefix: str = "") -> str:
             lines.append(help_text(sub, prefix + fl.name + "."))
         else:
             default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
-            lines.append(f"  {prefix}{fl.name} = {default!r}\n      {fl.metadata.get('help', '')}")
+            lo, hi = fl.metadata.get("lo"), fl.metadata.get("hi")
+            rng = "" if lo is None and hi is None else f" [{'' if lo is None else lo}..{'' if hi is None else hi}]"
+            lines.append(f"  {prefix}{fl.name} = {default!r}{rng}\n      {fl.metadata.get('help', '')}")
     return "\n".join(lines)
