@@ -29,15 +29,15 @@ class ModelConfig:
 
     path: str = f("", "Hugging Face checkpoint directory to start from (config.json, safetensors, tokenizer with a chat "
                       "template; Qwen2/Qwen2.5 or Llama: docs/model.md); empty = a fresh tiny model (tars/fresh.py)")
-    hidden_size: int = f(64, "width of a fresh model")
+    hidden_size: int = f(64, lo=1, help="width of a fresh model")
     intermediate_size: int = f(256, "MLP width of a fresh model")
-    num_layers: int = f(2, "decoder layers of a fresh model")
-    num_heads: int = f(4, "attention heads of a fresh model")
-    num_kv_heads: int = f(4, "key/value heads of a fresh model (GQA when fewer than num_heads)")
-    max_positions: int = f(1024, "context length")
+    num_layers: int = f(2, lo=1, help="decoder layers of a fresh model")
+    num_heads: int = f(4, lo=1, help="attention heads of a fresh model")
+    num_kv_heads: int = f(4, lo=1, help="key/value heads of a fresh model (GQA when fewer than num_heads)")
+    max_positions: int = f(1024, lo=1, help="context length")
     rope_theta: float = f(100.0, "RoPE base of a fresh model; a small base separates nearby positions sharply, "
                                  "which short GUI prompts need more than long-range reach")
-    vocab_size: int = f(1024, "BPE vocabulary of a fresh model's tokenizer, trained on the tasks' text (tars/fresh.py); "
+    vocab_size: int = f(1024, lo=1, help="BPE vocabulary of a fresh model's tokenizer, trained on the tasks' text (tars/fresh.py); "
                               "the trainer stops earlier when the text has no more pairs to merge")
     tie_embeddings: bool = f(False, "share the input embedding and the output projection of a fresh model")
     init_std: float = f(0.02, "init scale of a fresh model")
@@ -49,7 +49,7 @@ class EnvdConfig:
     """envd: the environment daemon."""
 
     host: str = f("127.0.0.1", "bind address (loopback by default)")
-    port: int = f(0, "gRPC port; 0 = pick a free one")
+    port: int = f(0, lo=0, hi=65535, help="gRPC port; 0 = pick a free one")
     max_sessions: int = f(4096, "session cap; CreateSession beyond it answers RESOURCE_EXHAUSTED")
     max_sessions_per_client: int = f(1024, "sessions one client (its gRPC peer address: the IP without the port, since "
                                            "the shared auth token names nobody and a request's client_id is whatever "
@@ -63,7 +63,7 @@ class EnvdConfig:
                                     "sandbox); past it RESOURCE_EXHAUSTED; 0 = 3/4 of the host's physical memory")
     lease_ttl_s: float = f(60.0, "default session lease; renewed by every step and heartbeat")
     gc_interval_s: float = f(1.0, "how often expired leases are collected")
-    workers: int = f(8, "threads for blocking backends")
+    workers: int = f(8, lo=1, help="threads for blocking backends")
     max_message_bytes: int = f(16 << 20, "largest gRPC message accepted")
     auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
                             "control.auth_token); required off loopback (envd refuses to start, exit 2); `tars up` "
@@ -81,12 +81,12 @@ class InferenceConfig:
     """inference_server: the gRPC front over an engine pool."""
 
     host: str = f("127.0.0.1", "bind address (loopback by default)")
-    port: int = f(0, "gRPC port; 0 = pick a free one")
+    port: int = f(0, lo=0, hi=65535, help="gRPC port; 0 = pick a free one")
     engine: str = f("local", "local (embedded torch engine) | sglang (SGLang servers over HTTP)")
     sglang_urls: list = f([], "SGLang base URLs for engine=sglang")
-    max_batch: int = f(256, "most sequences decoded together in one step")
+    max_batch: int = f(256, lo=1, help="most sequences decoded together in one step")
     max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED")
-    max_context: int = f(1024, "longest prompt + output; longer prompts answer INVALID_ARGUMENT")
+    max_context: int = f(1024, lo=1, help="longest prompt + output; longer prompts answer INVALID_ARGUMENT")
     threads: int = f(1, "torch intra-op threads of the local engine")
     cache_capacity: int = f(4096, "trajectories whose KV prefix is kept (LRU)")
     max_stale_versions: int = f(0, "default staleness budget for keeping KV across a weight update (0 = recompute)")
@@ -139,21 +139,21 @@ class InferenceConfig:
 class ActorConfig:
     """actor: asyncio episode runners."""
 
-    concurrency: int = f(64, "episodes run at once by one actor process")
+    concurrency: int = f(64, lo=1, help="episodes run at once by one actor process")
     env_ids: list = f(["builtin/mixed"], "env ids to sample episodes from (uniformly)")
     env_options: dict = f({}, "options passed to CreateSession")
-    max_turns: int = f(6, "step budget per episode; beyond it the episode is truncated")
-    max_new_tokens: int = f(16, "generation budget per turn")
-    max_obs_tokens: int = f(1024, "token budget of one observation's text in the prompt: a longer one is clipped, with a "
+    max_turns: int = f(6, lo=1, help="step budget per episode; beyond it the episode is truncated")
+    max_new_tokens: int = f(16, lo=1, help="generation budget per turn")
+    max_obs_tokens: int = f(1024, lo=0, help="token budget of one observation's text in the prompt: a longer one is clipped, with a "
                                   "visible '[observation clipped ...]' marker (docs/actor.md); 0 = no budget")
-    temperature: float = f(1.0, "sampling temperature")
+    temperature: float = f(1.0, lo=0, help="sampling temperature")
     format_penalty: float = f(-0.1, "reward added to a turn whose output does not parse")
     on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)")
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
     retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
     unavailable_retry_s: float = f(60.0, "how long an inference call keeps retrying a server that is down (e.g. "
                                          "restarting) before the episode ends as infra_error; the rollout resumes")
-    episode_attempts: int = f(3, "attempts per episode: an infra_error episode is rerun from scratch on a live envd "
+    episode_attempts: int = f(3, lo=1, help="attempts per episode: an infra_error episode is rerun from scratch on a live envd "
                                  "(the failed attempt is never sent); the last one is sent as infra_error. One whose "
                                  "inference stayed down past unavailable_retry_s is sent at once (fault inference)")
     admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
@@ -182,9 +182,9 @@ class ActorConfig:
 class SFTConfig:
     """Warm start by supervised fine-tuning on scripted demonstrations, inside `tars up`."""
 
-    steps: int = f(0, "SFT updates; 0 = no warm start")
-    batch_size: int = f(32, "demonstration turns per update")
-    lr: float = f(3e-3, "SFT learning rate")
+    steps: int = f(0, lo=0, help="SFT updates; 0 = no warm start")
+    batch_size: int = f(32, lo=1, help="demonstration turns per update")
+    lr: float = f(3e-3, lo=0, help="SFT learning rate")
     demonstrator: str = f("noisy:0.2", "oracle | noisy:P (oracle with probability P, else a random visible widget) | "
                           "confused:P (oracle with probability P, else its kind of action with a random word of the goal) | "
                           "confused:P:N (the same, drawing from the goal's words and N plausible distractors: a visible "
@@ -209,7 +209,7 @@ class TelemetryConfig:
     otlp_protocol: str = f("", "OTLP protocol when exporter is auto: grpc | http/protobuf (http/json is sent as "
                                "http/protobuf); empty = $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, "
                                "$OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf")
-    sample_ratio: float = f(0.1, "share of episodes traced (their turns, env steps and generations follow the "
+    sample_ratio: float = f(0.1, lo=0, hi=1, help="share of episodes traced (their turns, env steps and generations follow the "
                                  "episode); learner steps are always traced")
     max_queued_spans: int = f(8192, "spans waiting for export; past it new spans are dropped, never waited for")
     max_file_mb: float = f(256.0, "a span file stops growing past this size (spans then counted as dropped)")
@@ -239,7 +239,7 @@ class ControlConfig:
 class SupervisorConfig:
     """supervisor: what `tars up` does when one of its processes dies (tars/supervisor.py)."""
 
-    max_restarts: int = f(5, "restarts of one process (envd, inference, the learner, each actor) before the run "
+    max_restarts: int = f(5, lo=0, help="restarts of one process (envd, inference, the learner, each actor) before the run "
                              "ends; 0 = a death ends the run")
     backoff_s: float = f(1.0, "wait before the first restart; doubled for each further death of that process, "
                               "at most 30 s")
@@ -251,10 +251,10 @@ class RunConfig:
 
     name: str = f("run", "a name for logs")
     seed: int = f(0, "global seed")
-    max_versions: int = f(1000, "stop after this many policy updates")
-    wall_budget_s: float = f(480.0, "stop RL after this many seconds")
-    target_success: float = f(0.0, "stop early once the rolling success rate reaches this (0 = never)")
-    actors: int = f(1, "actor processes")
+    max_versions: int = f(1000, lo=0, help="stop after this many policy updates")
+    wall_budget_s: float = f(480.0, lo=0, help="stop RL after this many seconds")
+    target_success: float = f(0.0, lo=0, hi=1, help="stop early once the rolling success rate reaches this (0 = never)")
+    actors: int = f(1, lo=1, help="actor processes")
     model: ModelConfig = field(default_factory=ModelConfig)
     envd: EnvdConfig = field(default_factory=EnvdConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
@@ -269,8 +269,13 @@ class RunConfig:
                                          metadata={"help": "restarts of the processes of `tars up`"})
 
 
-class ConfigError(ValueError):
-    pass
+class UserError(ValueError):
+    """A mistake in what the user asked for (a path, a value, a task id): `tars` prints the message as one line and
+    exits with status 2, with no traceback (tars.cli.main). Raise it, or a subclass, only before work starts."""
+
+
+class ConfigError(UserError):
+    """A config value, key, preset or file that cannot be used."""
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
@@ -324,6 +329,12 @@ def from_dict(cls, d: dict, where: str = ""):
     if unknown:
         raise ConfigError(f"unknown config key(s) {sorted(unknown)} in {where or cls.__name__}")
     kw = {k: _coerce(hints[k], v, f"{where}.{k}".lstrip(".")) for k, v in d.items()}
+    for fl in dataclasses.fields(cls):  # a given value outside its field's range (f(..., lo=, hi=))
+        v, lo, hi = kw.get(fl.name), fl.metadata.get("lo"), fl.metadata.get("hi")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and (
+                (lo is not None and v < lo) or (hi is not None and v > hi)):
+            rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+            raise ConfigError(f"{where}.{fl.name}".lstrip(".") + f" = {v!r}: must be {rng}")
     return cls(**kw)
 
 
@@ -350,7 +361,7 @@ def load(preset: str | None = None, path: str | None = None, overrides: list[str
             raise ConfigError(f"no preset {preset!r}; have: {sorted(x.stem for x in PRESETS.glob('*.yaml'))}")
         d = yaml.safe_load(p.read_text()) or {}
     if path:
-        d = _merge(d, yaml.safe_load(pathlib.Path(path).read_text()) or {})
+        d = _merge(d, _read_yaml(pathlib.Path(path)))
     for o in overrides:
         if "=" not in o:
             raise ConfigError(f"override {o!r} is not key=value")
@@ -389,6 +400,19 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(err)
 
 
+def _read_yaml(p: pathlib.Path) -> dict:
+    """A --config file as a mapping; ConfigError when it is missing, unreadable or not a YAML mapping."""
+    if not p.is_file():
+        raise ConfigError(f"--config {str(p)!r}: " + ("a directory, not a YAML file" if p.is_dir() else "no such file"))
+    try:
+        d = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {str(p)!r}: cannot be read as YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if d is not None and not isinstance(d, dict):
+        raise ConfigError(f"--config {str(p)!r}: expected a mapping of sections (model:, actor:, ...), got {type(d).__name__}")
+    return d or {}
+
+
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
@@ -424,5 +448,7 @@ def help_text(cls=RunConfig, prefix: str = "") -> str:
             lines.append(help_text(sub, prefix + fl.name + "."))
         else:
             default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
-            lines.append(f"  {prefix}{fl.name} = {default!r}\n      {fl.metadata.get('help', '')}")
+            lo, hi = fl.metadata.get("lo"), fl.metadata.get("hi")
+            rng = "" if lo is None and hi is None else f" [{'' if lo is None else lo}..{'' if hi is None else hi}]"
+            lines.append(f"  {prefix}{fl.name} = {default!r}{rng}\n      {fl.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -5,8 +5,10 @@ from dataclasses import field
 from typing import Any
 
 
-def f(default: Any, help: str, **kw):
-    """A dataclass field with help text (mutable defaults are copied)."""
+def f(default: Any, help: str, lo: float | None = None, hi: float | None = None, **kw):
+    """A dataclass field with help text (mutable defaults are copied); lo/hi: the range a number must lie in
+    (inclusive), checked when a config is loaded (core.config.from_dict)."""
+    meta = {"help": help, **({"lo": lo} if lo is not None else {}), **({"hi": hi} if hi is not None else {})}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)

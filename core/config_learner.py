@@ -145,9 +145,9 @@ class LearnerConfig:
 
     algo: str = f("ppo", "ppo (PPO with a critic: GAE advantages, or V-trace under learner.correction.kind=vtrace) | "
                          "grpo (group-centred returns, no critic)")
-    batch_size: int = f(64, "trajectories per policy update (B in the staleness rule)")
-    lr: float = f(1e-3, "policy learning rate (AdamW)")
-    critic_lr: float = f(2e-3, "critic learning rate")
+    batch_size: int = f(64, lo=1, help="trajectories per policy update (B in the staleness rule)")
+    lr: float = f(1e-3, lo=0, help="policy learning rate (AdamW)")
+    critic_lr: float = f(2e-3, lo=0, help="critic learning rate")
     weight_decay: float = f(0.0, "AdamW weight decay")
     warmup_steps: int = f(20, "linear learning-rate warm-up, in updates")
     grad_clip: float = f(1.0, "gradient norm clip")

@@ -4,8 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import pathlib
 import sys
 
+from core.config import ConfigError, UserError
 from tars.bench import BENCHES, run_bench  # the registry; each benchmark is imported when it runs
 
 
@@ -149,35 +152,114 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from core.config import ConfigError
+# Exit statuses of every command (README "Exit status"): 0 done; 1 a failure during the run (one line on stderr;
+# TARS_TRACEBACK=1 shows the traceback); 2 a user error, found before any work (a path, a config value, a task id,
+# the device), one line on stderr; 130 interrupted (Ctrl-C / SIGINT), one line on stderr, files left whole.
+EXIT_FAILED, EXIT_USER, EXIT_INTERRUPTED = 1, 2, 130
 
-    try:
-        if a.cmd == "ctl":
-            from tars import ctl
 
-            return ctl.main(a)
-        if a.cmd == "bench":
-            return run_bench(a.which, a.args)
-        if a.cmd in ("data", "merge"):
-            return _data_or_merge(a)
-        cfg = _load(a)
-    except ConfigError as e:
-        print(f"tars: config error: {e}", file=sys.stderr)
-        return 2
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that mean "the user asked for something that cannot be done": core.config.UserError
+    (ConfigError among them) and the older specific ones, each already a clear message."""
     from core.chat import TokenizerError
     from core.model import MissingWeights, UnsupportedModel, WeightsMismatch
+    from tars.evalsuite import SuiteError
 
-    try:  # a checkpoint directory that cannot be used: one line naming what is wrong, not a traceback
-        return _dispatch(a, cfg)
-    except (UnsupportedModel, MissingWeights, WeightsMismatch, TokenizerError) as e:
-        print(f"tars {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    except ConfigError as e:  # e.g. an OTEL_* variable naming an exporter tars does not offer (telemetry.setup)
-        print(f"tars: config error: {e}", file=sys.stderr)
-        return 2
+    return UserError, TokenizerError, UnsupportedModel, MissingWeights, WeightsMismatch, SuiteError
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Every user error ends as one line on stderr and exit status 2, Ctrl-C as one line and 130, and a failure
+    of an operator command as one line and 1 (the roles, run by `tars up` into logs/, keep their tracebacks)."""
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return _main(a)
+    except KeyboardInterrupt as e:
+        print(f"tars {a.cmd}: interrupted" + (f": {_one_line(e)}" if str(e) else ""), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - sorted below; anything not recognised keeps its traceback on request
+        if isinstance(e, user_errors()):
+            # a config error says so; the model errors name their kind (UnsupportedModel, TokenizerError, ...)
+            kind = ("config error: " if isinstance(e, ConfigError) else "" if isinstance(e, UserError)
+                    else f"{type(e).__name__}: ")
+            print(f"tars {a.cmd}: {kind}{_one_line(e)}", file=sys.stderr, flush=True)
+            return EXIT_USER
+        if a.cmd in ROLES or os.environ.get("TARS_TRACEBACK"):
+            raise
+        print(f"tars {a.cmd}: failed: {type(e).__name__}: {_one_line(e)} (TARS_TRACEBACK=1 shows where)",
+              file=sys.stderr, flush=True)
+        return EXIT_FAILED
+
+
+def _main(a) -> int:
+    if a.cmd == "ctl":
+        from tars import ctl
+
+        return ctl.main(a)
+    if a.cmd == "bench":
+        return run_bench(a.which, a.args)
+    if a.cmd in ("data", "merge"):
+        return _data_or_merge(a)
+    cfg = _load(a)
+    preflight(a, cfg)
+    return _dispatch(a, cfg)
+
+
+def preflight(a, cfg) -> None:
+    """What each command needs, checked before it does any work (tars.checks; a UserError each)."""
+    from tars import checks
+
+    if a.cmd == "up":
+        checks.device(cfg)
+        checks.out_dir(a.out)
+        if cfg.model.path:
+            checks.model_dir(cfg.model.path, "model.path")
+        checks.env_ids(cfg.actor.env_ids)
+        if cfg.sft.steps > 0:
+            _demos_possible(cfg, "actor.env_ids (the SFT warm start, sft.steps > 0)")
+    elif a.cmd == "sft":
+        checks.device(cfg)
+        checks.model_dir(a.model, need_tokenizer=a.demos > 0)  # demonstrations are tokenized with the model's
+        checks.out_dir(a.out)
+        missing = [d for d in a.data if not pathlib.Path(d).is_file()]
+        if missing:
+            raise UserError(f"--data {missing[0]}: no such file (trajectory files: a run's trajectories.twl, "
+                            "a split's sft.twl)")
+        if not a.data and a.demos <= 0:
+            raise UserError("nothing to train on: give trajectory files (--data) and/or --demos N")
+        if a.steps is not None and a.steps < 1:
+            raise UserError(f"--steps {a.steps}: must be >= 1")
+        if a.demos > 0:
+            _demos_possible(cfg, "actor.env_ids (the tasks of --demos)")
+    elif a.cmd == "eval" and not a.compare:
+        if a.out:
+            checks.out_dir(a.out)
+        if a.tokenizer:
+            checks.tokenizer_dir(a.tokenizer)
+    elif a.cmd == "learner":
+        checks.device(cfg)
+        checks.model_dir(a.model, need_tokenizer=False)
+        checks.out_dir(a.run_dir, "--run-dir")
+    elif a.cmd == "serve":
+        checks.model_dir(a.model, need_tokenizer=False)
+    elif a.cmd == "actor":
+        checks.tokenizer_dir(a.tokenizer)
+
+
+def _demos_possible(cfg, what: str) -> None:
+    from tars import checks
+    from tars.demos import parse_demonstrator
+
+    checks.demo_env_ids(cfg.actor.env_ids, what)
+    try:
+        parse_demonstrator(cfg.sft.demonstrator)
+    except ValueError as e:
+        raise ConfigError(f"sft.demonstrator: {e}") from None
 
 
 def _dispatch(a, cfg) -> int:
@@ -234,15 +316,17 @@ def _role(a, cfg) -> int:
                             resume=a.resume or a.resume_or_fresh, fresh_if_none=a.resume_or_fresh)
     if a.cmd == "sft":
         from learner.sft import run as sft_run
+        from tars.demos import source
 
+        demos = source(cfg, a.demos) if a.demos > 0 else None
         try:
-            from tars.demos import source
-
-            demos = source(cfg, a.demos) if a.demos > 0 else None
             print(json.dumps(sft_run(cfg, a.model, a.out, a.data, demos, a.steps)))
-        except (ValueError, FileNotFoundError) as e:
-            print(f"tars sft: {e}", file=sys.stderr)
-            return 2
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"nothing written to {a.out} (it is written whole at the end)") from None
+        except (ValueError, FileNotFoundError) as e:  # e.g. trajectory files that hold no usable trajectory
+            if isinstance(e, user_errors()):
+                raise
+            raise UserError(str(e)) from None
         return 0
     if a.cmd == "config":
         from core import config as C

@@ -2,7 +2,7 @@
 
 Targets, first match wins: --target host:port (repeatable) and/or --run DIR; else $TARS_RUN; else ./run/ when the
 current directory is a run directory; else the run file of the latest local `tars up` ($XDG_CACHE_HOME/tars/last-run,
-~/.cache/tars/last-run). Every call has a deadline (--timeout); a target that is down is reported as such, and a
+~/.cache/tars/last-run), the last fallback only, with a warning on stderr naming the run it picked. Every call has a deadline (--timeout); a target that is down is reported as such, and a
 run file whose process has exited is reported without waiting for a deadline. Every ControlService checks
 control.auth_token when one is set (`tars up` makes one per run): --token-file (or --token, which other local users
 can read in `ps`), else the control.auth_token of the run's config.yaml (--run, or the run found as above).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 import time
 
 import grpc
@@ -97,8 +98,13 @@ def token_from_file(path: str) -> str:
         raise CtlError(str(e)) from None
 
 
+LAST_RUN_HOW = "the latest local `tars up`"
+
+
 def find_run() -> tuple[str, str]:
-    """(run directory, how it was found) when no --run/--target is given."""
+    """(run directory, how it was found) when no --run/--target is given: $TARS_RUN, else the current directory's
+    run, else (the last fallback) the run file of the latest local `tars up`; `how` starts with LAST_RUN_HOW then,
+    and main() warns on stderr, since that run may be someone else's idea of "the" run."""
     if os.environ.get("TARS_RUN"):
         return os.environ["TARS_RUN"], "$TARS_RUN"
     if (pathlib.Path.cwd() / "run").is_dir() and any((pathlib.Path.cwd() / "run").glob("*.json")):
@@ -106,7 +112,7 @@ def find_run() -> tuple[str, str]:
     p = last_run_file()
     if p.is_file():
         try:
-            return json.loads(p.read_text())["run_dir"], str(p)
+            return json.loads(p.read_text())["run_dir"], f"{LAST_RUN_HOW}, {p}"
         except (OSError, ValueError, KeyError):
             raise CtlError(f"{p} is unreadable; give --run DIR or --target host:port") from None
     raise CtlError("no run found: no --run/--target, no $TARS_RUN, no ./run/, no "
@@ -254,17 +260,20 @@ def main(a) -> int:
             targets += targets_of_run(a.run)
         if not targets:
             run_dir, how = find_run()
+            if how.startswith(LAST_RUN_HOW):
+                print(f"tars ctl: warning: no --run, $TARS_RUN or ./run/ here: using {run_dir} ({how}); choose "
+                      "another with --run DIR or TARS_RUN=DIR", file=sys.stderr, flush=True)
             targets = targets_of_run(run_dir)
             if not a.json:
                 print(f"# run {run_dir} (from {how})")
     except CtlError as e:
-        print(f"tars ctl: {e}")
+        print(f"tars ctl: {e}", file=sys.stderr)
         return 2
     try:  # control.auth_token
         token = (a.token or (token_from_file(a.token_file) if getattr(a, "token_file", "") else "")
                  or (run_control_token(run_dir) if run_dir else ""))
     except CtlError as e:
-        print(f"tars ctl: {e}")
+        print(f"tars ctl: {e}", file=sys.stderr)
         return 2
     results = [r for r in (_call(t, what, args, token, a.timeout) for t in targets) if r is not None]
     rc = 1 if any("error" in r for r in results) else 0

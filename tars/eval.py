@@ -41,13 +41,14 @@ import time
 import uuid
 
 from tars import evalsuite as S
-from core.config import RunConfig
+from core.config import RunConfig, UserError
 
 ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 
 
-class EvalError(RuntimeError):
-    pass
+class EvalError(UserError):
+    """What `tars eval` was asked cannot be done (a model, a tokenizer, a results directory of another
+    evaluation): one line, exit status 2, before any episode."""
 
 
 def _info(info_json: str) -> dict:
@@ -218,9 +219,9 @@ class ModelPolicy(Policy):
                                   inference_addr=self.inference_addr))
         try:
             await asyncio.to_thread(self.topo.start)
-        except Exception as e:
+        except Exception as e:  # a daemon that would not start: a failure of the run (exit 1), not a user error
             await self.close()
-            raise EvalError(str(e)) from None
+            raise RuntimeError(f"the policy's daemons did not start: {e}") from None
         self.envd_addr, self.inference_addr = self.topo.envd, self.topo.inference
         a = self.cfg.actor
         self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries)
@@ -403,10 +404,12 @@ async def _run(suite: S.Suite, policy: Policy, out: str, concurrency: int, retry
         print(f"tars eval: {e}", file=sys.stderr)
         return 2
     o = res["overall"]
-    sr = "-" if o["success_rate"] is None else f"{o['success_rate']:.3f}"
-    print(f"[tars eval] {suite.name} / {policy.name}: success {sr} over {o['tasks']} tasks, "
-          f"{o['scored']} scored episodes, {o['infra_errors']} infra errors; wrote {out}/results.json, results.md, results.png")
+    print(f"[tars eval] {suite.name} / {policy.name}: {S.headline(o)}; wrote {out}/results.json, results.md, "
+          "results.png", flush=True)
+    for w in res["warnings"]:
+        print(f"[tars eval] warning: {w}", flush=True)
     if not res["complete"]:
-        print(f"[tars eval] interrupted after {o['episodes']}/{o['planned']} episodes: rerun the same command to resume")
+        print(f"tars eval: interrupted after {o['episodes']}/{o['planned']} episodes: rerun the same command to "
+              "resume", file=sys.stderr, flush=True)
         return 130
     return 0

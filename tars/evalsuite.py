@@ -150,13 +150,14 @@ def load_suite(name_or_path: str, episodes: int | None = None, only: list[str] |
 
 def check_env_ids(suite: Suite) -> None:
     """Every task's env id must have a backend (checked before anything starts)."""
-    from envd import registry
+    from core.config import UserError
+    from tars.checks import env_ids
 
     for t in suite.tasks:
-        try:
-            registry.resolve(t.env_id)
-        except KeyError as e:
-            raise SuiteError(f"{suite.path}: task {t.name!r}: {e.args[0]}") from None
+        try:  # a backend for its prefix, and its task among the ones the backend lists (tars up checks the same)
+            env_ids([t.env_id], f"{suite.path}: task {t.name!r}")
+        except UserError as e:
+            raise SuiteError(str(e)) from None
 
 
 # ---- episodes.jsonl ---------------------------------------------------------------------------------------
@@ -216,7 +217,11 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
     scored = [r for r in tasks.values() if r["success_rate"] is not None]
     all_ok = [r for k, r in by.items() if r["outcome"] != INFRA and k[0] in tasks]
     overall = {
-        "tasks": len(tasks), "episodes": sum(r["episodes"] for r in tasks.values()),
+        "tasks": len(tasks),
+        # the rates below average over these tasks only: a task with no scored episode has no rate, not a rate of 0
+        "tasks_scored": len(scored),
+        "tasks_unscored": [name for name, r in tasks.items() if r["episodes"] and r["success_rate"] is None],
+        "episodes": sum(r["episodes"] for r in tasks.values()),
         "planned": sum(r["planned"] for r in tasks.values()),
         "scored": sum(r["scored"] for r in tasks.values()),
         "infra_errors": sum(r["infra_errors"] for r in tasks.values()),
@@ -229,7 +234,31 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
     if norm:
         overall["normalised_score"] = _mean(norm)
         overall["normalised_tasks"] = len(norm)
-    return {"suite": suite.name, **(meta or {}), "overall": overall, "tasks": tasks}
+    return {"suite": suite.name, **(meta or {}), "overall": overall, "tasks": tasks, "warnings": warnings(overall)}
+
+
+def warnings(overall: dict) -> list[str]:
+    """What a reader of the results must not miss: many infra errors (the 10 % rule of `tars up`'s report,
+    tars.report.infra_warning), and tasks whose rate is missing because none of their episodes was scored."""
+    from tars.report import infra_warning
+
+    out = []
+    if w := infra_warning(overall["infra_errors"], overall["episodes"], "every rate", "the `error` field of "
+                          "episodes.jsonl and the envd/inference logs; `--retry-infra` reruns them"):
+        out.append(w)
+    if overall["tasks_unscored"]:
+        n = len(overall["tasks_unscored"])
+        out.append(f"{n} of {overall['tasks']} task(s) had no scored episode (all infra errors) and are not in the "
+                   f"overall figures: {', '.join(overall['tasks_unscored'])}")
+    return out
+
+
+def headline(o: dict) -> str:
+    """The overall figure in words: over how many tasks it averages and what it leaves out."""
+    sr = _f(o["success_rate"])
+    over = (f"over {o['tasks']} tasks" if o["tasks_scored"] == o["tasks"] else
+            f"over {o['tasks_scored']} of {o['tasks']} tasks ({o['tasks'] - o['tasks_scored']} with no scored episode)")
+    return f"success {sr} {over}, {o['scored']} scored episodes, {o['infra_errors']} unscored (infra errors)"
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -238,19 +267,23 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
 
 def markdown(res: dict) -> str:
     has_norm = any("normalised_score" in r for r in res["tasks"].values())
-    head = ["task", "episodes", "success", "mean return", "mean steps", "infra errors"] + (["normalised"] if has_norm else [])
+    head = (["task", "episodes", "scored", "success", "mean return", "mean steps", "unscored (infra errors)"]
+            + (["normalised"] if has_norm else []))
     lines = [f"# {res['suite']}: {res.get('model', '')}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = [*res["tasks"].items(), ("**overall**", res["overall"])]
     for name, r in rows:
-        cells = [name, str(r["episodes"]), _f(r["success_rate"]), _f(r["mean_return"]), _f(r["mean_steps"], ".2f"),
-                 str(r["infra_errors"])]
+        cells = [name, str(r["episodes"]), str(r["scored"]), _f(r["success_rate"]), _f(r["mean_return"]),
+                 _f(r["mean_steps"], ".2f"), str(r["infra_errors"])]
         if has_norm:
             cells.append(_f(r.get("normalised_score"), ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
     o = res["overall"]
-    lines += ["", f"Overall success is the mean of per-task success rates over {o['tasks']} tasks "
-              f"({o['scored']} scored episodes; {o['infra_errors']} infra errors excluded)."]
+    n_sc = o.get("tasks_scored", o["tasks"])
+    lines += ["", f"Overall success is the mean of per-task success rates over the {n_sc} of {o['tasks']} tasks "
+              f"with a scored episode ({o['scored']} scored episodes; {o['infra_errors']} infra errors excluded)."]
+    if res.get("warnings"):
+        lines += ["", "## Warnings", ""] + [f"- {w}" for w in res["warnings"]]
     return "\n".join(lines) + "\n"
 
 

@@ -175,7 +175,17 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
     return {**rep, "written": written, "not_written": failed}
 
 
-INFRA_WARN = 0.10  # infra_error share of episodes above which the report warns
+INFRA_WARN = 0.10  # infra_error share of episodes above which a report (tars up, tars eval) warns
+
+
+def infra_warning(infra: int, episodes: int, kept_out: str, see: str, by_fault: dict | None = None) -> str | None:
+    """The one rule for both reports: more than INFRA_WARN of the episodes were infra errors -> the warning line
+    (what they were kept out of, their faults when known, where to look), else None."""
+    if episodes <= 0 or infra <= INFRA_WARN * episodes:
+        return None
+    faults = " (" + ", ".join(f"{k} {n}" for k, n in by_fault.items()) + ")" if by_fault else ""
+    return (f"{infra} of {episodes} episodes ({infra / episodes:.0%}) were infra errors{faults} (kept out of "
+            f"{kept_out}): see {see}")
 
 
 def warnings(rep: dict) -> list[str]:
@@ -184,11 +194,9 @@ def warnings(rep: dict) -> list[str]:
     out = []
     if rep["episodes"] == 0:
         out.append("no episode reached the learner: see logs/ (envd, inference, actor)")
-    elif rep["infra_errors"] > INFRA_WARN * rep["episodes"]:
-        out.append(f"{rep['infra_errors']} of {rep['episodes']} episodes "
-                   f"({rep['infra_errors'] / rep['episodes']:.0%}) were infra errors (kept out of the loss): "
-                   + ", ".join(f"{k} {n}" for k, n in rep.get("infra_errors_by_fault", {}).items())
-                   + ": see logs/envd*.log and logs/inference.log")
+    elif w := infra_warning(rep["infra_errors"], rep["episodes"], "the loss", "logs/envd*.log and logs/inference.log",
+                            rep.get("infra_errors_by_fault")):
+        out.append(w)
     if rep["policy_version"] == 0:
         out.append("no policy update happened: the policy is the one the run started from")
     if rep["restarts_total"]:

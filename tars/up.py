@@ -68,7 +68,11 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
             print(("\r\033[K" if tty else "") + f"[tars up] {msg}", flush=True)
 
     t_start = time.time()
-    model_dir, sft_s = build_model(cfg, out_p, say)
+    try:
+        model_dir, sft_s = build_model(cfg, out_p, say)
+    except KeyboardInterrupt:  # before any process started: no report, the model directories are written whole
+        raise KeyboardInterrupt(f"before training started ({out_p} holds config.yaml and the models written so far, "
+                                "no report)") from None
     topo = Topology(plan(cfg, out_p, model_dir))
     interrupted = False
 
@@ -108,7 +112,12 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     for path, why in rep["not_written"].items():
         print(f"[tars up] error: {path} not written: {why}", file=sys.stderr, flush=True)
     ok = ("done", "wall budget reached", "target success reached", "interrupted")
-    return 0 if status in ok and not rep["not_written"] else 1
+    if status not in ok or rep["not_written"]:
+        return 1
+    if status == "interrupted":  # Ctrl-C: stopped in order, report written; the exit status says it was cut short
+        print(f"tars up: interrupted: stopped in order; report in {out_p / 'report.json'}", file=sys.stderr, flush=True)
+        return 130
+    return 0
 
 
 def _watch(cfg: C.RunConfig, sup: Supervisor, out_p: pathlib.Path, quiet: bool, tty: bool, interrupted) -> str:

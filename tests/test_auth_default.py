@@ -61,7 +61,7 @@ def _update_weights(addr: str, token: str, path: str, version: int) -> grpc.Stat
 def _ctl(env: dict, *words: str) -> tuple[int, str]:
     r = subprocess.run([sys.executable, "-m", "tars.cli", "ctl", *words], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
-    return r.returncode, r.stdout + r.stderr
+    return r.returncode, r.stdout if "--json" in words else r.stdout + r.stderr  # stderr: the fallback's warning
 
 
 def _cmdlines_and_environs() -> dict[str, bytes]:

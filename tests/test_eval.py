@@ -53,7 +53,7 @@ class FakeEnv(Env):
         time.sleep(self.delay)
         with FakeEnv.lock:
             FakeEnv.actions.append(action)
-        if self.mode == "crashy" and self.seed % 2:
+        if (self.mode == "crashy" and self.seed % 2) or self.mode == "dead":
             raise RuntimeError("the browser died")
         if action.type != "click":
             raise ActionError("only clicks here")
@@ -68,7 +68,7 @@ class FakeEnv(Env):
 
 @pytest.fixture
 def fake_env():
-    registry.register("evaltest", lambda name, opts: FakeEnv(name, opts), ["ok", "crashy", "game"])
+    registry.register("evaltest", lambda name, opts: FakeEnv(name, opts), ["ok", "crashy", "game", "dead"])
     FakeEnv.actions = []
     yield
     registry.unregister("evaltest")
@@ -121,6 +121,47 @@ def test_infra_errors_are_counted_apart_and_excluded_from_rates(tmp_path, fake_e
     assert res["overall"]["infra_errors"] == crashes and res["overall"]["success_rate"] == 1.0
     bad = [r for r in _lines(tmp_path / "out" / "episodes.jsonl") if r["outcome"] == "infra_error"]
     assert len(bad) == crashes and all("the browser died" in r["error"] and not r["success"] for r in bad)
+
+
+def test_overall_figures_say_which_tasks_they_cover_and_warn_about_infra_errors():
+    """The issue's example: 7 of 12 episodes infra errors, two tasks without a scored episode. The overall rate
+    averages the two scored tasks only and says so; results.json and results.md carry the warnings."""
+    suite = S.Suite("s", "s.yaml", [S.TaskSpec(n, f"builtin/{n}", 3) for n in ("click", "menu", "form", "dialog")])
+    rec = lambda task, i, outcome, ok=False: {"task": task, "episode": i, "outcome": outcome, "success": ok,  # noqa: E731
+                                              "return": float(ok), "steps": 1}
+    records = ([rec("click", i, "terminated", i == 0) for i in range(3)]
+               + [rec("menu", 0, "infra_error")] + [rec("menu", i, "truncated") for i in (1, 2)]
+               + [rec(t, i, "infra_error") for t in ("form", "dialog") for i in range(3)])
+    res = S.summarise(suite, records)
+    o = res["overall"]
+    assert o["tasks"] == 4 and o["tasks_scored"] == 2 and o["tasks_unscored"] == ["form", "dialog"]
+    assert o["infra_errors"] == 7 and o["scored"] == 5 and o["success_rate"] == pytest.approx((1 / 3 + 0) / 2)
+    assert res["tasks"]["menu"]["infra_errors"] == 1 and res["tasks"]["form"]["success_rate"] is None
+    assert "over 2 of 4 tasks (2 with no scored episode)" in S.headline(o) and "7 unscored" in S.headline(o)
+    assert len(res["warnings"]) == 2
+    assert res["warnings"][0].startswith("7 of 12 episodes (58%) were infra errors")
+    assert "2 of 4 task(s) had no scored episode" in res["warnings"][1] and "form, dialog" in res["warnings"][1]
+    md = S.markdown(res)
+    assert "| form | 3 | 0 | - |" in md and "## Warnings" in md and "over the 2 of 4 tasks" in md
+    # below the 10 % rule (shared with tars up's report: tars.report.infra_warning) and every task scored: no warning
+    quiet = S.summarise(suite, [rec(t, i, "terminated", True) for t in ("click", "menu", "form", "dialog")
+                                for i in range(3)])
+    assert quiet["warnings"] == [] and S.headline(quiet["overall"]).startswith("success 1.000 over 4 tasks,")
+    from tars.report import infra_warning
+
+    assert infra_warning(1, 10, "x", "y") is None and infra_warning(2, 10, "x", "y").startswith("2 of 10 episodes (20%)")
+
+
+def test_eval_prints_the_warnings_on_screen(tmp_path, fake_env, capsys):
+    suite = S.load_suite(_suite(tmp_path, "episodes: 2\ntasks: [evaltest/ok, evaltest/dead]\n"))
+    assert asyncio.run(E._run(suite, E.ScriptedPolicy("oracle", _cfg()), str(tmp_path / "out"), 2, False)) == 0
+    out = capsys.readouterr().out
+    assert "success 1.000 over 1 of 2 tasks (1 with no scored episode), 2 scored episodes, 2 unscored" in out
+    assert "[tars eval] warning: 2 of 4 episodes (50%) were infra errors" in out
+    assert "[tars eval] warning: 1 of 2 task(s) had no scored episode (all infra errors) and are not in the overall " \
+           "figures: evaltest/dead" in out
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(res["warnings"]) == 2 and "## Warnings" in (tmp_path / "out" / "results.md").read_text()
 
 
 # ---- resume -----------------------------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
         log = up.communicate(timeout=120)[0]
-    assert up.returncode == 0, log[-3000:]
+    assert up.returncode in (0, 130), log[-3000:]  # budget reached, or Ctrl-C (130)
 
     # the run is over: no-flag ctl says so at once, a dead --target within the deadline
     rc, text = ctl_process("status", env=env, cwd=elsewhere)

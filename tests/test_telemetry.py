@@ -487,7 +487,7 @@ def test_ctl_finds_the_run_env_then_cwd_then_last_run_file(tmp_path, monkeypatch
         (d / "run").mkdir(parents=True)
         (d / "run" / "envd.json").write_text(json.dumps({"role": "envd", "address": "127.0.0.1:1", "pid": 0}))
     ctl.remember_run(a)
-    assert ctl.find_run() == (str(a), str(tmp_path / "cache" / "tars" / "last-run"))
+    assert ctl.find_run() == (str(a), f"{ctl.LAST_RUN_HOW}, {tmp_path / 'cache' / 'tars' / 'last-run'}")
     monkeypatch.chdir(b)
     assert ctl.find_run()[0] == str(b)
     monkeypatch.setenv("TARS_RUN", str(a))

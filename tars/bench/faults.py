@@ -125,7 +125,7 @@ def run_mode(durability: str, out: pathlib.Path, seed: int = 0, roles=ROLES, tai
            "restarts": rep.get("restarts", {}), "infra_error_trained": infra_trained,
            "episodes": rep.get("episodes"), "policy_version": rep.get("policy_version"),
            "wall_s": round(time.monotonic() - t0, 1)}
-    res["ok"] = (led["lost"] == 0 and led["duplicated"] == 0 and infra_trained == 0 and rc == 0 and bool(rep)
+    res["ok"] = (led["lost"] == 0 and led["duplicated"] == 0 and infra_trained == 0 and rc == 130 and bool(rep)
                  and sum(res["restarts"].values()) == len(kills) == len(roles))
     return res
 

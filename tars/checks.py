@@ -1,0 +1,113 @@
+"""Checks the `tars` commands run before any work: each problem a user error (core.config.UserError, or the model's
+own core.chat.TokenizerError / core.model.UnsupportedModel) whose message names the path, setting or task and what
+to do instead; tars.cli prints it as one line and exits 2.
+
+    model_dir      a checkpoint directory: there, a directory, config.json of a supported model, a tokenizer that fits
+    tokenizer_dir  a tokenizer directory (and, given a model directory, that its vocabulary fits the model's)
+    out_dir        an output directory that can be created (or is one) and written to
+    device         learner.device on this machine (cuda without CUDA, a cuda:N beyond the devices there)
+    env_ids        every env id has a backend and, where the backend lists its tasks, is one of them
+    demo_env_ids   every env id has scripted demonstrations (builtin tasks only)
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+from core.config import ConfigError, UserError
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what core.chat.ChatTokenizer.load reads
+
+
+def model_dir(path: str, what: str = "--model", need_tokenizer: bool = True) -> pathlib.Path:
+    """An HF-layout checkpoint directory this code can load, with a tokenizer that fits it. need_tokenizer=False
+    (the learner, the inference server: token ids in, token ids out): a tokenizer that is there must still fit."""
+    from core.chat import TokenizerError, open_tokenizer
+    from core.model import load_config
+
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"{what} {path}: no such directory (give a Hugging Face checkpoint directory)")
+    if not p.is_dir():
+        raise UserError(f"{what} {path}: a file, not a checkpoint directory (config.json, model.safetensors, "
+                        "tokenizer files)")
+    if not (p / "config.json").is_file():
+        raise UserError(f"{what} {path}: no config.json here (a checkpoint directory holds config.json + "
+                        "model.safetensors + the tokenizer files)")
+    load_config(p)  # UnsupportedModel (a user error) for an architecture this code cannot run
+    if need_tokenizer or any((p / n).is_file() for n in TOKENIZER_FILES):
+        try:
+            open_tokenizer(p, p)  # a missing tokenizer, or one whose vocabulary does not fit the model
+        except TokenizerError as e:
+            raise TokenizerError(f"{what} {path}: {e}") from None
+    return p.resolve()
+
+
+def tokenizer_dir(path: str, model: str | os.PathLike | None = None, what: str = "--tokenizer") -> None:
+    from core.chat import TokenizerError, open_tokenizer
+
+    try:
+        open_tokenizer(path, model)
+    except TokenizerError as e:
+        raise TokenizerError(f"{what} {path}: {e}") from None
+
+
+def out_dir(path: str, what: str = "--out") -> pathlib.Path:
+    """An output directory: an existing directory, or one that can be made under its nearest existing parent.
+    Nothing is left behind: the check makes (and removes) a temporary directory in that parent."""
+    p = pathlib.Path(path).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{what} {path}: exists and is not a directory")
+    up = p
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise UserError(f"{what} {path}: {up} is a file, so no directory can be made under it")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tars-write-check.", dir=up))
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot write in {up}: {e.strerror or e}") from None
+    return p
+
+
+def device(cfg) -> None:
+    """learner.device is usable here (a ConfigError naming the setting otherwise): checked at the start of the
+    commands that train, before any demonstration, model or process."""
+    from learner.device import resolve_device, resolve_precision
+
+    resolve_precision(cfg.learner.precision, resolve_device(cfg.learner.device))
+
+
+def env_ids(ids, what: str = "actor.env_ids") -> None:
+    from envd import registry
+
+    if not list(ids):
+        raise ConfigError(f"{what} is empty: name at least one env id (e.g. builtin/mixed)")
+    listed = registry.list_env_ids()
+    for e in ids:
+        try:
+            prefix, name, _ = registry.resolve(str(e))
+        except KeyError as err:
+            raise ConfigError(f"{what}: {err.args[0]}") from None
+        have = [x for x in listed if x == prefix or x.startswith(prefix + "/")]
+        if not have or have == [prefix] or str(e).strip() in have:
+            continue  # open-ended (or not installed here: envd says so when it starts), or a listed task
+        names = [x.split("/", 1)[1] for x in have if "/" in x]
+        more = f", ... ({len(names)} in all)" if len(names) > 12 else ""
+        raise ConfigError(f"{what}: unknown env id {e!r}: {prefix} has no task {name!r} (it has "
+                          f"{', '.join(names[:12])}{more}; `tars config` lists the settings)")
+
+
+def demo_env_ids(ids, what: str = "actor.env_ids") -> None:
+    """Scripted demonstrations (tars.demos) exist for the builtin tasks only."""
+    from envd import builtin
+
+    bad = [e for e in ids if not (str(e).startswith("builtin/") and str(e).split("/", 1)[1] in builtin.TASKS)]
+    if bad:
+        raise ConfigError(
+            f"{what} has {', '.join(map(repr, bad))}: scripted demonstrations exist only for the builtin tasks "
+            f"({', '.join('builtin/' + t for t in builtin.TASKS)}). For other tasks, record episodes first (`tars up "
+            "--set learner.archive=true` writes RUN/trajectories.twl), then `tars data split RUN/trajectories.twl "
+            "--out DATA` and `tars sft --data DATA/sft.twl`; or set sft.steps=0 / leave out --demos")

@@ -1,0 +1,246 @@
+"""Every user error of the `tars` command, tried as a user would (the real CLI in a subprocess): one line on stderr,
+no traceback, exit status 2 (user error), 130 (Ctrl-C) or 1 (a failure during the run), and nothing started or
+written before the error. Also `tars ctl`'s choice of run: --run, $TARS_RUN, the current directory, and only then the
+latest local `tars up`, with a warning."""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+ENV.pop("TARS_RUN", None)
+ENV.pop("TARS_TRACEBACK", None)
+
+
+def tars(*args, env=None, cwd=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tars.cli", *map(str, args)], cwd=cwd or ROOT, env=env or ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(r, cmd: str, code: int = 2, *needles: str) -> str:
+    """The command ended with `code` and one `tars CMD:` line on stderr (its last line), no traceback."""
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert lines, "nothing on stderr"
+    mine = [x for x in lines if x.startswith(f"tars {cmd}:")]
+    assert mine == [lines[-1]], lines[-5:]
+    for n in needles:
+        assert n in lines[-1], lines[-1]
+    return lines[-1]
+
+
+# ---- checkpoints: a good one, one without its tokenizer, one whose vocabulary does not fit its tokenizer --------
+def _checkpoint(path: pathlib.Path, vocab: int | None = None, tokenizer: bool = True) -> pathlib.Path:
+    from core.chat import copy_tokenizer_files
+    from core.model import CausalLM, DecoderConfig
+    from tars.fresh import shared_tokenizer
+
+    tok = shared_tokenizer()
+    dc = DecoderConfig(vocab_size=vocab or tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                       bos_token_id=tok.eot_id, eos_token_id=tok.eot_id, pad_token_id=tok.pad_id)
+    CausalLM(dc).init_weights(0, 0.02).save_hf(path)
+    if tokenizer:
+        copy_tokenizer_files(tok.path, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpts")
+    (d / "a-file").write_text("not a directory")
+    return {"good": _checkpoint(d / "good"), "notok": _checkpoint(d / "notok", tokenizer=False),
+            "small": _checkpoint(d / "small", vocab=64), "file": d / "a-file", "missing": d / "missing"}
+
+
+# ---- bad paths ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("which,needle", [("missing", "no such directory"), ("file", "a file, not a checkpoint"),
+                                          ("notok", "no tokenizer.json"), ("small", "not a pair")])
+def test_up_model_path_that_cannot_be_used(tmp_path, ckpts, which, needle):
+    r = tars("up", "--set", f"model.path={ckpts[which]}", "--out", tmp_path / "run", "--quiet")
+    one_line(r, "up", 2, "model.path", needle)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("cmd,which,needle", [
+    *((c, "small", "not a pair") for c in ("sft", "serve", "learner", "eval")),  # the vocabulary check: every command
+    ("sft", "missing", "no such directory"), ("learner", "missing", "no such directory"),
+    ("serve", "file", "a file, not a checkpoint"), ("sft", "file", "a file, not a checkpoint"),
+    ("eval", "missing", "not a checkpoint directory")])
+def test_model_that_cannot_be_used_every_command(tmp_path, ckpts, cmd, which, needle):
+    args = {"sft": ["--out", tmp_path / "o", "--demos", "2"], "serve": [],
+            "learner": ["--run-dir", tmp_path / "o"], "eval": ["--suite", "builtin", "--out", tmp_path / "o"]}[cmd]
+    r = tars(cmd, "--model", ckpts[which], *args, timeout=60)
+    one_line(r, cmd, 2, needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("cmd", ["actor", "eval"])
+def test_missing_tokenizer_is_one_line(tmp_path, ckpts, cmd):
+    args = (["--envd", "127.0.0.1:1", "--inference", "127.0.0.1:2", "--stream", "tcp://127.0.0.1:3"] if cmd == "actor"
+            else ["--suite", "builtin", "--model", "127.0.0.1:5", "--out", tmp_path / "o"])
+    one_line(tars(cmd, *args, "--tokenizer", ckpts["notok"], timeout=60), cmd, 2, "--tokenizer", "no tokenizer.json")
+
+
+@pytest.mark.parametrize("cmd", ["up", "eval", "sft"])
+def test_out_that_cannot_be_written(tmp_path, ckpts, cmd):
+    out = ckpts["file"] / "sub"  # under a regular file: no directory can be made there
+    args = {"up": ["--quiet"], "eval": ["--suite", "builtin", "--model", "oracle", "--episodes", "1"],
+            "sft": ["--model", ckpts["good"], "--demos", "2"]}[cmd]
+    one_line(tars(cmd, *args, "--out", out, timeout=60), cmd, 2, "--out", "is a file")
+
+
+def test_missing_config_file_and_learner_resume_without_checkpoint(tmp_path, ckpts):
+    one_line(tars("up", "--config", tmp_path / "nope.yaml", "--out", tmp_path / "r"), "up", 2, "--config", "no such file")
+    (tmp_path / "bad.yaml").write_text("actor: [1, 2\n")
+    one_line(tars("config", "--config", tmp_path / "bad.yaml"), "config", 2, "cannot be read as YAML")
+    (tmp_path / "run").mkdir()
+    r = tars("learner", "--run-dir", tmp_path / "run", "--model", ckpts["good"], "--resume", "--set",
+             "learner.device=cpu", timeout=60)
+    one_line(r, "learner", 2, "--resume: no checkpoint")
+
+
+# ---- bad config values -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "learner.nokey=3"], "unknown config key(s) ['nokey'] in learner"),
+    (["--set", "actor.concurrency=abc"], "actor.concurrency: 'abc' is not int"),
+    (["--set", "actor.concurrency=-5"], "actor.concurrency = -5: must be >= 1"),
+    (["--set", "telemetry.sample_ratio=2"], "telemetry.sample_ratio = 2.0: must be in [0, 1]"),
+    (["--set", "envd.port=70000"], "envd.port = 70000: must be in [0, 65535]"),
+    (["--preset", "nope"], "no preset 'nope'"),
+    (["--set", "actor.env_ids=[builtin/nope]"], "builtin has no task 'nope'"),
+    (["--set", "actor.env_ids=[nosuch/x]"], "no backend serves it"),
+])
+def test_bad_config_values_are_refused_before_the_run(tmp_path, args, needle):
+    r = tars("up", *args, "--out", tmp_path / "run", "--quiet", timeout=60)
+    one_line(r, "up", 2, "config error", needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_key_in_a_yaml_file(tmp_path):
+    (tmp_path / "c.yaml").write_text("actor:\n  concurency: 4\n")
+    one_line(tars("up", "--config", tmp_path / "c.yaml", "--out", tmp_path / "run"), "up", 2, "['concurency'] in actor")
+
+
+# ---- tasks without demonstrations --------------------------------------------------------------------------------
+def test_sft_demos_on_a_task_without_demonstrations_says_what_to_do(tmp_path, ckpts):
+    """The old crash: KeyError "no builtin task 'click-button'" from deep in the warm start."""
+    r = tars("sft", "--model", ckpts["good"], "--out", tmp_path / "o", "--demos", "5",
+             "--set", "actor.env_ids=[miniwob/click-button]", timeout=60)
+    line = one_line(r, "sft", 2, "'miniwob/click-button'", "builtin/click", "tars data split", "tars sft --data")
+    assert "KeyError" not in line
+    r = tars("up", "--set", "actor.env_ids=[miniwob/click-button]", "--set", "sft.steps=5", "--out", tmp_path / "r",
+             "--quiet", timeout=60)
+    one_line(r, "up", 2, "scripted demonstrations exist only for the builtin tasks")
+    assert not (tmp_path / "r").exists()
+
+
+def test_eval_unknown_task_in_a_suite(tmp_path):
+    (tmp_path / "s.yaml").write_text("tasks: [builtin/nope]\n")
+    r = tars("eval", "--suite", tmp_path / "s.yaml", "--model", "oracle", "--out", tmp_path / "o", timeout=60)
+    one_line(r, "eval", 2, "builtin has no task 'nope'")
+    assert not (tmp_path / "o").exists()
+
+
+# ---- the learner's device ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cmd", ["up", "sft", "learner"])
+def test_a_cuda_device_that_is_not_there_is_refused_at_the_start(tmp_path, ckpts, cmd):
+    dev = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    args = {"up": ["--out", tmp_path / "o", "--set", "sft.steps=50", "--quiet"],
+            "sft": ["--model", ckpts["good"], "--out", tmp_path / "o", "--demos", "50"],
+            "learner": ["--model", ckpts["good"], "--run-dir", tmp_path / "o"]}[cmd]
+    t0 = time.monotonic()
+    r = tars(cmd, *args, "--set", f"learner.device={dev}", timeout=60)
+    one_line(r, cmd, 2, f"learner.device={dev!r}")
+    assert not (tmp_path / "o").exists() and time.monotonic() - t0 < 30  # before any demonstration or model
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------------------------
+def _interrupt(args, ready, cwd=None) -> tuple[int, str, str]:
+    p = subprocess.Popen([sys.executable, "-m", "tars.cli", *map(str, args)], cwd=cwd or ROOT, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out = []
+        deadline = time.monotonic() + 90
+        for line in p.stdout:
+            out.append(line)
+            if ready in line or time.monotonic() > deadline:
+                break
+        assert any(ready in x for x in out), "".join(out)[-2000:] + p.stderr.read()[-2000:]
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=90)
+        return p.returncode, "".join(out) + rest, err
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_ctrl_c_during_sft_leaves_no_partial_model(tmp_path, ckpts):
+    rc, out, err = _interrupt(["sft", "--model", ckpts["good"], "--out", tmp_path / "o", "--demos", "20",
+                               "--steps", "100000", "--set", "sft.batch_size=4", "--set", "learner.device=cpu"],
+                              "sft on cpu")
+    r = subprocess.CompletedProcess([], rc, out, err)
+    one_line(r, "sft", 130, "interrupted", "nothing written")
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.tmp*"))
+
+
+def test_ctrl_c_during_the_warm_start_of_up(tmp_path):
+    rc, out, err = _interrupt(["up", "--out", tmp_path / "r", "--set", "sft.steps=100000", "--set",
+                               "learner.device=cpu"], "SFT warm start")
+    one_line(subprocess.CompletedProcess([], rc, out, err), "up", 130, "interrupted", "before training started")
+    assert (tmp_path / "r" / "config.yaml").exists() and not list((tmp_path / "r").glob("run/*.json"))  # none started
+    assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_ctrl_c_during_eval_writes_results_and_resumes(tmp_path):
+    (tmp_path / "s.yaml").write_text("episodes: 400\ntasks: [builtin/click, builtin/menu]\n")
+    rc, out, err = _interrupt(["eval", "--suite", tmp_path / "s.yaml", "--model", "oracle", "--out", tmp_path / "o",
+                               "--concurrency", "1"], "[tars eval]")
+    one_line(subprocess.CompletedProcess([], rc, out, err), "eval", 130, "interrupted after", "rerun the same command")
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert res["complete"] is False and 0 < res["overall"]["episodes"] < 800
+    lines = (tmp_path / "o" / "episodes.jsonl").read_text().splitlines()
+    assert len(lines) == res["overall"]["episodes"] and all(json.loads(x) for x in lines)  # whole records only
+
+
+# ---- tars ctl: which run ------------------------------------------------------------------------------------------
+def _fake_run(d: pathlib.Path) -> pathlib.Path:
+    """A run directory whose one process (envd) has exited: ctl reports it DOWN without waiting."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    (d / "run").mkdir(parents=True)
+    (d / "run" / "envd.json").write_text(json.dumps({"role": "envd", "address": "127.0.0.1:1", "pid": p.pid}))
+    return d
+
+
+def test_ctl_prefers_run_flag_env_and_cwd_and_warns_on_the_global_fallback(tmp_path):
+    a, b, elsewhere = _fake_run(tmp_path / "a"), _fake_run(tmp_path / "b"), tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = tars("ctl", "status", env=env, cwd=elsewhere)
+    one_line(r, "ctl", 2, "no run found", "--run DIR")
+    last = tmp_path / "cache" / "tars" / "last-run"
+    last.parent.mkdir(parents=True)
+    last.write_text(json.dumps({"run_dir": str(a), "pid": 1, "started": 0}))
+
+    r = tars("ctl", "status", env=env, cwd=elsewhere)  # only the global file: used, with a warning naming it
+    assert r.returncode == 1 and f"# run {a} " in r.stdout and "DOWN: process" in r.stdout, r.stdout + r.stderr
+    warn = [x for x in r.stderr.splitlines() if x.startswith("tars ctl: warning:")]
+    assert len(warn) == 1 and str(a) in warn[0] and "--run DIR" in warn[0] and "TARS_RUN" in warn[0], r.stderr
+    for how, kw in (("cwd", dict(env=env, cwd=b)), ("$TARS_RUN", dict(env={**env, "TARS_RUN": str(b)}, cwd=elsewhere)),
+                    ("--run", dict(env=env, cwd=elsewhere))):
+        extra = ["--run", str(b)] if how == "--run" else []
+        r = tars("ctl", "status", *extra, **kw)
+        assert r.returncode == 1 and "DOWN: process" in r.stdout and str(a) not in r.stdout, (how, r.stdout)
+        assert "warning" not in r.stderr and "Traceback" not in r.stderr, (how, r.stderr)
+    assert "TARS_RUN" in tars("ctl", "status", env={**env, "TARS_RUN": str(b)}, cwd=a).stdout  # $TARS_RUN beats cwd
