@@ -1,0 +1,66 @@
+"""The inference server's configuration (`inference.*`): the gRPC front, the local engine, its prefix cache and the
+SGLang backend (docs/model.md, docs/sglang.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.config_fields import f
+
+
+@dataclass
+class InferenceConfig:
+    """inference_server: the gRPC front over an engine pool."""
+
+    host: str = f("127.0.0.1", "bind address (loopback by default)")
+    port: int = f(0, lo=0, hi=65535, help="gRPC port; 0 = pick a free one")
+    engine: str = f("local", "local (embedded torch engine) | sglang (SGLang servers over HTTP)")
+    sglang_urls: list = f([], "SGLang base URLs for engine=sglang")
+    max_batch: int = f(256, lo=1, help="most sequences decoded together in one step")
+    max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED")
+    max_context: int = f(1024, lo=1, help="longest prompt + output; longer prompts answer INVALID_ARGUMENT")
+    threads: int = f(1, "torch intra-op threads of the local engine")
+    cache_capacity: int = f(4096, "trajectories whose KV prefix is kept (LRU)")
+    max_stale_versions: int = f(0, "default staleness budget for keeping KV across a weight update (0 = recompute)")
+    auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
+                            "control.auth_token); required off loopback (the server refuses to start, exit 2); "
+                            "`tars up` makes one per run when empty")
+    auth_token_file: str = f("", "read inference.auth_token from this file (a Kubernetes Secret volume, a systemd "
+                                 "credential), so it never sits on a command line")
+    cache_max_bytes: int = f(0, "memory bound of the per-trajectory KV prefix cache, in bytes; 0 = auto: a tenth of the "
+                                "memory available at start (MemAvailable, or free GPU memory for a CUDA model), at most 4 GiB")
+    cache_block_tokens: int = f(32, "the prefix cache holds KV in blocks of this many tokens; over the byte bound the least "
+                                    "recently used trajectory loses its tail blocks first")
+    prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
+    max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
+    update_timeout_s: float = f(120.0, "longest wait for a weight update to be applied between two steps")
+    max_version_jump: int = f(1000, "UpdateWeights to a version more than this beyond the one served is refused "
+                              "(INVALID_ARGUMENT; a huge version would lock out every later publish); 0 = unbounded. "
+                              "A server started from older weights than the learner's: start it with --version")
+    sglang_pause_mode: str = f("abort", "engine=sglang: pause_generation mode around a weight update: abort (in-flight requests "
+                               "come back and are resumed from their tokens) | retract | in_place (the server keeps them)")
+    sglang_request_timeout_s: float = f(600.0, "engine=sglang: longest a generation may take, resumes included")
+    sglang_health_interval_s: float = f(2.0, "engine=sglang: seconds between GET /health_generate rounds")
+    sglang_health_timeout_s: float = f(25.0, "engine=sglang: health check timeout (SGLang's own check waits up to 20 s)")
+    sglang_health_failures: int = f(1, "engine=sglang: failed health checks in a row that take a replica out")
+    sglang_max_resumes: int = f(32, "engine=sglang: aborts / replica failures one request survives before it fails")
+    sglang_max_concurrency: int = f(256, "engine=sglang: HTTP calls in flight at once (threads of the client pool)")
+    sglang_launch: int = f(0, "engine=sglang: start and supervise this many SGLang servers on the --model directory "
+                           "(restarted when one dies, stopped with the server); 0 = attach to sglang_urls (docs/sglang.md)")
+    sglang_gpus: list = f([], "engine=sglang with sglang_launch: CUDA_VISIBLE_DEVICES of each launched server, round-robin "
+                          "(e.g. [\"0\", \"1\"] or [\"0,1\"] for --tp-size 2); empty = inherit")
+    sglang_host: str = f("127.0.0.1", "engine=sglang with sglang_launch: the launched servers' bind address")
+    sglang_base_port: int = f(30000, "engine=sglang with sglang_launch: server i listens on sglang_base_port + i")
+    sglang_args: list = f([], "engine=sglang with sglang_launch: extra SGLang server flags, e.g. [--mem-fraction-static, "
+                          "'0.85', --tp-size, '2']")
+    sglang_python: str = f("", "engine=sglang with sglang_launch: the Python that runs SGLang (its own environment: "
+                           "SGLang 0.5.23 pins another torch than tars); empty = this interpreter")
+    sglang_module: str = f("sglang.launch_server", "engine=sglang with sglang_launch: the module run as `python -m` "
+                           "(inference_server.sglang_conformance is the stand-in the tests use)")
+    sglang_startup_timeout_s: float = f(900.0, "engine=sglang: at start, how long to wait for a first server to answer "
+                                        "GET /health_generate (model load included) before exiting with status 2")
+    sglang_max_restarts: int = f(5, "engine=sglang with sglang_launch: restarts of one server that died before it is "
+                                 "given up (its replica stays out)")
+    sglang_restart_backoff_s: float = f(2.0, "engine=sglang with sglang_launch: wait before a restart, doubled for each "
+                                        "restart of the same server (at most 60 s)")
+    sticky_max_imbalance: int = f(8, "a trajectory leaves its replica (and its prefix cache) when that replica has more than "
+                                  "this many requests in flight beyond the least loaded one; 0 = always sticky")
