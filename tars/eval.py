@@ -213,6 +213,9 @@ class ModelPolicy(Policy):
         from tars.topology import Topology, plan
 
         C.save(self.cfg, out / "config.yaml")
+        # the context the prompts must fit: the config's when this run serves the policy itself; a server given by
+        # address answers a prompt that does not fit with "exceeds max_context", which ends the episode the same way
+        max_context = 0 if self.inference_addr else self.cfg.inference.max_context
         # envd and `tars serve` where no address was given: the topology of a run without learner and actors
         self.topo = Topology(plan(self.cfg, out, self.checkpoint, learner=False, n_actors=0,
                                   envd_addrs=(self.envd_addr,) if self.envd_addr else (),
@@ -226,7 +229,7 @@ class ModelPolicy(Policy):
         a = self.cfg.actor
         self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries)
         self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries)
-        self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval")
+        self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval", max_context=max_context)
 
     async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
         from actor.episode import run_episode

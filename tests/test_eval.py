@@ -342,3 +342,19 @@ def test_fresh_checkpoint_runs_through_envd_and_inference(tmp_path):
     assert {d["role"] for d in ready} == {"envd", "inference"}
     for d in ready:
         assert not _alive(d["pid"]), d
+
+
+def test_a_context_too_small_for_the_episode_truncates_instead_of_infra_errors(tmp_path):
+    """An episode whose next prompt would not fit the served context (eval's own `tars serve`, with the config's
+    max_context) is scored as truncated (it counts in the rates), never as an infra error."""
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "tars.cli", "eval", "--suite", "builtin", "--model", str(ckpt),
+                        "--out", str(out), "--episodes", "2", "--tasks", "builtin/click", "--concurrency", "2",
+                        "--set", "inference.max_context=160", "--set", "actor.max_new_tokens=16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["overall"]["infra_errors"] == 0 and res["overall"]["scored"] == 2
+    recs = _lines(out / "episodes.jsonl")
+    assert all(x["outcome"] == "truncated" and x["steps"] < 6 for x in recs), recs
