@@ -86,7 +86,7 @@ def _settle(waiter: asyncio.Future, fut) -> None:
     elif fut.exception() is not None:
         waiter.set_exception(fut.exception())
     else:
-        waiter.set_result(fut.result())
+        waiter.set_result(fut.result(0))  # done: no wait
 
 
 def _expire(waiter: asyncio.Future) -> None:

@@ -54,11 +54,12 @@ def test_serve_exits_2_with_one_line_when_no_sglang_server_answers(models):  # n
     assert time.monotonic() - t0 < 30
 
 
-def test_serve_exits_2_at_once_when_a_launched_server_dies_before_it_is_healthy(tmp_path):
+def test_serve_exits_2_at_once_when_a_launched_server_dies_before_it_is_healthy(models):  # noqa: F811
+    # the checkpoint is fine (tars serve checks it first); the server's Python fails at once, exit status 1
     t0 = time.monotonic()
-    r = _serve("--model", str(tmp_path / "missing"), "--port", "0", "--engine", "sglang", "--sglang-launch", "1",
+    r = _serve("--model", models["a"], "--port", "0", "--engine", "sglang", "--sglang-launch", "1",
                "--set", f"inference.sglang_module={CONFORMANCE}", "--set", f"inference.sglang_base_port={_free_port()}",
-               "--set", "inference.sglang_startup_timeout_s=120")
+               "--set", "inference.sglang_python=/bin/false", "--set", "inference.sglang_startup_timeout_s=120")
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]  # before it: the dead server's own output
     assert last.startswith("inference_server: SGLang server http://127.0.0.1:") and "exited with status 1 before it " \
