@@ -128,7 +128,8 @@ class StreamConfig:
     credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
     max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
     queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")
-    ack_interval_s: float = f(0.002, "WAL fsync / ack batching interval")
+    ack_interval_s: float = f(0.002, "longest a WAL batch waits to grow before its fdatasync (sooner once it holds "
+                                     "what arrives during one fdatasync)")
     fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
     durability: str = f("wal", "wal: ack a trajectory once it is fsynced in the learner's write-ahead log | "
                                "checkpoint: no WAL; ack it once a checkpoint that consumed it is on disk (actors "

@@ -266,7 +266,9 @@ def test_duplicate_ids_are_acked_but_delivered_once(tmp_path):
 
 def test_learner_restart_delivers_every_trajectory_exactly_once(tmp_path):
     N = 300
-    rx1 = receiver(tmp_path, credits=32, queue_size=64)
+    # queue_size: room for 128 past the consumer's 100, so the actor is still sending (and holds credit) when the
+    # test sees accepted > 100 and kills rx1; with 64 a fast receiver filled it first and nothing went into the void.
+    rx1 = receiver(tmp_path, credits=32, queue_size=128)
     addr = rx1.start()
     trained: list[str] = []
 
@@ -287,7 +289,7 @@ def test_learner_restart_delivers_every_trajectory_exactly_once(tmp_path):
         # the receiver holds some past the consumer's 100, instead of hoping the sender got ahead of it.
         deadline = asyncio.get_running_loop().time() + 10
         while rx1.stats()["accepted"] <= 100 and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.002)
         ckpt = rx1.checkpoint_state()                 # taken with the weights that trained on con1.ids
         await asyncio.to_thread(rx1.stop)
         acked_unconsumed = rx1.stats()["accepted"] - 100

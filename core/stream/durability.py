@@ -5,8 +5,9 @@ ack is a promise that the trajectory survives a learner crash. The receiver (cor
 queues a trajectory, then hands it to its Durability, which decides how that promise is kept:
 
   "wal"         WalDurability: the trajectory is written to the write-ahead log (core/stream/wal.py) and fsynced, in
-                batches (the io thread stages, a syncer thread writes, checksums and fdatasyncs each batch, one per
-                ack_interval_s, then the io thread acks). A restarted learner replays the entries its checkpoint does
+                batches (the io thread stages, a syncer thread writes, checksums and fdatasyncs each batch, then the
+                io thread acks; group commit: one fdatasync in flight, the next one covers everything that arrived
+                meanwhile, see WalDurability). A restarted learner replays the entries its checkpoint does
                 not list as consumed; compact() drops consumed entries after a checkpoint.
   "checkpoint"  CheckpointDurability: no log. An accepted trajectory is answered at once with a "held" notice (the
                 actor keeps it but stops its re-send timer) and acked for good when the training loop calls commit()
@@ -126,7 +127,15 @@ class WalDurability(Durability):
         self.ack_interval_s = ack_interval_s
         self.max_staged = max_staged  # staged payloads are held in memory until the syncer has written them
         self._pending: dict[bytes, list[str]] = {}  # staged (or duplicate) ids to ack after the next sync
+        self._n_pending = 0
         self._ack_due = 0.0
+        # Group commit: one fdatasync in flight; the next covers everything that arrived meanwhile. It starts once
+        # the previous one is done and either ack_interval_s passed since the first pending id or the pending batch
+        # reaches what arrives during one fdatasync (measured: EWMA of the sync latency x EWMA of the arrival rate),
+        # so a loaded stream does not wait out the interval and a quiet one still groups its syncs.
+        self._sync_s = 0.005  # EWMA seconds per sync (write + checksum + fdatasync), measured by the syncer
+        self._rate = 0.0      # EWMA ids per second handed to the syncer
+        self._handed_at = 0.0
         # One fdatasync at a time runs on the syncer thread while the io thread keeps receiving; its batch of acks
         # comes back through _sync_done and is sent by the io thread (which owns the socket), in order.
         self._sync_req: queue.Queue = queue.Queue(maxsize=1)
@@ -169,16 +178,27 @@ class WalDurability(Durability):
 
     def _ack_after_sync(self, ident: bytes, tid: str) -> None:
         self._pending.setdefault(ident, []).append(tid)
+        self._n_pending += 1
         if self._ack_due == 0.0:
             self._ack_due = time.monotonic() + self.ack_interval_s
+
+    def batch_target(self) -> int:
+        """Ids that arrive during one fdatasync at the measured rate (at least 1, at most half of max_staged; before
+        the first measurement, half of max_staged: the interval decides)."""
+        cap = max(1, self.max_staged // 2)
+        return max(1, min(int(self._rate * self._sync_s), cap)) if self._rate else cap
 
     def poll_timeout(self, now: float) -> float:
         return 0.001 if self._syncing is not None else 0.005 if not self._pending else max(0.0, self._ack_due - now)
 
     def tick(self, now: float) -> None:
-        if self._collect(None) and self._pending and now >= self._ack_due:
+        if self._collect(None) and self._pending and (now >= self._ack_due or self._n_pending >= self.batch_target()):
             # Hand the pending acks to the syncer (one sync in flight at a time keeps acks in order).
-            self._syncing, self._pending, self._ack_due = self._pending, {}, 0.0
+            if self._handed_at:
+                dt = max(now - self._handed_at, 1e-4)
+                self._rate += 0.2 * (self._n_pending / dt - self._rate)
+            self._handed_at = now
+            self._syncing, self._pending, self._ack_due, self._n_pending = self._pending, {}, 0.0, 0
             self.io.count("wal_syncs")
             self._sync_req.put_nowait(self._syncing)
 
@@ -193,11 +213,11 @@ class WalDurability(Durability):
         except OSError as e:
             self.io.count("wal_errors")
             self.io.warn("wal", "WAL sync failed, acks withheld: %s", e)
-            self._pending, self._ack_due = {}, 0.0
+            self._pending, self._ack_due, self._n_pending = {}, 0.0, 0
             return
         self.io.count("wal_syncs")
         self._ack_batch(self._pending)
-        self._pending, self._ack_due = {}, 0.0
+        self._pending, self._ack_due, self._n_pending = {}, 0.0, 0
 
     def _ack_batch(self, batch: dict[bytes, list[str]]) -> None:
         for ident, ids in batch.items():
@@ -222,8 +242,10 @@ class WalDurability(Durability):
             batch = self._sync_req.get()
             if batch is None:
                 return
+            t0 = time.monotonic()
             try:
                 self.wal.sync()
+                self._sync_s += 0.2 * (time.monotonic() - t0 - self._sync_s)
             except OSError:
                 # Sticky (WalError from now on): nothing is acked again, actors keep what they sent.
                 log.exception("WAL write/fdatasync failed; these trajectories stay unacked")
@@ -239,7 +261,8 @@ class WalDurability(Durability):
         return {"kept": kept, "dropped": dropped}
 
     def stats(self) -> dict:
-        return {"wal_entries": len(self.wal), "held": 0}
+        return {"wal_entries": len(self.wal), "held": 0, "wal_sync_ms": round(self._sync_s * 1e3, 2),
+                "wal_batch_target": self.batch_target()}
 
 
 class CheckpointDurability(Durability):

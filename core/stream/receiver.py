@@ -34,19 +34,11 @@ from core.stream import messages as M
 from core.stream.curve import curve_server
 from core.stream.durability import IoHooks, make_durability
 from core.stream.images import ImageError, ImageStore, resolve, take_attached
+from core.stream.ioloop import TickPacer, recv_message
 from core.stream.peers import Peer
 from core.stream.wal import WalError
 
 log = logging.getLogger(__name__)
-
-
-def _recv_message(sock) -> list:
-    """One multipart message (raises zmq.Again if none): the identity, tag and body frames as bytes, the payload and
-    image frames as zero-copy memoryviews of libzmq's buffers (decoded from there; the WAL batch keeps the payload by
-    reference until the syncer has written it). One recv_multipart call: per-frame recv and RCVMORE lookups cost
-    more than the rest of the receive."""
-    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-    return [f.bytes if i < 3 else f.buffer for i, f in enumerate(frames)]
 
 
 class TrajectoryReceiver:
@@ -61,15 +53,9 @@ class TrajectoryReceiver:
         "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
         if credits < 1 or queue_size < 1:
             raise ValueError("credits and queue_size must be >= 1")
-        self.bind = bind
-        self.staleness = staleness
-        self.credits = credits
-        self.queue_size = queue_size
-        self.max_frame_bytes = max_frame_bytes
-        self.on_reject = on_reject
-        self.actor_timeout_s = actor_timeout_s
-        self.log_every_s = log_every_s
-        self.curve_secret_key = curve_secret_key
+        self.bind, self.staleness, self.credits, self.queue_size = bind, staleness, credits, queue_size
+        self.max_frame_bytes, self.on_reject, self.actor_timeout_s = max_frame_bytes, on_reject, actor_timeout_s
+        self.log_every_s, self.curve_secret_key = log_every_s, curve_secret_key
         self.vocab_size, self._claims_until = vocab_size, 0.0  # HELLO inflight is adopted until then (set by start)
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
         self.durability = make_durability(durability, IoHooks(self._send, self._count, self._warn), wal_path,
@@ -79,11 +65,13 @@ class TrajectoryReceiver:
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._consumed: set[str] = set(consumed_ids)
         self._consumed_lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop, self._ready = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
         self._error: BaseException | None = None
         self._sock: zmq.Socket | None = None  # the io thread's, from bind to close
+        # The io thread's clock (read once per burst of messages); credit_low: an actor spent half its credit, so
+        # tick now (core/stream/ioloop.py).
+        self._now, self._credit_low = time.monotonic(), False
         self.address = ""
         self._actors: dict[bytes, Peer] = {}
         self._replay: list[str] = []
@@ -93,7 +81,7 @@ class TrajectoryReceiver:
              "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
              "protocol_errors", "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images",
              "committed", "invalid", "claimed", "claims_capped", "claims_expired"), 0)
-        self._last_log: dict[str, float] = {}
+        self._last_log: dict[str, float] = {}  # reason -> when last logged; _suppressed: reason -> count since
         self._suppressed: dict[str, int] = {}
 
     # --- training-thread API --------------------------------------------------------------------------------------
@@ -207,20 +195,27 @@ class TrajectoryReceiver:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         dur = self.durability
+        pace = TickPacer(self.credits, time.monotonic())  # when to tick: core/stream/ioloop.py
         try:
             while not self._stop.is_set():
-                if poller.poll(dur.poll_timeout(time.monotonic()) * 1000):
-                    # Drain a short burst, then tick: credit and acks must flow back while the actor still has
-                    # work in hand, or the two ends take turns instead of overlapping.
+                got, full = 0, False
+                if poller.poll(pace.wait(time.monotonic(), dur.poll_timeout(time.monotonic())) * 1000):
+                    # Drain a short burst, then see whether a tick is due: credit and acks must flow back while the
+                    # actor still has work in hand, or the two ends take turns instead of overlapping.
+                    self._now = time.monotonic()
                     for _ in range(32):
                         try:
-                            msg = _recv_message(sock)
+                            msg = recv_message(sock)
                         except zmq.Again:
                             break
+                        got += 1
                         self._handle(msg)
                         if dur.acks_ready:
                             break
-                self._tick()
+                    else:
+                        full = True
+                if pace.due(got, full, time.monotonic(), dur.acks_ready or self._credit_low):
+                    self._tick()
             dur.flush()
         except Exception:
             log.exception("trajectory receiver io thread crashed")
@@ -250,7 +245,7 @@ class TrajectoryReceiver:
             return
         st = self._actors.get(ident)
         if st is not None:
-            st.last_seen = time.monotonic()
+            st.last_seen = self._now
         elif tag != M.HELLO:
             # A learner restart (or a timed-out actor): make the actor re-introduce itself; its outbox is re-sent.
             self._send(ident, M.Who())
@@ -348,6 +343,8 @@ class TrajectoryReceiver:
         self._count("received")
         if st.credit > 0:
             st.credit -= 1
+        if st.credit <= self.credits >> 1:
+            self._credit_low = True
         tid = m.id
         if self._known(tid):
             self._count("duplicates")
@@ -359,8 +356,8 @@ class TrajectoryReceiver:
             return
         try:
             n_img = len(self.images)
-            # Stored even if the trajectory is then refused: later trajectories may refer to them.
-            take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
+            if m.images or image_frames:  # stored even if the trajectory is then refused: later ones may refer to them
+                take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
             tr = Trajectory.decode(payload, self.max_frame_bytes, self.vocab_size)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
@@ -389,11 +386,11 @@ class TrajectoryReceiver:
             self._nack(ident, st, tid, "busy: write-ahead log failed", "wal_errors", retry=True)
             return
         # Accounting before the put: the training thread may call on_accepted the instant the item is queued.
-        if not st.arrived(time.monotonic(), self.actor_timeout_s):
+        if not st.arrived(self._now, self.actor_timeout_s):
             self.staleness.adopt(1)     # admitted by a previous learner, or sent without ADMIT
         self._q.put_nowait(tr)
         self._count("accepted")
-        n = self._q.qsize()
+        n = len(self._q.queue)  # a statistic: no need for the queue's lock
         if n > self._stats["queue_max"]:
             self._stats["queue_max"] = n
 
@@ -403,6 +400,7 @@ class TrajectoryReceiver:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        self._credit_low = False
         self.durability.tick(now)
         free = self._free_slots()
         # WAL replay first: a restarted learner trains on what it had before taking anything new.

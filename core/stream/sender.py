@@ -20,7 +20,7 @@ The socket is a plain (non-asyncio) DEALER driven by the event loop directly: se
 unlimited and credit bounds what is in flight, so they never have to wait), and loop.add_reader on the socket's FD
 drains incoming messages. zmq.asyncio would cost a future, a scheduled callback and several EVENTS checks per send
 while a receive is pending, about as much as the rest of the hot path. The ZeroMQ FD is edge-triggered: any call on
-the socket may consume the edge, so after each send the sender checks EVENTS itself and schedules a drain.
+the socket may consume the edge, so a send schedules a drain (which checks EVENTS) for the loop's next pass.
 """
 from __future__ import annotations
 
@@ -169,18 +169,21 @@ class TrajectorySender:
             self._spool.save(tid, frame, images)
             self._stats["spooled"] += 1
         try:
-            await self._wait(lambda: self._ready and self._credit > 0 and not self._resend
-                             and len(self._outbox) - self._n_held < self.window
-                             and len(self._outbox) < self.max_outbox, deadline, f"no credit to send {tid}")
+            if not self._can_send():  # the common case (credit in hand) skips the waiter's closure and coroutine
+                await self._wait(self._can_send, deadline, f"no credit to send {tid}")
         except BaseException:
             if self._spool is not None and not self._closed:
                 self._unspool(tid)  # the caller sees the failure and counts it; a restart must not resurrect it
             raise
         self._credit -= 1
-        e = self._outbox[tid] = _Entry(frame, next(self._seq), time.monotonic(), images or None)
+        e = self._outbox[tid] = _Entry(frame, next(self._seq), 0.0, images or None)  # _transmit stamps sent_at
         self._inflight = max(0, self._inflight - 1)
         self._transmit(tid, e)
         self._stats["sent"] += 1
+
+    def _can_send(self) -> bool:
+        return (self._ready and self._credit > 0 and not self._resend
+                and len(self._outbox) - self._n_held < self.window and len(self._outbox) < self.max_outbox)
 
     async def flush(self, timeout: float, held_ok: bool = False) -> None:
         """Wait until every trajectory sent so far is acked (or NACKed); held_ok: or held by the learner."""
@@ -242,14 +245,20 @@ class TrajectorySender:
             self._sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             log.warning("stream send would block; dropped a %r message", parts[0])
-        if not self._drain_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            # The send may have consumed the FD's edge for messages that arrived meanwhile: drain them soon.
+        if not self._drain_scheduled:
+            # The send may have consumed the FD's edge for messages that arrived meanwhile: drain soon (_drain checks
+            # EVENTS itself). One check per pass of the event loop, not one EVENTS lookup per send: a burst of sends
+            # between two awaits costs one.
             self._drain_scheduled = True
             self._loop.call_soon(self._drain)
 
     def _transmit(self, tid: str, e: _Entry) -> None:
         e.sent_at = time.monotonic()
-        new = [h for h in e.images if h not in self._sent_images] if e.images else []
+        if not e.images:  # no screenshots: the header and the frame, nothing else to track
+            self._stats["bytes_sent"] += len(e.frame)
+            self._send([M.TRAJ, M.pack({"seq": e.seq, "id": tid, "images": []}), e.frame], copy=False)
+            return
+        new = [h for h in e.images if h not in self._sent_images]
         parts = [*M.Traj(e.seq, tid, new).encode(), e.frame, *(e.images[h] for h in new)]
         for h in new:
             self._sent_images[h] = None

@@ -10,8 +10,9 @@ A torn tail (the learner died mid-write: a short record, a bad crc, TWL2 records
 away on open; those trajectories were never acked (acks follow sync, in order), so their actors re-send them.
 
 The receiver stages: its io thread only reserves the offset, indexes the id (so duplicates are caught at once) and
-keeps a reference to the payload buffer (no copy); the syncer thread checksums the batch, writes it with one
-pwritev and fdatasyncs it before the acks go out.
+keeps a reference to the payload buffer (no copy); the syncer thread joins the batch into blocks of a few MB,
+checksums each with one GIL-releasing crc32 call, writes them with one pwritev and fdatasyncs it before the acks go
+out.
 
 Only an index {id: (offset, length)} stays in memory; payloads are read back with pread when replayed, so a large
 backlog costs disk, not RAM. One lock: the receiver's io thread appends, syncs and reads; the training thread may
@@ -85,16 +86,20 @@ def scan_ids(path) -> list[str]:
     return [t for t, _, _ in records]
 
 
-_CRC_CHUNK = 4096  # zlib.crc32 keeps the GIL for buffers up to 5 KB
+_BLOCK = 4 << 20  # staged buffers are joined into blocks of up to this size for the checksum and the write
+_BIG = 1 << 20    # a buffer this large is its own block, checksummed and written where it is (no copy)
 
 
 class _Batch:
-    """Staged records by reference (no copy: the payloads stay in the buffers libzmq received them into), written by
-    the syncer with pwritev (one call, one GIL hand-over per 1000 buffers).
+    """Staged records by reference (no copy at stage time: the payloads stay in the buffers libzmq received them
+    into); the syncer seals a cut batch: checksum, then one pwritev.
 
-    The checksum is computed in chunks of 4 KB on purpose: zlib.crc32 releases the GIL for larger buffers, and a
-    thread that wants the GIL back from a busy io thread may wait up to the 5 ms switch interval, so one release per
-    payload made a 32-record sync take tens of milliseconds on a loaded machine. Held, it costs the same CPU."""
+    The checksum must not hold the receiver's GIL for long: zlib.crc32 holds it for buffers up to 5 KB and releases
+    it above, but every release costs the syncer up to the 5 ms switch interval to get the GIL back from a busy io
+    thread, so one crc32 call per payload (or per 4 KB piece, GIL held: ~13 us per 33 KB trajectory on the io
+    thread's GIL) is slow either way. seal() joins the small buffers into blocks of up to 4 MB (one memcpy per block,
+    ~0.1 ms per MB with the GIL held) and checksums each block with one crc32 call that releases the GIL: a batch
+    costs one or two GIL hand-overs and the checksum runs beside the io thread, on the other core."""
 
     __slots__ = ("bufs", "pos")
 
@@ -106,19 +111,34 @@ class _Batch:
         self.bufs.append(b)
         self.pos += len(b)
 
-    def crc(self) -> int:
-        c, crc32, k = 0, zlib.crc32, _CRC_CHUNK
-        for b in self.bufs:
-            if len(b) <= k:
-                c = crc32(b, c)
-            else:
-                m = memoryview(b)
-                for o in range(0, len(m), k):
-                    c = crc32(m[o:o + k], c)
-        return c
+    def seal(self) -> tuple[list, int]:
+        """(blocks to write, crc32 of the whole batch)."""
+        blocks, small, n, crc = [], [], 0, 0
+        crc32 = zlib.crc32
 
-    def write(self, fd: int, off: int, tail: bytes) -> None:
-        bufs = self.bufs + [tail]
+        def close_small():
+            nonlocal small, n, crc
+            if small:
+                blk = small[0] if len(small) == 1 else b"".join(small)
+                crc = crc32(blk, crc)
+                blocks.append(blk)
+                small, n = [], 0
+
+        for b in self.bufs:
+            if len(b) >= _BIG:
+                close_small()
+                crc = crc32(b, crc)
+                blocks.append(b)
+                continue
+            small.append(b)
+            n += len(b)
+            if n >= _BLOCK:
+                close_small()
+        close_small()
+        return blocks, crc
+
+    @staticmethod
+    def write(fd: int, off: int, bufs: list) -> None:
         for i in range(0, len(bufs), 1000):  # Linux IOV_MAX is 1024
             chunk = bufs[i:i + 1000]
             want = sum(len(b) for b in chunk)
@@ -245,13 +265,13 @@ class WriteAheadLog:
         """Checksum and write a cut batch with its commit (called under _sync_lock or _lock; offsets are reserved)."""
         batch, start = cut
         try:
-            batch.write(self._fd, start, _COMMIT.pack(_COMMIT_MAGIC, start, batch.crc()))
+            blocks, crc = batch.seal()
+            batch.write(self._fd, start, blocks + [_COMMIT.pack(_COMMIT_MAGIC, start, crc)])
         except BaseException as e:
             # Later records were reserved after this batch: the log can no longer be written in order.
             self._failed = e
             raise WalError(f"wal {self.path}: write failed: {e}") from e
         self._dirty = True
-        # Back to the pool for the next cut; a buffer grown by a burst far beyond the usual batch is let go.
 
     def sync(self) -> None:
         """Write everything staged and make every record appended or staged before this call durable (one

@@ -4,6 +4,9 @@ All paths do the same useful work: encode each Trajectory on the actor, decode +
 to a consumer thread through a bounded queue. The stream adds credits, acks and the outbox, and for durability either
 the WAL (append + batched fdatasync; "wal") or held notices and acks after each commit ("checkpoint", the consumer
 committing every 1024 trajectories as a learner checkpointing every 16 updates of 64 would).
+Besides the rates it reports the CPU each side spends per trajectory (cpu_us_{learner,actor}_{wal,checkpoint,raw},
+median of the repeats: user + system time of the whole process, all threads, from the start signal), a figure that
+swings much less than the rates when other work shares the machine.
 Run: `python -m tars.bench.stream [n] [payload_bytes]`.
 """
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 import multiprocessing
 import os
 import queue
+import resource
+import statistics
 import sys
 import tempfile
 import threading
@@ -75,21 +80,31 @@ async def _raw_actor(addr: str, trajs, go=None) -> None:
     ctx.term()
 
 
-def _child(kind: str, addr: str, n: int, payload_bytes: int, credits: int, conn) -> None:
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _child(kind: str, addr: str, n: int, payload_bytes: int, credits: int, conn, cpu_out) -> None:
     trajs = _trajs(n, payload_bytes)
+    t0 = [0.0]
 
     def go():
         conn.send("ready")
         conn.recv()  # wait for the parent's start signal so only the transfer is timed
+        t0[0] = _cpu()
 
     coro = _stream_actor(addr, trajs, credits, go) if kind == "stream" else _raw_actor(addr, trajs, go)
     asyncio.run(coro)
+    cpu_out.value = _cpu() - t0[0]  # the actor's CPU (user + system, all threads) from the start signal to its close
 
 
 def _drive(kind: str, addr: str, trajs, credits: int, done: threading.Event, subprocess: bool,
-           payload_bytes: int) -> float:
-    """Time from start signal until the consumer has all n: actor in this process (asyncio) or in a child process."""
+           payload_bytes: int) -> tuple[float, float, float]:
+    """Time from start signal until the consumer has all n: actor in this process (asyncio) or in a child process.
+    Returns (seconds, learner-process CPU seconds until then, actor CPU seconds; NaN in one process)."""
     if not subprocess:
+        c0 = _cpu()
         async def main() -> float:
             t = [0.0]
             coro = (_stream_actor(addr, trajs, credits, lambda: t.__setitem__(0, time.perf_counter()))
@@ -97,25 +112,29 @@ def _drive(kind: str, addr: str, trajs, credits: int, done: threading.Event, sub
             await coro
             await asyncio.to_thread(done.wait, 60)
             return time.perf_counter() - t[0]
-        return asyncio.run(main())
+        dt = asyncio.run(main())
+        return dt, _cpu() - c0, float("nan")
     mp = multiprocessing.get_context("spawn")
     a, b = mp.Pipe()
-    p = mp.Process(target=_child, args=(kind, addr, len(trajs), payload_bytes, credits, b), daemon=True)
+    cpu_out = mp.Value("d", float("nan"))
+    p = mp.Process(target=_child, args=(kind, addr, len(trajs), payload_bytes, credits, b, cpu_out), daemon=True)
     p.start()
     if not a.poll(60):
         raise TimeoutError("bench actor did not start")
     a.recv()
+    c0 = _cpu()
     t0 = time.perf_counter()
     a.send("go")
     if not done.wait(60):
         raise TimeoutError("bench consumer did not get everything")
     dt = time.perf_counter() - t0
+    learner_cpu = _cpu() - c0
     p.join(30)
-    return dt
+    return dt, learner_cpu, cpu_out.value
 
 
 def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, subprocess: bool,
-                payload_bytes: int, durability: str = "wal", commit_every: int = 1024) -> float:
+                payload_bytes: int, durability: str = "wal", commit_every: int = 1024) -> tuple[float, float, float]:
     """durability="checkpoint": the consumer commits what it consumed every commit_every trajectories (a learner
     that checkpoints every 16 updates of 64) and at the end, which is when the actor's flush returns."""
     from learner.staleness import StalenessManager
@@ -141,7 +160,8 @@ def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, sub
         rx.mark_consumed(consumed)
         rx.commit(consumed)
 
-    con = threading.Thread(target=_consume, args=(rx.get, len(trajs), done, on_item, on_done), daemon=True)
+    con = threading.Thread(target=_consume, args=(rx.get, len(trajs), done, on_item, on_done), name="bench-consumer",
+                           daemon=True)
     con.start()
     try:
         return _drive("stream", addr, trajs, credits, done, subprocess, payload_bytes)
@@ -149,7 +169,7 @@ def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, sub
         rx.stop()
 
 
-def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int) -> float:
+def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int) -> tuple[float, float, float]:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
@@ -176,10 +196,10 @@ def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int) -> fl
         except queue.Empty:
             return None
 
-    th = threading.Thread(target=rx_loop, daemon=True)
+    th = threading.Thread(target=rx_loop, name="raw-receiver", daemon=True)
     th.start()
     done = threading.Event()
-    con = threading.Thread(target=_consume, args=(get, len(trajs), done), daemon=True)
+    con = threading.Thread(target=_consume, args=(get, len(trajs), done), name="bench-consumer", daemon=True)
     con.start()
     try:
         return _drive("raw", f"tcp://127.0.0.1:{port}", trajs, 0, done, subprocess, payload_bytes)
@@ -227,12 +247,18 @@ def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync:
             stream.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes))
             ckpt.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes, "checkpoint"))
         parts = _breakdown(trajs, tmp)
-    s_rate, c_rate, r_rate = n / min(stream), n / min(ckpt), n / min(raw)
+    s_rate, c_rate, r_rate = (n / min(r[0] for r in runs) for runs in (stream, ckpt, raw))
+
+    def cpu_us(runs, i):  # median CPU microseconds per trajectory
+        return round(statistics.median(r[i] for r in runs) / n * 1e6, 1)
+
+    cpu = {f"cpu_us_{side}_{path}": cpu_us(runs, i) for path, runs in (("wal", stream), ("checkpoint", ckpt), ("raw", raw))
+           for side, i in (("learner", 1), ("actor", 2))}
     return {"n": n, "payload_bytes": len(trajs[0].encode()), "fsync": fsync, "subprocess": subprocess,
             "stream_per_s": round(s_rate, 1), "raw_per_s": round(r_rate, 1), "ratio": round(s_rate / r_rate, 3),
             "stream_checkpoint_per_s": round(c_rate, 1), "ratio_checkpoint": round(c_rate / r_rate, 3),
             "stream_MB_s": round(s_rate * payload_bytes / 1e6, 1), "raw_MB_s": round(r_rate * payload_bytes / 1e6, 1),
-            **{k: round(v, 1) for k, v in parts.items()}}
+            **cpu, **{k: round(v, 1) for k, v in parts.items()}}
 
 
 if __name__ == "__main__":

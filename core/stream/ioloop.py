@@ -1,0 +1,52 @@
+"""Pieces of the receiver's io loop (core/stream/receiver.py): how it receives, and when it ticks (credit, held
+notices, WAL batches, actor expiry).
+
+A tick costs ~100 us (a held notice and a CREDIT to pack and send, the actors to walk); one per burst of messages
+was 5-7 us per trajectory. So the loop ticks every `every` messages or every max_s seconds, whichever comes first,
+and at once when it must (a WAL sync finished, the socket went quiet, an actor is down to half its credit). `every`
+adapts: it doubles while the loop is CPU-bound (a burst of messages found more waiting), up to half the credit
+window (the actor still has the other half to send while a tick is owed), and drops back to the minimum as soon as a
+poll finds nothing.
+"""
+from __future__ import annotations
+
+import zmq
+
+MIN_EVERY = 32   # messages between ticks while the io thread keeps up
+MAX_S = 0.005    # the longest a tick waits while messages keep coming
+
+
+def recv_message(sock) -> list:
+    """One multipart message (raises zmq.Again if none): the identity, tag and body frames as bytes, the payload and
+    image frames as zero-copy memoryviews of libzmq's buffers (decoded from there; the WAL batch keeps the payload by
+    reference until the syncer has written it). One recv_multipart call: per-frame recv and RCVMORE lookups cost
+    more than the rest of the receive."""
+    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    return [f.bytes if i < 3 else f.buffer for i, f in enumerate(frames)]
+
+
+class TickPacer:
+    def __init__(self, credits: int, now: float, min_every: int = MIN_EVERY, max_s: float = MAX_S):
+        self.min_every, self.max_s = min_every, max_s
+        self.max_every = max(min_every, credits // 2)
+        self.every = min_every
+        self.since = 0          # messages handled since the last tick
+        self.last = now
+
+    def wait(self, now: float, poll_timeout: float) -> float:
+        """How long the next poll may block: never past a tick that is owed."""
+        if self.since:
+            return min(poll_timeout, max(0.0, self.last + self.max_s - now))
+        return poll_timeout
+
+    def due(self, got: int, burst_full: bool, now: float, urgent: bool) -> bool:
+        """After a poll that handled `got` messages (burst_full: it stopped with more waiting): tick now?"""
+        if burst_full:
+            self.every = min(self.every * 2, self.max_every)
+        elif not got:
+            self.every = self.min_every
+        self.since += got
+        if not got or urgent or self.since >= self.every or now - self.last >= self.max_s:
+            self.since, self.last = 0, now
+            return True
+        return False
