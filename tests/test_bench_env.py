@@ -79,6 +79,24 @@ def test_unknown_benchmark_is_named():
     assert p.returncode == 2 and "invalid choice: 'no-such-bench'" in p.stderr and "'env'" in p.stderr
 
 
+def test_miniwob_ways_take_turns():
+    """envd and in-process each step first after the stock env and each right after the other equally often, and
+    each as often in each place (a fixed order put envd always right after the stock env, which biased the figure)."""
+    import collections
+    log: list[str] = []
+    ways = {name: (lambda name=name: log.append(name)) for name in ("envd", "in_process", "stock_gymnasium")}
+    timed = bench.in_turn(ways, bench.MINIWOB_ORDERS, rounds=6, warmup=2)
+    assert {k: len(v) for k, v in timed.items()} == {"envd": 6, "in_process": 6, "stock_gymnasium": 6}
+    assert all(ms >= 0 for v in timed.values() for ms in v)
+    rounds = [log[i:i + 3] for i in range(0, len(log), 3)]
+    assert len(rounds) == 8 and all(sorted(r) == sorted(ways) for r in rounds)
+    for way in ("envd", "in_process"):
+        assert collections.Counter(r.index(way) for r in rounds) == {1: 4, 2: 4}
+    after = collections.Counter((r[i], r[i + 1]) for r in rounds for i in range(2))
+    assert after[("stock_gymnasium", "envd")] == after[("stock_gymnasium", "in_process")] == 4
+    assert after[("envd", "in_process")] == after[("in_process", "envd")] == 4
+
+
 def test_percentiles_and_goals():
     xs = [float(i) for i in range(1, 101)]
     assert bench._pct(xs, 50) == 50 and bench._pct(xs, 99) == 99 and bench._pct(xs, 100) == 100
@@ -106,6 +124,9 @@ def test_miniwob_and_browser_figures(tmp_path):
     check_latency(mw["envd"], 20)
     check_latency(mw["in_process"], 20)
     assert close(mw["value"], mw["envd"]["p50_ms"] / mw["in_process"]["p50_ms"])
+    # where the extra goes, paired per step: the RPC and thread hops, and the backend inside the daemon vs here
+    assert mw["envd_overhead_ms"]["n"] == 20 and 0 < mw["envd_overhead_ms"]["p50_ms"] < mw["envd"]["p50_ms"]
+    assert close(mw["inside_envd_over_in_process"], mw["envd_backend_step_p50_ms"] / mw["in_process"]["p50_ms"])
     mem = figs["miniwob_pss_per_session_mb"]
     assert mem["at_1"]["chromium_processes"] >= 1 and mem["at_1"]["pss_mb"] > 10
     assert mem["at_2"]["processes"] > mem["at_1"]["processes"]
