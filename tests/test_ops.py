@@ -157,8 +157,9 @@ def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
         r = ctl_json("set", "eta", "3", env=env, cwd=elsewhere)
         assert r == [{"target": info["learner"]["address"], "role": "learner", "ok": True, "message": "ok", "result": {"eta": 3}}]
         assert by_role(ctl_json("status", env=env, cwd=elsewhere))["learner"]["metrics"]["staleness"]["eta"] == 3
-        rc, text = ctl("set", "eta", "-1", env=env, cwd=elsewhere)
-        assert rc == 2 and "eta must be an integer >= 0" in text
+        r = subprocess.run([sys.executable, "-m", "tars.cli", "ctl", "set", "eta", "-1"], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and "eta must be an integer >= 0" in r.stderr and not r.stdout, r
 
         # pause: the actor stops starting episodes; checkpoint is written even while no data flows
         assert ctl_json("pause", env=env, cwd=elsewhere)[0]["result"] == {"paused": True}
