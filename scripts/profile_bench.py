@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +52,7 @@ def grpc_front(seconds: float, pidfile: str) -> None:
     from core.model import CausalLM, DecoderConfig
     from inference_server.engine import LocalEngine
     from inference_server.server import InferenceServer
+    from tars.bench.front_client import ClientProcess
     from tars.bench.inference import _prompts
 
     dc = DecoderConfig(vocab_size=300)
@@ -63,34 +62,16 @@ def grpc_front(seconds: float, pidfile: str) -> None:
     async def run() -> list[float]:
         srv = InferenceServer(cfg, eng)
         await srv.start()
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tars.bench.front_client", srv.address,
-                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-        async def round_(r: int, max_new: int) -> float:
-            job = {"prompts": _prompts(64, 32, dc.vocab_size, r), "max_new_tokens": max_new}
-            proc.stdin.write((json.dumps(job) + "\n").encode())
-            await proc.stdin.drain()
-            line = await asyncio.wait_for(proc.stdout.readline(), 300)
-            if not line:
-                raise RuntimeError(f"the client process ended (exit {await proc.wait()})")
-            res = json.loads(line)
-            return res["tokens"] / res["seconds"]
-
         try:
-            await round_(0, 8)
-            announce(pidfile, os.getpid())
-            t_end, rates, r = time.monotonic() + seconds, [], 1
-            while time.monotonic() < t_end:
-                rates.append(await round_(r, 64))
-                r += 1
-            return rates
+            async with ClientProcess(srv.address) as client:
+                await client.rate(_prompts(64, 32, dc.vocab_size, 0), 8)
+                announce(pidfile, os.getpid())
+                t_end, rates, r = time.monotonic() + seconds, [], 1
+                while time.monotonic() < t_end:
+                    rates.append(await client.rate(_prompts(64, 32, dc.vocab_size, r), 64))
+                    r += 1
+                return rates
         finally:
-            proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
             await srv.stop(1.0)
 
     try:

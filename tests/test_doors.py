@@ -222,9 +222,9 @@ ALLOW = {
     "inference_server/sglang_behaviour.py: out = f.result()": "a conformance script over as_completed futures (done)",
     "envd/sessions.py: cf.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or _safe(orphan, f.result()))":
         "in a done callback: the future is finished",
-    "tars/bench/inference.py: await asyncio.wait_for(proc.wait(), 10)": "inside wait_for: a 10 s deadline",
-    "tars/bench/inference.py: await proc.wait()": "reaping the bench's client process after SIGKILL",
-    'tars/bench/inference.py: raise RuntimeError(f"the bench\'s client process ended (exit {await proc.wait()})")':
+    "tars/bench/front_client.py: await asyncio.wait_for(self.proc.wait(), 10)": "inside wait_for: a 10 s deadline",
+    "tars/bench/front_client.py: await self.proc.wait()": "reaping the bench's client process after SIGKILL",
+    'tars/bench/front_client.py: raise RuntimeError(f"the bench\'s client process ended (exit {await self.proc.wait()})")':
         "its stdout closed: the client process has exited, wait() only reaps it",
 }
 

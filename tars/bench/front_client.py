@@ -5,12 +5,13 @@
 Reads one JSON job per line on stdin, {"prompts": [[ids...], ...], "max_new_tokens": N}, sends every prompt at
 once (unary Generate, temperature 1, no trajectory id), waits for all of them and writes one JSON line back:
 {"tokens": total output tokens, "seconds": wall time of the round}. Ends at EOF. Imports only the client, so it
-starts fast and never competes with the server for its GIL.
+starts fast and never competes with the server for its GIL. ClientProcess is the parent's side.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import time
 
@@ -37,6 +38,36 @@ async def serve_jobs(address: str, timeout_s: float = 300.0) -> None:
             sys.stdout.flush()
     finally:
         await client.close()
+
+
+class ClientProcess:
+    """`async with ClientProcess(address) as c`: this module in its own process against `address`;
+    `await c.rate(prompts, max_new)` runs one round there and returns its output tokens per second."""
+
+    def __init__(self, address: str, timeout_s: float = 300.0):
+        self.address, self.timeout_s, self.proc = address, timeout_s, None
+
+    async def __aenter__(self) -> "ClientProcess":
+        self.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tars.bench.front_client", self.address,
+                                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        return self
+
+    async def rate(self, prompts: list[list[int]], max_new: int) -> float:
+        self.proc.stdin.write((json.dumps({"prompts": prompts, "max_new_tokens": max_new}) + "\n").encode())
+        await self.proc.stdin.drain()
+        line = await asyncio.wait_for(self.proc.stdout.readline(), self.timeout_s)
+        if not line:
+            raise RuntimeError(f"the bench's client process ended (exit {await self.proc.wait()})")
+        r = json.loads(line)
+        return r["tokens"] / r["seconds"]
+
+    async def __aexit__(self, *exc) -> None:
+        self.proc.stdin.close()  # EOF: the client ends
+        try:
+            await asyncio.wait_for(self.proc.wait(), 10)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -25,6 +26,7 @@ import time
 from core.inference_client import InferenceClient
 from inference_server.engine import LocalEngine, SamplingParams
 from inference_server.server import InferenceServer
+from tars.bench.front_client import ClientProcess
 from core.config import InferenceConfig
 from core.model import CausalLM, DecoderConfig
 
@@ -50,7 +52,6 @@ async def _grpc(client: InferenceClient, prompts, max_new: int) -> float:
 def run(json_path: str | None = None, concurrency: int = 64, prompt_len: int = 32, max_new_tokens: int = 64,
         rounds: int = 3, threads: int = 1, client_process: bool = True) -> dict:
     import statistics
-    import subprocess
 
     dc = DecoderConfig(vocab_size=300)
     cfg = InferenceConfig(threads=threads, max_context=1024)
@@ -61,40 +62,21 @@ def run(json_path: str | None = None, concurrency: int = 64, prompt_len: int = 3
             srv = InferenceServer(cfg, eng)
             await srv.start()
             client = InferenceClient([srv.address], timeout_s=300)
-            proc = None
-            if client_process:
-                proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tars.bench.front_client", srv.address,
-                                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-            async def remote(ps, m: int) -> float:
-                proc.stdin.write((json.dumps({"prompts": ps, "max_new_tokens": m}) + "\n").encode())
-                await proc.stdin.drain()
-                line = await asyncio.wait_for(proc.stdout.readline(), 300)
-                if not line:
-                    raise RuntimeError(f"the bench's client process ended (exit {await proc.wait()})")
-                r = json.loads(line)
-                return r["tokens"] / r["seconds"]
-
             d, g, gr = [], [], []
             try:
-                await asyncio.to_thread(_direct, eng, prompts[0], 8)  # warm-up, every path
-                await _grpc(client, prompts[0], 8)
-                if proc:
-                    await remote(prompts[0], 8)
-                for p in prompts[1:]:
-                    d.append(await asyncio.to_thread(_direct, eng, p, max_new_tokens))
-                    g.append(await _grpc(client, p, max_new_tokens))
-                    if proc:
-                        gr.append(await remote(p, max_new_tokens))
+                async with contextlib.AsyncExitStack() as stack:  # the client process, when asked for
+                    remote = (await stack.enter_async_context(ClientProcess(srv.address))).rate if client_process else None
+                    await asyncio.to_thread(_direct, eng, prompts[0], 8)  # warm-up, every path
+                    await _grpc(client, prompts[0], 8)
+                    if remote:
+                        await remote(prompts[0], 8)
+                    for p in prompts[1:]:
+                        d.append(await asyncio.to_thread(_direct, eng, p, max_new_tokens))
+                        g.append(await _grpc(client, p, max_new_tokens))
+                        if remote:
+                            gr.append(await remote(p, max_new_tokens))
             finally:
                 await client.close()
-                if proc:
-                    proc.stdin.close()
-                    try:
-                        await asyncio.wait_for(proc.wait(), 10)
-                    except asyncio.TimeoutError:
-                        proc.kill()
-                        await proc.wait()
                 await srv.stop(grace=1.0)
             return d, g, gr
 
