@@ -293,7 +293,10 @@ time.sleep(120)
     front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     pid = int(front.stdout.readline())
     assert _state(pid) not in ("Z", None)
-    time.sleep(0.5)  # the trampoline has exec'd the server
+    t0 = time.monotonic()
+    while b"time.sleep(120)" not in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():  # the trampoline has exec'd
+        assert time.monotonic() - t0 < 10, "the trampoline never exec'd the server"
+        time.sleep(0.01)
     front.kill()
     front.wait(10)
     t0 = time.monotonic()
