@@ -65,24 +65,23 @@ class Monitor:
     def scored(self) -> list[dict]:
         return [e for e in self.eps if e["outcome"] != "infra_error"]
 
-    def infra_by_fault(self) -> dict[str, int]:
-        """infra_error episodes by the part that broke (core.outcome.Fault: envd, env, inference, judge; "unknown"
-        for episodes logged before the learner recorded it)."""
+    def _count(self, outcome: str, key: str) -> dict[str, int]:
+        """Episodes of `outcome` by their `key` ("unknown" where an older log lacks it), sorted by name."""
         out: dict[str, int] = {}
         for e in self.eps:
-            if e["outcome"] == "infra_error":
-                k = e.get("fault") or "unknown"
+            if e["outcome"] == outcome:
+                k = e.get(key) or "unknown"
                 out[k] = out.get(k, 0) + 1
         return dict(sorted(out.items()))
 
+    def infra_by_fault(self) -> dict[str, int]:
+        """infra_error episodes by the part that broke (core.outcome.Fault: envd, env, inference, judge; "unknown"
+        for episodes logged before the learner recorded it)."""
+        return self._count("infra_error", "fault")
+
     def truncated_by(self) -> dict[str, int]:
         """truncated episodes by what cut them (core.schema.CUTS: max_turns, env, parse_error, context)."""
-        out: dict[str, int] = {}
-        for e in self.eps:
-            if e["outcome"] == "truncated":
-                k = e.get("truncated_by") or "unknown"
-                out[k] = out.get(k, 0) + 1
-        return dict(sorted(out.items()))
+        return self._count("truncated", "truncated_by")
 
     def rolling_success(self, n: int = 256) -> float | None:
         s = self.scored()[-n:]
