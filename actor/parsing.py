@@ -21,6 +21,7 @@ import math
 import re
 
 from core.action import ACTION_TYPES, CLICKS as _CLICKS, Action, ActionError, Point
+from core.vlm import smart_resize  # noqa: F401  (re-exported: the parser's callers map coordinates with it)
 
 DIRECTIONS = ("up", "down", "left", "right")
 # UI-TARS emits one action a turn, rarely a few; a long run of calls is degenerate output, and stopping early also
@@ -292,28 +293,6 @@ def _peek(s: str, i: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- coordinates
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
-                 max_pixels: int = 14 * 14 * 4 * 1280) -> tuple[int, int]:
-    """(height, width) the Qwen2-VL image processor resizes an image to: both sides multiples of `factor`, the
-    area within [min_pixels, max_pixels], the aspect ratio kept as well as that allows. Same maths as
-    qwen_vl_utils / ui-tars, so "absolute" model coordinates can be mapped back exactly."""
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image size must be positive, got {height}x{width}")
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio must be at most 200, got {max(height, width) / min(height, width):.1f}")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
-
-
 def to_screen(point: Point, mode: str, screen_w: float, screen_h: float, image_w: int | None = None,
               image_h: int | None = None, *, factor: int = 28, min_pixels: int = 56 * 56,
               max_pixels: int = 14 * 14 * 4 * 1280) -> Point:

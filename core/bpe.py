@@ -32,7 +32,12 @@ LLAMA3 = (
 LLAMA3_SPECIALS = {"pad": "<|finetune_right_pad_id|>", "eos": "<|eot_id|>", "bos": "<|begin_of_text|>",
                    "extra": ["<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|image|>"]}
 
-TEMPLATES = {"chatml": (CHATML, CHATML_SPECIALS), "llama3": (LLAMA3, LLAMA3_SPECIALS)}
+# Qwen2-VL / Qwen2.5-VL: ChatML with the vision tokens (a screenshot is <|vision_start|><|image_pad|>...<|vision_end|>).
+QWEN_VL_SPECIALS = {"pad": "<|endoftext|>", "eos": "<|im_end|>", "bos": None,
+                    "extra": ["<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]}
+
+TEMPLATES = {"chatml": (CHATML, CHATML_SPECIALS), "llama3": (LLAMA3, LLAMA3_SPECIALS),
+             "qwen_vl": (CHATML, QWEN_VL_SPECIALS)}
 
 
 def rendered_corpus(conversations: Iterable[list[dict]], template: str = "chatml") -> Iterable[str]:

@@ -86,6 +86,9 @@ class ChatTokenizer:
         vocab = hf.get_vocab()
         self.image_id = next((vocab[t] for t in IMAGE_TOKENS if t in vocab), -1)
         self.image_token = next((t for t in IMAGE_TOKENS if t in vocab), "")
+        # Qwen2-VL's frame around an image's pads (core.vlm); -1 where the tokenizer has none.
+        self.vision_start_id = vocab.get("<|vision_start|>", -1) if self.image_token == "<|image_pad|>" else -1
+        self.vision_end_id = vocab.get("<|vision_end|>", -1) if self.vision_start_id >= 0 else -1
 
     # ---- loading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -138,7 +141,8 @@ class ChatTokenizer:
         return ids
 
     def content_ids(self, content: "Content") -> list[int]:
-        """A message's content: a text, or a sequence of texts and image runs (an int n = n placeholders)."""
+        """A message's content: a text, or a sequence of texts and image runs (an int n = n placeholders, framed
+        by <|vision_start|> ... <|vision_end|> where the tokenizer is Qwen2-VL's)."""
         if isinstance(content, str):
             return self.encode(content)
         ids: list[int] = []
@@ -149,7 +153,8 @@ class ChatTokenizer:
                 if self.image_id < 0:
                     raise TokenizerError(f"{self.path}: the tokenizer has no image placeholder token "
                                          f"({', '.join(IMAGE_TOKENS)})")
-                ids += [self.image_id] * int(c)
+                run = [self.image_id] * int(c)
+                ids += [self.vision_start_id, *run, self.vision_end_id] if self.vision_end_id >= 0 else run
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:

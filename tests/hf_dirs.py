@@ -73,3 +73,55 @@ def make_checkpoint(dir: str | os.PathLike, arch: str = "qwen2", shard_bytes: in
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id,
                                                            "pad_token_id": tok.pad_token_id}))
     return model
+
+
+# A tiny Qwen2.5-VL / Qwen2-VL: 2 text layers, a 1-block vision tower, M-RoPE sections summing to head_dim / 2.
+TINY_VL_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                    rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+TINY_VL_VISION = {
+    "qwen2_5_vl": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0]),
+    "qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2),
+}
+
+
+def make_vl_checkpoint(dir: str | os.PathLike, arch: str = "qwen2_5_vl", seed: int = 0, vocab_size: int = 700,
+                       min_pixels: int = 100 * 28 * 28, max_pixels: int = 16384 * 28 * 28, shard_bytes=None,
+                       **text_overrides):
+    """A whole Qwen2.5-VL (or Qwen2-VL) checkpoint directory as a user would bring it, random-initialised: config.json
+    and safetensors by save_pretrained, a byte-level BPE tokenizer with the vision tokens and ChatML, a
+    generation_config.json, and the image processor's preprocessor_config.json (UI-TARS's resize limits by default).
+    Returns the transformers model (fp32, eval)."""
+    import json
+
+    import transformers
+
+    from core.bpe import rendered_corpus, save_tokenizer, train_bpe
+    from tars.fresh import task_corpus
+
+    tok = train_bpe(rendered_corpus(task_corpus(["builtin/mixed"], episodes=400, seed=seed), "qwen_vl"),
+                    vocab_size, "qwen_vl")
+    vocab = tok.get_vocab()
+    d = pathlib.Path(dir)
+    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig, "qwen2_vl": transformers.Qwen2VLConfig}[arch]
+    text = {**TINY_VL_TEXT, **text_overrides, "vocab_size": len(tok), "bos_token_id": None,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    cfg = cls(text_config=text, vision_config=dict(TINY_VL_VISION[arch]), image_token_id=vocab["<|image_pad|>"],
+              video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+              vision_end_token_id=vocab["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model_cls = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+                 "qwen2_vl": transformers.Qwen2VLForConditionalGeneration}[arch]
+    model = randomize(model_cls(cfg).to(torch.float32), seed).eval()
+    kw = {"max_shard_size": shard_bytes} if shard_bytes is not None else {}
+    model.save_pretrained(str(d), **kw)
+    save_tokenizer(tok, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id,
+                                                           "pad_token_id": tok.pad_token_id}))
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(str(d))
+    return model

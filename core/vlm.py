@@ -1,0 +1,185 @@
+"""Qwen2-VL / Qwen2.5-VL checkpoints: what the actor, the engine and the learner share about their images.
+
+A vision-language checkpoint directory (config.json `model_type` qwen2_vl | qwen2_5_vl, plus the processor's
+`preprocessor_config.json`) is read here once, as `VLSpec`:
+
+- the special tokens a screenshot occupies in the prompt: `<|vision_start|>`, `image_tokens(w, h)` x
+  `<|image_pad|>`, `<|vision_end|>` (ids from config.json);
+- how many `<|image_pad|>` tokens a screenshot of w x h pixels takes: the processor resizes it with `smart_resize`
+  (both sides multiples of patch_size x merge_size, the area within [min_pixels, max_pixels]) and every
+  merge_size x merge_size block of patches becomes one token;
+- `pixels(pngs)`: the processor's `pixel_values` [patches, C*T*P*P] and `image_grid_thw` [images, 3], computed by
+  `transformers.AutoImageProcessor` from the directory's own preprocessor_config.json (its PIL backend when
+  torchvision is absent; whichever backend is installed, the engine and the learner of one install use the same).
+
+`smart_resize` lives here, the one copy: the actor maps UI-TARS's absolute coordinates back to the screen with it
+(actor/parsing.py), and `image_tokens` counts tokens with it; a test holds it to the processor's own grid.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pathlib
+from dataclasses import dataclass
+
+# UI-TARS's resize limits (ui-tars action_parser.py; UI-TARS-1.5's processor): the defaults for coordinate mapping
+# when a checkpoint carries no processor of its own.
+IMAGE_FACTOR = 28
+MIN_PIXELS = 100 * 28 * 28
+MAX_PIXELS = 16384 * 28 * 28
+MAX_RATIO = 200
+
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def smart_resize(height: int, width: int, factor: int = IMAGE_FACTOR, min_pixels: int = 56 * 56,
+                 max_pixels: int = 14 * 14 * 4 * 1280) -> tuple[int, int]:
+    """(height, width) the Qwen2-VL image processor resizes an image to: both sides multiples of `factor`, the
+    area within [min_pixels, max_pixels], the aspect ratio kept as well as that allows. Same maths as
+    qwen_vl_utils / ui-tars / transformers, so "absolute" model coordinates can be mapped back exactly."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    if max(height, width) / min(height, width) > MAX_RATIO:
+        raise ValueError(f"aspect ratio must be at most {MAX_RATIO}, got {max(height, width) / min(height, width):.1f}")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) of PNG/JPEG bytes; ValueError if unreadable."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(png)) as im:
+            return int(im.width), int(im.height)
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"image is not a readable PNG/JPEG: {e}") from None
+
+
+def is_vl_dir(path: str | os.PathLike) -> bool:
+    """Does this checkpoint directory hold a Qwen2-VL / Qwen2.5-VL model?"""
+    cfg = pathlib.Path(path) / "config.json"
+    try:
+        return json.loads(cfg.read_text()).get("model_type") in VL_MODEL_TYPES
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class VLSpec:
+    """What a VL checkpoint says about its images (see the module doc)."""
+
+    path: str
+    model_type: str
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int
+    max_pixels: int
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "VLSpec":
+        """ValueError naming the file when the directory is not a usable VL checkpoint."""
+        p = pathlib.Path(path)
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{p}: cannot read config.json: {e}") from None
+        if cfg.get("model_type") not in VL_MODEL_TYPES:
+            raise ValueError(f"{p}: model_type {cfg.get('model_type')!r} is not a vision-language model "
+                             f"({', '.join(VL_MODEL_TYPES)})")
+        pp = p / "preprocessor_config.json"
+        if not pp.is_file():
+            raise ValueError(f"{p}: a {cfg['model_type']} checkpoint needs its image processor's "
+                             "preprocessor_config.json")
+        try:
+            proc = json.loads(pp.read_text())
+        except ValueError as e:
+            raise ValueError(f"{pp}: not JSON: {e}") from None
+        vc = cfg.get("vision_config") or {}
+        size = proc.get("size") or {}
+        ids = {}
+        for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if not isinstance(cfg.get(k), int):
+                raise ValueError(f"{p}/config.json: {k} is missing")
+            ids[k] = int(cfg[k])
+        return cls(
+            path=str(p), model_type=cfg["model_type"], **ids,
+            patch_size=int(proc.get("patch_size") or vc.get("patch_size") or 14),
+            merge_size=int(proc.get("merge_size") or vc.get("spatial_merge_size") or 2),
+            temporal_patch_size=int(proc.get("temporal_patch_size") or vc.get("temporal_patch_size") or 2),
+            min_pixels=int(proc.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
+            max_pixels=int(proc.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
+        )
+
+    # ---- the prompt side ---------------------------------------------------------------------------------
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) of the image the model sees for a w x h screenshot."""
+        h, w = smart_resize(int(height), int(width), self.factor, self.min_pixels, self.max_pixels)
+        return w, h
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """image_grid_thw of one w x h image: (1, patches high, patches wide)."""
+        w, h = self.resized(width, height)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """`<|image_pad|>` tokens one w x h screenshot takes in the prompt."""
+        _, gh, gw = self.grid(width, height)
+        return gh * gw // (self.merge_size ** 2)
+
+    def image_ids(self, width: int, height: int) -> list[int]:
+        """The ids of one screenshot in the prompt: vision_start, the pads, vision_end."""
+        return [self.vision_start_token_id, *[self.image_token_id] * self.image_tokens(width, height),
+                self.vision_end_token_id]
+
+    # ---- the pixel side ------------------------------------------------------------------------------------
+    def processor(self):
+        proc = _PROCESSORS.get(self.path)
+        if proc is None:
+            from transformers import AutoImageProcessor
+
+            try:
+                proc = AutoImageProcessor.from_pretrained(self.path, local_files_only=True)
+            except Exception as e:  # transformers raises many kinds; the message is what matters
+                raise ValueError(f"{self.path}: cannot load the image processor: {type(e).__name__}: {e}") from None
+            _PROCESSORS[self.path] = proc
+        return proc
+
+    def pixels(self, pngs: list[bytes]):
+        """PNG/JPEG bytes -> (pixel_values float32 [sum of patches, C*T*P*P], image_grid_thw int64 [n, 3]);
+        ValueError if an image is unreadable."""
+        import torch
+        from PIL import Image, UnidentifiedImageError
+
+        if not pngs:
+            return torch.zeros(0, 3 * self.temporal_patch_size * self.patch_size ** 2), torch.zeros(0, 3, dtype=torch.long)
+        ims = []
+        for b in pngs:
+            try:
+                ims.append(Image.open(io.BytesIO(b)).convert("RGB"))
+            except (UnidentifiedImageError, OSError) as e:
+                raise ValueError(f"image is not a readable PNG/JPEG: {e}") from None
+        out = self.processor()(images=ims, return_tensors="pt")
+        return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+
+_PROCESSORS: dict[str, object] = {}
