@@ -16,6 +16,16 @@ truncated frames from before the field existed, which bootstrap 0 as they always
 truncated episode (core.schema.CUTS: the actor's max_turns, the env's own limit, a parse error under
 on_parse_error=stop, or the context: the next prompt + max_new_tokens would not fit the inference server's
 max_context); "" on every other outcome and in frames from before it existed.
+
+Vision-language trajectories (core/vlm.py) carry two more fields:
+  segments    token offsets, sorted, in (0, T), where a new independent sequence starts: its own first prompt,
+              positions from 0, no attention to the tokens before it. The actor starts one when the screenshots
+              shown as images would exceed actor.image_history (UI-TARS keeps the last k screenshots; a conversation
+              that is only ever extended cannot drop one, so it begins again with the history as text).
+              [] = one sequence (every text trajectory, and frames from before the field existed).
+  image_refs  the sha256 hex of the image bound to each framed image run (<|vision_start|> ... <|vision_end|>), in
+              token order over the whole trajectory; the bytes travel in `images` (or earlier on the connection,
+              core/stream/images.py). Every run of a segment is bound: the engine saw exactly these images.
 """
 from __future__ import annotations
 
@@ -92,6 +102,8 @@ class Trajectory:
     fault: Fault = Fault.NONE                    # which part broke, when the outcome is infra_error
     boot_at: int = 0        # truncated: the prefix whose value bootstraps the return (see the module docstring)
     truncated_by: str = ""  # truncated: what cut it (CUTS); "" otherwise
+    segments: list = field(default_factory=list)    # VL: offsets where an independent sequence starts (module doc)
+    image_refs: list = field(default_factory=list)  # VL: sha256 hex of each framed image run, in token order
 
     def validate(self, vocab_size: int | None = None) -> "Trajectory":
         """Raise InvalidTrajectory unless every part is consistent and trainable; vocab_size (the learner's model's)
@@ -115,6 +127,11 @@ class Trajectory:
         if self.truncated_by and (self.outcome != Outcome.TRUNCATED or self.truncated_by not in CUTS):
             raise InvalidTrajectory(f"truncated_by {self.truncated_by!r} on a {str(self.outcome)} trajectory (only a "
                                     f"truncated one is cut, by one of {CUTS})")
+        if any(not isinstance(s, int) or not 0 < s < n for s in self.segments) or \
+                any(b <= a for a, b in zip(self.segments, self.segments[1:])):
+            raise InvalidTrajectory(f"segments {self.segments[:8]} must be increasing offsets inside (0, {n})")
+        if any(not isinstance(r, str) or len(r) != 64 for r in self.image_refs):
+            raise InvalidTrajectory("image_refs must be sha256 hex digests")
         for t in self.turns:
             if not 0 <= t.start <= t.end <= n:
                 raise InvalidTrajectory(f"turn span [{t.start}, {t.end}) outside [0, {n}]")
@@ -169,6 +186,8 @@ class Trajectory:
             "fault": str(self.fault),
             "boot_at": self.boot_at,
             "truncated_by": self.truncated_by,
+            "segments": list(self.segments),
+            "image_refs": list(self.image_refs),
         }
 
     def encode(self) -> bytes:
@@ -212,7 +231,8 @@ class Trajectory:
                 timings=dict(d.get("timings") or {}), actor=str(d.get("actor", "")),
                 traceparent=str(d.get("traceparent", "")), images=images, error=str(d.get("error", "")),
                 judge=dict(d.get("judge") or {}), boot_at=int(d.get("boot_at", 0)),
-                truncated_by=str(d.get("truncated_by", "")), **arrays,
+                truncated_by=str(d.get("truncated_by", "")), segments=[int(x) for x in d.get("segments") or []],
+                image_refs=[str(x) for x in d.get("image_refs") or []], **arrays,
             )
         except SchemaError:
             raise

@@ -22,13 +22,16 @@ def image_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def referenced(turns) -> list[str]:
-    """Image hashes a trajectory's turns refer to, in order, without repeats."""
+def referenced(turns, image_refs=()) -> list[str]:
+    """Image hashes a trajectory refers to (its turns' observations, then the images bound in its prompts), in
+    order, without repeats."""
     out: dict[str, None] = {}
     for t in turns:
         ref = t.obs_ref
         if ref.startswith("sha256:"):
             out[ref[7:]] = None
+    for h in image_refs:
+        out[h] = None
     return list(out)
 
 
@@ -100,7 +103,7 @@ def resolve(store: ImageStore, tr) -> list[str]:
     Images carried inline in the frame (an actor without dedupe) are checked and stored too."""
     for h, b in tr.images.items():
         store.put(h, b)
-    refs = referenced(tr.turns)
+    refs = referenced(tr.turns, tr.image_refs)
     miss = store.missing(refs)
     if not miss:
         tr.images = {h: tr.images.get(h) or store.get(h) for h in refs}
