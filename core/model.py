@@ -1,5 +1,10 @@
 """Hugging Face Qwen2 / Qwen2.5 and Llama causal LMs in plain torch: a checkpoint directory is the model.
 
+Qwen2-VL / Qwen2.5-VL (UI-TARS-1.5) checkpoints run on the same decoder with M-RoPE (3-D positions, `mrope_cos_sin`;
+the positions of a prompt with images: core.vlm.rope_positions) and transformers' own vision tower module
+(`visual`, built from the config's vision_config and loaded with the checkpoint's `visual.*` weights); the image
+features replace the input embeddings at the `<|image_pad|>` positions.
+
 One implementation serves the inference engine (batched decode with per-request KV caches) and the learner
 (full-sequence logprobs), so both compute the same numbers for the same weights. Parameter names, config.json and
 the safetensors files follow transformers' Qwen2ForCausalLM / LlamaForCausalLM, so a checkpoint loads in either
@@ -44,6 +49,55 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: list[int], dtype: torch.dtype):
+    """M-RoPE: positions [3, B, T] (temporal, height, width), inv_freq [hd/2] -> cos, sin [B, 1, T, head_dim]: the
+    i-th chunk of `section` over the frequencies takes its angles from positions[i % 3], as transformers'
+    Qwen2-VL / Qwen2.5-VL rotary embedding (apply_multimodal_rotary_pos_emb) assembles them."""
+    freqs = positions.float()[..., None] * inv_freq  # [3, B, T, hd/2]
+    freqs = torch.cat([m[i % 3] for i, m in enumerate(freqs.split(section, dim=-1))], dim=-1)  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def vision_tower(c: DecoderConfig) -> nn.Module:
+    """transformers' own vision tower of a qwen2_vl / qwen2_5_vl config (random until load_weights)."""
+    if c.model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as VC
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as VM
+    else:
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig as VC
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as VM
+    vc = c.extra["vision_config"]
+    cfg = VC(**{k: v for k, v in vc.items() if k not in ("model_type", "architectures", "transformers_version")})
+    return VM._from_config(cfg, dtype=torch.float32)
+
+
+# Other names a VL checkpoint may give its tensors (transformers 5's module layout) -> the checkpoint layout.
+_VL_RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def canonical_names(sd: dict) -> dict:
+    """A state dict with transformers 5's VL module names (model.language_model.*, model.visual.*) renamed to
+    the checkpoint names this model uses (model.*, visual.*); other names stay."""
+    if not any(k.startswith(a) for k in sd for a, _ in _VL_RENAMES):
+        return sd
+    out = {}
+    for k, v in sd.items():
+        for a, b in _VL_RENAMES:
+            if k.startswith(a):
+                k = b + k[len(a):]
+                break
+        out[k] = v
+    return out
+
+
+class _RopeFacts:
+    """What core.vlm.rope_positions needs of a VL model (a VLSpec carries the same two facts)."""
+
+    def __init__(self, image_token_id: int, merge_size: int):
+        self.image_token_id, self.merge_size = image_token_id, merge_size
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +199,11 @@ class CausalLM(nn.Module):
         self.vision_config = VisionConfig.from_extra(c.extra)
         # Optional: only checkpoints whose config carries "tars_vision" have it (weights vision.proj.*).
         self.vision = PatchEmbed(self.vision_config, c.hidden_size) if self.vision_config else None
+        # Qwen2-VL / Qwen2.5-VL: transformers' vision tower (weights visual.*) and M-RoPE.
+        self.visual = vision_tower(c) if c.is_vl else None
+        self.mrope_section = c.mrope_section
+        self.rope_facts = (_RopeFacts(int(c.extra["image_token_id"]),
+                                      int(c.extra["vision_config"].get("spatial_merge_size", 2))) if c.is_vl else None)
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "CausalLM":
         g = torch.Generator().manual_seed(seed)
@@ -158,29 +217,55 @@ class CausalLM(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self
 
-    def hidden(self, input_ids, positions=None, key_valid=None, past=None, images=None):
-        """input_ids [B, T]; positions [B, T]; key_valid [B, S] over past+new keys; past: per layer (k, v).
+    def hidden(self, input_ids, positions=None, key_valid=None, past=None, images=None, image_embeds=None,
+               pixel_values=None, image_grid_thw=None):
+        """input_ids [B, T]; positions [B, T] (or, for a VL model, [3, B, T]: M-RoPE's); key_valid [B, S] over
+        past+new keys; past: per layer (k, v).
 
         images: (rows [N], columns [N], patch pixels [N, patch_dim]) -> those input positions take the patch
         embeddings instead of their token embeddings (core/vision.py); ignored by a model without the vision module.
+        image_embeds: (rows [N], columns [N], embeddings [N, H]) -> those input positions take these embeddings
+        (a VL model's image features computed by image_features, as the engine's prefill places them).
+        pixel_values, image_grid_thw (a VL model, whole sequences, past None): the processor's output for the
+        images of every `<|image_pad|>` run of the batch in order (row by row); the features fill the pads, and
+        positions, when not given, are M-RoPE's as transformers computes them (vl_positions).
 
         Returns final hidden states [B, T, H] and the new per-layer (k, v) caches.
         """
         B, T = input_ids.shape
         S = T + (past[0][0].shape[2] if past else 0)
+        x = self.model.embed_tokens(input_ids)
+        if pixel_values is not None:
+            if self.visual is None:
+                raise ValueError("pixel_values given to a model without a vision tower")
+            feats = self.image_features(pixel_values, image_grid_thw)
+            mask = input_ids == self.rope_facts.image_token_id
+            if int(mask.sum()) != feats.shape[0]:
+                raise ValueError(f"{int(mask.sum())} <|image_pad|> tokens but {feats.shape[0]} image features")
+            x = x.masked_scatter(mask[..., None].to(x.device), feats.to(x.dtype))
+            if positions is None:
+                positions = self.vl_positions(input_ids, image_grid_thw, key_valid)[0]
         if positions is None:
             positions = torch.arange(S - T, S, device=input_ids.device)[None].expand(B, T)
         if key_valid is None:
             key_valid = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
-        x = self.model.embed_tokens(input_ids)
         if images is not None and self.vision is not None and len(images[0]):
             rows, cols, pix = images
             dev = x.device
             x = x.index_put((rows.to(dev), cols.to(dev)), self.vision(pix.to(dev)).to(x.dtype))
+        if image_embeds is not None and len(image_embeds[0]):
+            rows, cols, emb = image_embeds
+            dev = x.device
+            x = x.index_put((rows.to(dev), cols.to(dev)), emb.to(dev, x.dtype))
         inv = self._inv_freq_on.get(x.device)
         if inv is None:
             inv = self._inv_freq_on[x.device] = self.inv_freq.to(x.device)
-        cos, sin = rope_cos_sin(positions, inv, x.dtype)
+        if self.mrope_section is not None:
+            if positions.dim() == 2:  # text only: the three components are the same position
+                positions = positions[None].expand(3, B, T)
+            cos, sin = mrope_cos_sin(positions.to(x.device), inv, self.mrope_section, x.dtype)
+        else:
+            cos, sin = rope_cos_sin(positions, inv, x.dtype)
         mask = causal_mask(key_valid, T)
         new = []
         for i, layer in enumerate(self.model.layers):
@@ -188,9 +273,39 @@ class CausalLM(nn.Module):
             new.append(kv)
         return self.model.norm(x), new
 
-    def forward(self, input_ids, positions=None, key_valid=None, past=None):
-        h, new = self.hidden(input_ids, positions, key_valid, past)
+    def forward(self, input_ids, positions=None, key_valid=None, past=None, pixel_values=None, image_grid_thw=None):
+        h, new = self.hidden(input_ids, positions, key_valid, past, pixel_values=pixel_values,
+                             image_grid_thw=image_grid_thw)
         return self.lm_head(h), new
+
+    # ---- vision-language (qwen2_vl / qwen2_5_vl) -------------------------------------------------------
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """The vision tower: pixel_values [patches, C*T*P*P], image_grid_thw [n, 3] -> one embedding per
+        `<|image_pad|>` token of the n images, in order [sum of t*h*w / merge**2, hidden_size]."""
+        p = next(self.visual.parameters())
+        out = self.visual(pixel_values.to(p.device, p.dtype), grid_thw=image_grid_thw.to(p.device))
+        return getattr(out, "pooler_output", out)
+
+    def vl_positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, key_valid=None):
+        """M-RoPE positions [3, B, T] and rope deltas [B] of whole sequences (padding, where key_valid says so,
+        gets position 0 and is skipped), as transformers' get_rope_index: each row's image runs take the next
+        grids of image_grid_thw in order (core.vlm.rope_positions)."""
+        from core.vlm import image_runs, rope_positions
+
+        B, T = input_ids.shape
+        pos = torch.zeros(3, B, T, dtype=torch.long)
+        deltas = torch.zeros(B, dtype=torch.long)
+        grids = image_grid_thw.tolist() if image_grid_thw is not None else []
+        k = 0
+        for b in range(B):
+            valid = key_valid[b, -T:].cpu() if key_valid is not None else torch.ones(T, dtype=torch.bool)
+            ids = input_ids[b].cpu()[valid].tolist()
+            n = len(image_runs(ids, self.rope_facts.image_token_id))
+            p, d = rope_positions(ids, grids[k:k + n], self.rope_facts)
+            k += n
+            pos[:, b, valid] = p
+            deltas[b] = d
+        return pos.to(input_ids.device), deltas
 
     def token_logprobs(self, input_ids, key_valid=None, temperature: float = 1.0):
         """logprob of input_ids[:, t] given the prefix, for t >= 1 -> [B, T] (position 0 gets 0)."""
@@ -272,7 +387,9 @@ class CausalLM(nn.Module):
         return m.to(dtype)
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy an HF-named state dict in; WeightsMismatch lists missing, unexpected and wrongly shaped tensors."""
+        """Copy an HF-named state dict in; WeightsMismatch lists missing, unexpected and wrongly shaped tensors.
+        A VL model's tensors may also come with transformers 5's module names (canonical_names)."""
+        sd = canonical_names(sd)
         # Old Llama checkpoints carry rotary_emb.inv_freq buffers; transformers ignores them, and so do we.
         sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
         if self.config.tie_word_embeddings:

@@ -1,7 +1,8 @@
 """What a checkpoint's config.json may say for core.model's decoder: Hugging Face Qwen2 / Qwen2.5 and Llama causal LMs.
 
 `DecoderConfig.from_hf(dict)` (and `load_config(dir)`) accepts a config only when the decoder computes exactly what
-transformers' Qwen2ForCausalLM / LlamaForCausalLM compute for it. Anything else is refused with `UnsupportedModel`
+transformers' Qwen2ForCausalLM / LlamaForCausalLM compute for it (or, for qwen2_vl / qwen2_5_vl, what their
+ForConditionalGeneration computes: the same Qwen2 decoder with M-RoPE, plus transformers' own vision tower). Anything else is refused with `UnsupportedModel`
 naming the field: another model_type or architecture, a setting the decoder would silently ignore (a sliding window
 shorter than the context, a RoPE type other than default / linear / llama3, an activation other than SiLU, a
 quantization config, ...), and any field not classified below (ACCEPTED_CONFIG_FIELDS lists every accepted name).
@@ -19,8 +20,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-SUPPORTED = "model_type qwen2 (Qwen2ForCausalLM: Qwen2, Qwen2.5) or llama (LlamaForCausalLM)"
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+# Vision-language checkpoints: a Qwen2 decoder with M-RoPE plus transformers' own vision tower (core/model.py).
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED = ("model_type qwen2 (Qwen2ForCausalLM: Qwen2, Qwen2.5), llama (LlamaForCausalLM), qwen2_vl "
+             "(Qwen2VLForConditionalGeneration) or qwen2_5_vl (Qwen2_5_VLForConditionalGeneration: Qwen2.5-VL, UI-TARS-1.5)")
+# A VL config's own fields next to its decoder's: the vision tower's config (given to transformers' class as it is)
+# and the special token ids (core/vlm.py reads them); text_config holds the decoder's fields (transformers 5 layout;
+# the older flat layout has them at the top level).
+VL_CONFIG_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+VL_IGNORED_FIELDS = ("vision_token_id", "text_config")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 # Read by the decoder (each checked for the values it can honour).
@@ -56,13 +66,18 @@ REFUSED_FIELDS = {
     "auto_map": "a checkpoint with its own modelling code (auto_map) is not the stock architecture",
 }
 
-# transformers' defaults for fields a config.json may leave out (Qwen2Config / LlamaConfig, transformers 5).
+# transformers' defaults for fields a config.json may leave out (Qwen2Config / LlamaConfig / Qwen2(.5)-VL text
+# configs, transformers 5).
 _HF_DEFAULTS = {
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=32768, bos_token_id=None, eos_token_id=None),
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
 }
+for _mt in VL_MODEL_TYPES:
+    _HF_DEFAULTS[_mt] = dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                             num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32768,
+                             rms_norm_eps=1e-5, bos_token_id=151643, eos_token_id=151645)
 
 
 class UnsupportedModel(ValueError):
@@ -95,7 +110,8 @@ class DecoderConfig:
     attention_bias: bool = False           # llama: bias on q/k/v/o (qwen2 always has q/k/v biases and no o bias)
     mlp_bias: bool = False                 # llama: bias on gate/up/down (qwen2: never)
     rope_scaling: dict | None = None       # None (plain RoPE) or {"rope_type": "linear" | "llama3", ...}
-    extra: dict = field(default_factory=dict)
+    mrope_section: list[int] | None = None  # qwen2_vl / qwen2_5_vl: M-RoPE's (temporal, height, width) split of head_dim/2
+    extra: dict = field(default_factory=dict)  # tars_vision, or a VL model's VL_CONFIG_FIELDS
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -107,18 +123,37 @@ class DecoderConfig:
                              f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
-        if self.model_type == "qwen2" and self.mlp_bias:
+        if self.model_type != "llama" and self.mlp_bias:
             raise _refuse("mlp_bias true: qwen2 has no MLP biases")
         if self.rope_scaling is not None:
             self.rope_scaling = _rope_scaling(self.rope_scaling, self.max_position_embeddings, "rope_scaling")
+        if self.is_vl:
+            if self.mrope_section is None:
+                self.mrope_section = [16, 24, 24]  # transformers' default
+            self.mrope_section = [int(x) for x in self.mrope_section]
+            if not isinstance(self.extra.get("vision_config"), dict):
+                raise _refuse(f"a {self.model_type} config needs its vision_config")
+            for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+                if not isinstance(self.extra.get(k), int):
+                    raise _refuse(f"a {self.model_type} config needs {k}")
+            if sum(self.mrope_section) != self.head_dim // 2 or len(self.mrope_section) != 3:
+                raise _refuse(f"mrope_section {self.mrope_section} must be 3 numbers summing to head_dim / 2 = "
+                              f"{self.head_dim // 2}")
+        elif self.mrope_section is not None:
+            raise _refuse(f"mrope_section on a {self.model_type} model: M-RoPE is for qwen2_vl / qwen2_5_vl only")
+
+    @property
+    def is_vl(self) -> bool:
+        """A Qwen2-VL / Qwen2.5-VL checkpoint: M-RoPE and a vision tower (core/model.py)."""
+        return self.model_type in VL_MODEL_TYPES
 
     @property
     def qkv_bias(self) -> bool:
-        return True if self.model_type == "qwen2" else self.attention_bias
+        return True if self.model_type != "llama" else self.attention_bias
 
     @property
     def o_bias(self) -> bool:
-        return False if self.model_type == "qwen2" else self.attention_bias
+        return False if self.model_type != "llama" else self.attention_bias
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -128,10 +163,13 @@ class DecoderConfig:
 
     def to_hf(self) -> dict:
         """config.json for this decoder, readable by transformers 4.45+ and 5 as the same architecture."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("extra", "head_dim", "attention_bias", "mlp_bias")}
+        d = {k: v for k, v in asdict(self).items()
+             if k not in ("extra", "head_dim", "attention_bias", "mlp_bias", "mrope_section")}
         d.update(architectures=[ARCHITECTURES[self.model_type]], hidden_act="silu", torch_dtype="float32",
                  attention_dropout=0.0, initializer_range=0.02, use_cache=True)
-        if self.model_type == "qwen2":
+        if self.is_vl:  # the flat layout (text fields at the top), which transformers 4 and 5 both read
+            d["rope_scaling"] = {**(self.rope_scaling or {"type": "mrope"}), "mrope_section": list(self.mrope_section)}
+        if self.model_type != "llama":
             d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
             if self.head_dim != self.hidden_size // self.num_attention_heads:
                 d["head_dim"] = self.head_dim
@@ -146,6 +184,10 @@ class DecoderConfig:
         be computed faithfully."""
         d = dict(d)
         mt = _model_type(d)
+        vl: dict = {}
+        if mt in VL_MODEL_TYPES:
+            d, vl = _flatten_vl(d)
+        d, mrope = _split_mrope(d, mt)
         for k, v in d.items():
             if k in REFUSED_FIELDS:
                 if v not in (None, {}):
@@ -162,8 +204,9 @@ class DecoderConfig:
             raise _refuse(f"config field 'pretraining_tp' = {d['pretraining_tp']!r}: only 1 is implemented")
         g = {**_HF_DEFAULTS[mt], **{k: v for k, v in d.items() if v is not None}}
         n_layers, heads, max_pos = int(g["num_hidden_layers"]), int(g["num_attention_heads"]), int(g["max_position_embeddings"])
-        _check_sliding(d, mt, n_layers, max_pos)
-        if mt == "qwen2":
+        family = "llama" if mt == "llama" else "qwen2"  # a VL model's decoder is Qwen2's
+        _check_sliding(d, family, n_layers, max_pos)
+        if family == "qwen2":
             if d.get("attention_bias") is not None:
                 raise _refuse("config field 'attention_bias' on a qwen2 model: Qwen2 always has q/k/v biases and no o bias "
                               "(transformers ignores the field)")
@@ -184,8 +227,10 @@ class DecoderConfig:
             eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else eos, pad_token_id=int(pad),
             model_type=mt, head_dim=int(g["head_dim"]) if g.get("head_dim") else None,
             attention_bias=bool(d.get("attention_bias") or False) if mt == "llama" else False,
-            mlp_bias=bool(d.get("mlp_bias") or False), rope_scaling=scaling,
+            mlp_bias=bool(d.get("mlp_bias") or False), rope_scaling=scaling, mrope_section=mrope,
         )
+        if vl:
+            kw["extra"] = vl
         if d.get("tars_vision"):  # the optional patch-embedding vision path (core/vision.py)
             kw["extra"] = {"tars_vision": dict(d["tars_vision"])}
         return cls(**kw)
@@ -211,6 +256,56 @@ def load_config(path: str | os.PathLike, via_transformers: bool = True) -> Decod
         raise UnsupportedModel(f"{path}: {e}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{f}: not valid json: {e}") from None
+
+
+def _flatten_vl(d: dict) -> tuple[dict, dict]:
+    """A qwen2_vl / qwen2_5_vl config -> (its decoder's fields as one flat dict, its VL_CONFIG_FIELDS).
+
+    transformers 5 nests the decoder's fields in text_config; older checkpoints (UI-TARS-1.5, Qwen2.5-VL-7B as
+    published) have them at the top level. Both are read; a field in text_config wins, as in transformers."""
+    text = d.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise _refuse(f"config field 'text_config' = {text!r} is not a dict")
+    flat = {k: v for k, v in d.items() if k not in VL_CONFIG_FIELDS and k not in VL_IGNORED_FIELDS}
+    for k, v in text.items():
+        if k in ("model_type", "architectures"):  # the text model's own (qwen2_5_vl_text): not the checkpoint's
+            continue
+        if k in flat and v is None:
+            continue
+        flat[k] = v
+    vl = {k: d[k] for k in VL_CONFIG_FIELDS if d.get(k) is not None}
+    return flat, vl
+
+
+def _split_mrope(d: dict, mt: str) -> tuple[dict, list[int] | None]:
+    """Take M-RoPE's mrope_section (and its "type": "mrope", which transformers reads as default RoPE) out of
+    rope_scaling / rope_parameters -> (the config without them, the section or None)."""
+    section = None
+    out = dict(d)
+    for name in ("rope_scaling", "rope_parameters"):
+        src = d.get(name)
+        if not isinstance(src, dict):
+            continue
+        src = dict(src)
+        if "mrope_section" in src:
+            section = src.pop("mrope_section")
+            if src.get("type") == "mrope":
+                src.pop("type")
+            if src.get("rope_type") == "mrope":
+                src.pop("rope_type")
+        elif src.get("type") == "mrope" or src.get("rope_type") == "mrope":
+            src.pop("type", None) if src.get("type") == "mrope" else src.pop("rope_type")
+            section = section or [16, 24, 24]  # transformers' default section
+        out[name] = src
+    if mt not in VL_MODEL_TYPES:
+        if section is not None:
+            raise _refuse(f"M-RoPE (mrope_section) on a {mt} model: only qwen2_vl / qwen2_5_vl have it")
+        return d, None
+    if section is None:
+        section = [16, 24, 24]
+    if not isinstance(section, (list, tuple)) or not all(isinstance(x, int) for x in section):
+        raise _refuse(f"config field 'mrope_section' = {section!r} is not a list of ints")
+    return out, list(section)
 
 
 def _model_type(d: dict) -> str:

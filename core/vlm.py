@@ -183,3 +183,74 @@ class VLSpec:
 
 
 _PROCESSORS: dict[str, object] = {}
+
+
+# ---- the token side: image runs, the binding rule, M-RoPE positions ---------------------------------------
+def image_runs(ids, image_token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of `image_token_id` in ids, in order (end exclusive)."""
+    runs, i, n = [], 0, len(ids)
+    while i < n:
+        if ids[i] == image_token_id:
+            j = i
+            while j < n and ids[j] == image_token_id:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def bind_runs(ids, sizes: list[tuple[int, int]], spec: "VLSpec") -> list[tuple[int, int]]:
+    """The binding rule (one for the engine and the learner): a request's images, in order, bind to ALL the
+    framed image runs of its ids (`<|vision_start|>`, pads, `<|vision_end|>`). `sizes` are the images' (w, h).
+    Returns the runs' (start, end) of the pads; ValueError when a run is not framed, when the number of images is
+    not the number of runs, or when a run's pad count is not spec.image_tokens of its image."""
+    runs = image_runs(ids, spec.image_token_id)
+    for s, e in runs:
+        if s == 0 or ids[s - 1] != spec.vision_start_token_id or e >= len(ids) or ids[e] != spec.vision_end_token_id:
+            raise ValueError(f"the <|image_pad|> run at {s}..{e} is not framed by <|vision_start|> ... "
+                             "<|vision_end|>")
+    if len(sizes) != len(runs):
+        raise ValueError(f"{len(sizes)} images for {len(runs)} image runs in input_ids: each framed run takes one "
+                         "image, in order")
+    for k, ((s, e), (w, h)) in enumerate(zip(runs, sizes)):
+        want = spec.image_tokens(w, h)
+        if e - s != want:
+            raise ValueError(f"image {k} ({w}x{h}) takes {want} <|image_pad|> tokens, but its run at {s} has {e - s}")
+    return runs
+
+
+def rope_positions(ids, image_grid_thw, spec) -> tuple["torch.Tensor", int]:
+    """M-RoPE positions of one sequence with images, as transformers' get_rope_index computes them.
+
+    ids: the sequence (list or 1-D tensor); image_grid_thw: [n, 3] (tensor or lists), one per image run in order;
+    spec: anything with image_token_id and merge_size (a VLSpec). Text tokens take 1-D positions continuing from
+    the previous token's largest; a run of t x h x w patches takes (start + t, start + row, start + column) over
+    its merge_size-merged grid, and the next text starts at start + max(h, w) / merge_size.
+    Returns (positions [3, T] long, delta): a later token at sequence index j sits at j + delta (all three)."""
+    import torch
+
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    grids = image_grid_thw.tolist() if hasattr(image_grid_thw, "tolist") else [list(g) for g in (image_grid_thw or [])]
+    runs = image_runs(ids, spec.image_token_id)
+    if len(runs) != len(grids):
+        raise ValueError(f"{len(grids)} image grids for {len(runs)} image runs")
+    m = spec.merge_size
+    parts, cur, prev = [], 0, 0
+    for (s, e), (t, h, w) in zip(runs, grids):
+        if s > prev:
+            parts.append(torch.arange(cur, cur + s - prev).expand(3, -1))
+            cur += s - prev
+        lt, lh, lw = int(t), int(h) // m, int(w) // m
+        if lt * lh * lw != e - s:
+            raise ValueError(f"the image run at {s} has {e - s} tokens, its grid {t}x{h}x{w} makes {lt * lh * lw}")
+        tt, hh, ww = torch.meshgrid(torch.arange(lt), torch.arange(lh), torch.arange(lw), indexing="ij")
+        parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + cur)
+        cur += max(int(h), int(w)) // m
+        prev = e
+    if len(ids) > prev:
+        parts.append(torch.arange(cur, cur + len(ids) - prev).expand(3, -1))
+    pos = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+    delta = int(pos.max()) + 1 - len(ids) if len(ids) else 0
+    return pos.long(), delta

@@ -19,8 +19,8 @@ from core.config import InferenceConfig
 from core.model import CausalLM
 # The shared types are re-exported here: callers import the engine's vocabulary from the engine.
 from inference_server.engine_types import (LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
-                                           Request, SamplingParams, TokenCallback, WeightLoadError, WeightsRefused,
-                                           WeightUpdate, check_finite, check_version_step)
+                                           Request, SamplingParams, TokenCallback, VLInputs, WeightLoadError,
+                                           WeightsRefused, WeightUpdate, check_finite, check_version_step)
 from inference_server.scheduler import Scheduler
 from inference_server.work_queue import WorkQueue
 
@@ -30,9 +30,19 @@ class LocalEngine:
 
     accepts_images = True  # bound to placeholder tokens when the model has the vision module, else ignored
 
-    def __init__(self, cfg: InferenceConfig, model: CausalLM | str, version: int = 0, start: bool = True, name: str = "local"):
+    def __init__(self, cfg: InferenceConfig, model: CausalLM | str, version: int = 0, start: bool = True, name: str = "local",
+                 vl=None):
+        """model: a checkpoint directory or a CausalLM. vl: for a Qwen2-VL / Qwen2.5-VL model given in memory, its
+        checkpoint directory or core.vlm.VLSpec (the image processor and the vision token ids); read from the
+        directory when `model` is one."""
         self.cfg = cfg
         self.model = (CausalLM.load_hf(model) if isinstance(model, str) else model).eval()
+        self.vl_spec = None
+        if self.model.visual is not None:
+            from core.vlm import VLSpec
+
+            src = vl if vl is not None else (model if isinstance(model, str) else None)
+            self.vl_spec = VLSpec.load(src) if isinstance(src, (str, bytes)) or hasattr(src, "__fspath__") else src
         self.name = name
         torch.set_num_threads(max(1, cfg.threads))
         self._target_version = int(version)
@@ -119,7 +129,9 @@ class LocalEngine:
         gen = torch.Generator().manual_seed(int(params.seed)) if params.seed else None
         req = Request(input_ids, params, trajectory_id, stale, Future(), on_token, frozenset(int(t) for t in params.stop_token_ids),
                       gen, t_submit=time.monotonic())
-        if images:
+        if self.model.visual is not None:
+            self._bind_vl_images(req, list(images))
+        elif images:
             self._bind_images(req, list(images))
         self._queue.put_request(req)  # EngineClosed / QueueFull
         return req.future
@@ -136,6 +148,29 @@ class LocalEngine:
         req.img_pos, req.img_pix = bind(req.input_ids, images, v)  # ValueError -> INVALID_ARGUMENT
         runs = placeholder_runs(req.input_ids, v)[-len(images):]
         req.img_key = {s: hashlib.sha256(b).hexdigest() for s, b in zip(runs, images)}
+        self.stats["images"] += len(images)
+
+    def _bind_vl_images(self, req: Request, images: list[bytes]) -> None:
+        """A VL model: the images bind to all the framed runs of input_ids, in order (core.vlm.bind_runs); their
+        pixels, grids and the prompt's M-RoPE positions go with the request; ValueError -> INVALID_ARGUMENT."""
+        import hashlib
+
+        from core.vlm import bind_runs, image_runs, png_size, rope_positions
+
+        spec = self.vl_spec
+        if spec is None:
+            if images or image_runs(req.input_ids, self.model.rope_facts.image_token_id):
+                raise ValueError("this engine serves a VL model given in memory without its checkpoint directory "
+                                 "(LocalEngine(vl=DIR)): it cannot read images")
+            return
+        runs = bind_runs(req.input_ids, [png_size(b) for b in images], spec)
+        if not runs:
+            return  # text only: plain positions (all three M-RoPE components equal)
+        pv, thw = spec.pixels(images)
+        pos, delta = rope_positions(req.input_ids, thw, spec)
+        per = [int(n) for n in thw.prod(-1).tolist()]
+        req.vl = VLInputs(runs, list(torch.split(pv, per)), thw, pos, delta)
+        req.img_key = {s: hashlib.sha256(b).hexdigest() for (s, _), b in zip(runs, images)}
         self.stats["images"] += len(images)
 
     def generate(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
@@ -177,7 +212,10 @@ class LocalEngine:
         return upd.future.result(timeout)
 
     def _check_weights(self, sd: dict) -> None:
-        sd = {k: v for k, v in sd.items() if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)}
+        from core.model import canonical_names
+
+        sd = {k: v for k, v in canonical_names(sd).items()
+              if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)}
         missing = sorted(set(self._shapes) - set(sd))
         unexpected = sorted(set(sd) - set(self._shapes))
         if missing or unexpected:

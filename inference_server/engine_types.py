@@ -102,9 +102,21 @@ class Request:
     img_pos: list = field(default_factory=list)   # input positions that take patch embeddings (core/vision.py)
     img_pix: torch.Tensor | None = None            # [len(img_pos), patch_dim]
     img_key: dict | None = None                    # placeholder-run start -> image hash, for prefix-cache matching
+    vl: "VLInputs | None" = None                   # a VL model's images of this request (LocalEngine._bind_images)
 
     def sequence(self) -> list[int]:
         return self.input_ids + self.out
+
+
+@dataclass
+class VLInputs:
+    """A request's images for a Qwen2-VL / Qwen2.5-VL model, bound by core.vlm.bind_runs."""
+
+    runs: list                        # (start, end) of each image's <|image_pad|> run in input_ids
+    pixel_values: list                # per image: the processor's pixel_values [patches, C*T*P*P]
+    grid_thw: torch.Tensor            # [n, 3]
+    positions: torch.Tensor           # M-RoPE positions of input_ids [3, len(input_ids)] (core.vlm.rope_positions)
+    rope_delta: int                   # a later token at sequence index j sits at j + rope_delta
 
 
 @dataclass

@@ -235,15 +235,20 @@ class Scheduler:
         P, T = max(P_i), max(T_i)
         # Suffixes left-padded so every row's last real token is in the last column.
         ids = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        for i, (s, p, t) in enumerate(zip(seqs, P_i, T_i)):
+        mrope = self.model.mrope_section is not None
+        pos = torch.zeros(3, B, T, dtype=torch.long) if mrope else torch.zeros(B, T, dtype=torch.long)
+        for i, (r, s, p, t) in enumerate(zip(group, seqs, P_i, T_i)):
             ids[i, T - t:] = torch.tensor(s[p:], dtype=torch.long)
-            pos[i, T - t:] = torch.arange(p, p + t)
+            if mrope:
+                pos[:, i, T - t:] = _mrope_positions(r, p, t)
+            else:
+                pos[i, T - t:] = torch.arange(p, p + t)
         ids, pos = ids.to(self.device), pos.to(self.device)
         key_valid = torch.cat([valid_from_lengths(torch.tensor(P_i, device=self.device), P),
                                valid_from_lengths(torch.tensor(T_i, device=self.device), T)], 1)
         past = pack([r.prefix_kv for r in group], P_i) if P > 0 else None
-        h, kv = self.model.hidden(ids, pos, key_valid, past, _image_inputs(group, P_i, T_i, T))
+        h, kv = self.model.hidden(ids, pos, key_valid, past, _image_inputs(group, P_i, T_i, T),
+                                  _vl_image_embeds(self.model, group, P_i, T_i, T))
         logits = self.model.lm_head(h[:, -1])  # [B, V]: only the last position is sampled
         kv, lengths = compact_right(kv, key_valid)
         for r, p, t in zip(group, P_i, T_i):
@@ -273,7 +278,11 @@ class Scheduler:
         toks = torch.tensor([r.out[-1] for r in rows], dtype=torch.long, device=self.device)[:, None]
         S = self.kv[0][0].shape[2]
         key_valid = valid_from_lengths(self.lengths + 1, S + 1)
-        logits, self.kv = self.model(toks, self.lengths[:, None], key_valid, self.kv)
+        pos = self.lengths[:, None]
+        if self.model.mrope_section is not None:  # a VL request's later tokens sit at j + its rope delta
+            pos = pos + torch.tensor([r.vl.rope_delta if r.vl is not None else 0 for r in rows],
+                                     device=pos.device)[:, None]
+        logits, self.kv = self.model(toks, pos, key_valid, self.kv)
         self.lengths = self.lengths + 1
         tok, lp = sample(logits[:, -1].float().cpu(), self.rp, self.gen)
         self.stats["decode_steps"] += 1
@@ -330,3 +339,44 @@ def _image_inputs(group: list[Request], P_i: list[int], T_i: list[int], T: int):
     if not rows:
         return None
     return torch.tensor(rows), torch.tensor(cols), torch.cat(pix)
+
+
+def _mrope_positions(r: Request, p: int, t: int) -> torch.Tensor:
+    """M-RoPE positions [3, t] of r's sequence positions p..p+t: the prompt's from its images (core.vlm.rope_positions),
+    later (generated) tokens at j + rope delta; a request without images has plain positions."""
+    j = torch.arange(p, p + t)
+    if r.vl is None:
+        return j[None].expand(3, t)
+    out = (j + r.vl.rope_delta)[None].repeat(3, 1)
+    n = len(r.input_ids)
+    if p < n:
+        out[:, :min(t, n - p)] = r.vl.positions[:, p:min(p + t, n)]
+    return out
+
+
+def _vl_image_embeds(model: CausalLM, group: list[Request], P_i: list[int], T_i: list[int], T: int):
+    """(rows, columns, embeddings) of the <|image_pad|> positions inside this prefill's suffixes, or None: the vision
+    tower runs once over every image with a pad in some suffix (a prefix-cache hit may end inside a run: only the
+    run's remaining pads are placed)."""
+    if model.visual is None:
+        return None
+    need = []  # (row, request, image, run start, first, end) of the pads to place
+    for i, (r, p, t) in enumerate(zip(group, P_i, T_i)):
+        if r.vl is None:
+            continue
+        for k, (s, e) in enumerate(r.vl.runs):
+            lo, hi = max(s, p), min(e, p + t)
+            if lo < hi:
+                need.append((i, r, k, s, lo, hi))
+    if not need:
+        return None
+    feats = model.image_features(torch.cat([r.vl.pixel_values[k] for _, r, k, *_ in need]),
+                                 torch.stack([r.vl.grid_thw[k] for _, r, k, *_ in need]))
+    rows, cols, embs, at = [], [], [], 0
+    for i, r, k, s, lo, hi in need:
+        n = r.vl.runs[k][1] - s
+        rows += [i] * (hi - lo)
+        cols += [T - T_i[i] + j - P_i[i] for j in range(lo, hi)]  # suffixes are left-padded to T columns
+        embs.append(feats[at + lo - s:at + hi - s])
+        at += n
+    return torch.tensor(rows), torch.tensor(cols), torch.cat(embs)

@@ -146,7 +146,7 @@ BASE = dict(TINY, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     (dict(BASE, model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2' is not supported"),
     (dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"]), "model_type .mistral. is not supported"),
     (dict(BASE, model_type=None, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
-    (dict(BASE, model_type="qwen2_vl", architectures=None), "model_type 'qwen2_vl' is not supported"),
+    (dict(BASE, model_type="qwen2_vl", architectures=None), "qwen2_vl config needs its vision_config"),
     (dict(BASE, architectures=["LlamaForCausalLM"]), "does not match model_type 'qwen2'"),
     (dict(BASE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding_window"),
     (dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "foo", "factor": 2.0}),
