@@ -123,6 +123,33 @@ def test_full_sequence_logits_equal_transformers(vl):
     assert torch.equal(p, hp[:, 0]) and delta == int(hd)
 
 
+def test_flat_config_and_transformers_5_weight_names_load_the_same_model(vl, tmp_path):
+    """The flat config layout in a real directory (through transformers' AutoConfig too), and a state dict under
+    transformers 5's module names (model.language_model.*, model.visual.*), give the same logits."""
+    import shutil
+
+    d, ref, spec, tok = vl
+    flat_dir = tmp_path / "flat"
+    shutil.copytree(d, flat_dir)
+    raw = json.loads((d / "config.json").read_text())
+    text = {k: v for k, v in raw.pop("text_config").items() if k not in ("model_type", "rope_parameters")}
+    (flat_dir / "config.json").write_text(json.dumps({**raw, **text, "rope_theta": 1000000.0,
+                                                      "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}}))
+    ids = _prompt(spec, tok, [_size(B), _size(A)])
+    pv, thw = spec.pixels([B, A])
+    want = _ref_logits(ref, spec, ids, [B, A])
+    m = CausalLM.load_hf(flat_dir).eval()
+    renamed = {("model.language_model." + k[6:] if k.startswith("model.") else "model." + k if k.startswith("visual.")
+                else k): v for k, v in m.hf_state_dict().items()}
+    assert any(k.startswith("model.visual.") for k in renamed)
+    m2 = CausalLM(m.config).eval()
+    m2.load_weights(renamed)
+    with torch.no_grad():
+        for model in (m, m2):
+            got, _ = model(torch.tensor([ids]), pixel_values=pv, image_grid_thw=thw)
+            assert (got[0] - want).abs().max().item() < 1e-4
+
+
 def test_engine_greedy_with_images_equals_transformers(vl):
     d, ref, spec, tok = vl
     ids = _prompt(spec, tok, [_size(A), _size(B)])
