@@ -124,6 +124,12 @@ def test_logprobs_bind_each_segments_images(vl_dir):
     print(f"max |logprobs_at - reference| = {diff:.2e}")
     assert diff < 1e-5
     assert torch.isfinite(ent).all() and (ent > 0).all()
+    # the update's no-grad pass (pi_prox of the non-fused update) reads the same numbers, chunked by length
+    from learner.batch import at, length_chunks
+
+    trainer = PPOTrainer(pol, None, LearnerConfig(algo="grpo"), pol.config.pad_token_id)
+    prox, _ = trainer._forward_old(b, length_chunks(b.widths, torch.arange(3), 64))
+    assert float((at(prox, b.mask) - want).abs().max()) < 1e-5
     # The images matter: without them (the pads as plain tokens) the numbers differ.
     with torch.no_grad():
         blind = pol.logprobs_at(b.tokens, b.valid, b.mask)
@@ -179,6 +185,9 @@ def test_update_step_trains_the_vision_tower(vl_dir, freeze):
         vis = dict(pol.lm.model.visual.named_parameters())
         before = {k: p.detach().clone() for k, p in vis.items()}
         in_opt = {id(p) for g in tr.opt.param_groups for p in g["params"]}
+        if critic is not None:  # value pretraining reads the critic per segment too
+            assert np.isfinite(tr.value_pretrain_step(batch)["v_loss"])
+            tr.critic_opt.zero_grad(set_to_none=True)
         m = tr.step(batch, 1)
         assert not m["policy_step_skipped"] and m["tokens"] == sum(int(t.mask.sum()) for t in batch)
         w = vis["patch_embed.proj.weight"]
