@@ -43,6 +43,9 @@ class ModelConfig:
     tie_embeddings: bool = f(False, "share the input embedding and the output projection of a fresh model")
     init_std: float = f(0.02, "init scale of a fresh model")
     seed: int = f(0, "init seed of a fresh model")
+    freeze_vision: bool = f(False, "a vision-language checkpoint (Qwen2-VL / Qwen2.5-VL): keep its vision tower's weights "
+                                   "fixed (no gradient, not in the optimiser); false = the learner and tars sft train "
+                                   "it with the language model")
 
 
 @dataclass

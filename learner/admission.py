@@ -4,13 +4,15 @@ are sampled in GRPO groups, held until its whole group is in.
 Trajectories kept out of the loss never reach a batch: an infra_error episode is never a reward of 0, one whose
 oldest token is more than `learner.staleness.max_lag` versions behind is dropped, and so is one with no generated
 token (counted no_generated_tokens: a truncated episode whose first prompt did not fit the inference server's context;
-in a GRPO group its return of 0 would only move the others' baseline). Both are marked consumed on the
+in a GRPO group its return of 0 would only move the others' baseline), and so is one whose images cannot be bound to its
+framed image runs (counted unbound_images: `check`, learner.batch.binding_error). All are marked consumed on the
 stream at once (they are settled) and listed in `masked`, so trained.jsonl can account for every id.
 """
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import threading
 import time
 from typing import Callable, TextIO
@@ -18,16 +20,19 @@ from typing import Callable, TextIO
 from core.config_learner import GroupConfig
 from core.outcome import Outcome
 
+log = logging.getLogger("tars.learner")
+
 POLL_S = 0.5  # longest wait for one arrival: the stop flag, group deadlines and idle work are checked this often
 
 
 class Admission:
     def __init__(self, receiver, staleness, max_lag: int, group: GroupConfig, episodes: TextIO, archive=None,
-                 counters: collections.Counter | None = None):
+                 counters: collections.Counter | None = None, check: Callable[[object], str | None] | None = None):
         self.receiver, self.staleness, self.max_lag = receiver, staleness, max_lag
         self.group_size, self.group_timeout_s = max(1, group.size), group.timeout_s
         self.episodes, self.archive = episodes, archive  # episodes.jsonl; the optional trajectory archive (.twl)
         self.counters = counters if counters is not None else collections.Counter()
+        self.check = check  # trajectory -> why it cannot be trained on (None: it can)
         self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
         # Ids kept out of the loss since the last update (trained.jsonl records them with the next version).
         self.masked: list[str] = []
@@ -94,6 +99,9 @@ class Admission:
             self.counters["too_stale"] += 1
         elif not len(gen):  # nothing the policy generated (its first prompt did not fit the context): no loss to take
             self.counters["no_generated_tokens"] += 1
+        elif self.check is not None and (why := self.check(tr)) is not None:
+            self.counters["unbound_images"] += 1
+            log.warning("trajectory %s kept out of the loss: %s", tr.id, why)
         else:
             self.staleness.on_accepted(1)
             return True

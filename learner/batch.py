@@ -5,16 +5,98 @@ V(tokens[:t]), the state before token t (learner.policy.TrainPolicy.values_at). 
 state it was cut in (core/schema.py, `boot_at`): `boot` marks the position t = boot_at whose V(tokens[:boot_at])
 bootstraps its return. That position is one past the row's last token when the actor appended the final prompt there,
 so a row may need one column more than it has tokens: `widths` says how many columns each row needs.
+
+A vision-language trajectory (core/schema.py `segments`, `image_refs`; a VL checkpoint, core/vlm.py) also gets a
+RowImages: where each of its independent sequences starts and the pixel_values / image_grid_thw of the images bound
+to that segment's framed runs, in token order (the contract's rule 3: TrainPolicy computes each segment as its own
+sequence with its own images). A segment's first token, like a row's, has no prefix: it is never trained on.
+Text trajectories have none (`images` is None for an all-text batch) and take the text path unchanged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from core.outcome import Outcome
 from core.schema import Trajectory, turn_rewards
+
+
+@dataclass
+class RowImages:
+    """One VL row: segment starts (0 first) and, per segment, (pixel_values [P, D] f32, image_grid_thw [n, 3] long)
+    of its runs' images in token order, on the CPU (moved where the forward runs)."""
+    starts: list[int]
+    pixels: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def image_runs(tokens: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of image pad tokens, in token order."""
+    is_pad = np.concatenate([[False], np.asarray(tokens) == image_token_id, [False]])
+    edges = np.flatnonzero(is_pad[1:] != is_pad[:-1])
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
+def row_images(tokens: np.ndarray, segments, image_refs, images: dict, spec, cache: dict | None = None,
+               what: str = "trajectory", pixels: bool = True) -> RowImages:
+    """A VL sequence's RowImages; ValueError (naming `what`) unless every framed run is bound to exactly one image
+    whose processed grid gives that run's pad count (the contract's rule 1) and no run crosses a segment start.
+    cache: sha -> (pixel_values, image_grid_thw), shared across the rows of a batch. pixels=False: the checks only
+    (the pad counts from the images' sizes, no pixel processing); the RowImages then has no pixels."""
+    from core.vlm import png_size
+
+    cache = {} if cache is None else cache
+    starts = [0, *[int(s) for s in segments]]
+    runs = image_runs(tokens, spec.image_token_id)
+    if len(runs) != len(image_refs):
+        raise ValueError(f"{what}: {len(runs)} framed image runs but {len(image_refs)} image_refs")
+    per_seg: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in starts]
+    for (a, b), ref in zip(runs, image_refs):
+        k = bisect.bisect_right(starts, a) - 1
+        if k + 1 < len(starts) and b > starts[k + 1]:
+            raise ValueError(f"{what}: the image run at [{a}, {b}) crosses the segment start {starts[k + 1]}")
+        if a == 0 or tokens[a - 1] != spec.vision_start_token_id or b >= len(tokens) or \
+                tokens[b] != spec.vision_end_token_id:
+            raise ValueError(f"{what}: the image run at [{a}, {b}) is not framed by <|vision_start|> ... "
+                             "<|vision_end|>")
+        png = images.get(ref)
+        if png is None:
+            raise ValueError(f"{what}: image {ref[:12]}... is referenced but its bytes are missing")
+        if not pixels:
+            want = spec.image_tokens(*png_size(png))
+            if b - a != want:
+                raise ValueError(f"{what}: the image run at [{a}, {b}) has {b - a} pads, its image takes {want}")
+            continue
+        if ref not in cache:
+            cache[ref] = spec.pixels([png])
+        pv, thw = cache[ref]
+        want = int(thw.prod()) // spec.merge_size ** 2
+        if b - a != want:
+            raise ValueError(f"{what}: the image run at [{a}, {b}) has {b - a} pads, its image takes {want}")
+        per_seg[k].append((pv, thw))
+    pixels = []
+    for ims in per_seg:
+        if ims:
+            pixels.append((torch.cat([pv for pv, _ in ims]), torch.cat([thw for _, thw in ims])))
+        else:
+            pixels.append(None)
+    return RowImages(starts, pixels)
+
+
+def binding_error(tr: Trajectory, spec) -> str | None:
+    """Why a trajectory's images cannot be bound for training (row_images' checks, without the pixels), or None
+    (they can, or it has none). The learner keeps such a trajectory out of the loss instead of failing an update."""
+    if not (tr.segments or tr.image_refs):
+        return None
+    if spec is None:
+        return "it carries images or segments but the model is not a vision-language checkpoint"
+    try:
+        row_images(tr.tokens, tr.segments, tr.image_refs, tr.images, spec, pixels=False)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 @dataclass
@@ -30,13 +112,20 @@ class Batch:
     widths: torch.Tensor      # [B] long, on the CPU: columns each row needs (tokens, and its bootstrap position)
     groups: list[str]
     ids: list[str]
+    images: list[RowImages | None] | None = field(default=None)  # VL rows (module doc); None: an all-text batch
 
     def to(self, device: torch.device) -> "Batch":
         """The tensors on `device` (the same Batch when it is already there: the CPU path copies nothing). `widths`
-        stays on the CPU: chunking is decided on the host."""
+        stays on the CPU: chunking is decided on the host; so do the images (moved by the forward that takes them)."""
         names = ("tokens", "valid", "mask", "behav_logp", "versions", "rewards", "returns", "boot")
         return Batch(**{k: getattr(self, k).to(device) for k in names}, widths=self.widths, groups=self.groups,
-                     ids=self.ids)
+                     ids=self.ids, images=self.images)
+
+    def vl(self, rows: torch.Tensor) -> list[RowImages | None] | None:
+        """The images of these rows (a chunk's indices), for TrainPolicy's `vl=`; None when the batch is all text."""
+        if self.images is None:
+            return None
+        return [self.images[i] for i in rows.tolist()]
 
 
 def boot_position(tr: Trajectory) -> int:
@@ -45,7 +134,17 @@ def boot_position(tr: Trajectory) -> int:
     return tr.boot_at if tr.outcome == Outcome.TRUNCATED else 0
 
 
-def collate(trajs: list[Trajectory], pad_id: int = 0) -> Batch:
+def collate(trajs: list[Trajectory], pad_id: int = 0, vl=None) -> Batch:
+    """vl: the model's core.vlm.VLSpec (TrainPolicy.vl) when it is a VL checkpoint; ValueError if a trajectory carries
+    images or segments and there is none, or its images do not bind (row_images)."""
+    images, cache = None, {}
+    if any(t.segments or t.image_refs for t in trajs):
+        if vl is None:
+            bad = next(t for t in trajs if t.segments or t.image_refs)
+            raise ValueError(f"trajectory {bad.id} carries images or segments but the model is not a vision-language "
+                             "checkpoint")
+        images = [row_images(t.tokens, t.segments, t.image_refs, t.images, vl, cache, f"trajectory {t.id}")
+                  if t.segments or t.image_refs else None for t in trajs]
     boots = [boot_position(t) for t in trajs]
     widths = [max(len(t.tokens), p + 1 if p else 0) for t, p in zip(trajs, boots)]
     B, T = len(trajs), max(widths)
@@ -67,9 +166,11 @@ def collate(trajs: list[Trajectory], pad_id: int = 0) -> Batch:
         if boots[i]:
             boot[i, boots[i]] = 1.0
     mask[:, 0] = 0.0  # the first token has no prefix to be predicted from
+    for i, t in enumerate(trajs):
+        mask[i, list(t.segments)] = 0.0  # nor has a segment's first token
     rets = torch.tensor([t.ret for t in trajs], dtype=torch.float32)
     return Batch(tokens, valid, mask, behav, versions, rewards, rets, boot, torch.tensor(widths, dtype=torch.long),
-                 [t.group or t.id for t in trajs], [t.id for t in trajs])
+                 [t.group or t.id for t in trajs], [t.id for t in trajs], images)
 
 
 def at(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

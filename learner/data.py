@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from core.outcome import Outcome
 from core.schema import SchemaError, Trajectory
@@ -86,11 +87,24 @@ def split(paths, out_dir, min_return: float | None = None) -> dict:
     return counts
 
 
-def sft_examples(trajs) -> list[tuple[list[int], list[int]]]:
-    """Trajectories -> (tokens, loss mask) pairs for train_sft: the loss on the policy's own tokens only."""
+@dataclass
+class ExampleImages:
+    """A vision-language example's images, as its trajectory carries them (core/schema.py): segment starts, the
+    image bound to each framed run in token order, and the bytes by sha256. learner.sft binds them per segment."""
+    segments: list[int]
+    image_refs: list[str]
+    images: dict[str, bytes]
+
+
+def sft_examples(trajs) -> list[tuple]:
+    """Trajectories -> (tokens, loss mask) pairs for train_sft: the loss on the policy's own tokens only. A
+    vision-language trajectory (segments / image_refs) gives (tokens, loss mask, ExampleImages)."""
     out = []
     for tr in trajs:
         if tr.mask.sum() == 0:
             continue  # nothing generated: nothing to imitate
-        out.append((tr.tokens.astype(int).tolist(), tr.mask.astype(int).tolist()))
+        ex = (tr.tokens.astype(int).tolist(), tr.mask.astype(int).tolist())
+        if tr.segments or tr.image_refs:
+            ex += (ExampleImages(list(tr.segments), list(tr.image_refs), dict(tr.images)),)
+        out.append(ex)
     return out

@@ -28,6 +28,7 @@ from core.outcome import Outcome
 from core.stream.receiver import TrajectoryReceiver
 from core.stream.wal import WriteAheadLog
 from learner.admission import Admission
+from learner.batch import binding_error
 from learner.checkpoint import CheckpointError, Checkpointer, locate
 from learner.control import CONTROL_HOST, learner_control, serve_control
 from learner.device import describe, resolve_device, resolve_precision
@@ -62,6 +63,8 @@ class Learner:
         # The transformers model of the checkpoint (learner/policy.py); the critic starts from the policy's trunk
         # with a zero value head.
         self.policy = TrainPolicy.load(model_dir)
+        if cfg.model.freeze_vision:  # before the critic copies it and the optimisers are built
+            self.policy.freeze_vision()
         self.critic = TrainPolicy.critic_from(self.policy) if self.lcfg.algo == "ppo" else None
         # Built on the CPU (same initialisation on every device), then moved; weights stay fp32 (master weights).
         self.policy.to(self.device)
@@ -101,7 +104,8 @@ class Learner:
         self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
         archive = WriteAheadLog(self.run / "trajectories.twl", fsync=False).open() if self.lcfg.archive else None
         self.admission = Admission(self.receiver, self.staleness, self.lcfg.staleness.max_lag, self.lcfg.group,
-                                   self.episodes, archive, self.counters)
+                                   self.episodes, archive, self.counters,
+                                   check=lambda tr: binding_error(tr, self.policy.vl))
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
         # Which trajectory ids each update trained on and which were masked (infra_error / too stale) before it:
         # {"resume": v} marks a (re)start from version v, so a reader can drop the records a kill rolled back
@@ -126,7 +130,8 @@ class Learner:
                           description="updates whose loss or gradient was not finite: no optimiser step taken",
                           kind="counter")
         telemetry.observe("tars.learner.dropped", lambda: {k: self.counters[k] for k in (Outcome.INFRA_ERROR, "too_stale",
-                                                                                    "no_generated_tokens")},
+                                                                                    "no_generated_tokens",
+                                                                                    "unbound_images")},
                           description="trajectories kept out of the loss, by reason", kind="counter", label="reason")
 
     # ---- the loop --------------------------------------------------------------------------------------------

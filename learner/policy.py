@@ -17,6 +17,15 @@ TrainPolicy wraps the model with what the update needs:
 
 A checkpoint whose config.json carries "tars_vision" keeps its patch-embedding module (core/vision.py), weights
 `vision.proj.*` in model.safetensors, as the engine's decoder does.
+
+A Qwen2-VL / Qwen2.5-VL directory (core.vlm.is_vl_dir) loads as transformers' image-text-to-text class (vision tower
++ language model, fp32, SDPA); `vl` is its core.vlm.VLSpec. The per-token methods then take `vl=`: per row of the
+batch, a learner.batch.RowImages (the row's independent segments and each segment's pixel_values / image_grid_thw),
+and compute every segment as its own sequence with its own images and transformers' M-RoPE positions, laid back in
+the row's token layout (`_vl_hidden`). The value head reads the language model's last hidden state, as for text.
+hf_state_dict / load_weights speak the checkpoint's names (`model.layers.*`, `visual.*`, `lm_head.weight`): transformers
+5 holds other names in memory (`model.language_model.*`, `model.visual.*`) and its own checkpoint conversion
+(transformers.core_model_loading.revert_weight_conversion, what save_pretrained applies) maps them.
 """
 from __future__ import annotations
 
@@ -109,19 +118,41 @@ def copy_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
     return copy_tokenizer_files(src, dst)
 
 
-class TrainPolicy(nn.Module):
-    """A transformers causal LM (`lm`) + the optional critic value head (`score`) + the optional vision module."""
+def _text_config(hf_config) -> DecoderConfig:
+    """A VL model's language model as a DecoderConfig (pad / eos ids, vocabulary size, widths: what the learner reads
+    of `config`). The engine-side refusals of DecoderConfig.from_hf (M-RoPE, the vision fields) do not apply: the
+    learner runs transformers' own class."""
+    tc = hf_config.text_config
+    eos = tc.eos_token_id if tc.eos_token_id is not None else getattr(hf_config, "eos_token_id", None)
+    pad = tc.pad_token_id if tc.pad_token_id is not None else getattr(hf_config, "pad_token_id", None)
+    if pad is None:
+        pad = (eos[0] if eos else 0) if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
+    return DecoderConfig(vocab_size=int(tc.vocab_size), hidden_size=int(tc.hidden_size),
+                         intermediate_size=int(tc.intermediate_size), num_hidden_layers=int(tc.num_hidden_layers),
+                         num_attention_heads=int(tc.num_attention_heads),
+                         num_key_value_heads=int(tc.num_key_value_heads or tc.num_attention_heads),
+                         max_position_embeddings=int(tc.max_position_embeddings), rms_norm_eps=float(tc.rms_norm_eps),
+                         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                         bos_token_id=tc.bos_token_id, eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else eos,
+                         pad_token_id=int(pad))
 
-    def __init__(self, lm, value_head: bool = False):
+
+class TrainPolicy(nn.Module):
+    """A transformers causal LM (`lm`) + the optional critic value head (`score`) + the optional vision module; or a
+    transformers Qwen2-VL / Qwen2.5-VL model with `vl` its core.vlm.VLSpec."""
+
+    def __init__(self, lm, value_head: bool = False, vl=None):
         super().__init__()
         self.lm = lm
-        self.config = DecoderConfig.from_hf(config_dict(lm.config))
+        self.vl = vl
+        self._ckpt_names: dict[str, str] | None = None  # in-memory name -> checkpoint name (VL models)
+        self.config = _text_config(lm.config) if vl is not None else DecoderConfig.from_hf(config_dict(lm.config))
         # Today's learner trains every embedding row, the padding id's included (a real token in many vocabularies:
         # Qwen pads with <|endoftext|>); nn.Embedding's padding_idx would freeze that row. Forward is unaffected.
         emb = lm.get_input_embeddings()
         if getattr(emb, "padding_idx", None) is not None:
             emb.padding_idx = None
-        hidden = lm.config.hidden_size
+        hidden = self.config.hidden_size if vl is not None else lm.config.hidden_size
         self.score = nn.Linear(hidden, 1) if value_head else None
         self.vision_config = VisionConfig.from_extra(self.config.extra)
         self.vision = PatchEmbed(self.vision_config, hidden) if self.vision_config else None
@@ -145,13 +176,18 @@ class TrainPolicy(nn.Module):
     def load(cls, path: str | os.PathLike, value_head: bool = False) -> "TrainPolicy":
         """An HF checkpoint directory (config.json + safetensors) in fp32, offline. The architecture is checked by
         core.model.DecoderConfig.from_hf first, so an unsupported model is the core's clear error."""
+        from core.vlm import VLSpec, is_vl_dir
+
         p = pathlib.Path(path)
-        DecoderConfig.from_hf(json.loads((p / "config.json").read_text()))
+        vl = VLSpec.load(p) if is_vl_dir(p) else None  # ValueError naming the file without a processor config
+        if vl is None:
+            DecoderConfig.from_hf(json.loads((p / "config.json").read_text()))
         t = _transformers()
+        auto = t.AutoModelForImageTextToText if vl is not None else t.AutoModelForCausalLM
         with _no_progress_bars(), _quiet_load_report():  # missing and unexpected weights are checked below
-            lm, info = t.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32,
-                                                              attn_implementation=ATTENTION, output_loading_info=True)
-        m = cls(lm, value_head=value_head)
+            lm, info = auto.from_pretrained(str(p), local_files_only=True, dtype=torch.float32,
+                                            attn_implementation=ATTENTION, output_loading_info=True)
+        m = cls(lm, value_head=value_head, vl=vl)
         # transformers initialises a missing weight at random and says so in a log line: an error here.
         tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()
         missing = sorted(set(info.get("missing_keys") or ()) - tied)
@@ -176,12 +212,28 @@ class TrainPolicy(nn.Module):
         """The critic: the policy's architecture and trunk weights, with a zero-initialised value head."""
         import copy
 
-        critic = cls(copy.deepcopy(policy.lm), value_head=True)
+        critic = cls(copy.deepcopy(policy.lm), value_head=True, vl=policy.vl)
         if policy.vision is not None:
             critic.vision.load_state_dict(policy.vision.state_dict())
         nn.init.zeros_(critic.score.weight)
         nn.init.zeros_(critic.score.bias)
         return critic.to(next(policy.parameters()).device)
+
+    def vision_parameters(self) -> list[nn.Parameter]:
+        """The vision tower's parameters (a VL model's `visual`; the tars_vision patch embedding); [] for text."""
+        if self.vl is not None:
+            return list(self.lm.model.visual.parameters())
+        return list(self.vision.parameters()) if self.vision is not None else []
+
+    def freeze_vision(self) -> "TrainPolicy":
+        """model.freeze_vision: the vision tower gets no gradient (requires_grad False); the optimisers take
+        trainable_parameters() only, so it is not in them either."""
+        for p in self.vision_parameters():
+            p.requires_grad_(False)
+        return self
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "TrainPolicy":
         """core.model.CausalLM.init_weights on the same names in the same order: norms 1, biases 0, the rest N(0, std)."""
@@ -197,12 +249,17 @@ class TrainPolicy(nn.Module):
         return self
 
     # ---- forward -----------------------------------------------------------------------------------------------
-    def hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None, images=None) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None, images=None,
+               vl=None) -> torch.Tensor:
         """Final hidden states [B, T, H] of the base model. input_ids [B, T], right-padded; key_valid [B, T] bool
         (False = padding). Positions are 0..T-1 in every row, as the engine numbers a sequence's tokens.
 
         images: (rows [N], columns [N], patch pixels [N, patch_dim]) -> those positions take the patch embeddings
-        instead of their token embeddings (core/vision.py); ignored by a model without the vision module."""
+        instead of their token embeddings (core/vision.py); ignored by a model without the vision module.
+
+        vl: a VL model's images, per row a learner.batch.RowImages or None (a text row): see _vl_hidden."""
+        if vl is not None and self.vl is not None and any(r is not None for r in vl):
+            return self._vl_hidden(input_ids, key_valid, vl)
         base = self.lm.base_model
         if images is not None and self.vision is not None and len(images[0]):
             rows, cols, pix = images
@@ -214,25 +271,79 @@ class TrainPolicy(nn.Module):
             out = base(input_ids=input_ids, attention_mask=key_valid, use_cache=False)
         return out.last_hidden_state
 
-    def forward(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V] at every position."""
-        return self.lm.lm_head(self.hidden(input_ids, key_valid))
+    def _vl_hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None, rows) -> torch.Tensor:
+        """[B, T, H] in the rows' token layout, each segment of each row computed as its own sequence: its tokens
+        from position 0, its images' pixel_values / image_grid_thw, transformers' M-RoPE positions (mm_token_type_ids
+        marks the image pads). Segments go through the model together, right-padded, packed longest first into
+        forwards of at most the chunk's own padded size (B x T); their images concatenated in row order. Padding
+        positions stay 0."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        lens = key_valid.sum(1).tolist() if key_valid is not None else [T] * B
+        pieces = []  # (row, start, end, pixels or None)
+        for r in range(B):
+            L, ri = int(lens[r]), rows[r]
+            starts = list(ri.starts) if ri is not None else [0]
+            for k, s in enumerate(starts):
+                e = min(starts[k + 1] if k + 1 < len(starts) else L, L)
+                if e > s:
+                    pieces.append((r, s, e, ri.pixels[k] if ri is not None else None))
+        pieces.sort(key=lambda p: p[2] - p[1], reverse=True)
+        groups, cur = [], []
+        for p in pieces:  # the first piece of a group is its longest
+            if cur and (len(cur) + 1) * (cur[0][2] - cur[0][1]) > B * T:
+                groups.append(cur)
+                cur = []
+            cur.append(p)
+        if cur:
+            groups.append(cur)
+        out = None
+        image_id = self.vl.image_token_id
+        for g in groups:
+            W = g[0][2] - g[0][1]
+            ids = torch.full((len(g), W), self.config.pad_token_id, dtype=torch.long, device=dev)
+            att = torch.zeros(len(g), W, dtype=torch.long, device=dev)
+            for j, (r, s, e, _) in enumerate(g):
+                ids[j, :e - s] = input_ids[r, s:e]
+                att[j, :e - s] = 1
+            pix = [p[3] for p in g if p[3] is not None and p[3][1].shape[0]]
+            kw = {}
+            if pix:
+                vis = self.lm.model.visual
+                kw = dict(pixel_values=torch.cat([pv for pv, _ in pix]).to(dev, vis.dtype),
+                          image_grid_thw=torch.cat([thw for _, thw in pix]).to(dev),
+                          mm_token_type_ids=(ids == image_id).int())
+            h = self.lm.model(input_ids=ids, attention_mask=att, use_cache=False, **kw).last_hidden_state
+            if out is None:
+                out = h.new_zeros(B, T, h.shape[-1])
+            rr = torch.cat([torch.full((e - s,), r, dtype=torch.long) for r, s, e, _ in g]).to(dev)
+            cc = torch.cat([torch.arange(s, e) for _, s, e, _ in g]).to(dev)
+            jj = torch.cat([torch.full((e - s,), j, dtype=torch.long) for j, (_, s, e, _) in enumerate(g)]).to(dev)
+            pp = torch.cat([torch.arange(e - s) for _, s, e, _ in g]).to(dev)
+            out = out.index_put((rr, cc), h[jj, pp])
+        if out is None:  # no tokens at all
+            out = self.lm.model(input_ids=input_ids, attention_mask=key_valid, use_cache=False).last_hidden_state
+        return out
 
-    def token_logprobs(self, input_ids, key_valid=None, temperature: float = 1.0) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None, vl=None) -> torch.Tensor:
+        """Logits [B, T, V] at every position."""
+        return self.lm.lm_head(self.hidden(input_ids, key_valid, vl=vl))
+
+    def token_logprobs(self, input_ids, key_valid=None, temperature: float = 1.0, vl=None) -> torch.Tensor:
         """logprob of input_ids[:, t] given the prefix, for t >= 1 -> [B, T] (position 0 gets 0)."""
-        logits = self.forward(input_ids, key_valid)[:, :-1].float()
+        logits = self.forward(input_ids, key_valid, vl=vl)[:, :-1].float()
         if temperature and temperature != 1.0:
             logits = logits / temperature
         lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         return nn.functional.pad(lp, (1, 0))
 
-    def logprobs_at(self, input_ids, key_valid, mask, with_entropy: bool = False):
+    def logprobs_at(self, input_ids, key_valid, mask, with_entropy: bool = False, vl=None):
         """Logprobs of input_ids[:, t] for the positions where mask[:, t] > 0 only -> [N] (row-major order), and
         their entropies with with_entropy.
 
         The vocabulary projection runs only where it is needed (generated tokens are a small share of a multi-turn
-        conversation); log_softmax in fp32."""
-        h = self.hidden(input_ids, key_valid)
+        conversation); log_softmax in fp32. vl: a VL model's images per row (hidden)."""
+        h = self.hidden(input_ids, key_valid, vl=vl)
         sel = mask[:, 1:] > 0                                   # [B, T-1]: token t predicted from position t-1
         logits = self.lm.lm_head(h[:, :-1][sel]).float()        # [N, V]
         lp_all = torch.log_softmax(logits, dim=-1)
@@ -241,9 +352,9 @@ class TrainPolicy(nn.Module):
             return lp
         return lp, -(lp_all.exp() * lp_all).sum(-1)
 
-    def values_at(self, input_ids, key_valid, mask) -> torch.Tensor:
+    def values_at(self, input_ids, key_valid, mask, vl=None) -> torch.Tensor:
         """Critic values V(state before token t) for the positions where mask[:, t] > 0 -> [N]."""
-        h = self.hidden(input_ids, key_valid)
+        h = self.hidden(input_ids, key_valid, vl=vl)
         return self.score(h[:, :-1][mask[:, 1:] > 0]).squeeze(-1)
 
     # ---- HF layout ---------------------------------------------------------------------------------------------
@@ -251,6 +362,9 @@ class TrainPolicy(nn.Module):
         """Parameter names as in the checkpoint (model.layers.0.self_attn.q_proj.weight, ...): no lm_head.weight
         when the embeddings are tied, no value head; vision.proj.* when the model has the vision module."""
         sd = {k: v.detach().contiguous() for k, v in self.lm.state_dict().items()}
+        if self.vl is not None:  # transformers' in-memory names -> the checkpoint's
+            names = self.checkpoint_names()
+            sd = {names[k]: v for k, v in sd.items()}
         if self.lm.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         if self.vision is not None:
@@ -274,11 +388,28 @@ class TrainPolicy(nn.Module):
     def _hf_tensors(self) -> dict[str, torch.Tensor]:
         """HF name -> the parameter (or persistent buffer) itself, for the names hf_state_dict writes."""
         names = set(self.hf_state_dict())
-        own = {k: v for k, v in self.lm.named_parameters()}
-        own.update({k: v for k, v in self.lm.named_buffers() if k in names})
+        rename = self.checkpoint_names() if self.vl is not None else {}
+        own = {rename.get(k, k): v for k, v in self.lm.named_parameters()}
+        own.update({rename.get(k, k): v for k, v in self.lm.named_buffers() if rename.get(k, k) in names})
         if self.vision is not None:
             own.update({f"vision.{k}": v for k, v in self.vision.named_parameters()})
         return {k: v for k, v in own.items() if k in names}
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """A VL model's in-memory state-dict name -> the name save_pretrained writes (and the engine loads): the
+        model's own checkpoint conversion mapping, reverted as save_pretrained reverts it."""
+        if self._ckpt_names is None:
+            from transformers.core_model_loading import revert_weight_conversion
+
+            mem = self.lm.state_dict()
+            by_id = {id(v): k for k, v in mem.items()}
+            out = revert_weight_conversion(self.lm, dict(mem))
+            names = {by_id[id(v)]: k for k, v in out.items() if id(v) in by_id}
+            if len(names) != len(mem) or len(set(names.values())) != len(names):
+                raise ValueError(f"{type(self.lm).__name__}: the checkpoint conversion is not a renaming of every "
+                                 "weight; this model cannot be trained here")
+            self._ckpt_names = names
+        return self._ckpt_names
 
     def save_hf(self, path: str | os.PathLike, extra_files: dict[str, str] | None = None,
                 tokenizer_from: str | os.PathLike | None = None) -> pathlib.Path:

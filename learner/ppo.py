@@ -53,11 +53,12 @@ class PPOTrainer:
         self.amp_dtype = amp_dtype
         # Data parallel (learner/distributed.py): each rank backprops its share of the chunks, gradients summed.
         self.dist = dist if dist is not None else Dist()
-        self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        # Frozen parameters (model.freeze_vision: the vision tower) are not in the optimisers.
+        self.opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps))
         self.critic_opt = None
         if critic is not None:
-            self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=(0.9, 0.99))
+            self.critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic_lr, betas=(0.9, 0.99))
         self.ref = None
         if cfg.ppo.kl_coef > 0:  # a frozen copy of the starting policy
             self.ref = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -101,10 +102,10 @@ class PPOTrainer:
                 c = c.to(self.device)  # a no-op on the CPU
                 tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
                 if prox is not None:
-                    prox[c, :T] = put(self.policy.logprobs_at(tok, val, msk), msk, msk)  # fp32: logits are upcast
+                    prox[c, :T] = put(self.policy.logprobs_at(tok, val, msk, vl=b.vl(c)), msk, msk)  # fp32: logits are upcast
                 if values is not None:
                     vm = msk + b.boot[c, :T]  # the generated positions and the bootstrap position
-                    values[c, :T] = put(self.critic.values_at(tok, val, vm).float(), vm, vm)
+                    values[c, :T] = put(self.critic.values_at(tok, val, vm, vl=b.vl(c)).float(), vm, vm)
         return prox, values
 
     def _critic_pass(self, b: Batch, chunks) -> tuple[torch.Tensor, dict]:
@@ -122,7 +123,7 @@ class PPOTrainer:
             tok, val, msk, bt = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T], b.boot[c, :T]
             vm = msk + bt  # the generated positions and the bootstrap position
             with autocast(dev, amp):
-                v_all = self.critic.values_at(tok, val, vm).float()
+                v_all = self.critic.values_at(tok, val, vm, vl=b.vl(c)).float()
             values[c, :T] = put(v_all.detach(), vm, vm)
             v = v_all[at(msk, vm) > 0]  # the generated positions': the value loss trains those only
             _, tg = A.masked_gae(b.rewards[c, :T], values[c, :T], msk, cfg.ppo.gamma, cfg.ppo.lam_critic,
@@ -135,7 +136,7 @@ class PPOTrainer:
 
     def step(self, trajs: list[Trajectory], version: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        b = collate(trajs, self.pad_id).to(self.device)
+        b = collate(trajs, self.pad_id, getattr(self.policy, "vl", None)).to(self.device)
         lengths = b.widths  # on the CPU: chunking is decided on the host
         dev, amp = self.device, self.amp_dtype
         self.policy.eval()
@@ -187,7 +188,7 @@ class PPOTrainer:
                     w = float(msk.sum()) / n_tok
                     # Forward passes under autocast (bf16 when asked); the loss below is fp32 math on fp32 logprobs.
                     with autocast(dev, amp):
-                        logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True)
+                        logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True, vl=b.vl(c))
                     ones = torch.ones_like(logp)
                     behav = at(b.behav_logp[c, :T], msk)
                     p_prox = None  # tis and none use no proximal policy
@@ -205,7 +206,7 @@ class PPOTrainer:
                         loss = loss - self.entropy_coef * ent.mean()
                     if self.ref is not None:
                         with torch.no_grad(), autocast(dev, amp):
-                            ref = self.ref.logprobs_at(tok, val, msk)
+                            ref = self.ref.logprobs_at(tok, val, msk, vl=b.vl(c))
                         kl = A.kl_k3(logp, ref)
                         loss = loss + cfg.ppo.kl_coef * kl.mean()
                         sums["kl_ref"] = sums.get("kl_ref", 0.0) + w * float(kl.detach().mean())
@@ -216,7 +217,7 @@ class PPOTrainer:
                         sums["entropy"] += w * float(ent.mean())
                     if self.critic is not None and not fused:
                         with autocast(dev, amp):
-                            v = self.critic.values_at(tok, val, msk)
+                            v = self.critic.values_at(tok, val, msk, vl=b.vl(c))
                         vl = A.clipped_value_loss(v.float(), at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.ppo.value_clip)
                         (vl * w).backward()
                         sums["v_loss"] += w * float(vl.detach())
@@ -265,7 +266,7 @@ class PPOTrainer:
 
     def value_pretrain_step(self, trajs: list[Trajectory]) -> dict:
         """Critic only, Monte Carlo targets (lambda = 1), the policy untouched (value pretraining)."""
-        b = collate(trajs, self.pad_id).to(self.device)
+        b = collate(trajs, self.pad_id, getattr(self.policy, "vl", None)).to(self.device)
         lengths = b.widths
         chunks = length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens)
         _, old = self._forward_old(b, chunks, with_prox=False)
@@ -279,7 +280,7 @@ class PPOTrainer:
             c = c.to(self.device)
             tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
             with autocast(self.device, self.amp_dtype):
-                v = self.critic.values_at(tok, val, msk).float()
+                v = self.critic.values_at(tok, val, msk, vl=b.vl(c)).float()
             vl = 0.5 * ((v - at(targets[c, :T], msk)) ** 2).mean()
             w = float(msk.sum()) / n_tok
             (vl * w).backward()

@@ -15,22 +15,25 @@ import torch
 
 from learner.device import autocast, describe, resolve_device, resolve_precision
 from core.chat import ChatTokenizer
+from learner.batch import row_images
 from learner.policy import TrainPolicy
 
 
 # A demonstration source: the model directory's tokenizer (core.chat.ChatTokenizer) -> [(tokens, loss_mask)], loss on
 # the answer tokens. The learner knows nothing of environments or prompt styles; the operations floor (tars.demos)
 # builds scripted ones from envd's builtin tasks and the actor's prompt style and hands them in here.
-Example = tuple[list[int], list[int]]
+# A vision-language example carries a third element: its images (learner.data.ExampleImages, from a trajectory), which
+# bind_images turns into the learner.batch.RowImages the policy's forward takes, once, before training.
+Example = tuple  # (tokens, loss_mask) or (tokens, loss_mask, ExampleImages | RowImages)
 DemonstrationSource = Callable[[ChatTokenizer], list[Example]]
 
 
 def pad(seqs: list[tuple[list[int], list[int]]], pad_id: int):
-    T = max(len(t) for t, _ in seqs)
+    T = max(len(e[0]) for e in seqs)
     tokens = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     valid = torch.zeros(len(seqs), T, dtype=torch.bool)
     mask = torch.zeros(len(seqs), T)
-    for i, (t, m) in enumerate(seqs):
+    for i, (t, m, *_) in enumerate(seqs):
         tokens[i, : len(t)] = torch.tensor(t)
         valid[i, : len(t)] = True
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
@@ -54,16 +57,39 @@ def sft_backward(policy: TrainPolicy, batch: list[Example], pad_id: int, chunk_t
     in chunks of similar length (<= chunk_tokens padded tokens each): the gradient of one padded batch, without the
     attention over the shorter rows' padding."""
     batch = sorted(batch, key=lambda e: len(e[0]), reverse=True)
-    n_tokens = max(1, sum(sum(m) for _, m in batch))
+    n_tokens = max(1, sum(sum(e[1]) for e in batch))
     total = 0.0
     for chunk in _length_chunks(batch, chunk_tokens):
         tokens, valid, mask = (x.to(device) for x in pad(chunk, pad_id))
+        rows = [e[2] if len(e) > 2 else None for e in chunk]
+        vl = rows if any(r is not None for r in rows) else None
         with autocast(device, amp_dtype):
-            lp = policy.logprobs_at(tokens, valid, mask)  # fp32: logprobs_at upcasts the logits
+            lp = policy.logprobs_at(tokens, valid, mask, vl=vl)  # fp32: logprobs_at upcasts the logits
         loss = -lp.sum() / n_tokens
         loss.backward()
         total += float(loss.detach())
     return torch.tensor(total)
+
+
+def bind_images(policy: TrainPolicy, examples: list[Example]) -> list[Example]:
+    """Examples with ExampleImages -> with RowImages (the pixels computed once; a segment's first token is never a
+    loss token: it has no prefix). ValueError when the model is not a VL checkpoint or an example's images do not
+    bind (learner.batch.row_images). Text examples pass unchanged."""
+    from learner.data import ExampleImages
+
+    out, cache = [], {}
+    for i, e in enumerate(examples):
+        if len(e) > 2 and isinstance(e[2], ExampleImages):
+            if policy.vl is None:
+                raise ValueError(f"SFT example {i} carries images but the model is not a vision-language checkpoint")
+            im = e[2]
+            mask = list(e[1])
+            for s in im.segments:
+                mask[s] = 0
+            e = (e[0], mask, row_images(np.asarray(e[0]), im.segments, im.image_refs, im.images, policy.vl, cache,
+                                        f"SFT example {i}"))
+        out.append(e)
+    return out
 
 
 def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float, seed: int, pad_id: int,
@@ -73,8 +99,10 @@ def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float
     weights, optimizer and loss stay fp32. The policy is left on `device`; save_hf writes fp32 CPU tensors."""
     device = device if device is not None else next(policy.parameters()).device
     policy.to(device)
+    demos = bind_images(policy, demos)
     g = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.99))
+    # frozen parameters (model.freeze_vision) are not in the optimiser
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / max(1, steps)))
     policy.train()
     t0, losses = time.perf_counter(), []
@@ -108,6 +136,8 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
     torch.manual_seed(cfg.seed)
     src = pathlib.Path(model_dir)
     policy = TrainPolicy.load(src)
+    if cfg.model.freeze_vision:
+        policy.freeze_vision()
     examples = sft_examples(read_trajectories(data)) if data else []
     n_traj = len(examples)
     pad_id = policy.config.pad_token_id
