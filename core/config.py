@@ -341,7 +341,7 @@ def validate(cfg: RunConfig) -> None:
         # a service token alone would leave those commands open.
         raise ConfigError("envd.auth_token / inference.auth_token is set but control.auth_token is empty: the "
                           "ControlService on the same listeners would take unauthenticated calls; set control.auth_token")
-    if err := cfg.learner.config_error():
+    if err := cfg.learner.config_error() or cfg.inference.config_error():
         raise ConfigError(err)
 
 

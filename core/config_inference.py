@@ -2,9 +2,26 @@
 SGLang backend (docs/model.md, docs/sglang.md)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from core.config_fields import f
+
+DEVICES = "auto | cpu | cuda | cuda:N"
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def device_error(spec: str, what: str) -> str:
+    """The syntax of a device setting: "" when fine, else the message (core.device resolves it on this machine)."""
+    s = (spec or "").strip().lower()
+    if s in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", s):
+        return ""
+    return f"{what}: {spec!r} is not one of {DEVICES}"
+
+
+def precision_error(spec: str, what: str) -> str:
+    s = (spec or "").strip().lower()
+    return "" if s == "auto" or s in PRECISIONS else f"{what}: {spec!r} is not one of auto | {' | '.join(PRECISIONS)}"
 
 
 @dataclass
@@ -19,6 +36,11 @@ class InferenceConfig:
     max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED")
     max_context: int = f(1024, lo=1, help="longest prompt + output; longer prompts answer INVALID_ARGUMENT")
     threads: int = f(1, "torch intra-op threads of the local engine")
+    device: str = f("auto", "where the local engine runs its model and samples: auto (cuda when available, else cpu) | "
+                            "cpu | cuda | cuda:N; cuda on a machine without CUDA is refused at start (exit 2)")
+    precision: str = f("auto", "the dtype of the local engine's weights: auto (bf16 on CUDA, fp16 on a GPU without "
+                               "bf16; fp32 on the CPU) | fp32 | bf16 | fp16. The behaviour logprobs come from this "
+                               "precision; the learner's behaviour weight absorbs the gap to its own (docs/learner.md)")
     cache_capacity: int = f(4096, "trajectories whose KV prefix is kept (LRU)")
     max_stale_versions: int = f(0, "default staleness budget for keeping KV across a weight update (0 = recompute)")
     auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
@@ -64,3 +86,8 @@ class InferenceConfig:
                                         "restart of the same server (at most 60 s)")
     sticky_max_imbalance: int = f(8, "a trajectory leaves its replica (and its prefix cache) when that replica has more than "
                                   "this many requests in flight beyond the least loaded one; 0 = always sticky")
+
+    def config_error(self) -> str:
+        """What is wrong with device / precision ("" when nothing): the config loader raises it as a ConfigError.
+        Whether CUDA is there is checked where the engine starts (core.device.resolve_device)."""
+        return device_error(self.device, "inference.device") or precision_error(self.precision, "inference.precision")

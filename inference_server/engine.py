@@ -16,6 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from core.config import InferenceConfig
+from core.device import resolve_device, resolve_precision
 from core.model import CausalLM
 # The shared types are re-exported here: callers import the engine's vocabulary from the engine.
 from inference_server.engine_types import (LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
@@ -36,12 +37,18 @@ class LocalEngine:
         checkpoint directory or core.vlm.VLSpec (the image processor and the vision token ids); read from the
         directory when `model` is one."""
         self.cfg = cfg
-        self.model = (CausalLM.load_hf(model) if isinstance(model, str) else model).eval()
+        # inference.device / inference.precision: ConfigError (exit 2 from `tars serve`) before any weight is read
+        # when CUDA is asked for and not there. A model given as an object is moved there (a no-op when it is).
+        self.device = resolve_device(cfg.device, "inference.device")
+        self.dtype = resolve_precision(cfg.precision, self.device, "inference.precision")
+        path = model if isinstance(model, str) else None
+        lm = CausalLM.load_hf(model, dtype=self.dtype) if path is not None else model
+        self.model = lm.to(device=self.device, dtype=self.dtype).eval()
         self.vl_spec = None
         if self.model.visual is not None:
             from core.vlm import VLSpec
 
-            src = vl if vl is not None else (model if isinstance(model, str) else None)
+            src = vl if vl is not None else path
             self.vl_spec = VLSpec.load(src) if isinstance(src, (str, bytes)) or hasattr(src, "__fspath__") else src
         self.name = name
         torch.set_num_threads(max(1, cfg.threads))
@@ -126,7 +133,8 @@ class LocalEngine:
         stale = self.cfg.max_stale_versions if max_stale_versions is None else int(max_stale_versions)
         if stale < 0:
             raise ValueError(f"max_stale_versions must be >= 0, got {stale}")
-        gen = torch.Generator().manual_seed(int(params.seed)) if params.seed else None
+        # A seeded request's generator draws where the engine samples (a torch.Generator is bound to one device).
+        gen = torch.Generator(device=self.device).manual_seed(int(params.seed)) if params.seed else None
         req = Request(input_ids, params, trajectory_id, stale, Future(), on_token, frozenset(int(t) for t in params.stop_token_ids),
                       gen, t_submit=time.monotonic())
         if self.model.visual is not None:

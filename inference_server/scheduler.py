@@ -58,7 +58,8 @@ class Scheduler:
         self.stats = stats                         # shared with the engine, which reports them in metrics()
         self.batch_hist = batch_hist               # decode batch sizes, bucketed by _bucket
         self.version = int(version)                # the weight version installed now
-        # The model's device (CPU here; a CUDA model works too): step inputs are built there, sampling stays on CPU.
+        # The model's device (inference.device): step inputs are built there and sampling runs there; only the
+        # sampled ids and their logprobs ([B] each) come back to the host.
         self.device = next(self.model.parameters()).device
         # cache_max_bytes 0 = derived from the memory available now (where the KV lives: RAM, or the GPU's).
         if self.cfg.cache_max_bytes < 0:
@@ -73,7 +74,7 @@ class Scheduler:
         self.prefill: collections.deque[Request] = collections.deque()  # admitted, KV not computed yet
         self.idle_s = 0.0
         # Unseeded requests share one generator seeded from the OS, so two engines never draw the same stream.
-        self.gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self.gen = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
     def active(self) -> int:
         return len(self.rows) + len(self.prefill)
@@ -259,9 +260,9 @@ class Scheduler:
                 r.kv_version = self.version
             r.prefix_kv, r.prefix_len = None, 0
         rp = RowParams.build([r.params.temperature for r in group], [r.params.top_p for r in group],
-                             [r.params.top_k for r in group], [r.generator for r in group])
-        tok, lp = sample(logits.float().cpu(), rp, self.gen)
-        keep = self._emit_all(group, kv, lengths, tok.tolist(), lp.tolist())
+                             [r.params.top_k for r in group], [r.generator for r in group], self.device)
+        tok, lp = sample(logits, rp, self.gen)
+        keep = self._emit_all(group, kv, lengths, tok.cpu().tolist(), lp.cpu().tolist())
         if keep:
             kv, lengths = take_rows(kv, lengths, keep)
             self.kv, self.lengths = cat_rows(self.kv, self.lengths, kv, lengths)
@@ -274,7 +275,7 @@ class Scheduler:
         B = len(rows)
         if self.rp is None:
             self.rp = RowParams.build([r.params.temperature for r in rows], [r.params.top_p for r in rows],
-                                      [r.params.top_k for r in rows], [r.generator for r in rows])
+                                      [r.params.top_k for r in rows], [r.generator for r in rows], self.device)
         toks = torch.tensor([r.out[-1] for r in rows], dtype=torch.long, device=self.device)[:, None]
         S = self.kv[0][0].shape[2]
         key_valid = valid_from_lengths(self.lengths + 1, S + 1)
@@ -284,11 +285,11 @@ class Scheduler:
                                      device=pos.device)[:, None]
         logits, self.kv = self.model(toks, pos, key_valid, self.kv)
         self.lengths = self.lengths + 1
-        tok, lp = sample(logits[:, -1].float().cpu(), self.rp, self.gen)
+        tok, lp = sample(logits[:, -1], self.rp, self.gen)  # on the device; [B] ids and logprobs come back
         self.stats["decode_steps"] += 1
         self.stats["batch_rows"] += B
         self.batch_hist[_bucket(B)] += 1
-        keep = self._emit_all(rows, self.kv, self.lengths, tok.tolist(), lp.tolist())
+        keep = self._emit_all(rows, self.kv, self.lengths, tok.cpu().tolist(), lp.cpu().tolist())
         if len(keep) < B:
             self.kv, self.lengths = take_rows(self.kv, self.lengths, keep)
             self.rows = [rows[i] for i in keep]

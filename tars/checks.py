@@ -6,6 +6,7 @@ to do instead; tars.cli prints it as one line and exits 2.
     tokenizer_dir  a tokenizer directory (and, given a model directory, that its vocabulary fits the model's)
     out_dir        an output directory that can be created (or is one) and written to
     device         learner.device on this machine (cuda without CUDA, a cuda:N beyond the devices there)
+    inference_device  inference.device / inference.precision of the local engine on this machine (the same)
     env_ids        every env id has a backend and, where the backend lists its tasks, is one of them
     demo_env_ids   every env id has scripted demonstrations (builtin tasks only)
 """
@@ -78,6 +79,16 @@ def device(cfg) -> None:
     from learner.device import resolve_device, resolve_precision
 
     resolve_precision(cfg.learner.precision, resolve_device(cfg.learner.device))
+
+
+def inference_device(cfg, engine: str | None = None) -> None:
+    """inference.device / inference.precision are usable here when the engine is the local one (a ConfigError
+    naming the setting otherwise): checked before `tars serve` (and `tars up`) loads any model."""
+    from core.device import resolve_device, resolve_precision
+
+    if (engine or cfg.inference.engine) == "local":  # engine: `tars serve --engine`, applied after the checks
+        resolve_precision(cfg.inference.precision, resolve_device(cfg.inference.device, "inference.device"),
+                          "inference.precision")
 
 
 def env_ids(ids, what: str = "actor.env_ids") -> None:

@@ -216,6 +216,7 @@ def preflight(a, cfg) -> None:
 
     if a.cmd == "up":
         checks.device(cfg)
+        checks.inference_device(cfg)
         checks.out_dir(a.out)
         if cfg.model.path:
             checks.model_dir(cfg.model.path, "model.path")
@@ -246,6 +247,7 @@ def preflight(a, cfg) -> None:
         checks.model_dir(a.model, need_tokenizer=False)
         checks.out_dir(a.run_dir, "--run-dir")
     elif a.cmd == "serve":
+        checks.inference_device(cfg, a.engine)
         checks.model_dir(a.model, need_tokenizer=False)
     elif a.cmd == "actor":
         checks.tokenizer_dir(a.tokenizer)

@@ -12,7 +12,8 @@
 - update_discarded_share: tokens discarded and regenerated because of weight updates every few seconds, as a share
   of tokens sampled, partial rollouts vs restart-on-update (tars.bench.inference_rollouts). Goal <= 0.02.
 - multiturn_cache_hit_share: prompt tokens of later turns served from the prefix cache (bench_rollouts).
-- gpu_engine_over_transformers_b64 (--gpu, CUDA only): tars.bench.inference_gpu. Goal >= 3.
+- gpu_engine_over_transformers_b64 (--gpu, CUDA only; without CUDA --gpu is refused, exit 2):
+  tars.bench.inference_gpu. Goal >= 3.
 """
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tars bench inference", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="FILE", help="write the figures here as JSON")
     ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run of some seconds)")
-    ap.add_argument("--gpu", action="store_true", help="also the GPU figure (local engine vs transformers); skipped without CUDA")
+    ap.add_argument("--gpu", action="store_true", help="also the GPU figure (local engine vs transformers); refused without CUDA")
     ap.add_argument("--skip-front", action="store_true")
     ap.add_argument("--skip-updates", action="store_true")
     ap.add_argument("--skip-multiturn", action="store_true")
@@ -125,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=12.0, help="seconds of load per update run (default 12)")
     a = ap.parse_args(argv)
     q = a.quick
+    if a.gpu:
+        import torch
+
+        from core.config import UserError
+        from tars.bench.inference_gpu import NO_CUDA
+
+        if not torch.cuda.is_available():  # before the CPU figures: asked for and impossible is a user error
+            raise UserError(NO_CUDA)
     out: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}, "figures": []}
     figs = out["figures"]
     if not a.skip_front:

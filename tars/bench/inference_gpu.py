@@ -4,9 +4,11 @@ The same random-initialised Qwen2-0.5B-shaped model (24 layers, hidden 896, 14 h
 tied embeddings), bf16 on one CUDA device, `batch` prompts of `prompt_len` random tokens, `max_new_tokens` sampled
 at temperature 1 with no stop token (so every row decodes the full budget in both):
 - baseline: transformers AutoModelForCausalLM.generate on the batch (its static batch; KV cache on);
-- figure: LocalEngine with the batch submitted at once (continuous batching, one scheduler thread).
+- figure: LocalEngine with the batch submitted at once (continuous batching, one scheduler thread), built as
+  `tars serve` builds it: from the checkpoint directory with inference.device=cuda, inference.precision=bf16, so the
+  engine loads its own weights there and samples there (only the [B] sampled ids and logprobs reach the host).
 tokens/s = batch * max_new_tokens / wall time (prefill included in both). Goal: engine / transformers >= 3 at 64.
-Without CUDA the figure is reported as skipped; nothing here runs on CPU.
+Without CUDA it is refused with one line (tars.bench.inference checks before any other figure runs).
 """
 from __future__ import annotations
 
@@ -20,14 +22,19 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
                  num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True)
 
 
-def run(batches: tuple[int, ...] = (1, 64), prompt_len: int = 32, max_new_tokens: int = 128, seed: int = 0) -> dict:
-    if not torch.cuda.is_available():
-        return {"skipped": "no CUDA device (torch.cuda.is_available() is False)"}
-    import transformers
+NO_CUDA = ("--gpu needs CUDA: torch.cuda.is_available() is False on this machine (torch "
+           f"{torch.__version__}, built {'without CUDA' if torch.version.cuda is None else 'with CUDA ' + torch.version.cuda}); "
+           "run without --gpu, or on a machine with a CUDA GPU")
 
-    from inference_server.engine import LocalEngine, SamplingParams
-    from core.config import InferenceConfig
+
+def run(batches: tuple[int, ...] = (1, 64), prompt_len: int = 32, max_new_tokens: int = 128, seed: int = 0) -> dict:
+    from core.config import InferenceConfig, UserError
     from core.model import CausalLM, DecoderConfig
+    from inference_server.engine import LocalEngine, SamplingParams
+
+    if not torch.cuda.is_available():
+        raise UserError(NO_CUDA)
+    import transformers
 
     dev = torch.device("cuda")
     out: dict = {"model": QWEN2_05B, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
@@ -36,10 +43,10 @@ def run(batches: tuple[int, ...] = (1, 64), prompt_len: int = 32, max_new_tokens
     with tempfile.TemporaryDirectory(prefix="tars-gpu-bench-") as d:
         CausalLM(DecoderConfig(**QWEN2_05B)).init_weights(seed, std=0.02).save_hf(d)
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(dev).eval()
-        ours = CausalLM.load_hf(d, dtype=torch.bfloat16).to(dev)
-        out["params"] = sum(p.numel() for p in ours.parameters())
-        eng = LocalEngine(InferenceConfig(max_context=prompt_len + max_new_tokens + 8, max_batch=max(batches),
-                                          prefill_batch_tokens=max(batches) * (prompt_len + 8)), ours)
+        eng = LocalEngine(InferenceConfig(device="cuda", precision="bf16", max_context=prompt_len + max_new_tokens + 8,
+                                          max_batch=max(batches), prefill_batch_tokens=max(batches) * (prompt_len + 8)), d)
+        out["params"] = sum(p.numel() for p in eng.model.parameters())
+        out["engine_device"], out["engine_dtype"] = str(eng.device), str(eng.dtype)
         try:
             for B in batches:
                 prompts = [[rng.randrange(2, QWEN2_05B["vocab_size"]) for _ in range(prompt_len)] for _ in range(B)]
