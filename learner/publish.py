@@ -93,28 +93,32 @@ class Publisher:
                                    self.cfg.timeout_s, self.tokenizer_from)
         t0 = time.perf_counter()
         sd = self.policy.hf_state_dict()
-        if self.mode == "shm":
-            name = weights_shm.write_segment(self.shm_prefix, version, sd)
-            try:
-                self._each(version, lambda stub: stub.UpdateWeights(
-                    inference_pb2.UpdateWeightsRequest(version=version, shm=name), timeout=self.cfg.timeout_s))
-            finally:
+        name = weights_shm.write_segment(self.shm_prefix, version, sd) if self.mode == "shm" else ""
+        try:
+            if name:
+                req = inference_pb2.UpdateWeightsRequest(version=version, shm=name)
+                calls = [stub.UpdateWeights.future(req, timeout=self.cfg.timeout_s) for stub in self.stubs]
+            else:
+                calls = [stub.UpdateWeightsStream.future(chunks(version, sd), timeout=self.cfg.timeout_s) for stub in self.stubs]
+            done: list[float] = []
+            for c in calls:
+                c.add_done_callback(lambda _c: done.append(time.perf_counter()))
+            # the copy a restarted server loads (tars/topology.py relaunch), written while the servers install
+            publish_weights(self.policy, self.wdir, version, [], self.cfg.keep_versions, None, self.cfg.timeout_s,
+                            self.tokenizer_from)
+            for c in calls:
+                try:
+                    c.result()
+                except Exception as e:  # as in publish_weights: a dead replica must not stop training
+                    self.counters["publish_failures"] += 1
+                    log.warning("publish v%d (%s) failed: %s", version, self.mode, e)
+        finally:
+            if name:
                 weights_shm.unlink(name)
-        else:
-            self._each(version, lambda stub: stub.UpdateWeightsStream(chunks(version, sd), timeout=self.cfg.timeout_s))
-        served = time.perf_counter() - t0
-        # the copy a restarted server loads (tars/topology.py relaunch); no server is told about it
-        publish_weights(self.policy, self.wdir, version, [], self.cfg.keep_versions, None, self.cfg.timeout_s,
-                        self.tokenizer_from)
-        return served
-
-    def _each(self, version: int, call) -> None:
-        for stub in self.stubs:
-            try:
-                call(stub)
-            except Exception as e:  # as in publish_weights: a dead replica must not stop training
-                self.counters["publish_failures"] += 1
-                log.warning("publish v%d (%s) failed: %s", version, self.mode, e)
+        deadline = time.perf_counter() + 1.0  # done callbacks may trail result() by a moment
+        while len(done) < len(calls) and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        return (max(done) if done else time.perf_counter()) - t0
 
 
 def export(policy: TrainPolicy, model_dir: pathlib.Path, path: pathlib.Path) -> None:
