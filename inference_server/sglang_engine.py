@@ -39,7 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from core.config import InferenceConfig
-from inference_server.engine_types import EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError
+from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
+                                           check_finite)
 from inference_server.sglang_http import http_json, token_versions
 from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool
 
@@ -325,6 +326,7 @@ class SGLangEngine:
             if far:
                 raise WeightLoadError(f"in-memory weights go only to SGLang servers on loopback, not {far[:3]}: "
                                       "publish with learner.publish.mode=disk (a path every server can read)")
+            check_finite(state_dict)  # WeightsRefused: SGLang would load NaNs as they come
             try:
                 named = sglang_tensors.share(state_dict)
                 entry = sglang_tensors.serialize(named)

@@ -108,7 +108,7 @@ class Publisher:
                             self.tokenizer_from)
             for c in calls:
                 try:
-                    c.result()
+                    c.result(timeout=self.cfg.timeout_s + 5.0)  # the call has its own deadline too
                 except Exception as e:  # as in publish_weights: a dead replica must not stop training
                     self.counters["publish_failures"] += 1
                     log.warning("publish v%d (%s) failed: %s", version, self.mode, e)

@@ -122,6 +122,23 @@ def test_engine_publishes_a_state_dict_through_update_weights_from_tensor(server
         e.close()
 
 
+def test_engine_refuses_non_finite_in_memory_weights_before_sending(servers, models):
+    from inference_server.engine_types import WeightsRefused
+
+    s = servers(weight_version="0")
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url])
+    e = SGLangEngine(cfg, [s.url], vocab_size=DC.vocab_size, health_thread=False)
+    try:
+        sd = weights_b(models)
+        k = next(iter(sd))
+        sd[k] = sd[k].clone().fill_(float("inf"))
+        with pytest.raises(WeightsRefused, match=k):
+            e.update_weights(1, None, sd)
+        assert e.version == 0 and http_json(s.url, "/get_model_info")[1]["weight_version"] == "0"
+    finally:
+        e.close()
+
+
 def test_engine_refuses_in_memory_weights_for_a_remote_server(models):
     url = "http://10.255.255.1:30000"
     cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[url])
@@ -131,3 +148,54 @@ def test_engine_refuses_in_memory_weights_for_a_remote_server(models):
             e.update_weights(1, None, weights_b(models))
     finally:
         e.close()
+
+
+def test_learner_publishes_in_memory_through_tars_serve_to_sglang(servers, models, tmp_path):
+    """The whole path: Publisher (auto = shm on loopback) -> `tars serve --engine sglang` maps the segment ->
+    POST /update_weights_from_tensor -> the SGLang server serves the learner's weights as version 1."""
+    import collections
+    import json
+    import os
+    import signal
+    import time
+
+    from core import weights_shm
+    from core.config_learner import PublishConfig
+    from core.v1 import inference_pb2
+    from learner.policy import TrainPolicy
+    from learner.publish import Publisher
+
+    if not weights_shm.available():
+        pytest.skip("no writable /dev/shm")
+    s = servers(weight_version="0")
+    ready = tmp_path / "serve.json"
+    log = open(tmp_path / "serve.log", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "serve", "--model", models["a"], "--port", "0", "--engine", "sglang",
+                          "--sglang-url", s.url, "--ready-file", str(ready), "--set", "inference.auth_token=t",
+                          "--set", "control.auth_token=t"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parent.parent)})
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.1)
+        addr = json.loads(ready.read_text())["address"]
+        (tmp_path / "run").mkdir()
+        counters = collections.Counter()
+        pub = Publisher(TrainPolicy.load(models["b"]), tmp_path / "run", [addr], "t", PublishConfig(mode="auto"), counters)
+        assert pub.mode == "shm"
+        pub.publish(1)
+        assert counters["publish_failures"] == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert pub.stubs[0].GetVersion(inference_pb2.GetVersionRequest(), timeout=10).version == 1
+        assert http_json(s.url, "/get_model_info")[1]["weight_version"] == "1"
+        out = http_json(s.url, "/generate", gen_body(None, 6))[1]
+        assert out["output_ids"] == greedy(models["b"], PROMPT, 6)[0]
+        assert [n for n in os.listdir(weights_shm.SHM_DIR) if n.startswith(pub.shm_prefix)] == []
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        log.close()
