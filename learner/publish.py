@@ -4,6 +4,7 @@ learner.publish.mode picks how the weights reach the servers (see docs/benchmark
 - shm: the state dict is written once into a segment in /dev/shm (core/weights_shm.py) and every server is told
   its name (UpdateWeights.shm); the server maps it, checks and installs, and the segment is unlinked here when all
   have answered. Same host only. Segments are named per run; a learner removes its run's leftovers when it starts.
+  A segment that cannot be written (/dev/shm full) sends that version by disk (counted: publish_shm_fallbacks).
 - stream: UpdateWeightsStream, raw tensor pieces over gRPC (core/weights_stream.py): no shared disk or memory needed.
 - disk: weights/v{version} is written (temporary name, then a rename: a server never loads half a version) and
   every server is told its path.
@@ -93,7 +94,15 @@ class Publisher:
                                    self.cfg.timeout_s, self.tokenizer_from)
         t0 = time.perf_counter()
         sd = self.policy.hf_state_dict()
-        name = weights_shm.write_segment(self.shm_prefix, version, sd) if self.mode == "shm" else ""
+        name = ""
+        if self.mode == "shm":
+            try:
+                name = weights_shm.write_segment(self.shm_prefix, version, sd)
+            except OSError as e:  # /dev/shm full or gone: this version goes by disk, as the fallback
+                self.counters["publish_shm_fallbacks"] += 1
+                log.warning("publish v%d: cannot write the shared-memory segment (%s); publishing from disk", version, e)
+                return publish_weights(self.policy, self.wdir, version, self.stubs, self.cfg.keep_versions,
+                                       self.counters, self.cfg.timeout_s, self.tokenizer_from)
         try:
             if name:
                 req = inference_pb2.UpdateWeightsRequest(version=version, shm=name)

@@ -97,6 +97,25 @@ def test_learner_publishes_through_shm_to_a_served_engine(served):
     assert (run / "weights" / f"v{v0 + 1:06d}" / "config.json").exists()   # the copy a restarted server loads
 
 
+def test_a_full_shm_falls_back_to_disk_for_that_version(served, monkeypatch):
+    from learner.publish import Publisher
+
+    addr, model, run = served
+    stub = _stub(addr)
+    v = stub.GetVersion(inference_pb2.GetVersionRequest(), timeout=10).version
+    run.mkdir(exist_ok=True)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights_shm, "write_segment", full)
+    counters = collections.Counter()
+    pub = Publisher(TrainPolicy.load(model), run, [addr], TOKEN, PublishConfig(mode="shm"), counters)
+    pub.publish(v + 1)
+    assert counters["publish_shm_fallbacks"] == 1 and counters["publish_failures"] == 0
+    assert stub.GetVersion(inference_pb2.GetVersionRequest(), timeout=10).version == v + 1
+
+
 def test_a_killed_publisher_leaves_no_segment_after_the_next_start(tmp_path):
     """A learner SIGKILLed between writing a segment and unlinking it: the next learner of the run removes it."""
     from learner.publish import Publisher
