@@ -111,6 +111,11 @@ class PublishConfig:
     keep_versions: int = f(3, "published weight versions kept on disk")
     timeout_s: float = f(60.0, "deadline of one inference server's UpdateWeights; a server past it is counted as a "
                                "publish failure (it loads the latest version when it restarts)")
+    mode: str = f("auto", "how weights reach the servers: shm (a segment in /dev/shm named over gRPC, same host "
+                          "only), stream (UpdateWeightsStream chunks over gRPC), disk (weights/vN loaded by path); auto = "
+                          "shm when every inference server is on loopback and /dev/shm is writable, else disk. In shm "
+                          "and stream modes weights/vN is still written after the servers answered (restarts load it)")
+    MODES: ClassVar[tuple[str, ...]] = ("auto", "shm", "stream", "disk")
 
 
 @dataclass
@@ -170,6 +175,8 @@ class LearnerConfig:
     def config_error(self) -> str:
         """What is wrong with this learner config that no single field can say ("" when nothing): the config loader
         raises it as a ConfigError, PPOTrainer as a ValueError."""
+        if self.publish.mode not in PublishConfig.MODES:
+            return f"learner.publish.mode: {self.publish.mode!r} is not one of {' | '.join(PublishConfig.MODES)}"
         kind = self.correction.kind
         if kind not in CorrectionConfig.KINDS:
             return f"learner.correction.kind: {kind!r} is not one of {' | '.join(CorrectionConfig.KINDS)}"
