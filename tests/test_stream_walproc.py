@@ -171,3 +171,9 @@ def test_a_hung_writer_process_is_fatal_after_its_deadline_and_acks_nothing(tmp_
     w.close()                                          # the stopped writer is killed, not waited on for ever
     assert w._proc.returncode is not None
     assert scan_ids(tmp_path / "w.wal") == ["a"]
+
+
+def test_an_unknown_wal_writer_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="wal writer"):
+        TrajectoryReceiver("tcp://127.0.0.1:0", str(tmp_path / "w.log"), StalenessManager(batch_size=8, eta=10),
+                           wal_writer="disk")

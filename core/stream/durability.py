@@ -371,7 +371,8 @@ WAL_WRITERS = ("process", "thread")
 
 def make_durability(mode: str, io: IoHooks, wal_path: str, *, run_id: str, fsync: bool, ack_interval_s: float,
                     max_staged: int, wal_writer: str = "process", max_record: int = 64 << 20) -> Durability:
-    """learner.stream.durability -> its strategy; ValueError for an unknown mode."""
+    """learner.stream.durability -> its strategy; ValueError for an unknown mode. wal_writer: "process" or "thread"
+    (learner.stream.wal_writer, see WalDurability); max_record: the largest payload the writer's ring must hold."""
     if mode == "wal":
         return WalDurability(io, wal_path, fsync=fsync, ack_interval_s=ack_interval_s, max_staged=max_staged,
                              writer=wal_writer, max_record=max_record)

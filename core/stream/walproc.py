@@ -88,13 +88,15 @@ class WriterProcessLog(WriteAheadLog):
         if d:
             os.makedirs(d, exist_ok=True)
         self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.lock_timeout_s
+        t0 = time.monotonic()
         while True:  # an old writer (of a learner that just died) exits on EOF; wait for it, with a deadline
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if time.monotonic() - t0 > 0.5:
+                    log.warning("wal %s: waited %.1fs for the previous writer to exit", self.path, time.monotonic() - t0)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > t0 + self.lock_timeout_s:
                     os.close(self._lock_fd)
                     raise WalError(f"wal {self.path} is locked by another writer") from None
                 time.sleep(0.05)
