@@ -136,6 +136,9 @@ class StreamConfig:
     ack_interval_s: float = f(0.002, "longest a WAL batch waits to grow before its fdatasync (sooner once it holds "
                                      "what arrives during one fdatasync)")
     fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
+    wal_writer: str = f("process", "who checksums, writes and fdatasyncs the WAL: process (a writer process fed "
+                                   "through shared memory; the learner process only copies each trajectory once) "
+                                   "| thread (a thread of the learner process)")
     durability: str = f("wal", "wal: ack a trajectory once it is fsynced in the learner's write-ahead log | "
                                "checkpoint: no WAL; ack it once a checkpoint that consumed it is on disk (actors "
                                "keep everything since the last checkpoint: faster, more actor memory)")

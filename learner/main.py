@@ -94,6 +94,7 @@ class Learner:
             credits=s.credits, queue_size=max(s.queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=s.max_frame_bytes, consumed_ids=consumed, ack_interval_s=s.ack_interval_s,
             fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability,
+            wal_writer=s.wal_writer,
             vocab_size=self.policy.config.vocab_size)  # token ids outside the model's vocabulary are NACKed
         self.counters = collections.Counter()
         self.publisher = Publisher(self.policy, self.run, inference, cfg.inference.auth_token, self.lcfg.publish,
