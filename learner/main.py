@@ -78,6 +78,9 @@ class Learner:
         log.info("learner trains on %s", describe(self.device, self.amp_dtype))
         self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id, dist=self.dist,
                                   amp_dtype=self.amp_dtype)
+        if self.trainer.fsdp:
+            log.info("learner.parallel=fsdp: policy%s sharded over %d ranks (FSDP2)",
+                     " and critic" if self.critic is not None else "", self.dist.world)
         self.updater = Updater(self.trainer, self.lcfg)
         self.version = 0
         self.staleness = StalenessManager(self.lcfg.batch_size, self.lcfg.staleness.eta,
