@@ -30,7 +30,8 @@ except ImportError:  # pragma: no cover - old torch
     DTensor = ()  # type: ignore[assignment]
     distribute_tensor = None
 
-ENTRY_POINTS = ("forward", "logprobs_at", "values_at")  # TrainPolicy methods the trainer calls from outside
+# TrainPolicy methods the trainer calls directly (not through __call__, whose forward hooks FSDP already has)
+ENTRY_POINTS = ("logprobs_at", "values_at")
 
 
 def is_sharded(module: nn.Module) -> bool:
