@@ -70,11 +70,12 @@ def models(algo: str = "ppo", parallel: str = "ddp", kl_coef: float = 0.0, dist=
     return pol, critic, tr
 
 
-def run(steps: int, algo: str = "ppo", parallel: str = "ddp", run_dir=None, nan_at: int = -1, kl_coef: float = 0.0) -> tuple[dict, int, list, float | None]:
+def run(steps: int, algo: str = "ppo", parallel: str = "ddp", run_dir=None, nan_at: int = -1, kl_coef: float = 0.0) -> tuple[dict, int, list, float | None, list]:
     dist = from_accelerate(cpu=True)
     pol, critic, tr = models(algo, parallel, kl_coef, dist)
     if critic is not None:
         tr.value_pretrain_step(dist.broadcast(batch(100) if dist.is_main else None))
+    sharded = [F.is_sharded(m) for m in (pol, critic, tr.ref) if m is not None]
     figures = [tr.step(dist.broadcast((poisoned(batch(v)) if v == nan_at else batch(v)) if dist.is_main else None), v)
                for v in range(steps)]
     sd = {f"policy.{k}": t for k, t in F.full_state(pol).items()}  # every rank gathers (collective)
@@ -98,7 +99,7 @@ def run(steps: int, algo: str = "ppo", parallel: str = "ddp", run_dir=None, nan_
         reload_diff = float(max(
             [float((back[k] - sd[k]).abs().max()) for k in sd]
             + [float((opt_back[i][k] - opt_was[i][k]).abs().max()) for i in opt_was for k in opt_was[i]]))
-    return sd, dist.world, figures, reload_diff
+    return sd, dist.world, figures, reload_diff, sharded
 
 
 def main(argv: list[str]) -> int:
@@ -112,9 +113,9 @@ def main(argv: list[str]) -> int:
     kl_coef = float(argv[4]) if len(argv) > 4 else 0.0  # > 0: a frozen reference policy too (sharded under fsdp)
     run_dir = pathlib.Path(out + ".run")
     run_dir.mkdir(exist_ok=True)
-    sd, world, figures, reload_diff = run(steps, parallel=parallel, run_dir=run_dir, nan_at=nan_at, kl_coef=kl_coef)
+    sd, world, figures, reload_diff, sharded = run(steps, parallel=parallel, run_dir=run_dir, nan_at=nan_at, kl_coef=kl_coef)
     if not td.is_initialized() or td.get_rank() == 0:
-        torch.save({"world": world, "backend": td.get_backend() if td.is_initialized() else "", "params": sd, "reload_diff": reload_diff,
+        torch.save({"world": world, "backend": td.get_backend() if td.is_initialized() else "", "params": sd, "reload_diff": reload_diff, "sharded": sharded,
                     "figures": [{k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "update_s"}
                                 for m in figures]}, out)
     if td.is_initialized():

@@ -39,6 +39,7 @@ def test_fsdp_two_processes_train_like_one_and_checkpoint_loads_in_one(tmp_path)
     one = _run([sys.executable], tmp_path / "one.pt", "ddp")
     two = _run(ACCELERATE, tmp_path / "two.pt", "fsdp")
     assert one["world"] == 1 and two["world"] == 2 and two["backend"] == "gloo"
+    assert one["sharded"] == [False] * 3 and two["sharded"] == [True] * 3  # policy, critic, reference
     # Each run's checkpoint, loaded back on every rank (2 processes: sharded again), is what was written.
     assert one["reload_diff"] == 0.0 and two["reload_diff"] == 0.0
     # The same loss figures per update, and the poisoned batch's minibatches skipped alike (both epochs' minibatch
