@@ -116,7 +116,7 @@ class Checkpointer:
         state = dict(state) if state is not None else self.gather()
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        with self.policy.gathered(state.pop("policy")):
+        with F.gathered(self.policy, state.pop("policy")):
             self.policy.save_hf(self.tmp / "policy")
         state["torch_rng"] = torch.get_rng_state()
         if self.device.type == "cuda":

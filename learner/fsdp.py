@@ -17,9 +17,12 @@ What sharding changes (learner/ppo.py reads `PPOTrainer.fsdp`):
 - Gradient-norm clipping over the shards: clip_grad_norm_ on DTensor gradients reduces the norm over the group, so
   every rank clips by, and decides finiteness on, the same global norm.
 - Full state: `full(t)` (collective), `full_state(module)`, `full_optim_state(opt)` gather on every rank in the same
-  order; `load_state` / `load_optim_state` scatter full tensors (a 1-process checkpoint) back into shards.
+  order (TrainPolicy.hf_state_dict gathers its tensors; `gathered(policy)` holds them for rank 0's writers);
+  `load_state` / `load_optim_state` scatter full tensors (a 1-process checkpoint) back into shards.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -76,6 +79,17 @@ def like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """module.state_dict() with whole tensors on the CPU, on every rank (collective)."""
     return {k: full(v).detach().to("cpu") for k, v in module.state_dict().items()}
+
+
+@contextlib.contextmanager
+def gathered(policy: nn.Module, sd: dict[str, torch.Tensor] | None = None):
+    """policy.hf_state_dict() (so save_hf, publishing) answers `sd` inside: the sharded policy's state gathered once
+    by every rank (without sd: gathered now, a collective), then written by rank 0 alone."""
+    policy._gathered = sd if sd is not None else policy.hf_state_dict()
+    try:
+        yield policy._gathered
+    finally:
+        policy._gathered = None
 
 
 def load_state(module: nn.Module, sd: dict[str, torch.Tensor]) -> None:

@@ -34,6 +34,7 @@ from learner.checkpoint import CheckpointError, Checkpointer, locate
 from learner.control import CONTROL_HOST, learner_control, serve_control
 from learner.device import describe, resolve_device, resolve_precision
 from learner.distributed import Dist, from_accelerate
+from learner.fsdp import gathered
 from learner.policy import TrainPolicy
 from learner.ppo import PPOTrainer
 from learner.publish import Publisher, export
@@ -198,7 +199,7 @@ class Learner:
         if not self.trainer.fsdp:
             return contextlib.nullcontext()
         self.dist.broadcast(GATHER_POLICY)
-        return self.policy.gathered()
+        return gathered(self.policy)
 
     def _publish(self, version: int) -> float:
         with self._gathered_policy():
@@ -219,7 +220,7 @@ class Learner:
             if batch is None:
                 return
             if batch == GATHER_POLICY:  # learner.parallel=fsdp: rank 0 publishes, exports or checkpoints
-                with self.policy.gathered():
+                with gathered(self.policy):
                     pass
                 continue
             if batch == GATHER_CHECKPOINT:

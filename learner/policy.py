@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from core.model import DecoderConfig
 from core.vision import PatchEmbed, VisionConfig
+from learner.fsdp import full, like
 
 log = logging.getLogger("tars.learner")
 
@@ -360,14 +361,9 @@ class TrainPolicy(nn.Module):
     # ---- HF layout ---------------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameter names as in the checkpoint (model.layers.0.self_attn.q_proj.weight, ...): no lm_head.weight
-        when the embeddings are tied, no value head; vision.proj.* when the model has the vision module.
-
-        Sharded (learner.parallel=fsdp): whole tensors, gathered (a collective every rank calls), unless inside
-        `gathered(sd)`, which hands out sd (gathered before, on every rank) instead."""
+        when the embeddings are tied, no value head; vision.proj.* with the vision module. Sharded: gathered whole."""
         if getattr(self, "_gathered", None) is not None:
             return self._gathered
-        from learner.fsdp import full
-
         sd = {k: full(v).detach().contiguous() for k, v in self.lm.state_dict().items()}
         if self.vl is not None:  # transformers' in-memory names -> the checkpoint's
             names = self.checkpoint_names()
@@ -377,16 +373,6 @@ class TrainPolicy(nn.Module):
         if self.vision is not None:
             sd.update({f"vision.{k}": full(v).detach().contiguous() for k, v in self.vision.state_dict().items()})
         return sd
-
-    @contextlib.contextmanager
-    def gathered(self, sd: dict[str, torch.Tensor] | None = None):
-        """hf_state_dict() (so save_hf, publishing) answers `sd` inside: a sharded model's state gathered once by
-        every rank, then written by rank 0 alone. Without sd: gathered now (collective)."""
-        self._gathered = sd if sd is not None else self.hf_state_dict()
-        try:
-            yield self._gathered
-        finally:
-            self._gathered = None
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in (all of them, no more): the inverse of hf_state_dict."""
@@ -398,8 +384,6 @@ class TrainPolicy(nn.Module):
         if missing or unexpected:
             raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
-        from learner.fsdp import like
-
         with torch.no_grad():
             for k, v in sd.items():  # (a sharded parameter takes its shard of the whole tensor)
                 own[k].copy_(like(own[k], v.to(own[k].dtype)))
