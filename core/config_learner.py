@@ -165,6 +165,9 @@ class LearnerConfig:
                             "cuda:N; under accelerate with several processes, auto/cuda = cuda:LOCAL_RANK with NCCL")
     precision: str = f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, fp32 master weights "
                                "and optimizer state; allowed on the CPU too, via CPU autocast)")
+    parallel: str = f("ddp", "several processes under accelerate launch: ddp (weights and optimizer replicated, gradients "
+                             "all-reduced) | fsdp (FSDP2 fully_shard: parameters, gradients and optimizer state sharded "
+                             "over the ranks); one process ignores it")
     archive: bool = f(False, "append every trajectory received to run_dir/trajectories.twl (for tars data split / tars sft)")
     ppo: PPOConfig = _section(PPOConfig, "the policy loss")
     correction: CorrectionConfig = _section(CorrectionConfig, "the off-policy correction of the loss")
@@ -180,6 +183,8 @@ class LearnerConfig:
         raises it as a ConfigError, PPOTrainer as a ValueError."""
         if self.publish.mode not in PublishConfig.MODES:
             return f"learner.publish.mode: {self.publish.mode!r} is not one of {' | '.join(PublishConfig.MODES)}"
+        if self.parallel not in ("ddp", "fsdp"):
+            return f"learner.parallel: {self.parallel!r} is not one of ddp | fsdp"
         kind = self.correction.kind
         if kind not in CorrectionConfig.KINDS:
             return f"learner.correction.kind: {kind!r} is not one of {' | '.join(CorrectionConfig.KINDS)}"
