@@ -8,7 +8,8 @@ precision contract"). Truncation only changes which tokens can be drawn.
 Everything runs where the logits are (inference.device): the [B, V] logits never leave the device; only the
 sampled ids and their logprobs ([B] each) are copied to the host by the caller. The generators (the engine's shared
 one and each seeded request's own) live on the same device. On the CPU the draws are bit-identical to the sampler
-before it moved (same uniforms, same inverse CDF); the steps a batch does not need are skipped (the division when
+before it moved (same uniforms, same inverse CDF), except where top-p's boundary falls on tied logprobs (bf16
+logits), whose order is arbitrary in both; the steps a batch does not need are skipped (the division when
 every temperature is 1, the greedy argmax when no row is greedy, top-p's full sort when top-k already bounds it).
 """
 from __future__ import annotations

@@ -18,44 +18,34 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 
 import torch
 
+from core import device as core_device
 from core.config import ConfigError
+from core.config_inference import device_error
 
-DEVICES = "auto | cpu | cuda | cuda:N"
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def resolve_device(spec: str, local_rank: int | None = None, world: int | None = None) -> torch.device:
     """learner.device -> a torch.device; ConfigError for a malformed value or CUDA that is not there.
 
-    local_rank / world default to the launcher's LOCAL_RANK / WORLD_SIZE (0 / 1 when run directly)."""
+    local_rank / world default to the launcher's LOCAL_RANK / WORLD_SIZE (0 / 1 when run directly). The syntax and
+    this machine's devices are checked by core.device (the one resolver, shared with inference.device); what is the
+    learner's own is the rank rule: under several processes, auto and cuda mean cuda:LOCAL_RANK."""
     s = (spec or "auto").strip().lower()
-    if s != "auto" and s != "cpu" and not re.fullmatch(r"cuda(:\d+)?", s):
-        raise ConfigError(f"learner.device: {spec!r} is not one of {DEVICES}")
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world is None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-    if s == "cpu" or (s == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        raise ConfigError(f"learner.device={spec!r} but {why} on this machine; use learner.device=cpu or auto")
-    n = torch.cuda.device_count()
-    if ":" in s:
-        index = int(s.split(":", 1)[1])
-        if world > 1:  # every rank would share one GPU: almost surely a mistake, and NCCL refuses it
+    if world > 1 and torch.cuda.is_available() and not device_error(s, "learner.device"):
+        if ":" in s:  # every rank would share one GPU: almost surely a mistake, and NCCL refuses it
             raise ConfigError(f"learner.device={spec!r} names one GPU, but {world} processes were launched; use "
                               "cuda or auto (each process takes cuda:LOCAL_RANK)")
-    else:
-        index = local_rank if world > 1 else torch.cuda.current_device()
-    if index >= n:
-        raise ConfigError(f"learner.device={spec!r}: cuda:{index} does not exist (this machine has {n} CUDA "
-                          f"device(s){', LOCAL_RANK=%d' % local_rank if world > 1 else ''})")
-    return torch.device("cuda", index)
+        if s in ("auto", "cuda"):
+            s = f"cuda:{local_rank}"
+    return core_device.resolve_device(s if s != (spec or "auto").strip().lower() else (spec or "auto"), "learner.device")
 
 
 def resolve_precision(spec: str, device: torch.device) -> torch.dtype | None:
