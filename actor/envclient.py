@@ -31,11 +31,14 @@ class Obs:
     images: list          # common_pb2.Image
     info_json: str
     step_ms: float
+    width: int = 0        # the screen size coordinates refer to (0 = the env did not say)
+    height: int = 0
 
 
 def _obs(r: env_pb2.StepResponse) -> Obs:
     o = r.observation
-    return Obs(o.text, o.instruction, r.reward, Outcome.from_proto(r.outcome), list(o.images), r.info_json, r.step_ms)
+    return Obs(o.text, o.instruction, r.reward, Outcome.from_proto(r.outcome), list(o.images), r.info_json, r.step_ms,
+               max(0, o.width), max(0, o.height))
 
 
 class EnvClient:

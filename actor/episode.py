@@ -5,10 +5,22 @@ the learner trains on exactly the tokens the engine produced (no re-tokenisation
 keeps its behaviour logprob and the policy version that produced it; an episode that spans a weight update simply
 carries tokens of two versions. An environment or inference failure ends the episode as infra_error.
 
-Screenshots (actor.image_history = k > 0): every turn's prompt holds the observation's text and, when it has a
-screenshot, a run of <|image|> placeholders; the request carries the last k screenshots, which the engine binds to
-the last k runs (core/vision.py). Older turns keep their placeholders as plain tokens, so only their text speaks for
-them, and the token sequence is still only ever extended.
+Screenshots (actor.image_history = k > 0), tiny tars_vision checkpoints: every turn's prompt holds the observation's
+text and, when it has a screenshot, a run of <|image|> placeholders; the request carries the last k screenshots,
+which the engine binds to the last k runs (core/vision.py). Older turns keep their placeholders as plain tokens, so
+only their text speaks for them, and the token sequence is still only ever extended.
+
+Vision-language checkpoints (Qwen2-VL / Qwen2.5-VL, e.g. UI-TARS-1.5; actor/uitars.py): each shown screenshot is a
+framed run of the checkpoint's own pad count for its size, and every run of the current segment is bound to its
+image (the request's images are exactly those, in order). A segment holds at most k screenshots: the (k+1)-th
+starts a new segment, a fresh first prompt (system prompt, the earlier turns' thoughts and actions as text, the new
+screenshot) appended to the token arrays, its offset in Trajectory.segments; requests carry only the current
+segment's ids. Trajectory.image_refs lists each run's image hash in token order. The model's coordinates are mapped
+to the screen (actor.coordinates) before they reach envd.
+
+A turn's answer may hold several actions: they run in order, each a Step of its own, until one ends the episode or
+envd rejects one (which costs the format penalty, the actions before it stay done). The turn's reward is the sum of
+the rewards of the actions that ran (plus that penalty).
 
 A truncated episode (actor.max_turns, the env's own step or time limit, or on_parse_error=stop) ends with the prompt
 its next turn would have had, with mask 0, and `boot_at` pointing past it: the learner's critic reads the value of
@@ -41,8 +53,9 @@ import numpy as np
 
 from actor import judge as J
 from actor.envclient import EnvActionError, EnvClient, EnvInfraError, Obs
+from actor import uitars
 from actor.parsing import ParseError, parse_response
-from actor.tiny import INVALID_NOTE, turn_ids
+from actor.tiny import INVALID_NOTE, clip_observation, turn_ids
 from core.inference_client import InferenceClient
 from core import telemetry
 from core.config import ActorConfig
@@ -60,6 +73,7 @@ class EpisodeContext:
     actor_id: str
     judge_infer: InferenceClient | None = None   # the judge's inference servers (default: the policy's)
     max_context: int = 0   # longest prompt + max_new_tokens the inference server takes (inference.max_context); 0 = unknown
+    vision: uitars.Vision | None = None   # resolved from cfg and the tokenizer's checkpoint directory when None
 
     def __post_init__(self):
         if self.cfg.judge_mode not in ("off", "replace", "add"):
@@ -67,6 +81,8 @@ class EpisodeContext:
         from actor.tiny import system_prompt
 
         system_prompt(self.cfg.system_prompt, "")  # ValueError for an unknown style, before any episode
+        if self.vision is None:
+            self.vision = uitars.resolve(self.cfg, self.tok)
         if self.cfg.judge_on_error not in ("infra_error", "env"):
             raise ValueError(f"actor.judge_on_error must be infra_error or env, got {self.cfg.judge_on_error!r}")
 
@@ -86,14 +102,42 @@ def _screenshot(obs: Obs) -> bytes:
     return bytes(obs.images[-1].data) if obs.images else b""
 
 
-def _prompt(cfg: ActorConfig, tok: ChatTokenizer, obs: Obs, note: str, first: bool,
-            closed: bool) -> tuple[list[int], bool]:
-    """The tokens a turn appends for `obs` (the user message opens with a screenshot's placeholder run when
-    screenshots are shown, then its text; the first turn's carries the system prompt) and whether the screenshot is
-    shown."""
-    n_img = cfg.image_tokens if cfg.image_history > 0 and _screenshot(obs) and tok.image_id >= 0 else 0
-    return turn_ids(tok, cfg.system_prompt, obs.text, obs.instruction, note, first=first, closed=closed,
-                    images=n_img, obs_budget=cfg.max_obs_tokens), bool(n_img)
+@dataclass
+class _Prompt:
+    ids: list[int]          # what the turn appends
+    shot: bytes = b""       # the screenshot shown as an image run in it (b"" for none)
+    new_segment: bool = False
+
+
+def _prompt(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, closed: bool,
+            seg_images: int = 0, history: list[str] | None = None) -> _Prompt:
+    """The tokens a turn appends for `obs`. Text and tars_vision checkpoints: the user message opens with a
+    screenshot's placeholder run when screenshots are shown, then its text; the first turn's carries the system
+    prompt. VL checkpoints (actor/uitars.py): the screenshot as a framed run of its own pad count (the UI-TARS prompt
+    shows it alone), and a new segment when it would be the (k+1)-th image of the current one (`seg_images` shown so
+    far), whose first prompt carries the earlier turns (`history`) as text. An unreadable screenshot is envd's fault."""
+    cfg, tok, vis = ctx.cfg, ctx.tok, ctx.vision
+    shot = _screenshot(obs)
+    if not vis.vl:
+        n_img = cfg.image_tokens if vis.image_history > 0 and shot and tok.image_id >= 0 else 0
+        return _Prompt(turn_ids(tok, style, obs.text, obs.instruction, note, first=first, closed=closed,
+                                images=n_img, obs_budget=cfg.max_obs_tokens), shot if n_img else b"")
+    show = bool(shot) and vis.image_history > 0
+    try:
+        n_img = vis.tokens(shot) if show else 0
+    except ValueError as e:
+        raise EnvInfraError(f"envd sent a screenshot that cannot be read: {e}") from None
+    new = show and not first and seg_images >= vis.image_history
+    past = uitars.history_text(history or []) if new else ""
+    if style in uitars.UITARS_STYLES:
+        seen = [n_img] if n_img else [clip_observation(tok, obs.text, cfg.max_obs_tokens)]
+        user = [t for t in (past + note,) if t] + seen
+        ids = (tok.first_prompt(uitars.system_text(style, obs.instruction, vis.point_form()), user)
+               if first or new else tok.next_turn(user, closed))
+    else:
+        ids = turn_ids(tok, style, obs.text, obs.instruction, past + note, first=first or new, closed=closed,
+                       images=n_img, obs_budget=cfg.max_obs_tokens)
+    return _Prompt(ids, shot if n_img else b"", new)
 
 
 _OVERFLOW = re.compile(r"exceeds max_context (\d+)")
@@ -135,7 +179,14 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     mask: list[int] = []
     turns: list[Turn] = []
     images: dict[str, bytes] = {}
-    shown: list[bytes] = []          # screenshots of the turns whose prompt has a placeholder run, in order
+    shown: list[bytes] = []          # tars_vision: screenshots of the turns whose prompt has a placeholder run
+    vis = ctx.vision
+    style = vis.style(cfg.system_prompt, env_id)
+    seg_start = 0                    # VL: where the current segment starts in the token arrays
+    segments: list[int] = []         # VL: offsets of the segments after the first (Trajectory.segments)
+    seg_shots: list[bytes] = []      # VL: the images of the current segment's runs, in order
+    image_refs: list[str] = []       # VL: sha256 hex of every run's image, in token order
+    history: list[str] = []          # VL: each turn's thought and actions as text, for a new segment's first prompt
     steps: list[J.Step] = []         # what the judge sees
     actor_ms: list[float] = []
     actor_cpu_ms: list[float] = []
@@ -147,6 +198,26 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     sid = ""
     closed = True                    # the last output ended with the end-of-turn token
     obs = None
+
+    def append(p: _Prompt) -> None:
+        """Append a prompt to the token arrays: a new segment starts here, a shown screenshot is recorded."""
+        nonlocal seg_start, seg_shots
+        if p.new_segment:
+            segments.append(len(tokens))
+            seg_start, seg_shots = len(tokens), []
+        if p.shot:
+            if vis.vl:
+                seg_shots.append(p.shot)
+                h = hashlib.sha256(p.shot).hexdigest()
+                images.setdefault(h, p.shot)
+                image_refs.append(h)
+            else:
+                shown.append(p.shot)   # the user message opens with its placeholders, then the text
+        tokens.extend(p.ids)
+        logprobs.extend([0.0] * len(p.ids))
+        versions.extend([-1] * len(p.ids))
+        mask.extend([0] * len(p.ids))
+
     try:
         t0 = time.perf_counter()
         with telemetry.client_span("env.create", {"tars.env_id": env_id, "tars.envd": getattr(env, "address", "")}):
@@ -162,19 +233,25 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                 with telemetry.span("turn", attributes={"tars.turn": turn_i}) as turn_span:
                     # 1. prompt: the new observation after the conversation; one that does not fit the context
                     #    cuts the episode here (it becomes the final state, appended below like any other cut)
-                    prompt, with_image = _prompt(cfg, tok, obs, note, first=not tokens, closed=closed)
-                    need = len(tokens) + len(prompt) + cfg.max_new_tokens
+                    p = _prompt(ctx, style, obs, note, first=not tokens, closed=closed, seg_images=len(seg_shots),
+                                history=history)
+                    # the request: the current segment's ids (a new segment's are only its first prompt)
+                    request = p.ids if p.new_segment else tokens[seg_start:] + p.ids
+                    need = len(request) + cfg.max_new_tokens
                     if ctx.max_context and need > ctx.max_context:
-                        cut, error = "context", (f"context: prompt ({len(tokens) + len(prompt)} tokens) + max_new_tokens "
+                        cut, error = "context", (f"context: prompt ({len(request)} tokens) + max_new_tokens "
                                                  f"({cfg.max_new_tokens}) exceeds max_context {ctx.max_context}")
                         break
                     shot = _screenshot(obs)
-                    window = ([*shown, shot] if with_image else shown)[-cfg.image_history:] if cfg.image_history > 0 else []
+                    if vis.vl:   # every run of the segment, in order
+                        window = ([] if p.new_segment else seg_shots) + ([p.shot] if p.shot else [])
+                    else:        # tars_vision: the last k runs
+                        window = ([*shown, p.shot] if p.shot else shown)[-vis.image_history:] if vis.image_history > 0 else []
                     # 2. generate, sticky to one replica under this trajectory id
                     t0, c0 = time.perf_counter(), time.thread_time()
-                    with telemetry.client_span("generate", {"tars.prompt_tokens": len(tokens) + len(prompt)}) as gsp:
+                    with telemetry.client_span("generate", {"tars.prompt_tokens": len(request)}) as gsp:
                         try:
-                            g = await ctx.infer.generate(tid, tokens + prompt, cfg.max_new_tokens,
+                            g = await ctx.infer.generate(tid, request, cfg.max_new_tokens,
                                                          temperature=cfg.temperature, stop_token_ids=tok.stop_ids,
                                                          timeout_s=cfg.rpc_timeout_s,
                                                          images=[common_pb2.Image(data=b) for b in window])
@@ -192,13 +269,8 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                         telemetry.set_attrs(gsp, **{"tars.output_tokens": len(g.output_ids), "tars.replica": g.replica,
                                                     "tars.policy_version": max(g.versions, default=-1)})
                     c_turn += time.thread_time() - c0
-                    if with_image:
-                        shown.append(shot)   # the user message opens with its placeholders, then the text
                     obs_ref = _obs_ref(obs, images)
-                    tokens += prompt
-                    logprobs += [0.0] * len(prompt)
-                    versions += [-1] * len(prompt)
-                    mask += [0] * len(prompt)
+                    append(p)
                     gen_ms = (time.perf_counter() - t0) * 1000
                     gen_s += gen_ms / 1000
                     waited += gen_ms
@@ -212,9 +284,9 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     steps.append(J.Step(obs.text, text.strip(), shot))
                     # 3. parse; unparseable output gets a format penalty and, by default, another try
                     try:
-                        _, actions = parse_response(text)
-                        action = actions[0]
+                        thought, actions = parse_response(text)
                     except ParseError as e:
+                        history.append(uitars.step_text("", None, text))
                         turns.append(Turn(obs_ref, text, {}, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
                         ret += cfg.format_penalty
                         note = INVALID_NOTE  # what the next prompt says (the bootstrap state, if this stops here)
@@ -222,26 +294,47 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                             cut = "parse_error"
                             break
                         continue
-                    # 4. step the environment
-                    t0, c0 = time.perf_counter(), time.thread_time()
+                    history.append(uitars.step_text(thought, actions, text))
+                    # model coordinates -> screen pixels of the observation the model saw
                     try:
-                        with telemetry.client_span("env.step", {"tars.action": action.type}) as esp:
-                            obs = await env.step(sid, run_id, action, raw=text)
-                            telemetry.set_attrs(esp, **{"tars.reward": obs.reward, "tars.outcome": obs.outcome})
-                    except EnvActionError as e:  # well-formed but not applicable here: same as a format error
-                        turns.append(Turn(obs_ref, text, action.to_dict(), cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
-                        ret += cfg.format_penalty
+                        actions = vis.to_screen(actions, (obs.width, obs.height), shot)
+                    except ValueError as e:
+                        raise EnvInfraError(f"envd sent a screenshot that cannot be read: {e}") from None
+                    done = {**actions[0].to_dict(), **({"then": [a.to_dict() for a in actions[1:]]} if len(actions) > 1 else {})}
+                    # 4. step the environment with every action of the answer, in order, until one ends the episode
+                    #    or is rejected; the turn's reward is the sum of theirs
+                    reward, rejected, env_ms, ran = 0.0, "", 0.0, 0
+                    for action in actions:
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        try:
+                            with telemetry.client_span("env.step", {"tars.action": action.type}) as esp:
+                                obs = await env.step(sid, run_id, action, raw=text)
+                                telemetry.set_attrs(esp, **{"tars.reward": obs.reward, "tars.outcome": obs.outcome})
+                        except EnvActionError as e:  # well-formed but not applicable here: same as a format error
+                            rejected = str(e)[:200]
+                            break
+                        finally:
+                            c_turn += time.thread_time() - c0
+                            step_ms = (time.perf_counter() - t0) * 1000
+                            waited += step_ms
+                            env_ms += step_ms
+                        reward += obs.reward
+                        ran += 1
+                        if obs.outcome != Outcome.RUNNING:
+                            break
+                    env_s += env_ms / 1000
+                    if len(actions) > 1:
+                        done["ran"] = ran   # the actions envd carried out
+                    if rejected:
+                        reward += cfg.format_penalty
+                        turns.append(Turn(obs_ref, text, done, reward, start, len(tokens), env_ms, gen_ms, rejected))
+                        ret += reward
                         note = INVALID_NOTE
                         continue
-                    finally:
-                        c_turn += time.thread_time() - c0
-                        env_ms = (time.perf_counter() - t0) * 1000
-                        waited += env_ms
-                    env_s += env_ms / 1000
                     note = ""
-                    turns.append(Turn(obs_ref, text, action.to_dict(), obs.reward, start, len(tokens), env_ms, gen_ms))
-                    telemetry.set_attrs(turn_span, **{"tars.reward": obs.reward})
-                    ret += obs.reward
+                    turns.append(Turn(obs_ref, text, done, reward, start, len(tokens), env_ms, gen_ms))
+                    telemetry.set_attrs(turn_span, **{"tars.reward": reward})
+                    ret += reward
                     if obs.outcome == Outcome.INFRA_ERROR:
                         outcome, fault, error = Outcome.INFRA_ERROR, Fault.ENV, obs.info_json[:500]
                         break
@@ -271,12 +364,13 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     if outcome == Outcome.TRUNCATED and obs is not None:
         # Cut by a limit, not over: the state it was cut in (the next turn's prompt) still has a value, which the
         # learner's critic reads at boot_at. Appended, never re-tokenised, like every prompt before it.
-        final, _ = _prompt(cfg, tok, obs, note, first=not tokens, closed=closed)
-        tokens += final
-        logprobs += [0.0] * len(final)
-        versions += [-1] * len(final)
-        mask += [0] * len(final)
-        boot_at = len(tokens)
+        try:
+            append(_prompt(ctx, style, obs, note, first=not tokens, closed=closed, seg_images=len(seg_shots),
+                           history=history))
+            boot_at = len(tokens)
+        except EnvInfraError as e:   # its screenshot is unreadable: no state to bootstrap from
+            outcome, fault, error = Outcome.INFRA_ERROR, Fault.ENVD, str(e)[:500]
+    
     return Trajectory(
         id=tid, env_id=env_id, outcome=outcome,
         tokens=np.asarray(tokens, np.int32), logprobs=np.minimum(np.asarray(logprobs, np.float32), 0.0),
@@ -286,6 +380,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                  "actor_cpu_ms": actor_cpu_ms},
         actor=ctx.actor_id, images=images, error=error, judge=verdict,
         fault=fault, boot_at=boot_at, truncated_by=(cut or "max_turns") if outcome == Outcome.TRUNCATED else "",
+        segments=segments, image_refs=image_refs,
     )
 
 

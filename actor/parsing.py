@@ -12,6 +12,11 @@ Grammar (a superset of what ui-tars' parse_action_to_structure_output accepts fo
     output  := [thought] ["Action:"] call (ws ["Action:"] call)*
     call    := NAME "(" [NAME "=" STRING ("," NAME "=" STRING)* [","]] ")"
     STRING  := '...' | "..."   with \\n \\t \\r \\\\ \\' \\" escapes; other backslashes stay as written
+Reasoning in `<think>...</think>` (Qwen-style thinking, UI-TARS-desktop strips it) is dropped before parsing: every
+leading block, a `</think>` whose opening was in the prompt, and the tag of a leading `<think>` that never closes.
+The typed text of type(content='...') / finished(content='...') runs, as in ui-tars, to the last `')` of the call
+(the call ends where a line starts another action or an "Action:" label, or at the end of the text), so quotes the
+model forgot to escape are recovered: type(content='Students', parents' and teachers' survey 2024\n').
 Coordinates: '<point>x y</point>', '(x,y)', '<|box_start|>(x,y)<|box_end|>', '<bbox>x1 y1 x2 y2</bbox>' and
 4-number boxes '(x1,y1,x2,y2)' (-> their centre). Points stay in the model's coordinate space; `to_screen` maps them.
 """
@@ -59,6 +64,10 @@ _PLAIN = {"'": re.compile(r"[^\\']*"), '"': re.compile(r'[^\\"]*')}
 _NUM = re.compile(r"\d+(?:\.\d*)?|\.\d+")
 _NUM_SPLIT = re.compile(r"[\s,]+")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
+_ESCAPE = re.compile(r"\\(.)", re.S)
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+# Arguments whose single-quoted value is free text that runs to the last "')" of the call (ui-tars' rule).
+_FREE_TEXT = {("type", "content"), ("finished", "content")}
 
 
 class ParseError(ValueError):
@@ -76,7 +85,7 @@ def parse_response(text: str) -> tuple[str, list[Action]]:
     """Model output -> (thought, actions). Raises ParseError (and only ParseError) when it is not well formed."""
     if not isinstance(text, str):
         raise ParseError(f"expected str, got {type(text).__name__}")
-    body = _unwrap(text)
+    body = _strip_think(_unwrap(text))
     if not body.strip():
         raise ParseError("empty output")
     pre, start = _split(body)
@@ -109,6 +118,24 @@ def _unwrap(text: str) -> str:
     if text.endswith("```", lo, hi):
         hi -= 3
     return text[lo:hi]
+
+
+def _strip_think(text: str) -> str:
+    """The answer without its reasoning: leading <think>...</think> blocks go, a </think> whose <think> was in the
+    prompt (nothing but reasoning before it, no "Action:") takes what is before it along, and a leading <think> that
+    never closes loses only its tag (what follows may still hold Thought/Action). Linear: str.find only."""
+    lo = 0
+    close = text.find(_THINK_CLOSE)
+    if close >= 0 and text.find(_THINK_OPEN, 0, close) < 0 and not _ACTION_ANY.search(text, 0, close):
+        lo = close + len(_THINK_CLOSE)
+    closed = True   # False once no </think> is left: later openings only lose their tag (no rescanning)
+    while True:
+        lo = _WS.match(text, lo).end()
+        if not text.startswith(_THINK_OPEN, lo):
+            return text[lo:]
+        close = text.find(_THINK_CLOSE, lo + len(_THINK_OPEN)) if closed else -1
+        closed = close >= 0
+        lo = lo + len(_THINK_OPEN) if close < 0 else close + len(_THINK_CLOSE)
 
 
 def _split(body: str) -> tuple[str, int]:
@@ -179,7 +206,8 @@ def _call(s: str, i: int) -> tuple[Action, int]:
         i = _WS.match(s, i + 1).end()
         if i >= len(s) or s[i] not in "'\"":
             raise ParseError(f"{name}: the value of {key[:40]!r} must be a quoted string")
-        value, i = _string(s, i + 1, s[i])
+        value, i = (_free_text(s, i + 1) if (name, key) in _FREE_TEXT and s[i] == "'" else None) or \
+            _string(s, i + 1, s[i])
         if key in args:
             raise ParseError(f"{name}: {key!r} given twice")
         args[key] = value
@@ -192,6 +220,17 @@ def _call(s: str, i: int) -> tuple[Action, int]:
         else:
             raise ParseError(f"{name}: expected ',' or ')', got {_peek(s, i)}")
     return _build(name, args, s[start:i]), i
+
+
+def _free_text(s: str, i: int) -> tuple[str, int] | None:
+    """A free-text value whose opening ' is at i-1, ui-tars' way: it runs to the last "')" before the call's end
+    (the next line that starts an action call or an "Action:" label, else the end of the text); returns (value,
+    index of that quote + 1, i.e. at the ')'), or None when there is no "')" (the strict reading then says why)."""
+    ends = [m.start() for m in (_CALL_AT_LINE.search(s, i), _ACTION_AT_LINE.search(s, i)) if m]
+    j = s.rfind("')", i, min(ends, default=len(s)))
+    if j < 0:
+        return None
+    return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(0)), s[i:j]), j + 1
 
 
 def _string(s: str, i: int, q: str) -> tuple[str, int]:

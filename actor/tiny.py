@@ -7,7 +7,8 @@ The episode's ids are only ever extended (never re-tokenised), so the engine's p
 turn and the learner trains on exactly the ids the engine produced. `turn_ids` is the one place that builds a
 turn's prompt; the actor's episodes and the SFT demonstrations (tars/demos.py) both call it.
 
-The system prompt (actor.system_prompt): `tiny`, a one-line instruction for small policies trained from scratch, or
+The system prompt (actor.system_prompt): `auto` (tiny here; a vision-language checkpoint on a GUI task gets the
+UI-TARS computer-use prompt, actor/uitars.py), `tiny`, a one-line instruction for small policies trained from scratch, or
 a UI-TARS prompt (`computer`, `browser`, `mobile`: actor/prompts.py, the task's instruction inside it), or `none`.
 Actions use the UI-TARS grammar with our text-addressed extension `target='LABEL'`; coordinates (`start_box`) are
 accepted by the parser as well.
@@ -20,11 +21,12 @@ from core.chat import ChatTokenizer
 # The note the actor puts before the next observation after an invalid action.
 INVALID_NOTE = "Invalid action. "
 TINY_SYSTEM = "Act on the screen to reach the goal. Answer with one action."
-SYSTEM_PROMPTS = ("tiny", "none", "computer", "browser", "mobile")
+SYSTEM_PROMPTS = ("auto", "tiny", "none", "computer", "browser", "mobile")
 
 
 def system_prompt(style: str, instruction: str) -> str:
-    if style == "tiny":
+    # "auto" is tiny here; a vision-language checkpoint's episodes resolve it first (actor/uitars.py).
+    if style in ("tiny", "auto"):
         return TINY_SYSTEM
     if style == "none":
         return ""

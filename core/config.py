@@ -105,11 +105,17 @@ class ActorConfig:
     send_window: int = f(256, "trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
     max_outbox: int = f(1 << 16, "trajectories kept for re-send until acknowledged, held ones included (with the learner's "
                         "checkpoint durability: everything since its last checkpoint); sending waits at this bound")
-    system_prompt: str = f("tiny", "system prompt of the first turn: tiny (one line, for small policies trained from "
+    system_prompt: str = f("auto", "system prompt of the first turn: auto (a vision-language checkpoint on a GUI task: "
+                                   "computer; otherwise tiny) | tiny (one line, for small policies trained from "
                                    "scratch) | computer | browser | mobile (the UI-TARS prompts, actor/prompts.py) | none")
-    image_history: int = f(0, "screenshots shown as images in the prompt (the last k turns; older turns keep only their "
-                              "text); 0 = text only")
-    image_tokens: int = f(16, "image placeholder tokens per screenshot: the model's tars_vision grid**2")
+    image_history: int = f(-1, "screenshots shown as images in the prompt; -1 = auto (5 for a vision-language "
+                               "checkpoint, else 0). VL: at most k images per segment, the (k+1)-th starts a new one "
+                               "(docs/actor.md); tars_vision: the last k turns; 0 = text only")
+    image_tokens: int = f(16, "image placeholder tokens per screenshot: the model's tars_vision grid**2 (a "
+                              "vision-language checkpoint counts its own from each screenshot's size)")
+    coordinates: str = f("auto", "what the model's coordinates mean: auto (absolute for a vision-language checkpoint, "
+                                 "else screen) | absolute (UI-TARS-1.5: pixels of the resized screenshot) | relative "
+                                 "(UI-TARS-1.0: 0..1000) | screen (screen pixels, passed to envd as they are)")
     judge_mode: str = f("off", "LLM-as-judge outcome reward through the inference server: off | replace (the verdict "
                                "replaces the env reward) | add (added to it)")
     judge_weight: float = f(1.0, "reward given for a YES (score 1) verdict")

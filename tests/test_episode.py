@@ -436,3 +436,29 @@ def test_a_first_prompt_that_does_not_fit_is_counted_and_dropped_by_the_learner(
     mon.poll()
     rep = report.write_report(tmp_path, mon, wall_s=1.0, sft_used=False, sft_s=0.0, status="done")
     assert rep["truncated"] == 1 and rep["truncated_by"] == {"context": 1} and rep["infra_errors"] == 0
+
+
+def test_every_action_of_an_answer_runs_until_one_ends_the_episode():
+    # three actions a turn: turn 1 runs all three (t=3, reward 3); in turn 2 the first ends the episode (t=4) and
+    # the other two never reach envd. The turn's reward is the sum of the rewards of the actions that ran.
+    stepped = []
+
+    class Recording(EnvClient):
+        async def step(self, sid, run_id, action, raw=""):
+            stepped.append(action.content)
+            return await super().step(sid, run_id, action, raw)
+
+    eng = ScriptedEngine(answer("type(content='1')\ntype(content='1')\ntype(content='1')"), TOK.vocab_size)
+
+    async def main():
+        async with stack(eng, max_turns=6, max_new_tokens=64) as (ctx, env):
+            rec = Recording(env.address, "", 10.0, 1)
+            try:
+                return await run_episode(ctx, rec, "multi-0001", "gym/TarsEpisodeStripes-v0", 1, 0)
+            finally:
+                await rec.close()
+
+    tr = asyncio.run(main())
+    assert tr.outcome == "terminated" and len(tr.turns) == 2 and stepped == ["1"] * 4
+    assert [t.reward for t in tr.turns] == [3.0, 1.0] and tr.ret == 4.0
+    assert [t.action["ran"] for t in tr.turns] == [3, 1] and len(tr.turns[0].action["then"]) == 2

@@ -162,6 +162,40 @@ def test_thought_forms():
     assert one("type(content='Action: go')").content == "Action: go"
 
 
+def test_think_is_stripped():
+    # Qwen-style reasoning is not the thought (UI-TARS-desktop strips it); an Action: inside it is no action
+    assert parse_response("<think>plan: Action: click(start_box='(1,1)')</think>\nThought: go\nAction: wait()") == \
+        ("go", [Action("wait", raw="wait()")])
+    assert parse_response("<think>a</think> <think>b</think>Thought: t\nAction: wait()")[0] == "t"
+    # the template opened <think> in the prompt: the answer starts inside it
+    assert parse_response("still thinking</think>\n\nThought: t\nAction: wait()")[0] == "t"
+    # an unclosed leading <think> loses its tag only: what follows still parses
+    assert parse_response("<think>Thought: t\nAction: wait()")[0] == "t"
+    # a </think> after the action is typed text, not reasoning
+    assert one("Action: type(content='</think>')").content == "</think>"
+    with pytest.raises(ParseError):
+        parse_response("<think>Action: wait()</think>")   # nothing but reasoning
+
+
+def test_unescaped_quotes_in_typed_text_are_recovered_as_ui_tars_does():
+    t = "Thought: fill the title\nAction: type(content='Students', parents' and teachers' survey 2024\\n')"
+    thought, (a,) = parse_response(t)
+    assert thought == "fill the title"
+    assert a.content == "Students', parents' and teachers' survey 2024\n" and a.submit
+    assert one("finished(content='it's done, isn't it')").content == "it's done, isn't it"
+    # the content runs to the last ') of the call: the next action on its own line is still an action
+    _, acts = parse_response("Action: type(content='a', b')\n\ntype(content='c')\nAction: hotkey(key='enter')")
+    assert [(x.type, x.content or x.key) for x in acts] == [("type", "a', b"), ("type", "c"), ("hotkey", "enter")]
+    assert one("type(content='x') # a comment')").content == "x') # a comment"
+    # other arguments keep the strict reading, and what follows the call must still be a call: errors, not guesses
+    for bad in ("click(start_box='(1,2)', x')", "type(content='a', key='b')x", "type(content=__import__('os'))",
+                "scroll(direction='up', start_box='(1,1)'); x')", "type(content='a') ; wait()"):
+        with pytest.raises(ParseError):
+            parse_response(bad)
+    # code inside typed text stays text (nothing is ever evaluated)
+    assert one("type(content='\\'); import os; os.system('rm')").content == "'); import os; os.system('rm"
+
+
 def test_wrappers_are_dropped():
     assert one("```\nThought: x\nAction: wait()\n```").type == "wait"
     assert one("Action: finished()<|im_end|>").type == "finished"
@@ -300,6 +334,14 @@ def test_fuzz_mutated_real_outputs(text, i, j, ins):
     "```" * 33_000,
     "Thought: x\n" + "\t" * 100_000 + "Action: wait()",
     "Action: type(content='" + "\\'" * 50_000 + "')",
+    "<think>" * 15_000,
+    "<think>" * 15_000 + "</think>Action: wait()",
+    "</think>" * 12_000,
+    "<think></think>" * 7_000 + "Action: wait()",
+    "Action: " + "type(content='x') " * 6_000,
+    "Action: type(content='" + "')" * 50_000,
+    "Action: type(content='" + "')\n" * 35_000,
+    "Action: finished(content='" + "', x='" * 20_000 + "')",
 ])
 def test_adversarial_is_fast(adversarial):
     assert len(adversarial) >= 90_000

@@ -1,0 +1,124 @@
+"""UI-TARS as a vision-language checkpoint speaks it: the prompt, the screenshots as images, its coordinates.
+
+For a Qwen2-VL / Qwen2.5-VL checkpoint (core.vlm.is_vl_dir on the tokenizer's directory) an episode on a GUI task
+(env ids under GUI_PREFIXES) runs the way UI-TARS-1.5 was trained:
+
+- system prompt: the UI-TARS computer-use prompt and action space (actor/prompts.py, the task's instruction inside
+  it), with points in UI-TARS-1.5's form point='<point>x y</point>' (absolute coordinates) or UI-TARS-1.0's
+  start_box='(x,y)' (relative ones); actor.system_prompt picks another (tiny, browser, mobile, none, ...).
+- each turn's user message is the screenshot alone (the env's text is not shown: UI-TARS reads the pixels), as an
+  image run of VLSpec.image_tokens(w, h) pads that core.chat frames with <|vision_start|>/<|vision_end|>; an
+  observation without a screenshot is shown as text (and the tiny prompt's turns as before, with the image first).
+- coordinates go back to the screen with `to_screen`: the model saw the screenshot after smart_resize at the
+  checkpoint processor's limits, so "absolute" (UI-TARS-1.5, the default) divides by that resized size; "relative"
+  (UI-TARS-1.0) is 0..1000 per axis (actor.coordinates).
+- at most k = actor.image_history screenshots per segment; the (k+1)-th starts a new segment (the VL contract,
+  docs/actor.md): a fresh first prompt with the earlier turns' thoughts and actions as text (`history_text`) and the
+  new screenshot.
+
+Text checkpoints and the tiny `tars_vision` path keep their own rules (actor/tiny.py, actor/episode.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actor.parsing import on_screen
+from core.action import Action
+from core.chat import ChatTokenizer
+from core.vlm import IMAGE_FACTOR, MAX_PIXELS, MIN_PIXELS, VLSpec, is_vl_dir, png_size
+
+# Env id prefixes whose tasks are a screen to act on: a VL checkpoint gets the UI-TARS prompt there by default.
+GUI_PREFIXES = ("builtin", "miniwob", "browser", "desktop", "hybrid")
+UITARS_STYLES = ("computer", "browser", "mobile")
+COORDINATES = ("auto", "absolute", "relative", "screen")
+VL_IMAGE_HISTORY = 5      # actor.image_history -1 (auto) for a VL checkpoint: UI-TARS keeps about 5 screenshots
+
+
+@dataclass(frozen=True)
+class Vision:
+    """An actor's resolved image and coordinate settings (from its config and its checkpoint)."""
+
+    spec: VLSpec | None   # the checkpoint's image facts; None for a text or tars_vision checkpoint
+    image_history: int    # screenshots per segment (VL) / in the engine's window (tars_vision); 0 = none
+    coordinates: str      # absolute | relative | screen
+
+    @property
+    def vl(self) -> bool:
+        return self.spec is not None
+
+    def style(self, configured: str, env_id: str) -> str:
+        """The system prompt style of an episode: `auto` is the UI-TARS computer-use prompt for a VL checkpoint on
+        a GUI task, else tiny."""
+        if configured != "auto":
+            return configured
+        gui = env_id.split("/", 1)[0] in GUI_PREFIXES
+        return "computer" if self.vl and gui else "tiny"
+
+    def point_form(self) -> str:
+        # UI-TARS-1.5 writes absolute points as <point>x y</point>; 1.0 relative boxes as (x,y).
+        return "point" if self.coordinates == "absolute" else "box"
+
+    def tokens(self, png: bytes) -> int:
+        """Image pads of one screenshot: the checkpoint's own count for its size (ValueError if unreadable)."""
+        assert self.spec is not None
+        w, h = png_size(png)
+        return self.spec.image_tokens(w, h)
+
+    def to_screen(self, actions: list[Action], screen: tuple[int, int], shot: bytes) -> list[Action]:
+        """The actions with their points mapped from model coordinates to screen pixels. `screen`: the observation's
+        (width, height) (0s when the env did not say: the screenshot's own size); `shot`: the screenshot the model
+        saw (its real size is what smart_resize resized). Unchanged in `screen` mode, or with no size to map to."""
+        if self.coordinates == "screen":
+            return actions
+        img = png_size(shot) if shot else None
+        sw, sh = screen if screen[0] > 0 and screen[1] > 0 else (img or (0, 0))
+        if sw <= 0 or sh <= 0:
+            return actions
+        iw, ih = img or (sw, sh)
+        spec = self.spec
+        lim = ({"factor": spec.factor, "min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels} if spec else
+               {"factor": IMAGE_FACTOR, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS})
+        return [on_screen(a, self.coordinates, sw, sh, iw, ih, **lim) for a in actions]
+
+
+def resolve(cfg, tok: ChatTokenizer, spec: VLSpec | None = None) -> Vision:
+    """The Vision of an actor config and its tokenizer/checkpoint directory; ValueError for bad settings or a VL
+    checkpoint that cannot show images (no processor config, no vision tokens in the tokenizer)."""
+    if cfg.coordinates not in COORDINATES:
+        raise ValueError(f"actor.coordinates must be one of {COORDINATES}, got {cfg.coordinates!r}")
+    if cfg.image_history < -1:
+        raise ValueError(f"actor.image_history must be -1 (auto) or >= 0, got {cfg.image_history}")
+    if spec is None and tok.path and is_vl_dir(tok.path):
+        spec = VLSpec.load(tok.path)
+    if spec is not None and tok.vision_start_id < 0:
+        raise ValueError(f"{tok.path}: a vision-language checkpoint whose tokenizer has no <|vision_start|> / "
+                         "<|image_pad|> tokens")
+    k = cfg.image_history if cfg.image_history >= 0 else (VL_IMAGE_HISTORY if spec is not None else 0)
+    coords = cfg.coordinates if cfg.coordinates != "auto" else ("absolute" if spec is not None else "screen")
+    return Vision(spec, k, coords)
+
+
+def system_text(style: str, instruction: str, point_form: str) -> str:
+    """The system prompt of a style (actor.tiny.system_prompt for the non-UI-TARS ones)."""
+    if style in UITARS_STYLES:
+        from actor.prompts import build_system_prompt
+
+        return build_system_prompt(style, instruction, point_form=point_form)
+    from actor.tiny import system_prompt
+
+    return system_prompt(style, instruction)
+
+
+def history_text(steps: list[str]) -> str:
+    """Earlier turns' thoughts and actions, for the first prompt of a new segment."""
+    if not steps:
+        return ""
+    return "Previous steps:\n" + "\n\n".join(f"Step {i}:\n{s}" for i, s in enumerate(steps, 1)) + "\n\n"
+
+
+def step_text(thought: str, actions: list[Action] | None, output: str) -> str:
+    """One turn as history text: its thought and its actions as written (an unparseable answer is named so)."""
+    if actions is None:
+        return f"(an answer that was not a valid action: {output.strip()[:200]!r})"
+    acts = "\n".join(a.raw for a in actions)
+    return f"Thought: {thought}\nAction: {acts}" if thought else f"Action: {acts}"
