@@ -167,3 +167,133 @@ def test_learner_logprobs_equal_the_engines_over_a_two_segment_conversation_with
     other.images = dict(zip(other.image_refs, swapped))
     blind, _ = learner_agreement(vl_dir, [other])
     assert blind > 1e-3, blind
+
+
+def usable(model: pathlib.Path, trs) -> list:
+    """The episodes in which the engine sampled no input-only vision token. A random checkpoint samples one now and
+    then (a trained one does not): an <|image_pad|> in an answer is a run no image binds, so the next request is
+    refused (the episode ends infra_error) or, in the last answer, the learner drops the trajectory (unbound_images).
+    Every other episode must have ended cleanly."""
+    from core.vlm import VLSpec
+
+    spec = VLSpec.load(model)
+    vision = [spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id]
+    keep = []
+    for t in trs:
+        if np.isin(t.tokens[t.mask.astype(bool)], vision).any():
+            continue
+        assert t.outcome != "infra_error", t.error
+        keep.append(t)
+    return keep
+
+
+def _miniwob_here() -> bool:
+    import shutil
+
+    return bool(shutil.which("chromium") and shutil.which("chromedriver"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
+def test_learner_logprobs_equal_the_engines_over_actor_episodes_with_segments(vl_dir, tmp_path):
+    """Episodes of the real actor code against a real `tars envd` (MiniWoB: a screenshot every turn) and a real
+    `tars serve`, image_history=2 so later turns start new segments; after the stream's encode/decode the learner's
+    logprob of every sampled token equals the engine's within 1e-4."""
+    from actor.envclient import EnvClient
+    from actor.episode import EpisodeContext, run_episode
+    from core import config as C
+    from core.chat import ChatTokenizer
+    from core.inference_client import InferenceClient
+    from core.schema import Trajectory
+    from tars.topology import Topology, plan
+
+    cfg = C.load(None, None, ["actor.max_turns=4", "actor.max_new_tokens=10", "actor.temperature=1.0",
+                              "actor.on_parse_error=continue", "actor.image_history=2", "inference.precision=fp32",
+                              "inference.max_context=4096"])
+    out = tmp_path / "out"
+    out.mkdir()
+    C.save(cfg, out / "config.yaml")
+    tok = ChatTokenizer.load(vl_dir)
+
+    async def episodes(envd, inference):
+        env = EnvClient(envd, cfg.envd.auth_token, 60, 2)
+        infer = InferenceClient([inference], cfg.inference.auth_token, timeout_s=60, retries=2)
+        ctx = EpisodeContext(cfg.actor, tok, infer, "test")
+        try:
+            return await asyncio.gather(*(run_episode(ctx, env, f"vl-{i:04d}", "miniwob/click-button", i, 0)
+                                          for i in range(3)))
+        finally:
+            await infer.close()
+            await env.close()
+
+    with Topology(plan(cfg, out, vl_dir, learner=False, n_actors=0)) as topo:
+        topo.start()
+        trs = asyncio.run(episodes(topo.envd, topo.inference))
+    trs = usable(vl_dir, trs)
+    assert len(trs) >= 2
+    trs = [Trajectory.decode(t.validate().encode()) for t in trs]
+    assert all(t.segments and len(t.image_refs) >= 3 for t in trs), [(t.segments, len(t.image_refs)) for t in trs]
+    assert all(set(t.image_refs) <= set(t.images) for t in trs)
+    worst, n = learner_agreement(vl_dir, trs)
+    print(f"{vl_dir.parent.name}: {n} sampled tokens over {sum(len(t.segments) + 1 for t in trs)} segments, "
+          f"max |learner - engine| logprob {worst:.2e}")
+    assert n > 20 and worst <= 1e-4
+
+
+def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "tars.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _loads_as_vl(d: pathlib.Path, model_type: str) -> None:
+    import transformers
+
+    assert (d / "preprocessor_config.json").is_file()
+    m = transformers.AutoModelForImageTextToText.from_pretrained(str(d))
+    assert m.config.model_type == model_type
+    assert transformers.AutoTokenizer.from_pretrained(str(d)).chat_template
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
+def test_a_short_up_run_with_screenshots(vl_dir, tmp_path):
+    """`tars up --set model.path=VLDIR` on MiniWoB (a screenshot every turn, two per segment): the learner trains on
+    the actors' VL trajectories through the stream, versions are published, and final/ is a VL checkpoint."""
+    out = tmp_path / "up"
+    _cli("up", "--out", str(out), "--quiet", "--set", f"model.path={vl_dir}", "--set", "sft.steps=0",
+         "--set", "actor.env_ids=[miniwob/click-button]", "--set", "actor.image_history=2",
+         "--set", "actor.max_turns=3", "--set", "actor.max_new_tokens=8", "--set", "actor.concurrency=4",
+         "--set", "actor.on_parse_error=continue", "--set", "inference.max_context=4096",
+         "--set", "learner.batch_size=4", "--set", "learner.algo=grpo", "--set", "learner.group.size=2",
+         "--set", "max_versions=2", "--set", "wall_budget_s=150")
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["policy_version"] >= 2, rep
+    # No infrastructure error but the known one of a random checkpoint (usable(): a sampled <|image_pad|> that the
+    # next request cannot bind).
+    eps = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+    assert all("is not framed by <|vision_start|>" in e["error"] for e in eps if e["outcome"] == "infra_error"), eps
+    trained = [i for line in (out / "trained.jsonl").read_text().splitlines() for i in json.loads(line).get("ids", [])]
+    assert len(trained) >= 8     # VL trajectories the learner bound and trained on
+    assert any((out / "stream.wal.images").iterdir())   # the screenshots came through the stream
+    _loads_as_vl(out / "final", json.loads((vl_dir / "config.json").read_text())["model_type"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
+def test_sft_on_text_demos_and_eval_with_screenshots(vl_dir, tmp_path):
+    """`tars sft --model VLDIR` (the scripted text demonstrations) keeps a VL checkpoint; `tars eval --model` on it
+    runs MiniWoB episodes with screenshots (the only infrastructure error allowed: usable()'s known one)."""
+    sft = tmp_path / "sft"
+    _cli("sft", "--model", str(vl_dir), "--out", str(sft), "--demos", "16", "--steps", "2",
+         "--set", "sft.batch_size=4")
+    _loads_as_vl(sft, json.loads((vl_dir / "config.json").read_text())["model_type"])
+    _cli("eval", "--suite", "miniwob", "--model", str(sft), "--out", str(tmp_path / "eval"), "--episodes", "2",
+         "--tasks", "miniwob/click-button", "--concurrency", "2", "--set", "actor.max_new_tokens=8",
+         "--set", "actor.max_turns=3", "--set", "actor.image_history=2", "--set", "inference.max_context=4096")
+    res = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert res["overall"]["episodes"] == 2, res
+    eps = [json.loads(x) for x in (tmp_path / "eval" / "episodes.jsonl").read_text().splitlines()]
+    assert all("is not framed by <|vision_start|>" in e["error"] for e in eps if e["outcome"] == "infra_error"), eps
+    assert any(e["steps"] >= 3 for e in eps), eps   # three screenshots: a second segment
