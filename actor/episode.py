@@ -389,7 +389,8 @@ async def _judge(ctx: EpisodeContext, tid: str, instruction: str, steps: list, o
     """Ask the judge; returns (outcome, return, error, verdict dict) with the verdict's reward applied."""
     cfg = ctx.cfg
     try:
-        v = await J.ask(ctx.judge_infer or ctx.infer, ctx.tok, cfg, tid, instruction, steps, obs.text, _screenshot(obs))
+        v = await J.ask(ctx.judge_infer or ctx.infer, ctx.tok, cfg, tid, instruction, steps, obs.text, _screenshot(obs),
+                        ctx.vision)
     except J.JudgeError as e:
         if cfg.judge_on_error == "infra_error":  # no verdict is not a verdict of 0
             return Outcome.INFRA_ERROR, ret, f"judge: {e}"[:500], {"error": str(e)[:200]}

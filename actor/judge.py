@@ -7,18 +7,26 @@ logged in the trajectory (Trajectory.judge) and turned into a reward that replac
 failure, not a verdict: by default the episode becomes infra_error (kept out of the loss); actor.judge_on_error=env
 keeps the environment reward instead.
 
-The judge prompt is one user message in the judge model's chat template (core.chat), screenshots as image placeholder
-runs (core/vision.py) inside it, so the same inference server and tokenizer can serve both policy and judge.
+The judge prompt is one user message in the judge model's chat template (core.chat), screenshots as image runs
+inside it, so the same inference server and tokenizer can serve both policy and judge. A tars_vision checkpoint's
+runs are `actor.image_tokens` placeholders (core/vision.py). A vision-language checkpoint's (Qwen2-VL / Qwen2.5-VL,
+actor/uitars.py) are sized exactly as the actor's turns size them, `Vision.tokens` (the checkpoint's pad count for
+each screenshot's own size), and framed by core.chat: the request's images are exactly the prompt's runs, in order,
+as the engine's binding rule (core.vlm.bind_runs) wants.
 """
 from __future__ import annotations
 
 import re
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from core.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from actor.uitars import Vision
 
 _VERDICT = re.compile(r"\b(YES|NO)\b", re.IGNORECASE)
 _SCORE = re.compile(r"(?:score|reward)\s*[:=]\s*([01](?:\.\d+)?|\.\d+)", re.IGNORECASE)
@@ -55,18 +63,24 @@ class Step:
 
 
 def judge_prompt(tok, instruction: str, steps: list[Step], final_screen: str, final_image: bytes,
-                 n_images: int, image_tokens: int) -> tuple[list[int], list[bytes]]:
-    """Token ids and the images bound to them (the last n_images screenshots, in order)."""
+                 n_images: int, image_tokens: int, vision: "Vision | None" = None) -> tuple[list[int], list[bytes]]:
+    """Token ids and the images bound to them (the last n_images screenshots, in order).
+
+    vision: the actor's resolved Vision; for a VL checkpoint each run takes `vision.tokens(png)` pads (its image's
+    own count; ValueError for an unreadable screenshot) and `image_tokens` is not used. Otherwise every run is
+    `image_tokens` placeholders (tars_vision), none when the tokenizer has no placeholder token (text)."""
+    vl = vision is not None and vision.vl
     shots = [s.image for s in steps] + [final_image]
     with_image = {i for i in range(len(shots)) if shots[i]}
-    keep = sorted(with_image)[-n_images:] if n_images > 0 and image_tokens > 0 else []
+    keep = sorted(with_image)[-n_images:] if n_images > 0 and (vl or image_tokens > 0) else []
     if tok.image_id < 0:
         keep = []
+    runs = {i: vision.tokens(shots[i]) if vl else image_tokens for i in keep}
     parts: list = [f"Task: {instruction}\n"]
     for i, s in enumerate(steps):
-        parts += [image_tokens] if i in keep else []
+        parts += [runs[i]] if i in runs else []
         parts.append(f"Step {i + 1}: Screen: {s.screen}\nAction: {s.action}\n")
-    parts += [image_tokens] if len(steps) in keep else []
+    parts += [runs[len(steps)]] if len(steps) in runs else []
     parts.append(f"Final screen: {final_screen}\n{QUESTION}")
     return tok.first_prompt("", parts), [shots[i] for i in keep]
 
@@ -83,10 +97,18 @@ class Verdict:
 
 
 async def ask(infer, tok, cfg, tid: str, instruction: str, steps: list[Step], final_screen: str,
-              final_image: bytes) -> Verdict:
-    """One judge call; raises JudgeError for an unparseable answer or a failed inference call."""
-    ids, images = judge_prompt(tok, instruction, steps, final_screen, final_image, cfg.judge_images,
-                               cfg.image_tokens)
+              final_image: bytes, vision: "Vision | None" = None) -> Verdict:
+    """One judge call; raises JudgeError for an unparseable answer, an unreadable screenshot or a failed inference
+    call. vision: the actor's resolved Vision (actor.uitars.resolve of cfg and tok when None)."""
+    if vision is None:
+        from actor.uitars import resolve
+
+        vision = resolve(cfg, tok)
+    try:
+        ids, images = judge_prompt(tok, instruction, steps, final_screen, final_image, cfg.judge_images,
+                                   cfg.image_tokens, vision)
+    except ValueError as e:   # a screenshot whose size cannot be read: no run to size for it
+        raise JudgeError(f"judge prompt: a screenshot cannot be read: {e}") from None
     t0 = time.perf_counter()
     try:
         # "judge-" first: trajectory ids must never be prefixes of each other (SGLang matches rids by prefix).

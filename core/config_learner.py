@@ -111,6 +111,11 @@ class PublishConfig:
     keep_versions: int = f(3, "published weight versions kept on disk")
     timeout_s: float = f(60.0, "deadline of one inference server's UpdateWeights; a server past it is counted as a "
                                "publish failure (it loads the latest version when it restarts)")
+    mode: str = f("auto", "how weights reach the servers: shm (a segment in /dev/shm named over gRPC, same host "
+                          "only), stream (UpdateWeightsStream chunks over gRPC), disk (weights/vN loaded by path); auto = "
+                          "shm when every inference server is on loopback and /dev/shm is writable, else disk. In shm "
+                          "and stream modes weights/vN is still written after the servers answered (restarts load it)")
+    MODES: ClassVar[tuple[str, ...]] = ("auto", "shm", "stream", "disk")
 
 
 @dataclass
@@ -131,6 +136,9 @@ class StreamConfig:
     ack_interval_s: float = f(0.002, "longest a WAL batch waits to grow before its fdatasync (sooner once it holds "
                                      "what arrives during one fdatasync)")
     fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
+    wal_writer: str = f("process", "who checksums, writes and fdatasyncs the WAL: process (a writer process fed "
+                                   "through shared memory; the learner process only copies each trajectory once) "
+                                   "| thread (a thread of the learner process)")
     durability: str = f("wal", "wal: ack a trajectory once it is fsynced in the learner's write-ahead log | "
                                "checkpoint: no WAL; ack it once a checkpoint that consumed it is on disk (actors "
                                "keep everything since the last checkpoint: faster, more actor memory)")
@@ -157,6 +165,9 @@ class LearnerConfig:
                             "cuda:N; under accelerate with several processes, auto/cuda = cuda:LOCAL_RANK with NCCL")
     precision: str = f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, fp32 master weights "
                                "and optimizer state; allowed on the CPU too, via CPU autocast)")
+    parallel: str = f("ddp", "several processes under accelerate launch: ddp (weights and optimizer replicated, gradients "
+                             "all-reduced) | fsdp (FSDP2 fully_shard: parameters, gradients and optimizer state sharded "
+                             "over the ranks); one process ignores it")
     archive: bool = f(False, "append every trajectory received to run_dir/trajectories.twl (for tars data split / tars sft)")
     ppo: PPOConfig = _section(PPOConfig, "the policy loss")
     correction: CorrectionConfig = _section(CorrectionConfig, "the off-policy correction of the loss")
@@ -170,6 +181,10 @@ class LearnerConfig:
     def config_error(self) -> str:
         """What is wrong with this learner config that no single field can say ("" when nothing): the config loader
         raises it as a ConfigError, PPOTrainer as a ValueError."""
+        if self.publish.mode not in PublishConfig.MODES:
+            return f"learner.publish.mode: {self.publish.mode!r} is not one of {' | '.join(PublishConfig.MODES)}"
+        if self.parallel not in ("ddp", "fsdp"):
+            return f"learner.parallel: {self.parallel!r} is not one of ddp | fsdp"
         kind = self.correction.kind
         if kind not in CorrectionConfig.KINDS:
             return f"learner.correction.kind: {kind!r} is not one of {' | '.join(CorrectionConfig.KINDS)}"

@@ -187,7 +187,8 @@ class CausalLM(nn.Module):
         self.config = c
         # RoPE frequencies, computed once. A plain float32 tensor, not a buffer: model.to(bfloat16) must not round
         # them (transformers keeps them in float32 too); _inv_freq_on keeps one copy per device.
-        self.inv_freq = rope_inv_freq(c)
+        with torch.device("cpu"):   # real numbers even when the modules are built on the meta device (load_hf)
+            self.inv_freq = rope_inv_freq(c)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
         self.model = Trunk(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -372,19 +373,52 @@ class CausalLM(nn.Module):
     def load_hf(cls, path: str | os.PathLike, value_head: bool = False, dtype=torch.float32) -> "CausalLM":
         """A checkpoint directory (config.json + model.safetensors or its sharded index) -> the model.
 
+        The modules (decoder, VL vision tower) are built on the meta device, without memory or random init (slower
+        than the read for a 7B checkpoint on a CPU); each parameter then becomes its checkpoint tensor, the vision
+        tower's non-persistent buffers are computed as transformers does, and nothing is left without data.
+
         UnsupportedModel: the config asks for something this decoder does not implement; MissingWeights
         (a FileNotFoundError): no weights; WeightsMismatch: names or shapes that do not fit the config."""
         from safetensors.torch import load_file
 
         path = pathlib.Path(path)
-        m = cls(load_config(path), value_head=value_head)
+        config = load_config(path)
+        sd = read_weights(path)
+        with torch.device("meta"):
+            m = cls(config, value_head=value_head)
         try:
-            m.load_weights(read_weights(path))
+            m.load_weights(sd)
+            del sd
+            m._materialise_rest()
         except WeightsMismatch as e:
             raise WeightsMismatch(f"{path}: {e}") from None
-        if value_head and (path / "value_head.safetensors").exists():
-            m.score.load_state_dict(load_file(str(path / "value_head.safetensors")))
+        if value_head:
+            m.score = nn.Linear(config.hidden_size, 1)   # a new critic head unless the checkpoint has one
+            if (path / "value_head.safetensors").exists():
+                m.score.load_state_dict(load_file(str(path / "value_head.safetensors")))
         return m.to(dtype)
+
+    def _materialise_rest(self) -> None:
+        """After load_weights into a meta-built model: compute the vision tower's non-persistent buffers (not in any
+        checkpoint) with transformers' own _init_weights; WeightsMismatch for any tensor still without data."""
+        if self.visual is not None:
+            for name, mod in self.visual.named_modules():
+                if any(b.is_meta for b in mod.buffers(recurse=False)):
+                    if any(True for _ in mod.parameters(recurse=False)):
+                        continue   # a module with weights: those come from the checkpoint, never from an init
+                    mod.to_empty(device="cpu", recurse=False)
+                    with torch.no_grad():
+                        for b in mod.buffers(recurse=False):
+                            b.fill_(float("nan") if b.is_floating_point() else 0)
+                    self.visual._init_weights(mod)
+                    bad = [f"visual.{name}.{k}" for k, b in mod.named_buffers(recurse=False)
+                           if b.is_floating_point() and not bool(torch.isfinite(b).all())]
+                    if bad:
+                        raise WeightsMismatch(f"the vision tower's buffers {bad} were not computed")
+        left = [k for k, t in [*self.named_parameters(), *self.named_buffers()]
+                if t.is_meta and not k.startswith("score.")]
+        if left:
+            raise WeightsMismatch(f"{len(left)} tensors neither in the weights nor computed: {left[:5]}")
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy an HF-named state dict in; WeightsMismatch lists missing, unexpected and wrongly shaped tensors.
@@ -406,4 +440,10 @@ class CausalLM(nn.Module):
             raise WeightsMismatch("weights do not match the config: " + ", ".join(p for p in parts if p))
         with torch.no_grad():
             for k, v in sd.items():
-                params[k].copy_(v.to(params[k].dtype))
+                p = params[k]
+                if p.is_meta:   # built on the meta device (load_hf): the tensor becomes the checkpoint's, a copy
+                    new = v.to(p.dtype, copy=True)   # of its own (never a view of a mapped file)
+                    torch.utils.swap_tensors(p, nn.Parameter(new, requires_grad=p.requires_grad)
+                                             if isinstance(p, nn.Parameter) else new)
+                else:
+                    p.copy_(v.to(p.dtype))

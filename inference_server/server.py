@@ -21,6 +21,7 @@ from inference_server.sglang_launch import SGLangStartupError  # standard librar
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError,
                                            WeightsRefused, check_version_step)
 from core.weights_stream import Assembler, BadChunk, WrongWeights
+from core import weights_shm
 from core import auth, rpc, telemetry
 from core.config import InferenceConfig
 from core.control import ControlServicer, add_control
@@ -218,8 +219,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 sd = await asyncio.to_thread(st_load, bytes(request.safetensors))
             except Exception as e:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read inline safetensors: {type(e).__name__}: {e}")
+        elif request.shm:
+            try:  # a bare segment name in this host's /dev/shm, never a path (core/weights_shm.py)
+                version, sd = await asyncio.to_thread(weights_shm.read_segment, request.shm)
+            except weights_shm.SegmentError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except OSError as e:  # no such segment here: the learner is on another host
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot map weights segment {request.shm!r}: {e.strerror}")
+            if version != request.version:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"segment {request.shm} holds version {version}, not {request.version}")
+            try:
+                return await self._update(context, request.version, None, sd)
+            finally:
+                del sd  # the mapping goes when the engine has copied the tensors (or dropped the update)
         elif not request.path:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights needs a path or inline safetensors")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights needs a path, a shm segment or inline safetensors")
         return await self._update(context, request.version, request.path or None, sd)
 
     async def UpdateWeightsStream(self, request_iterator, context):

@@ -17,6 +17,11 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
 - POST /update_weights_from_disk {model_path, weight_version, abort_all_requests, flush_cache=true}:
   {success, message, num_paused_requests}. Not paused: waits until no request is in flight (SGLang's writer lock)
   and holds new ones back; paused: applies at once (in_place: at the next step boundary, after continue).
+- POST /update_weights_from_tensor {serialized_named_tensors: [one per TP rank], load_format, flush_cache=true,
+  abort_all_requests, weight_version}: {success, message}; the same locking, abort, flush and weight_version
+  semantics as from disk; rank 0's entry is decoded (inference_server/sglang_tensors.py: shared-memory handles,
+  an allow-listed unpickler). A body FastAPI cannot build the request type from answers 422 {"detail": [...]};
+  tensors that do not decode or do not fit the model answer 400 {success: false, message}.
 - Where the `sglang` package is importable, every body is also checked against SGLang's own request types
   (inference_server.sglang_types) and refused with 400 and SGLang's message when they refuse it.
 - GET|POST /flush_cache (400 while requests are in flight), GET /get_model_info (alias /model_info),
@@ -247,8 +252,9 @@ class SGLangBehaviour:
                     self._submit(r)
             self.cv.notify_all()
 
-    def update_weights(self, body: dict) -> tuple[bool, str, int]:
-        path = body.get("model_path") or ""
+    def update_weights(self, body: dict, state_dict: dict | None = None) -> tuple[bool, str, int]:
+        """/update_weights_from_disk (model_path), or /update_weights_from_tensor with its decoded `state_dict`."""
+        path = None if state_dict is not None else body.get("model_path") or ""
         wv = body.get("weight_version")
         t0 = time.monotonic()
         if body.get("abort_all_requests"):
@@ -267,7 +273,7 @@ class SGLangBehaviour:
             version = self.engine.target_version + 1
             try:
                 # in_place: the engine thread may be parked in on_token, so the update lands when it resumes.
-                fut = self.engine.update_weights(version, path, None, self.cfg.update_timeout_s, wait=paused not in ("in_place",))
+                fut = self.engine.update_weights(version, path, state_dict, self.cfg.update_timeout_s, wait=paused not in ("in_place",))
             except (WeightLoadError, ValueError) as e:
                 return False, f"Failed to update weights: {e}.", n_paused
             with self.cv:

@@ -125,6 +125,8 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/update_weights_from_disk":
                 ok, msg, n = s.update_weights(body)
                 return self._send(200 if ok else 400, {"success": ok, "message": msg, "num_paused_requests": n})
+            if path == "/update_weights_from_tensor":
+                return self._update_from_tensor(body)
             if path == "/flush_cache":
                 return self._flush()
             self._error(404, f"Not Found: {path}")
@@ -132,6 +134,25 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, str(e))
         except Exception as e:  # closed while waiting, engine failure: a 5xx, as a crashed SGLang would answer
             self._error(503, f"{type(e).__name__}: {e}")
+
+    def _update_from_tensor(self, body: dict) -> None:
+        """SGLang's FastAPI builds UpdateWeightsFromTensorReqInput from the body (422 {"detail": [...]} when it cannot);
+        the scheduler decodes this rank's entry and loads it (400 {success: false, message} when that fails)."""
+        detail = _tensor_body_detail(body)
+        if detail:
+            return self._send(422, {"detail": detail})
+        from inference_server import sglang_tensors
+
+        entries = body["serialized_named_tensors"]
+        try:
+            if not entries:  # validates, then the scheduler finds no entry for its rank
+                raise sglang_tensors.BadTensors("no serialized_named_tensors entry for TP rank 0")
+            named = sglang_tensors.deserialize(entries[0])  # this server is TP rank 0
+        except sglang_tensors.BadTensors as e:
+            return self._send(400, {"success": False, "message": f"Failed to update weights: {e}."})
+        ok, msg, _ = self.server_ref.update_weights(body, dict(named))
+        del named
+        self._send(200 if ok else 400, {"success": ok, "message": msg})
 
     def _generate(self, body: dict) -> None:
         s = self.server_ref
@@ -161,6 +182,29 @@ class _Handler(BaseHTTPRequestHandler):
                 break
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
+
+
+_TENSOR_FIELDS = {"serialized_named_tensors": list, "load_format": (str, type(None)), "flush_cache": bool,
+                  "abort_all_requests": bool, "weight_version": (str, type(None))}
+
+
+def _tensor_body_detail(body: dict) -> list[dict]:
+    """FastAPI/pydantic's validation errors for an UpdateWeightsFromTensorReqInput body ([] when it validates)."""
+    out = []
+    if "serialized_named_tensors" not in body:
+        out.append({"type": "missing", "loc": ["body", "serialized_named_tensors"], "msg": "Field required", "input": body})
+    for k, typ in _TENSOR_FIELDS.items():
+        v = body.get(k)
+        if k in body and not isinstance(v, typ):
+            out.append({"type": f"{typ.__name__ if isinstance(typ, type) else 'string'}_type", "loc": ["body", k],
+                        "msg": f"Input should be a valid {typ.__name__ if isinstance(typ, type) else 'string'}", "input": v})
+    entries = body.get("serialized_named_tensors")
+    if isinstance(entries, list):
+        for i, e in enumerate(entries):
+            if not isinstance(e, str):
+                out.append({"type": "string_type", "loc": ["body", "serialized_named_tensors", i],
+                            "msg": "Input should be a valid string", "input": e})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

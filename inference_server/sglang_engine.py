@@ -39,7 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from core.config import InferenceConfig
-from inference_server.engine_types import EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError
+from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
+                                           check_finite)
 from inference_server.sglang_http import http_json, token_versions
 from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool
 
@@ -298,7 +299,8 @@ class SGLangEngine:
                        timeout: float | None = 120.0, wait: bool = True):
         """pause_generation -> update_weights_from_disk -> continue_generation on every healthy replica.
 
-        `path` must be readable by every server (SGLang loads from disk; inline state dicts are not supported).
+        `path` must be readable by every server (update_weights_from_disk); a `state_dict` goes through
+        update_weights_from_tensor as shared-memory handles, to servers on loopback only.
         Returns {version, load_ms, interrupted_requests, replicas}; raises ValueError when the version is not newer,
         WeightLoadError when a replica refuses the weights (the others keep the new ones; the failing one is
         taken out until it can be brought up to date).
@@ -315,10 +317,25 @@ class SGLangEngine:
             threading.Thread(target=run, name="tars-sglang-update", daemon=True).start()
             return fut
         version = int(version)
-        if state_dict is not None and not path:
-            raise WeightLoadError("the sglang engine loads weights from disk: pass a path all SGLang servers can read")
+        if state_dict is not None:
+            from inference_server import sglang_tensors  # torch: only where weights come in memory
+
+            # In memory: POST /update_weights_from_tensor with shared-memory handles (inference_server/sglang_tensors.py),
+            # which only a server on this host can map, and whose pickle only a trusted one should read.
+            far = [r.url for r in self.pool.replicas if not sglang_tensors.same_host(r.url)]
+            if far:
+                raise WeightLoadError(f"in-memory weights go only to SGLang servers on loopback, not {far[:3]}: "
+                                      "publish with learner.publish.mode=disk (a path every server can read)")
+            check_finite(state_dict)  # WeightsRefused: SGLang would load NaNs as they come
+            try:
+                named = sglang_tensors.share(state_dict)
+                entry = sglang_tensors.serialize(named)
+            except (RuntimeError, OSError) as e:
+                raise WeightLoadError(f"cannot put the weights in shared memory: {type(e).__name__}: {e}") from e
+            return self.pool.update_weights(version, None, timeout, self.in_flight,
+                                            ([entry] * max(1, self.cfg.sglang_tp_size), named))
         if not path:
-            raise WeightLoadError("update_weights needs a path")
+            raise WeightLoadError("update_weights needs a path or a state_dict")
         return self.pool.update_weights(version, path, timeout, self.in_flight)
 
     # ---- metrics / lifecycle -------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class ReplicaPool:
         self._updating = threading.Event()
         self._no_update = threading.Event()      # the complement of _updating, to wait on
         self._no_update.set()
-        self._last_weights: tuple[int, str] | None = None
+        self._last_weights: tuple[int, str | None, tuple | None] | None = None
         self._closed = threading.Event()
         self._health: threading.Thread | None = None
 
@@ -119,8 +119,12 @@ class ReplicaPool:
         """Block until no weight update is running (at most timeout seconds); True if none is."""
         return self._no_update.wait(timeout)
 
-    def update_weights(self, version: int, path: str, timeout: float | None, requests_in_flight: Callable[[], int]) -> dict:
-        """Install `path` as `version` on every healthy replica; {version, load_ms, interrupted_requests, replicas}.
+    def update_weights(self, version: int, path: str | None, timeout: float | None, requests_in_flight: Callable[[], int],
+                       tensors: tuple[list[str], object] | None = None) -> dict:
+        """Install `path` (update_weights_from_disk), or `tensors` = (serialized_named_tensors, the shared tensors they
+        point to) through update_weights_from_tensor, as `version` on every healthy replica; {version, load_ms,
+        interrupted_requests, replicas}. The shared tensors are kept until the next update (a replica brought back
+        in is brought up to date from them).
 
         requests_in_flight() is asked once the update has the pool to itself: the engine's generations it interrupts.
         Raises ValueError when the version is not newer, WeightsRefused when it jumps past cfg.max_version_jump,
@@ -140,7 +144,7 @@ class ReplicaPool:
                 if not live:
                     raise NoHealthyReplica("no healthy SGLang replica to update")
                 with ThreadPoolExecutor(max_workers=len(live), thread_name_prefix="tars-sglang-update") as ex:
-                    results = list(ex.map(lambda r: self._update_one(r, version, path, timeout or 120.0), live))
+                    results = list(ex.map(lambda r: self._update_one(r, version, path, timeout or 120.0, tensors), live))
             finally:
                 self._updating.clear()
                 self._no_update.set()
@@ -151,7 +155,7 @@ class ReplicaPool:
             if len(errors) == len(live):
                 raise WeightLoadError(f"no replica accepted the weights: {errors[0][1]}")
             self.version = version
-            self._last_weights = (version, path)
+            self._last_weights = (version, path, tensors)
             self.stats["weight_updates"] += 1
             self.stats["interrupted"] += interrupted
             info = {"version": version, "load_ms": (time.monotonic() - t0) * 1e3, "interrupted_requests": interrupted,
@@ -160,7 +164,8 @@ class ReplicaPool:
                 log.warning("weight update %d failed on %s", version, errors)
             return info
 
-    def _update_one(self, rep: Replica, version: int, path: str, timeout: float) -> str:
+    def _update_one(self, rep: Replica, version: int, path: str | None, timeout: float,
+                    tensors: tuple[list[str], object] | None = None) -> str:
         """'' on success, else the reason. Always tries to continue generation, even after a failed load."""
         err = ""
         try:
@@ -168,10 +173,14 @@ class ReplicaPool:
             if s != 200:
                 return f"pause_generation: HTTP {s}: {r}"
             try:
-                s, r = http_json(rep.url, "/update_weights_from_disk", {"model_path": path, "weight_version": str(version),
-                                                                         "flush_cache": True, "abort_all_requests": False}, timeout=timeout)
+                common = {"weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
+                if tensors is not None:
+                    route, body = "/update_weights_from_tensor", {"serialized_named_tensors": tensors[0], "load_format": None, **common}
+                else:
+                    route, body = "/update_weights_from_disk", {"model_path": path, **common}
+                s, r = http_json(rep.url, route, body, timeout=timeout)
                 if s != 200 or not (isinstance(r, dict) and r.get("success")):
-                    err = f"update_weights_from_disk: HTTP {s}: {(r or {}).get('message') if isinstance(r, dict) else r}"
+                    err = f"{route[1:]}: HTTP {s}: {(r or {}).get('message') if isinstance(r, dict) else r}"
                 else:
                     rep.version = version
             finally:
@@ -212,7 +221,8 @@ class ReplicaPool:
                 return
             v = parse_version((info or {}).get("weight_version") if isinstance(info, dict) else None, self.base_version)
             if v != self.version and self._last_weights is not None:
-                if self._update_one(rep, *self._last_weights, self.cfg.update_timeout_s):
+                v_, path_, tensors_ = self._last_weights
+                if self._update_one(rep, v_, path_, self.cfg.update_timeout_s, tensors_):
                     return
                 v = self.version
             if v != self.version:

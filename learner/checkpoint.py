@@ -35,6 +35,7 @@ import shutil
 import torch
 
 from learner.device import to_cpu
+from learner import fsdp as F
 from learner.policy import TrainPolicy, read_weights
 
 log = logging.getLogger("tars.learner")
@@ -100,16 +101,26 @@ class Checkpointer:
         self.dir, self.old, self.tmp = paths(run)
         self.run, self.policy, self.critic, self.trainer, self.device = run, policy, critic, trainer, device
 
-    def save(self, meta: dict) -> pathlib.Path:
-        """Write the training state plus `meta` (the caller's: version, stream state, ...) and make it durable."""
+    def gather(self) -> dict:
+        """The models' and optimizers' state as one process holds it. Under learner.parallel=fsdp the shards are
+        gathered whole (learner/fsdp.py): a collective, so EVERY rank calls it, then rank 0 passes it to save(); the
+        checkpoint is the same files as a 1-process learner's and loads in one (or in several, sharded again)."""
+        state = {"policy": self.policy.hf_state_dict(), "opt": F.full_optim_state(self.trainer.opt)}
+        if self.critic is not None:
+            state.update(critic=F.full_state(self.critic), critic_opt=F.full_optim_state(self.trainer.critic_opt))
+        return state
+
+    def save(self, meta: dict, state: dict | None = None) -> pathlib.Path:
+        """Write the training state (gather()'s, or taken now: one process / data parallel) plus `meta` (the
+        caller's: version, stream state, ...) and make it durable."""
+        state = dict(state) if state is not None else self.gather()
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        self.policy.save_hf(self.tmp / "policy")
-        state = {"opt": self.trainer.opt.state_dict(), "torch_rng": torch.get_rng_state()}
+        with F.gathered(self.policy, state.pop("policy")):
+            self.policy.save_hf(self.tmp / "policy")
+        state["torch_rng"] = torch.get_rng_state()
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        if self.critic is not None:
-            state.update(critic=self.critic.state_dict(), critic_opt=self.trainer.critic_opt.state_dict())
         torch.save(to_cpu(state), self.tmp / "train_state.pt")
         meta = {"updates": self.trainer.updates, "entropy_coef": self.trainer.entropy_coef,
                 "sched": self.trainer.sched.state_dict(), **meta}
@@ -153,14 +164,14 @@ class Checkpointer:
         if not isinstance(state, dict) or "opt" not in state or "torch_rng" not in state:
             raise CheckpointError(f"{src / 'train_state.pt'} refused: not a tars training state")
         self.policy.load_weights(read_weights(src / "policy"))
-        self.trainer.opt.load_state_dict(state["opt"])
+        F.load_optim_state(self.trainer.opt, state["opt"])  # sharded again under learner.parallel=fsdp
         self.trainer.sched.load_state_dict(meta["sched"])
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         if self.critic is not None and "critic" in state:
-            self.critic.load_state_dict(critic_state(state["critic"]))
-            self.trainer.critic_opt.load_state_dict(state["critic_opt"])
+            F.load_state(self.critic, critic_state(state["critic"]))
+            F.load_optim_state(self.trainer.critic_opt, state["critic_opt"])
         self.trainer.updates = int(meta["updates"])
         self.trainer.entropy_coef = float(meta.get("entropy_coef", self.trainer.cfg.ppo.entropy_coef))
         return meta

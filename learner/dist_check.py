@@ -1,13 +1,16 @@
 """A fixed PPO run for checking data parallelism: run it directly and under `accelerate launch`, compare the output.
 
-    python -m learner.dist_check OUT.pt [steps]
-    accelerate launch --multi_gpu --num_processes 2 -m learner.dist_check OUT.pt [steps]   (CPU: gloo)
+    python -m learner.dist_check OUT.pt [steps] [ddp|fsdp] [nan_at] [kl_coef]
+    accelerate launch --multi_gpu --num_processes 2 -m learner.dist_check OUT.pt [steps] [ddp|fsdp] [nan_at] [kl_coef]
 
 (accelerate's `--cpu` flag alone starts ONE process unless mpirun is configured; `--multi_gpu` selects its
 torch.distributed launcher, and Accelerator(cpu=True) in each process then picks gloo.)
 
 Rank 0 builds the batches and broadcasts them (as the learner does with the stream's batches); every rank trains;
-rank 0 writes the final policy and critic parameters and the world size to OUT.pt.
+rank 0 writes the final policy and critic parameters (gathered whole under fsdp, learner/fsdp.py), the first
+update's figures and the world size to OUT.pt, and a checkpoint (learner/checkpoint.py) to OUT.pt's name + ".run",
+which every rank then loads into fresh models (sharded again under fsdp): "reload_diff" is how far the weights and
+optimizer state read back are from what was written.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import sys
 import numpy as np
 import torch
 
+from learner import fsdp as F
+from learner.checkpoint import Checkpointer
 from learner.distributed import from_accelerate
 from learner.policy import TrainPolicy
 from learner.ppo import PPOTrainer
@@ -44,33 +49,75 @@ def batch(seed: int, n: int = 12, max_len: int = 30) -> list[Trajectory]:
     return out
 
 
-def run(steps: int, algo: str = "ppo") -> tuple[dict, int]:
-    dist = from_accelerate(cpu=True)
+def poisoned(trajs: list[Trajectory]) -> list[Trajectory]:
+    """The batch with one trajectory's behaviour logprobs NaN: the loss of the chunk holding it (on one rank) is NaN,
+    and every rank must skip that minibatch's step, as one process does."""
+    t = trajs[5]
+    t.logprobs = np.where(t.mask, np.nan, 0).astype(np.float32)
+    return trajs
+
+
+def models(algo: str = "ppo", parallel: str = "ddp", kl_coef: float = 0.0, dist=None):
+    """The policy, critic and trainer of the check (the same initial weights everywhere)."""
     torch.manual_seed(0)
     pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2),
                                   seed=0)
     critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1) if algo == "ppo" else None
-    cfg = LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1, ppo=PPOConfig(epochs=2, minibatches=2),
-                        value_pretrain=ValuePretrainConfig(steps=1))
+    cfg = LearnerConfig(algo=algo, lr=1e-2, warmup_steps=1, ppo=PPOConfig(epochs=2, minibatches=2, kl_coef=kl_coef),
+                        value_pretrain=ValuePretrainConfig(steps=1), parallel=parallel)
     tr = PPOTrainer(pol, critic, cfg, 0, dist=dist)
     tr.chunk_tokens = 60  # several chunks per minibatch, so the ranks really split the work
+    return pol, critic, tr
+
+
+def run(steps: int, algo: str = "ppo", parallel: str = "ddp", run_dir=None, nan_at: int = -1, kl_coef: float = 0.0) -> tuple[dict, int, list, float | None, list]:
+    dist = from_accelerate(cpu=True)
+    pol, critic, tr = models(algo, parallel, kl_coef, dist)
     if critic is not None:
         tr.value_pretrain_step(dist.broadcast(batch(100) if dist.is_main else None))
-    for v in range(steps):
-        tr.step(dist.broadcast(batch(v) if dist.is_main else None), v)
-    sd = {f"policy.{k}": t.detach().clone() for k, t in pol.state_dict().items()}
+    sharded = [F.is_sharded(m) for m in (pol, critic, tr.ref) if m is not None]
+    figures = [tr.step(dist.broadcast((poisoned(batch(v)) if v == nan_at else batch(v)) if dist.is_main else None), v)
+               for v in range(steps)]
+    sd = {f"policy.{k}": t for k, t in F.full_state(pol).items()}  # every rank gathers (collective)
     if critic is not None:
-        sd.update({f"critic.{k}": t.detach().clone() for k, t in critic.state_dict().items()})
-    return sd, dist.world
+        sd.update({f"critic.{k}": t for k, t in F.full_state(critic).items()})
+    reload_diff = None
+    if run_dir is not None:
+        ck = Checkpointer(run_dir, pol, critic, tr, torch.device("cpu"))
+        state = ck.gather()  # every rank: the whole state, in the same collective order
+        if dist.is_main:
+            ck.save({"version": steps}, state)
+        dist.barrier()
+        # Resume on every rank (sharded again under fsdp): the state must come back as it was written.
+        pol2, critic2, tr2 = models(algo, parallel, kl_coef, dist)
+        Checkpointer(run_dir, pol2, critic2, tr2, torch.device("cpu")).load()
+        back = {f"policy.{k}": t for k, t in F.full_state(pol2).items()}
+        if critic2 is not None:
+            back.update({f"critic.{k}": t for k, t in F.full_state(critic2).items()})
+        opt_back = F.full_optim_state(tr2.opt)["state"]
+        opt_was = state["opt"]["state"]
+        reload_diff = float(max(
+            [float((back[k] - sd[k]).abs().max()) for k in sd]
+            + [float((opt_back[i][k] - opt_was[i][k]).abs().max()) for i in opt_was for k in opt_was[i]]))
+    return sd, dist.world, figures, reload_diff, sharded
 
 
 def main(argv: list[str]) -> int:
-    out, steps = argv[0], int(argv[1]) if len(argv) > 1 else 3
-    sd, world = run(steps)
+    import pathlib
+
     import torch.distributed as td
 
+    out, steps = argv[0], int(argv[1]) if len(argv) > 1 else 3
+    parallel = argv[2] if len(argv) > 2 else "ddp"
+    nan_at = int(argv[3]) if len(argv) > 3 else -1  # this update's batch gets a NaN behaviour logprob
+    kl_coef = float(argv[4]) if len(argv) > 4 else 0.0  # > 0: a frozen reference policy too (sharded under fsdp)
+    run_dir = pathlib.Path(out + ".run")
+    run_dir.mkdir(exist_ok=True)
+    sd, world, figures, reload_diff, sharded = run(steps, parallel=parallel, run_dir=run_dir, nan_at=nan_at, kl_coef=kl_coef)
     if not td.is_initialized() or td.get_rank() == 0:
-        torch.save({"world": world, "backend": td.get_backend() if td.is_initialized() else "", "params": sd}, out)
+        torch.save({"world": world, "backend": td.get_backend() if td.is_initialized() else "", "params": sd, "reload_diff": reload_diff, "sharded": sharded,
+                    "figures": [{k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "update_s"}
+                                for m in figures]}, out)
     if td.is_initialized():
         td.barrier()
         td.destroy_process_group()

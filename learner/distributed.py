@@ -1,7 +1,7 @@
 """Data-parallel training under `accelerate launch`: same parameters as one process on the same data.
 
     accelerate launch --num_processes 2 --cpu -m tars.cli learner ...      (gloo on the CPU)
-    accelerate launch --num_processes 8 -m tars.cli learner ...            (nccl; see docs/learner.md for FSDP)
+    accelerate launch --num_processes 8 -m tars.cli learner ...            (nccl; --set learner.parallel=fsdp: learner/fsdp.py)
 
 Rank 0 owns everything that talks to the outside (the stream, the control server, publishing, checkpoints); it
 broadcasts each batch to the other ranks. Every rank then computes the whole-batch quantities (proximal logprobs,

@@ -12,6 +12,7 @@ its ControlService (learner/control.py).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import pathlib
@@ -33,6 +34,7 @@ from learner.checkpoint import CheckpointError, Checkpointer, locate
 from learner.control import CONTROL_HOST, learner_control, serve_control
 from learner.device import describe, resolve_device, resolve_precision
 from learner.distributed import Dist, from_accelerate
+from learner.fsdp import gathered
 from learner.policy import TrainPolicy
 from learner.ppo import PPOTrainer
 from learner.publish import Publisher, export
@@ -40,6 +42,10 @@ from learner.staleness import StalenessManager
 from learner.update import Updater, batch_figures, record_staleness
 
 log = logging.getLogger("tars.learner")
+
+# What rank 0 broadcasts besides a batch (and None: stop) under learner.parallel=fsdp: "gather the sharded state with
+# me now", before it publishes / exports the policy or writes a checkpoint (learner/fsdp.py).
+GATHER_POLICY, GATHER_CHECKPOINT = "gather:policy", "gather:checkpoint"
 
 
 class Learner:
@@ -73,6 +79,9 @@ class Learner:
         log.info("learner trains on %s", describe(self.device, self.amp_dtype))
         self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id, dist=self.dist,
                                   amp_dtype=self.amp_dtype)
+        if self.trainer.fsdp:
+            log.info("learner.parallel=fsdp: policy%s sharded over %d ranks (FSDP2)",
+                     " and critic" if self.critic is not None else "", self.dist.world)
         self.updater = Updater(self.trainer, self.lcfg)
         self.version = 0
         self.staleness = StalenessManager(self.lcfg.batch_size, self.lcfg.staleness.eta,
@@ -94,6 +103,7 @@ class Learner:
             credits=s.credits, queue_size=max(s.queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=s.max_frame_bytes, consumed_ids=consumed, ack_interval_s=s.ack_interval_s,
             fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability,
+            wal_writer=s.wal_writer,
             vocab_size=self.policy.config.vocab_size)  # token ids outside the model's vocabulary are NACKed
         self.counters = collections.Counter()
         self.publisher = Publisher(self.policy, self.run, inference, cfg.inference.auth_token, self.lcfg.publish,
@@ -138,7 +148,7 @@ class Learner:
     def train(self) -> None:
         self.trained_log.write(json.dumps({"resume": self.version, "t": time.time()}) + "\n")
         self.staleness.set_version(self.version)
-        self.publisher.publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
+        self._publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
         while not self.stop.is_set() and self.version < self.cfg.max_versions:
             batch = self.admission.collect(self.lcfg.batch_size, self.version, self.stop, on_idle=self._idle)
             if batch is None:
@@ -150,7 +160,7 @@ class Learner:
                 m = self._update(self.dist.broadcast(batch))
                 record_staleness(batch, self.version, self.staleness, self.staleness_hist)
                 self.version += 1
-                publish_s = self.publisher.publish(self.version)
+                publish_s = self._publish(self.version)
                 self.staleness.set_version(self.version)
                 self.receiver.mark_consumed(tr.id for tr in batch)
                 rec = {"version": self.version, "ids": [tr.id for tr in batch], "masked": self.admission.take_masked()}
@@ -169,17 +179,31 @@ class Learner:
             self.step_hist.record(m["step_s"])
             if self.version % self.lcfg.checkpoint.every == 0 or self.checkpoint_requested.is_set():
                 self.checkpoint()
-        self.dist.broadcast(None)  # the other ranks stop too
-        self.checkpoint()
-        # Masked after the last update: covered by the final checkpoint, so recorded as a partial next version.
-        self.trained_log.write(json.dumps({"version": self.version + 1, "ids": [], "partial": True,
-                                           "masked": self.admission.take_masked()}) + "\n")
-        try:
-            export(self.policy, self.model_dir, self.run / "final")
-        except OSError as e:  # a full disk, an unwritable or occupied path: said plainly, and the learner fails
-            log.error("final export to %s failed: %s", self.run / "final", e)
-            raise
-        log.info("exported the final policy to %s", self.run / "final")
+        try:  # (under fsdp the other ranks gather with the final checkpoint and export, then stop)
+            self.checkpoint()
+            # Masked after the last update: covered by the final checkpoint, so recorded as a partial next version.
+            self.trained_log.write(json.dumps({"version": self.version + 1, "ids": [], "partial": True,
+                                               "masked": self.admission.take_masked()}) + "\n")
+            try:
+                with self._gathered_policy():
+                    export(self.policy, self.model_dir, self.run / "final")
+            except OSError as e:  # a full disk, an unwritable or occupied path: said plainly, and the learner fails
+                log.error("final export to %s failed: %s", self.run / "final", e)
+                raise
+            log.info("exported the final policy to %s", self.run / "final")
+        finally:
+            self.dist.broadcast(None)  # the other ranks stop too
+
+    def _gathered_policy(self):
+        """Where rank 0 writes the policy: under fsdp the other ranks gather its shards with it (collective)."""
+        if not self.trainer.fsdp:
+            return contextlib.nullcontext()
+        self.dist.broadcast(GATHER_POLICY)
+        return gathered(self.policy)
+
+    def _publish(self, version: int) -> float:
+        with self._gathered_policy():
+            return self.publisher.publish(version)
 
     def _idle(self) -> None:
         """No arrival for a poll interval (actors paused, say): a checkpoint asked for meanwhile is taken now."""
@@ -195,6 +219,13 @@ class Learner:
             batch = self.dist.broadcast(None)
             if batch is None:
                 return
+            if batch == GATHER_POLICY:  # learner.parallel=fsdp: rank 0 publishes, exports or checkpoints
+                with gathered(self.policy):
+                    pass
+                continue
+            if batch == GATHER_CHECKPOINT:
+                self.checkpointer.gather()
+                continue
             self._update(batch)
             self.version += 1
 
@@ -203,7 +234,11 @@ class Learner:
         self.checkpoint_requested.clear()
         meta = {"version": self.version, "value_pretrain_left": self.updater.value_pretrain_left,
                 "staleness": self.staleness.state_dict(), **self.receiver.checkpoint_state(), "t": time.time()}
-        path = self.checkpointer.save(meta)
+        state = None
+        if self.trainer.fsdp:  # the other ranks gather the sharded models and optimizers with rank 0
+            self.dist.broadcast(GATHER_CHECKPOINT)
+            state = self.checkpointer.gather()
+        path = self.checkpointer.save(meta, state)
         self.receiver.compact_wal()
         self.receiver.commit(frozenset(meta["consumed_ids"]))  # checkpoint durability: actors may now forget these
         self.last_checkpoint = {"version": self.version, "t": meta["t"], "path": str(path)}

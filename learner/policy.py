@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from core.model import DecoderConfig
 from core.vision import PatchEmbed, VisionConfig
+from learner.fsdp import full, like
 
 log = logging.getLogger("tars.learner")
 
@@ -360,15 +361,17 @@ class TrainPolicy(nn.Module):
     # ---- HF layout ---------------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameter names as in the checkpoint (model.layers.0.self_attn.q_proj.weight, ...): no lm_head.weight
-        when the embeddings are tied, no value head; vision.proj.* when the model has the vision module."""
-        sd = {k: v.detach().contiguous() for k, v in self.lm.state_dict().items()}
+        when the embeddings are tied, no value head; vision.proj.* with the vision module. Sharded: gathered whole."""
+        if getattr(self, "_gathered", None) is not None:
+            return self._gathered
+        sd = {k: full(v).detach().contiguous() for k, v in self.lm.state_dict().items()}
         if self.vl is not None:  # transformers' in-memory names -> the checkpoint's
             names = self.checkpoint_names()
             sd = {names[k]: v for k, v in sd.items()}
         if self.lm.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         if self.vision is not None:
-            sd.update({f"vision.{k}": v.detach().contiguous() for k, v in self.vision.state_dict().items()})
+            sd.update({f"vision.{k}": full(v).detach().contiguous() for k, v in self.vision.state_dict().items()})
         return sd
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
@@ -382,8 +385,8 @@ class TrainPolicy(nn.Module):
             raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
         with torch.no_grad():
-            for k, v in sd.items():
-                own[k].copy_(v.to(own[k].dtype))
+            for k, v in sd.items():  # (a sharded parameter takes its shard of the whole tensor)
+                own[k].copy_(like(own[k], v.to(own[k].dtype)))
 
     def _hf_tensors(self) -> dict[str, torch.Tensor]:
         """HF name -> the parameter (or persistent buffer) itself, for the names hf_state_dict writes."""

@@ -23,6 +23,7 @@ from learner.batch import Batch, at, bootstrap_values, collate, length_chunks, p
 from learner.correction import importance_weight, needs_prox, policy_loss
 from learner.device import autocast
 from learner.distributed import Dist
+from learner import fsdp as F
 from learner.policy import TrainPolicy
 from core.config import LearnerConfig
 from core.schema import Trajectory
@@ -53,15 +54,22 @@ class PPOTrainer:
         self.amp_dtype = amp_dtype
         # Data parallel (learner/distributed.py): each rank backprops its share of the chunks, gradients summed.
         self.dist = dist if dist is not None else Dist()
+        self.ref = None
+        if cfg.ppo.kl_coef > 0:  # a frozen copy of the starting policy
+            self.ref = copy.deepcopy(policy).eval().requires_grad_(False)
+        # learner.parallel=fsdp on several ranks (learner/fsdp.py): the models are sharded in place before the
+        # optimizers are built on their (sharded) parameters; FSDP reduces the gradients, not allreduce_grads.
+        self.fsdp = cfg.parallel == "fsdp" and self.dist.world > 1
+        if self.fsdp:
+            for model in (policy, critic, self.ref):
+                if model is not None:
+                    F.shard(model, self.dist.world, self.device)
         # Frozen parameters (model.freeze_vision: the vision tower) are not in the optimisers.
         self.opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps))
         self.critic_opt = None
         if critic is not None:
             self.critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic_lr, betas=(0.9, 0.99))
-        self.ref = None
-        if cfg.ppo.kl_coef > 0:  # a frozen copy of the starting policy
-            self.ref = copy.deepcopy(policy).eval().requires_grad_(False)
         self.updates = 0
         self.entropy_coef = cfg.ppo.entropy_coef  # adapted after each update when cfg.ppo.target_entropy > 0
         self.chunk_tokens = 4096  # padded tokens per forward chunk
@@ -69,6 +77,22 @@ class PPOTrainer:
         # forward, so pi_prox is that forward's logprobs (detached) and the critic's values its own forward's;
         # the two no-grad passes are skipped (a quarter of the update's compute). Same gradients, tested.
         self.fuse_single_pass = True
+
+    def _my_chunks(self, chunks: list) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's chunks, each with whether it counts. Under FSDP every rank must run as many forward / backward
+        calls as the others (each one all-gathers and reduce-scatters): a rank short of one runs a chunk again with
+        weight 0 (its gradient adds nothing, its figures are not counted)."""
+        mine = [(c, True) for c in self.dist.shard(chunks)]
+        if self.fsdp and chunks:
+            mine += [(chunks[0], False)] * (-(-len(chunks) // self.dist.world) - len(mine))
+        return mine
+
+    def _reduce_and_clip(self, model) -> float:
+        """The gradients of `model` summed over the ranks (by hand, or FSDP's reduce-scatter already did), clipped to
+        learner.grad_clip by their global norm -> that norm (the same on every rank)."""
+        if not self.fsdp:
+            self.dist.allreduce_grads(model.parameters())
+        return float(F.full(torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip)))
 
     # ---- advantages ----------------------------------------------------------------------------------------
     def advantages(self, b: Batch, values: torch.Tensor | None, prox: torch.Tensor | None):
@@ -181,11 +205,11 @@ class PPOTrainer:
                     sums["kl_ref"] = 0.0
                 # Length-bucketed chunks with gradient accumulation: the same gradient as one padded batch
                 # (each chunk's token-mean loss weighted by its share of the minibatch's tokens), less padding.
-                for c in self.dist.shard(length_chunks(lengths, idx, self.chunk_tokens)):
+                for c, counts in self._my_chunks(length_chunks(lengths, idx, self.chunk_tokens)):
                     T = int(lengths[c].max())
                     c = c.to(dev)
                     tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
-                    w = float(msk.sum()) / n_tok
+                    w = float(msk.sum()) / n_tok if counts else 0.0
                     # Forward passes under autocast (bf16 when asked); the loss below is fp32 math on fp32 logprobs.
                     with autocast(dev, amp):
                         logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True, vl=b.vl(c))
@@ -194,10 +218,10 @@ class PPOTrainer:
                     p_prox = None  # tis and none use no proximal policy
                     if prox is not None:
                         p_prox = at(prox[c, :T], msk)
-                    elif fused:  # one pass: this forward's weights are the weights before the update
+                    elif fused and counts:  # one pass: this forward's weights are the weights before the update
                         p_prox = logp.detach()
                         kl_sum += float(A.kl_k1(behav, p_prox).sum())
-                    if epoch == 0:  # vs pi_prox where there is one; tis and none: this first-epoch forward's
+                    if epoch == 0 and counts:  # vs pi_prox where there is one; tis and none: this first-epoch forward's
                         ratio, weight = importance_weight(cfg, logp.detach() if p_prox is None else p_prox, behav)
                         iw_sums[0] += float(ratio.sum())
                         iw_sums[1] += float(weight.sum())
@@ -209,26 +233,26 @@ class PPOTrainer:
                             ref = self.ref.logprobs_at(tok, val, msk, vl=b.vl(c))
                         kl = A.kl_k3(logp, ref)
                         loss = loss + cfg.ppo.kl_coef * kl.mean()
-                        sums["kl_ref"] = sums.get("kl_ref", 0.0) + w * float(kl.detach().mean())
+                        if counts:
+                            sums["kl_ref"] = sums.get("kl_ref", 0.0) + w * float(kl.detach().mean())
                     (loss * w).backward()
-                    with torch.no_grad():
+                    if counts:
                         sums["clipfrac"] += w * float(cut.float().mean())
                         sums["pg_loss"] += w * float(loss.detach())
-                        sums["entropy"] += w * float(ent.mean())
+                        sums["entropy"] += w * float(ent.detach().mean())
                     if self.critic is not None and not fused:
                         with autocast(dev, amp):
                             v = self.critic.values_at(tok, val, msk, vl=b.vl(c))
                         vl = A.clipped_value_loss(v.float(), at(values[c, :T], msk), at(targets[c, :T], msk), ones, cfg.ppo.value_clip)
                         (vl * w).backward()
-                        sums["v_loss"] += w * float(vl.detach())
-                self.dist.allreduce_grads(self.policy.parameters())
-                if self.critic is not None:
-                    self.dist.allreduce_grads(self.critic.parameters())
-                gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
-                cgn = (torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.grad_clip)
-                       if self.critic is not None else None)
-                totals = self.dist.sum_floats(list(sums.values()))  # metrics of the whole minibatch (every rank)
-                if not all_finite(*totals, gn, cgn):
+                        if counts:
+                            sums["v_loss"] += w * float(vl.detach())
+                gn = self._reduce_and_clip(self.policy)
+                cgn = self._reduce_and_clip(self.critic) if self.critic is not None else None
+                # Metrics of the whole minibatch, and whether any rank saw a non-finite figure: one collective, so
+                # every rank decides the same way whether to step.
+                *totals, bad = self.dist.sum_floats(list(sums.values()) + [float(not all_finite(*sums.values(), gn, cgn))])
+                if bad or not all_finite(*totals, gn, cgn):
                     # A NaN / inf loss or gradient (policy or critic): neither optimiser steps, or it would sit in the
                     # weights and Adam's moments for good and every later update would be NaN too.
                     nonfinite += 1
@@ -275,20 +299,20 @@ class PPOTrainer:
         n_tok = float(b.mask.sum().clamp(min=1))
         self.critic_opt.zero_grad(set_to_none=True)
         total = 0.0
-        for c in self.dist.shard(chunks):
+        for c, counts in self._my_chunks(chunks):
             T = int(lengths[c].max())
             c = c.to(self.device)
             tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
             with autocast(self.device, self.amp_dtype):
                 v = self.critic.values_at(tok, val, msk, vl=b.vl(c)).float()
             vl = 0.5 * ((v - at(targets[c, :T], msk)) ** 2).mean()
-            w = float(msk.sum()) / n_tok
+            w = float(msk.sum()) / n_tok if counts else 0.0
             (vl * w).backward()
-            total += w * float(vl.detach())
-        (total,) = self.dist.sum_floats([total])
-        self.dist.allreduce_grads(self.critic.parameters())
-        gn = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
-        finite = all_finite(total, gn)
+            if counts:
+                total += w * float(vl.detach())
+        gn = self._reduce_and_clip(self.critic)
+        total, bad = self.dist.sum_floats([total, float(not all_finite(total, gn))])
+        finite = not bad and all_finite(total, gn)
         if finite:  # a non-finite loss or gradient would stay in the critic for good
             self.critic_opt.step()
         return {"v_loss": total, "explained_variance": float(A.explained_variance(old, targets, b.mask)),

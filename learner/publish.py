@@ -1,7 +1,16 @@
-"""Weight publishing: each new policy version goes to disk in HF layout and to every inference server.
+"""Weight publishing: each new policy version goes to every inference server, and to disk in HF layout.
 
-weights/v{version} is written to a temporary name and renamed (a server never loads half a version), every server is
-told to load it (UpdateWeights), and all but the last `learner.publish.keep_versions` versions are pruned. Each
+learner.publish.mode picks how the weights reach the servers (see docs/benchmarks.md for the measured cost):
+- shm: the state dict is written once into a segment in /dev/shm (core/weights_shm.py) and every server is told
+  its name (UpdateWeights.shm); the server maps it, checks and installs, and the segment is unlinked here when all
+  have answered. Same host only. Segments are named per run; a learner removes its run's leftovers when it starts.
+  A segment that cannot be written (/dev/shm full) sends that version by disk (counted: publish_shm_fallbacks).
+- stream: UpdateWeightsStream, raw tensor pieces over gRPC (core/weights_stream.py): no shared disk or memory needed.
+- disk: weights/v{version} is written (temporary name, then a rename: a server never loads half a version) and
+  every server is told its path.
+- auto: shm when every server address is loopback and /dev/shm is writable, else disk.
+Whatever the mode, weights/v{version} is written (after the servers answered in the memory modes) because a
+restarted server loads the newest one, and all but the last `learner.publish.keep_versions` are pruned. Each
 version carries the starting model directory's tokenizer files (core.chat.copy_tokenizer_files), so it is a model
 directory of its own, as is the final export.
 """
@@ -13,7 +22,8 @@ import pathlib
 import shutil
 import time
 
-from core import rpc
+from core import auth, rpc, weights_shm
+from core.weights_stream import chunks
 from core.config_learner import PublishConfig
 from core.v1 import inference_pb2, inference_pb2_grpc
 from learner.policy import TrainPolicy
@@ -45,8 +55,16 @@ def publish_weights(policy: TrainPolicy, wdir: pathlib.Path, version: int, stubs
     return time.perf_counter() - t0
 
 
+def _disk_mode_reason(inference: list[str]) -> str:
+    """Why auto mode cannot use shared memory with these servers ("" when it can)."""
+    if not weights_shm.available():
+        return f"{weights_shm.SHM_DIR} is not writable"
+    far = [a for a in inference if not auth.is_loopback(a.rsplit(":", 1)[0].strip("[]"))]
+    return f"servers not on loopback: {far[:3]}" if far else ""
+
+
 class Publisher:
-    """The learner's publisher: its policy, run_dir/weights and one stub per inference server."""
+    """The learner's publisher: its policy, run_dir/weights, one stub per inference server and the publish mode."""
 
     def __init__(self, policy: TrainPolicy, run: pathlib.Path, inference: list[str], auth_token: str, cfg: PublishConfig,
                  counters: collections.Counter, tokenizer_from: pathlib.Path | None = None):
@@ -54,13 +72,62 @@ class Publisher:
         self.tokenizer_from = tokenizer_from
         self.stubs = [inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(a, auth_token, MAX_MESSAGE_BYTES))
                       for a in inference]
+        self.mode = cfg.mode
+        if self.mode == "auto":
+            why = _disk_mode_reason(inference)
+            self.mode = "disk" if why else "shm"
+            if why:
+                log.info("learner.publish.mode=auto: disk (%s)", why)
+        self.shm_prefix = weights_shm.run_prefix(run)
+        if self.mode == "shm" or weights_shm.available():
+            gone = weights_shm.clean_stale(self.shm_prefix)  # a learner killed mid-publish left these
+            if gone:
+                log.warning("removed %d stale weight segments of this run: %s", len(gone), gone[:3])
 
     def publish(self, version: int) -> float:
-        """Write weights/v{version} atomically and tell every inference server to load it; seconds taken."""
+        """Bring every inference server to `version` (self.mode) and write weights/v{version}; seconds until the
+        last server answered (it serves the new weights then)."""
         if version == 0:
             return 0.0  # the servers started from model_dir at version 0
-        return publish_weights(self.policy, self.wdir, version, self.stubs, self.cfg.keep_versions, self.counters,
-                               self.cfg.timeout_s, self.tokenizer_from)
+        if self.mode == "disk":
+            return publish_weights(self.policy, self.wdir, version, self.stubs, self.cfg.keep_versions, self.counters,
+                                   self.cfg.timeout_s, self.tokenizer_from)
+        t0 = time.perf_counter()
+        sd = self.policy.hf_state_dict()
+        name = ""
+        if self.mode == "shm":
+            try:
+                name = weights_shm.write_segment(self.shm_prefix, version, sd)
+            except OSError as e:  # /dev/shm full or gone: this version goes by disk, as the fallback
+                self.counters["publish_shm_fallbacks"] += 1
+                log.warning("publish v%d: cannot write the shared-memory segment (%s); publishing from disk", version, e)
+                return publish_weights(self.policy, self.wdir, version, self.stubs, self.cfg.keep_versions,
+                                       self.counters, self.cfg.timeout_s, self.tokenizer_from)
+        try:
+            if name:
+                req = inference_pb2.UpdateWeightsRequest(version=version, shm=name)
+                calls = [stub.UpdateWeights.future(req, timeout=self.cfg.timeout_s) for stub in self.stubs]
+            else:
+                calls = [stub.UpdateWeightsStream.future(chunks(version, sd), timeout=self.cfg.timeout_s) for stub in self.stubs]
+            done: list[float] = []
+            for c in calls:
+                c.add_done_callback(lambda _c: done.append(time.perf_counter()))
+            # the copy a restarted server loads (tars/topology.py relaunch), written while the servers install
+            publish_weights(self.policy, self.wdir, version, [], self.cfg.keep_versions, None, self.cfg.timeout_s,
+                            self.tokenizer_from)
+            for c in calls:
+                try:
+                    c.result(timeout=self.cfg.timeout_s + 5.0)  # the call has its own deadline too
+                except Exception as e:  # as in publish_weights: a dead replica must not stop training
+                    self.counters["publish_failures"] += 1
+                    log.warning("publish v%d (%s) failed: %s", version, self.mode, e)
+        finally:
+            if name:
+                weights_shm.unlink(name)
+        deadline = time.perf_counter() + 1.0  # done callbacks may trail result() by a moment
+        while len(done) < len(calls) and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        return (max(done) if done else time.perf_counter()) - t0
 
 
 def export(policy: TrainPolicy, model_dir: pathlib.Path, path: pathlib.Path) -> None:

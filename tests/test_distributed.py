@@ -50,8 +50,10 @@ def test_one_rank_shares_are_disjoint_and_cover_everything():
 
 
 @pytest.mark.slow
-def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
-    """The real learner process under `accelerate launch` (rank 0 streams, rank 1 follows) trains and exits."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path, parallel):
+    """The real learner process under `accelerate launch` (rank 0 streams, rank 1 follows) trains and exits; under
+    learner.parallel=fsdp rank 1 gathers its shards with rank 0 for each published version, checkpoint and export."""
     import asyncio
     import json
 
@@ -67,7 +69,8 @@ def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tars.cli", "learner",
            "--run-dir", str(run), "--model", str(tmp_path / "model"), "--set", "learner.batch_size=8",
            "--set", f"learner.stream.port={port}", "--set", "learner.staleness.max_lag=100000", "--set", "max_versions=4",
-           "--set", "learner.group.size=1", "--ready-file", str(tmp_path / "ready")]
+           "--set", "learner.group.size=1", "--set", f"learner.parallel={parallel}", "--set", "learner.checkpoint.every=2",
+           "--ready-file", str(tmp_path / "ready")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen(cmd, env=env, stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -87,6 +90,24 @@ def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path):
         if p.poll() is None:
             os.killpg(p.pid, 9)
             p.wait(10)
+    assert ("sharded over 2 ranks (FSDP2)" in (tmp_path / "out.log").read_text()) == (parallel == "fsdp")
     lines = [json.loads(x) for x in (run / "learner.jsonl").read_text().splitlines()]
     assert [x["version"] for x in lines] == [1, 2, 3, 4]
     assert sorted(t for x in lines for t in x["ids"]) == sorted(f"t{i}" for i in range(32))
+    # What rank 0 wrote is whole: the last published version and the final export equal the checkpoint's policy,
+    # which a one-process learner loads.
+    from learner.checkpoint import Checkpointer
+    from learner.policy import TrainPolicy, read_weights
+    from learner.ppo import PPOTrainer
+    from core.config import LearnerConfig
+
+    final, last = read_weights(run / "final"), read_weights(sorted((run / "weights").glob("v*"))[-1])
+    start = read_weights(tmp_path / "model")
+    assert final.keys() == last.keys() == start.keys()
+    assert all(torch.equal(final[k], last[k]) for k in final)
+    assert any(not torch.equal(final[k], start[k]) for k in final)  # trained
+    pol = TrainPolicy.load(tmp_path / "model")
+    critic = TrainPolicy.critic_from(pol)
+    meta = Checkpointer(run, pol, critic, PPOTrainer(pol, critic, LearnerConfig(), 0), torch.device("cpu")).load()
+    assert meta["version"] == 4
+    assert all(torch.equal(v, final[k]) for k, v in pol.hf_state_dict().items())

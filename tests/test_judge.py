@@ -14,6 +14,7 @@ from core.config import InferenceConfig
 from core.model import CausalLM, DecoderConfig
 from core.outcome import Fault
 from core.vision import VisionConfig
+from envd.base import Env
 from test_episode import TOK, answer, stack
 
 
@@ -130,3 +131,158 @@ def test_real_local_engine_with_a_vision_model_judges_with_screenshots():
         assert tr.judge["verdict"] in ("yes", "no") or tr.judge["verdict"].startswith("score=")
     assert eng.stats["requests"] == 4                    # three policy turns + one judge call
     assert eng.stats["images"] == 3 + 4                  # one per policy turn; the judge: 3 turns + the final screen
+
+
+# ---- a vision-language checkpoint (Qwen2.5-VL): the judge's runs are sized and framed as the actor's turns -------
+VL_SIZES = [(56, 56), (112, 56), (84, 112), (200, 120), (320, 200), (140, 140)]   # six screenshots, six pad counts
+
+
+def _png(w: int, h: int, k: int) -> bytes:
+    import numpy as np
+
+    from envd.png import encode_png
+
+    f = np.zeros((h, w, 3), np.uint8)
+    f[:, (k * 13) % w] = (255, 64 + k, 7)
+    return encode_png(f)
+
+
+class SizesEnv(Env):
+    """A screen whose screenshot has another size at every step (VL_SIZES in turn); any action is accepted."""
+
+    def __init__(self, name, options):
+        self.steps = 0
+
+    def _obs(self):
+        from envd.base import Outcome as O, Screenshot, StepResult
+
+        w, h = VL_SIZES[self.steps % len(VL_SIZES)]
+        return StepResult(text=f"step {self.steps}", instruction="look around", reward=0.25, outcome=O.RUNNING,
+                          images=[Screenshot(_png(w, h, self.steps), width=w, height=h)], width=w, height=h,
+                          step=self.steps)
+
+    def reset(self, seed, options):
+        self.steps = 0
+        return self._obs()
+
+    def step(self, action):
+        self.steps += 1
+        return self._obs()
+
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    from tests.hf_dirs import make_vl_checkpoint
+
+    d = tmp_path_factory.mktemp("judge-vl")
+    make_vl_checkpoint(d, max_pixels=64 * 28 * 28, min_pixels=4 * 28 * 28)
+    return d
+
+
+@pytest.fixture(scope="module")
+def vl_tok(vl_dir):
+    from core.chat import ChatTokenizer
+
+    return ChatTokenizer.load(vl_dir)
+
+
+def _vl_steps():
+    shots = [_png(w, h, k) for k, (w, h) in enumerate(VL_SIZES)]
+    return [J.Step(f"screen {i}", "wait()", shots[i]) for i in range(5)], shots
+
+
+def _check_vl_request(tok, spec, ids, imgs, want):
+    """The judge request fits the engine's binding rule: its images are `want`, every framed run's pad count is
+    spec.image_tokens of its own image, and there is no other run."""
+    from core.vlm import bind_runs, png_size
+
+    assert imgs == want
+    sizes = [png_size(b) for b in imgs]
+    runs = bind_runs(ids, sizes, spec)                 # ValueError if a run does not fit its image
+    assert [e - s for s, e in runs] == [spec.image_tokens(w, h) for w, h in sizes]
+    assert ids.count(tok.vision_start_id) == ids.count(tok.vision_end_id) == len(want)
+
+
+def test_vl_judge_prompt_sizes_each_run_for_its_own_screenshot(vl_tok):
+    from actor.uitars import resolve
+    from core.config import ActorConfig
+
+    vis = resolve(ActorConfig(), vl_tok)
+    steps, shots = _vl_steps()
+    ids, imgs = J.judge_prompt(vl_tok, "look", steps, "final", shots[5], 5, 16, vis)
+    _check_vl_request(vl_tok, vis.spec, ids, imgs, shots[1:])
+    assert len({vis.tokens(b) for b in imgs}) > 1      # the sizes differ, so one fixed count could not fit them all
+    text = vl_tok.decode(ids)
+    assert "Task: look" in text and "Step 5: Screen: screen 4" in text and J.QUESTION in text
+    # an unreadable screenshot is a judge error with a clear message, not a crash
+    bad = [*steps[:4], J.Step("s", "wait()", b"\x89PNG not really")]
+    with pytest.raises(ValueError, match="not a readable"):
+        J.judge_prompt(vl_tok, "look", bad, "final", shots[5], 5, 16, vis)
+
+
+def test_vl_episode_judge_request_binds_the_last_five_screenshots(vl_tok):
+    """A whole episode on a VL checkpoint (scripted engine): 5 turns on screens of 5 sizes + a final one; the judge's
+    request carries the last 5 of those 6 screenshots, each run sized for its image, and its YES is the verdict."""
+    from envd import registry
+    from test_episode_vl import stack as vl_stack
+
+    spec_ids = []
+
+    def respond(ids, imgs):
+        judge = J.QUESTION in vl_tok.decode(ids)
+        spec_ids.append((judge, list(ids), [bytes(b) for b in imgs]))
+        return vl_tok.answer("YES" if judge else "wait()")
+
+    registry.register("judgesizes", SizesEnv, ["screen"])
+    try:
+        async def main():
+            async with vl_stack(vl_tok, ScriptedEngine(respond, vl_tok.vocab_size), max_turns=5,
+                                judge_mode="replace", judge_images=5) as (ctx, env):
+                return ctx, await run_episode(ctx, env, "judged-vl-01", "judgesizes/screen", 1, 0)
+
+        ctx, tr = asyncio.run(main())
+    finally:
+        registry.unregister("judgesizes")
+    judged = [(ids, imgs) for j, ids, imgs in spec_ids if j]
+    assert len(judged) == 1 and len(spec_ids) == 6
+    assert tr.judge["verdict"] == "yes" and tr.outcome == "truncated"
+    shots = [imgs[-1] for j, _, imgs in spec_ids if not j]   # the screenshot each policy turn was shown
+    from core.vlm import png_size
+
+    assert [png_size(b) for b in shots] == VL_SIZES[:5]
+    ids, imgs = judged[0]
+    assert png_size(imgs[-1]) == VL_SIZES[5]          # the final screen, never shown to the policy
+    _check_vl_request(vl_tok, ctx.vision.spec, ids, imgs, shots[1:] + [imgs[-1]])
+
+
+def test_vl_judge_request_is_accepted_by_the_real_local_engine(vl_dir, vl_tok):
+    """J.ask (resolving the actor's Vision from the tokenizer's checkpoint) through a real InferenceServer over
+    LocalEngine(cfg, VL_DIR): the engine binds the 5 images to the prompt's 5 runs and answers; an untrained model's
+    answer is noise, so it either parses or is an unparseable-verdict error, never a refused request."""
+    from core.config import ActorConfig
+    from inference_server.server import InferenceServer
+
+    eng = LocalEngine(InferenceConfig(max_context=4096), str(vl_dir))
+    cfg = ActorConfig(judge_max_new_tokens=4, rpc_timeout_s=30.0)
+    steps, shots = _vl_steps()
+
+    async def main():
+        srv = InferenceServer(InferenceConfig(host="127.0.0.1", port=0), eng)
+        await srv.start()
+        infer = InferenceClient([srv.address], timeout_s=30.0, retries=1)
+        try:
+            return await J.ask(infer, vl_tok, cfg, "vl-judge", "look", steps, "final", shots[5])
+        except J.JudgeError as e:
+            return e
+        finally:
+            await infer.close()
+            await srv.stop(0.5)
+            eng.close()
+
+    out = asyncio.run(main())
+    if isinstance(out, J.JudgeError):
+        assert "unparseable" in str(out), out                # not "judge inference failed: INVALID_ARGUMENT"
+    else:
+        assert out.verdict in ("yes", "no") or out.verdict.startswith("score=")
+    assert eng.stats["requests"] == 1 and eng.stats["images"] == 5

@@ -277,3 +277,22 @@ def test_published_configs_are_accepted_with_transformers_rope(tmp_path, conf):
     else:
         ref = ROPE_INIT_FUNCTIONS[kind](hc)[0]
     assert torch.equal(rope_inv_freq(c), ref)  # bit for bit
+
+
+def test_load_hf_builds_on_meta_and_keeps_ties_and_the_value_head(tmp_path):
+    """load_hf builds the modules without memory and fills them from the checkpoint: tied embeddings stay one tensor
+    (the checkpoint has no lm_head), a saved value head comes back, and without one the new head is a real one."""
+    c = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    src = CausalLM(c, value_head=True).init_weights(3, std=0.1)
+    src.save_hf(tmp_path / "vh")
+    m = CausalLM.load_hf(tmp_path / "vh", value_head=True)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert not [k for k, t in m.state_dict().items() if t.is_meta]
+    for k, v in src.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v), k
+    (tmp_path / "vh" / "value_head.safetensors").unlink()
+    fresh = CausalLM.load_hf(tmp_path / "vh", value_head=True)
+    assert not fresh.score.weight.is_meta and torch.isfinite(fresh.score.weight).all()
+    x = torch.tensor([[1, 5, 9, 2]])
+    assert torch.equal(fresh(x)[0], src(x)[0])

@@ -283,3 +283,57 @@ def test_tars_serve_a_vl_checkpoint(vl, tmp_path):
         log.close()
     assert list(r.output_ids) == want
     assert max(abs(a - b) for a, b in zip(r.logprobs, want_lp)) < 1e-4
+
+
+# ---- loading: modules built on the meta device, every tensor from the checkpoint ----------------------------------
+@pytest.mark.parametrize("name", ["visual.blocks.0.mlp.down_proj.weight", "visual.merger.mlp.0.bias",
+                                  "model.layers.1.self_attn.q_proj.bias", "lm_head.weight"])
+def test_a_checkpoint_without_one_tensor_is_refused_naming_it(vl, tmp_path, name):
+    """A tensor removed from model.safetensors is a WeightsMismatch naming it (and the directory), never a model
+    with that tensor left uninitialised (the modules are built without memory before the weights load)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from core.model import WeightsMismatch
+
+    d = tmp_path / "ck"
+    shutil.copytree(vl[0], d)
+    sd = load_file(str(d / "model.safetensors"))
+    if name.startswith("visual.") and vl[2].model_type == "qwen2_vl":
+        name = name.replace("down_proj", "fc2")   # Qwen2-VL's vision MLP is fc1 / fc2
+    assert name in sd, sorted(sd)[:20]
+    del sd[name]
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightsMismatch, match=rf"{d}: weights do not match the config: 1 missing \['{name}'\]"):
+        CausalLM.load_hf(d)
+
+
+def test_loading_draws_no_random_numbers_and_computes_the_vision_buffers(vl):
+    """load_hf initialises nothing at random (no normal_/uniform_ on a tensor with memory: the modules are built on
+    the meta device), leaves no tensor on meta, and computes the vision tower's rotary buffers as transformers does."""
+    from torch.overrides import TorchFunctionMode
+
+    class Draws(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.drawn = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            t = args[0] if args else (kwargs or {}).get("tensor")   # torch.nn.init's take it by keyword
+            if name.endswith(("normal_", "uniform_")) and isinstance(t, torch.Tensor) and not t.is_meta:
+                self.drawn += t.numel()
+            return func(*args, **(kwargs or {}))
+
+    d, ref, spec, _ = vl
+    with Draws() as mode:
+        m = CausalLM.load_hf(d)
+    assert mode.drawn == 0
+    assert not [k for k, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
+    theirs = dict(ref.named_buffers())
+    for k, b in m.visual.named_buffers():
+        want = theirs.get(f"model.visual.{k}", theirs.get(f"visual.{k}"))
+        assert want is not None and torch.equal(b, want), k
+    want = {k.replace("model.language_model.", "model."): v for k, v in ref.named_parameters()}
+    assert torch.equal(m.model.layers[0].mlp.up_proj.weight, want["model.layers.0.mlp.up_proj.weight"])

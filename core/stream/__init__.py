@@ -7,6 +7,7 @@
   peers.py       the receiver's view of one actor: credit, admitted episodes, and the bounds on HELLO's claims
   durability.py  when an accepted trajectory may be acked: through the WAL, or through the learner's checkpoints
   wal.py         the write-ahead log (also the learner's trajectory-file format)
+  walproc.py     the WAL with its checksum, writes and fdatasync in a writer process, fed through shared memory
   images.py      content-addressed screenshots, each sent once per learner connection
   curve.py       CURVE encryption hooks for both sockets
 

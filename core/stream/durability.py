@@ -5,8 +5,9 @@ ack is a promise that the trajectory survives a learner crash. The receiver (cor
 queues a trajectory, then hands it to its Durability, which decides how that promise is kept:
 
   "wal"         WalDurability: the trajectory is written to the write-ahead log (core/stream/wal.py) and fsynced, in
-                batches (the io thread stages, a syncer thread writes, checksums and fdatasyncs each batch, then the
-                io thread acks; group commit: one fdatasync in flight, the next one covers everything that arrived
+                batches (the io thread stages, a syncer thread has each batch checksummed, written and fdatasynced
+                by the WAL writer process, core/stream/walproc.py, or does it itself with wal_writer="thread"; then
+                the io thread acks; group commit: one fdatasync in flight, the next one covers everything that arrived
                 meanwhile, see WalDurability). A restarted learner replays the entries its checkpoint does
                 not list as consumed; compact() drops consumed entries after a checkpoint.
   "checkpoint"  CheckpointDurability: no log. An accepted trajectory is answered at once with a "held" notice (the
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from core.stream.messages import Ack, Message
 from core.stream.wal import WriteAheadLog
+from core.stream.walproc import RING_BYTES, WriterProcessLog
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,12 @@ class IoHooks:
 class Durability(ABC):
     name: str = ""
     acks_ready = False  # set by a background sync that just finished: the io thread stops draining and ticks at once
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """Set once durability is lost for good in a way the learner must not run on (the WAL writer process died):
+        the receiver's get() raises it."""
+        return None
 
     def __init__(self, io: IoHooks):
         self.io = io
@@ -75,8 +83,9 @@ class Durability(ABC):
         """Received by this durability already (logged, or held in memory): a re-send of it is a duplicate."""
 
     @abstractmethod
-    def backlogged(self) -> bool:
-        """Too much accepted and not yet durable: refuse new trajectories for now (the actor retries)."""
+    def backlogged(self, nbytes: int) -> bool:
+        """Too much accepted and not yet durable (or no room for nbytes more): refuse new trajectories for now (the
+        actor retries)."""
 
     @abstractmethod
     def accept(self, ident: bytes, tid: str, payload) -> None:
@@ -121,9 +130,15 @@ class Durability(ABC):
 class WalDurability(Durability):
     name = "wal"
 
-    def __init__(self, io: IoHooks, path: str, *, fsync: bool, ack_interval_s: float, max_staged: int):
+    def __init__(self, io: IoHooks, path: str, *, fsync: bool, ack_interval_s: float, max_staged: int,
+                 writer: str = "process", max_record: int = 64 << 20):
         super().__init__(io)
-        self.wal = WriteAheadLog(path, fsync=fsync)
+        if writer not in WAL_WRITERS:
+            raise ValueError(f"wal writer must be one of {WAL_WRITERS}, got {writer!r}")
+        # process: the syncer thread only hands each batch to a writer process (core/stream/walproc.py), which
+        # checksums, writes and fdatasyncs it; thread: the syncer thread does that work in this process.
+        self.wal = WriteAheadLog(path, fsync=fsync) if writer == "thread" else \
+            WriterProcessLog(path, fsync=fsync, ring_bytes=max(RING_BYTES, 2 * max_record + (2 << 20)))
         self.ack_interval_s = ack_interval_s
         self.max_staged = max_staged  # staged payloads are held in memory until the syncer has written them
         self._pending: dict[bytes, list[str]] = {}  # staged (or duplicate) ids to ack after the next sync
@@ -161,11 +176,16 @@ class WalDurability(Durability):
             self._syncer.join(timeout)
         self.wal.close()
 
+    @property
+    def fatal(self) -> BaseException | None:
+        return getattr(self.wal, "fatal", None)
+
     def holds(self, tid: str) -> bool:
         return tid in self.wal
 
-    def backlogged(self) -> bool:
-        return self.wal.staged() >= self.max_staged
+    def backlogged(self, nbytes: int) -> bool:
+        # The writer process's ring is bounded too (walproc.py): no room now means wait, like a full batch.
+        return self.wal.staged() >= self.max_staged or not self.wal.room(nbytes + 4096)
 
     def accept(self, ident: bytes, tid: str, payload) -> None:
         # The same bytes the actor sent, no re-encoding; the syncer thread writes and fdatasyncs them before their
@@ -288,7 +308,7 @@ class CheckpointDurability(Durability):
     def holds(self, tid: str) -> bool:
         return tid in self._held
 
-    def backlogged(self) -> bool:
+    def backlogged(self, nbytes: int) -> bool:
         return False  # nothing waits on a disk: the queue's own bound is the limit
 
     def accept(self, ident: bytes, tid: str, payload) -> None:
@@ -346,13 +366,16 @@ class CheckpointDurability(Durability):
 
 
 DURABILITY = ("wal", "checkpoint")
+WAL_WRITERS = ("process", "thread")
 
 
 def make_durability(mode: str, io: IoHooks, wal_path: str, *, run_id: str, fsync: bool, ack_interval_s: float,
-                    max_staged: int) -> Durability:
-    """learner.stream.durability -> its strategy; ValueError for an unknown mode."""
+                    max_staged: int, wal_writer: str = "process", max_record: int = 64 << 20) -> Durability:
+    """learner.stream.durability -> its strategy; ValueError for an unknown mode. wal_writer: "process" or "thread"
+    (learner.stream.wal_writer, see WalDurability); max_record: the largest payload the writer's ring must hold."""
     if mode == "wal":
-        return WalDurability(io, wal_path, fsync=fsync, ack_interval_s=ack_interval_s, max_staged=max_staged)
+        return WalDurability(io, wal_path, fsync=fsync, ack_interval_s=ack_interval_s, max_staged=max_staged,
+                             writer=wal_writer, max_record=max_record)
     if mode == "checkpoint":
         return CheckpointDurability(io, run_id)
     raise ValueError(f"durability must be one of {DURABILITY}, got {mode!r}")

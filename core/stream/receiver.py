@@ -46,11 +46,11 @@ class TrajectoryReceiver:
                  max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *,
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
                  log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, wal_writer: str = "process"):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
-        for every NACKed frame (keep it cheap). curve_secret_key: see core/stream/curve.py. durability: "wal" or
-        "checkpoint" (core/stream/durability.py). vocab_size: the learner's model's (other token ids are NACKed
-        "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
+        for every NACKed frame (keep it cheap). curve_secret_key: see core/stream/curve.py. durability, wal_writer:
+        see core/stream/durability.py. vocab_size: the learner's model's (other token ids are NACKed "invalid").
+        actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
         if credits < 1 or queue_size < 1:
             raise ValueError("credits and queue_size must be >= 1")
         self.bind, self.staleness, self.credits, self.queue_size = bind, staleness, credits, queue_size
@@ -60,7 +60,7 @@ class TrajectoryReceiver:
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
         self.durability = make_durability(durability, IoHooks(self._send, self._count, self._warn), wal_path,
                                           run_id=self.run_id, fsync=fsync, ack_interval_s=ack_interval_s,
-                                          max_staged=queue_size)
+                                          max_staged=queue_size, wal_writer=wal_writer, max_record=max_frame_bytes)
         self.images = ImageStore(wal_path + ".images")  # screenshots by hash, beside the WAL that refers to them
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._consumed: set[str] = set(consumed_ids)
@@ -106,6 +106,8 @@ class TrajectoryReceiver:
 
     def get(self, timeout: float) -> Trajectory | None:
         """The next trajectory to train on, or None after `timeout` seconds."""
+        if self.durability.fatal is not None:  # the WAL writer process died: the learner must stop (and restart)
+            raise self.durability.fatal
         try:
             return self._q.get(timeout=timeout)
         except queue.Empty:
@@ -375,7 +377,7 @@ class TrajectoryReceiver:
             self._count("nacked")
             self._send(ident, M.Nack(tid, f"missing images: {len(missing)}", True, missing))
             return
-        if self._q.full() or self.durability.backlogged():
+        if self._q.full() or self.durability.backlogged(len(payload)):
             # Only a peer that ignores credit (or a disk far behind) gets here; it keeps the trajectory and retries.
             self._nack(ident, st, tid, "busy: no queue slot", "busy", retry=True)
             return

@@ -159,6 +159,10 @@ class WalError(OSError):
     """A write or fdatasync of the log failed: nothing staged from then on can be made durable (or acked)."""
 
 
+class WalFull(WalError):
+    """No room to stage this record now (core/stream/walproc.py's ring): refuse it for a retry; the log is fine."""
+
+
 class WriteAheadLog:
     def __init__(self, path: str | os.PathLike, fsync: bool = True):
         self.path = os.fspath(path)
@@ -212,6 +216,11 @@ class WriteAheadLog:
 
     def staged_bytes(self) -> int:
         return self._staged.pos
+
+    def room(self, nbytes: int) -> bool:
+        """Can a record of nbytes be staged now? Always here (staged payloads stay in libzmq's buffers, bounded by
+        the caller); a log that stages into a fixed buffer (core/stream/walproc.py) says when it is full."""
+        return True
 
     def append(self, tid: str, payload: bytes) -> None:
         """Write one self-checking record now (not yet durable: call sync() before acking it)."""
@@ -339,10 +348,14 @@ class WriteAheadLog:
                 raise
             os.close(self._fd)
             self._fd, self._end, self.index, self._dirty = fd, end, index, False
+            self._replaced()
             if closed:
                 os.close(fd)
                 self._fd = -1
             return len(keep), dropped
+
+    def _replaced(self) -> None:
+        """compact() swapped in the rewritten file (both locks held): a subclass with another writer re-points it."""
 
     def close(self) -> None:
         with self._sync_lock, self._lock:

@@ -88,14 +88,16 @@ class GenerateChunk(_message.Message):
     def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "path", "safetensors")
+    __slots__ = ("version", "path", "safetensors", "shm")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     version: int
     path: str
     safetensors: bytes
-    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ..., safetensors: _Optional[bytes] = ...) -> None: ...
+    shm: str
+    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ..., safetensors: _Optional[bytes] = ..., shm: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("version", "name", "dtype", "shape", "data")

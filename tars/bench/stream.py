@@ -7,7 +7,9 @@ committing every 1024 trajectories as a learner checkpointing every 16 updates o
 Besides the rates it reports the CPU each side spends per trajectory (cpu_us_{learner,actor}_{wal,checkpoint,raw},
 median of the repeats: user + system time of the whole process, all threads, from the start signal), a figure that
 swings much less than the rates when other work shares the machine.
-Run: `python -m tars.bench.stream [n] [payload_bytes]`.
+The WAL writer process's CPU is reported apart (cpu_us_writer_wal); --wal-thread adds the in-process syncer thread
+as a fourth path in the same rounds (ratio_wal_thread, cpu_us_learner_wal_thread).
+Run: `python -m tars.bench.stream [n] [payload_bytes] [repeats] [--wal-thread]`.
 """
 from __future__ import annotations
 
@@ -133,17 +135,33 @@ def _drive(kind: str, addr: str, trajs, credits: int, done: threading.Event, sub
     return dt, learner_cpu, cpu_out.value
 
 
+def _proc_cpu(pid: int | None) -> float:
+    """User + system CPU seconds of another process (the WAL writer), from /proc; 0 without one."""
+    if not pid:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, subprocess: bool,
-                payload_bytes: int, durability: str = "wal", commit_every: int = 1024) -> tuple[float, float, float]:
+                payload_bytes: int, durability: str = "wal", commit_every: int = 1024,
+                wal_writer: str = "process") -> tuple[float, float, float, float]:
     """durability="checkpoint": the consumer commits what it consumed every commit_every trajectories (a learner
-    that checkpoints every 16 updates of 64) and at the end, which is when the actor's flush returns."""
+    that checkpoints every 16 updates of 64) and at the end, which is when the actor's flush returns.
+    Returns _drive's figures and the WAL writer process's CPU seconds over the transfer (0 without one)."""
     from learner.staleness import StalenessManager
     from core.stream.receiver import TrajectoryReceiver
 
     stal = StalenessManager(batch_size=64, eta=10**9)
     rx = TrajectoryReceiver("tcp://127.0.0.1:0", os.path.join(tmp, f"wal-{time.monotonic_ns()}"), stal,
-                            credits=credits, queue_size=queue_size, fsync=fsync, durability=durability)
+                            credits=credits, queue_size=queue_size, fsync=fsync, durability=durability,
+                            wal_writer=wal_writer)
     addr = rx.start()
+    writer = getattr(getattr(rx.durability, "wal", None), "writer_pid", None)
     done = threading.Event()
     consumed: list[str] = []
 
@@ -164,7 +182,9 @@ def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, sub
                            daemon=True)
     con.start()
     try:
-        return _drive("stream", addr, trajs, credits, done, subprocess, payload_bytes)
+        w0 = _proc_cpu(writer)
+        out = _drive("stream", addr, trajs, credits, done, subprocess, payload_bytes)
+        return (*out, _proc_cpu(writer) - w0)
     finally:
         rx.stop()
 
@@ -202,7 +222,7 @@ def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int) -> tu
     con = threading.Thread(target=_consume, args=(get, len(trajs), done), name="bench-consumer", daemon=True)
     con.start()
     try:
-        return _drive("raw", f"tcp://127.0.0.1:{port}", trajs, 0, done, subprocess, payload_bytes)
+        return (*_drive("raw", f"tcp://127.0.0.1:{port}", trajs, 0, done, subprocess, payload_bytes), 0.0)
     finally:
         stop.set()
         th.join(2)
@@ -233,34 +253,46 @@ def _breakdown(trajs, tmp: str) -> dict:
 
 
 def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync: bool = True,
-          credits: int = 512, queue_size: int = 4096, subprocess: bool = True, tmp_dir: str | None = None) -> dict:
+          credits: int = 512, queue_size: int = 4096, subprocess: bool = True, tmp_dir: str | None = None,
+          wal_thread: bool = False) -> dict:
     """Trajectories/s through TrajectorySender -> TrajectoryReceiver and through a raw link; best of `repeats`.
 
     subprocess=True runs the actor side in a child process, as in deployment (actor and learner never share a GIL);
     subprocess=False runs everything in this process, where both links compete for one GIL.
+    wal_thread=True also runs the WAL with the in-process syncer thread (learner.stream.wal_writer=thread) in the
+    same rounds: ratio_wal_thread against ratio (the writer process, the default).
     """
     trajs = _trajs(n, payload_bytes)
     with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
-        stream, ckpt, raw = [], [], []
+        stream, ckpt, raw, thread = [], [], [], []
         for _ in range(repeats):  # interleaved, so drift in machine load hits all alike
             raw.append(_run_raw(trajs, queue_size, subprocess, payload_bytes))
             stream.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes))
             ckpt.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes, "checkpoint"))
+            if wal_thread:
+                thread.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes,
+                                          wal_writer="thread"))
         parts = _breakdown(trajs, tmp)
     s_rate, c_rate, r_rate = (n / min(r[0] for r in runs) for runs in (stream, ckpt, raw))
 
     def cpu_us(runs, i):  # median CPU microseconds per trajectory
         return round(statistics.median(r[i] for r in runs) / n * 1e6, 1)
 
-    cpu = {f"cpu_us_{side}_{path}": cpu_us(runs, i) for path, runs in (("wal", stream), ("checkpoint", ckpt), ("raw", raw))
+    paths = (("wal", stream), ("checkpoint", ckpt), ("raw", raw)) + ((("wal_thread", thread),) if thread else ())
+    cpu = {f"cpu_us_{side}_{path}": cpu_us(runs, i) for path, runs in paths
            for side, i in (("learner", 1), ("actor", 2))}
+    cpu["cpu_us_writer_wal"] = cpu_us(stream, 3)  # the WAL writer process (not in cpu_us_learner_wal)
+    extra = {}
+    if thread:
+        t_rate = n / min(r[0] for r in thread)
+        extra = {"stream_wal_thread_per_s": round(t_rate, 1), "ratio_wal_thread": round(t_rate / r_rate, 3)}
     return {"n": n, "payload_bytes": len(trajs[0].encode()), "fsync": fsync, "subprocess": subprocess,
             "stream_per_s": round(s_rate, 1), "raw_per_s": round(r_rate, 1), "ratio": round(s_rate / r_rate, 3),
-            "stream_checkpoint_per_s": round(c_rate, 1), "ratio_checkpoint": round(c_rate / r_rate, 3),
+            "stream_checkpoint_per_s": round(c_rate, 1), "ratio_checkpoint": round(c_rate / r_rate, 3), **extra,
             "stream_MB_s": round(s_rate * payload_bytes / 1e6, 1), "raw_MB_s": round(r_rate * payload_bytes / 1e6, 1),
             **cpu, **{k: round(v, 1) for k, v in parts.items()}}
 
 
 if __name__ == "__main__":
-    a = [int(x) for x in sys.argv[1:3]]
-    print(json.dumps(bench(*a), indent=1))
+    a = [int(x) for x in sys.argv[1:] if not x.startswith("-")][:3]
+    print(json.dumps(bench(*a, wal_thread="--wal-thread" in sys.argv), indent=1))

@@ -1,0 +1,179 @@
+"""The WAL writer process (core/stream/walproc.py): same file format as the in-process log, a bounded ring, and a
+killed writer loses nothing acked and duplicates nothing."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from core.stream.receiver import TrajectoryReceiver
+from core.stream.sender import TrajectorySender
+from core.stream.wal import WalError, WalFull, WriteAheadLog, scan_ids
+from core.stream.walproc import WriterProcessLog
+from learner.staleness import StalenessManager
+from tests.test_stream import FAST, traj
+
+
+def payload(i: int, n: int = 40_000) -> bytes:
+    return bytes([i % 251]) * n
+
+
+def test_writer_process_log_wraps_its_ring_compacts_and_reads_back_as_a_plain_log(tmp_path):
+    p = tmp_path / "w.wal"
+    w = WriterProcessLog(p, ring_bytes=200_000).open()   # room for 4 records of 40 KB: the ring wraps many times
+    assert w.writer_pid and w.writer_pid != os.getpid()
+    for i in range(20):
+        w.stage(f"t{i}", memoryview(payload(i)))
+        if i % 3 == 2:
+            w.sync()
+    for i in range(20, 25):                              # a full ring refuses, and nothing of the refused one stays
+        try:
+            w.stage(f"t{i}", payload(i))
+        except WalFull:
+            assert f"t{i}" not in w
+            break
+    else:
+        pytest.fail("the ring never filled")
+    w.sync()
+    stop = i
+    assert w.compact({f"t{k}" for k in range(10)}) == (stop - 10, 10)   # the writer reopens the rewritten file
+    w.stage("after", payload(99))
+    w.sync()
+    w.close()
+    assert w.writer_pid is not None and w._proc.returncode == 0
+    want = [f"t{k}" for k in range(10, stop)] + ["after"]
+    assert scan_ids(p) == want
+    r = WriteAheadLog(p).open()
+    assert list(r.index) == want and r.truncated_bytes == 0
+    assert [r.read(t) for t in want] == [payload(int(t[1:])) for t in want[:-1]] + [payload(99)]
+    r.close()
+
+
+def test_a_second_learner_waits_for_the_log_lock(tmp_path):
+    p = tmp_path / "w.wal"
+    w = WriterProcessLog(p).open()
+    other = WriterProcessLog(p, lock_timeout_s=0.3)
+    with pytest.raises(WalError, match="locked"):
+        other.open()
+    w.close()
+    other.open().close()
+
+
+class AckLog(TrajectorySender):
+    """Records every id the learner acked for good (the actor forgets those)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.acked: list[str] = []
+
+    def _on_ack(self, m):
+        if not m.held:
+            self.acked.extend(t for t in m.ids if t in self._outbox)
+        super()._on_ack(m)
+
+
+class Trainer(threading.Thread):
+    """The training thread: like tests/test_stream.py's Consumer, but it records the error that get() raises."""
+
+    def __init__(self, rx, want):
+        super().__init__(daemon=True)
+        self.rx, self.want, self.ids, self.error = rx, want, [], None
+
+    def run(self):
+        try:
+            while len(self.ids) < self.want:
+                tr = self.rx.get(timeout=0.05)
+                if tr is not None:
+                    self.rx.staleness.on_accepted(1)
+                    self.ids.append(tr.id)
+                    self.rx.mark_consumed([tr.id])
+        except WalError as e:
+            self.error = e
+
+
+def test_killed_writer_process_loses_nothing_acked_and_duplicates_nothing(tmp_path):
+    N = 400
+    path = str(tmp_path / "wal.log")
+
+    def receiver(bind, consumed=()):
+        return TrajectoryReceiver(bind, path, StalenessManager(batch_size=8, eta=1000), credits=32, queue_size=64,
+                                  consumed_ids=consumed)
+
+    rx1 = receiver("tcp://127.0.0.1:0")
+    addr = rx1.start()
+    pid = rx1.durability.wal.writer_pid
+
+    async def main():
+        s = AckLog(addr, "act", window=64, **FAST)
+        await s.start()
+
+        async def produce():
+            for i in range(N):
+                await s.send(traj(f"k{i}", n=2048), timeout=30)
+
+        prod = asyncio.create_task(produce())
+        t1 = Trainer(rx1, N)
+        t1.start()
+        deadline = time.monotonic() + 15
+        while len(s.acked) < 60 and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        assert len(s.acked) >= 60 and not prod.done()             # killed mid-stream, with acks already out
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.to_thread(t1.join, 10)
+        assert isinstance(t1.error, WalError) and "writer process is gone" in str(t1.error)  # the learner fails loudly
+        acked_at_kill = list(s.acked)
+        await asyncio.sleep(0.2)
+        # Nothing is acked after the writer's death: whatever the actor had not been told stays in its outbox.
+        assert s.acked == acked_at_kill
+        await asyncio.to_thread(rx1.stop)
+        on_disk = scan_ids(path)
+        assert len(on_disk) == len(set(on_disk))                   # each id logged once
+        assert set(acked_at_kill) <= set(on_disk)                  # everything acked was fsynced first
+        # The supervisor restarts the learner: its checkpoint lists what it trained (t1.ids).
+        rx2 = receiver(addr, consumed=t1.ids)
+        assert rx2.start() == addr
+        t2 = Trainer(rx2, N - len(t1.ids))
+        t2.start()
+        await prod
+        await s.flush(timeout=30)
+        await asyncio.to_thread(t2.join, 30)
+        st = s.stats()
+        await s.close()
+        return rx2, t1.ids, t2.ids, st, on_disk
+
+    rx2, first, second, st, on_disk = asyncio.run(main())
+    s2 = rx2.stats()
+    rx2.stop()
+    trained = collections.Counter(first + second)
+    assert set(trained) == {f"k{i}" for i in range(N)} and max(trained.values()) == 1   # exactly once
+    assert st["pending"] == 0 and s2["replayed"] == len(set(on_disk) - set(first))
+    final = scan_ids(path)
+    assert len(final) == len(set(final)) and set(final) | set(first) == set(trained)
+
+
+def test_a_hung_writer_process_is_fatal_after_its_deadline_and_acks_nothing(tmp_path):
+    w = WriterProcessLog(tmp_path / "w.wal", reply_timeout_s=0.5).open()
+    w.stage("a", payload(1))
+    w.sync()
+    os.kill(w.writer_pid, signal.SIGSTOP)             # alive but silent: a deadline, not a hang
+    w.stage("b", payload(2))
+    t0 = time.monotonic()
+    with pytest.raises(WalError, match="writer process is gone"):
+        w.sync()
+    assert time.monotonic() - t0 < 5 and w.fatal is not None
+    with pytest.raises(WalError):                      # sticky: nothing staged later may be acked either
+        w.stage("c", payload(3))
+    w.close()                                          # the stopped writer is killed, not waited on for ever
+    assert w._proc.returncode is not None
+    assert scan_ids(tmp_path / "w.wal") == ["a"]
+
+
+def test_an_unknown_wal_writer_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="wal writer"):
+        TrajectoryReceiver("tcp://127.0.0.1:0", str(tmp_path / "w.log"), StalenessManager(batch_size=8, eta=10),
+                           wal_writer="disk")
