@@ -89,10 +89,11 @@ TINY_VL_VISION = {
 
 def make_vl_checkpoint(dir: str | os.PathLike, arch: str = "qwen2_5_vl", seed: int = 0, vocab_size: int = 700,
                        min_pixels: int = 100 * 28 * 28, max_pixels: int = 16384 * 28 * 28, shard_bytes=None,
-                       **text_overrides):
+                       vision: dict | None = None, **text_overrides):
     """A whole Qwen2.5-VL (or Qwen2-VL) checkpoint directory as a user would bring it, random-initialised: config.json
     and safetensors by save_pretrained, a byte-level BPE tokenizer with the vision tokens and ChatML, a
     generation_config.json, and the image processor's preprocessor_config.json (UI-TARS's resize limits by default).
+    vision: vision_config overrides (e.g. depth); the merger's output width follows the text hidden_size.
     Returns the transformers model (fp32, eval)."""
     import json
 
@@ -108,7 +109,9 @@ def make_vl_checkpoint(dir: str | os.PathLike, arch: str = "qwen2_5_vl", seed: i
     cls = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig, "qwen2_vl": transformers.Qwen2VLConfig}[arch]
     text = {**TINY_VL_TEXT, **text_overrides, "vocab_size": len(tok), "bos_token_id": None,
             "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    cfg = cls(text_config=text, vision_config=dict(TINY_VL_VISION[arch]), image_token_id=vocab["<|image_pad|>"],
+    out_key = "out_hidden_size" if arch == "qwen2_5_vl" else "hidden_size"  # the merger's output = the text width
+    vis = {**TINY_VL_VISION[arch], out_key: text["hidden_size"], **(vision or {})}
+    cfg = cls(text_config=text, vision_config=vis, image_token_id=vocab["<|image_pad|>"],
               video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
               vision_end_token_id=vocab["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)

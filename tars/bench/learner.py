@@ -1,6 +1,7 @@
 """`tars bench learner`: what the learner's plumbing costs, each figure against a baseline from the same run.
 
     tars bench learner [--json FILE] [--quick] [--preset quickstart] [--set K=V] [--n N] [--payload-bytes B] [--steps K]
+                       [--model DIR [--images N] [--image-size WxH]]
 
 Figures:
   stream_over_raw          trajectories/s consumed through the stream (TrajectorySender -> TrajectoryReceiver:
@@ -14,6 +15,10 @@ Figures:
                            `tars serve` subprocess told to load it and answering that it serves it) / median time of
                            one training step (PPOTrainer.step with the critic on a batch shaped like the preset's
                            episodes), same model                                                   goal <= 0.05
+                           --model DIR: that checkpoint as the learner loads it (TrainPolicy.load) and `tars serve
+                           --model DIR`; a Qwen2-VL / Qwen2.5-VL one trains on trajectories with --images screenshots
+                           of --image-size each (tars/bench/episodes.py), so the step includes the vision tower's
+                           forward and backward and the published weights include it
   publish_share_of_step_shm     the same through shared memory (learner.publish.mode=shm: a /dev/shm segment
                            named over gRPC, mapped by the server); publish = until the server answered that it serves
                            the version; publish_total_ms adds the weights/vN copy written after it (for restarts)
@@ -31,7 +36,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 from tars.topology import LaunchError, Process, daemon_spec
@@ -42,31 +46,6 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def _machine() -> dict:
     return {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
             "load_avg_start": round(os.getloadavg()[0], 2), "torch_threads": torch.get_num_threads()}
-
-
-def _episodes(n: int, vocab: int, turns: int, prompt_len: int, gen_len: int, seed: int = 0):
-    """Multi-turn trajectories like the actor's: per turn a prompt (environment tokens) then generated tokens."""
-    from core.schema import Trajectory, Turn
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        toks, mask, ts = [], [], []
-        for _ in range(turns):
-            p = int(rng.integers(prompt_len // 2, prompt_len + 1))
-            toks += rng.integers(2, vocab, p).tolist()
-            mask += [0] * p
-            start = len(toks)
-            toks += rng.integers(2, vocab, gen_len).tolist()
-            mask += [1] * gen_len
-            ts.append(Turn("", "", {}, 0.0, start, len(toks)))
-        r = float(rng.random() < 0.5)
-        ts[-1].reward = r
-        m = np.array(mask, np.uint8)
-        out.append(Trajectory(id=f"e{i}", env_id="bench", outcome="terminated", tokens=np.array(toks, np.int32),
-                              logprobs=np.where(m, -1.0, 0.0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
-                              mask=m, turns=ts, ret=r, success=bool(r)))
-    return out
 
 
 def _start_server(model_dir: pathlib.Path, tmp: pathlib.Path) -> tuple[Process, str]:
@@ -83,9 +62,40 @@ def _start_server(model_dir: pathlib.Path, tmp: pathlib.Path) -> tuple[Process, 
 MODES = ("disk", "shm", "stream")
 
 
-def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
+def _policy(cfg, model_dir: pathlib.Path | None, tmp: pathlib.Path, images: int, size: tuple[int, int]):
+    """The policy, the directory `tars serve` starts from, the tokenizer directory for published versions and a batch
+    shaped like the preset's episodes: the preset's model.* shape with text trajectories, or the checkpoint in
+    model_dir as the learner loads it (TrainPolicy.load; model.freeze_vision as the learner applies it) with text
+    trajectories, or, for a vision-language checkpoint, trajectories with `images` screenshots of `size` each."""
+    from core.model import DecoderConfig
+    from learner.policy import TrainPolicy
+    from tars.bench.episodes import text_episodes, vl_episodes
+
+    turns, gen = max(1, cfg.actor.max_turns), cfg.actor.max_new_tokens
+    if model_dir is None:
+        m = cfg.model
+        dc = DecoderConfig(vocab_size=512, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                           num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                           num_key_value_heads=m.num_kv_heads, max_position_embeddings=m.max_positions,
+                           rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings)
+        policy = TrainPolicy.from_config(dc, seed=0)
+        policy.save_hf(tmp / "model")
+        return policy, tmp / "model", None, text_episodes(cfg.learner.batch_size, dc.vocab_size, turns, 120, gen)
+    policy = TrainPolicy.load(model_dir)
+    if cfg.model.freeze_vision:
+        policy.freeze_vision()
+    if policy.vl is not None:
+        batch = vl_episodes(model_dir, cfg.learner.batch_size, images=images, size=size, gen_len=gen)
+    else:
+        batch = text_episodes(cfg.learner.batch_size, policy.config.vocab_size, turns, 120, gen)
+    return policy, model_dir, model_dir, batch
+
+
+def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path | None = None, images: int = 2,
+                    size: tuple[int, int] = (160, 210)) -> dict:
     """Median publish time (to a real inference server) per learner.publish.mode and median training step time, same
-    model; the modes take turns step by step so that load drifts hit them alike."""
+    model; the modes take turns step by step so that load drifts hit them alike. model_dir: a checkpoint directory
+    (text or vision-language) trained and served instead of the preset's model.* shape (see _policy)."""
     import collections
 
     from core import weights_shm
@@ -93,56 +103,65 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path) -> dict:
     from learner.publish import Publisher
     from learner.ppo import PPOTrainer
     from core import rpc
-    from core.model import DecoderConfig
     from learner.policy import TrainPolicy
     from core.v1 import inference_pb2, inference_pb2_grpc
 
-    m = cfg.model
-    dc = DecoderConfig(vocab_size=512, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                       num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                       num_key_value_heads=m.num_kv_heads, max_position_embeddings=m.max_positions,
-                       rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings)
     torch.manual_seed(0)
-    policy = TrainPolicy.from_config(dc, seed=0)
+    policy, serve_dir, tokenizer_from, batch = _policy(cfg, model_dir, tmp, images, size)
     # As the learner builds it: the policy's trunk and a zero value head.
     critic = TrainPolicy.critic_from(policy) if cfg.learner.algo == "ppo" else None
-    policy.save_hf(tmp / "model")
     torch.set_num_threads(max(1, cfg.learner.threads))
-    trainer = PPOTrainer(policy, critic, cfg.learner, 0)
-    turns = max(1, cfg.actor.max_turns)
-    batch = _episodes(cfg.learner.batch_size, dc.vocab_size, turns, 120, cfg.actor.max_new_tokens)
-    server, addr = _start_server(tmp / "model", tmp)
+    trainer = PPOTrainer(policy, critic, cfg.learner, policy.config.pad_token_id or 0)
+    server, addr = _start_server(serve_dir, tmp)
     try:
         stub = inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(addr, cfg.inference.auth_token, 512 << 20))
         modes = [m for m in MODES if m != "shm" or weights_shm.available()]
         run = tmp / "run"
         run.mkdir()
         counters = collections.Counter()
-        pubs = {m: Publisher(policy, run, [addr], cfg.inference.auth_token, PublishConfig(keep_versions=2, mode=m), counters)
+        pubs = {m: Publisher(policy, run, [addr], cfg.inference.auth_token, PublishConfig(keep_versions=2, mode=m),
+                             counters, tokenizer_from=tokenizer_from)
                 for m in modes}
         step_s: list[float] = []
         publish_s = {m: [] for m in modes}
         total_s = {m: [] for m in modes}
-        v = 0
+        served_versions = {m: [] for m in modes}
+        vision = [q for q in policy.vision_parameters() if q.requires_grad]
+        vision_before = [q.detach().clone() for q in vision]
+        v = skipped = 0
         for i in range(steps):
             for m in modes:
                 v += 1
                 t0 = time.perf_counter()
-                trainer.step(batch, v - 1)
+                metrics = trainer.step(batch, v - 1)
                 t1 = time.perf_counter()
+                skipped += bool(metrics.get("policy_step_skipped"))
                 step_s.append(t1 - t0)
                 publish_s[m].append(pubs[m].publish(v))
                 total_s[m].append(time.perf_counter() - t1)
                 served = stub.GetVersion(inference_pb2.GetVersionRequest(), timeout=10).version
+                served_versions[m].append(served)
                 if served != v or counters["publish_failures"]:
                     raise RuntimeError(f"the server serves version {served} after publishing {v} ({m}); {dict(counters)}")
     finally:
         server.stop()
-    params = sum(p.numel() for p in policy.parameters())
-    return {"step_s": step_s, "publish_s": publish_s, "publish_total_s": total_s, "params": params,
-            "weights_bytes": int(sum(t.numel() * t.element_size() for t in policy.hf_state_dict().values())),
+    vision_trained = bool(vision) and any(not torch.equal(a, q) for a, q in zip(vision_before, vision))
+    vision = policy.vision_parameters()
+    sd = policy.hf_state_dict()
+    return {"step_s": step_s, "publish_s": publish_s, "publish_total_s": total_s, "served_versions": served_versions,
+            "skipped_steps": skipped,
+            "model": str(model_dir) if model_dir is not None else f"preset model.* ({cfg.model.num_layers} layers, "
+                                                                  f"hidden {cfg.model.hidden_size})",
+            "vl": policy.vl is not None, "vision_trained": vision_trained,
+            "params": sum(p.numel() for p in policy.parameters()),
+            "vision_params": sum(p.numel() for p in vision),
+            "weights_bytes": int(sum(t.numel() * t.element_size() for t in sd.values())),
+            "vision_bytes": int(sum(p.numel() * p.element_size() for p in vision)),
             "batch": {"trajectories": len(batch), "tokens": int(sum(len(t.tokens) for t in batch)),
-                      "generated_tokens": int(sum(int(t.mask.sum()) for t in batch))}}
+                      "generated_tokens": int(sum(int(t.mask.sum()) for t in batch)),
+                      "images": int(sum(len(t.image_refs) for t in batch)),
+                      "image_size": list(size) if policy.vl is not None else None,
+                      "segments": int(sum(1 + len(t.segments) for t in batch))}}
 
 
 def run(a) -> dict:
@@ -150,7 +169,7 @@ def run(a) -> dict:
     from tars.bench.stream import bench as stream_bench
 
     cfg = C.load(a.preset, None, a.set)
-    out = {"machine": _machine(), "preset": a.preset, "figures": {}}
+    out = {"machine": _machine(), "preset": a.preset, "model": a.model, "figures": {}}
     s = stream_bench(n=a.n, payload_bytes=a.payload_bytes, repeats=a.repeats, subprocess=True)
     # Headline: the durability the preset runs with; the other is reported beside it.
     by_mode = {"wal": (s["ratio"], s["stream_per_s"]), "checkpoint": (s["ratio_checkpoint"], s["stream_checkpoint_per_s"])}
@@ -161,7 +180,7 @@ def run(a) -> dict:
         out["figures"][name] = {"value": ratio, "unit": "x", "goal": ">= 0.8", "pass": ratio >= 0.8, "durability": m,
                                 "stream_per_s": rate, "raw_per_s": s["raw_per_s"], "detail": s}
     with tempfile.TemporaryDirectory() as tmp:
-        p = publish_vs_step(cfg, a.steps, pathlib.Path(tmp))
+        p = publish_vs_step(cfg, a.steps, pathlib.Path(tmp), a.model and pathlib.Path(a.model), a.images, a.image_size)
     step = statistics.median(p["step_s"])
     for m in p["publish_s"]:
         pub, total = statistics.median(p["publish_s"][m]), statistics.median(p["publish_total_s"][m])
@@ -170,7 +189,27 @@ def run(a) -> dict:
             "value": round(share, 4), "unit": "x", "goal": "<= 0.05", "pass": share <= 0.05, "mode": m,
             "step_ms": round(step * 1e3, 1), "publish_ms": round(pub * 1e3, 1), "publish_total_ms": round(total * 1e3, 1),
             "detail": p}
+    out["machine"]["load_avg_end"] = round(os.getloadavg()[0], 2)
     return out
+
+
+def _describe(d: dict) -> str:
+    b = d["batch"]
+    vis = f" ({d['vision_params']} in the vision tower)" if d["vl"] else ""
+    ims = (f", {b['images']} screenshots of {b['image_size'][0]}x{b['image_size'][1]}, {b['segments']} segments"
+           if d["vl"] else "")
+    return (f"{d['model']}: {d['params']} params{vis}, {d['weights_bytes']} B; {b['trajectories']} trajectories, "
+            f"{b['tokens']} tokens{ims}")
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxHEIGHT (e.g. 160x210)") from None
+    if w < 1 or h < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: width and height must be >= 1")
+    return w, h
 
 
 def table(out: dict) -> str:
@@ -184,8 +223,7 @@ def table(out: dict) -> str:
         f = out["figures"][name]
         rows.append((name, f"{f['value']:g}", f["goal"], "PASS" if f["pass"] else "FAIL",
                      f"publish ({f['mode']}) {f['publish_ms']:.1f} ms (with the disk copy {f['publish_total_ms']:.1f} ms) / "
-                     f"step {f['step_ms']:.1f} ms ({f['detail']['params']} params, {f['detail']['weights_bytes']} B, "
-                     f"{f['detail']['batch']['trajectories']} trajectories, {f['detail']['batch']['tokens']} tokens)"))
+                     f"step {f['step_ms']:.1f} ms ({_describe(f['detail'])})"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)
 
@@ -199,13 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--payload-bytes", type=int, default=32 << 10, help="encoded size of each trajectory")
     ap.add_argument("--repeats", type=int, default=3, help="stream/raw runs, interleaved; the best of each counts")
     ap.add_argument("--steps", type=int, default=5, help="training steps (each followed by a publish)")
+    ap.add_argument("--model", metavar="DIR", help="train and publish this checkpoint directory (text or Qwen2-VL / "
+                    "Qwen2.5-VL) instead of the preset's model.* shape; a VL one trains on screenshots")
+    ap.add_argument("--images", type=int, default=2, help="screenshots per trajectory with a VL --model (default 2)")
+    ap.add_argument("--image-size", type=_size, default=(160, 210), metavar="WxH",
+                    help="screenshot size with a VL --model (default 160x210)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 200 trajectories, 1 repeat, 2 steps")
     a = ap.parse_args(argv)
     if a.quick:
         a.n, a.repeats, a.steps = 200, 1, 2
-    for k in ("n", "payload_bytes", "repeats", "steps"):
+    for k in ("n", "payload_bytes", "repeats", "steps", "images"):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    if a.model is not None and not (pathlib.Path(a.model) / "config.json").is_file():
+        ap.error(f"--model {a.model}: no config.json there (give a Hugging Face checkpoint directory)")
     out = run(a)
     if a.json:
         with open(a.json, "w") as f:
