@@ -187,6 +187,20 @@ def infra_warning(infra: int, episodes: int, kept_out: str, see: str, by_fault: 
             f"{kept_out}): see {see}")
 
 
+CONTEXT_WARN = 0.10  # share of episodes cut by the context above which `tars up`'s report warns
+
+
+def context_warning(cut: int, episodes: int) -> str | None:
+    """More than CONTEXT_WARN of the episodes ended because the next prompt + max_new_tokens would not fit the
+    inference server's max_context -> the warning line naming the settings, else None. (A UI-TARS prompt with one
+    screenshot of a vision-language checkpoint is already over 1,000 tokens: core.vlm.VLSpec.image_tokens.)"""
+    if episodes <= 0 or cut <= CONTEXT_WARN * episodes:
+        return None
+    return (f"{cut} of {episodes} episodes ({cut / episodes:.0%}) were cut by the context (prompt + "
+            "actor.max_new_tokens > inference.max_context): raise inference.max_context, or lower "
+            "actor.image_history / actor.max_obs_tokens")
+
+
 def warnings(rep: dict) -> list[str]:
     """What a reader of the report must not miss: a run that mostly failed for infrastructure reasons, or did not
     train at all, would otherwise look like a policy that learnt nothing."""
@@ -195,6 +209,8 @@ def warnings(rep: dict) -> list[str]:
         out.append("no episode reached the learner: see logs/ (envd, inference, actor)")
     elif w := infra_warning(rep["infra_errors"], rep["episodes"], "the loss", "logs/envd*.log and logs/inference.log",
                             rep.get("infra_errors_by_fault")):
+        out.append(w)
+    if w := context_warning(rep["truncated_by"].get("context", 0), rep["episodes"]):
         out.append(w)
     if rep["policy_version"] == 0:
         out.append("no policy update happened: the policy is the one the run started from")

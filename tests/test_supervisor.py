@@ -126,3 +126,26 @@ def test_report_warns_of_infra_errors_no_update_and_restarts(tmp_path):
     mon = report.Monitor(tmp_path)
     mon.poll()
     assert report.write_report(tmp_path, mon, 1.0, False, None, "done")["warnings"] == []
+
+
+def test_report_warns_when_the_context_cut_most_episodes(tmp_path):
+    """Episodes cut by the context (a VL prompt with screenshots over inference.max_context) are named, with the
+    settings to change, instead of a run that silently learns nothing."""
+    from tars import report
+
+    eps = [{"id": f"e{i}", "outcome": "truncated", "truncated_by": "context" if i < 4 else "max_turns",
+            "success": False, "return": 0.0, "vmax": 0, "vmin": 0, "t": float(i), "train_version": 0}
+           for i in range(10)]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps))
+    (tmp_path / "learner.jsonl").write_text(json.dumps({"version": 1, "success": 0.0, "ret": 0.0}) + "\n")
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    w = report.write_report(tmp_path, mon, 1.0, False, None, "done")["warnings"]
+    assert w == ["4 of 10 episodes (40%) were cut by the context (prompt + actor.max_new_tokens > "
+                 "inference.max_context): raise inference.max_context, or lower actor.image_history / "
+                 "actor.max_obs_tokens"], w
+    eps = [dict(e, truncated_by="max_turns") for e in eps]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps))
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    assert report.write_report(tmp_path, mon, 1.0, False, None, "done")["warnings"] == []
