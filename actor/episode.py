@@ -22,7 +22,13 @@ A turn's answer may hold several actions: they run in order, each a Step of its 
 envd rejects one (which costs the format penalty, the actions before it stay done). The turn's reward is the sum of
 the rewards of the actions that ran (plus that penalty).
 
-A truncated episode (actor.max_turns, the env's own step or time limit, or on_parse_error=stop) ends with the prompt
+A VL checkpoint may sample a vision token (<|image_pad|>, <|vision_start|>, ...: core.vlm.VLSpec.special_ids); its
+requests stop on them, and an answer that ends with one is a parse error (the format penalty) that ends the episode
+as truncated_by "parse_error": the conversation cannot be extended past an unframed vision token. Its tokens stay
+in the trajectory and are trained on; the learner embeds that last sampled token as padding (learner/batch.py).
+
+A truncated episode (actor.max_turns, the env's own step or time limit, on_parse_error=stop, or a vision token the
+model wrote) ends with the prompt
 its next turn would have had, with mask 0, and `boot_at` pointing past it: the learner's critic reads the value of
 that state there and bootstraps the return from it (core/schema.py). Nothing earlier is re-tokenised.
 
@@ -149,6 +155,11 @@ def _context_overflow(e: grpc.aio.AioRpcError) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _stray(ids: list[int], vision: frozenset) -> int:
+    """Index of the first vision token in a VL answer, or -1."""
+    return next((i for i, t in enumerate(ids) if t in vision), -1) if vision else -1
+
+
 def _success(info_json: str) -> bool:
     try:
         return bool(json.loads(info_json or "{}").get("success", False))
@@ -198,6 +209,9 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     sid = ""
     closed = True                    # the last output ended with the end-of-turn token
     obs = None
+    # VL: the vision tokens are input-only; generation stops on one (_stray cuts an engine that did not)
+    stray_ids = frozenset(vis.spec.special_ids) if vis.vl else frozenset()
+    stop_ids = sorted({*tok.stop_ids, *stray_ids})
 
     def append(p: _Prompt) -> None:
         """Append a prompt to the token arrays: a new segment starts here, a shown screenshot is recorded."""
@@ -252,7 +266,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     with telemetry.client_span("generate", {"tars.prompt_tokens": len(request)}) as gsp:
                         try:
                             g = await ctx.infer.generate(tid, request, cfg.max_new_tokens,
-                                                         temperature=cfg.temperature, stop_token_ids=tok.stop_ids,
+                                                         temperature=cfg.temperature, stop_token_ids=stop_ids,
                                                          timeout_s=cfg.rpc_timeout_s,
                                                          images=[common_pb2.Image(data=b) for b in window])
                         except grpc.aio.AioRpcError as e:
@@ -274,23 +288,32 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     gen_ms = (time.perf_counter() - t0) * 1000
                     gen_s += gen_ms / 1000
                     waited += gen_ms
+                    out_ids, out_lp, out_v = list(g.output_ids), list(g.logprobs), list(g.versions)
+                    wrote = _stray(out_ids, stray_ids)
+                    if wrote >= 0:   # as if the engine had stopped on it, as asked: the same prefix, the same logprobs
+                        out_ids, out_lp, out_v = out_ids[:wrote + 1], out_lp[:wrote + 1], out_v[:wrote + 1]
                     start = len(tokens)
-                    tokens += list(g.output_ids)
-                    logprobs += list(g.logprobs)
-                    versions += list(g.versions)
-                    mask += [1] * len(g.output_ids)
-                    closed = bool(g.output_ids) and g.output_ids[-1] == tok.eot_id
-                    text = tok.decode(g.output_ids)
+                    tokens += out_ids
+                    logprobs += out_lp
+                    versions += out_v
+                    mask += [1] * len(out_ids)
+                    closed = bool(out_ids) and out_ids[-1] == tok.eot_id
+                    text = tok.decode(out_ids)
                     steps.append(J.Step(obs.text, text.strip(), shot))
-                    # 3. parse; unparseable output gets a format penalty and, by default, another try
+                    # 3. parse; unparseable output gets a format penalty and, by default, another try. An answer
+                    #    that wrote a vision token is one too, and ends the episode: no request can extend a
+                    #    conversation past an unframed vision token (the engine binds every run to an image).
                     try:
+                        if wrote >= 0:
+                            raise ParseError(f"the model wrote a vision token ({tok.decode(out_ids[-1:], False)}), "
+                                             "which only a framed screenshot may hold; the episode cannot go on")
                         thought, actions = parse_response(text)
                     except ParseError as e:
                         history.append(uitars.step_text("", None, text))
                         turns.append(Turn(obs_ref, text, {}, cfg.format_penalty, start, len(tokens), 0.0, gen_ms, str(e)[:200]))
                         ret += cfg.format_penalty
                         note = INVALID_NOTE  # what the next prompt says (the bootstrap state, if this stops here)
-                        if cfg.on_parse_error == "stop":
+                        if cfg.on_parse_error == "stop" or wrote >= 0:
                             cut = "parse_error"
                             break
                         continue

@@ -4,7 +4,8 @@ A vision-language checkpoint directory (config.json `model_type` qwen2_vl | qwen
 `preprocessor_config.json`) is read here once, as `VLSpec`:
 
 - the special tokens a screenshot occupies in the prompt: `<|vision_start|>`, `image_tokens(w, h)` x
-  `<|image_pad|>`, `<|vision_end|>` (ids from config.json);
+  `<|image_pad|>`, `<|vision_end|>` (ids from config.json); `special_ids` are those and `<|video_pad|>`: tokens of
+  the input only, which the policy may still sample (actor/episode.py stops on them);
 - how many `<|image_pad|>` tokens a screenshot of w x h pixels takes: the processor resizes it with `smart_resize`
   (both sides multiples of patch_size x merge_size, the area within [min_pixels, max_pixels]) and every
   merge_size x merge_size block of patches becomes one token;
@@ -90,10 +91,19 @@ class VLSpec:
     temporal_patch_size: int
     min_pixels: int
     max_pixels: int
+    video_token_id: int = -1   # -1: config.json names none
 
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """The vision special tokens (<|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>): input-only,
+        never part of an answer. The actor stops generation on them (an answer that ends with one ends its episode
+        as a parse error) and the learner embeds a sampled one as padding (learner/batch.py)."""
+        ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id)
+        return tuple(sorted({i for i in ids if i >= 0}))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "VLSpec":
@@ -121,6 +131,8 @@ class VLSpec:
             if not isinstance(cfg.get(k), int):
                 raise ValueError(f"{p}/config.json: {k} is missing")
             ids[k] = int(cfg[k])
+        if isinstance(cfg.get("video_token_id"), int):
+            ids["video_token_id"] = int(cfg["video_token_id"])
         return cls(
             path=str(p), model_type=cfg["model_type"], **ids,
             patch_size=int(proc.get("patch_size") or vc.get("patch_size") or 14),

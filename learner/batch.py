@@ -10,6 +10,8 @@ A vision-language trajectory (core/schema.py `segments`, `image_refs`; a VL chec
 RowImages: where each of its independent sequences starts and the pixel_values / image_grid_thw of the images bound
 to that segment's framed runs, in token order (the contract's rule 3: TrainPolicy computes each segment as its own
 sequence with its own images). A segment's first token, like a row's, has no prefix: it is never trained on.
+A vision token the policy sampled (the last generated token of its episode, actor/episode.py) is no run: RowImages
+lists it in `stray`, the model's input takes the padding id there, its target (the logprob taken) is the real id.
 Text trajectories have none (`images` is None for an all-text batch) and take the text path unchanged.
 """
 from __future__ import annotations
@@ -30,6 +32,16 @@ class RowImages:
     of its runs' images in token order, on the CPU (moved where the forward runs)."""
     starts: list[int]
     pixels: list[tuple[torch.Tensor, torch.Tensor]]
+    stray: list[int] = field(default_factory=list)  # positions of vision tokens the policy sampled (embedded as padding)
+
+
+def stray_positions(tokens: np.ndarray, mask, spec) -> list[int]:
+    """Positions of the vision special tokens (spec.special_ids) that the policy sampled (mask 1): never part of a
+    framed run (the actor stops generation on them and ends the episode there, actor/episode.py)."""
+    if mask is None:
+        return []
+    gen = np.asarray(mask) > 0
+    return np.flatnonzero(gen & np.isin(np.asarray(tokens), spec.special_ids)).tolist()
 
 
 def image_runs(tokens: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
@@ -40,14 +52,26 @@ def image_runs(tokens: np.ndarray, image_token_id: int) -> list[tuple[int, int]]
 
 
 def row_images(tokens: np.ndarray, segments, image_refs, images: dict, spec, cache: dict | None = None,
-               what: str = "trajectory", pixels: bool = True) -> RowImages:
+               what: str = "trajectory", pixels: bool = True, mask=None) -> RowImages:
     """A VL sequence's RowImages; ValueError (naming `what`) unless every framed run is bound to exactly one image
     whose processed grid gives that run's pad count (the contract's rule 1) and no run crosses a segment start.
     cache: sha -> (pixel_values, image_grid_thw), shared across the rows of a batch. pixels=False: the checks only
-    (the pad counts from the images' sizes, no pixel processing); the RowImages then has no pixels."""
+    (the pad counts from the images' sizes, no pixel processing); the RowImages then has no pixels.
+
+    mask: the generated tokens. A vision token the policy sampled is no run: the model's input takes the padding id
+    there (TrainPolicy._vl_hidden), its target stays the real id. That is exact only as the last generated token
+    (nothing trained attends to it), which is where the actor ends such an episode; anywhere else is a ValueError."""
     from core.vlm import png_size
 
     cache = {} if cache is None else cache
+    stray = stray_positions(tokens, mask, spec)
+    if stray:
+        last = int(np.flatnonzero(np.asarray(mask) > 0)[-1])
+        if stray != [last]:
+            raise ValueError(f"{what}: the vision token the model wrote at {stray[0]} is not its last generated "
+                             f"token ({last}): the conversation went on past it")
+        tokens = np.array(tokens, copy=True)
+        tokens[stray[0]] = -1
     starts = [0, *[int(s) for s in segments]]
     runs = image_runs(tokens, spec.image_token_id)
     if len(runs) != len(image_refs):
@@ -82,18 +106,18 @@ def row_images(tokens: np.ndarray, segments, image_refs, images: dict, spec, cac
             pixels.append((torch.cat([pv for pv, _ in ims]), torch.cat([thw for _, thw in ims])))
         else:
             pixels.append(None)
-    return RowImages(starts, pixels)
+    return RowImages(starts, pixels, stray)
 
 
 def binding_error(tr: Trajectory, spec) -> str | None:
     """Why a trajectory's images cannot be bound for training (row_images' checks, without the pixels), or None
     (they can, or it has none). The learner keeps such a trajectory out of the loss instead of failing an update."""
-    if not (tr.segments or tr.image_refs):
+    if not (tr.segments or tr.image_refs or (spec is not None and stray_positions(tr.tokens, tr.mask, spec))):
         return None
     if spec is None:
         return "it carries images or segments but the model is not a vision-language checkpoint"
     try:
-        row_images(tr.tokens, tr.segments, tr.image_refs, tr.images, spec, pixels=False)
+        row_images(tr.tokens, tr.segments, tr.image_refs, tr.images, spec, pixels=False, mask=tr.mask)
     except ValueError as e:
         return str(e)
     return None
@@ -138,13 +162,15 @@ def collate(trajs: list[Trajectory], pad_id: int = 0, vl=None) -> Batch:
     """vl: the model's core.vlm.VLSpec (TrainPolicy.vl) when it is a VL checkpoint; ValueError if a trajectory carries
     images or segments and there is none, or its images do not bind (row_images)."""
     images, cache = None, {}
-    if any(t.segments or t.image_refs for t in trajs):
+    need = [bool(t.segments or t.image_refs or (vl is not None and stray_positions(t.tokens, t.mask, vl)))
+            for t in trajs]
+    if any(need):
         if vl is None:
             bad = next(t for t in trajs if t.segments or t.image_refs)
             raise ValueError(f"trajectory {bad.id} carries images or segments but the model is not a vision-language "
                              "checkpoint")
-        images = [row_images(t.tokens, t.segments, t.image_refs, t.images, vl, cache, f"trajectory {t.id}")
-                  if t.segments or t.image_refs else None for t in trajs]
+        images = [row_images(t.tokens, t.segments, t.image_refs, t.images, vl, cache, f"trajectory {t.id}",
+                             mask=t.mask) if n else None for t, n in zip(trajs, need)]
     boots = [boot_position(t) for t in trajs]
     widths = [max(len(t.tokens), p + 1 if p else 0) for t, p in zip(trajs, boots)]
     B, T = len(trajs), max(widths)

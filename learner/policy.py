@@ -275,9 +275,9 @@ class TrainPolicy(nn.Module):
     def _vl_hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None, rows) -> torch.Tensor:
         """[B, T, H] in the rows' token layout, each segment of each row computed as its own sequence: its tokens
         from position 0, its images' pixel_values / image_grid_thw, transformers' M-RoPE positions (mm_token_type_ids
-        marks the image pads). Segments go through the model together, right-padded, packed longest first into
-        forwards of at most the chunk's own padded size (B x T); their images concatenated in row order. Padding
-        positions stay 0."""
+        marks the image pads; a vision token the policy sampled, RowImages.stray, goes in as the pad id). Segments go
+        through the model together, right-padded, packed longest first into forwards of at most the chunk's own
+        padded size (B x T); their images concatenated in row order. Padding positions stay 0."""
         B, T = input_ids.shape
         dev = input_ids.device
         lens = key_valid.sum(1).tolist() if key_valid is not None else [T] * B
@@ -307,6 +307,7 @@ class TrainPolicy(nn.Module):
             for j, (r, s, e, _) in enumerate(g):
                 ids[j, :e - s] = input_ids[r, s:e]
                 att[j, :e - s] = 1
+                ids[j, [t - s for t in (rows[r].stray if rows[r] else ()) if s <= t < e]] = self.config.pad_token_id
             pix = [p[3] for p in g if p[3] is not None and p[3][1].shape[0]]
             kw = {}
             if pix:

@@ -87,15 +87,24 @@ def tok(vl_dir):
 
 
 class Recorder:
-    """A scripted engine answering `answers[i]` to its i-th request (the last one after that); keeps each request."""
+    """A scripted engine answering `answers[i]` to its i-th request (the last one after that; text, or the output
+    ids as a list); keeps each request and its stop_token_ids."""
 
     def __init__(self, tok, answers):
-        self.tok, self.answers, self.requests = tok, answers, []
+        self.tok, self.answers, self.requests, self.stops = tok, answers, [], []
         self.engine = ScriptedEngine(self._respond, tok.vocab_size)
+        submit = self.engine.submit
+
+        def recording(input_ids, params=None, *a, **kw):
+            self.stops.append(tuple(params.stop_token_ids) if params else ())
+            return submit(input_ids, params, *a, **kw)
+
+        self.engine.submit = recording
 
     def _respond(self, ids, images):
         self.requests.append((list(ids), [bytes(b) for b in images]))
-        return self.tok.answer(self.answers[min(len(self.requests) - 1, len(self.answers) - 1)])
+        a = self.answers[min(len(self.requests) - 1, len(self.answers) - 1)]
+        return list(a) if isinstance(a, list) else self.tok.answer(a)
 
 
 @contextlib.asynccontextmanager
@@ -271,3 +280,33 @@ def test_an_unreadable_screenshot_is_envds_fault_not_a_crash(tok):
     ctx, tr, rec = episode(tok, ["Action: wait()"], env_id="vlscreen/badshot")
     assert tr.outcome == "infra_error" and tr.fault == "envd" and "cannot be read" in tr.error
     assert rec.requests == [] and tr.turns == []
+
+
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|vision_end|>"])
+def test_a_vision_token_the_model_writes_ends_the_episode_as_a_parse_error(tok, token):
+    """A VL checkpoint's requests stop on its vision tokens; an answer with one (here from an engine that went on
+    past it: the actor cuts there, as the stop asks) is a parse error with the format penalty that ends the episode
+    as truncated/parse_error, with no further request: its tokens stay in the trajectory, the stray token last, and
+    the learner binds it (learner/batch.py)."""
+    from learner.batch import binding_error
+
+    spec = VLSpec.load(tok.path)
+    vid = tok.hf.convert_tokens_to_ids(token)
+    stray = tok.encode("Thought: a") + [vid] + tok.encode(" click") + [tok.eot_id]
+    ctx, tr, rec = episode(tok, ["Action: click(point='<point>140 84</point>')", stray, "Action: finished()"],
+                           max_turns=5, on_parse_error="continue", format_penalty=-0.3)
+    assert len(rec.requests) == 2     # no request past the stray token
+    assert all(set(spec.special_ids) <= set(s) and set(tok.stop_ids) <= set(s) for s in rec.stops), rec.stops
+    assert set(spec.special_ids) == {spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id,
+                                     tok.hf.convert_tokens_to_ids("<|video_pad|>")}
+    assert tr.outcome == "truncated" and tr.truncated_by == "parse_error", (tr.outcome, tr.truncated_by, tr.error)
+    t = tr.turns[-1]
+    assert len(tr.turns) == 2 and t.reward == pytest.approx(-0.3) and tr.ret == pytest.approx(0.25 - 0.3)
+    assert t.parse_error.startswith("the model wrote a vision token") and token in t.parse_error
+    assert tr.tokens[t.start:t.end].tolist() == stray[:stray.index(vid) + 1]   # cut right after it
+    assert tr.mask[t.start:t.end].all() and (tr.versions[t.start:t.end] >= 0).all()
+    assert np.allclose(tr.logprobs[t.start:t.end], -0.1)
+    assert np.flatnonzero(tr.mask)[-1] == t.end - 1
+    tr.validate(tok.vocab_size)
+    assert tr.boot_at == len(tr.tokens) > t.end   # the state it was cut in, for the critic
+    assert binding_error(tr, spec) is None

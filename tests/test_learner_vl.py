@@ -355,3 +355,84 @@ def test_learner_keeps_unbindable_images_out_of_the_loss(vl_dir):
     assert "pads, its image takes" in binding_error(bad, spec)
     assert "not a vision-language" in binding_error(good, None)
     assert binding_error(text_trajectory(vl_dir), None) is None
+
+
+def stray_trajectory(d, tid="s0", token="<|image_pad|>", sizes=((160, 210), (120, 90))):
+    """The actor's trajectory of an answer that ends with a vision token it sampled (actor/episode.py): truncated by
+    parse_error, the bootstrap prompt (with its screenshot) after it. Returns it and its one segment as the
+    reference's (ids with the stray token's input replaced by the pad id, pngs, mask)."""
+    spec, tok = VLSpec.load(d), ChatTokenizer.load(d)
+    pngs = [_png(w, h, 3 + i) for i, (w, h) in enumerate(sizes)]
+    n = [spec.image_tokens(w, h) for w, h in sizes]
+    ids = tok.first_prompt("sys", ["look", n[0]])
+    mask = [0] * len(ids)
+    a = tok.answer("click(start_box='(1,2)')")
+    ids, mask = ids + a, mask + [1] * len(a)
+    p = tok.next_turn(["now", n[1]])
+    ids, mask = ids + p, mask + [0] * len(p)
+    a = tok.encode("Thought: the") + [tok.hf.convert_tokens_to_ids(token)]
+    ids, mask = ids + a, mask + [1] * len(a)
+    stray = len(ids) - 1
+    p = tok.next_turn([n[1]], closed=False)   # the state it was cut in, for the critic
+    ids, mask = ids + p, mask + [0] * len(p)
+    pngs.append(pngs[1])
+    shas = [hashlib.sha256(b).hexdigest() for b in pngs]
+    m = np.array(mask, np.uint8)
+    tr = Trajectory(id=tid, env_id="e", outcome="truncated", tokens=np.array(ids, np.int32),
+                    logprobs=np.where(m > 0, -1.0, 0.0).astype(np.float32), versions=np.where(m > 0, 0, -1).astype(np.int32),
+                    mask=m, turns=[Turn("", "", {}, 0.0, 0, stray + 1)], ret=-0.1, group="g", boot_at=len(ids),
+                    truncated_by="parse_error", image_refs=shas, images=dict(zip(shas, pngs)))
+    tr.validate()
+    x = list(ids)
+    x[stray] = TrainPolicy.load(d).config.pad_token_id
+    return tr, [(x, pngs, mask)], stray
+
+
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|vision_start|>", "<|video_pad|>"])
+def test_a_sampled_vision_token_trains_exactly(vl_dir, token):
+    """A trajectory whose last generated token is a vision token the policy sampled (no framed run, no image) is
+    collated, not dropped: its logprobs equal transformers' on the segment with that token's input replaced by the
+    pad id, the target the real id; the critic reads its bootstrap state."""
+    from learner.batch import binding_error
+
+    pol = TrainPolicy.load(vl_dir)
+    ref, spec = _reference(vl_dir), pol.vl
+    assert set(spec.special_ids) == {spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id,
+                                     ChatTokenizer.load(vl_dir).hf.convert_tokens_to_ids("<|video_pad|>")}
+    tr, segs, stray = stray_trajectory(vl_dir, token=token)
+    good, s0 = vl_trajectory(vl_dir, "good")
+    assert binding_error(tr, spec) is None
+    b = collate([tr, good], pol.config.pad_token_id, pol.vl)
+    assert b.images[0].stray == [stray] and int(b.tokens[0, stray]) == ChatTokenizer.load(vl_dir).hf.convert_tokens_to_ids(token)
+    with torch.no_grad():
+        lp = pol.logprobs_at(b.tokens, b.valid, b.mask, vl=b.vl(torch.arange(2)))
+        ids, pngs, mask = segs[0]
+        x = torch.tensor([ids])
+        pv, thw = spec.pixels(pngs)
+        logits = ref(input_ids=x, pixel_values=pv, image_grid_thw=thw,
+                     mm_token_type_ids=(x == spec.image_token_id).int()).logits[0]
+        real = torch.tensor(tr.tokens.astype(np.int64))
+        want = torch.log_softmax(logits[:-1].float(), -1).gather(-1, real[1:, None])[:, 0][torch.tensor(mask[1:]) > 0]
+    want = torch.cat([want, slow_logprobs(ref, spec, s0)])
+    assert lp.shape == want.shape
+    assert float((lp - want).abs().max()) < 1e-5
+    # the critic's bootstrap value is read past the stray token
+    critic = TrainPolicy.critic_from(pol)
+    vm = b.mask.clone()
+    vm[b.boot > 0] = 1
+    with torch.no_grad():
+        v = critic.values_at(b.tokens, b.valid, vm, vl=b.vl(torch.arange(2)))
+    assert torch.isfinite(v).all()
+
+
+def test_a_sampled_vision_token_before_the_end_is_a_binding_error(vl_dir):
+    """Exactness needs the sampled vision token to be the last generated one (nothing trained attends to it): a
+    conversation that went on past it is not bound."""
+    from learner.batch import binding_error
+
+    spec = VLSpec.load(vl_dir)
+    tr, _, stray = stray_trajectory(vl_dir)
+    tr.mask[-1] = 1
+    assert "is not its last generated token" in binding_error(tr, spec)
+    with pytest.raises(ValueError, match="is not its last generated token"):
+        collate([tr], 0, spec)
