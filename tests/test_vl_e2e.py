@@ -44,6 +44,15 @@ def vl_dir(request, tmp_path_factory) -> pathlib.Path:
     return d
 
 
+# The process-level runs (actor episodes, `tars up`, `tars sft` + `tars eval`): Qwen2.5-VL (UI-TARS-1.5's
+# architecture) in the default run, Qwen2-VL in the slow set.
+@pytest.fixture(scope="module", params=["qwen2_5_vl", pytest.param("qwen2_vl", marks=pytest.mark.slow)])
+def vl_run_dir(request, tmp_path_factory) -> pathlib.Path:
+    d = tmp_path_factory.mktemp(request.param + "-run") / "ckpt"
+    make_vl_checkpoint(d, arch=request.param, max_pixels=MAXP, min_pixels=MINP)
+    return d
+
+
 @contextlib.contextmanager
 def served(model: pathlib.Path, tmp: pathlib.Path, *sets: str):
     """`tars serve --model DIR` as its own process; yields its address."""
@@ -186,9 +195,8 @@ def _miniwob_here() -> bool:
     return bool(shutil.which("chromium") and shutil.which("chromedriver"))
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
-def test_learner_logprobs_equal_the_engines_over_actor_episodes_with_segments(vl_dir, tmp_path):
+def test_learner_logprobs_equal_the_engines_over_actor_episodes_with_segments(vl_run_dir, tmp_path):
     """Episodes of the real actor code against a real `tars envd` (MiniWoB: a screenshot every turn) and a real
     `tars serve`, image_history=2 so later turns start new segments; after the stream's encode/decode the learner's
     logprob of every sampled token equals the engine's within 1e-4."""
@@ -206,7 +214,7 @@ def test_learner_logprobs_equal_the_engines_over_actor_episodes_with_segments(vl
     out = tmp_path / "out"
     out.mkdir()
     C.save(cfg, out / "config.yaml")
-    tok = ChatTokenizer.load(vl_dir)
+    tok = ChatTokenizer.load(vl_run_dir)
 
     async def episodes(envd, inference):
         env = EnvClient(envd, cfg.envd.auth_token, 60, 2)
@@ -219,15 +227,15 @@ def test_learner_logprobs_equal_the_engines_over_actor_episodes_with_segments(vl
             await infer.close()
             await env.close()
 
-    with Topology(plan(cfg, out, vl_dir, learner=False, n_actors=0)) as topo:
+    with Topology(plan(cfg, out, vl_run_dir, learner=False, n_actors=0)) as topo:
         topo.start()
         trs = asyncio.run(episodes(topo.envd, topo.inference))
     trs = [Trajectory.decode(t.validate().encode()) for t in clean(trs)]
     # (an episode cut short by a vision token it wrote may end before its second segment)
     assert any(t.segments and len(t.image_refs) >= 3 for t in trs), [(t.segments, len(t.image_refs)) for t in trs]
     assert all(set(t.image_refs) <= set(t.images) for t in trs)
-    worst, n = learner_agreement(vl_dir, trs)
-    print(f"{vl_dir.parent.name}: {n} sampled tokens over {sum(len(t.segments) + 1 for t in trs)} segments, "
+    worst, n = learner_agreement(vl_run_dir, trs)
+    print(f"{vl_run_dir.parent.name}: {n} sampled tokens over {sum(len(t.segments) + 1 for t in trs)} segments, "
           f"max |learner - engine| logprob {worst:.2e}")
     assert n > 20 and worst <= 1e-4
 
@@ -248,13 +256,12 @@ def _loads_as_vl(d: pathlib.Path, model_type: str) -> None:
     assert transformers.AutoTokenizer.from_pretrained(str(d)).chat_template
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
-def test_a_short_up_run_with_screenshots(vl_dir, tmp_path):
+def test_a_short_up_run_with_screenshots(vl_run_dir, tmp_path):
     """`tars up --set model.path=VLDIR` on MiniWoB (a screenshot every turn, two per segment): the learner trains on
     the actors' VL trajectories through the stream, versions are published, and final/ is a VL checkpoint."""
     out = tmp_path / "up"
-    _cli("up", "--out", str(out), "--quiet", "--set", f"model.path={vl_dir}", "--set", "sft.steps=0",
+    _cli("up", "--out", str(out), "--quiet", "--set", f"model.path={vl_run_dir}", "--set", "sft.steps=0",
          "--set", "actor.env_ids=[miniwob/click-button]", "--set", "actor.image_history=2",
          "--set", "actor.max_turns=3", "--set", "actor.max_new_tokens=8", "--set", "actor.concurrency=4",
          "--set", "actor.on_parse_error=continue", "--set", "inference.max_context=4096",
@@ -268,18 +275,17 @@ def test_a_short_up_run_with_screenshots(vl_dir, tmp_path):
     trained = [i for line in (out / "trained.jsonl").read_text().splitlines() for i in json.loads(line).get("ids", [])]
     assert len(trained) >= 8     # VL trajectories the learner bound and trained on
     assert any((out / "stream.wal.images").iterdir())   # the screenshots came through the stream
-    _loads_as_vl(out / "final", json.loads((vl_dir / "config.json").read_text())["model_type"])
+    _loads_as_vl(out / "final", json.loads((vl_run_dir / "config.json").read_text())["model_type"])
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
-def test_sft_on_text_demos_and_eval_with_screenshots(vl_dir, tmp_path):
+def test_sft_on_text_demos_and_eval_with_screenshots(vl_run_dir, tmp_path):
     """`tars sft --model VLDIR` (the scripted text demonstrations) keeps a VL checkpoint; `tars eval --model` on it
     runs MiniWoB episodes with screenshots, none of which ends as an infrastructure error."""
     sft = tmp_path / "sft"
-    _cli("sft", "--model", str(vl_dir), "--out", str(sft), "--demos", "16", "--steps", "2",
+    _cli("sft", "--model", str(vl_run_dir), "--out", str(sft), "--demos", "16", "--steps", "2",
          "--set", "sft.batch_size=4")
-    _loads_as_vl(sft, json.loads((vl_dir / "config.json").read_text())["model_type"])
+    _loads_as_vl(sft, json.loads((vl_run_dir / "config.json").read_text())["model_type"])
     _cli("eval", "--suite", "miniwob", "--model", str(sft), "--out", str(tmp_path / "eval"), "--episodes", "2",
          "--tasks", "miniwob/click-button", "--concurrency", "2", "--set", "actor.max_new_tokens=8",
          "--set", "actor.max_turns=3", "--set", "actor.image_history=2", "--set", "inference.max_context=4096")
