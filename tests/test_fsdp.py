@@ -180,3 +180,39 @@ def test_fsdp_trains_a_vl_checkpoint_like_one_process(vl_run, freeze):
     else:  # a vision block's weight (sharded in its own unit) and the merger both trained
         for k in ("visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight"):
             assert moved[k] > 100 * max(diff, 1e-6), (k, moved[k], diff)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
+def test_sharded_vl_forward_runs_the_vision_tower_once_first(tmp_path, arch):
+    """What a sharded VL policy's hidden() guarantees, checked in one process: the vision tower then the language model,
+    once each per call, with or without screenshots in the chunk, and the same hidden states as without the guard."""
+    from learner import fsdp as F
+    from learner.batch import collate
+    from learner.policy import TrainPolicy
+    from tars.bench.episodes import vl_episodes
+    from tests.hf_dirs import make_vl_checkpoint
+
+    make_vl_checkpoint(tmp_path, arch=arch, max_pixels=64 * 28 * 28, min_pixels=4 * 28 * 28)
+    pol = TrainPolicy.load(tmp_path)
+    trajs = vl_episodes(tmp_path, 2, images=2, size=(160, 210)) + [_text_only(tmp_path, 0)]
+    b = collate(trajs, pol.config.pad_token_id, pol.vl)
+    order = []
+    # (the first vision block and the first decoder layer: FSDP units, whose calls all-gather)
+    pol.lm.model.visual.blocks[0].register_forward_pre_hook(lambda *_: order.append("visual"))
+    pol.lm.model.language_model.layers[0].register_forward_pre_hook(lambda *_: order.append("language"))
+    guarded = F._vl_hidden_once(pol, pol.hidden)
+    pol.one_vl_forward = True
+    for rows in (torch.arange(3), torch.tensor([2])):  # with screenshots (trajectory 0 in two segments); text only
+        T = int(b.widths[rows].max())
+        args = (b.tokens[rows, :T], b.valid[rows, :T])
+        with torch.no_grad():
+            want = pol.hidden(*args, vl=b.vl(rows))
+            order.clear()
+            got = guarded(*args, vl=b.vl(rows))
+        assert order == ["visual", "language"], order
+        assert torch.equal(got, want)
+    pol.one_vl_forward = False  # segments packed into several forwards: refused, not a hang
+    with pytest.raises(RuntimeError, match="once each expected"), torch.no_grad():
+        rows = torch.arange(2)  # 3 segments of nearly a row's width each: two forwards
+        T = int(b.widths[rows].max())
+        guarded(b.tokens[rows, :T], b.valid[rows, :T], vl=b.vl(rows))
