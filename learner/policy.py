@@ -276,8 +276,8 @@ class TrainPolicy(nn.Module):
         """[B, T, H] in the rows' token layout, each segment of each row computed as its own sequence: its tokens
         from position 0, its images' pixel_values / image_grid_thw, transformers' M-RoPE positions (mm_token_type_ids
         marks the image pads). Segments go through the model together, right-padded, packed longest first into
-        forwards of at most the chunk's own padded size (B x T) (one forward when learner/fsdp.py sets one_vl_forward);
-        their images concatenated in row order. Padding positions stay 0."""
+        forwards of at most the chunk's own padded size (B x T); their images concatenated in row order. Padding
+        positions stay 0."""
         B, T = input_ids.shape
         dev = input_ids.device
         lens = key_valid.sum(1).tolist() if key_valid is not None else [T] * B
