@@ -16,6 +16,15 @@ What sharding changes (learner/ppo.py reads `PPOTrainer.fsdp`):
   Gradients come out summed (divide factor 1), and `Dist.allreduce_grads` is not called.
 - Gradient-norm clipping over the shards: clip_grad_norm_ on DTensor gradients reduces the norm over the group, so
   every rank clips by, and decides finiteness on, the same global norm.
+- A Qwen2-VL / Qwen2.5-VL model (TrainPolicy.vl): its vision blocks (`_no_split_modules` names them beside the decoder
+  layers) are units too; the vision tower's other parameters (patch embedding, merger) are in the root unit. A unit's
+  collectives run per call of its module, so the calls must not depend on a rank's data: the policy runs the language
+  model once per hidden() (`one_vl_forward`: all segments of the chunk in one forward, not packed into several), and
+  the vision tower exactly once, before the language model (`_vl_hidden_once`: a chunk without images runs it on one
+  blank image, its output added times 0 to the embeddings, so the vision units all-gather and reduce-scatter, with
+  zero gradients, in the same order as on the other ranks).
+  model.freeze_vision: FSDP2 keeps requires_grad per parameter (frozen vision blocks reduce-scatter nothing, the root
+  unit mixes frozen and trainable ones); freeze before sharding (learner/main.py does), the optimisers skip them.
 - Full state: `full(t)` (collective), `full_state(module)`, `full_optim_state(opt)` gather on every rank in the same
   order (TrainPolicy.hf_state_dict gathers its tensors; `gathered(policy)` holds them for rank 0's writers);
   `load_state` / `load_optim_state` scatter full tensors (a 1-process checkpoint) back into shards.
@@ -57,11 +66,59 @@ def shard(model: nn.Module, world: int, device: torch.device) -> nn.Module:
     for name in ENTRY_POINTS:  # all-gather the root unit around these too, not only around forward()
         if hasattr(model, name):
             register_fsdp_forward_method(model, name)
+    if getattr(model, "vl", None) is not None:
+        model.one_vl_forward = True
+        model.hidden = _vl_hidden_once(model, model.hidden)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a sum, not a mean: the chunks' loss weights already divide
             m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
     return model
+
+
+def _vl_hidden_once(model: nn.Module, hidden):
+    """model.hidden for a sharded VL policy: the vision tower and the language model run exactly once per call, the
+    tower first, on every rank (a unit all-gathers at each call of its module, so the order must match too). A call
+    whose chunk has no image runs the tower on one blank image just before the language model, as transformers runs
+    it on real ones, and adds its output times 0 to the input embeddings: the same collectives, zero gradients."""
+    visual, language = model.lm.model.visual, model.lm.model.language_model
+
+    def blank():
+        c, m = visual.config, visual.spatial_merge_size
+        dim = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
+        dev = next(iter(visual.parameters())).device
+        out = visual(torch.zeros(m * m, dim, device=dev, dtype=visual.dtype),
+                     grid_thw=torch.tensor([[1, m, m]], device=dev))
+        return out.pooler_output if getattr(out, "pooler_output", None) is not None else out[0]
+
+    def once(*args, **kwargs):
+        seen = {"visual": 0, "language": 0}
+
+        def on_visual(*_):
+            seen["visual"] += 1
+
+        def on_language(_mod, a, kw):
+            seen["language"] += 1
+            if seen["visual"] == 0 and seen["language"] == 1:
+                if kw.get("inputs_embeds") is None:
+                    raise RuntimeError("sharded VL forward: the language model was called without inputs_embeds")
+                y = blank()
+                kw = {**kw, "inputs_embeds": kw["inputs_embeds"] + 0.0 * y.sum().to(kw["inputs_embeds"].dtype)}
+            return a, kw
+
+        hooks = [visual.register_forward_pre_hook(on_visual),
+                 language.register_forward_pre_hook(on_language, with_kwargs=True)]
+        try:
+            h = hidden(*args, **kwargs)
+        finally:
+            for hk in hooks:
+                hk.remove()
+        if seen != {"visual": 1, "language": 1}:  # one_vl_forward rules this out; a mismatch would hang the group
+            raise RuntimeError(f"sharded VL forward ran the vision tower {seen['visual']} and the language model "
+                               f"{seen['language']} times (once each expected)")
+        return h
+
+    return once
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -292,7 +292,7 @@ class TrainPolicy(nn.Module):
         pieces.sort(key=lambda p: p[2] - p[1], reverse=True)
         groups, cur = [], []
         for p in pieces:  # the first piece of a group is its longest
-            if cur and (len(cur) + 1) * (cur[0][2] - cur[0][1]) > B * T:
+            if cur and not getattr(self, "one_vl_forward", False) and (len(cur) + 1) * (cur[0][2] - cur[0][1]) > B * T:
                 groups.append(cur)
                 cur = []
             cur.append(p)

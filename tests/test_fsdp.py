@@ -100,3 +100,119 @@ def test_parallel_setting_is_checked():
         load(overrides=["learner.parallel=zero3"])
     assert load(overrides=["learner.parallel=fsdp"]).learner.parallel == "fsdp"
     assert load().learner.parallel == "ddp"
+
+
+VL_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def vl_run(tmp_path_factory):
+    """A tiny Qwen2.5-VL checkpoint and its batches of trajectories with screenshots (value pretraining + VL_STEPS
+    updates; trajectory 0 of each in two segments) and one text-only trajectory each."""
+    from tars.bench.episodes import vl_episodes
+    from tests.hf_dirs import make_vl_checkpoint
+
+    d = tmp_path_factory.mktemp("vlfsdp")
+    make_vl_checkpoint(d / "ckpt", arch="qwen2_5_vl", max_pixels=64 * 28 * 28, min_pixels=4 * 28 * 28)
+    torch.save([vl_episodes(d / "ckpt", 8, images=2, size=(160, 210), seed=s) + [_text_only(d / "ckpt", s)]
+                for s in range(100, 101 + VL_STEPS)], d / "batches.pt")
+    return d
+
+
+def _text_only(d, seed):
+    """A trajectory without a screenshot: its chunk has no image (the sharded model still runs the vision tower)."""
+    import numpy as np
+
+    from core.chat import ChatTokenizer
+    from core.schema import Trajectory, Turn
+
+    tok = ChatTokenizer.load(d)
+    ids = tok.first_prompt("sys", "no screenshot this time")
+    a = tok.answer("wait()")
+    m = np.array([0] * len(ids) + [1] * len(a), np.uint8)
+    return Trajectory(id=f"x{seed}", env_id="e", outcome="terminated", tokens=np.array(ids + a, np.int32),
+                      logprobs=np.where(m, -1.0, 0.0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                      mask=m, turns=[Turn("", "", {}, 1.0, 0, len(m))], ret=1.0, success=True)
+
+
+def _vl(cmd, d, name, parallel, *extra):
+    out = d / name
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "ACCELERATE_LOG_LEVEL": "error"}
+    r = subprocess.run(cmd + ["-m", "learner.dist_check", str(out), str(VL_STEPS), parallel, "-1", str(KL),
+                              "--vl", str(d / "ckpt"), str(d / "batches.pt"), *extra], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.slow  # four runs, two of them two processes
+@pytest.mark.parametrize("freeze", [False, True])
+def test_fsdp_trains_a_vl_checkpoint_like_one_process(vl_run, freeze):
+    """Qwen2.5-VL under FSDP on 2 gloo processes (decoder layers and vision blocks sharded as their own units) trains
+    on trajectories with screenshots like one process: the same losses, the same weights (checkpoint names, the vision
+    tower's included); with model.freeze_vision the vision tower does not move."""
+    from learner.policy import read_weights
+
+    extra = ("--freeze-vision",) if freeze else ()
+    one = _vl([sys.executable], vl_run, f"one{freeze}.pt", "ddp", *extra)
+    two = _vl(ACCELERATE, vl_run, f"two{freeze}.pt", "fsdp", *extra)
+    assert one["world"] == 1 and two["world"] == 2 and two["backend"] == "gloo"
+    assert one["sharded"] == [False] * 3 and two["sharded"] == [True] * 3  # policy, critic, reference
+    assert one["reload_diff"] == 0.0 and two["reload_diff"] == 0.0
+    for a, b in zip(one["figures"], two["figures"]):
+        assert a["nonfinite_steps"] == b["nonfinite_steps"] == 0
+        for k in ("pg_loss", "v_loss", "entropy", "clipfrac", "grad_norm", "is_ratio_mean", "kl_ref"):
+            assert abs(a[k] - b[k]) < 1e-5, (k, a[k], b[k])
+    init = read_weights(vl_run / "ckpt")
+    # the checkpoint's names, gathered whole from the shards
+    assert one["hf"].keys() == two["hf"].keys() == init.keys()
+    assert any(k.startswith("visual.blocks.") for k in init) and any(k.startswith("model.layers.") for k in init)
+    diff = max(float((one["hf"][k] - two["hf"][k]).abs().max()) for k in init)
+    assert diff < 1e-5, diff
+    assert one["params"].keys() == two["params"].keys()
+    assert max(float((one["params"][k] - two["params"][k]).abs().max()) for k in one["params"]) < 1e-5
+    moved = {k: float((two["hf"][k] - init[k]).abs().max()) for k in init}
+    visual = [k for k in init if k.startswith("visual.")]
+    assert max(moved[k] for k in init if k.startswith("model.layers.")) > 100 * max(diff, 1e-6)
+    if freeze:
+        assert max(moved[k] for k in visual) == 0.0
+    else:  # a vision block's weight (sharded in its own unit) and the merger both trained
+        for k in ("visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight"):
+            assert moved[k] > 100 * max(diff, 1e-6), (k, moved[k], diff)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
+def test_sharded_vl_forward_runs_the_vision_tower_once_first(tmp_path, arch):
+    """What a sharded VL policy's hidden() guarantees, checked in one process: the vision tower then the language model,
+    once each per call, with or without screenshots in the chunk, and the same hidden states as without the guard."""
+    from learner import fsdp as F
+    from learner.batch import collate
+    from learner.policy import TrainPolicy
+    from tars.bench.episodes import vl_episodes
+    from tests.hf_dirs import make_vl_checkpoint
+
+    make_vl_checkpoint(tmp_path, arch=arch, max_pixels=64 * 28 * 28, min_pixels=4 * 28 * 28)
+    pol = TrainPolicy.load(tmp_path)
+    trajs = vl_episodes(tmp_path, 2, images=2, size=(160, 210)) + [_text_only(tmp_path, 0)]
+    b = collate(trajs, pol.config.pad_token_id, pol.vl)
+    order = []
+    # (the first vision block and the first decoder layer: FSDP units, whose calls all-gather)
+    pol.lm.model.visual.blocks[0].register_forward_pre_hook(lambda *_: order.append("visual"))
+    pol.lm.model.language_model.layers[0].register_forward_pre_hook(lambda *_: order.append("language"))
+    guarded = F._vl_hidden_once(pol, pol.hidden)
+    pol.one_vl_forward = True
+    for rows in (torch.arange(3), torch.tensor([2])):  # with screenshots (trajectory 0 in two segments); text only
+        T = int(b.widths[rows].max())
+        args = (b.tokens[rows, :T], b.valid[rows, :T])
+        with torch.no_grad():
+            want = pol.hidden(*args, vl=b.vl(rows))
+            order.clear()
+            got = guarded(*args, vl=b.vl(rows))
+        assert order == ["visual", "language"], order
+        assert torch.equal(got, want)
+    pol.one_vl_forward = False  # segments packed into several forwards: refused, not a hang
+    with pytest.raises(RuntimeError, match="once each expected"), torch.no_grad():
+        rows = torch.arange(2)  # 3 segments of nearly a row's width each: two forwards
+        T = int(b.widths[rows].max())
+        guarded(b.tokens[rows, :T], b.valid[rows, :T], vl=b.vl(rows))
