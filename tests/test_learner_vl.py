@@ -19,17 +19,12 @@ from learner.batch import collate
 from learner.policy import TrainPolicy, read_weights
 from learner.ppo import PPOTrainer
 from tests.hf_dirs import make_vl_checkpoint
+from tars.bench.episodes import screenshot
 
 MAXP, MINP = 64 * 28 * 28, 4 * 28 * 28
 
 
-def _png(w: int, h: int, seed: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    b = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(b, "PNG")
-    return b.getvalue()
+_png = screenshot  # random pixels, one image per seed (tars/bench/episodes.py)
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])

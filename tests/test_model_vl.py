@@ -25,18 +25,13 @@ from core.model import CausalLM, DecoderConfig, load_config
 from core.vlm import VLSpec, rope_positions
 from inference_server.engine import LocalEngine, SamplingParams
 from tests.hf_dirs import make_vl_checkpoint
+from tars.bench.episodes import screenshot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 
-def _png(w: int, h: int, seed: int) -> bytes:
-    from PIL import Image
-
-    px = np.random.RandomState(seed).randint(0, 256, (h, w, 3), dtype=np.uint8)
-    b = io.BytesIO()
-    Image.fromarray(px).save(b, "PNG")
-    return b.getvalue()
+_png = screenshot  # random pixels, one image per seed (tars/bench/episodes.py)
 
 
 A, B, C, A2 = _png(160, 210, 1), _png(300, 120, 2), _png(90, 140, 3), _png(160, 210, 4)  # A2: A's size, other pixels

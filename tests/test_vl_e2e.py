@@ -23,18 +23,13 @@ import pytest
 import torch
 
 from tests.hf_dirs import make_vl_checkpoint
+from tars.bench.episodes import screenshot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAXP, MINP = 64 * 28 * 28, 4 * 28 * 28
 
 
-def _png(w: int, h: int, seed: int) -> bytes:
-    from PIL import Image
-
-    px = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    b = io.BytesIO()
-    Image.fromarray(px).save(b, "PNG")
-    return b.getvalue()
+_png = screenshot  # random pixels, one image per seed (tars/bench/episodes.py)
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
