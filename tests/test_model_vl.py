@@ -8,14 +8,12 @@ differs; the binding rule's errors are ValueErrors; `tars serve --model VLDIR` s
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import pathlib
 import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
