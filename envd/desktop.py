@@ -264,8 +264,18 @@ class DesktopEnv(Env):
         kind = action.type
         self._check_x()
         commands = self._commands(kind, action)  # validated in full before any input reaches the desktop
-        for argv in commands:
-            self._run("xdotool", *argv)
+        try:
+            for argv in commands:
+                self._run("xdotool", *argv)
+        except RuntimeError:
+            # xdotool could not reach the display: if the X server is dying (a SIGKILL is not instant), say so
+            # rather than report xdotool's symptom.
+            try:
+                self.x.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            self._check_x()
+            raise
         self._steps += 1
         outcome = Outcome.RUNNING
         if kind in ("finished", "call_user"):
