@@ -326,25 +326,9 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     done = {**actions[0].to_dict(), **({"then": [a.to_dict() for a in actions[1:]]} if len(actions) > 1 else {})}
                     # 4. step the environment with every action of the answer, in order, until one ends the episode
                     #    or is rejected; the turn's reward is the sum of theirs
-                    reward, rejected, env_ms, ran = 0.0, "", 0.0, 0
-                    for action in actions:
-                        t0, c0 = time.perf_counter(), time.thread_time()
-                        try:
-                            with telemetry.client_span("env.step", {"tars.action": action.type}) as esp:
-                                obs = await env.step(sid, run_id, action, raw=text)
-                                telemetry.set_attrs(esp, **{"tars.reward": obs.reward, "tars.outcome": obs.outcome})
-                        except EnvActionError as e:  # well-formed but not applicable here: same as a format error
-                            rejected = str(e)[:200]
-                            break
-                        finally:
-                            c_turn += time.thread_time() - c0
-                            step_ms = (time.perf_counter() - t0) * 1000
-                            waited += step_ms
-                            env_ms += step_ms
-                        reward += obs.reward
-                        ran += 1
-                        if obs.outcome != Outcome.RUNNING:
-                            break
+                    obs, reward, rejected, env_ms, ran, cpu_s = await _act(env, sid, run_id, obs, actions, text)
+                    c_turn += cpu_s
+                    waited += env_ms
                     env_s += env_ms / 1000
                     if len(actions) > 1:
                         done["ran"] = ran   # the actions envd carried out
@@ -393,7 +377,6 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
             boot_at = len(tokens)
         except EnvInfraError as e:   # its screenshot is unreadable: no state to bootstrap from
             outcome, fault, error = Outcome.INFRA_ERROR, Fault.ENVD, str(e)[:500]
-    
     return Trajectory(
         id=tid, env_id=env_id, outcome=outcome,
         tokens=np.asarray(tokens, np.int32), logprobs=np.minimum(np.asarray(logprobs, np.float32), 0.0),
@@ -405,6 +388,31 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
         fault=fault, boot_at=boot_at, truncated_by=(cut or "max_turns") if outcome == Outcome.TRUNCATED else "",
         segments=segments, image_refs=image_refs,
     )
+
+
+async def _act(env: EnvClient, sid: str, run_id: str, obs: Obs, actions: list, text: str):
+    """Step the environment with every action of an answer, in order, until one ends the episode or is rejected.
+
+    Returns (the last observation, the summed reward, the rejection message or "", env ms, actions run, the thread
+    CPU seconds spent inside the calls, which are not the actor's own)."""
+    reward, rejected, env_ms, ran, cpu_s = 0.0, "", 0.0, 0, 0.0
+    for action in actions:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            with telemetry.client_span("env.step", {"tars.action": action.type}) as esp:
+                obs = await env.step(sid, run_id, action, raw=text)
+                telemetry.set_attrs(esp, **{"tars.reward": obs.reward, "tars.outcome": obs.outcome})
+        except EnvActionError as e:  # well-formed but not applicable here: same as a format error
+            rejected = str(e)[:200]
+            break
+        finally:
+            cpu_s += time.thread_time() - c0
+            env_ms += (time.perf_counter() - t0) * 1000
+        reward += obs.reward
+        ran += 1
+        if obs.outcome != Outcome.RUNNING:
+            break
+    return obs, reward, rejected, env_ms, ran, cpu_s
 
 
 async def _judge(ctx: EpisodeContext, tid: str, instruction: str, steps: list, obs: Obs, turns: list[Turn],
