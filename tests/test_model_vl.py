@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -23,9 +20,9 @@ from core.model import CausalLM, DecoderConfig, load_config
 from core.vlm import VLSpec, rope_positions
 from inference_server.engine import LocalEngine, SamplingParams
 from tests.hf_dirs import make_vl_checkpoint
+from tests.served import served
 from tars.bench.episodes import screenshot
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 
@@ -241,18 +238,8 @@ def test_tars_serve_a_vl_checkpoint(vl, tmp_path):
     d, ref, spec, tok = vl
     ids = _prompt(spec, tok, [_size(A), _size(B)])
     want, want_lp = _ref_greedy(ref, spec, ids, [A, B], n=4)
-    ready = tmp_path / "ready.json"
-    log = open(tmp_path / "serve.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "serve", "--model", str(d), "--ready-file", str(ready),
-                          "--set", "inference.port=0", "--set", "inference.host=127.0.0.1"],
-                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not ready.exists():
-            assert p.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "tars serve did not get ready"
-            time.sleep(0.2)
-        addr = json.loads(ready.read_text())["address"]
+    with served(tmp_path, "--model", str(d), "--set", "inference.port=0", "--set", "inference.host=127.0.0.1",
+                ready_s=90) as addr:
 
         async def main():
             from core.v1 import common_pb2
@@ -266,14 +253,6 @@ def test_tars_serve_a_vl_checkpoint(vl, tmp_path):
                 await c.close()
 
         r = asyncio.run(main())
-    finally:
-        p.terminate()
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        log.close()
     assert list(r.output_ids) == want
     assert max(abs(a - b) for a, b in zip(r.logprobs, want_lp)) < 1e-4
 

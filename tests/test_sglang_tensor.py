@@ -19,6 +19,7 @@ from inference_server.sglang_engine import SGLangEngine
 from inference_server.sglang_http import http_json
 from core.config import InferenceConfig
 from test_sglang import DC, PROMPT, gen_body, greedy, models, servers  # noqa: F401 - fixtures
+from tests.served import served
 
 
 def weights_b(models) -> dict[str, torch.Tensor]:
@@ -154,10 +155,7 @@ def test_learner_publishes_in_memory_through_tars_serve_to_sglang(servers, model
     """The whole path: Publisher (auto = shm on loopback) -> `tars serve --engine sglang` maps the segment ->
     POST /update_weights_from_tensor -> the SGLang server serves the learner's weights as version 1."""
     import collections
-    import json
     import os
-    import signal
-    import time
 
     from core import weights_shm
     from core.config_learner import PublishConfig
@@ -168,34 +166,16 @@ def test_learner_publishes_in_memory_through_tars_serve_to_sglang(servers, model
     if not weights_shm.available():
         pytest.skip("no writable /dev/shm")
     s = servers(weight_version="0")
-    ready = tmp_path / "serve.json"
-    log = open(tmp_path / "serve.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "serve", "--model", models["a"], "--port", "0", "--engine", "sglang",
-                          "--sglang-url", s.url, "--ready-file", str(ready), "--set", "inference.auth_token=t",
-                          "--set", "control.auth_token=t"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parent.parent)})
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.1)
-        addr = json.loads(ready.read_text())["address"]
+    with served(tmp_path, "--model", str(models["a"]), "--port", "0", "--engine", "sglang", "--sglang-url", s.url,
+                "--set", "inference.auth_token=t", "--set", "control.auth_token=t", ready_s=60) as addr:
         (tmp_path / "run").mkdir()
         counters = collections.Counter()
         pub = Publisher(TrainPolicy.load(models["b"]), tmp_path / "run", [addr], "t", PublishConfig(mode="auto"), counters)
         assert pub.mode == "shm"
         pub.publish(1)
-        assert counters["publish_failures"] == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert counters["publish_failures"] == 0, (tmp_path / "inference.log").read_text()[-3000:]
         assert pub.stubs[0].GetVersion(inference_pb2.GetVersionRequest(), timeout=10).version == 1
         assert http_json(s.url, "/get_model_info")[1]["weight_version"] == "1"
         out = http_json(s.url, "/generate", gen_body(None, 6))[1]
         assert out["output_ids"] == greedy(models["b"], PROMPT, 6)[0]
         assert [n for n in os.listdir(weights_shm.SHM_DIR) if n.startswith(pub.shm_prefix)] == []
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        log.close()

@@ -9,19 +9,18 @@ logprob within 1e-4."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import pathlib
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from tests.hf_dirs import make_vl_checkpoint
+from tests.served import served
 from tars.bench.episodes import screenshot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -47,30 +46,10 @@ def vl_run_dir(request, tmp_path_factory) -> pathlib.Path:
     return d
 
 
-@contextlib.contextmanager
-def served(model: pathlib.Path, tmp: pathlib.Path, *sets: str):
-    """`tars serve --model DIR` as its own process; yields its address."""
-    ready = tmp / "ready.json"
-    log = open(tmp / "serve.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "serve", "--model", str(model), "--ready-file", str(ready),
-                          "--set", "inference.port=0", "--set", "inference.host=127.0.0.1",
-                          "--set", "inference.precision=fp32", *[a for s in sets for a in ("--set", s)]],
-                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert p.poll() is None, (tmp / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "tars serve did not get ready"
-            time.sleep(0.2)
-        yield json.loads(ready.read_text())["address"]
-    finally:
-        p.terminate()
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        log.close()
+def _served(model: pathlib.Path, tmp: pathlib.Path, *sets: str):
+    """`tars serve --model DIR` as its own process, in fp32; yields its address."""
+    return served(tmp, "--model", str(model), "--set", "inference.port=0", "--set", "inference.host=127.0.0.1",
+                  "--set", "inference.precision=fp32", *[a for s in sets for a in ("--set", s)])
 
 
 def learner_agreement(model: pathlib.Path, trs) -> tuple[float, int]:
@@ -155,7 +134,7 @@ def test_learner_logprobs_equal_the_engines_over_a_two_segment_conversation_with
                           ret=0.0, success=False, truncated_by="max_turns", segments=segments, image_refs=refs,
                           images={r: b for r, b in zip(refs, shots)})
 
-    with served(vl_dir, tmp_path) as addr:
+    with _served(vl_dir, tmp_path) as addr:
         tr = asyncio.run(conversation(addr))
     assert len(tr.segments) == 1 and len(tr.image_refs) == 4
     tr = Trajectory.decode(tr.validate().encode())   # what the learner receives from the stream

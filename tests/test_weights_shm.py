@@ -10,7 +10,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -21,6 +20,7 @@ from core.config_learner import PublishConfig
 from core.model_config import DecoderConfig
 from core.v1 import inference_pb2, inference_pb2_grpc
 from learner.policy import TrainPolicy
+from tests.served import served as tars_serve
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "shm-test-token"
@@ -40,26 +40,9 @@ def served(tmp_path_factory):
     """A `tars serve` process over a tiny model: (address, its model directory, the run directory to publish from)."""
     d = tmp_path_factory.mktemp("shm")
     tiny().save_hf(d / "model")
-    ready = d / "serve.json"
-    log = open(d / "serve.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "serve", "--model", str(d / "model"), "--ready-file", str(ready),
-                          "--set", "inference.port=0", "--set", f"inference.auth_token={TOKEN}",
-                          "--set", f"control.auth_token={TOKEN}"],
-                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 90
-    while not ready.exists():
-        assert p.poll() is None and time.monotonic() < deadline, (d / "serve.log").read_text()[-3000:]
-        time.sleep(0.1)
-    try:
-        yield json.loads(ready.read_text())["address"], d / "model", d / "run"
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        log.close()
+    with tars_serve(d, "--model", str(d / "model"), "--set", "inference.port=0", "--set",
+                    f"inference.auth_token={TOKEN}", "--set", f"control.auth_token={TOKEN}", ready_s=90) as addr:
+        yield addr, d / "model", d / "run"
 
 
 def _stub(addr):
