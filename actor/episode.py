@@ -206,7 +206,9 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     cut = ""                         # what cut a truncated episode (core.schema.CUTS); set where it is cut
     note = ""
     env_s = gen_s = 0.0
-    sid = ""
+    sid = run_id = ""
+    options = {k: str(v) for k, v in cfg.env_options.items()}
+    clean = False                    # the episode ran to its end without an error: its session may be reused
     closed = True                    # the last output ended with the end-of-turn token
     obs = None
     # VL: the vision tokens are input-only; generation stops on one (_stray cuts an engine that did not)
@@ -235,8 +237,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     try:
         t0 = time.perf_counter()
         with telemetry.client_span("env.create", {"tars.env_id": env_id, "tars.envd": getattr(env, "address", "")}):
-            sid, run_id = await env.create(env_id, seed, {k: str(v) for k, v in cfg.env_options.items()})
-            obs = await env.reset(sid, run_id, seed)
+            sid, run_id, obs = await env.open(env_id, seed, options)
         env_s += time.perf_counter() - t0
         instruction = obs.instruction
         note = ""
@@ -355,13 +356,14 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                 actor_cpu_ms.append((time.thread_time() - c_turn) * 1000)
         else:
             cut = "max_turns"
+        clean = outcome != Outcome.INFRA_ERROR
     except EnvInfraError as e:
         outcome, fault, error = Outcome.INFRA_ERROR, Fault.ENVD, str(e)[:500]
     except grpc.aio.AioRpcError as e:  # inference failed after the client's retries
         outcome, fault, error = Outcome.INFRA_ERROR, Fault.INFERENCE, f"inference: {e.code().name}: {e.details()}"[:500]
     finally:
         if sid:
-            await env.close_session(sid)
+            await env.release(sid, run_id, env_id, options, reuse=clean)
     verdict: dict = {}
     if cfg.judge_mode != "off" and outcome != Outcome.INFRA_ERROR and obs is not None:
         outcome, ret, error, verdict = await _judge(ctx, tid, instruction, steps, obs, turns, outcome, ret, error)

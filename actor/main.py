@@ -20,7 +20,7 @@ from actor.envclient import EnvClient
 from actor.episode import EpisodeContext, run_episode
 from core.inference_client import InferenceClient
 from core import auth, proc, rpc, telemetry
-from core.config import RunConfig
+from core.config import HELD_OUT_SEED_BASE, RunConfig
 from core.outcome import ENDED, Fault, Outcome
 from core.control import ControlServicer, add_control
 from core.stream.sender import TrajectorySender
@@ -33,7 +33,8 @@ class Actor:
     def __init__(self, cfg: RunConfig, actor_id: str, envd: list[str], inference: list[str], stream: str,
                  tokenizer: ChatTokenizer, spool_dir: str | None = None):
         self.cfg, self.acfg, self.actor_id = cfg, cfg.actor, actor_id
-        self.envs = [EnvClient(a, cfg.envd.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries) for a in envd]
+        self.envs = [EnvClient(a, cfg.envd.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
+                               cfg.actor.keep_sessions) for a in envd]
         self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
                                      unavailable_retry_s=cfg.actor.unavailable_retry_s)
         self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,
@@ -158,7 +159,7 @@ class Actor:
             if granted > whole:  # a partial group cannot run: give the admissions back
                 await self.sender.lost(granted - whole)
             for _ in range(whole // k):
-                seed, env_id = self.rng.randrange(1 << 31), self.rng.choice(self.acfg.env_ids)
+                seed, env_id = self.rng.randrange(HELD_OUT_SEED_BASE), self.rng.choice(self.acfg.env_ids)
                 group = f"{self.actor_id}-g{seed}" if k > 1 else ""
                 for _ in range(k):
                     self._new_episode(group, seed, env_id)

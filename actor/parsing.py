@@ -40,7 +40,7 @@ _ALLOWED = {
     **{a: (*_START_KEYS, "target") for a in _CLICKS},
     "drag": (*_START_KEYS, *_END_KEYS),
     "hotkey": ("key",),
-    "type": ("content",),
+    "type": ("content", "target"),   # target: our text-addressed extension (envd focuses it, then types)
     "scroll": (*_START_KEYS, "direction", "target"),
     "wait": (),
     "finished": ("content",),

@@ -79,8 +79,9 @@ def format_action(a: Action) -> str:
     if t in CLICKS and a.point is not None:
         x, y = a.point
         return f"{t}(start_box='({int(x)},{int(y)})')"
-    if t == "type":
-        return "type(content='" + a.content.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "')"
+    if t == "type":  # the target first: content is free text that runs to the last "')" (actor.parsing)
+        where = f"target='{a.target}', " if a.target else ""
+        return f"type({where}content='" + a.content.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "')"
     if t == "hotkey":
         return f"hotkey(key='{a.key}')"
     if t in ("wait", "finished", "call_user"):

@@ -22,6 +22,10 @@ from core.config_learner import (CheckpointConfig, CorrectionConfig, GroupConfig
                                  PPOConfig, PublishConfig, StalenessConfig, StreamConfig, ValuePretrainConfig)
 
 PRESETS = pathlib.Path(__file__).parent / "presets"
+# Episode seeds are split in two: everything that trains (actors, SFT demonstrations, a fresh tokenizer's corpus)
+# draws its env seeds below HELD_OUT_SEED_BASE, and a held-out evaluation (a suite with `held_out: true`, the
+# evaluation at the end of `tars up`) uses seeds at or above it, so no training episode ever had a held-out seed.
+HELD_OUT_SEED_BASE = 1 << 30
 
 
 @dataclass
@@ -87,6 +91,10 @@ class ActorConfig:
     concurrency: int = f(64, lo=1, help="episodes run at once by one actor process")
     env_ids: list = f(["builtin/mixed"], "env ids to sample episodes from (uniformly)")
     env_options: dict = f({}, "options passed to CreateSession")
+    keep_sessions: int = f(0, lo=0, help="idle envd sessions one actor keeps for reuse: the next episode of the same env id "
+                                  "and options resets one with its seed instead of creating a session (for a browser "
+                                  "that saves its start, ~1 s of CPU for MiniWoB's Chromium); a session whose episode "
+                                  "failed is never reused; 0 = every episode creates and closes its own (actor/envclient.py)")
     max_turns: int = f(6, lo=1, help="step budget per episode; beyond it the episode is truncated")
     max_new_tokens: int = f(16, lo=1, help="generation budget per turn")
     max_obs_tokens: int = f(1024, lo=0, help="token budget of one observation's text in the prompt: a longer one is clipped, with a "

@@ -163,21 +163,18 @@ class _RecordingEnv:
     def __init__(self, env):
         self.env, self.info_json = env, ""
 
-    async def create(self, *a):
-        return await self.env.create(*a)
-
-    async def reset(self, *a):
-        o = await self.env.reset(*a)
+    async def open(self, *a):
+        sid, run_id, o = await self.env.open(*a)
         self.info_json = o.info_json
-        return o
+        return sid, run_id, o
 
     async def step(self, *a, **kw):
         o = await self.env.step(*a, **kw)
         self.info_json = o.info_json
         return o
 
-    async def close_session(self, sid):
-        await self.env.close_session(sid)
+    async def release(self, *a, **kw):
+        await self.env.release(*a, **kw)
 
 
 class ModelPolicy(Policy):
@@ -227,7 +224,7 @@ class ModelPolicy(Policy):
             raise RuntimeError(f"the policy's daemons did not start: {e}") from None
         self.envd_addr, self.inference_addr = self.topo.envd, self.topo.inference
         a = self.cfg.actor
-        self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries)
+        self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries, a.keep_sessions)
         self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries)
         self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval", max_context=max_context)
 

@@ -8,6 +8,7 @@ A suite is a YAML file (shipped ones live in tars/suites/, users pass their own 
     episodes: 20            # per task, unless a task says otherwise (the CLI's --episodes overrides all)
     max_turns: 6            # step budget per episode (default: the config's actor.max_turns)
     seed: 0                 # episode i of task t always gets the same env seed, whatever the policy
+    held_out: false         # true: seeds no training episode draws (core.config.HELD_OUT_SEED_BASE and above)
     options: {}             # env options for every task (CreateSession options)
     tasks:
       - builtin/click                       # a bare env id
@@ -34,6 +35,8 @@ from typing import Any
 
 import yaml
 
+from core.config import HELD_OUT_SEED_BASE
+
 SUITES = pathlib.Path(__file__).parent / "suites"
 INFRA = "infra_error"
 
@@ -59,11 +62,14 @@ class Suite:
     tasks: list[TaskSpec]
     seed: int = 0
     description: str = ""
+    held_out: bool = False
 
     def seed_of(self, task: str, episode: int) -> int:
         # Stable across runs and policies (not Python's salted hash): baselines and models see the same episodes.
-        h = hashlib.sha256(f"{self.seed}:{task}:{episode}".encode()).digest()
-        return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+        h = int.from_bytes(hashlib.sha256(f"{self.seed}:{task}:{episode}".encode()).digest()[:4], "little")
+        if self.held_out:  # the upper half of the seed range, which training never draws from
+            return HELD_OUT_SEED_BASE | (h % HELD_OUT_SEED_BASE)
+        return h & 0x7FFFFFFF
 
 
 def available() -> list[str]:
@@ -101,7 +107,7 @@ def load_suite(name_or_path: str, episodes: int | None = None, only: list[str] |
     where = str(p)
     if not isinstance(d, dict) or not isinstance(d.get("tasks"), list) or not d["tasks"]:
         raise SuiteError(f"{where}: a suite is a mapping with a non-empty `tasks` list")
-    unknown = set(d) - {"name", "description", "episodes", "max_turns", "seed", "options", "tasks"}
+    unknown = set(d) - {"name", "description", "episodes", "max_turns", "seed", "held_out", "options", "tasks"}
     if unknown:
         raise SuiteError(f"{where}: unknown keys {sorted(unknown)}")
     default_eps = _positive_int(d.get("episodes", 10), "episodes", where)
@@ -112,6 +118,9 @@ def load_suite(name_or_path: str, episodes: int | None = None, only: list[str] |
     seed = d.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise SuiteError(f"{where}: seed must be an integer, got {seed!r}")
+    held_out = d.get("held_out", False)
+    if not isinstance(held_out, bool):
+        raise SuiteError(f"{where}: held_out must be true or false, got {held_out!r}")
     tasks: list[TaskSpec] = []
     for i, t in enumerate(d["tasks"]):
         at = f"{where}: tasks[{i}]"
@@ -145,7 +154,7 @@ def load_suite(name_or_path: str, episodes: int | None = None, only: list[str] |
     if episodes is not None:
         tasks = [dataclasses.replace(t, episodes=_positive_int(episodes, "--episodes", "command line")) for t in tasks]
     return Suite(name=str(d.get("name") or p.stem), path=str(p.resolve()), tasks=tasks, seed=seed,
-                 description=str(d.get("description") or ""))
+                 description=str(d.get("description") or ""), held_out=held_out)
 
 
 def check_env_ids(suite: Suite) -> None:
