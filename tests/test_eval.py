@@ -358,3 +358,22 @@ def test_a_context_too_small_for_the_episode_truncates_instead_of_infra_errors(t
     assert res["overall"]["infra_errors"] == 0 and res["overall"]["scored"] == 2
     recs = _lines(out / "episodes.jsonl")
     assert all(x["outcome"] == "truncated" and x["steps"] < 6 for x in recs), recs
+
+
+def test_held_out_suites_draw_seeds_training_never_draws(tmp_path):
+    """`held_out: true`: every seed is in [HELD_OUT_SEED_BASE, 2**31), stable, one per (task, episode); actors draw
+    their training seeds below the base (actor/main.py), so no training episode had one of them."""
+    (tmp_path / "h.yaml").write_text("name: h\nheld_out: true\nepisodes: 200\ntasks: [builtin/click, builtin/form]\n")
+    (tmp_path / "p.yaml").write_text("name: p\nepisodes: 200\ntasks: [builtin/click, builtin/form]\n")
+    held, plain = S.load_suite(str(tmp_path / "h.yaml")), S.load_suite(str(tmp_path / "p.yaml"))
+    seeds = [held.seed_of(t.name, i) for t in held.tasks for i in range(200)]
+    assert all(C.HELD_OUT_SEED_BASE <= s < 2 ** 31 for s in seeds) and len(set(seeds)) == len(seeds)
+    assert seeds == [S.load_suite(str(tmp_path / "h.yaml")).seed_of(t.name, i) for t in held.tasks for i in range(200)]
+    assert min(plain.seed_of(t.name, i) for t in plain.tasks for i in range(200)) < C.HELD_OUT_SEED_BASE  # a plain suite: anywhere
+    (tmp_path / "bad.yaml").write_text("name: b\nheld_out: 1\ntasks: [builtin/click]\n")
+    with pytest.raises(S.SuiteError, match="held_out must be true or false"):
+        S.load_suite(str(tmp_path / "bad.yaml"))
+    import inspect
+
+    from actor import main as M
+    assert "randrange(HELD_OUT_SEED_BASE)" in inspect.getsource(M.Actor)   # the actor's one draw of a training seed

@@ -453,3 +453,20 @@ def test_history_window():
     assert prompts.history_window(turns, 99) == [True] * 7
     assert prompts.history_window([], 5) == []
     assert prompts.history_window(turns) == [False] * 2 + [True] * 5
+
+
+def test_type_into_a_target_round_trips_with_free_text_content():
+    """type may name the field it types into (our text-addressed extension, like click's target); the target goes
+    first, because the content runs to the last "')" of the call."""
+    from actor.tiny import format_action
+    from core.action import Action
+
+    for content in ("Michel", "it's", "Students', parents' and teachers'", "a\nb"):
+        a = Action("type", content=content, target="[5]")
+        text = format_action(a)
+        assert text.startswith("type(target='[5]', content=")
+        (b,) = parse_response(text)[1]
+        assert (b.type, b.target, b.content) == ("type", "[5]", content)
+    assert format_action(Action("type", content="x")) == "type(content='x')"   # no target: as before
+    with pytest.raises(ParseError):
+        parse_response("type(target='[5]')")                                      # still needs content
