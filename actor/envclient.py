@@ -4,8 +4,8 @@ sessions kept for reuse.
 Session reuse (actor.keep_sessions = N > 0): an episode that ended cleanly gives its session back instead of closing
 it; the next episode of the same env id and options resets it with its own seed instead of creating a session. For
 a browser that saves its start (~1 s of CPU for MiniWoB's Chromium against ~0.1 s for a reset). At most N idle
-sessions are kept (the oldest closed first), each for at most `idle_s` (below envd's lease, which only a step,
-reset or heartbeat renews); one whose reset fails (lease gone, daemon restarted) is closed and a new one created.
+sessions are kept (the oldest closed first), each for at most `idle_s` (the actor and `tars eval` use half of
+envd.lease_ttl_s: a lease only a step, reset or heartbeat renews); one whose reset fails (lease gone, daemon restarted) is closed and a new one created.
 A session whose episode ended in an error or was cancelled is never reused."""
 from __future__ import annotations
 

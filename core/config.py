@@ -144,6 +144,7 @@ class SFTConfig:
     steps: int = f(0, lo=0, help="SFT updates; 0 = no warm start")
     batch_size: int = f(32, lo=1, help="demonstration turns per update")
     lr: float = f(3e-3, lo=0, help="SFT learning rate")
+    episodes: int = f(0, lo=0, help="demonstration episodes to roll; 0 = max(2000, 4 x steps)")
     demonstrator: str = f("noisy:0.2", "oracle | noisy:P (oracle with probability P, else a random visible widget) | "
                           "confused:P (oracle with probability P, else its kind of action with a random word of the goal) | "
                           "confused:P:N (the same, drawing from the goal's words and N plausible distractors: a visible "
@@ -195,6 +196,16 @@ class ControlConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    """The held-out evaluation at the end of `tars up` (tars/heldout.py): the warm start and the final policy on the
+    run's tasks, with seeds no training episode drew, the same seeds for both."""
+
+    episodes: int = f(0, lo=0, help="episodes per task for each of the two policies; 0 = no held-out evaluation")
+    concurrency: int = f(4, lo=1, help="episodes at once")
+    temperature: float = f(-1.0, "sampling temperature of both policies; -1 = actor.temperature (as trained)")
+
+
+@dataclass
 class SupervisorConfig:
     """supervisor: what `tars up` does when one of its processes dies (tars/supervisor.py)."""
 
@@ -220,6 +231,8 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig,
+                                         metadata={"help": "held-out evaluation at the end of `tars up`"})
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig,
                                        metadata={"help": "traces, metrics and their exporters (docs/telemetry.md)"})
     control: ControlConfig = field(default_factory=ControlConfig,

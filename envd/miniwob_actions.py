@@ -97,7 +97,7 @@ def _telling_classes(classes: str, n: int = 2) -> list[str]:
     return [c for c in cs if not any(o != c and o.startswith(c) for o in cs)][:n]
 
 
-def render_element(e: Element) -> str:
+def render_element(e: Element, box: bool = True) -> str:
     parts = [f"[{e.ref}] {e.tag}" if e.ref > 0 else "t"]
     if e.text:
         parts.append(_quote(e.text))
@@ -111,7 +111,8 @@ def render_element(e: Element) -> str:
         parts.append(f"value={_quote(str(e.value))}")
     if e.focused:
         parts.append("focused")
-    parts.append(f"@({round(e.left)},{round(e.top)} {round(e.width)}x{round(e.height)})")
+    if box:
+        parts.append(f"@({round(e.left)},{round(e.top)} {round(e.width)}x{round(e.height)})")
     return " ".join(parts)
 
 
@@ -122,7 +123,7 @@ def decoration(e: Element) -> bool:
             and (min(e.width, e.height) < 4 or e.width * e.height < 64))
 
 
-def render(elements: list[Element], max_chars: int, width: float = 0, height: float = 0) -> str:
+def render(elements: list[Element], max_chars: int, width: float = 0, height: float = 0, boxes: bool = True) -> str:
     """The element lines (pruned: see the module docstring), cut to `max_chars` with a note of how many were left
     out. Elements wholly above or left of the page (hidden-by-offset tricks) are skipped; with the visible area's
     `width` and `height` given, those wholly right of or below it are counted in one line instead of listed."""
@@ -133,7 +134,7 @@ def render(elements: list[Element], max_chars: int, width: float = 0, height: fl
         if (width and e.left >= width) or (height and e.top >= height):
             out_of_view += 1
         elif not decoration(e):
-            lines.append(render_element(e))
+            lines.append(render_element(e, boxes))
     tail = [f"({out_of_view} more elements outside the visible area: scroll to reach them)"] if out_of_view else []
     out, used = [], sum(len(t) + 1 for t in tail)
     for i, line in enumerate(lines):

@@ -12,6 +12,8 @@ Options (CreateSession / Reset):
   max_steps       steps after which the episode is truncated (default 0: only MiniWoB's time limit ends it)
   episode_time_s  override the task's time limit (MiniWoB: 10 s for most tasks); the reward decays over it
   data_mode       MiniWoB data mode, "train" (default) or "test"
+  boxes           1 (default): each element line ends with its box, @(left,top widthxheight) in screenshot pixels;
+                  0: without (a text policy that acts by ref, click(target='[5]'), reads half the tokens)
   max_text_chars  character budget of the element-list text (default 3000; envd.miniwob_actions.render prunes it,
                   and cuts it at the budget with a line saying how many elements were left out)
   command_timeout_s  deadline of each WebDriver command (default 30)
@@ -30,6 +32,7 @@ import weakref
 from typing import Any
 
 from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
+from envd.browser_input import _bool
 from envd.miniwob_actions import Translator, flatten_dom, render
 from envd.miniwob_oracle import oracle_action
 from envd.png import encode_rgb
@@ -232,7 +235,10 @@ class MiniWoBEnv(Env):
     """One MiniWoB task in its own Chromium."""
 
     # An estimate for the host budget: chromedriver and a Chromium of its own (browser, GPU, renderer processes).
-    claim = Resources(pids=64, memory_mb=1024)
+    # Memory: about 3x what a session measures (docs/benchmarks.md: 166 MB PSS per extra session, 323 MB for the
+    # first, `tars bench env`); the earlier 1024 MB let a 24 GB host hold only 18 sessions, fewer than the
+    # miniwob preset's 8 episodes in flight plus its idle sessions kept for reuse.
+    claim = Resources(pids=64, memory_mb=512)
 
     def __init__(self, task: str, options: dict[str, str] | None = None):
         options = dict(options or {})
@@ -246,6 +252,10 @@ class MiniWoBEnv(Env):
         self.task, self.env_id = task, f"miniwob/{task}"
         self.max_steps = _int_opt(options, "max_steps", 0)
         self.max_text_chars = _int_opt(options, "max_text_chars", 3000, low=200)
+        try:
+            self.boxes = _bool(options.get("boxes", "1"))
+        except ValueError as e:
+            raise ValueError(f"boxes: {e}") from None
         timeout = _float_opt(options, "command_timeout_s", 30.0) or 30.0
         self._episode_options(options)  # validate now: bad options fail CreateSession, not the first Reset
         configure_offline()
@@ -294,6 +304,10 @@ class MiniWoBEnv(Env):
             self.gym.unwrapped.set_data_mode(opts["data_mode"])
         if opts.get("episode_ms"):
             self.gym.unwrapped.instance.driver.execute_script(f"core.EPISODE_MAX_TIME = {opts['episode_ms']};")
+        # A task page keeps the elements it does not regenerate (enter-text's Submit button), and with them the
+        # focus the last episode left: blurred first, a reset shows what a new session shows.
+        self.gym.unwrapped.instance.driver.execute_script(
+            "if (document.activeElement && document.activeElement.blur) document.activeElement.blur();")
         obs, info = self.gym.reset(seed=int(seed))
         self._utterance, self._fields = obs["utterance"], dict(obs["fields"])
         self._steps, self._done = 0, False
@@ -338,7 +352,7 @@ class MiniWoBEnv(Env):
         if done:
             body = f"(episode over: {info.get('reason') or 'done'}; reward {float(info.get('env_reward') or 0):.3f})"
         else:
-            body = render(elements, self.max_text_chars, self.width, self.height) or "(no elements)"
+            body = render(elements, self.max_text_chars, self.width, self.height, self.boxes) or "(no elements)"
         text = f"instruction: {self._utterance}\n{body}"
         shot = obs["screenshot"]
         h, w = int(shot.shape[0]), int(shot.shape[1])

@@ -8,7 +8,7 @@ to do instead; tars.cli prints it as one line and exits 2.
     device         learner.device on this machine (cuda without CUDA, a cuda:N beyond the devices there)
     inference_device  inference.device / inference.precision of the local engine on this machine (the same)
     env_ids        every env id has a backend and, where the backend lists its tasks, is one of them
-    demo_env_ids   every env id has scripted demonstrations (builtin tasks only)
+    demo_env_ids   every env id has scripted demonstrations (builtin tasks; MiniWoB++'s oracle tasks)
 """
 from __future__ import annotations
 
@@ -111,14 +111,21 @@ def env_ids(ids, what: str = "actor.env_ids") -> None:
                           f"{', '.join(names[:12])}{more}; `tars config` lists the settings)")
 
 
-def demo_env_ids(ids, what: str = "actor.env_ids") -> None:
-    """Scripted demonstrations (tars.demos) exist for the builtin tasks only."""
+def demo_env_ids(ids, what: str = "actor.env_ids", demonstrator: str = "oracle") -> None:
+    """Scripted demonstrations (tars.demos) exist for the builtin tasks and for the MiniWoB++ tasks the DOM oracle
+    knows (oracle and noisy:P there; confused:P only on builtin tasks)."""
     from envd import builtin
+    from envd.miniwob_oracle import ORACLE_TASKS
+    from tars.demos import is_builtin
 
-    bad = [e for e in ids if not (str(e).startswith("builtin/") and str(e).split("/", 1)[1] in builtin.TASKS)]
+    web = demonstrator.split(":", 1)[0] != "confused"
+    bad = [e for e in ids if not (is_builtin(e) or (web and str(e).startswith("miniwob/")
+                                                     and str(e).split("/", 1)[1] in ORACLE_TASKS))]
     if bad:
+        mw = (f" and, for oracle and noisy:P, the MiniWoB++ tasks of the DOM oracle ({', '.join('miniwob/' + t for t in ORACLE_TASKS)})"
+              if web else " (the confused demonstrator); oracle and noisy:P also cover the MiniWoB++ tasks of the DOM oracle")
         raise ConfigError(
             f"{what} has {', '.join(map(repr, bad))}: scripted demonstrations exist only for the builtin tasks "
-            f"({', '.join('builtin/' + t for t in builtin.TASKS)}). For other tasks, record episodes first (`tars up "
+            f"({', '.join('builtin/' + t for t in builtin.TASKS)}){mw}. For other tasks, record episodes first (`tars up "
             "--set learner.archive=true` writes RUN/trajectories.twl), then `tars data split RUN/trajectories.twl "
             "--out DATA` and `tars sft --data DATA/sft.twl`; or set sft.steps=0 / leave out --demos")

@@ -257,11 +257,11 @@ def _demos_possible(cfg, what: str) -> None:
     from tars import checks
     from tars.demos import parse_demonstrator
 
-    checks.demo_env_ids(cfg.actor.env_ids, what)
     try:
         parse_demonstrator(cfg.sft.demonstrator)
     except ValueError as e:
         raise ConfigError(f"sft.demonstrator: {e}") from None
+    checks.demo_env_ids(cfg.actor.env_ids, what, cfg.sft.demonstrator)
 
 
 def _dispatch(a, cfg) -> int:

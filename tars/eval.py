@@ -224,7 +224,8 @@ class ModelPolicy(Policy):
             raise RuntimeError(f"the policy's daemons did not start: {e}") from None
         self.envd_addr, self.inference_addr = self.topo.envd, self.topo.inference
         a = self.cfg.actor
-        self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries, a.keep_sessions)
+        self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries, a.keep_sessions,
+                             self.cfg.envd.lease_ttl_s / 2)
         self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries)
         self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval", max_context=max_context)
 

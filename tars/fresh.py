@@ -1,9 +1,12 @@
 """A fresh checkpoint directory for training from scratch: a byte-level BPE tokenizer trained on the tasks' text and
 a tiny random-initialised `transformers` model, saved in the standard Hugging Face files.
 
-    corpus   the builtin tasks' own conversations, rolled in-process and rendered with the chat template: the system
-             prompt, every turn's user message (actor/tiny.py's observation_text) and the answer of the oracle or of
-             a random policy (format_action). Nothing is hand-picked: the BPE trainer merges what is frequent.
+    corpus   the tasks' own conversations, rolled in-process and rendered with the chat template: the system prompt,
+             every turn's user message (actor/tiny.py's observation_text) and the answer of the oracle or of a
+             random policy (format_action). Builtin tasks: 2000 episodes, oracle and random alternating; other
+             tasks (MiniWoB++: the DOM as text, in real Chromium): WEB_EPISODES per task of the noisy:0.5
+             demonstrator (tars.demos.roll), on training seeds only. Nothing is hand-picked: the BPE trainer merges
+             what is frequent.
     tokenizer core.bpe (ChatML template), saved with save_pretrained
     model    transformers' Qwen2 config and model class (its own initialisation, seeded), save_pretrained
 
@@ -43,21 +46,45 @@ def task_corpus(env_ids: list[str], episodes: int = 2000, seed: int = 0, max_tur
     return out
 
 
-def build_tokenizer(out: str | pathlib.Path, vocab_size: int, env_ids: list[str], seed: int = 0):
-    from core.bpe import rendered_corpus, save_tokenizer, train_bpe
+WEB_EPISODES = 60   # corpus episodes per non-builtin task (each a browser's episode: ~0.1 s of CPU)
 
-    hf = train_bpe(rendered_corpus(task_corpus(env_ids, seed=seed), "chatml"), vocab_size, template="chatml")
+
+def web_corpus(env_ids: list[str], seed: int = 0, max_turns: int = 6, env_options: dict | None = None) -> list[list[dict]]:
+    """WEB_EPISODES episodes per env id of noisy:0.5 (the oracle or a random action, turn by turn) as chat messages."""
+    from tars.demos import roll
+
+    out = []
+    for ep in roll(env_ids, WEB_EPISODES * len(env_ids), "noisy:0.5", seed, max_turns, env_options, keep="all"):
+        msgs = [{"role": "system", "content": TINY_SYSTEM}]
+        for text, instruction, a in ep:
+            msgs += [{"role": "user", "content": observation_text(text, instruction)},
+                     {"role": "assistant", "content": format_action(a)}]
+        out.append(msgs)
+    return out
+
+
+def build_tokenizer(out: str | pathlib.Path, vocab_size: int, env_ids: list[str], seed: int = 0, max_turns: int = 6,
+                    env_options: dict | None = None):
+    from core.bpe import rendered_corpus, save_tokenizer, train_bpe
+    from tars.demos import is_builtin
+
+    other = [e for e in env_ids if not is_builtin(e)]
+    corpus = web_corpus(other, seed, max_turns, env_options) if other else []
+    if len(other) < len(env_ids) or not corpus:   # builtin tasks (or nothing else rolled): their corpus as before
+        corpus = task_corpus(env_ids, seed=seed) + corpus
+    hf = train_bpe(rendered_corpus(corpus, "chatml"), vocab_size, template="chatml")
     save_tokenizer(hf, out)
     return hf
 
 
-def build_model(m, out: str | pathlib.Path, env_ids: list[str]) -> pathlib.Path:
+def build_model(m, out: str | pathlib.Path, env_ids: list[str], max_turns: int = 6,
+                env_options: dict | None = None) -> pathlib.Path:
     """model config section `m` (core.config.ModelConfig) -> a checkpoint directory at `out` (tokenizer included)."""
     import torch
     import transformers
 
     out = pathlib.Path(out)
-    tok = build_tokenizer(out, m.vocab_size, env_ids, m.seed)
+    tok = build_tokenizer(out, m.vocab_size, env_ids, m.seed, max_turns, env_options)
     cfg = transformers.Qwen2Config(
         vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,

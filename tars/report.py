@@ -114,7 +114,8 @@ def final_problem(final: pathlib.Path, since: float | None) -> str | None:
 
 
 def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: bool, sft_s: float | None,
-                 status: str, since: float | None = None, restarts: dict[str, int] | None = None) -> dict:
+                 status: str, since: float | None = None, restarts: dict[str, int] | None = None,
+                 held_out: dict | None = None) -> dict:
     """report.json and learning.png, and a check of the learner's final/ export (written at or after `since`).
     Returns the report with "written" (paths actually there) and "not_written" (path -> error); never raises on I/O."""
     scored = mon.scored()
@@ -146,6 +147,8 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
         "restarts": dict(restarts or {}),
         "restarts_total": sum((restarts or {}).values()),
     }
+    if held_out is not None:
+        rep["held_out"] = held_out   # tars/heldout.py: per-task held-out success of the start and the final policy
     rep["warnings"] = warnings(rep)
     written: list[str] = []
     failed: dict[str, str] = {}
@@ -214,6 +217,11 @@ def warnings(rep: dict) -> list[str]:
         out.append(w)
     if rep["policy_version"] == 0:
         out.append("no policy update happened: the policy is the one the run started from")
+    if rep.get("held_out"):
+        from tars import heldout
+
+        out += (heldout.warnings(rep["held_out"]) if "error" not in rep["held_out"]
+                else [f"the held-out evaluation failed: {rep['held_out']['error']}"])
     if rep["restarts_total"]:
         out.append("restarted: " + ", ".join(f"{k} x{v}" for k, v in sorted(rep["restarts"].items()))
                    + " (supervisor.jsonl)")

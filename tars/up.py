@@ -38,7 +38,7 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
     else:
         from tars.fresh import build_model as fresh
 
-        src = fresh(cfg.model, out / "model_init", list(cfg.actor.env_ids))
+        src = fresh(cfg.model, out / "model_init", list(cfg.actor.env_ids), cfg.actor.max_turns, cfg.actor.env_options)
         say(f"fresh model in {src} ({cfg.model.num_layers} layers, d={cfg.model.hidden_size}; BPE tokenizer "
             f"of {open_tokenizer(src).vocab_size} tokens trained on the tasks' text)")
     if cfg.sft.steps <= 0:
@@ -48,7 +48,7 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
 
     t0 = time.perf_counter()
     torch.set_num_threads(2)
-    episodes = max(2000, cfg.sft.steps * 4)
+    episodes = cfg.sft.episodes or max(2000, cfg.sft.steps * 4)
     say(f"SFT warm start: {episodes} scripted demonstrations ({cfg.sft.demonstrator}), {cfg.sft.steps} steps")
     sft_run(cfg, str(src), str(out / "model"), [], demos=source(cfg, episodes), log=say)
     return out / "model", time.perf_counter() - t0
@@ -100,10 +100,11 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     finally:
         topo.stop()
         signal.signal(signal.SIGINT, old)
+    held, status = _held_out(cfg, out_p, model_dir, sft_s is not None, status, t_start, say)
     mon = report.Monitor(out_p)
     mon.poll()
     rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s,
-                              status=status, since=t_start, restarts=sup.counts() if sup else {})
+                              status=status, since=t_start, restarts=sup.counts() if sup else {}, held_out=held)
     say(f"report: {json.dumps({k: rep[k] for k in ('episodes', 'success_first', 'success_last', 'success_sft', 'policy_version', 'wall_s')})}")
     for w in rep["warnings"]:
         print(f"[tars up] warning: {w}", file=sys.stderr if quiet else sys.stdout, flush=True)
@@ -118,6 +119,31 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         print(f"tars up: interrupted: stopped in order; report in {out_p / 'report.json'}", file=sys.stderr, flush=True)
         return 130
     return 0
+
+
+def _held_out(cfg: C.RunConfig, out_p: pathlib.Path, start: pathlib.Path, sft: bool, status: str, t_start: float,
+              say) -> tuple[dict | None, str]:
+    """evaluation.episodes > 0 and RL ended normally with a final policy: the held-out evaluation (tars/heldout.py)
+    -> (its summary or None, the run's status)."""
+    if cfg.evaluation.episodes <= 0 or status not in ("done", "wall budget reached", "target success reached"):
+        return None, status
+    if report.final_problem(out_p / "final", t_start) is not None:
+        say("no held-out evaluation: the learner exported no final policy")
+        return None, status
+    from tars import heldout
+
+    try:
+        h = heldout.run(cfg, out_p, start, "SFT" if sft else "start", say)
+    except KeyboardInterrupt:
+        say(f"held-out evaluation interrupted: {out_p / 'heldout'} holds the episodes that finished")
+        return None, "interrupted"
+    except Exception as e:  # noqa: BLE001 - the run itself is done; say why its evaluation is missing
+        say(f"held-out evaluation failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}"[:500]}, status
+    say(f"held-out success ({h['episodes_per_task']} episodes a task): {h['start_model']} "
+        f"{h['mean_start'] if h['mean_start'] is None else round(h['mean_start'], 3)} -> final "
+        f"{h['mean_final'] if h['mean_final'] is None else round(h['mean_final'], 3)} ({out_p / 'heldout' / 'summary.md'})")
+    return h, status
 
 
 def _watch(cfg: C.RunConfig, sup: Supervisor, out_p: pathlib.Path, quiet: bool, tty: bool, interrupted) -> str:

@@ -132,14 +132,21 @@ def test_unknown_key_in_a_yaml_file(tmp_path):
 
 # ---- tasks without demonstrations --------------------------------------------------------------------------------
 def test_sft_demos_on_a_task_without_demonstrations_says_what_to_do(tmp_path, ckpts):
-    """The old crash: KeyError "no builtin task 'click-button'" from deep in the warm start."""
+    """The old crash: KeyError "no builtin task 'click-button'" from deep in the warm start. MiniWoB++'s oracle tasks
+    now have demonstrations (oracle, noisy:P); a task without an oracle, or confused:P off the builtin tasks, is
+    refused in one line."""
     r = tars("sft", "--model", ckpts["good"], "--out", tmp_path / "o", "--demos", "5",
-             "--set", "actor.env_ids=[miniwob/click-button]", timeout=60)
-    line = one_line(r, "sft", 2, "'miniwob/click-button'", "builtin/click", "tars data split", "tars sft --data")
+             "--set", "actor.env_ids=[miniwob/click-shape]", "--set", "sft.demonstrator=oracle", timeout=60)
+    line = one_line(r, "sft", 2, "'miniwob/click-shape'", "builtin/click", "miniwob/click-button", "tars data split",
+                    "tars sft --data")
     assert "KeyError" not in line
-    r = tars("up", "--set", "actor.env_ids=[miniwob/click-button]", "--set", "sft.steps=5", "--out", tmp_path / "r",
+    r = tars("up", "--set", "actor.env_ids=[miniwob/click-shape]", "--set", "sft.steps=5", "--out", tmp_path / "r",
              "--quiet", timeout=60)
     one_line(r, "up", 2, "scripted demonstrations exist only for the builtin tasks")
+    assert not (tmp_path / "r").exists()
+    r = tars("up", "--set", "actor.env_ids=[miniwob/click-button]", "--set", "sft.steps=5",
+             "--set", "sft.demonstrator=confused:0.5", "--out", tmp_path / "r", "--quiet", timeout=60)
+    one_line(r, "up", 2, "'miniwob/click-button'", "confused demonstrator")
     assert not (tmp_path / "r").exists()
 
 

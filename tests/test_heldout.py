@@ -1,0 +1,95 @@
+"""The held-out evaluation at the end of `tars up` (tars/heldout.py), and MiniWoB++ demonstrations from the DOM
+oracle (tars/demos.py): what the policy is taught to write, parsed back and executed, wins the task."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from core import config as C
+from tars import heldout
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _res(rates: dict, infra: int = 0) -> dict:
+    return {"tasks": {t: {"success_rate": r} for t, r in rates.items()}, "overall": {"infra_errors": infra},
+            "complete": True}
+
+
+def test_summary_gives_both_policies_per_task_the_means_and_names_a_task_that_got_worse():
+    h = heldout.summary(_res({"a": 0.2, "b": 0.5, "c": 0.9, "d": None}), _res({"a": 0.6, "b": 0.5, "c": 0.8, "d": 0.3}),
+                        "SFT", 50)
+    assert h["tasks"]["a"] == {"start": 0.2, "final": 0.6, "delta": pytest.approx(0.4)}
+    assert h["tasks"]["d"]["delta"] is None                        # unscored on one side: out of the means
+    assert h["mean_start"] == pytest.approx((0.2 + 0.5 + 0.9) / 3) and h["mean_final"] == pytest.approx((0.6 + 0.5 + 0.8) / 3)
+    assert h["delta"] == pytest.approx(0.1) and h["worst_delta"] == pytest.approx(-0.1)
+    (w,) = heldout.warnings(h)
+    assert "c (-0.10)" in w and "a " not in w and "b " not in w
+    md = heldout.markdown(h)
+    assert "| a | 0.200 | 0.600 | +0.400 |" in md and "**mean**" in md
+    ok = heldout.summary(_res({"a": 0.5}), _res({"a": 0.46}), "SFT", 50)
+    assert heldout.warnings(ok) == []                               # within 0.05: not a drop worth a warning
+
+
+@pytest.mark.timeout(400)
+def test_tars_up_evaluates_the_start_and_the_final_policy_on_the_same_held_out_seeds(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tars.cli", "up", "--preset", "quickstart", "--out", str(out), "--quiet",
+           "--set", "sft.steps=5", "--set", "learner.batch_size=16", "--set", "actor.concurrency=16",
+           "--set", "max_versions=2", "--set", "wall_budget_s=120", "--set", "learner.value_pretrain.steps=0",
+           "--set", "actor.env_ids=[builtin/click,builtin/form]", "--set", "evaluation.episodes=6"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=360)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    h = rep["held_out"]
+    assert set(h["tasks"]) == {"builtin/click", "builtin/form"} and h["start_model"] == "SFT"
+    for v in h["tasks"].values():
+        assert 0.0 <= v["start"] <= 1.0 and 0.0 <= v["final"] <= 1.0
+    seeds = {}
+    for key in ("start", "final"):
+        eps = [json.loads(x) for x in (out / "heldout" / key / "episodes.jsonl").read_text().splitlines()]
+        assert len(eps) == 12
+        seeds[key] = sorted((e["task"], e["episode"], e["seed"]) for e in eps)
+        assert all(e["seed"] >= C.HELD_OUT_SEED_BASE for e in eps)
+        rates = {t: sum(e["success"] for e in eps if e["task"] == t) / 6 for t in h["tasks"]}
+        assert rates == {t: pytest.approx(v[key]) for t, v in h["tasks"].items()}   # the figures are these episodes'
+    assert seeds["start"] == seeds["final"]
+    meta = {k: json.loads((out / "heldout" / k / "eval.json").read_text())["model"] for k in ("start", "final")}
+    assert meta == {"start": str(out / "model"), "final": str(out / "final")}
+    assert "held-out success" in (out / "heldout" / "summary.md").read_text() or "Held-out" in (out / "heldout" / "summary.md").read_text()
+
+
+def test_miniwob_oracle_demonstrations_parse_back_and_win_when_replayed():
+    """The oracle's episodes as the text the policy is taught (actor.tiny.format_action), parsed by the actor's
+    parser and replayed on a fresh env with the same seed, win: typing names its field (type(target=...)),
+    several steps run in order, and only won episodes are kept."""
+    pytest.importorskip("miniwob")
+    from actor.parsing import parse_response
+    from actor.tiny import format_action
+    from envd import registry
+    from tars import demos
+
+    ids = ["miniwob/enter-text", "miniwob/login-user"]
+    eps = demos.roll(ids, 4, "oracle", seed=3, max_turns=6)
+    assert len(eps) == 4 and [len(e) for e in eps] == [2, 3, 2, 3]   # enter-text: type, submit; login: type x2, login
+    seeds = {e: demos.episode_seeds(3, e) for e in ids}
+    for i, ep in enumerate(eps):
+        env_id = ids[i % 2]
+        env = registry.make(env_id, {"max_steps": "6"})
+        try:
+            seed = next(seeds[env_id])
+            assert seed < C.HELD_OUT_SEED_BASE
+            r = env.reset(seed)
+            assert r.instruction == ep[0][1] and r.text == ep[0][0]     # the demonstrated episode, replayed
+            for text, _, action in ep:
+                assert r.text == text
+                (a,) = parse_response(format_action(action))[1]
+                assert a.target and (a.type != "type" or a.content)
+                r = env.step(a)
+            assert r.info["success"] is True
+        finally:
+            env.close()
