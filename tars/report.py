@@ -17,6 +17,8 @@ report.json (stable, read by outside checks):
   status            why the run ended; with "; not written: ..." appended when an output is missing
   not_written       output -> why it is not there (final/ the learner did not export in this run, a plot that
                     failed); {} when everything was written
+  held_out          only with evaluation.episodes > 0 (tars/heldout.py): per-task success of the start and the final
+                    policy on held-out seeds, their means and differences ({"error": ...} when it could not run)
 learning.png: success/return, per-version batch figures, throughput over time, staleness histogram and per update.
 
 write_report returns the report plus "written": the paths it checked or wrote successfully, and only those (a full

@@ -174,3 +174,33 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
         pol.load_weights({k: v for k, v in sd.items() if k != "model.norm.weight"})
     with pytest.raises(ValueError, match="unexpected .*extra"):
         pol.load_weights({**sd, "extra": torch.zeros(1)})
+
+
+def test_right_padded_batches_skip_the_padding_mask_and_keep_every_valid_state():
+    """A right-padded batch runs without the explicit padding mask (causal attention already keeps valid positions
+    from the padding after them; SDPA then takes its causal kernel): the valid positions' hidden states and their
+    gradients equal those of the masked forward. A batch that is not right-padded keeps its mask."""
+    from learner.policy import right_padded
+
+    torch.manual_seed(0)
+    pol = TrainPolicy.from_config(config(), seed=0)
+    ids, valid, _ = padded_batch(1, lengths=(40, 23, 7))
+    assert right_padded(valid) and not right_padded(torch.tensor([[False, True, True]]))
+    base = pol.lm.base_model
+
+    def states(fn):
+        pol.zero_grad()
+        h = fn()
+        h[valid].pow(2).mean().backward()
+        return h[valid].detach(), [p.grad.clone() for p in pol.parameters() if p.grad is not None]
+
+    h_fast, g_fast = states(lambda: pol.hidden(ids, valid))
+    h_mask, g_mask = states(lambda: base(input_ids=ids, attention_mask=valid, use_cache=False).last_hidden_state)
+    assert maxdiff(h_fast, h_mask) < 1e-5
+    assert len(g_fast) == len(g_mask) and max(maxdiff(a, b) for a, b in zip(g_fast, g_mask)) < 1e-5
+    holey = valid.clone()
+    holey[0, 3] = False                          # a hole in a row: not right-padded, so the mask is applied
+    h_holey = pol.hidden(ids, holey)
+    h_ref = base(input_ids=ids, attention_mask=holey, use_cache=False).last_hidden_state
+    assert maxdiff(h_holey[holey], h_ref[holey]) < 1e-5
+    assert maxdiff(h_holey[holey], pol.hidden(ids, valid)[holey]) > 1e-4   # the hole changed what others attend to
