@@ -57,7 +57,7 @@ class EnvClient:
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.keep_sessions, self.idle_s = keep_sessions, idle_s
         self._idle: list[tuple[tuple, str, str, float]] = []   # (env id and options, session, run, since), oldest first
-        self.reused = 0
+        self.created = self.reused = 0   # sessions this client created, and episodes that reused a kept one
         self.channel = rpc.channel(address, auth_token)
         self.stub = env_pb2_grpc.EnvServiceStub(self.channel)
         self.inflight = 0
@@ -118,6 +118,7 @@ class EnvClient:
             break
         await self._expire()
         sid, run_id = await self.create(env_id, seed, options)
+        self.created += 1
         try:
             return sid, run_id, await self.reset(sid, run_id, seed)
         except BaseException:

@@ -64,6 +64,7 @@ class Actor:
         ok = [s for s, o in self.recent if o != Outcome.INFRA_ERROR]
         el = time.monotonic() - self.t0
         return {"running": len(self.running), "paused": self.paused, **self.stats, "inference_retries": self.infer.retried,
+                "env_sessions_created": sum(e.created for e in self.envs), "env_sessions_reused": sum(e.reused for e in self.envs),
                 "episodes_per_s": self.stats["episodes"] / el if el > 0 else 0.0,
                 "success_recent": sum(ok) / len(ok) if ok else None, "sender": self.sender.stats()}
 

@@ -235,10 +235,10 @@ class MiniWoBEnv(Env):
     """One MiniWoB task in its own Chromium."""
 
     # An estimate for the host budget: chromedriver and a Chromium of its own (browser, GPU, renderer processes).
-    # Memory: about 3x what a session measures (docs/benchmarks.md: 166 MB PSS per extra session, 323 MB for the
+    # Memory: 2.3x what a session measures (docs/benchmarks.md: 166 MB PSS per extra session, 323 MB for the
     # first, `tars bench env`); the earlier 1024 MB let a 24 GB host hold only 18 sessions, fewer than the
-    # miniwob preset's 8 episodes in flight plus its idle sessions kept for reuse.
-    claim = Resources(pids=64, memory_mb=512)
+    # miniwob preset's 8 episodes in flight plus the 32 idle sessions it keeps for reuse.
+    claim = Resources(pids=64, memory_mb=384)
 
     def __init__(self, task: str, options: dict[str, str] | None = None):
         options = dict(options or {})

@@ -21,10 +21,10 @@ TOK = shared_tokenizer()
 
 
 class Counting(EnvClient):
-    created = 0
+    creates = 0                                  # CreateSession calls, counted apart from the client's own figure
 
     async def create(self, *a):
-        self.created += 1
+        self.creates += 1
         return await super().create(*a)
 
 
@@ -58,6 +58,7 @@ def test_episodes_reuse_a_kept_session_and_see_what_a_new_one_shows():
     async def main(keep: int):
         async with stack(keep) as (ctx, env, sessions):
             trs = [await run_episode(ctx, env, f"t-{i}", "builtin/click", s, 0) for i, s in enumerate(seeds)]
+            assert env.created == env.creates
             return trs, env.created, env.reused, len(sessions)
 
     fresh, created0, reused0, open0 = asyncio.run(main(0))
