@@ -24,8 +24,6 @@ import pathlib
 from core import config as C
 from tars import evalsuite as S
 
-DROP_WARN = 0.05   # a task whose held-out success fell by more than this is named in the report's warnings
-
 
 def suite(cfg: C.RunConfig) -> S.Suite:
     tasks = [S.TaskSpec(name=e, env_id=e, episodes=cfg.evaluation.episodes, max_turns=cfg.actor.max_turns,
@@ -78,17 +76,6 @@ def summary(start: dict, final: dict, start_label: str, episodes: int) -> dict:
         "infra_errors": {"start": start["overall"].get("infra_errors", 0), "final": final["overall"].get("infra_errors", 0)},
         "complete": bool(start.get("complete", True) and final.get("complete", True)),
     }
-
-
-def warnings(h: dict) -> list[str]:
-    out = []
-    worse = {t: v["delta"] for t, v in h["tasks"].items() if v["delta"] is not None and v["delta"] < -DROP_WARN}
-    if worse:
-        out.append("held-out success fell by more than " + f"{DROP_WARN:.2f} on " +
-                   ", ".join(f"{t} ({d:+.2f})" for t, d in sorted(worse.items())) + " (heldout/summary.md)")
-    if not h["complete"]:
-        out.append("the held-out evaluation was interrupted: its figures cover the episodes that finished")
-    return out
 
 
 def _f(x) -> str:

@@ -206,6 +206,22 @@ def context_warning(cut: int, episodes: int) -> str | None:
             "actor.image_history / actor.max_obs_tokens")
 
 
+HELD_OUT_DROP = 0.05  # a task whose held-out success fell by more than this is named in the warnings
+
+
+def held_out_warnings(h: dict) -> list[str]:
+    """tars/heldout.py's summary -> the tasks whose held-out success fell by more than HELD_OUT_DROP, and an
+    evaluation cut short."""
+    out = []
+    worse = {t: v["delta"] for t, v in h["tasks"].items() if v["delta"] is not None and v["delta"] < -HELD_OUT_DROP}
+    if worse:
+        out.append("held-out success fell by more than " + f"{HELD_OUT_DROP:.2f} on " +
+                   ", ".join(f"{t} ({d:+.2f})" for t, d in sorted(worse.items())) + " (heldout/summary.md)")
+    if not h["complete"]:
+        out.append("the held-out evaluation was interrupted: its figures cover the episodes that finished")
+    return out
+
+
 def warnings(rep: dict) -> list[str]:
     """What a reader of the report must not miss: a run that mostly failed for infrastructure reasons, or did not
     train at all, would otherwise look like a policy that learnt nothing."""
@@ -220,9 +236,7 @@ def warnings(rep: dict) -> list[str]:
     if rep["policy_version"] == 0:
         out.append("no policy update happened: the policy is the one the run started from")
     if rep.get("held_out"):
-        from tars import heldout
-
-        out += (heldout.warnings(rep["held_out"]) if "error" not in rep["held_out"]
+        out += (held_out_warnings(rep["held_out"]) if "error" not in rep["held_out"]
                 else [f"the held-out evaluation failed: {rep['held_out']['error']}"])
     if rep["restarts_total"]:
         out.append("restarted: " + ", ".join(f"{k} x{v}" for k, v in sorted(rep["restarts"].items()))
