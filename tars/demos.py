@@ -78,23 +78,18 @@ def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demons
     out = []
     for i in range(episodes):
         env = envs[env_ids[i % len(env_ids)]]
-        r = env.reset(rng.randrange(1 << 30))
-        toks, mask = [], []
+        r = env.reset(rng.randrange(HELD_OUT_SEED_BASE))
+        turns = []
         while True:
-            prompt = turn_ids(tok, system_prompt, r.text, r.instruction, first=not toks, obs_budget=obs_budget)
-            toks += prompt
-            mask += [0] * len(prompt)
             if rng.random() < p:
                 a = env.oracle_action()
             else:
                 a = confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
-            ans = answer_ids(tok, a)
-            toks += ans
-            mask += [1] * len(ans)
+            turns.append((r.text, r.instruction, a))
             r = env.step(a)
             if r.outcome != Outcome.RUNNING:
                 break
-        out.append((toks, mask))
+        out.append(tokenize(tok, turns, system_prompt, obs_budget))
     return out
 
 
