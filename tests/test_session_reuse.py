@@ -8,14 +8,13 @@ import contextlib
 import dataclasses
 
 from actor.envclient import EnvClient, EnvInfraError
-from actor.episode import EpisodeContext, run_episode
-from core.config import ActorConfig, EnvdConfig, InferenceConfig
-from core.inference_client import InferenceClient
+from actor.episode import run_episode
+from core.config import EnvdConfig
 from core.outcome import Outcome
 from envd.server import EnvServer
 from inference_server.scripted import ScriptedEngine, fixed_answer
-from inference_server.server import InferenceServer
 from tars.fresh import shared_tokenizer
+from test_episode import stack as episode_stack
 
 TOK = shared_tokenizer()
 
@@ -30,22 +29,17 @@ class Counting(EnvClient):
 
 @contextlib.asynccontextmanager
 async def stack(keep: int, idle_s: float = 20.0, text: str = "wait()"):
+    """test_episode's stack over an envd whose sessions the test can count, with a counting, session-keeping client."""
     env_srv = EnvServer(dataclasses.replace(EnvdConfig(), host="127.0.0.1", port=0))
     await env_srv.start()
     engine = ScriptedEngine(fixed_answer(TOK.answer(text)), TOK.vocab_size)
-    inf = InferenceServer(InferenceConfig(host="127.0.0.1", port=0), engine)
-    await inf.start()
-    cfg = ActorConfig(rpc_timeout_s=10.0, retries=1, max_turns=2, keep_sessions=keep)
-    infer = InferenceClient([inf.address], timeout_s=10.0, retries=1)
-    env = Counting(env_srv.address, "", 10.0, 1, keep_sessions=keep, idle_s=idle_s)
     try:
-        yield EpisodeContext(cfg, TOK, infer, "test-actor"), env, env_srv.servicer.sessions
+        async with episode_stack(engine, env_srv.address, max_turns=2, keep_sessions=keep) as (ctx, env):
+            env.__class__ = Counting
+            env.keep_sessions, env.idle_s = keep, idle_s
+            yield ctx, env, env_srv.servicer.sessions
     finally:
-        await infer.close()
-        await env.close()
-        await inf.stop(0.5)
         await env_srv.stop()
-        engine.close()
 
 
 def first_prompt(tr) -> list[int]:
