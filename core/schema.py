@@ -45,6 +45,12 @@ MAX_FRAME_BYTES = 64 << 20
 # What cut a truncated episode (Trajectory.truncated_by).
 CUTS = ("max_turns", "env", "parse_error", "context")
 
+# Plain string values, for set lookups: an Enum member hashes by its name, not its value.
+_ENDED = frozenset(str(o) for o in ENDED)
+_OUTCOMES = {str(o): o for o in Outcome}
+_FAULTS = {str(f): f for f in Fault}
+_I32_SIGN = np.uint32(1 << 31)
+
 
 class SchemaError(ValueError):
     """A frame that is not a valid trajectory of a known schema version."""
@@ -112,9 +118,9 @@ class Trajectory:
         for name in ("logprobs", "versions", "mask"):
             if len(getattr(self, name)) != n:
                 raise InvalidTrajectory(f"{name} has {len(getattr(self, name))} entries, tokens has {n}")
-        if self.outcome not in ENDED:
+        if str(self.outcome) not in _ENDED:
             raise InvalidTrajectory(f"outcome {str(self.outcome)!r} not one of {tuple(map(str, ENDED))}")
-        if self.fault not in tuple(Fault):
+        if str(self.fault) not in _FAULTS:
             raise InvalidTrajectory(f"fault {str(self.fault)!r} not one of {tuple(map(str, Fault))}")
         if not self.id:
             raise InvalidTrajectory("trajectory id is empty")
@@ -136,25 +142,38 @@ class Trajectory:
             if not 0 <= t.start <= t.end <= n:
                 raise InvalidTrajectory(f"turn span [{t.start}, {t.end}) outside [0, {n}]")
         if n:
-            lo, hi = int(self.tokens.min()), int(self.tokens.max())
-            if lo < 0:
-                raise InvalidTrajectory(f"token id {lo} at position {int(np.argmin(self.tokens))} is negative")
-            if vocab_size is not None and hi >= vocab_size:
-                raise InvalidTrajectory(f"token id {hi} at position {int(np.argmax(self.tokens))} outside the "
-                                        f"vocabulary [0, {vocab_size})")
-        if n and (self.mask.max(initial=0) > 1):
-            raise InvalidTrajectory("mask must be 0 or 1")
-        gen = self.mask.astype(bool)
-        if gen.any() and (self.versions[gen] < 0).any():
-            raise InvalidTrajectory("a generated token has no policy version")
-        if not np.isfinite(self.logprobs).all() or (self.logprobs > 1e-4).any():
-            raise InvalidTrajectory("logprobs must be finite and <= 0")
+            self._check_arrays(vocab_size)
         if not math.isfinite(self.ret):
             raise InvalidTrajectory(f"return {self.ret} is not finite")
         bad_turn = next((i for i, t in enumerate(self.turns) if not math.isfinite(t.reward)), None)
         if bad_turn is not None:
             raise InvalidTrajectory(f"turn {bad_turn}'s reward {self.turns[bad_turn].reward} is not finite")
         return self
+
+    def _check_arrays(self, vocab_size: int | None) -> None:
+        """validate's checks of the token arrays, in one or two passes each (the stream's receiver runs this on every
+        trajectory); the precise message is worked out only on failure."""
+        toks = np.asarray(self.tokens)
+        # As unsigned, a negative id is >= 2^31, so one max() bounds both ends.
+        top = int(toks.view(np.uint32).max()) if toks.dtype == np.int32 else None
+        limit = vocab_size if vocab_size is not None else 1 << 31
+        if top is None or top >= limit:
+            lo, hi = int(toks.min()), int(toks.max())
+            if lo < 0:
+                raise InvalidTrajectory(f"token id {lo} at position {int(np.argmin(toks))} is negative")
+            if vocab_size is not None and hi >= vocab_size:
+                raise InvalidTrajectory(f"token id {hi} at position {int(np.argmax(toks))} outside the "
+                                        f"vocabulary [0, {vocab_size})")
+        mask = np.asarray(self.mask)
+        if mask.max(initial=0) > 1 or (mask.dtype.kind != "u" and mask.min(initial=0) < 0):
+            raise InvalidTrajectory("mask must be 0 or 1")
+        # mask is 0/1 here: a product is negative only where a generated token has a negative version
+        if int(np.multiply(np.asarray(self.versions), mask, dtype=np.int32).min(initial=0)) < 0:
+            raise InvalidTrajectory("a generated token has no policy version")
+        lp = np.asarray(self.logprobs)
+        lo, hi = float(lp.min()), float(lp.max())  # a NaN anywhere makes min NaN, -inf shows in min, +inf in max
+        if not (math.isfinite(lo) and hi <= 1e-4):
+            raise InvalidTrajectory("logprobs must be finite and <= 0")
 
     @property
     def versions_spanned(self) -> tuple[int, int]:
@@ -224,8 +243,7 @@ class Trajectory:
             outcome, fault = str(d["outcome"]), str(d.get("fault", ""))
             tr = cls(
                 id=str(d["id"]), env_id=str(d["env_id"]), turns=turns,
-                outcome=Outcome(outcome) if outcome in tuple(Outcome) else outcome,
-                fault=Fault(fault) if fault in tuple(Fault) else fault,
+                outcome=_OUTCOMES.get(outcome, outcome), fault=_FAULTS.get(fault, fault),
                 ret=float(d["return"]), success=bool(d.get("success", False)), group=str(d.get("group", "")),
                 task=str(d.get("task", "")), start_version=int(d.get("start_version", 0)),
                 timings=dict(d.get("timings") or {}), actor=str(d.get("actor", "")),
