@@ -44,6 +44,10 @@ class PPOConfig:
     entropy_coef_max: float = f(0.02, "upper bound of the adaptive entropy coefficient")
     kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
                             "tokens; anchors the output format at higher learning rates")
+    skip_zero_adv: bool = f(True, "rows whose advantage is 0 at every token (a GRPO group that all failed or all "
+                                  "succeeded) skip the training forward and backward when no other loss term reads "
+                                  "them (no critic, reference KL or entropy term): the same gradient for less compute; "
+                                  "the update's entropy, clipfrac and importance figures are then over the rows trained")
 
 
 @dataclass

@@ -225,6 +225,15 @@ def bootstrap_values(values: torch.Tensor, boot: torch.Tensor) -> torch.Tensor:
     return (values * boot).sum(1)
 
 
+def live_rows(idx: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """idx restricted to the rows marked in live ([B] bool; None = all). One row stays when none is live, so the
+    minibatch still steps on its (zero) gradient as it would have."""
+    if live is None:
+        return idx
+    keep = idx[live[idx]]
+    return keep if len(keep) else idx[:1]
+
+
 def length_chunks(lengths: torch.Tensor, idx: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
     """Split trajectory indices into chunks of similar length so a padded chunk holds <= max_tokens tokens."""
     order = idx[torch.argsort(lengths[idx], descending=True)]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from learner import algorithms as A
-from learner.batch import Batch, at, bootstrap_values, collate, length_chunks, put
+from learner.batch import Batch, at, bootstrap_values, collate, length_chunks, live_rows, put
 from learner.correction import importance_weight, needs_prox, policy_loss
 from learner.device import autocast
 from learner.distributed import Dist
@@ -182,11 +182,14 @@ class PPOTrainer:
         if cfg.ppo.neg_adv_weight != 1.0:
             adv = A.asymmetric_advantages(adv, cfg.ppo.neg_adv_weight)
         has_signal = bool((adv * b.mask).abs().max() > 0) or self.entropy_coef > 0  # the bonus is a loss term too
+        live = self._rows_with_signal(adv, b.mask)
+        m_skipped = int((~live).sum()) if live is not None else 0
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask)),
-             "bootstrapped": int(b.boot.sum())}
-        if prox is not None:  # KL(pi_behav || pi_prox), k1 on the behaviour's own tokens
-            m["behav_prox_kl"] = float(A.masked_mean(A.kl_k1(b.behav_logp, prox), b.mask))
+             "bootstrapped": int(b.boot.sum()), "rows_skipped": m_skipped}
+        if prox is not None:  # KL(pi_behav || pi_prox), k1 on the behaviour's own tokens of the rows trained
+            run_mask = b.mask if live is None else b.mask * live.to(b.mask.device)[:, None]
+            m["behav_prox_kl"] = float(A.masked_mean(A.kl_k1(b.behav_logp, prox), run_mask))
         kl_sum = 0.0
         iw_sums = [0.0, 0.0]  # importance ratio and weight summed over the first epoch's tokens (this rank's share)
         self.policy.train()
@@ -197,6 +200,9 @@ class PPOTrainer:
             perm = torch.randperm(B) if cfg.ppo.minibatches > 1 else torch.arange(B)
             for idx in perm.chunk(max(1, cfg.ppo.minibatches)):
                 n_tok = float(b.mask[idx.to(dev)].sum().clamp(min=1))
+                # Rows without signal add 0 to the gradient: not run, but their tokens stay in the normaliser n_tok.
+                idx = live_rows(idx, live)
+                n_run = float(b.mask[idx.to(dev)].sum().clamp(min=1))
                 self.opt.zero_grad(set_to_none=True)
                 if self.critic is not None and not fused:  # fused: the critic's gradients are already in place
                     self.critic_opt.zero_grad(set_to_none=True)
@@ -210,6 +216,7 @@ class PPOTrainer:
                     c = c.to(dev)
                     tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
                     w = float(msk.sum()) / n_tok if counts else 0.0
+                    wm = float(msk.sum()) / n_run if counts else 0.0  # the figures: means over the rows run
                     # Forward passes under autocast (bf16 when asked); the loss below is fp32 math on fp32 logprobs.
                     with autocast(dev, amp):
                         logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True, vl=b.vl(c))
@@ -237,9 +244,9 @@ class PPOTrainer:
                             sums["kl_ref"] = sums.get("kl_ref", 0.0) + w * float(kl.detach().mean())
                     (loss * w).backward()
                     if counts:
-                        sums["clipfrac"] += w * float(cut.float().mean())
+                        sums["clipfrac"] += wm * float(cut.float().mean())
                         sums["pg_loss"] += w * float(loss.detach())
-                        sums["entropy"] += w * float(ent.detach().mean())
+                        sums["entropy"] += wm * float(ent.detach().mean())
                     if self.critic is not None and not fused:
                         with autocast(dev, amp):
                             v = self.critic.values_at(tok, val, msk, vl=b.vl(c))
@@ -264,11 +271,12 @@ class PPOTrainer:
                 for k, v in zip(sums, totals):
                     stats.setdefault(k, []).append(v)
                 stats["grad_norm"].append(float(gn))
+        run_tok = int(b.mask[live.to(b.mask.device)].sum()) if live is not None else m["tokens"]  # the first epoch's tokens
         if fused:
-            m["behav_prox_kl"] = kl_sum / max(1, m["tokens"])
+            m["behav_prox_kl"] = kl_sum / max(1, run_tok)
         ratio_sum, weight_sum = self.dist.sum_floats(iw_sums)
-        m["is_ratio_mean"] = ratio_sum / max(1, m["tokens"])
-        m["is_weight_mean"] = weight_sum / max(1, m["tokens"])
+        m["is_ratio_mean"] = ratio_sum / max(1, run_tok)
+        m["is_weight_mean"] = weight_sum / max(1, run_tok)
         self.sched.step()
         self.updates += 1
         if cfg.ppo.target_entropy > 0 and stats["entropy"]:
@@ -287,6 +295,16 @@ class PPOTrainer:
         m["nonfinite_steps"] = nonfinite
         m["lr"] = self.sched.get_last_lr()[0]
         return m
+
+    def _rows_with_signal(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """[B] bool: the rows whose gradient can be non-zero; None = every row (a critic, a reference KL, an entropy
+        term or its adaptation reads every row, or learner.ppo.skip_zero_adv is off). Every policy loss here is
+        linear in the advantage, so a row with advantage 0 at all its tokens contributes exactly 0."""
+        p = self.cfg.ppo
+        if not p.skip_zero_adv or self.critic is not None or self.ref is not None or self.entropy_coef > 0 \
+                or p.target_entropy > 0:
+            return None
+        return ((adv * mask).abs().amax(1) > 0).cpu()
 
     def value_pretrain_step(self, trajs: list[Trajectory]) -> dict:
         """Critic only, Monte Carlo targets (lambda = 1), the policy untouched (value pretraining)."""

@@ -350,3 +350,68 @@ def test_fused_single_pass_equals_the_separate_pass_with_truncated_episodes():
     for x, y in zip(runs[0][1].parameters(), runs[1][1].parameters()):
         assert torch.allclose(x, y, atol=1e-6)
     assert any(not torch.allclose(x, y, atol=1e-5) for x, y in zip(runs[0][1].parameters(), runs[2][1].parameters()))
+
+
+def _grouped_batch(seed: int, n_groups: int = 4, size: int = 4) -> list[Trajectory]:
+    """GRPO groups of varied lengths: the first all fail, the second all succeed (no advantage in either), the rest
+    mixed; behaviour logprobs off the policy's, so the clip and the decoupled weight are live."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_groups):
+        for k in range(size):
+            n = int(rng.integers(8, 40))
+            m = np.zeros(n, np.uint8)
+            m[n // 2:] = 1
+            r = 0.0 if g == 0 else 1.0 if g == 1 else float(rng.integers(0, 2) if k else 1 - (g % 2))
+            if g >= 2 and k == size - 1 and all(o.ret == r for o in out[-(size - 1):]):
+                r = 1.0 - r  # a mixed group really is mixed
+            out.append(Trajectory(id=f"{seed}-{g}-{k}", env_id="x", outcome="terminated",
+                                  tokens=rng.integers(0, V, n).astype(np.int32),
+                                  logprobs=np.where(m, -rng.uniform(0.5, 4.0, n), 0).astype(np.float32),
+                                  versions=np.where(m, 0, -1).astype(np.int32), mask=m, group=f"{seed}-{g}",
+                                  turns=[Turn("", "", {}, r, n // 2, n)], ret=r))
+    return out
+
+
+@pytest.mark.parametrize("epochs,minibatches", [(1, 1), (2, 2)])
+def test_rows_without_advantage_are_skipped_with_the_same_update(epochs, minibatches):
+    """GRPO without critic, KL or entropy term: the rows of all-fail / all-succeed groups are not run, and the
+    parameters after two updates are those of running every row (plain SGD: Adam would turn the rounding noise of
+    differently shaped chunks into whole steps); the figures that are sums (pg_loss) agree."""
+    torch.manual_seed(0)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=0)
+    runs = []
+    for skip in (True, False):
+        p = copy.deepcopy(pol)
+        cfg = LearnerConfig(algo="grpo", lr=3e-2, warmup_steps=1,
+                            ppo=PPOConfig(skip_zero_adv=skip, epochs=epochs, minibatches=minibatches))
+        tr = PPOTrainer(p, None, cfg, 0)
+        tr.opt = torch.optim.SGD(p.parameters(), lr=0.3)
+        tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+        tr.chunk_tokens = 60
+        rows = []
+        orig = p.logprobs_at
+
+        def counting(tok, *a, _orig=orig, _rows=rows, **k):
+            _rows.append(int(tok.shape[0]))
+            return _orig(tok, *a, **k)
+
+        p.logprobs_at = counting
+        torch.manual_seed(1)  # the minibatch permutation
+        ms = [tr.step(_grouped_batch(s), s) for s in range(2)]
+        runs.append((p, ms, sum(rows)))
+    (p1, m1, rows1), (p2, m2, rows2) = runs
+    for x, y in zip(p1.parameters(), p2.parameters()):
+        assert torch.allclose(x, y, atol=1e-6)
+    assert not torch.allclose(next(p1.parameters()), next(pol.parameters()))
+    assert all(m["rows_skipped"] == 8 for m in m1) and all(m["rows_skipped"] == 0 for m in m2)
+    assert rows2 - rows1 == 8 * epochs * 2, (rows1, rows2)  # 8 rows fewer in each training pass of each update
+    for a, b in zip(m1, m2):
+        assert a["pg_loss"] == pytest.approx(b["pg_loss"], rel=1e-4, abs=1e-7)
+
+
+def test_rows_are_not_skipped_when_another_term_reads_them():
+    """An entropy bonus has a gradient on every row: nothing is skipped."""
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", ppo=PPOConfig(entropy_coef=0.01)), 0)
+    assert tr.step(_grouped_batch(0), 0)["rows_skipped"] == 0
