@@ -1,9 +1,8 @@
 """One multi-turn episode, top to bottom: session -> (prompt -> generate -> parse -> step) * turns -> trajectory.
 
-The conversation lives as token ids and is only ever extended, so every turn's prompt is a prefix-cache hit and
-the learner trains on exactly the tokens the engine produced (no re-tokenisation mismatch). Every generated token
-keeps its behaviour logprob and the policy version that produced it; an episode that spans a weight update simply
-carries tokens of two versions. An environment or inference failure ends the episode as infra_error.
+The conversation is token ids, only ever extended (a prefix-cache hit each turn; the learner trains on exactly the
+engine's tokens). Each generated token keeps its behaviour logprob and policy version (an episode across a weight
+update carries two). An environment or inference failure ends the episode as infra_error. Docs: docs/actor.md.
 
 Screenshots (actor.image_history = k > 0), tiny tars_vision checkpoints: every turn's prompt holds the observation's
 text and, when it has a screenshot, a run of <|image|> placeholders; the request carries the last k screenshots,
@@ -11,16 +10,14 @@ which the engine binds to the last k runs (core/vision.py). Older turns keep the
 only their text speaks for them, and the token sequence is still only ever extended.
 
 Vision-language checkpoints (Qwen2-VL / Qwen2.5-VL, e.g. UI-TARS-1.5; actor/uitars.py): each shown screenshot is a
-framed run of the checkpoint's own pad count for its size, and every run of the current segment is bound to its
-image (the request's images are exactly those, in order). A segment holds at most k screenshots: the (k+1)-th
-starts a new segment, a fresh first prompt (system prompt, the earlier turns' thoughts and actions as text, the new
-screenshot) appended to the token arrays, its offset in Trajectory.segments; requests carry only the current
-segment's ids. Trajectory.image_refs lists each run's image hash in token order. The model's coordinates are mapped
-to the screen (actor.coordinates) before they reach envd.
+framed run of the checkpoint's pad count for its size, every run of the current segment bound to its image (the
+request's images, in order). A segment holds at most k screenshots: the (k+1)-th starts a new segment, a fresh
+first prompt (system prompt, earlier turns' thoughts and actions as text, the new screenshot) appended to the token
+arrays, its offset in Trajectory.segments; requests carry the current segment's ids only. Trajectory.image_refs:
+each run's image hash in token order. Coordinates are mapped to the screen (actor.coordinates) before envd.
 
-A turn's answer may hold several actions: they run in order, each a Step of its own, until one ends the episode or
-envd rejects one (which costs the format penalty, the actions before it stay done). The turn's reward is the sum of
-the rewards of the actions that ran (plus that penalty).
+A turn's answer may hold several actions: each a Step, in order, until one ends the episode or envd rejects one (the
+format penalty; those before it stay done); the turn's reward sums theirs.
 
 A VL checkpoint may sample a vision token (<|image_pad|>, <|vision_start|>, ...: core.vlm.VLSpec.special_ids); its
 requests stop on them, and an answer that ends with one is a parse error (the format penalty) that ends the episode
@@ -28,23 +25,23 @@ as truncated_by "parse_error": the conversation cannot be extended past an unfra
 in the trajectory and are trained on; the learner embeds that last sampled token as padding (learner/batch.py).
 
 A truncated episode (actor.max_turns, the env's own step or time limit, on_parse_error=stop, or a vision token the
-model wrote) ends with the prompt
-its next turn would have had, with mask 0, and `boot_at` pointing past it: the learner's critic reads the value of
-that state there and bootstraps the return from it (core/schema.py). Nothing earlier is re-tokenised.
+model wrote) ends with the prompt its next turn would have had, with mask 0, and `boot_at` pointing past it: the
+learner's critic bootstraps the return from the value of that state there (core/schema.py).
 
 The context: an observation's text is clipped to actor.max_obs_tokens (with a visible marker, actor/tiny.py). Before
-each generate the actor checks that the conversation + the new prompt + max_new_tokens fits the inference server's
+each generate the actor checks that the segment so far + the new prompt + max_new_tokens fits the inference server's
 max_context (EpisodeContext.max_context: inference.max_context of the run's config, lowered to what a server says in
-an INVALID_ARGUMENT "exceeds max_context" answer, which ends the episode the same way, never retried). One that does
-not fit is a truncation (truncated_by "context"), not an infra error: it ends with that prompt as its final state and
-boot_at past it, like any other cut. When even the first prompt does not fit, the trajectory has no generated token
-(the learner counts it and drops it). Older turns are never dropped to make room: that would re-tokenise the
-conversation (docs/actor.md).
+an INVALID_ARGUMENT "exceeds max_context" answer, which ends the episode as below, never retried). One that does not
+fit starts a new segment (actor.on_context_full=window, the default; as UI-TARS keeps only its last turns): a fresh
+first prompt with the earlier turns' thoughts and actions as text and the new observation, appended to the token
+arrays like the VL segments above, so nothing is re-tokenised and the learner computes each segment as its own
+sequence. A tars_vision conversation with screenshots is not windowed. What still does not fit (a first prompt alone,
+or on_context_full=truncate) is a truncation (truncated_by "context"), not an infra error: it ends with that prompt as
+its final state and boot_at past it, like any other cut. When even the first prompt does not fit, the trajectory
+has no generated token (the learner counts it and drops it).
 
-timings["actor_ms"] is the time each turn spent in this module's own code: the turn's wall time minus the awaited
-env and inference calls (what `tars bench actor` reports as per-turn actor overhead); timings["actor_cpu_ms"] the
-same in this thread's CPU time, which leaves out time the process spent descheduled on a busy machine (the event
-loop runs other episodes during the awaits, so their CPU time is subtracted with the awaits).
+timings["actor_ms"] / ["actor_cpu_ms"]: each turn's wall / thread CPU time in this module's own code, the awaited env
+and inference calls left out (`tars bench actor`'s per-turn overhead).
 """
 from __future__ import annotations
 
@@ -116,24 +113,27 @@ class _Prompt:
 
 
 def _prompt(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, closed: bool,
-            seg_images: int = 0, history: list[str] | None = None) -> _Prompt:
+            seg_images: int = 0, history: list[str] | None = None, window: bool = False) -> _Prompt:
     """The tokens a turn appends for `obs`. Text and tars_vision checkpoints: the user message opens with a
-    screenshot's placeholder run when screenshots are shown, then its text; the first turn's carries the system
-    prompt. VL checkpoints (actor/uitars.py): the screenshot as a framed run of its own pad count (the UI-TARS prompt
-    shows it alone), and a new segment when it would be the (k+1)-th image of the current one (`seg_images` shown so
-    far), whose first prompt carries the earlier turns (`history`) as text. An unreadable screenshot is envd's fault."""
+    screenshot's placeholder run when shown, then its text; the first turn's carries the system prompt. VL
+    checkpoints (actor/uitars.py): the screenshot as a framed run of its own pad count (shown alone), and a new
+    segment when it would be the (k+1)-th image of the current one (`seg_images` shown so far). A new segment's
+    first prompt carries the earlier turns (`history`) as text; window: a new segment anyway (the conversation
+    outgrew the context). An unreadable screenshot is envd's fault."""
     cfg, tok, vis = ctx.cfg, ctx.tok, ctx.vision
     shot = _screenshot(obs)
+    new = window and not first
     if not vis.vl:
         n_img = cfg.image_tokens if vis.image_history > 0 and shot and tok.image_id >= 0 else 0
-        return _Prompt(turn_ids(tok, style, obs.text, obs.instruction, note, first=first, closed=closed,
-                                images=n_img, obs_budget=cfg.max_obs_tokens), shot if n_img else b"")
+        past = uitars.history_text(history or []) if new else ""
+        return _Prompt(turn_ids(tok, style, obs.text, obs.instruction, past + note, first=first or new, closed=closed,
+                                images=n_img, obs_budget=cfg.max_obs_tokens), shot if n_img else b"", new)
     show = bool(shot) and vis.image_history > 0
     try:
         n_img = vis.tokens(shot) if show else 0
     except ValueError as e:
         raise EnvInfraError(f"envd sent a screenshot that cannot be read: {e}") from None
-    new = show and not first and seg_images >= vis.image_history
+    new = new or (show and not first and seg_images >= vis.image_history)
     past = uitars.history_text(history or []) if new else ""
     if style in uitars.UITARS_STYLES:
         seen = [n_img] if n_img else [clip_observation(tok, obs.text, cfg.max_obs_tokens)]
@@ -253,6 +253,12 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     # the request: the current segment's ids (a new segment's are only its first prompt)
                     request = p.ids if p.new_segment else tokens[seg_start:] + p.ids
                     need = len(request) + cfg.max_new_tokens
+                    # window: a new segment (not for tars_vision screenshots: their runs bind across turns)
+                    if ctx.max_context and need > ctx.max_context and cfg.on_context_full == "window" and tokens \
+                            and not p.new_segment and (vis.vl or not (p.shot or shown)):
+                        p = _prompt(ctx, style, obs, note, first=False, closed=closed, history=history, window=True)
+                        request = p.ids
+                        need = len(request) + cfg.max_new_tokens
                     if ctx.max_context and need > ctx.max_context:
                         cut, error = "context", (f"context: prompt ({len(request)} tokens) + max_new_tokens "
                                                  f"({cfg.max_new_tokens}) exceeds max_context {ctx.max_context}")

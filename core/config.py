@@ -102,6 +102,9 @@ class ActorConfig:
     temperature: float = f(1.0, lo=0, help="sampling temperature")
     format_penalty: float = f(-0.1, "reward added to a turn whose output does not parse")
     on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)")
+    on_context_full: str = f("window", "a turn whose prompt would not fit the context: window (start a new segment, "
+                                       "a first prompt with the earlier turns' actions as text and only the new "
+                                       "observation; actor/episode.py) | truncate (end the episode there)")
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
     retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
     unavailable_retry_s: float = f(60.0, "how long an inference call keeps retrying a server that is down (e.g. "
@@ -368,6 +371,8 @@ def validate(cfg: RunConfig) -> None:
         # a service token alone would leave those commands open.
         raise ConfigError("envd.auth_token / inference.auth_token is set but control.auth_token is empty: the "
                           "ControlService on the same listeners would take unauthenticated calls; set control.auth_token")
+    if cfg.actor.on_context_full not in ("window", "truncate"):
+        raise ConfigError(f"actor.on_context_full={cfg.actor.on_context_full!r}: window or truncate")
     if err := cfg.learner.config_error() or cfg.inference.config_error():
         raise ConfigError(err)
 

@@ -29,9 +29,10 @@ from core.schema import Trajectory, turn_rewards
 @dataclass
 class RowImages:
     """One VL row: segment starts (0 first) and, per segment, (pixel_values [P, D] f32, image_grid_thw [n, 3] long)
-    of its runs' images in token order, on the CPU (moved where the forward runs)."""
+    of its runs' images in token order, on the CPU (moved where the forward runs); None for a segment without
+    images (every segment of a text row: text_segments)."""
     starts: list[int]
-    pixels: list[tuple[torch.Tensor, torch.Tensor]]
+    pixels: list[tuple[torch.Tensor, torch.Tensor] | None]
     stray: list[int] = field(default_factory=list)  # positions of vision tokens the policy sampled (embedded as padding)
 
 
@@ -59,7 +60,7 @@ def row_images(tokens: np.ndarray, segments, image_refs, images: dict, spec, cac
     (the pad counts from the images' sizes, no pixel processing); the RowImages then has no pixels.
 
     mask: the generated tokens. A vision token the policy sampled is no run: the model's input takes the padding id
-    there (TrainPolicy._vl_hidden), its target stays the real id. That is exact only as the last generated token
+    there (TrainPolicy._segment_hidden), its target stays the real id. That is exact only as the last generated token
     (nothing trained attends to it), which is where the actor ends such an episode; anywhere else is a ValueError."""
     from core.vlm import png_size
 
@@ -109,13 +110,19 @@ def row_images(tokens: np.ndarray, segments, image_refs, images: dict, spec, cac
     return RowImages(starts, pixels, stray)
 
 
+def text_segments(segments) -> RowImages:
+    """A text row's independent segments (a conversation windowed at the context, actor/episode.py): no images."""
+    starts = [0, *[int(s) for s in segments]]
+    return RowImages(starts, [None] * len(starts))
+
+
 def binding_error(tr: Trajectory, spec) -> str | None:
     """Why a trajectory's images cannot be bound for training (row_images' checks, without the pixels), or None
     (they can, or it has none). The learner keeps such a trajectory out of the loss instead of failing an update."""
     if not (tr.segments or tr.image_refs or (spec is not None and stray_positions(tr.tokens, tr.mask, spec))):
         return None
-    if spec is None:
-        return "it carries images or segments but the model is not a vision-language checkpoint"
+    if spec is None:  # a text checkpoint trains segments, not images
+        return "it carries images but the model is not a vision-language checkpoint" if tr.image_refs else None
     try:
         row_images(tr.tokens, tr.segments, tr.image_refs, tr.images, spec, pixels=False, mask=tr.mask)
     except ValueError as e:
@@ -168,15 +175,17 @@ def boot_position(tr: Trajectory) -> int:
 
 def collate(trajs: list[Trajectory], pad_id: int = 0, vl=None) -> Batch:
     """vl: the model's core.vlm.VLSpec (TrainPolicy.vl) when it is a VL checkpoint; ValueError if a trajectory carries
-    images or segments and there is none, or its images do not bind (row_images)."""
+    images and there is none, or its images do not bind (row_images). A text trajectory's segments give its row a
+    RowImages without pixels (text_segments): each segment is computed as its own sequence."""
     images, cache = None, {}
     need = [bool(t.segments or t.image_refs or (vl is not None and stray_positions(t.tokens, t.mask, vl)))
             for t in trajs]
-    if any(need):
-        if vl is None:
-            bad = next(t for t in trajs if t.segments or t.image_refs)
-            raise ValueError(f"trajectory {bad.id} carries images or segments but the model is not a vision-language "
-                             "checkpoint")
+    if any(need) and vl is None:
+        bad = next((t for t in trajs if t.image_refs), None)
+        if bad is not None:
+            raise ValueError(f"trajectory {bad.id} carries images but the model is not a vision-language checkpoint")
+        images = [text_segments(t.segments) if t.segments else None for t in trajs]
+    elif any(need):
         images = [row_images(t.tokens, t.segments, t.image_refs, t.images, vl, cache, f"trajectory {t.id}",
                              mask=t.mask) if n else None for t, n in zip(trajs, need)]
     boots = [boot_position(t) for t in trajs]

@@ -18,10 +18,9 @@ A checkpoint whose config.json carries "tars_vision" keeps its patch-embedding m
 `vision.proj.*` in model.safetensors), as the engine's decoder does.
 
 A Qwen2-VL / Qwen2.5-VL directory (core.vlm.is_vl_dir) loads as transformers' image-text-to-text class (vision tower
-+ language model, fp32, SDPA); `vl` is its core.vlm.VLSpec. The per-token methods then take `vl=`: per row of the
-batch, a learner.batch.RowImages (the row's independent segments and each segment's pixel_values / image_grid_thw),
-and compute every segment as its own sequence with its own images and transformers' M-RoPE positions, laid back in
-the row's token layout (`_vl_hidden`). The value head reads the language model's last hidden state, as for text.
++ language model, fp32, SDPA); `vl` is its core.vlm.VLSpec. The per-token methods take `vl=`: per row a
+learner.batch.RowImages (the row's segments, each with its pixel_values / image_grid_thw; a windowed text row's have
+none) and compute each segment as its own sequence (its images, M-RoPE positions), laid back in the row's layout.
 hf_state_dict / load_weights speak the checkpoint's names (`model.layers.*`, `visual.*`, `lm_head.weight`): transformers
 5 holds other names in memory (`model.language_model.*`, `model.visual.*`) and its own checkpoint conversion
 (transformers.core_model_loading.revert_weight_conversion, what save_pretrained applies) maps them.
@@ -257,9 +256,10 @@ class TrainPolicy(nn.Module):
         row, as the engine numbers a sequence's tokens.
         images: (rows [N], columns [N], patch pixels [N, patch_dim]) -> those positions take the patch embeddings
         instead of their token embeddings (core/vision.py); ignored by a model without the vision module.
-        vl: a VL model's images, per row a learner.batch.RowImages or None (a text row): see _vl_hidden."""
-        if vl is not None and self.vl is not None and any(r is not None for r in vl):
-            return self._vl_hidden(input_ids, key_valid, vl)
+        vl: per row a learner.batch.RowImages (its segments, a VL model's images) or None: _segment_hidden."""
+        if vl is not None and any(r is not None for r in vl):
+            assert images is None or not len(images[0]), "segmented rows with tars_vision images are not supported"
+            return self._segment_hidden(input_ids, key_valid, vl)
         key_valid = None if key_valid is not None and right_padded(key_valid) else key_valid  # SDPA's causal kernel
         base = self.lm.base_model
         if images is not None and self.vision is not None and len(images[0]):
@@ -272,9 +272,9 @@ class TrainPolicy(nn.Module):
             out = base(input_ids=input_ids, attention_mask=key_valid, use_cache=False)
         return out.last_hidden_state
 
-    def _vl_hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None, rows) -> torch.Tensor:
-        """[B, T, H] in the rows' token layout, each segment of each row computed as its own sequence: its tokens
-        from position 0, its images' pixel_values / image_grid_thw, transformers' M-RoPE positions (mm_token_type_ids
+    def _segment_hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None, rows) -> torch.Tensor:
+        """[B, T, H] in the rows' token layout, each segment of each row computed as its own sequence (text
+        checkpoints too, whose segments have no images): its tokens from position 0, its images' pixel_values / image_grid_thw, transformers' M-RoPE positions (mm_token_type_ids
         marks the image pads; a vision token the policy sampled, RowImages.stray, goes in as the pad id). Segments go
         through the model together, right-padded, packed longest first into forwards of at most the chunk's own
         padded size (B x T); their images concatenated in row order. Padding positions stay 0."""
@@ -299,7 +299,7 @@ class TrainPolicy(nn.Module):
         if cur:
             groups.append(cur)
         out = None
-        image_id = self.vl.image_token_id
+        trunk = self.lm.model if self.vl is not None else self.lm.base_model  # a text row's segments: no images
         for g in groups:
             W = g[0][2] - g[0][1]
             ids = torch.full((len(g), W), self.config.pad_token_id, dtype=torch.long, device=dev)
@@ -314,8 +314,8 @@ class TrainPolicy(nn.Module):
                 vis = self.lm.model.visual
                 kw = dict(pixel_values=torch.cat([pv for pv, _ in pix]).to(dev, vis.dtype),
                           image_grid_thw=torch.cat([thw for _, thw in pix]).to(dev),
-                          mm_token_type_ids=(ids == image_id).int())
-            h = self.lm.model(input_ids=ids, attention_mask=att, use_cache=False, **kw).last_hidden_state
+                          mm_token_type_ids=(ids == self.vl.image_token_id).int())
+            h = trunk(input_ids=ids, attention_mask=att, use_cache=False, **kw).last_hidden_state
             if out is None:
                 out = h.new_zeros(B, T, h.shape[-1])
             rr = torch.cat([torch.full((e - s,), r, dtype=torch.long) for r, s, e, _ in g]).to(dev)
@@ -324,7 +324,7 @@ class TrainPolicy(nn.Module):
             pp = torch.cat([torch.arange(e - s) for _, s, e, _ in g]).to(dev)
             out = out.index_put((rr, cc), h[jj, pp])
         if out is None:  # no tokens at all
-            out = self.lm.model(input_ids=input_ids, attention_mask=key_valid, use_cache=False).last_hidden_state
+            out = trunk(input_ids=input_ids, attention_mask=key_valid, use_cache=False).last_hidden_state
         return out
 
     def forward(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None, vl=None) -> torch.Tensor:

@@ -339,7 +339,7 @@ def test_a_prompt_that_would_overflow_the_context_on_turn_3_truncates_the_episod
         seen = _recording(eng)
 
         async def main():
-            async with stack(eng, max_turns=4) as (ctx, env):
+            async with stack(eng, max_turns=4, on_context_full="truncate") as (ctx, env):
                 ctx.max_context = max_context
                 return await run_episode(ctx, env, f"ctx-{max_context}", "gym/TarsEpisodeStripes-v0", 1, 0)
         return asyncio.run(main()), seen
@@ -366,6 +366,61 @@ def test_a_prompt_that_would_overflow_the_context_on_turn_3_truncates_the_episod
     assert not stats["nonfinite_steps"] and not stats["policy_step_skipped"]
 
 
+def test_a_conversation_that_outgrows_the_context_goes_on_in_a_new_segment():
+    """actor.on_context_full=window (the default): where turn 3's prompt would not fit, the turn starts a new segment,
+    a first prompt with the earlier turns' actions as text and the new observation, sent alone; turn 4 extends it.
+    Nothing before the seam is re-tokenised, the episode runs to max_turns, the learner admits it, and it computes
+    the second segment's logprobs as those of that segment alone (a text checkpoint's segments)."""
+    import torch
+
+    from learner.batch import collate
+    from learner.policy import TrainPolicy
+
+    def run(max_context):
+        eng = ScriptedEngine(answer("type(content='0')"), TOK.vocab_size)  # the frame never moves: never ends
+        seen = _recording(eng)
+
+        async def main():
+            async with stack(eng, max_turns=4) as (ctx, env):
+                ctx.max_context = max_context
+                return await run_episode(ctx, env, f"win-{max_context}", "gym/TarsEpisodeStripes-v0", 1, 0)
+        return asyncio.run(main()), seen
+
+    full, seen_full = run(0)
+    limit = len(seen_full[2]) + ActorConfig().max_new_tokens - 1   # turn 3's whole conversation is one token too long
+    tr, seen = run(limit)
+    assert tr.truncated_by == "max_turns" and len(tr.turns) == 4 and len(seen) == 4, tr.error
+    assert seen[:2] == seen_full[:2] and len(tr.segments) == 1
+    seg = tr.segments[0]
+    assert tr.tokens[:len(seen[1])].tolist() == seen[1]              # turns 1-2 as they were sent
+    assert tr.tokens[seg:seg + len(seen[2])].tolist() == seen[2]     # the new segment's first prompt, sent alone
+    assert seen[3][:len(seen[2])] == seen[2] and len(seen[2]) < len(seen_full[2])   # turn 4 extends it
+    assert "Previous steps:" in TOK.decode(seen[2]) and "type(content='0')" in TOK.decode(seen[2])
+    assert all(len(r) + ActorConfig().max_new_tokens <= limit for r in seen)
+    back = Trajectory.decode(tr.encode())
+    assert back.segments == [seg] and learner_admits(back)
+    dc = DecoderConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2)
+    pol = TrainPolicy.from_config(dc, seed=0)
+    b = collate([back], pad_id=0)
+    assert b.mask[0, seg] == 0 and b.images is not None
+    with torch.no_grad():
+        lp = pol.token_logprobs(b.tokens, b.valid, vl=b.images)
+        alone = pol.token_logprobs(b.tokens[:, seg:], b.valid[:, seg:])
+        joined = pol.token_logprobs(b.tokens, b.valid)
+    assert torch.allclose(lp[0, seg + 1:], alone[0, 1:], atol=1e-5)   # segment 2 sees nothing of segment 1
+    assert torch.allclose(lp[0, 1:seg], joined[0, 1:seg], atol=1e-5)   # segment 1 is the start of the row
+    assert not torch.allclose(lp[0, seg + 1:], joined[0, seg + 1:], atol=1e-3)
+    # on_context_full=truncate keeps the old cut
+    eng = ScriptedEngine(answer("type(content='0')"), TOK.vocab_size)
+
+    async def cut():
+        async with stack(eng, max_turns=4, on_context_full="truncate") as (ctx, env):
+            ctx.max_context = limit
+            return await run_episode(ctx, env, "cut", "gym/TarsEpisodeStripes-v0", 1, 0)
+    assert asyncio.run(cut()).truncated_by == "context"
+
+
 def test_the_servers_context_answer_is_the_same_truncation_never_retried():
     """The actor does not know the server's context (or its config says more): the server answers INVALID_ARGUMENT
     "exceeds max_context" to turn 3. That is the same truncation, the episode is not rerun and no call is retried,
@@ -383,7 +438,7 @@ def test_the_servers_context_answer_is_the_same_truncation_never_retried():
 
         async def main():
             async with stack(eng, env_options={"max_steps": "50"}, max_turns=4, max_new_tokens=4,
-                             temperature=0.0) as (ctx, env):
+                             temperature=0.0, on_context_full="truncate") as (ctx, env):
                 actor = types.SimpleNamespace(acfg=types.SimpleNamespace(episode_attempts=3), _pick_env=lambda: env,
                                               ctx=ctx, _new_id=lambda: f"s-{len(seen):09d}", version=0,
                                               stats=collections.Counter())
@@ -462,3 +517,35 @@ def test_every_action_of_an_answer_runs_until_one_ends_the_episode():
     assert tr.outcome == "terminated" and len(tr.turns) == 2 and stepped == ["1"] * 4
     assert [t.reward for t in tr.turns] == [3.0, 1.0] and tr.ret == 4.0
     assert [t.action["ran"] for t in tr.turns] == [3, 1] and len(tr.turns[0].action["then"]) == 2
+
+
+def test_sft_on_a_windowed_text_trajectory_trains_each_segment_alone():
+    """`tars sft` on stored trajectories: a text trajectory with segments binds to a text checkpoint (no images), the
+    segment's first token is not a loss token, and the loss is that of the segments as separate examples."""
+    import torch
+
+    from learner.data import sft_examples
+    from learner.policy import TrainPolicy
+    from learner.sft import bind_images, sft_backward
+
+    rng = np.random.default_rng(0)
+    n, seg = 40, 22
+    mask = np.zeros(n, np.uint8)
+    mask[10:20] = mask[30:38] = 1
+    tr = Trajectory(id="w", env_id="x", outcome="terminated", tokens=rng.integers(5, 60, n).astype(np.int32),
+                    logprobs=np.where(mask, -1.0, 0).astype(np.float32), versions=np.where(mask, 0, -1).astype(np.int32),
+                    mask=mask, turns=[], ret=1.0, segments=[seg])
+    dc = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=2)
+    pol = TrainPolicy.from_config(dc, seed=0)
+    (ex,) = bind_images(pol, sft_examples([tr]))
+    assert ex[2].starts == [0, seg] and ex[1][seg] == 0
+    parts = [(tr.tokens[:seg].tolist(), mask[:seg].tolist()), (tr.tokens[seg:].tolist(), mask[seg:].tolist())]
+
+    def grads(examples):
+        pol.zero_grad()
+        loss = sft_backward(pol, examples, 0, 4096, torch.device("cpu"), None)
+        return float(loss), [p.grad.clone() for p in pol.parameters() if p.grad is not None]
+    l1, g1 = grads([ex])
+    l2, g2 = grads(parts)
+    assert l1 == pytest.approx(l2, rel=1e-5) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))

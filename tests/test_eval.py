@@ -351,7 +351,8 @@ def test_a_context_too_small_for_the_episode_truncates_instead_of_infra_errors(t
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "tars.cli", "eval", "--suite", "builtin", "--model", str(ckpt),
                         "--out", str(out), "--episodes", "2", "--tasks", "builtin/click", "--concurrency", "2",
-                        "--set", "inference.max_context=160", "--set", "actor.max_new_tokens=16"],
+                        "--set", "inference.max_context=160", "--set", "actor.max_new_tokens=16",
+                        "--set", "actor.on_context_full=truncate"],
                        cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
