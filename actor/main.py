@@ -131,6 +131,7 @@ class Actor:
         self.stats[str(tr.outcome)] += 1
         if tr.truncated_by:
             self.stats[f"truncated_{tr.truncated_by}"] += 1  # what cut it: truncated_context, truncated_max_turns, ...
+        self.stats["segments_started"] += len(tr.segments)  # VL image windows and context windows
         self.stats["successes"] += int(tr.success)
         self.recent.append((tr.success, tr.outcome))
         s = asyncio.create_task(self.sender.send(tr, timeout=self.acfg.admission_timeout_s))
