@@ -49,7 +49,6 @@ CUTS = ("max_turns", "env", "parse_error", "context")
 _ENDED = frozenset(str(o) for o in ENDED)
 _OUTCOMES = {str(o): o for o in Outcome}
 _FAULTS = {str(f): f for f in Fault}
-_I32_SIGN = np.uint32(1 << 31)
 
 
 class SchemaError(ValueError):
