@@ -273,9 +273,9 @@ class TrainPolicy(nn.Module):
         return out.last_hidden_state
 
     def _segment_hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None, rows) -> torch.Tensor:
-        """[B, T, H] in the rows' token layout, each segment of each row computed as its own sequence (text
-        checkpoints too, whose segments have no images): its tokens from position 0, its images' pixel_values / image_grid_thw, transformers' M-RoPE positions (mm_token_type_ids
-        marks the image pads; a vision token the policy sampled, RowImages.stray, goes in as the pad id). Segments go
+        """[B, T, H] in the rows' token layout, each segment of each row computed as its own sequence (a text
+        checkpoint's segments have no images): its tokens from position 0, its images' pixel_values /
+        image_grid_thw, transformers' M-RoPE positions (mm_token_type_ids marks the image pads; a vision token the policy sampled, RowImages.stray, goes in as the pad id). Segments go
         through the model together, right-padded, packed longest first into forwards of at most the chunk's own
         padded size (B x T); their images concatenated in row order. Padding positions stay 0."""
         B, T = input_ids.shape

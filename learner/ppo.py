@@ -183,12 +183,11 @@ class PPOTrainer:
             adv = A.asymmetric_advantages(adv, cfg.ppo.neg_adv_weight)
         has_signal = bool((adv * b.mask).abs().max() > 0) or self.entropy_coef > 0  # the bonus is a loss term too
         live = self._rows_with_signal(adv, b.mask)
-        m_skipped = int((~live).sum()) if live is not None else 0
+        run_mask = b.mask if live is None else b.mask * live.to(b.mask.device)[:, None]  # the rows trained
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask)),
-             "bootstrapped": int(b.boot.sum()), "rows_skipped": m_skipped}
+             "bootstrapped": int(b.boot.sum()), "rows_skipped": int((~live).sum()) if live is not None else 0}
         if prox is not None:  # KL(pi_behav || pi_prox), k1 on the behaviour's own tokens of the rows trained
-            run_mask = b.mask if live is None else b.mask * live.to(b.mask.device)[:, None]
             m["behav_prox_kl"] = float(A.masked_mean(A.kl_k1(b.behav_logp, prox), run_mask))
         kl_sum = 0.0
         iw_sums = [0.0, 0.0]  # importance ratio and weight summed over the first epoch's tokens (this rank's share)
@@ -271,7 +270,7 @@ class PPOTrainer:
                 for k, v in zip(sums, totals):
                     stats.setdefault(k, []).append(v)
                 stats["grad_norm"].append(float(gn))
-        run_tok = int(b.mask[live.to(b.mask.device)].sum()) if live is not None else m["tokens"]  # the first epoch's tokens
+        run_tok = int(run_mask.sum())  # the first epoch's tokens
         if fused:
             m["behav_prox_kl"] = kl_sum / max(1, run_tok)
         ratio_sum, weight_sum = self.dist.sum_floats(iw_sums)
