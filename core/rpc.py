@@ -146,7 +146,9 @@ def channel(address: str, auth_token: str = "", max_message_bytes: int = 16 << 2
     from core import telemetry
 
     opts = _options(max_message_bytes)
-    interceptors = ([_ClientAuth(auth_token)] if auth_token else []) + ([_ClientTrace()] if telemetry.S.tracing else [])
+    bearer = [("authorization", f"Bearer {auth_token}")]
+    interceptors = ((_adding(lambda: bearer) if auth_token else [])
+                    + (_adding(telemetry.grpc_metadata) if telemetry.S.tracing else []))  # the caller's span, in its task
     if not interceptors:
         return aio.insecure_channel(address, options=opts)  # no interceptor machinery on the hot path
     return aio.insecure_channel(address, options=opts, interceptors=interceptors)
@@ -167,40 +169,64 @@ class _Details:
         self.compression = getattr(d, "compression", None)
 
 
-class _ClientAuth(aio.UnaryUnaryClientInterceptor, aio.UnaryStreamClientInterceptor):
-    def __init__(self, token: str):
-        self.token = token
+def _with(details, extra: list) -> "_Details | object":
+    return _Details(details, list(details.metadata or ()) + extra) if extra else details
+
+
+class _UnaryUnary(aio.UnaryUnaryClientInterceptor):
+    def __init__(self, extra):
+        self.extra = extra  # () -> metadata entries to add to every call
 
     async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+        return await continuation(_with(details, self.extra()), request)
+
+
+class _UnaryStream(aio.UnaryStreamClientInterceptor):
+    def __init__(self, extra):
+        self.extra = extra
 
     async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+        return await continuation(_with(details, self.extra()), request)
 
 
-class _SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _StreamUnary(aio.StreamUnaryClientInterceptor):
+    def __init__(self, extra):
+        self.extra = extra
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(_with(details, self.extra()), request_iterator)
+
+
+class _StreamStream(aio.StreamStreamClientInterceptor):
+    def __init__(self, extra):
+        self.extra = extra
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(_with(details, self.extra()), request_iterator)
+
+
+def _adding(extra) -> list:
+    """Interceptors that add extra() to the metadata of every call, one per call kind: grpc.aio files an interceptor
+    under the first kind it implements only, so one object for all four would leave streaming calls without it."""
+    return [cls(extra) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+
+
+class _SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """The bearer header on every call of a blocking channel (grpc.intercept_channel serves each kind an
+    interceptor implements)."""
+
     def __init__(self, token: str):
-        self.token = token
+        self.bearer = [("authorization", f"Bearer {token}")]
 
     def intercept_unary_unary(self, continuation, details, request):
-        return continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+        return continuation(_with(details, self.bearer), request)
 
     def intercept_unary_stream(self, continuation, details, request):
-        return continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]), request)
+        return continuation(_with(details, self.bearer), request)
 
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(_with(details, self.bearer), request_iterator)
 
-class _ClientTrace(aio.UnaryUnaryClientInterceptor, aio.UnaryStreamClientInterceptor):
-    """Adds the current span's `traceparent`; runs in the caller's task, so it sees the caller's span."""
-
-    @staticmethod
-    def _details(details):
-        from core import telemetry
-
-        extra = telemetry.grpc_metadata()
-        return _Details(details, list(details.metadata or ()) + extra) if extra else details
-
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(_with(details, self.bearer), request_iterator)
