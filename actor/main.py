@@ -36,7 +36,7 @@ class Actor:
         self.envs = [EnvClient(a, cfg.envd.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
                                cfg.actor.keep_sessions, cfg.envd.lease_ttl_s / 2) for a in envd]
         self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
-                                     unavailable_retry_s=cfg.actor.unavailable_retry_s)
+                                     unavailable_retry_s=cfg.actor.unavailable_retry_s, coalesce=cfg.actor.coalesce_generate)
         self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,
                                        max_outbox=cfg.actor.max_outbox,
                                        **_curve_keys(cfg.learner.stream.curve_public_key))

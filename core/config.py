@@ -107,6 +107,9 @@ class ActorConfig:
                                        "observation; actor/episode.py) | truncate (end the episode there)")
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
     retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
+    coalesce_generate: bool = f(True, "inference calls made together go as one GenerateBatch call per replica, each "
+                                      "keeping its own result, deadline and retries (core/inference_client.py); "
+                                      "false = one Generate call each")
     unavailable_retry_s: float = f(60.0, "how long an inference call keeps retrying a server that is down (e.g. "
                                          "restarting) before the episode ends as infra_error; the rollout resumes")
     episode_attempts: int = f(3, lo=1, help="attempts per episode: an infra_error episode is rerun from scratch on a live envd "

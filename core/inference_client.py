@@ -4,6 +4,13 @@ A trajectory sticks to one replica so its prefix cache is hit on every turn: on 
 replica with the fewest calls in flight from this client (ties broken by a stable hash of the id), and the
 choice is remembered in a bounded LRU map. A replica that answers UNAVAILABLE loses the trajectory to another,
 and so does one with more than `sticky_max_imbalance` calls in flight beyond the least loaded replica.
+
+Coalescing (on by default): the Generate calls made in one turn of the event loop for one replica travel as one
+GenerateBatch call, sent at the end of that turn (no timer, so a lone call waits for nothing); each keeps its own
+deadline, outcome, retries and trace span, and its result comes back as soon as the server has it. A replica that
+does not know GenerateBatch (UNIMPLEMENTED) is called one Generate at a time from then on. A caller that gives up
+on a coalesced call stops waiting at once; the server's work for it runs on to its deadline (the batch call is
+cancelled only when every caller in it has given up).
 """
 from __future__ import annotations
 
@@ -54,14 +61,17 @@ class _Replica:
     channel: aio.Channel
     stub: inference_pb2_grpc.InferenceServiceStub
     in_flight: int = 0
+    batch: bool = True                   # False once the replica answered GenerateBatch with UNIMPLEMENTED
 
 
 class InferenceClient:
     def __init__(self, addresses: list[str], auth_token: str = "", timeout_s: float = 30.0, retries: int = 3,
                  backoff_s: float = 0.05, sticky_capacity: int = 65536, max_message_bytes: int = 512 << 20,
-                 sticky_max_imbalance: int = 8, unavailable_retry_s: float = 0.0, max_backoff_s: float = 2.0):
+                 sticky_max_imbalance: int = 8, unavailable_retry_s: float = 0.0, max_backoff_s: float = 2.0,
+                 coalesce: bool = True):
         """unavailable_retry_s: beyond `retries`, keep retrying UNAVAILABLE (every replica down, e.g. restarting)
-        for this long, backing off up to max_backoff_s, so an in-flight rollout resumes when a server is back."""
+        for this long, backing off up to max_backoff_s, so an in-flight rollout resumes when a server is back.
+        coalesce: Generate calls ready together go as one GenerateBatch call per replica (the module's doc)."""
         if not addresses:
             raise ValueError("InferenceClient needs at least one address")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
@@ -75,6 +85,10 @@ class InferenceClient:
         self._sticky_capacity = sticky_capacity
         self.sticky_max_imbalance = sticky_max_imbalance
         self.moved_for_load = 0
+        self.coalesce = coalesce
+        self.batches = self.batched_calls = 0  # GenerateBatch calls made, and the generations they carried
+        self._pending: dict[int, list] = {}   # replica index -> [(request, timeout, future)] of this loop turn
+        self._batch_tasks: set[asyncio.Task] = set()
 
     @property
     def addresses(self) -> list[str]:
@@ -113,6 +127,8 @@ class InferenceClient:
             rep = self._replicas[i]
             rep.in_flight += 1
             try:
+                if method == "Generate" and self.coalesce and rep.batch:
+                    return await self._coalesced(i, request, timeout), rep
                 return await getattr(rep.stub, method)(request, timeout=timeout), rep
             except aio.AioRpcError as e:
                 if e.code() not in rpc.RETRYABLE:
@@ -124,6 +140,67 @@ class InferenceClient:
             finally:
                 rep.in_flight -= 1
             await self._backoff(attempt)
+
+    # ---- coalescing ------------------------------------------------------------------------------------------
+    async def _coalesced(self, i: int, request, timeout: float):
+        """One Generate, sent in the GenerateBatch call of this loop turn for replica i -> its GenerateResponse;
+        raises its own AioRpcError. Falls back to a plain Generate where the replica has no GenerateBatch."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        q = self._pending.setdefault(i, [])
+        q.append((request, timeout, fut))
+        if len(q) == 1:
+            loop.call_soon(self._flush, i)
+        try:
+            return await fut
+        except _Unbatched:
+            return await self._replicas[i].stub.Generate(request, timeout=timeout)
+
+    def _flush(self, i: int) -> None:
+        batch = self._pending.pop(i, None)
+        if batch:
+            t = asyncio.get_running_loop().create_task(self._send_batch(self._replicas[i], batch))
+            self._batch_tasks.add(t)
+            t.add_done_callback(self._batch_tasks.discard)
+
+    async def _send_batch(self, rep: _Replica, batch: list) -> None:
+        """One GenerateBatch call: every item's future gets its result or its error, whatever happens to the call."""
+        self.batches += 1
+        self.batched_calls += len(batch)
+        futs = [f for _, _, f in batch]
+        req = inference_pb2.GenerateBatchRequest(requests=[r for r, _, _ in batch], timeout_s=[t for _, t, _ in batch])
+        call = rep.stub.GenerateBatch(req, timeout=max(t for _, t, _ in batch))
+
+        def abandoned(f: asyncio.Future) -> None:  # every caller in the batch gave up: stop the server's work
+            if f.cancelled() and all(g.cancelled() for g in futs):
+                call.cancel()
+
+        for f in futs:
+            f.add_done_callback(abandoned)
+        err: BaseException | None = None
+        try:
+            async for msg in call:
+                for it in msg.items:
+                    f = futs[it.index] if 0 <= it.index < len(futs) else None
+                    if f is None or f.done():
+                        continue  # its caller gave up (or a malformed index: the call's end answers it)
+                    if it.code == 0:
+                        f.set_result(it.response)
+                    else:
+                        f.set_exception(_item_error(it.code, it.error))
+        except aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                rep.batch = False
+                err = _Unbatched()
+            else:
+                err = e
+        except asyncio.CancelledError:  # the client is closing, or every caller gave up
+            err = aio.AioRpcError(grpc.StatusCode.CANCELLED, details="the batch call was cancelled")
+        finally:
+            for f in futs:
+                if not f.done():
+                    f.set_exception(err or aio.AioRpcError(grpc.StatusCode.INTERNAL,
+                                                           details="GenerateBatch ended without this request's result"))
 
     @staticmethod
     def _request(trajectory_id, input_ids, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed,
@@ -201,4 +278,19 @@ class InferenceClient:
         return min((await self.get_versions()).values())
 
     async def close(self) -> None:
+        for t in list(self._batch_tasks):
+            t.cancel()
         await asyncio.gather(*(r.channel.close() for r in self._replicas))
+
+
+class _Unbatched(Exception):
+    """The replica has no GenerateBatch: the call goes as a plain Generate."""
+
+
+def _item_error(code: int, details: str) -> aio.AioRpcError:
+    """A GenerateBatch item's failure as the AioRpcError its own Generate call would have raised."""
+    status = _STATUS.get(code, grpc.StatusCode.UNKNOWN)
+    return aio.AioRpcError(status, aio.Metadata(), aio.Metadata(), details)
+
+
+_STATUS = {s.value[0]: s for s in grpc.StatusCode}

@@ -326,6 +326,15 @@ def server_span(name: str, grpc_context, attributes: dict | None = None):
                                           attributes=attributes)
 
 
+def start_server_span(name: str, traceparent: str, attributes: dict | None = None):
+    """A started (not current) SERVER span whose parent is the span `traceparent` names, for one request of a batch
+    call (each carries its own); the caller ends it. The shared no-op span when tracing is off."""
+    if not S.tracing:
+        return trace.INVALID_SPAN
+    ctx = _PROP.extract({"traceparent": traceparent} if traceparent else {})
+    return S.tracer.start_span(name, context=ctx, kind=trace.SpanKind.SERVER, attributes=attributes)
+
+
 def traceparent() -> str:
     """The current span's W3C traceparent, or "" when none is recorded."""
     if not S.tracing:

@@ -1,7 +1,7 @@
 """The gRPC front of the inference server: InferenceService over an engine, plus Control, health and reflection.
 
 Engine calls that block (submit is quick; update_weights waits for a step boundary) stay off the event loop.
-Results (concurrent Futures) and streamed tokens come back through one _Mailbox per event loop: the engine's
+Results (concurrent Futures) and streamed tokens come back through one Mailbox per event loop: the engine's
 thread appends to it and wakes the loop only when it was empty, so the requests a decode step finishes together
 cost one wake-up of the loop, not one each. A call whose deadline passes or whose client goes away cancels its
 engine request.
@@ -11,15 +11,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import signal
 import sys
 
 import grpc
 
 from inference_server.engine import LocalEngine
+from inference_server.answers import FINISH, SUBMIT_ERRORS, batch_item, code_of, failure, outcome, params, response
+from inference_server.mailbox import Mailbox, expire, settle, wake
 from inference_server.sglang_launch import SGLangStartupError  # standard library only
-from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError,
-                                           WeightsRefused, check_version_step)
+from inference_server.engine_types import EngineClosed, WeightLoadError, WeightsRefused, check_version_step
 from core.weights_stream import Assembler, BadChunk, WrongWeights
 from core import weights_shm
 from core import auth, rpc, telemetry
@@ -31,118 +33,53 @@ from core.v1 import inference_pb2, inference_pb2_grpc
 log = logging.getLogger("tars.inference.server")
 SERVICE = "tars.v1.InferenceService"
 CONTROL = "tars.v1.ControlService"
-_FINISH = {"stop": inference_pb2.STOP, "length": inference_pb2.LENGTH}
-
-
-def _params(s: inference_pb2.SamplingParams) -> SamplingParams:
-    # proto3 zero values: top_p 0 means "off"; max_new_tokens 0 is left to validation (INVALID_ARGUMENT).
-    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
-                          top_k=s.top_k, stop_token_ids=tuple(s.stop_token_ids), seed=s.seed)
-
-
-def _response(out: GenerateOutput, replica: str) -> inference_pb2.GenerateResponse:
-    return inference_pb2.GenerateResponse(
-        output_ids=out.output_ids, logprobs=out.logprobs, versions=out.versions, finish_reason=_FINISH[out.finish_reason],
-        prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=len(out.output_ids),
-        interruptions=out.interruptions, replica=replica)
-
-
-class _Mailbox:
-    """Calls posted from any thread, run in order on one event loop; the loop is woken once per batch of posts.
-
-    post() appends, then arms a wake-up unless one is pending; _drain disarms before it empties the deque, so a
-    post that races with a drain is either seen by it or arms the next one (an extra, empty drain at worst)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._q: collections.deque = collections.deque()
-        self._armed = False
-
-    def post(self, fn, *args) -> None:
-        self._q.append((fn, args))
-        if not self._armed:
-            self._armed = True
-            try:
-                self.loop.call_soon_threadsafe(self._drain)
-            except RuntimeError:  # the loop is closed: nobody is left to hear the result
-                pass
-
-    def _drain(self) -> None:
-        self._armed = False
-        q = self._q
-        while q:
-            fn, args = q.popleft()
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("posted callback failed")
-
-
-def _settle(waiter: asyncio.Future, fut) -> None:
-    """Copy a finished concurrent Future's outcome onto the loop's waiter (unless it expired or was cancelled)."""
-    if waiter.done():
-        return
-    if fut.cancelled():
-        waiter.cancel()
-    elif fut.exception() is not None:
-        waiter.set_exception(fut.exception())
-    else:
-        waiter.set_result(fut.result(0))  # done: no wait
-
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_exception(asyncio.TimeoutError())
-
-
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, cfg: InferenceConfig, engine, model_name: str = ""):
         # engine: LocalEngine or SGLangEngine (inference_server.sglang_engine); same interface.
         self.cfg, self.engine, self.model_name = cfg, engine, model_name
         self.replica = ""
         self.images_ignored = 0
-        self._mailbox: _Mailbox | None = None
+        self._mailbox: Mailbox | None = None
 
-    def _mail(self) -> _Mailbox:
+    def _mail(self) -> Mailbox:
         loop = asyncio.get_running_loop()
         if self._mailbox is None or self._mailbox.loop is not loop:
-            self._mailbox = _Mailbox(loop)
+            self._mailbox = Mailbox(loop)
         return self._mailbox
 
     async def _result(self, fut, context):
         """The engine Future's outcome, awaited on this loop; asyncio.TimeoutError once the call's deadline passes."""
         loop = asyncio.get_running_loop()
         mail, waiter = self._mail(), loop.create_future()
-        fut.add_done_callback(lambda f: mail.post(_settle, waiter, f))
+        fut.add_done_callback(lambda f: mail.post(settle, waiter, f))
         remaining = context.time_remaining()
-        timer = None if remaining is None else loop.call_later(max(0.0, remaining), _expire, waiter)
+        timer = None if remaining is None else loop.call_later(max(0.0, remaining), expire, waiter)
         try:
             return await waiter
         finally:
             if timer is not None:
                 timer.cancel()
 
-    async def _submit(self, request, context, on_token=None):
+    def _engine_submit(self, request, on_token=None):
+        """engine.submit for one GenerateRequest -> its concurrent Future; raises what submit raises (ValueError,
+        QueueFull, EngineClosed: answers.SUBMIT_ERRORS)."""
         kw = {}
         if request.images:
             if getattr(self.engine, "accepts_images", False):
                 kw["images"] = [bytes(im.data) for im in request.images]
             else:  # an engine without an image path (sglang client): the prompt's text speaks for them
                 self.images_ignored += len(request.images)
+        return self.engine.submit(list(request.input_ids), params(request.sampling), request.trajectory_id,
+                                  request.max_stale_versions if request.HasField("max_stale_versions") else self.cfg.max_stale_versions, on_token, **kw)
+
+    async def _submit(self, request, context, on_token=None):
         try:
-            return self.engine.submit(list(request.input_ids), _params(request.sampling), request.trajectory_id,
-                                      request.max_stale_versions if request.HasField("max_stale_versions") else self.cfg.max_stale_versions, on_token, **kw)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except EngineClosed as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            return self._engine_submit(request, on_token)
+        except SUBMIT_ERRORS as e:
+            await context.abort(code_of(e), str(e))
 
     async def _abort_for(self, context, e: BaseException):
-        if isinstance(e, EngineClosed):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        await context.abort(*failure(e))
 
     async def Generate(self, request, context):
         with telemetry.server_span("inference.generate", context) as sp:
@@ -163,7 +100,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await self._abort_for(context, e)
         finally:
             fut.cancel()  # no-op when done; stops the engine work when the call was cancelled or timed out
-        return _response(out, self.replica)
+        return response(out, self.replica)
 
     async def GenerateStream(self, request, context):
         with telemetry.server_span("inference.generate", context, {"tars.trajectory_id": request.trajectory_id,
@@ -197,18 +134,92 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 chunk = inference_pb2.GenerateChunk(output_ids=[t for t, _, _ in toks], logprobs=[lp for _, lp, _ in toks],
                                                     versions=[v for _, _, v in toks])
                 if None in items:
-                    if fut.cancelled():
-                        await context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
-                    if fut.exception() is not None:
-                        await self._abort_for(context, fut.exception())
+                    if fut.cancelled() or fut.exception() is not None:
+                        await context.abort(*outcome(fut))
                     out = fut.result()
-                    chunk.finish_reason = _FINISH[out.finish_reason]
+                    chunk.finish_reason = FINISH[out.finish_reason]
                     chunk.prompt_tokens, chunk.cached_tokens = out.prompt_tokens, out.cached_tokens
                     yield chunk
                     return
                 yield chunk
         finally:
             fut.cancel()
+
+    async def GenerateBatch(self, request, context):
+        """Each request runs as its own Generate would (its own outcome, deadline and span); every message holds
+        the results that arrived together (one wake-up of this loop), so a decode step that finishes many costs one."""
+        n = len(request.requests)
+        if n > self.cfg.max_queue:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a batch of {n} requests is more than inference.max_queue ({self.cfg.max_queue})")
+        loop, mail = asyncio.get_running_loop(), self._mail()
+        remaining = context.time_remaining()
+        now = loop.time()
+        call_end = math.inf if remaining is None else now + remaining
+        arrived: collections.deque = collections.deque()  # (index, future), at most n
+        sleeping: list = [None]  # the loop future the handler sleeps on, woken by an arrival or the first deadline
+
+        def arrive(i: int, f) -> None:
+            arrived.append((i, f))
+            if sleeping[0] is not None and not sleeping[0].done():
+                sleeping[0].set_result(None)
+
+        items, live = [], {}  # live: index -> (engine future, deadline, span)
+        for i, r in enumerate(request.requests):
+            t = request.timeout_s[i] if i < len(request.timeout_s) else 0.0
+            sp = telemetry.start_server_span("inference.generate", r.traceparent, {"tars.trajectory_id": r.trajectory_id,
+                                                                                   "tars.batch_size": n})
+            try:
+                fut = self._engine_submit(r)
+            except SUBMIT_ERRORS as e:
+                items.append(batch_item(i, code_of(e), str(e)))
+                sp.end()
+                continue
+            live[i] = (fut, min(call_end, now + t) if t > 0 else call_end, sp)
+            fut.add_done_callback(lambda f, i=i: mail.post(arrive, i, f))
+        try:
+            while True:
+                while arrived:
+                    i, f = arrived.popleft()
+                    entry = live.pop(i, None)
+                    if entry is not None:  # else it expired meanwhile
+                        items.append(self._finished_item(i, f, entry[2]))
+                if items:
+                    yield inference_pb2.GenerateBatchResponse(items=items)
+                    items = []
+                    continue  # results that arrived while the message was sent are in `arrived`, not a wake-up
+                if not live:
+                    return
+                first = min(d for _, d, _ in live.values())
+                sleeping[0] = loop.create_future()
+                timer = None if first == math.inf else loop.call_later(max(0.0, first - loop.time()), wake, sleeping[0])
+                try:
+                    await sleeping[0]
+                finally:
+                    sleeping[0] = None
+                    if timer is not None:
+                        timer.cancel()
+                t = loop.time()
+                for i, (fut, d, sp) in list(live.items()):
+                    if d <= t:
+                        fut.cancel()
+                        del live[i]
+                        sp.end()
+                        items.append(batch_item(i, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished"))
+        finally:
+            for fut, _, sp in live.values():
+                fut.cancel()  # the call was cancelled or ended: stop the engine work
+                sp.end()
+
+    def _finished_item(self, i: int, fut, sp) -> inference_pb2.GenerateBatchItem:
+        if fut.cancelled() or fut.exception() is not None:
+            code, details = outcome(fut)
+            sp.end()
+            return batch_item(i, code, details)
+        r = response(fut.result(0), self.replica)
+        telemetry.set_attrs(sp, **{"tars.prompt_tokens": r.prompt_tokens, "tars.cached_tokens": r.cached_tokens,
+                                   "tars.completion_tokens": r.completion_tokens, "tars.interruptions": r.interruptions})
+        sp.end()
+        return batch_item(i, grpc.StatusCode.OK, resp=r)
 
     async def UpdateWeights(self, request, context):
         sd = None

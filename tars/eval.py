@@ -226,7 +226,8 @@ class ModelPolicy(Policy):
         a = self.cfg.actor
         self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries, a.keep_sessions,
                              self.cfg.envd.lease_ttl_s / 2)
-        self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries)
+        self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries,
+                                     coalesce=a.coalesce_generate)
         self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval", max_context=max_context)
 
     async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:

@@ -6,13 +6,13 @@ import asyncio
 import threading
 import time
 
-from inference_server.server import _Mailbox
+from inference_server.mailbox import Mailbox
 
 
 def test_mailbox_runs_every_post_in_order_with_fewer_wakeups():
     async def main():
         loop = asyncio.get_running_loop()
-        mail, got, wakes = _Mailbox(loop), [], []
+        mail, got, wakes = Mailbox(loop), [], []
         real = loop.call_soon_threadsafe
 
         def counting(*a, **k):

@@ -163,11 +163,18 @@ def test_auth_control_and_health():
             await bad.close()
             good = InferenceClient([addr], auth_token="s3cret")
             assert len((await good.generate("t", [1, 2, 3], 4)).output_ids) == 4
+            assert good.batches == 1  # coalesced: a GenerateBatch call (server streaming) carried the token too
+            # every call kind carries the token (grpc.aio files an interceptor under one kind only)
+            assert sum(len(c.output_ids) for c in [c async for c in good.generate_stream("t", [1, 2, 3], 4)]) == 4
+            assert (await good.update_weights_streamed(1, make_model(1).hf_state_dict()))[0]["version"] == 1
+            plain = InferenceClient([addr], auth_token="s3cret", coalesce=False)
+            assert len((await plain.generate("t", [1, 2, 3], 4)).output_ids) == 4 and plain.batches == 0
+            await plain.close()
             await good.close()
             ch = rpc.channel(addr, "s3cret")
             st = await control_pb2_grpc.ControlServiceStub(ch).Status(control_pb2.StatusRequest(), timeout=5)
             metrics = json.loads(st.metrics_json)
-            assert st.role == "inference" and metrics["tokens_generated"] == 4 and metrics["requests"] == 1
+            assert st.role == "inference" and metrics["tokens_generated"] == 12 and metrics["requests"] == 3
             from grpc_health.v1 import health_pb2, health_pb2_grpc
 
             h = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="tars.v1.InferenceService"), timeout=5)

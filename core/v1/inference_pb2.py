@@ -25,33 +25,39 @@ _sym_db = _symbol_database.Default()
 from core.v1 import common_pb2 as tars_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tars/v1/inference.proto\x12\x07tars.v1\x1a\x14tars/v1/common.proto\"\x81\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xd3\x01\n\x0fGenerateRequest\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.tars.v1.SamplingParams\x12\x1e\n\x06images\x18\x04 \x03(\x0b\x32\x0e.tars.v1.Image\x12\x1f\n\x12max_stale_versions\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btraceparent\x18\x06 \x01(\tB\x15\n\x13_max_stale_versions\"\xe9\x01\n\x10GenerateResponse\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.tars.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12\x15\n\rinterruptions\x18\x08 \x01(\x05\x12\x0f\n\x07replica\x18\t \x01(\t\"\xa3\x01\n\rGenerateChunk\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.tars.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"W\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x13\n\x0bsafetensors\x18\x03 \x01(\x0c\x12\x0b\n\x03shm\x18\x04 \x01(\t\"Y\n\x0cWeightsChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"W\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07load_ms\x18\x02 \x01(\x01\x12\x1c\n\x14interrupted_requests\x18\x03 \x01(\x05\"\x13\n\x11GetVersionRequest\"4\n\x12GetVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t*<\n\x0c\x46inishReason\x12\x16\n\x12\x46INISH_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x32\x80\x03\n\x10InferenceService\x12?\n\x08Generate\x12\x18.tars.v1.GenerateRequest\x1a\x19.tars.v1.GenerateResponse\x12\x44\n\x0eGenerateStream\x12\x18.tars.v1.GenerateRequest\x1a\x16.tars.v1.GenerateChunk0\x01\x12N\n\rUpdateWeights\x12\x1d.tars.v1.UpdateWeightsRequest\x1a\x1e.tars.v1.UpdateWeightsResponse\x12N\n\x13UpdateWeightsStream\x12\x15.tars.v1.WeightsChunk\x1a\x1e.tars.v1.UpdateWeightsResponse(\x01\x12\x45\n\nGetVersion\x12\x1a.tars.v1.GetVersionRequest\x1a\x1b.tars.v1.GetVersionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tars/v1/inference.proto\x12\x07tars.v1\x1a\x14tars/v1/common.proto\"\x81\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xd3\x01\n\x0fGenerateRequest\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.tars.v1.SamplingParams\x12\x1e\n\x06images\x18\x04 \x03(\x0b\x32\x0e.tars.v1.Image\x12\x1f\n\x12max_stale_versions\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btraceparent\x18\x06 \x01(\tB\x15\n\x13_max_stale_versions\"\xe9\x01\n\x10GenerateResponse\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.tars.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12\x15\n\rinterruptions\x18\x08 \x01(\x05\x12\x0f\n\x07replica\x18\t \x01(\t\"U\n\x14GenerateBatchRequest\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.tars.v1.GenerateRequest\x12\x11\n\ttimeout_s\x18\x02 \x03(\x02\"l\n\x11GenerateBatchItem\x12\r\n\x05index\x18\x01 \x01(\x05\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x19.tars.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"B\n\x15GenerateBatchResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.tars.v1.GenerateBatchItem\"\xa3\x01\n\rGenerateChunk\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.tars.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"W\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x13\n\x0bsafetensors\x18\x03 \x01(\x0c\x12\x0b\n\x03shm\x18\x04 \x01(\t\"Y\n\x0cWeightsChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"W\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07load_ms\x18\x02 \x01(\x01\x12\x1c\n\x14interrupted_requests\x18\x03 \x01(\x05\"\x13\n\x11GetVersionRequest\"4\n\x12GetVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t*<\n\x0c\x46inishReason\x12\x16\n\x12\x46INISH_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x32\xd2\x03\n\x10InferenceService\x12?\n\x08Generate\x12\x18.tars.v1.GenerateRequest\x1a\x19.tars.v1.GenerateResponse\x12\x44\n\x0eGenerateStream\x12\x18.tars.v1.GenerateRequest\x1a\x16.tars.v1.GenerateChunk0\x01\x12P\n\rGenerateBatch\x12\x1d.tars.v1.GenerateBatchRequest\x1a\x1e.tars.v1.GenerateBatchResponse0\x01\x12N\n\rUpdateWeights\x12\x1d.tars.v1.UpdateWeightsRequest\x1a\x1e.tars.v1.UpdateWeightsResponse\x12N\n\x13UpdateWeightsStream\x12\x15.tars.v1.WeightsChunk\x1a\x1e.tars.v1.UpdateWeightsResponse(\x01\x12\x45\n\nGetVersion\x12\x1a.tars.v1.GetVersionRequest\x1a\x1b.tars.v1.GetVersionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tars.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1150
-  _globals['_FINISHREASON']._serialized_end=1210
+  _globals['_FINISHREASON']._serialized_start=1415
+  _globals['_FINISHREASON']._serialized_end=1475
   _globals['_SAMPLINGPARAMS']._serialized_start=59
   _globals['_SAMPLINGPARAMS']._serialized_end=188
   _globals['_GENERATEREQUEST']._serialized_start=191
   _globals['_GENERATEREQUEST']._serialized_end=402
   _globals['_GENERATERESPONSE']._serialized_start=405
   _globals['_GENERATERESPONSE']._serialized_end=638
-  _globals['_GENERATECHUNK']._serialized_start=641
-  _globals['_GENERATECHUNK']._serialized_end=804
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=806
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=893
-  _globals['_WEIGHTSCHUNK']._serialized_start=895
-  _globals['_WEIGHTSCHUNK']._serialized_end=984
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=986
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1073
-  _globals['_GETVERSIONREQUEST']._serialized_start=1075
-  _globals['_GETVERSIONREQUEST']._serialized_end=1094
-  _globals['_GETVERSIONRESPONSE']._serialized_start=1096
-  _globals['_GETVERSIONRESPONSE']._serialized_end=1148
-  _globals['_INFERENCESERVICE']._serialized_start=1213
-  _globals['_INFERENCESERVICE']._serialized_end=1597
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=640
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=725
+  _globals['_GENERATEBATCHITEM']._serialized_start=727
+  _globals['_GENERATEBATCHITEM']._serialized_end=835
+  _globals['_GENERATEBATCHRESPONSE']._serialized_start=837
+  _globals['_GENERATEBATCHRESPONSE']._serialized_end=903
+  _globals['_GENERATECHUNK']._serialized_start=906
+  _globals['_GENERATECHUNK']._serialized_end=1069
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1071
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1158
+  _globals['_WEIGHTSCHUNK']._serialized_start=1160
+  _globals['_WEIGHTSCHUNK']._serialized_end=1249
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1251
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1338
+  _globals['_GETVERSIONREQUEST']._serialized_start=1340
+  _globals['_GETVERSIONREQUEST']._serialized_end=1359
+  _globals['_GETVERSIONRESPONSE']._serialized_start=1361
+  _globals['_GETVERSIONRESPONSE']._serialized_end=1413
+  _globals['_INFERENCESERVICE']._serialized_start=1478
+  _globals['_INFERENCESERVICE']._serialized_end=1944
 # @@protoc_insertion_point(module_scope)

@@ -71,6 +71,32 @@ class GenerateResponse(_message.Message):
     replica: str
     def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., interruptions: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
 
+class GenerateBatchRequest(_message.Message):
+    __slots__ = ("requests", "timeout_s")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    timeout_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., timeout_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class GenerateBatchItem(_message.Message):
+    __slots__ = ("index", "response", "code", "error")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    response: GenerateResponse
+    code: int
+    error: str
+    def __init__(self, index: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GenerateBatchResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[GenerateBatchItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[GenerateBatchItem, _Mapping]]] = ...) -> None: ...
+
 class GenerateChunk(_message.Message):
     __slots__ = ("output_ids", "logprobs", "versions", "finish_reason", "prompt_tokens", "cached_tokens")
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class InferenceServiceStub:
                 request_serializer=tars_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tars_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.unary_stream(
+                '/tars.v1.InferenceService/GenerateBatch',
+                request_serializer=tars_dot_v1_dot_inference__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=tars_dot_v1_dot_inference__pb2.GenerateBatchResponse.FromString,
+                _registered_method=True)
         self.UpdateWeights = channel.unary_unary(
                 '/tars.v1.InferenceService/UpdateWeights',
                 request_serializer=tars_dot_v1_dot_inference__pb2.UpdateWeightsRequest.SerializeToString,
@@ -72,6 +77,15 @@ class InferenceServiceServicer:
 
     def GenerateStream(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatch(self, request, context):
+        """Several generations in one call: what a client has ready at once (core.inference_client coalesces its calls).
+        Each runs as its own Generate would, with its own outcome; results come back as they finish, those of one
+        engine step in one message.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -107,6 +121,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=tars_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
                     response_serializer=tars_dot_v1_dot_inference__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=tars_dot_v1_dot_inference__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=tars_dot_v1_dot_inference__pb2.GenerateBatchResponse.SerializeToString,
             ),
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
@@ -178,6 +197,33 @@ class InferenceService:
             '/tars.v1.InferenceService/GenerateStream',
             tars_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
             tars_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tars.v1.InferenceService/GenerateBatch',
+            tars_dot_v1_dot_inference__pb2.GenerateBatchRequest.SerializeToString,
+            tars_dot_v1_dot_inference__pb2.GenerateBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

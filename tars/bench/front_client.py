@@ -1,9 +1,10 @@
 """The load generator of `tars bench inference`'s front figure, run as its own process (as actors are).
 
-    python -m tars.bench.front_client ADDRESS
+    python -m tars.bench.front_client ADDRESS [--unary]
 
 Reads one JSON job per line on stdin, {"prompts": [[ids...], ...], "max_new_tokens": N}, sends every prompt at
-once (unary Generate, temperature 1, no trajectory id), waits for all of them and writes one JSON line back:
+once (InferenceClient.generate as actors call it, temperature 1, no trajectory id: calls made together are
+coalesced into one GenerateBatch call; --unary: one Generate call each, as before GenerateBatch), waits for all of them and writes one JSON line back:
 {"tokens": total output tokens, "seconds": wall time of the round}. Ends at EOF. Imports only the client, so it
 starts fast and never competes with the server for its GIL. ClientProcess is the parent's side.
 """
@@ -24,8 +25,8 @@ async def one_round(client: InferenceClient, prompts: list[list[int]], max_new: 
     return {"tokens": sum(len(r.output_ids) for r in rs), "seconds": time.perf_counter() - t0}
 
 
-async def serve_jobs(address: str, timeout_s: float = 300.0) -> None:
-    client = InferenceClient([address], timeout_s=timeout_s)
+async def serve_jobs(address: str, timeout_s: float = 300.0, unary: bool = False) -> None:
+    client = InferenceClient([address], timeout_s=timeout_s, coalesce=not unary)
     loop = asyncio.get_running_loop()
     try:
         while True:
@@ -44,11 +45,12 @@ class ClientProcess:
     """`async with ClientProcess(address) as c`: this module in its own process against `address`;
     `await c.rate(prompts, max_new)` runs one round there and returns its output tokens per second."""
 
-    def __init__(self, address: str, timeout_s: float = 300.0):
-        self.address, self.timeout_s, self.proc = address, timeout_s, None
+    def __init__(self, address: str, timeout_s: float = 300.0, unary: bool = False):
+        self.address, self.timeout_s, self.unary, self.proc = address, timeout_s, unary, None
 
     async def __aenter__(self) -> "ClientProcess":
         self.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tars.bench.front_client", self.address,
+                                                         *(["--unary"] if self.unary else []),
                                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self
 
@@ -72,10 +74,12 @@ class ClientProcess:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    unary = "--unary" in argv
+    argv = [a for a in argv if a != "--unary"]
     if len(argv) != 1:
-        print("usage: python -m tars.bench.front_client ADDRESS  (jobs as JSON lines on stdin)", file=sys.stderr)
+        print("usage: python -m tars.bench.front_client ADDRESS [--unary]  (jobs as JSON lines on stdin)", file=sys.stderr)
         return 2
-    asyncio.run(serve_jobs(argv[0]))
+    asyncio.run(serve_jobs(argv[0], unary=unary))
     return 0
 
 

@@ -8,7 +8,8 @@
   process), and the figure is the median over rounds of front / direct within the round, so a neighbour's load
   that comes and goes hits both sides alike. grpc_inprocess_over_direct is the same with the client in the
   server's process (this bench's method before: the client's serialisation then shares the server's GIL).
-  Goal >= 0.9.
+  The client is InferenceClient as actors use it: calls made together travel as one GenerateBatch call;
+  grpc_unary_over_direct is the client process making one Generate call each (coalesce=False). Goal >= 0.9.
 - update_discarded_share: tokens discarded and regenerated because of weight updates every few seconds, as a share
   of tokens sampled, partial rollouts vs restart-on-update (tars.bench.inference_rollouts). Goal <= 0.02.
 - multiturn_cache_hit_share: prompt tokens of later turns served from the prefix cache (bench_rollouts).
@@ -59,35 +60,41 @@ def run(json_path: str | None = None, concurrency: int = 64, prompt_len: int = 3
     eng = LocalEngine(cfg, CausalLM(dc).init_weights(0, std=0.1))
     prompts = [_prompts(concurrency, prompt_len, dc.vocab_size, seed) for seed in range(rounds + 1)]
     try:
-        async def measure() -> tuple[list[float], list[float], list[float]]:
+        async def measure() -> tuple[list[float], list[float], list[float], list[float]]:
             srv = InferenceServer(cfg, eng)
             await srv.start()
             client = InferenceClient([srv.address], timeout_s=300)
-            d, g, gr = [], [], []
+            d, g, gr, gu = [], [], [], []
             try:
-                async with contextlib.AsyncExitStack() as stack:  # the client process, when asked for
-                    remote = (await stack.enter_async_context(ClientProcess(srv.address))).rate if client_process else None
+                async with contextlib.AsyncExitStack() as stack:  # the client processes, when asked for
+                    remote = unary = None
+                    if client_process:
+                        remote = (await stack.enter_async_context(ClientProcess(srv.address))).rate
+                        unary = (await stack.enter_async_context(ClientProcess(srv.address, unary=True))).rate
                     await asyncio.to_thread(_direct, eng, prompts[0], 8)  # warm-up, every path
                     await _grpc(client, prompts[0], 8)
                     if remote:
                         await remote(prompts[0], 8)
+                        await unary(prompts[0], 8)
                     for p in prompts[1:]:
                         d.append(await asyncio.to_thread(_direct, eng, p, max_new_tokens))
                         g.append(await _grpc(client, p, max_new_tokens))
                         if remote:
                             gr.append(await remote(p, max_new_tokens))
+                            gu.append(await unary(p, max_new_tokens))
             finally:
                 await client.close()
                 await srv.stop(grace=1.0)
-            return d, g, gr
+            return d, g, gr, gu
 
-        direct, grpc_tps, grpc_remote = asyncio.run(measure())
+        direct, grpc_tps, grpc_remote, grpc_unary = asyncio.run(measure())
         m = eng.metrics()
     finally:
         eng.close()
     med = statistics.median
     inproc = med([b / a for a, b in zip(direct, grpc_tps)])
     remote = med([b / a for a, b in zip(direct, grpc_remote)]) if grpc_remote else None
+    unary = med([b / a for a, b in zip(direct, grpc_unary)]) if grpc_unary else None
     front = grpc_remote if grpc_remote else grpc_tps
     out = {
         "model": {"hidden_size": dc.hidden_size, "layers": dc.num_hidden_layers, "vocab": dc.vocab_size},
@@ -95,7 +102,8 @@ def run(json_path: str | None = None, concurrency: int = 64, prompt_len: int = 3
         "rounds": rounds, "client": "process" if grpc_remote else "in-process",
         "direct_tokens_per_s": med(direct), "grpc_tokens_per_s": med(front),
         "grpc_over_direct": remote if remote is not None else inproc, "grpc_inprocess_over_direct": inproc,
-        "direct_rounds": direct, "grpc_rounds": front, "grpc_inprocess_rounds": grpc_tps,
+        "grpc_unary_over_direct": unary,
+        "direct_rounds": direct, "grpc_rounds": front, "grpc_inprocess_rounds": grpc_tps, "grpc_unary_rounds": grpc_unary,
         "batch_mean": m["batch_mean"], "idle_share": m["idle_share"],
     }
     if json_path:
@@ -144,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         figs.append(_fig("grpc_over_direct", f["grpc_over_direct"], 1.0, ">= 0.9", f["grpc_over_direct"] >= 0.9,
                          f"median of {f['rounds']} rounds, client in its own process: grpc {f['grpc_tokens_per_s']:.0f} tok/s, "
                          f"direct {f['direct_tokens_per_s']:.0f} tok/s; client in the server's process "
-                         f"{f['grpc_inprocess_over_direct']:.3f}"))
+                         f"{f['grpc_inprocess_over_direct']:.3f}; one Generate call each (no coalescing) "
+                         f"{f['grpc_unary_over_direct']:.3f}"))
     if not a.skip_updates:
         u = bench_rollouts.update_waste(workers=8 if q else 16, max_new_tokens=32 if q else 64,
                                         duration_s=3.0 if q else a.duration, update_every_s=0.75 if q else a.update_every,

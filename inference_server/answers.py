@@ -1,0 +1,47 @@
+"""What the gRPC front answers: the engine's parameters from a request, a GenerateResponse from an output, the status
+code of a failed submit or generation, a GenerateBatch item (inference_server/server.py)."""
+from __future__ import annotations
+
+import grpc
+
+from core.v1 import inference_pb2
+from inference_server.engine_types import EngineClosed, GenerateOutput, QueueFull, SamplingParams
+
+FINISH = {"stop": inference_pb2.STOP, "length": inference_pb2.LENGTH}
+# What a failed submit or generation answers (anything else: INTERNAL).
+_CODES = ((ValueError, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+          (EngineClosed, grpc.StatusCode.UNAVAILABLE))
+SUBMIT_ERRORS = (ValueError, QueueFull, EngineClosed)
+
+
+def code_of(e: BaseException) -> grpc.StatusCode:
+    return next((code for kind, code in _CODES if isinstance(e, kind)), grpc.StatusCode.INTERNAL)
+
+
+def failure(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    """What a generation that failed after its submit answers: UNAVAILABLE for a closed engine, else INTERNAL."""
+    if isinstance(e, EngineClosed):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+def outcome(fut) -> tuple[grpc.StatusCode, str]:
+    """A finished engine Future that did not return an output: its status code and details."""
+    return (grpc.StatusCode.CANCELLED, "request cancelled") if fut.cancelled() else failure(fut.exception())
+
+
+def batch_item(i: int, code: grpc.StatusCode, details: str = "", resp=None) -> inference_pb2.GenerateBatchItem:
+    return inference_pb2.GenerateBatchItem(index=i, response=resp, code=code.value[0], error=details)
+
+
+def params(s: inference_pb2.SamplingParams) -> SamplingParams:
+    # proto3 zero values: top_p 0 means "off"; max_new_tokens 0 is left to validation (INVALID_ARGUMENT).
+    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
+                          top_k=s.top_k, stop_token_ids=tuple(s.stop_token_ids), seed=s.seed)
+
+
+def response(out: GenerateOutput, replica: str) -> inference_pb2.GenerateResponse:
+    return inference_pb2.GenerateResponse(
+        output_ids=out.output_ids, logprobs=out.logprobs, versions=out.versions, finish_reason=FINISH[out.finish_reason],
+        prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=len(out.output_ids),
+        interruptions=out.interruptions, replica=replica)
