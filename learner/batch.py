@@ -61,9 +61,15 @@ def row_images(tokens: np.ndarray, segments, image_refs, images: dict, spec, cac
 
     mask: the generated tokens. A vision token the policy sampled is no run: the model's input takes the padding id
     there (TrainPolicy._segment_hidden), its target stays the real id. That is exact only as the last generated token
-    (nothing trained attends to it), which is where the actor ends such an episode; anywhere else is a ValueError."""
+    (nothing trained attends to it), which is where the actor ends such an episode; anywhere else is a ValueError.
+
+    spec None (a text checkpoint): the segments alone (text_segments); a ValueError if there are images."""
     from core.vlm import png_size
 
+    if spec is None:
+        if image_refs:
+            raise ValueError(f"{what} carries images but the model is not a vision-language checkpoint")
+        return text_segments(segments)
     cache = {} if cache is None else cache
     stray = stray_positions(tokens, mask, spec)
     if stray:
@@ -116,13 +122,16 @@ def text_segments(segments) -> RowImages:
     return RowImages(starts, [None] * len(starts))
 
 
+def _needs_rows(tokens, mask, segments, image_refs, spec) -> bool:
+    """Whether a row needs a RowImages: it has segments, images, or a vision token the policy sampled."""
+    return bool(segments or image_refs or (spec is not None and stray_positions(tokens, mask, spec)))
+
+
 def binding_error(tr: Trajectory, spec) -> str | None:
     """Why a trajectory's images cannot be bound for training (row_images' checks, without the pixels), or None
     (they can, or it has none). The learner keeps such a trajectory out of the loss instead of failing an update."""
-    if not (tr.segments or tr.image_refs or (spec is not None and stray_positions(tr.tokens, tr.mask, spec))):
+    if not _needs_rows(tr.tokens, tr.mask, tr.segments, tr.image_refs, spec):
         return None
-    if spec is None:  # a text checkpoint trains segments, not images
-        return "it carries images but the model is not a vision-language checkpoint" if tr.image_refs else None
     try:
         row_images(tr.tokens, tr.segments, tr.image_refs, tr.images, spec, pixels=False, mask=tr.mask)
     except ValueError as e:
@@ -178,14 +187,8 @@ def collate(trajs: list[Trajectory], pad_id: int = 0, vl=None) -> Batch:
     images and there is none, or its images do not bind (row_images). A text trajectory's segments give its row a
     RowImages without pixels (text_segments): each segment is computed as its own sequence."""
     images, cache = None, {}
-    need = [bool(t.segments or t.image_refs or (vl is not None and stray_positions(t.tokens, t.mask, vl)))
-            for t in trajs]
-    if any(need) and vl is None:
-        bad = next((t for t in trajs if t.image_refs), None)
-        if bad is not None:
-            raise ValueError(f"trajectory {bad.id} carries images but the model is not a vision-language checkpoint")
-        images = [text_segments(t.segments) if t.segments else None for t in trajs]
-    elif any(need):
+    need = [_needs_rows(t.tokens, t.mask, t.segments, t.image_refs, vl) for t in trajs]
+    if any(need):
         images = [row_images(t.tokens, t.segments, t.image_refs, t.images, vl, cache, f"trajectory {t.id}",
                              mask=t.mask) if n else None for t, n in zip(trajs, need)]
     boots = [boot_position(t) for t in trajs]

@@ -255,10 +255,10 @@ class TrainPolicy(nn.Module):
         (False = padding; right padding needs no mask: learner.batch.right_padded). Positions are 0..T-1 in every
         row, as the engine numbers a sequence's tokens.
         images: (rows [N], columns [N], patch pixels [N, patch_dim]) -> those positions take the patch embeddings
-        instead of their token embeddings (core/vision.py); ignored by a model without the vision module.
-        vl: per row a learner.batch.RowImages (its segments, a VL model's images) or None: _segment_hidden."""
+        (core/vision.py; ignored by a model without it). vl: per row a learner.batch.RowImages or None: _segment_hidden."""
         if vl is not None and any(r is not None for r in vl):
-            assert images is None or not len(images[0]), "segmented rows with tars_vision images are not supported"
+            if images is not None and len(images[0]):  # the actor never windows such a conversation (docs/actor.md)
+                raise ValueError("segmented rows with tars_vision screenshot patches are not supported")
             return self._segment_hidden(input_ids, key_valid, vl)
         key_valid = None if key_valid is not None and right_padded(key_valid) else key_valid  # SDPA's causal kernel
         base = self.lm.base_model

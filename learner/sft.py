@@ -15,7 +15,7 @@ import torch
 
 from learner.device import autocast, describe, resolve_device, resolve_precision
 from core.chat import ChatTokenizer
-from learner.batch import row_images, text_segments
+from learner.batch import row_images
 from learner.policy import TrainPolicy
 
 
@@ -81,14 +81,11 @@ def bind_images(policy: TrainPolicy, examples: list[Example]) -> list[Example]:
     for i, e in enumerate(examples):
         if len(e) > 2 and isinstance(e[2], ExampleImages):
             im = e[2]
-            if policy.vl is None and im.image_refs:
-                raise ValueError(f"SFT example {i} carries images but the model is not a vision-language checkpoint")
             mask = list(e[1])
             for s in im.segments:
                 mask[s] = 0
-            e = (e[0], mask, text_segments(im.segments) if policy.vl is None else
-                 row_images(np.asarray(e[0]), im.segments, im.image_refs, im.images, policy.vl, cache,
-                            f"SFT example {i}"))
+            e = (e[0], mask, row_images(np.asarray(e[0]), im.segments, im.image_refs, im.images, policy.vl, cache,
+                                        f"SFT example {i}"))
         out.append(e)
     return out
 

@@ -130,6 +130,11 @@ def test_the_vision_module_is_kept(tmp_path):
         h_ref, _ = ref.hidden(ids, images=images)
         h = pol.hidden(ids, images=images)
     assert maxdiff(h, h_ref) <= TOL and maxdiff(h, pol.hidden(ids)) > 1e-3
+    # segments (a windowed text row) with patch images: refused with a clear error, not computed wrongly
+    from learner.batch import text_segments
+
+    with pytest.raises(ValueError, match="segmented rows with tars_vision"):
+        pol.hidden(ids, images=images, vl=[text_segments([5])])
 
 
 def test_critic_starts_from_the_policy_trunk_with_a_zero_value_head():
