@@ -29,6 +29,7 @@ from grpc import aio
 from core import rpc
 from core.v1 import inference_pb2, inference_pb2_grpc
 
+_MARGIN_S = 1.0  # beyond a coalesced call's deadline, how long the client waits for the server to say it passed
 _FINISH = {inference_pb2.STOP: "stop", inference_pb2.LENGTH: "length", inference_pb2.FINISH_UNSPECIFIED: ""}
 
 
@@ -151,10 +152,13 @@ class InferenceClient:
         q.append((request, timeout, fut))
         if len(q) == 1:
             loop.call_soon(self._flush, i)
-        try:
-            return await fut
+        try:  # the server answers by `timeout`; the margin covers a server that cannot (its loop stuck)
+            return await asyncio.wait_for(fut, timeout + _MARGIN_S)
         except _Unbatched:
             return await self._replicas[i].stub.Generate(request, timeout=timeout)
+        except asyncio.TimeoutError:
+            raise aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, aio.Metadata(), aio.Metadata(),
+                                  "no answer within the deadline from the GenerateBatch call") from None
 
     def _flush(self, i: int) -> None:
         batch = self._pending.pop(i, None)

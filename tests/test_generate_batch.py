@@ -159,3 +159,30 @@ def test_callers_that_all_give_up_stop_the_server_work():
             await c.close()
 
     run(main())
+
+
+async def _silent(self, request, context):
+    """GenerateBatch on a server whose answers never come (its loop stuck, say)."""
+    await asyncio.sleep(3600)
+    yield
+
+
+def test_a_coalesced_call_keeps_its_own_deadline_when_the_server_says_nothing(monkeypatch):
+    monkeypatch.setattr(InferenceServicer, "GenerateBatch", _silent)
+
+    async def main():
+        async with Servers() as s:
+            _, _, addr = await s.start()
+            c = InferenceClient([addr], retries=0)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            short = asyncio.create_task(c.generate("a", [1, 2], 4, timeout_s=0.3))
+            long = asyncio.create_task(c.generate("b", [1, 2], 4, timeout_s=8))
+            with pytest.raises(aio.AioRpcError) as ei:
+                await short
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and loop.time() - t0 < 4
+            assert c.batches == 1 and not long.done()  # the other call of the batch waits on
+            long.cancel()
+            await c.close()
+
+    run(main())
