@@ -26,7 +26,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 from grpc import aio
 
-from core import rpc
+from core import rpc, telemetry
 from core.v1 import inference_pb2, inference_pb2_grpc
 
 _MARGIN_S = 1.0  # beyond a coalesced call's deadline, how long the client waits for the server to say it passed
@@ -146,6 +146,8 @@ class InferenceClient:
     async def _coalesced(self, i: int, request, timeout: float):
         """One Generate, sent in the GenerateBatch call of this loop turn for replica i -> its GenerateResponse;
         raises its own AioRpcError. Falls back to a plain Generate where the replica has no GenerateBatch."""
+        if not request.traceparent:  # the batch call goes from no caller's task: each request names its caller's span
+            request.traceparent = telemetry.traceparent()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         q = self._pending.setdefault(i, [])
