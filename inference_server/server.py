@@ -4,7 +4,8 @@ Engine calls that block (submit is quick; update_weights waits for a step bounda
 Results (concurrent Futures) and streamed tokens come back through one Mailbox per event loop: the engine's
 thread appends to it and wakes the loop only when it was empty, so the requests a decode step finishes together
 cost one wake-up of the loop, not one each. A call whose deadline passes or whose client goes away cancels its
-engine request.
+engine request. GenerateBatch runs several requests in one call, each as its own Generate would (the client
+coalesces the calls it has ready together: core/inference_client.py).
 """
 from __future__ import annotations
 
