@@ -146,9 +146,9 @@ def channel(address: str, auth_token: str = "", max_message_bytes: int = 16 << 2
     from core import telemetry
 
     opts = _options(max_message_bytes)
-    bearer = [("authorization", f"Bearer {auth_token}")]
-    interceptors = ((_adding(lambda: bearer) if auth_token else [])
-                    + (_adding(telemetry.grpc_metadata) if telemetry.S.tracing else []))  # the caller's span, in its task
+    bearer = _bearer(auth_token)
+    interceptors = ((_adding(lambda: bearer) if auth_token else [])  # the trace entry: the caller's span, in its task
+                    + (_adding(telemetry.grpc_metadata) if telemetry.S.tracing else []))
     if not interceptors:
         return aio.insecure_channel(address, options=opts)  # no interceptor machinery on the hot path
     return aio.insecure_channel(address, options=opts, interceptors=interceptors)
@@ -169,38 +169,36 @@ class _Details:
         self.compression = getattr(d, "compression", None)
 
 
+def _bearer(token: str) -> list[tuple[str, str]]:
+    """The metadata entry a call presents its token in (TokenAuthInterceptor reads it)."""
+    return [("authorization", f"Bearer {token}")]
+
+
 def _with(details, extra: list) -> "_Details | object":
     return _Details(details, list(details.metadata or ()) + extra) if extra else details
 
 
-class _UnaryUnary(aio.UnaryUnaryClientInterceptor):
+class _Adding:
     def __init__(self, extra):
         self.extra = extra  # () -> metadata entries to add to every call
 
+
+class _UnaryUnary(_Adding, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(_with(details, self.extra()), request)
 
 
-class _UnaryStream(aio.UnaryStreamClientInterceptor):
-    def __init__(self, extra):
-        self.extra = extra
-
+class _UnaryStream(_Adding, aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(_with(details, self.extra()), request)
 
 
-class _StreamUnary(aio.StreamUnaryClientInterceptor):
-    def __init__(self, extra):
-        self.extra = extra
-
+class _StreamUnary(_Adding, aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(_with(details, self.extra()), request_iterator)
 
 
-class _StreamStream(aio.StreamStreamClientInterceptor):
-    def __init__(self, extra):
-        self.extra = extra
-
+class _StreamStream(_Adding, aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(_with(details, self.extra()), request_iterator)
 
@@ -217,7 +215,7 @@ class _SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
     interceptor implements)."""
 
     def __init__(self, token: str):
-        self.bearer = [("authorization", f"Bearer {token}")]
+        self.bearer = _bearer(token)
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(_with(details, self.bearer), request)

@@ -11,7 +11,7 @@ FINISH = {"stop": inference_pb2.STOP, "length": inference_pb2.LENGTH}
 # What a failed submit or generation answers (anything else: INTERNAL).
 _CODES = ((ValueError, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
           (EngineClosed, grpc.StatusCode.UNAVAILABLE))
-SUBMIT_ERRORS = (ValueError, QueueFull, EngineClosed)
+SUBMIT_ERRORS = tuple(kind for kind, _ in _CODES)  # what engine.submit raises for a request it refuses
 
 
 def code_of(e: BaseException) -> grpc.StatusCode:

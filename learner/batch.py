@@ -122,15 +122,15 @@ def text_segments(segments) -> RowImages:
     return RowImages(starts, [None] * len(starts))
 
 
-def _needs_rows(tokens, mask, segments, image_refs, spec) -> bool:
-    """Whether a row needs a RowImages: it has segments, images, or a vision token the policy sampled."""
-    return bool(segments or image_refs or (spec is not None and stray_positions(tokens, mask, spec)))
+def _needs_rows(tr: Trajectory, spec) -> bool:
+    """Whether a trajectory's row needs a RowImages: it has segments, images, or a vision token the policy sampled."""
+    return bool(tr.segments or tr.image_refs or (spec is not None and stray_positions(tr.tokens, tr.mask, spec)))
 
 
 def binding_error(tr: Trajectory, spec) -> str | None:
     """Why a trajectory's images cannot be bound for training (row_images' checks, without the pixels), or None
     (they can, or it has none). The learner keeps such a trajectory out of the loss instead of failing an update."""
-    if not _needs_rows(tr.tokens, tr.mask, tr.segments, tr.image_refs, spec):
+    if not _needs_rows(tr, spec):
         return None
     try:
         row_images(tr.tokens, tr.segments, tr.image_refs, tr.images, spec, pixels=False, mask=tr.mask)
@@ -187,7 +187,7 @@ def collate(trajs: list[Trajectory], pad_id: int = 0, vl=None) -> Batch:
     images and there is none, or its images do not bind (row_images). A text trajectory's segments give its row a
     RowImages without pixels (text_segments): each segment is computed as its own sequence."""
     images, cache = None, {}
-    need = [_needs_rows(t.tokens, t.mask, t.segments, t.image_refs, vl) for t in trajs]
+    need = [_needs_rows(t, vl) for t in trajs]
     if any(need):
         images = [row_images(t.tokens, t.segments, t.image_refs, t.images, vl, cache, f"trajectory {t.id}",
                              mask=t.mask) if n else None for t, n in zip(trajs, need)]

@@ -252,10 +252,10 @@ class TrainPolicy(nn.Module):
     def hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None, images=None,
                vl=None) -> torch.Tensor:
         """Final hidden states [B, T, H] of the base model. input_ids [B, T], right-padded; key_valid [B, T] bool
-        (False = padding; right padding needs no mask: learner.batch.right_padded). Positions are 0..T-1 in every
-        row, as the engine numbers a sequence's tokens.
-        images: (rows [N], columns [N], patch pixels [N, patch_dim]) -> those positions take the patch embeddings
-        (core/vision.py; ignored by a model without it). vl: per row a learner.batch.RowImages or None: _segment_hidden."""
+        (False = padding; right padding needs no mask: learner.batch.right_padded). Positions are 0..T-1 in every row,
+        as the engine numbers a sequence's tokens. images: (rows [N], columns [N], patch pixels [N, patch_dim]) ->
+        those positions take the patch embeddings (core/vision.py; ignored by a model without it). vl: per row a
+        learner.batch.RowImages (its segments, a VL model's images) or None: _segment_hidden."""
         if vl is not None and any(r is not None for r in vl):
             if images is not None and len(images[0]):  # the actor never windows such a conversation (docs/actor.md)
                 raise ValueError("segmented rows with tars_vision screenshot patches are not supported")
@@ -273,11 +273,11 @@ class TrainPolicy(nn.Module):
         return out.last_hidden_state
 
     def _segment_hidden(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None, rows) -> torch.Tensor:
-        """[B, T, H] in the rows' token layout, each segment of each row computed as its own sequence (a text
-        checkpoint's segments have no images): its tokens from position 0, its images' pixel_values /
-        image_grid_thw, transformers' M-RoPE positions (mm_token_type_ids marks the image pads; a vision token the policy sampled, RowImages.stray, goes in as the pad id). Segments go
-        through the model together, right-padded, packed longest first into forwards of at most the chunk's own
-        padded size (B x T); their images concatenated in row order. Padding positions stay 0."""
+        """[B, T, H] in the rows' token layout, each segment of each row its own sequence (a text checkpoint's have no
+        images): its tokens from position 0, its images' pixel_values / image_grid_thw, transformers' M-RoPE positions
+        (mm_token_type_ids marks the image pads; a vision token the policy sampled, RowImages.stray, goes in as the pad
+        id). Segments go through the model together, right-padded, packed longest first into forwards of at most the
+        chunk's own padded size (B x T); their images concatenated in row order. Padding positions stay 0."""
         B, T = input_ids.shape
         dev = input_ids.device
         lens = key_valid.sum(1).tolist() if key_valid is not None else [T] * B
