@@ -67,6 +67,12 @@ class RoleSpec:
     stop_s: float = 15.0
 
 
+def pythonpath(root: str | os.PathLike) -> str:
+    """PYTHONPATH for a child that imports this checkout: root first, then whatever the parent's PYTHONPATH holds
+    (dependencies installed with --target stay importable)."""
+    return os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def daemon_spec(role: str, options: list[str], workdir: pathlib.Path, env: dict[str, str] | None = None,
                 cwd: pathlib.Path | None = None) -> RoleSpec:
     """A single role outside any run directory (the benchmarks' daemons): ready file and log in `workdir`."""

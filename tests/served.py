@@ -6,7 +6,7 @@ import contextlib
 import os
 import pathlib
 
-from tars.topology import LaunchError, Process, daemon_spec
+from tars.topology import LaunchError, Process, daemon_spec, pythonpath
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def served(workdir: str | os.PathLike, *options: str, ready_s: float = 120.0):
     """`tars serve OPTIONS --ready-file WORKDIR/inference.json`, its output in WORKDIR/inference.log; yields its
     address and stops it on exit. A server that exits or is not ready within ready_s fails with its log's tail."""
-    spec = daemon_spec("inference", list(options), pathlib.Path(workdir), {"PYTHONPATH": str(ROOT)}, ROOT)
+    spec = daemon_spec("inference", list(options), pathlib.Path(workdir), {"PYTHONPATH": pythonpath(ROOT)}, ROOT)
     p = Process(spec)
     try:
         try:

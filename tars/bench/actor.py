@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from tars.bench.envd import Daemon, figure, machine, skipped, summary
-from tars.topology import LaunchError, Process, RoleSpec
+from tars.topology import LaunchError, Process, RoleSpec, pythonpath
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE_S = 60.0
@@ -45,7 +45,7 @@ class ScriptedServer:
     def __init__(self, answer: str):
         self.dir = tempfile.mkdtemp(prefix="tars-bench-actor-")
         ready, log = pathlib.Path(self.dir, "ready.json"), pathlib.Path(self.dir, "inference.log")
-        env = {"PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+        env = {"PYTHONPATH": pythonpath(REPO)}
         # Not a `tars serve`: the scripted engine's own entry point, started and stopped like any role.
         self.proc = Process(RoleSpec("inference", 0, "inference", [sys.executable, "-m", "inference_server.scripted",
                                                                    "--answer", answer, "--tokenizer", _tok_dir(),

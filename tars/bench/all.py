@@ -36,7 +36,9 @@ HELP_TIMEOUT_S = 60.0
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    from tars.topology import pythonpath
+
+    return {**os.environ, "PYTHONPATH": pythonpath(REPO)}
 
 
 def bench_names() -> list[str]:

@@ -110,10 +110,11 @@ def build_shared_model(s: dict, out: pathlib.Path) -> pathlib.Path:
 
 def tars_up(cfg, run_dir: pathlib.Path, timeout: float) -> tuple[int, str]:
     from core import config as C
+    from tars.topology import pythonpath
 
     run_dir.mkdir(parents=True, exist_ok=True)
     C.save(cfg, run_dir / "bench-config.yaml")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO)}
     try:
         p = subprocess.run([sys.executable, "-m", "tars.cli", "up", "--config", str(run_dir / "bench-config.yaml"),
                             "--out", str(run_dir), "--quiet"], capture_output=True, text=True, timeout=timeout,

@@ -32,7 +32,7 @@ from typing import Callable
 from envd import proctree, registry
 from core import rpc
 from core.v1 import common_pb2, env_pb2, env_pb2_grpc
-from tars.topology import LaunchError, Process, daemon_spec
+from tars.topology import LaunchError, Process, daemon_spec, pythonpath
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOOP_OPTIONS = {"max_steps": str(10**9)}        # `wait` never ends a builtin episode before max_steps
@@ -78,7 +78,7 @@ class Daemon:
 
     def __init__(self, workers: int = 8):
         self.dir = tempfile.mkdtemp(prefix="tars-bench-envd-")
-        env = {"TMPDIR": self.dir, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+        env = {"TMPDIR": self.dir, "PYTHONPATH": pythonpath(REPO)}
         spec = daemon_spec("envd", ["--port", "0", "--set", f"envd.workers={workers}", "--set", "envd.host=127.0.0.1"],
                            pathlib.Path(self.dir), env)
         spec.ready_s, spec.stop_s = DEADLINE_S, 30.0  # graceful stop: the daemon closes every session

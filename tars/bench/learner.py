@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from tars.topology import LaunchError, Process, daemon_spec
+from tars.topology import LaunchError, Process, daemon_spec, pythonpath
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,8 @@ def _machine() -> dict:
 
 
 def _start_server(model_dir: pathlib.Path, tmp: pathlib.Path) -> tuple[Process, str]:
-    spec = daemon_spec("inference", ["--model", str(model_dir), "--port", "0"], tmp, {"PYTHONPATH": str(REPO)}, REPO)
+    spec = daemon_spec("inference", ["--model", str(model_dir), "--port", "0"], tmp, {"PYTHONPATH": pythonpath(REPO)},
+                       REPO)
     spec.stop_s = 10.0
     server = Process(spec)
     try:
