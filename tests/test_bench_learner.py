@@ -21,8 +21,33 @@ def test_bench_learner_small_run(tmp_path, capsys):
         f = b["figures"][name]
         assert f["mode"] == m and f["publish_ms"] > 0 and f["publish_total_ms"] >= f["publish_ms"]
     assert p["publish_ms"] > 0 and p["step_ms"] > 0 and p["detail"]["batch"]["trajectories"] == 4
+    assert p["detail"]["device"] == "cpu fp32"   # learner.device=auto on a machine without CUDA
     text = capsys.readouterr().out
     assert "publish_share_of_step_shm" in text and "publish_share_of_step_stream" in text
+
+
+def test_bench_learner_steps_on_the_learners_device_and_precision(tmp_path, capsys):
+    """The step is measured where the learner would run it: learner.precision=bf16 is bf16 autocast, and a device
+    that is not there is refused as the learner refuses it (not measured on the CPU instead)."""
+    import pytest
+    import torch
+
+    out = tmp_path / "b.json"
+    rc = cli.main(["bench", "learner", "--n", "20", "--payload-bytes", "2048", "--repeats", "1", "--steps", "1",
+                   "--set", "learner.batch_size=2", "--set", "learner.precision=bf16", "--json", str(out)])
+    assert rc == 0
+    p = json.loads(out.read_text())["figures"]["publish_share_of_step"]
+    assert p["detail"]["device"] == "cpu bf16 autocast (fp32 master weights)", p["detail"]["device"]
+    assert "steps on cpu bf16 autocast" in capsys.readouterr().out
+    if torch.cuda.is_available():
+        pytest.skip("the refusal needs a machine without CUDA")
+    from core.config import ConfigError
+    with pytest.raises((ConfigError, SystemExit)) as e:
+        rc = cli.main(["bench", "learner", "--n", "20", "--payload-bytes", "2048", "--repeats", "1", "--steps", "1",
+                       "--set", "learner.device=cuda", "--json", str(tmp_path / "c.json")])
+        raise SystemExit(rc)
+    assert e.type is ConfigError or e.value.code != 0
+    assert not (tmp_path / "c.json").exists()
 
 
 def test_bench_learner_rejects_bad_arguments(capsys):

@@ -14,7 +14,8 @@ Figures:
   publish_share_of_step    median time to publish a version (HF-layout safetensors written and renamed, a real
                            `tars serve` subprocess told to load it and answering that it serves it) / median time of
                            one training step (PPOTrainer.step with the critic on a batch shaped like the preset's
-                           episodes), same model                                                   goal <= 0.05
+                           episodes, on learner.device in learner.precision as the learner runs it), same model
+                                                                                                   goal <= 0.05
                            --model DIR: that checkpoint as the learner loads it (TrainPolicy.load) and `tars serve
                            --model DIR`; a Qwen2-VL / Qwen2.5-VL one trains on trajectories with --images screenshots
                            of --image-size each (tars/bench/episodes.py), so the step includes the vision tower's
@@ -101,6 +102,7 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path 
 
     from core import weights_shm
     from core.config_learner import PublishConfig
+    from learner.device import describe, resolve_device, resolve_precision
     from learner.publish import Publisher
     from learner.ppo import PPOTrainer
     from core import rpc
@@ -112,7 +114,13 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path 
     # As the learner builds it: the policy's trunk and a zero value head.
     critic = TrainPolicy.critic_from(policy) if cfg.learner.algo == "ppo" else None
     torch.set_num_threads(max(1, cfg.learner.threads))
-    trainer = PPOTrainer(policy, critic, cfg.learner, policy.config.pad_token_id or 0)
+    # On the learner's device and precision (learner.device / learner.precision), moved as learner/main.py moves them.
+    device = resolve_device(cfg.learner.device)
+    amp = resolve_precision(cfg.learner.precision, device)
+    for m in (policy, critic):
+        if m is not None:
+            m.to(device)
+    trainer = PPOTrainer(policy, critic, cfg.learner, policy.config.pad_token_id or 0, amp_dtype=amp)
     server, addr = _start_server(serve_dir, tmp)
     try:
         stub = inference_pb2_grpc.InferenceServiceStub(rpc.sync_channel(addr, cfg.inference.auth_token, 512 << 20))
@@ -149,7 +157,7 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path 
     vision_trained = bool(vision) and any(not torch.equal(a, q) for a, q in zip(vision_before, vision))
     vision = policy.vision_parameters()
     sd = policy.hf_state_dict()
-    return {"step_s": step_s, "publish_s": publish_s, "publish_total_s": total_s, "served_versions": served_versions,
+    return {"device": describe(device, amp), "step_s": step_s, "publish_s": publish_s, "publish_total_s": total_s, "served_versions": served_versions,
             "skipped_steps": skipped,
             "model": str(model_dir) if model_dir is not None else f"preset model.* ({cfg.model.num_layers} layers, "
                                                                   f"hidden {cfg.model.hidden_size})",
@@ -167,9 +175,11 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path 
 
 def run(a) -> dict:
     from core import config as C
+    from learner.device import resolve_device, resolve_precision
     from tars.bench.stream import bench as stream_bench
 
     cfg = C.load(a.preset, None, a.set)
+    resolve_precision(cfg.learner.precision, resolve_device(cfg.learner.device))  # a device not there fails first
     out = {"machine": _machine(), "preset": a.preset, "model": a.model, "figures": {}}
     s = stream_bench(n=a.n, payload_bytes=a.payload_bytes, repeats=a.repeats, subprocess=True)
     # Headline: the durability the preset runs with; the other is reported beside it.
@@ -200,7 +210,7 @@ def _describe(d: dict) -> str:
     ims = (f", {b['images']} screenshots of {b['image_size'][0]}x{b['image_size'][1]}, {b['segments']} segments"
            if d["vl"] else "")
     return (f"{d['model']}: {d['params']} params{vis}, {d['weights_bytes']} B; {b['trajectories']} trajectories, "
-            f"{b['tokens']} tokens{ims}")
+            f"{b['tokens']} tokens{ims}; steps on {d['device']}")
 
 
 def _size(text: str) -> tuple[int, int]:
