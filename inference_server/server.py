@@ -97,7 +97,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             out = await self._result(fut, context)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished")
-        except (EngineClosed, RuntimeError) as e:
+        except Exception as e:  # what the engine raised for this request: the code GenerateStream/GenerateBatch give
             await self._abort_for(context, e)
         finally:
             fut.cancel()  # no-op when done; stops the engine work when the call was cancelled or timed out

@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import random
 import re
 import signal
 import sys

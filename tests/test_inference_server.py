@@ -152,6 +152,43 @@ def test_status_codes():
     run(main())
 
 
+def test_a_failure_after_submit_is_the_same_code_on_every_path(monkeypatch):
+    """An engine request that fails after it was accepted (here a ValueError from the engine) is INTERNAL with the
+    error in the details for Generate, GenerateStream and a GenerateBatch item alike; a closed engine is UNAVAILABLE."""
+    import concurrent.futures
+
+    from inference_server.engine import EngineClosed
+
+    async def main():
+        async with Servers() as s:
+            srv, _, addr = await s.start(make_model(0))
+            errors = [ValueError("bad row 3")]
+
+            def failing_submit(request, on_token=None):
+                f = concurrent.futures.Future()
+                f.set_exception(errors[0])
+                return f
+
+            monkeypatch.setattr(srv.servicer, "_engine_submit", failing_submit)
+            ch = rpc.channel(addr)
+            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+            req = inference_pb2.GenerateRequest(input_ids=[1, 2], sampling=inference_pb2.SamplingParams(max_new_tokens=4))
+            for err, code in ((ValueError("bad row 3"), grpc.StatusCode.INTERNAL),
+                              (EngineClosed("engine closed"), grpc.StatusCode.UNAVAILABLE)):
+                errors[0] = err
+                with pytest.raises(aio.AioRpcError) as unary:
+                    await stub.Generate(req, timeout=5)
+                with pytest.raises(aio.AioRpcError) as streamed:
+                    await stub.GenerateStream(req, timeout=5).read()
+                batch = [m async for m in stub.GenerateBatch(inference_pb2.GenerateBatchRequest(requests=[req]), timeout=5)]
+                item = batch[0].items[0]
+                assert unary.value.code() == streamed.value.code() == code and item.code == code.value[0]
+                assert unary.value.details() == streamed.value.details() == item.error and str(err) in item.error
+            await ch.close()
+
+    run(main())
+
+
 def test_auth_control_and_health():
     async def main():
         async with Servers() as s:
