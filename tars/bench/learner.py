@@ -143,6 +143,8 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path 
                 v += 1
                 t0 = time.perf_counter()
                 metrics = trainer.step(batch, v - 1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the step's kernels, not only their launches
                 t1 = time.perf_counter()
                 skipped += bool(metrics.get("policy_step_skipped"))
                 step_s.append(t1 - t0)
@@ -157,8 +159,8 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path 
     vision_trained = bool(vision) and any(not torch.equal(a, q) for a, q in zip(vision_before, vision))
     vision = policy.vision_parameters()
     sd = policy.hf_state_dict()
-    return {"device": describe(device, amp), "step_s": step_s, "publish_s": publish_s, "publish_total_s": total_s, "served_versions": served_versions,
-            "skipped_steps": skipped,
+    return {"device": describe(device, amp), "step_s": step_s, "publish_s": publish_s, "publish_total_s": total_s,
+            "served_versions": served_versions, "skipped_steps": skipped,
             "model": str(model_dir) if model_dir is not None else f"preset model.* ({cfg.model.num_layers} layers, "
                                                                   f"hidden {cfg.model.hidden_size})",
             "vl": policy.vl is not None, "vision_trained": vision_trained,
