@@ -23,7 +23,8 @@ def test_bench_learner_small_run(tmp_path, capsys):
     assert p["publish_ms"] > 0 and p["step_ms"] > 0 and p["detail"]["batch"]["trajectories"] == 4
     import torch
     # learner.device=auto: the GPU in bf16 autocast where there is one, else the CPU in fp32
-    assert p["detail"]["device"].startswith("cuda") if torch.cuda.is_available() else p["detail"]["device"] == "cpu fp32"
+    dev = p["detail"]["device"]
+    assert dev.startswith("cuda") if torch.cuda.is_available() else dev == "cpu fp32"
     text = capsys.readouterr().out
     assert "publish_share_of_step_shm" in text and "publish_share_of_step_stream" in text
 
