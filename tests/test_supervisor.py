@@ -149,3 +149,28 @@ def test_report_warns_when_the_context_cut_most_episodes(tmp_path):
     mon = report.Monitor(tmp_path)
     mon.poll()
     assert report.write_report(tmp_path, mon, 1.0, False, None, "done")["warnings"] == []
+
+
+def test_children_keep_the_parents_pythonpath_after_the_checkout(tmp_path, monkeypatch):
+    """A dependency installed with --target (on the parent's PYTHONPATH) stays importable in a role started with
+    tars.topology.pythonpath, and this checkout comes first."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from tars.topology import pythonpath
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "only_on_the_parents_path.py").write_text("X = 7\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assert pythonpath(root).split(os.pathsep) == [str(root), str(site)]
+    probe = "import only_on_the_parents_path as m, tars, sys; print(m.X, tars.__file__)"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": pythonpath(root)},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    x, tars_file = out.stdout.split()
+    assert x == "7" and pathlib.Path(tars_file).resolve().is_relative_to(root)
+    monkeypatch.delenv("PYTHONPATH")
+    assert pythonpath(root) == str(root)
