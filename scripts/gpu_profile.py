@@ -55,31 +55,22 @@ def launch_us() -> float:
 
 
 def main(out_path: str) -> dict:
-    import transformers
+    from inference_server.engine import SamplingParams
+    from tars.bench.inference_gpu import generate_kwargs, models, prompts
 
-    from core.config import InferenceConfig
-    from core.model import CausalLM, DecoderConfig
-    from inference_server.engine import LocalEngine, SamplingParams
-    from tars.bench.inference_gpu import QWEN2_05B
-
-    rng = random.Random(0)
-    prompts = [[rng.randrange(2, QWEN2_05B["vocab_size"]) for _ in range(PROMPT)] for _ in range(BATCH)]
+    ps = prompts(random.Random(0), BATCH, PROMPT)
     out: dict = {"device": torch.cuda.get_device_name(0), "batch": BATCH, "prompt_len": PROMPT, "new_tokens": NEW}
     with tempfile.TemporaryDirectory() as d:
-        CausalLM(DecoderConfig(**QWEN2_05B)).init_weights(0, std=0.02).save_hf(d)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
-        ids = torch.tensor(prompts, device="cuda")
-        kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                  eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
-        with torch.inference_mode():
-            hf.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-            out["transformers"] = figures(*timed(lambda: hf.generate(ids, **kw)))
-        eng = LocalEngine(InferenceConfig(device="cuda", precision="bf16", max_context=PROMPT + NEW + 8,
-                                          max_batch=BATCH, prefill_batch_tokens=BATCH * (PROMPT + 8)), d)
+        hf, eng = models(d, 0, BATCH, PROMPT, NEW)
         try:
+            ids = torch.tensor(ps, device="cuda")
+            kw = {**generate_kwargs(NEW), "attention_mask": torch.ones_like(ids)}
+            with torch.inference_mode():
+                hf.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+                out["transformers"] = figures(*timed(lambda: hf.generate(ids, **kw)))
             sp = SamplingParams(max_new_tokens=NEW, temperature=1.0)
-            [f.result(600) for f in [eng.submit(p, SamplingParams(max_new_tokens=4)) for p in prompts]]  # warm-up
-            wall, prof = timed(lambda: [f.result(600) for f in [eng.submit(p, sp) for p in prompts]])
+            [f.result(600) for f in [eng.submit(p, SamplingParams(max_new_tokens=4)) for p in ps]]  # warm-up
+            wall, prof = timed(lambda: [f.result(600) for f in [eng.submit(p, sp) for p in ps]])
             out["engine"] = figures(wall, prof)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         finally:
