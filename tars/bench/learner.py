@@ -93,16 +93,17 @@ def _policy(cfg, model_dir: pathlib.Path | None, tmp: pathlib.Path, images: int,
     return policy, model_dir, model_dir, batch
 
 
-def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path | None = None, images: int = 2,
-                    size: tuple[int, int] = (160, 210)) -> dict:
+def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, device: torch.device, amp: torch.dtype | None,
+                    model_dir: pathlib.Path | None = None, images: int = 2, size: tuple[int, int] = (160, 210)) -> dict:
     """Median publish time (to a real inference server) per learner.publish.mode and median training step time, same
-    model; the modes take turns step by step so that load drifts hit them alike. model_dir: a checkpoint directory
-    (text or vision-language) trained and served instead of the preset's model.* shape (see _policy)."""
+    model; the modes take turns step by step so that load drifts hit them alike. The step runs on `device` under
+    `amp` (learner.device / learner.precision resolved). model_dir: a checkpoint directory (text or
+    vision-language) trained and served instead of the preset's model.* shape (see _policy)."""
     import collections
 
     from core import weights_shm
     from core.config_learner import PublishConfig
-    from learner.device import describe, resolve_device, resolve_precision
+    from learner.device import describe
     from learner.publish import Publisher
     from learner.ppo import PPOTrainer
     from core import rpc
@@ -114,10 +115,7 @@ def publish_vs_step(cfg, steps: int, tmp: pathlib.Path, model_dir: pathlib.Path 
     # As the learner builds it: the policy's trunk and a zero value head.
     critic = TrainPolicy.critic_from(policy) if cfg.learner.algo == "ppo" else None
     torch.set_num_threads(max(1, cfg.learner.threads))
-    # On the learner's device and precision (learner.device / learner.precision), moved as learner/main.py moves them.
-    device = resolve_device(cfg.learner.device)
-    amp = resolve_precision(cfg.learner.precision, device)
-    for m in (policy, critic):
+    for m in (policy, critic):  # moved as learner/main.py moves them
         if m is not None:
             m.to(device)
     trainer = PPOTrainer(policy, critic, cfg.learner, policy.config.pad_token_id or 0, amp_dtype=amp)
@@ -181,7 +179,9 @@ def run(a) -> dict:
     from tars.bench.stream import bench as stream_bench
 
     cfg = C.load(a.preset, None, a.set)
-    resolve_precision(cfg.learner.precision, resolve_device(cfg.learner.device))  # a device not there fails first
+    # Where the learner would train (a device not there fails here, before the stream figures run).
+    device = resolve_device(cfg.learner.device)
+    amp = resolve_precision(cfg.learner.precision, device)
     out = {"machine": _machine(), "preset": a.preset, "model": a.model, "figures": {}}
     s = stream_bench(n=a.n, payload_bytes=a.payload_bytes, repeats=a.repeats, subprocess=True)
     # Headline: the durability the preset runs with; the other is reported beside it.
@@ -193,7 +193,8 @@ def run(a) -> dict:
         out["figures"][name] = {"value": ratio, "unit": "x", "goal": ">= 0.8", "pass": ratio >= 0.8, "durability": m,
                                 "stream_per_s": rate, "raw_per_s": s["raw_per_s"], "detail": s}
     with tempfile.TemporaryDirectory() as tmp:
-        p = publish_vs_step(cfg, a.steps, pathlib.Path(tmp), a.model and pathlib.Path(a.model), a.images, a.image_size)
+        p = publish_vs_step(cfg, a.steps, pathlib.Path(tmp), device, amp, a.model and pathlib.Path(a.model), a.images,
+                            a.image_size)
     step = statistics.median(p["step_s"])
     for m in p["publish_s"]:
         pub, total = statistics.median(p["publish_s"][m]), statistics.median(p["publish_total_s"][m])
