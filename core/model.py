@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from core.model_config import (  # noqa: F401  (re-exported: core.model is where callers look for them)
     ACCEPTED_CONFIG_FIELDS, DecoderConfig, UnsupportedModel, load_config, rope_inv_freq,
 )
+from core import vision_attention
 from core.model_files import MissingWeights, read_weights, write_weights  # noqa: F401
 
 
@@ -62,7 +63,8 @@ def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: list
 
 
 def vision_tower(c: DecoderConfig) -> nn.Module:
-    """transformers' own vision tower of a qwen2_vl / qwen2_5_vl config (random until load_weights)."""
+    """transformers' own vision tower of a qwen2_vl / qwen2_5_vl config (random until load_weights), attending with
+    core.vision_attention's one call per layer."""
     if c.model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as VC
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as VM
@@ -71,7 +73,7 @@ def vision_tower(c: DecoderConfig) -> nn.Module:
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as VM
     vc = c.extra["vision_config"]
     cfg = VC(**{k: v for k, v in vc.items() if k not in ("model_type", "architectures", "transformers_version")})
-    return VM._from_config(cfg, dtype=torch.float32)
+    return vision_attention.use(VM._from_config(cfg, dtype=torch.float32))  # one attention call per layer
 
 
 # Other names a VL checkpoint may give its tensors (transformers 5's module layout) -> the checkpoint layout.

@@ -18,12 +18,12 @@ A checkpoint whose config.json carries "tars_vision" keeps its patch-embedding m
 `vision.proj.*` in model.safetensors), as the engine's decoder does.
 
 A Qwen2-VL / Qwen2.5-VL directory (core.vlm.is_vl_dir) loads as transformers' image-text-to-text class (vision tower
-+ language model, fp32, SDPA); `vl` is its core.vlm.VLSpec. The per-token methods take `vl=`: per row a
-learner.batch.RowImages (the row's segments, each with its pixel_values / image_grid_thw; a windowed text row's have
-none) and compute each segment as its own sequence (its images, M-RoPE positions), laid back in the row's layout.
-hf_state_dict / load_weights speak the checkpoint's names (`model.layers.*`, `visual.*`, `lm_head.weight`): transformers
-5 holds other names in memory (`model.language_model.*`, `model.visual.*`) and its own checkpoint conversion
-(transformers.core_model_loading.revert_weight_conversion, what save_pretrained applies) maps them.
+with core.vision_attention + language model, fp32, SDPA); `vl` is its core.vlm.VLSpec. The per-token methods take
+`vl=`: per row a learner.batch.RowImages (the row's segments, each with its pixel_values / image_grid_thw; a windowed
+text row's have none) and compute each segment as its own sequence (its images, M-RoPE positions), laid back in the
+row's layout. hf_state_dict / load_weights speak the checkpoint's names (`model.layers.*`, `visual.*`,
+`lm_head.weight`): transformers 5 holds other names in memory (`model.language_model.*`, `model.visual.*`) and its own
+checkpoint conversion (transformers.core_model_loading.revert_weight_conversion, what save_pretrained applies) maps them.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import shutil
 import torch
 import torch.nn as nn
 
+from core import vision_attention
 from core.model import DecoderConfig
 from core.vision import PatchEmbed, VisionConfig
 from learner.batch import right_padded
@@ -51,7 +52,6 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 def _transformers():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
-
     return transformers
 
 
@@ -187,7 +187,7 @@ class TrainPolicy(nn.Module):
         with _no_progress_bars(), _quiet_load_report():  # missing and unexpected weights are checked below
             lm, info = auto.from_pretrained(str(p), local_files_only=True, dtype=torch.float32,
                                             attn_implementation=ATTENTION, output_loading_info=True)
-        m = cls(lm, value_head=value_head, vl=vl)
+        m = cls(vision_attention.use(lm, lm.model.visual) if vl is not None else lm, value_head=value_head, vl=vl)
         # transformers initialises a missing weight at random and says so in a log line: an error here.
         tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()
         missing = sorted(set(info.get("missing_keys") or ()) - tied)

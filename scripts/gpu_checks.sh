@@ -2,7 +2,10 @@
 # The checks that need a CUDA GPU, in one run (docs/benchmarks.md "On a GPU"). Run from the repository root on a
 # machine with a CUDA GPU and tars's dependencies importable by $PYTHON (default python3):
 #
-#     bash scripts/gpu_checks.sh OUTDIR [SECONDS]
+#     bash scripts/gpu_checks.sh OUTDIR [SECONDS] [STEPS]
+#
+# STEPS (optional): a comma-separated list of the step names below to run (the others are skipped), e.g.
+# make_vl,bench_learner_vl.
 #
 # Steps, most important first, each under its own deadline (the whole run stays within SECONDS, default 540):
 #   1. the tests marked gpu (`pytest -m gpu`: the learner's bf16 steps on CUDA publishing fp32 CPU weights, SFT on
@@ -10,12 +13,14 @@
 #   2. `tars bench inference --gpu`: the local engine against transformers' generate, batch 1 and 64;
 #   3. `tars bench learner --model VLDIR`: a Qwen2.5-VL checkpoint (Qwen2-0.5B's text shape, Qwen2.5-VL's 32-layer
 #      vision tower, random weights) trained on screenshots on the GPU and published to a real `tars serve` on it;
-#   4. `tars bench learner --quick`: the stream figures on this machine's cores and the quickstart model's publish
+#   4. scripts/gpu_profile_learner.py on that checkpoint: the step's kernels and top operators, the publish phases;
+#   5. `tars bench learner --quick`: the stream figures on this machine's cores and the quickstart model's publish
 #      share with the learner on the GPU.
 # OUTDIR gets summary.txt (one line per step with its exit status and seconds) and each step's log or JSON.
 set -u
 out=${1:?usage: bash scripts/gpu_checks.sh OUTDIR [SECONDS]}
 budget=${2:-540}
+only=${3:-}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 start=$(date +%s)
@@ -24,6 +29,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 step() {  # step NAME SECONDS COMMAND...: run within min(SECONDS, what is left of the budget); log to OUTDIR/NAME.log
   local name=$1 limit=$2 t0 rc left
   shift 2
+  if [[ -n $only && ",$only," != *",$name,"* ]]; then echo "$name skipped: not in $only" >>"$out/summary.txt"; return; fi
   left=$(( budget - ($(date +%s) - start) ))
   if (( left < 20 )); then echo "$name skipped: budget spent" | tee -a "$out/summary.txt"; return; fi
   (( limit > left )) && limit=$left
@@ -45,19 +51,10 @@ step bench_inference_gpu 150 "$py" -m tars.cli bench inference --gpu --skip-fron
     --json "$out/bench_inference_gpu.json"
 
 vl=$(mktemp -d)/vl
-step make_vl 120 "$py" - "$vl" <<'EOF'
-import functools, sys
-import tests.hf_dirs as h
-h.randomize = functools.partial(h.randomize, std=0.02)   # a deep random model needs a small init to stay finite
-h.make_vl_checkpoint(sys.argv[1], arch="qwen2_5_vl", vocab_size=2048,
-                     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                     num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
-                     vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
-                                 fullatt_block_indexes=[7, 15, 23, 31]))
-print("made", sys.argv[1])
-EOF
-[ -f "$vl/config.json" ] && step bench_learner_vl 200 "$py" -m tars.cli bench learner --model "$vl" --n 200 \
+step make_vl 120 "$py" scripts/make_vl_bench_model.py "$vl"
+[ -f "$vl/config.json" ] && step bench_learner_vl 300 "$py" -m tars.cli bench learner --model "$vl" --n 200 \
     --repeats 1 --steps 2 --images 2 --image-size 640x400 --set learner.batch_size=8 \
     --json "$out/bench_learner_vl.json"
+[ -f "$vl/config.json" ] && step profile_learner_vl 240 "$py" scripts/gpu_profile_learner.py "$vl" "$out/profile_learner_vl.json"
 step bench_learner 120 "$py" -m tars.cli bench learner --quick --json "$out/bench_learner.json"
 echo "total $(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
