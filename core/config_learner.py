@@ -119,6 +119,11 @@ class PublishConfig:
                           "only), stream (UpdateWeightsStream chunks over gRPC), disk (weights/vN loaded by path); auto = "
                           "shm when every inference server is on loopback and /dev/shm is writable, else disk. In shm "
                           "and stream modes weights/vN is still written after the servers answered (restarts load it)")
+    host_copy: bool = f(True, "with the policy on a GPU: keep one pinned host copy of the weights between publishes "
+                              "and fill it with one device-to-host copy per version (measured on an H200 with 4.1 GB "
+                              "of fp32 weights: 0.08 s against 2.8 s unpinned, paid twice before: the segment or stream "
+                              "and the disk copy); costs the weights' size in host memory, allocated at the first "
+                              "publish. false: copy to unpinned memory at each publish and free it after")
     MODES: ClassVar[tuple[str, ...]] = ("auto", "shm", "stream", "disk")
 
 

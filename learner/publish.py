@@ -9,6 +9,8 @@ learner.publish.mode picks how the weights reach the servers (see docs/benchmark
 - disk: weights/v{version} is written (temporary name, then a rename: a server never loads half a version) and
   every server is told its path.
 - auto: shm when every server address is loopback and /dev/shm is writable, else disk.
+With the policy on a GPU, one device-to-host copy per version serves the servers and the disk copy alike (HostCopy:
+pinned buffers kept between publishes, learner.publish.host_copy; else one unpinned copy per publish).
 Whatever the mode, weights/v{version} is written (after the servers answered in the memory modes) because a
 restarted server loads the newest one, and all but the last `learner.publish.keep_versions` are pruned. Each
 version carries the starting model directory's tokenizer files (core.chat.copy_tokenizer_files), so it is a model
@@ -17,10 +19,13 @@ directory of its own, as is the final export.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import pathlib
 import shutil
 import time
+
+import torch
 
 from core import auth, rpc, weights_shm
 from core.weights_stream import chunks
@@ -55,6 +60,42 @@ def publish_weights(policy: TrainPolicy, wdir: pathlib.Path, version: int, stubs
     return time.perf_counter() - t0
 
 
+class HostCopy:
+    """The policy's weights on the host for the length of one publish (`with host.of(policy):` makes hf_state_dict,
+    so save_hf, the segment and the stream, answer host tensors): one device-to-host copy per version, not one per
+    consumer. pinned: keep page-locked buffers between publishes (allocated at the first, reallocated if a shape
+    changes), filled by non-blocking copies and one synchronise; else unpinned copies freed after the publish. A
+    policy already on the CPU (unless always: tests), or gathered (FSDP's gathered(), which answers its own host
+    dict), is left as is."""
+
+    def __init__(self, pinned: bool = True, always: bool = False):
+        self.pinned, self.always = pinned, always
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def of(self, policy: TrainPolicy):
+        sd = None if getattr(policy, "_gathered", None) is not None else policy.hf_state_dict()
+        if sd is None or (not self.always and all(v.device.type == "cpu" for v in sd.values())):
+            yield
+            return
+        host = {}
+        for k, v in sd.items():
+            if not self.pinned:
+                host[k] = v.to("cpu", copy=True)
+                continue
+            b = self.bufs.get(k)
+            if b is None or b.shape != v.shape or b.dtype != v.dtype:
+                b = self.bufs[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=torch.cuda.is_available())
+            host[k] = b.copy_(v, non_blocking=True)
+        for dev in {v.device for v in sd.values() if v.device.type == "cuda"}:
+            torch.cuda.synchronize(dev)  # the non-blocking copies have landed
+        policy._gathered = host
+        try:
+            yield
+        finally:
+            policy._gathered = None
+
+
 def _disk_mode_reason(inference: list[str]) -> str:
     """Why auto mode cannot use shared memory with these servers ("" when it can)."""
     if not weights_shm.available():
@@ -78,6 +119,7 @@ class Publisher:
             self.mode = "disk" if why else "shm"
             if why:
                 log.info("learner.publish.mode=auto: disk (%s)", why)
+        self.host = HostCopy(pinned=cfg.host_copy)
         self.shm_prefix = weights_shm.run_prefix(run)
         if self.mode == "shm" or weights_shm.available():
             gone = weights_shm.clean_stale(self.shm_prefix)  # a learner killed mid-publish left these
@@ -89,6 +131,11 @@ class Publisher:
         last server answered (it serves the new weights then)."""
         if version == 0:
             return 0.0  # the servers started from model_dir at version 0
+        t0 = time.perf_counter()
+        with self.host.of(self.policy):
+            return time.perf_counter() - t0 + self._publish(version)  # the device-to-host copy counts too
+
+    def _publish(self, version: int) -> float:
         if self.mode == "disk":
             return publish_weights(self.policy, self.wdir, version, self.stubs, self.cfg.keep_versions, self.counters,
                                    self.cfg.timeout_s, self.tokenizer_from)

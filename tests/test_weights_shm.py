@@ -164,3 +164,57 @@ def test_segment_round_trip_and_wrong_version():
     finally:
         weights_shm.unlink(name)
     assert segments(prefix) == []
+
+
+def test_host_copy_is_one_copy_per_publish_into_kept_buffers(tmp_path):
+    """HostCopy (learner.publish.host_copy): inside, hf_state_dict (so save_hf, the segment, the stream) answers host
+    buffers holding the weights; the same buffers are refilled at the next publish; outside, the policy answers its
+    own tensors again. always=True runs the GPU path's logic on this CPU policy."""
+    from learner.publish import HostCopy
+
+    policy = tiny()
+    host = HostCopy(pinned=True, always=True)
+    own = policy.hf_state_dict()
+    with host.of(policy):
+        first = policy.hf_state_dict()
+        assert set(first) == set(own)
+        assert all(torch.equal(first[k], own[k]) and first[k].data_ptr() != own[k].data_ptr() for k in own)
+        policy.save_hf(tmp_path / "a")
+    ptrs = {k: v.data_ptr() for k, v in first.items()}
+    assert policy.hf_state_dict()["model.norm.weight"].data_ptr() == own["model.norm.weight"].data_ptr()
+    with torch.no_grad():
+        for p in policy.lm.parameters():
+            p.add_(1.0)
+    with host.of(policy):
+        second = policy.hf_state_dict()
+        assert {k: v.data_ptr() for k, v in second.items()} == ptrs          # refilled, not reallocated
+        assert all(torch.equal(second[k], v) for k, v in policy.lm.state_dict().items() if k in second)
+        policy.save_hf(tmp_path / "b")
+    from safetensors.torch import load_file
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("a", "b"))
+    assert all(torch.equal(b[k], a[k] + 1.0) for k in a)                     # the disk copy came from the buffers
+    unpinned = HostCopy(pinned=False, always=True)
+    with unpinned.of(policy):
+        assert unpinned.bufs == {} and all(torch.equal(policy.hf_state_dict()[k], v) for k, v in second.items())
+    with HostCopy(pinned=True).of(policy):                                  # on the CPU: nothing to copy
+        assert policy.hf_state_dict()["model.norm.weight"].data_ptr() == own["model.norm.weight"].data_ptr()
+
+
+@pytest.mark.gpu
+def test_host_copy_from_cuda_is_pinned_and_exact(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from learner.publish import HostCopy
+
+    policy = tiny().to("cuda")
+    host = HostCopy()
+    with host.of(policy):
+        sd = policy.hf_state_dict()
+        assert all(v.device.type == "cpu" and v.is_pinned() for v in sd.values())
+        assert all(torch.equal(sd[k], v.cpu()) for k, v in policy.lm.state_dict().items() if k in sd)
+    with torch.no_grad():
+        for p in policy.lm.parameters():
+            p.mul_(2.0)
+    with host.of(policy):
+        sd = policy.hf_state_dict()
+        assert all(torch.equal(sd[k], v.cpu()) for k, v in policy.lm.state_dict().items() if k in sd)
