@@ -153,16 +153,30 @@ def test_hostile_names_and_segments_are_refused_and_change_nothing(served, tmp_p
 
 
 def test_segment_round_trip_and_wrong_version():
-    sd = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "e": torch.empty(0, 4)}
+    sd = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "e": torch.empty(0, 4),
+          "t": torch.randn(4, 6).t(), "h": torch.randn(2, 3).half(), "s": torch.tensor(2.5), "w": torch.randn(1, 33)}
     prefix = weights_shm.run_prefix("/nonexistent/run-for-round-trip")
-    name = weights_shm.write_segment(prefix, 4, sd)
+    name = weights_shm.write_segment(prefix, 4, {**sd, "i": torch.arange(5)})
     try:
         version, out = weights_shm.read_segment(name)
-        assert version == 4 and set(out) == set(sd)
+        assert version == 4 and set(out) == set(sd) | {"i"}
         for k in sd:
-            assert out[k].dtype == sd[k].dtype and torch.equal(out[k], sd[k])
+            assert out[k].dtype == sd[k].dtype and torch.equal(out[k], sd[k]), k
+        assert out["i"].dtype == torch.float32 and torch.equal(out["i"], torch.arange(5.0))  # stored as float
     finally:
         weights_shm.unlink(name)
+    assert segments(prefix) == []
+
+
+def test_a_segment_that_does_not_fit_is_an_oserror_and_leaves_nothing(monkeypatch):
+    """/dev/shm too small for the segment: OSError (the publisher then goes by disk), no half-written file left."""
+    def full(fd, off, n):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    prefix = weights_shm.run_prefix("/nonexistent/run-full")
+    with pytest.raises(OSError, match="No space"):
+        weights_shm.write_segment(prefix, 1, {"a": torch.randn(8)})
     assert segments(prefix) == []
 
 
