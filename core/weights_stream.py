@@ -34,9 +34,10 @@ def chunks(version: int, state_dict: dict[str, torch.Tensor], piece_bytes: int =
         t = t.detach().to("cpu").contiguous()
         if t.dtype not in _NAMES:
             t = t.float()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        # A view of the tensor's bytes: each piece is copied once, into its message (not the whole tensor first).
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         for i, off in enumerate(range(0, max(len(raw), 1), piece_bytes)):
-            c = inference_pb2.WeightsChunk(data=raw[off:off + piece_bytes])
+            c = inference_pb2.WeightsChunk(data=bytes(raw[off:off + piece_bytes]))
             if i == 0:
                 c.name, c.dtype = name, _NAMES[t.dtype]
                 c.shape.extend(t.shape)
@@ -58,8 +59,9 @@ class Assembler:
         self._name = ""
         self._dtype: torch.dtype | None = None
         self._shape: tuple[int, ...] = ()
-        self._buf = bytearray()
-        self._want = 0
+        self._buf: torch.Tensor | None = None  # the tensor being received, and a writable view of its bytes
+        self._view: memoryview | None = None
+        self._got = self._want = 0
 
     def add(self, c: inference_pb2.WeightsChunk) -> None:
         if self.version is None:
@@ -73,9 +75,11 @@ class Assembler:
             self._open_tensor(c)
         elif not self._name:
             raise BadChunk("a WeightsChunk continues no tensor (the first piece of a tensor must name it)")
-        if len(self._buf) + len(c.data) > self._want:
+        n = len(c.data)
+        if self._got + n > self._want:
             raise BadChunk(f"tensor {self._name}: more bytes than its shape {list(self._shape)} in {_NAMES[self._dtype]} holds ({self._want})")
-        self._buf += c.data
+        self._view[self._got:self._got + n] = c.data  # into the tensor's own buffer, allocated once at its size
+        self._got += n
 
     def _open_tensor(self, c) -> None:
         name = c.name
@@ -89,20 +93,21 @@ class Assembler:
         if shape != tuple(self.shapes[name]):
             raise WrongWeights(f"tensor {name}: shape {list(shape)} vs the model's {list(self.shapes[name])}")
         self._name, self._dtype, self._shape = name, DTYPES[c.dtype], shape
-        self._buf = bytearray()
         n = 1
         for x in shape:
             n *= x
         self._want = n * torch.tensor([], dtype=self._dtype).element_size()
+        self._buf = torch.empty(self._want, dtype=torch.uint8)  # the size was checked against the model: bounded
+        self._view, self._got = memoryview(self._buf.numpy()), 0
 
     def _close_tensor(self) -> None:
         if not self._name:
             return
-        if len(self._buf) != self._want:
-            raise BadChunk(f"tensor {self._name}: {len(self._buf)} bytes received, {self._want} expected")
-        t = torch.frombuffer(self._buf, dtype=torch.uint8) if self._buf else torch.empty(0, dtype=torch.uint8)
-        self.out[self._name] = t.view(self._dtype).reshape(self._shape).clone()
-        self._name, self._buf = "", bytearray()
+        if self._got != self._want:
+            raise BadChunk(f"tensor {self._name}: {self._got} bytes received, {self._want} expected")
+        self._view.release()
+        self.out[self._name] = self._buf.view(self._dtype).reshape(self._shape)
+        self._name, self._buf, self._view, self._got = "", None, None, 0
 
     def finish(self) -> tuple[int, dict[str, torch.Tensor]]:
         self._close_tensor()

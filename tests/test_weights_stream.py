@@ -17,7 +17,8 @@ from test_inference_server import Servers, run
 
 
 def test_chunks_round_trip_in_small_pieces_and_dtypes():
-    sd = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.randn(2, 2).half()}
+    sd = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.randn(2, 2).half(),
+          "t": torch.randn(5, 3).t(), "e": torch.empty(0, 4), "s": torch.tensor(1.5)}
     msgs = list(chunks(9, sd, piece_bytes=8))
     assert msgs[0].version == 9 and all(m.version == 0 for m in msgs[1:])
     assert len(msgs) > len(sd)  # tensors were split
