@@ -1,12 +1,13 @@
 """Where a vision-language learner step and a weight publish spend their time on a GPU, phase by phase.
 
-    python scripts/gpu_profile_learner.py MODEL_DIR OUT.json [IMAGES] [WxH] [--profile]
+    python scripts/gpu_profile_learner.py MODEL_DIR OUT.json [IMAGES] [WxH] [--profile | --publish-only]
 
 MODEL_DIR: a checkpoint as `tars bench learner --model` takes it (scripts/gpu_checks.sh makes a 0.9 B Qwen2.5-VL).
 The batch, trainer and server are the bench's (tars/bench/learner.py), on learner.device / learner.precision.
 Reports: the step's wall time against its summed CUDA kernel time and the top operators (torch.profiler); the
 learner-side publish phases timed alone (state dict, device-to-host copy, the shared-memory segment, the disk copy)
-and the server's install of a segment timed alone. Runs on a CPU too (for a smoke test), without kernel figures.
+and the server's install of a segment timed alone (twice; its log's split of each install is in the JSON). Runs on a
+CPU too, without kernel figures; --publish-only skips the steps (the publish phases of a large model on a CPU).
 """
 from __future__ import annotations
 
@@ -51,49 +52,51 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
         tmp = pathlib.Path(tmp)
         t = time.perf_counter()
         policy, serve_dir, tokenizer_from, batch = _policy(cfg, pathlib.Path(model_dir), tmp, images, size)
-        critic = TrainPolicy.critic_from(policy) if cfg.learner.algo == "ppo" else None
+        steps = "--publish-only" not in sys.argv
+        critic = TrainPolicy.critic_from(policy) if cfg.learner.algo == "ppo" and steps else None
         for m in (policy, critic):
             if m is not None:
                 m.to(device)
         trainer = PPOTrainer(policy, critic, cfg.learner, policy.config.pad_token_id or 0, amp_dtype=amp)
         out["build_s"] = round(time.perf_counter() - t, 2)
 
-        step_s = []
-        for v in range(3):  # the first warms up (allocator, kernels)
-            t = time.perf_counter()
-            trainer.step(batch, v)
-            _sync(device)
-            step_s.append(round(time.perf_counter() - t, 3))
-        out["step_s"] = step_s
-        print(json.dumps({k: out[k] for k in ("device", "build_s", "step_s")}), flush=True)
-        # Attention calls in one step (transformers' Qwen2.5-VL vision tower without flash-attn runs one SDPA call
-        # per window) and the forward pass's share of the step.
-        import torch.nn.functional as F
-        calls = [0]
-        sdpa = F.scaled_dot_product_attention
-
-        def counted(*a, **k):
-            calls[0] += 1
-            return sdpa(*a, **k)
-        F.scaled_dot_product_attention = counted
-        try:
-            trainer.step(batch, 3)
-        finally:
-            F.scaled_dot_product_attention = sdpa
-        out["sdpa_calls_per_step"] = calls[0]
-        print(json.dumps({"sdpa_calls_per_step": calls[0]}), flush=True)
-        if len(sys.argv) > 5 and sys.argv[5] == "--profile":  # slow to process on a GPU: tens of thousands of kernels
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with profile(activities=acts) as prof:
+        if steps:  # --publish-only: the phases below only (a CPU cannot step a 1 B VL model soon)
+            step_s = []
+            for v in range(3):  # the first warms up (allocator, kernels)
                 t = time.perf_counter()
-                trainer.step(batch, 4)
+                trainer.step(batch, v)
                 _sync(device)
-                wall = time.perf_counter() - t
-            ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            out["profiled_step"] = {"wall_s": round(wall, 3), "kernels": len(ev),
-                                    "kernel_s": round(sum(e.device_time for e in ev) / 1e6, 3),
-                                    "top_self_cpu": _top(prof, "self_cpu_time_total"),
-                                    "top_self_device": _top(prof, "self_device_time_total") if ev else []}
+                step_s.append(round(time.perf_counter() - t, 3))
+            out["step_s"] = step_s
+            print(json.dumps({k: out[k] for k in ("device", "build_s", "step_s")}), flush=True)
+            # Attention calls in one step (transformers' Qwen2.5-VL vision tower without flash-attn runs one SDPA call
+            # per window) and the forward pass's share of the step.
+            import torch.nn.functional as F
+            calls = [0]
+            sdpa = F.scaled_dot_product_attention
+
+            def counted(*a, **k):
+                calls[0] += 1
+                return sdpa(*a, **k)
+            F.scaled_dot_product_attention = counted
+            try:
+                trainer.step(batch, 3)
+            finally:
+                F.scaled_dot_product_attention = sdpa
+            out["sdpa_calls_per_step"] = calls[0]
+            print(json.dumps({"sdpa_calls_per_step": calls[0]}), flush=True)
+            if len(sys.argv) > 5 and sys.argv[5] == "--profile":  # slow to process on a GPU: tens of thousands of kernels
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    t = time.perf_counter()
+                    trainer.step(batch, 4)
+                    _sync(device)
+                    wall = time.perf_counter() - t
+                ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                out["profiled_step"] = {"wall_s": round(wall, 3), "kernels": len(ev),
+                                        "kernel_s": round(sum(e.device_time for e in ev) / 1e6, 3),
+                                        "top_self_cpu": _top(prof, "self_cpu_time_total"),
+                                        "top_self_device": _top(prof, "self_device_time_total") if ev else []}
 
         # Learner-side publish phases, each alone.
         ph: dict = {}
@@ -137,7 +140,11 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
             t = time.perf_counter()
             for v in seg.values():
                 torch.isfinite(v).all()
-            ph["isfinite_cpu_here_s"] = time.perf_counter() - t
+            ph["isfinite_cpu_here_s"] = time.perf_counter() - t  # the check servers made before 2026-11-27
+            from inference_server.engine_types import check_finite
+            t = time.perf_counter()
+            check_finite(seg)
+            ph["check_finite_cpu_here_s"] = time.perf_counter() - t  # theirs now (one min/max pass)
             del seg
             server, addr = _start_server(serve_dir, tmp)
             try:
@@ -150,12 +157,13 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
                     r = stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=v, shm=name), timeout=300)
                     ph[key] = time.perf_counter() - t
                     ph[key[:-2] + "_reply"] = str(r).replace("\n", " ")[:300]
-                ph["server_log_tail"] = server.spec.log.read_text()[-1500:]
+                ph["server_installs"] = [ln[ln.index("weights v"):] for ln in server.spec.log.read_text().splitlines()
+                                         if "installed in" in ln]
             finally:
                 server.stop()
                 weights_shm.unlink(name)
         out["publish_phases"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in ph.items()}
-        print(json.dumps({k: v for k, v in out["publish_phases"].items() if k != "server_log_tail"}), flush=True)
+        print(json.dumps({k: v for k, v in out["publish_phases"].items() }), flush=True)
     pathlib.Path(out_path).write_text(json.dumps(out, indent=1))
     return out
 
