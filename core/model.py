@@ -63,8 +63,7 @@ def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: list
 
 
 def vision_tower(c: DecoderConfig) -> nn.Module:
-    """transformers' own vision tower of a qwen2_vl / qwen2_5_vl config (random until load_weights), attending with
-    core.vision_attention's one call per layer."""
+    """transformers' own vision tower of a qwen2_vl / qwen2_5_vl config (random until load_weights)."""
     if c.model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as VC
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as VM
@@ -73,7 +72,7 @@ def vision_tower(c: DecoderConfig) -> nn.Module:
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as VM
     vc = c.extra["vision_config"]
     cfg = VC(**{k: v for k, v in vc.items() if k not in ("model_type", "architectures", "transformers_version")})
-    return vision_attention.use(VM._from_config(cfg, dtype=torch.float32))  # one attention call per layer
+    return vision_attention.use(VM._from_config(cfg, dtype=torch.float32))  # core/vision_attention.py
 
 
 # Other names a VL checkpoint may give its tensors (transformers 5's module layout) -> the checkpoint layout.
