@@ -140,7 +140,7 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
             t = time.perf_counter()
             for v in seg.values():
                 torch.isfinite(v).all()
-            ph["isfinite_cpu_here_s"] = time.perf_counter() - t  # the check servers made before 2026-11-27
+            ph["isfinite_cpu_here_s"] = time.perf_counter() - t  # the servers' earlier check
             from inference_server.engine_types import check_finite
             t = time.perf_counter()
             check_finite(seg)
