@@ -1,13 +1,14 @@
 """A few attention calls per layer for transformers' Qwen2-VL / Qwen2.5-VL vision towers, instead of one per window.
 
 Without flash-attn, transformers' vision attention splits every layer's patches into their windows (Qwen2.5-VL: 8x8
-patches; full-attention layers: one image) and calls SDPA once per window: one learner step (policy and critic) over
-8 trajectories with 2 screenshots of 640x400 each made 21,776 calls in its forward passes through a 32-layer tower,
-and that 1 B-parameter step took 5.2 s on an H200, far above its FLOPs (docs/benchmarks.md, "On a GPU"). transformers hands the windows' boundaries (cu_seqlens) only to an
-attention implementation whose name contains "flash" (is_flash_attention_requested), so this one is registered under
-such a name: it batches the windows by length (one SDPA call per distinct window length, a few a layer: no padding,
-no mask), which needs no flash-attn and runs on a CPU too. Each window still attends to itself only, so
-the result is the per-window loop's (tests/test_vision_attention.py checks values and gradients against it).
+patches; full-attention layers: one image) and calls SDPA once per window: one learner step (policy and critic) over 8
+trajectories with 2 screenshots of 640x400 each made 21,776 calls in its forward passes through a 32-layer tower, and
+that 1 B-parameter step took 5.2 s on an H200, far above its FLOPs (docs/benchmarks.md, "On a GPU"). transformers hands
+the windows' boundaries (cu_seqlens) only to an attention implementation whose name contains "flash"
+(is_flash_attention_requested), so this one is registered under such a name: it batches the windows by length (one SDPA
+call per distinct window length, a few a layer: no padding, no mask), which needs no flash-attn and runs on a CPU too.
+Each window still attends to itself only, so the result is the per-window loop's (tests/test_vision_attention.py checks
+values and gradients against it).
 
 Only the vision tower uses it (use() sets the tower's own config); the language model keeps its attention.
 """
