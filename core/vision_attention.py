@@ -48,9 +48,8 @@ def register() -> None:
     AttentionInterface.register(NAME, varlen_sdpa)
 
 
-def use(model: torch.nn.Module, tower: torch.nn.Module | None = None) -> torch.nn.Module:
-    """Make a vision tower (transformers' Qwen2-VL / Qwen2.5-VL `visual`: `tower`, or `model` itself) attend with
-    varlen_sdpa; returns `model`."""
+def use(tower: torch.nn.Module) -> torch.nn.Module:
+    """Make a vision tower (transformers' Qwen2-VL / Qwen2.5-VL `visual`) attend with varlen_sdpa; returns it."""
     register()
-    (model if tower is None else tower).config._attn_implementation = NAME
-    return model
+    tower.config._attn_implementation = NAME
+    return tower

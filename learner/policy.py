@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from core import vision_attention
 from core.model import DecoderConfig
+from core.model_files import read_weights  # noqa: F401  (learner.policy.read_weights: callers import it here)
 from core.vision import PatchEmbed, VisionConfig
 from learner.batch import right_padded
 from learner.fsdp import full, like
@@ -52,6 +53,7 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 def _transformers():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
+
     return transformers
 
 
@@ -81,22 +83,6 @@ def config_dict(hf_config) -> dict:
     """The transformers config as config.json holds it (rope_theta included, see _engine_readable)."""
     _engine_readable(hf_config)
     return hf_config.to_dict()
-
-
-def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The tensors of an HF-layout directory: model.safetensors, or the shards its index names."""
-    from safetensors.torch import load_file
-
-    p = pathlib.Path(path)
-    if (p / "model.safetensors").is_file():
-        return load_file(str(p / "model.safetensors"))
-    index = p / "model.safetensors.index.json"
-    if not index.is_file():
-        raise FileNotFoundError(f"{p}: no model.safetensors (nor model.safetensors.index.json)")
-    sd: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        sd.update(load_file(str(p / shard)))
-    return sd
 
 
 @contextlib.contextmanager
@@ -187,7 +173,9 @@ class TrainPolicy(nn.Module):
         with _no_progress_bars(), _quiet_load_report():  # missing and unexpected weights are checked below
             lm, info = auto.from_pretrained(str(p), local_files_only=True, dtype=torch.float32,
                                             attn_implementation=ATTENTION, output_loading_info=True)
-        m = cls(vision_attention.use(lm, lm.model.visual) if vl is not None else lm, value_head=value_head, vl=vl)
+        if vl is not None:
+            vision_attention.use(lm.model.visual)  # one SDPA call per window length, not per window
+        m = cls(lm, value_head=value_head, vl=vl)
         # transformers initialises a missing weight at random and says so in a log line: an error here.
         tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()
         missing = sorted(set(info.get("missing_keys") or ()) - tied)
