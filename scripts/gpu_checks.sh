@@ -18,7 +18,7 @@
 #      share with the learner on the GPU.
 # OUTDIR gets summary.txt (one line per step with its exit status and seconds) and each step's log or JSON.
 set -u
-out=${1:?usage: bash scripts/gpu_checks.sh OUTDIR [SECONDS]}
+out=${1:?usage: bash scripts/gpu_checks.sh OUTDIR [SECONDS] [STEPS]}
 budget=${2:-540}
 only=${3:-}
 py=${PYTHON:-python3}

@@ -2,7 +2,7 @@
 
     python scripts/gpu_profile_learner.py MODEL_DIR OUT.json [IMAGES] [WxH] [--profile | --publish-only]
 
-MODEL_DIR: a checkpoint as `tars bench learner --model` takes it (scripts/gpu_checks.sh makes a 0.9 B Qwen2.5-VL).
+MODEL_DIR: a checkpoint as `tars bench learner --model` takes it (scripts/make_vl_bench_model.py makes the 1.0 B one).
 The batch, trainer and server are the bench's (tars/bench/learner.py), on learner.device / learner.precision.
 Reports: the step's wall time against its summed CUDA kernel time and the top operators (torch.profiler); the
 learner-side publish phases timed alone (state dict, device-to-host copy, the shared-memory segment, the disk copy)
@@ -57,10 +57,10 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
         for m in (policy, critic):
             if m is not None:
                 m.to(device)
-        trainer = PPOTrainer(policy, critic, cfg.learner, policy.config.pad_token_id or 0, amp_dtype=amp)
         out["build_s"] = round(time.perf_counter() - t, 2)
 
         if steps:  # --publish-only: the phases below only (a CPU cannot step a 1 B VL model soon)
+            trainer = PPOTrainer(policy, critic, cfg.learner, policy.config.pad_token_id or 0, amp_dtype=amp)
             step_s = []
             for v in range(3):  # the first warms up (allocator, kernels)
                 t = time.perf_counter()
@@ -69,8 +69,8 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
                 step_s.append(round(time.perf_counter() - t, 3))
             out["step_s"] = step_s
             print(json.dumps({k: out[k] for k in ("device", "build_s", "step_s")}), flush=True)
-            # Attention calls in one step (transformers' Qwen2.5-VL vision tower without flash-attn runs one SDPA call
-            # per window) and the forward pass's share of the step.
+            # Attention calls in one step (transformers' Qwen2.5-VL vision tower without flash-attn ran one SDPA call
+            # per window; core/vision_attention.py one per window length).
             import torch.nn.functional as F
             calls = [0]
             sdpa = F.scaled_dot_product_attention
@@ -85,7 +85,7 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
                 F.scaled_dot_product_attention = sdpa
             out["sdpa_calls_per_step"] = calls[0]
             print(json.dumps({"sdpa_calls_per_step": calls[0]}), flush=True)
-            if len(sys.argv) > 5 and sys.argv[5] == "--profile":  # slow to process on a GPU: tens of thousands of kernels
+            if "--profile" in sys.argv:  # slow to process on a GPU: tens of thousands of kernels
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 with profile(activities=acts) as prof:
                     t = time.perf_counter()
@@ -163,12 +163,12 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
                 server.stop()
                 weights_shm.unlink(name)
         out["publish_phases"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in ph.items()}
-        print(json.dumps({k: v for k, v in out["publish_phases"].items() }), flush=True)
+        print(json.dumps(out["publish_phases"]), flush=True)
     pathlib.Path(out_path).write_text(json.dumps(out, indent=1))
     return out
 
 
 if __name__ == "__main__":
-    a = sys.argv[1:]
+    a = [x for x in sys.argv[1:] if not x.startswith("--")]
     wh = tuple(int(x) for x in a[3].split("x")) if len(a) > 3 else (640, 400)
     main(a[0], a[1], int(a[2]) if len(a) > 2 else 2, wh)
