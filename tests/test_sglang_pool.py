@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import sys
 import textwrap
@@ -83,23 +84,32 @@ def test_sticky_routing_yields_to_load():
     asyncio.run(client_side())
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def _free_port_run(n, tries=200):
+    """A base port whose n consecutive ports are all free now: bound together, then released. Drawn below Linux's
+    ephemeral range (32768+), where the clients' sockets of other tests and processes take their ports."""
+    rng = random.Random()
+    for _ in range(tries):
+        base = rng.randrange(20000, 32768 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
 
 
 def test_launches_servers_as_processes_and_stops_their_groups(models):  # noqa: F811
-    ports = _free_ports(2)
     procs, urls = [], []
     try:
-        procs, urls = launch_sglang_servers(models["a"], n=2, base_port=ports[0], wait_s=60,
+        procs, urls = launch_sglang_servers(models["a"], n=2, base_port=_free_port_run(2), wait_s=60,
                                             module="inference_server.sglang_conformance")
-        # base_port + i: the second port was only probably free; skip cleanly if another process took it.
         e = SGLangEngine(InferenceConfig(max_context=256, engine="sglang"), urls, vocab_size=DC.vocab_size, health_thread=False)
         try:
             out = e.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.0), "t")
@@ -115,7 +125,7 @@ def test_launches_servers_as_processes_and_stops_their_groups(models):  # noqa: 
             os.killpg(p.pid, 0)
     # A launcher that dies at once is reported at once, not after wait_s.
     with pytest.raises(RuntimeError, match="exited"):
-        launch_sglang_servers(models["a"] + "/missing", n=1, base_port=_free_ports(1)[0], wait_s=60,
+        launch_sglang_servers(models["a"] + "/missing", n=1, base_port=_free_port_run(1), wait_s=60,
                               module="inference_server.sglang_conformance")
 
 
