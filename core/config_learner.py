@@ -10,6 +10,7 @@ The keys were flat before (`learner.eta`); MOVED maps every old key to its new p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -44,6 +45,11 @@ class PPOConfig:
     entropy_coef_max: float = f(0.02, "upper bound of the adaptive entropy coefficient")
     kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
                             "tokens; anchors the output format at higher learning rates")
+    truncated_value: float = f(0.0, "without a critic (algo=grpo), the value of the state a limit (actor.max_turns, the "
+                                    "context) cut an episode in, added to its return: 0 scores a cut-off episode by its "
+                                    "rewards so far. Set it to what the task gives a failure (MiniWoB: -1 for running "
+                                    "out of time) where that is below 0; at 0 an episode that stalls until the limit "
+                                    "scores above one that gives a wrong answer (docs/learner.md)")
     skip_zero_adv: bool = f(True, "rows whose advantage is 0 at every token (a GRPO group that all failed or all "
                                   "succeeded) skip the training forward and backward when no other loss term reads "
                                   "them (no critic, reference KL or entropy term): the same gradient for less compute; "
@@ -199,6 +205,8 @@ class LearnerConfig:
             return f"learner.correction.kind: {kind!r} is not one of {' | '.join(CorrectionConfig.KINDS)}"
         if kind == "vtrace" and self.algo != "ppo":
             return f"learner.correction.kind=vtrace needs a critic (learner.algo=ppo), not learner.algo={self.algo}"
+        if not math.isfinite(self.ppo.truncated_value):
+            return f"learner.ppo.truncated_value must be finite, got {self.ppo.truncated_value}"
         for name in ("rho_bar", "c_bar", "tis_cap"):
             if not getattr(self.correction, name) > 0:
                 return f"learner.correction.{name} must be > 0, got {getattr(self.correction, name)}"

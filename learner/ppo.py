@@ -101,7 +101,11 @@ class PPOTrainer:
         cfg = self.cfg
         if cfg.algo == "grpo" or values is None:
             # Centred within the group, not divided by its std (Dr. GRPO); the batch-level scaling sets the size.
-            adv = A.grouped_advantages(b.returns, b.groups, std_norm=False)[:, None] * b.mask
+            # No critic to value a cut-off episode's last state: learner.ppo.truncated_value stands in for it.
+            rets = b.returns
+            if cfg.ppo.truncated_value and b.truncated is not None:
+                rets = rets + cfg.ppo.truncated_value * b.truncated.to(rets.dtype)
+            adv = A.grouped_advantages(rets, b.groups, std_norm=False)[:, None] * b.mask
             return adv, torch.zeros_like(adv)
         boot = bootstrap_values(values, b.boot)  # 0 for terminated rows
         if cfg.correction.kind == "vtrace":
@@ -186,7 +190,8 @@ class PPOTrainer:
         run_mask = b.mask if live is None else b.mask * live.to(b.mask.device)[:, None]  # the rows trained
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask)),
-             "bootstrapped": int(b.boot.sum()), "rows_skipped": int((~live).sum()) if live is not None else 0}
+             "bootstrapped": int(b.boot.sum()), "rows_skipped": int((~live).sum()) if live is not None else 0,
+             "truncated": int(b.truncated.sum()) if b.truncated is not None else 0}
         if prox is not None:  # KL(pi_behav || pi_prox), k1 on the behaviour's own tokens of the rows trained
             m["behav_prox_kl"] = float(A.masked_mean(A.kl_k1(b.behav_logp, prox), run_mask))
         kl_sum = 0.0

@@ -415,3 +415,43 @@ def test_rows_are_not_skipped_when_another_term_reads_them():
     pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
     tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", ppo=PPOConfig(entropy_coef=0.01)), 0)
     assert tr.step(_grouped_batch(0), 0)["rows_skipped"] == 0
+
+
+# ---- GRPO without a critic: learner.ppo.truncated_value scores the state a limit cut an episode in ----------------
+def _one_turn(tid, outcome, reward, group="g", boot_at=0):
+    final = (7, 9) if boot_at else ()
+    toks = [1, 5, 6, 11, *final]
+    m = np.array([0, 0, 0, 1] + [0] * len(final), np.uint8)
+    return Trajectory(id=tid, env_id="x", outcome=outcome, tokens=np.array(toks, np.int32),
+                      logprobs=np.where(m, -1.0, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                      mask=m, turns=[Turn("", "", {}, reward, 3, 4)], ret=reward, group=group,
+                      boot_at=boot_at).validate()
+
+
+@pytest.mark.parametrize("value,want", [(0.0, [7 / 6, -5 / 6, -1 / 3, 1 / 32]),   # the rewards so far: above a wrong answer
+                                        (-1.0, [1.5, -0.5, -1.0, 9 / 32])])      # scored as a failure: below it
+def test_truncated_value_scores_a_cut_off_episode_in_grpo(value, want):
+    """A group of a success (+1), a wrong answer (-1) and an episode the turn limit cut after rewards of -0.5:
+    Dr. GRPO's centred advantages (adv_norm off, by hand) put the cut-off one above the wrong answer at
+    truncated_value 0 (what taught MiniWoB policies to stall) and below it at -1. A lone row of another group is
+    centred on the batch mean of the returns as scored (-5/32 at 0, -13/32 at -1)."""
+    from learner.batch import collate
+
+    trajs = [_one_turn("ok", "terminated", 1.0), _one_turn("wrong", "terminated", -1.0),
+             _one_turn("cut", "truncated", -0.5, boot_at=6), _one_turn("alone", "terminated", -1 / 8, group="h")]
+    b = collate(trajs)
+    assert b.truncated.tolist() == [False, False, True, False]
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", ppo=PPOConfig(adv_norm=False, truncated_value=value)), 0)
+    adv, _ = tr.advantages(b, None, None)
+    np.testing.assert_allclose(adv[:, 3].numpy(), want, atol=1e-6)
+    assert float(adv[:, :3].abs().sum() + adv[:, 4:].abs().sum()) == 0       # only the generated token carries it
+
+
+def test_truncated_value_is_checked():
+    from core import config as C
+
+    assert C.load(None, None, []).learner.ppo.truncated_value == 0.0
+    assert C.load(None, None, ["learner.ppo.truncated_value=-1"]).learner.ppo.truncated_value == -1.0
+    with pytest.raises(C.ConfigError, match="truncated_value must be finite"):
+        C.load(None, None, ["learner.ppo.truncated_value=nan"])
