@@ -149,19 +149,18 @@ class Batch:
     rewards: torch.Tensor     # [B, T] turn rewards on the last generated token of each turn
     returns: torch.Tensor     # [B] episode return
     boot: torch.Tensor        # [B, T] float, 1 at the bootstrap position of a truncated row (at most one per row)
+    truncated: torch.Tensor   # [B] bool: a limit cut the episode (Outcome.TRUNCATED), with or without a boot position
     widths: torch.Tensor      # [B] long, on the CPU: columns each row needs (tokens, and its bootstrap position)
     groups: list[str]
     ids: list[str]
     images: list[RowImages | None] | None = field(default=None)  # VL rows (module doc); None: an all-text batch
-    truncated: torch.Tensor | None = field(default=None)  # [B] bool: a limit cut the episode (Outcome.TRUNCATED)
 
     def to(self, device: torch.device) -> "Batch":
         """The tensors on `device` (the same Batch when it is already there: the CPU path copies nothing). `widths`
         stays on the CPU: chunking is decided on the host; so do the images (moved by the forward that takes them)."""
-        names = ("tokens", "valid", "mask", "behav_logp", "versions", "rewards", "returns", "boot")
+        names = ("tokens", "valid", "mask", "behav_logp", "versions", "rewards", "returns", "boot", "truncated")
         return Batch(**{k: getattr(self, k).to(device) for k in names}, widths=self.widths, groups=self.groups,
-                     ids=self.ids, images=self.images,
-                     truncated=None if self.truncated is None else self.truncated.to(device))
+                     ids=self.ids, images=self.images)
 
     def vl(self, rows: torch.Tensor) -> list[RowImages | None] | None:
         """The images of these rows (a chunk's indices), for TrainPolicy's `vl=`; None when the batch is all text."""
@@ -217,9 +216,9 @@ def collate(trajs: list[Trajectory], pad_id: int = 0, vl=None) -> Batch:
     for i, t in enumerate(trajs):
         mask[i, list(t.segments)] = 0.0  # nor has a segment's first token
     rets = torch.tensor([t.ret for t in trajs], dtype=torch.float32)
-    return Batch(tokens, valid, mask, behav, versions, rewards, rets, boot, torch.tensor(widths, dtype=torch.long),
-                 [t.group or t.id for t in trajs], [t.id for t in trajs], images,
-                 torch.tensor([t.outcome == Outcome.TRUNCATED for t in trajs], dtype=torch.bool))
+    cut = torch.tensor([t.outcome == Outcome.TRUNCATED for t in trajs], dtype=torch.bool)
+    return Batch(tokens, valid, mask, behav, versions, rewards, rets, boot, cut, torch.tensor(widths, dtype=torch.long),
+                 [t.group or t.id for t in trajs], [t.id for t in trajs], images)
 
 
 def at(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

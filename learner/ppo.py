@@ -103,7 +103,7 @@ class PPOTrainer:
             # Centred within the group, not divided by its std (Dr. GRPO); the batch-level scaling sets the size.
             # No critic to value a cut-off episode's last state: learner.ppo.truncated_value stands in for it.
             rets = b.returns
-            if cfg.ppo.truncated_value and b.truncated is not None:
+            if cfg.ppo.truncated_value:
                 rets = rets + cfg.ppo.truncated_value * b.truncated.to(rets.dtype)
             adv = A.grouped_advantages(rets, b.groups, std_norm=False)[:, None] * b.mask
             return adv, torch.zeros_like(adv)
@@ -191,7 +191,7 @@ class PPOTrainer:
         stale = (version - b.versions).clamp(min=0).float()
         m = {"tokens": int(b.mask.sum()), "staleness_mean": float(A.masked_mean(stale, b.mask)),
              "bootstrapped": int(b.boot.sum()), "rows_skipped": int((~live).sum()) if live is not None else 0,
-             "truncated": int(b.truncated.sum()) if b.truncated is not None else 0}
+             "truncated": int(b.truncated.sum())}
         if prox is not None:  # KL(pi_behav || pi_prox), k1 on the behaviour's own tokens of the rows trained
             m["behav_prox_kl"] = float(A.masked_mean(A.kl_k1(b.behav_logp, prox), run_mask))
         kl_sum = 0.0
