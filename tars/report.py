@@ -117,7 +117,7 @@ def final_problem(final: pathlib.Path, since: float | None) -> str | None:
 
 def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: bool, sft_s: float | None,
                  status: str, since: float | None = None, restarts: dict[str, int] | None = None,
-                 held_out: dict | None = None) -> dict:
+                 held_out: dict | None = None, max_versions: int | None = None) -> dict:
     """report.json and learning.png, and a check of the learner's final/ export (written at or after `since`).
     Returns the report with "written" (paths actually there) and "not_written" (path -> error); never raises on I/O."""
     scored = mon.scored()
@@ -138,6 +138,7 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
         "success_last": float(np.mean(last)) if last else None,
         "success_sft": (float(np.mean(v0)) if v0 else None) if sft_used else None,
         "policy_version": mon.steps[-1]["version"] if mon.steps else 0,
+        "max_versions": max_versions,   # the run's update budget (None: not known to the caller)
         "wall_s": wall_s,
         "rl_s": rl_s,
         "sft_s": sft_s,
@@ -235,6 +236,11 @@ def warnings(rep: dict) -> list[str]:
         out.append(w)
     if rep["policy_version"] == 0:
         out.append("no policy update happened: the policy is the one the run started from")
+    elif (rep["status"] == "wall budget reached" and rep.get("max_versions")
+          and rep["policy_version"] < rep["max_versions"]):
+        out.append(f"the wall budget (wall_budget_s) stopped RL at policy version {rep['policy_version']} of "
+                   f"max_versions {rep['max_versions']}: this host trained fewer updates than the run asked for, so "
+                   "its figures are not comparable with a run that reached max_versions")
     if rep.get("held_out"):
         out += (held_out_warnings(rep["held_out"]) if "error" not in rep["held_out"]
                 else [f"the held-out evaluation failed: {rep['held_out']['error']}"])

@@ -104,7 +104,8 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     mon = report.Monitor(out_p)
     mon.poll()
     rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s,
-                              status=status, since=t_start, restarts=sup.counts() if sup else {}, held_out=held)
+                              status=status, since=t_start, restarts=sup.counts() if sup else {}, held_out=held,
+                              max_versions=cfg.max_versions)
     say(f"report: {json.dumps({k: rep[k] for k in ('episodes', 'success_first', 'success_last', 'success_sft', 'policy_version', 'wall_s')})}")
     for w in rep["warnings"]:
         print(f"[tars up] warning: {w}", file=sys.stderr if quiet else sys.stdout, flush=True)

@@ -151,6 +151,29 @@ def test_report_warns_when_the_context_cut_most_episodes(tmp_path):
     assert report.write_report(tmp_path, mon, 1.0, False, None, "done")["warnings"] == []
 
 
+def test_report_warns_when_the_wall_backstop_cut_a_run_budgeted_by_versions(tmp_path):
+    """A run budgeted by max_versions that the wall budget stopped early says so (a slow host's figures are not
+    comparable); one that reached max_versions, or stopped for another reason, does not."""
+    from tars import report
+
+    eps = [{"id": f"e{i}", "outcome": "success", "success": True, "return": 1.0, "vmax": 0, "vmin": 0,
+            "t": float(i), "train_version": 0} for i in range(10)]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps))
+    (tmp_path / "learner.jsonl").write_text("".join(json.dumps({"version": v, "success": 1.0, "ret": 1.0}) + "\n"
+                                                    for v in range(1, 8)))
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    rep = report.write_report(tmp_path, mon, 1.0, False, None, "wall budget reached", max_versions=300)
+    assert rep["max_versions"] == 300
+    assert rep["warnings"] == ["the wall budget (wall_budget_s) stopped RL at policy version 7 of max_versions 300: "
+                               "this host trained fewer updates than the run asked for, so its figures are not "
+                               "comparable with a run that reached max_versions"], rep["warnings"]
+    assert json.loads((tmp_path / "report.json").read_text())["warnings"] == rep["warnings"]
+    assert report.write_report(tmp_path, mon, 1.0, False, None, "wall budget reached", max_versions=7)["warnings"] == []
+    assert report.write_report(tmp_path, mon, 1.0, False, None, "done", max_versions=300)["warnings"] == []
+    assert report.write_report(tmp_path, mon, 1.0, False, None, "wall budget reached")["warnings"] == []
+
+
 def test_children_keep_the_parents_pythonpath_after_the_checkout(tmp_path, monkeypatch):
     """A dependency installed with --target (on the parent's PYTHONPATH) stays importable in a role started with
     tars.topology.pythonpath, and this checkout comes first."""
