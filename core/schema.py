@@ -217,8 +217,8 @@ class Trajectory:
         if len(frame) > max_bytes:
             raise SchemaError(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
         try:
-            d = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_bin_len=max_bytes, max_str_len=max_bytes)
-        except Exception as e:  # msgpack raises several types for garbage
+            d = unpack_bounded(frame, max_bytes, MAX_ITEMS)
+        except Exception as e:  # msgpack raises several types for garbage; ItemBudget for a container bomb
             raise SchemaError(f"not msgpack: {type(e).__name__}: {e}") from None
         return cls.from_dict(d, vocab_size)
 
@@ -253,9 +253,36 @@ class Trajectory:
             )
         except SchemaError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise SchemaError(f"malformed trajectory: {type(e).__name__}: {e}") from None
+        except (KeyError, TypeError, ValueError, IndexError, ArithmeticError, RecursionError) as e:
+            # ArithmeticError: int(inf) in a turn's bounds; RecursionError: str() of a deeply nested list
+            raise SchemaError(f"malformed trajectory: {type(e).__name__}: {str(e)[:200]}") from None
         return tr.validate(vocab_size)
+
+
+MAX_ITEMS = 1 << 20  # one frame's msgpack budget: each element 1, each array or map 8 (packed arrays are bin: 0)
+
+
+class ItemBudget(ValueError):
+    """A msgpack frame holds more arrays and maps (with their elements) than unpack_bounded allows."""
+
+
+def unpack_bounded(b: bytes, max_bytes: int, max_items: int):
+    """msgpack -> Python objects, refusing (ItemBudget) a frame whose arrays and maps cost more than max_items, an
+    element counting 1 (a pointer, 8 bytes) and an array or map 8 (a Python list or dict, ~60 bytes and up). Each wire
+    byte of an empty array becomes a ~60-byte list: without the bound a 64 MiB frame of them costs gigabytes and seconds
+    of the receiving thread before validation sees it; with it, at most ~8 x max_items bytes. Strings and bins are
+    bounded by max_bytes as before; a trajectory's token arrays are bins and cost nothing here."""
+    left = [max_items]
+
+    def count(x):
+        left[0] -= len(x) + 8
+        if left[0] < 0:
+            raise ItemBudget(f"more than {max_items} msgpack items")
+        return x
+
+    cap = max(1, min(max_items, len(b)))
+    return msgpack.unpackb(b, raw=False, strict_map_key=False, max_bin_len=max_bytes, max_str_len=max_bytes,
+                           max_array_len=cap, max_map_len=cap, list_hook=count, object_hook=count)
 
 
 def turn_rewards(tr: Trajectory) -> np.ndarray:

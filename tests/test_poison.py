@@ -167,6 +167,107 @@ def test_the_learner_trains_past_out_of_vocabulary_and_nan_trajectories(tmp_path
     assert all(torch.isfinite(q).all() for q in final.parameters())
 
 
+def _nested(depth: int):
+    x: list = []
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+def _container_bomb(mib: int) -> bytes:
+    """A trajectory map whose "turns" are ~mib MiB of 15-element arrays of empty arrays: 1 wire byte per Python list."""
+    inner = b"\x9f" + b"\x90" * 15
+    n = (mib << 20) // len(inner)
+    rest = {k: v for k, v in good("bomb").to_dict().items() if k != "turns"}
+    head = b"\xde" + (len(rest) + 1).to_bytes(2, "big") + b"".join(
+        msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in rest.items())
+    return head + msgpack.packb("turns") + b"\xdd" + n.to_bytes(4, "big") + inner * n
+
+
+# Frames that once raised past the schema's checks (OverflowError, RecursionError) and killed the receiver's io thread,
+# or cost ~70x their size in memory before validation: (id, payload, what the NACK reason says)
+MALFORMED = [
+    ("inf-turn-end", lambda: frame("inf-turn-end", turns=[["text:1", "o", {}, 1.0, 8, float("inf"), 0.0, 0.0, ""]]),
+     "OverflowError"),
+    ("inf-boot", lambda: frame("inf-boot", boot_at=float("inf")), "OverflowError"),
+    ("nan-start", lambda: frame("nan-start", start_version=NAN), "ValueError"),
+    ("inf-segment", lambda: frame("inf-segment", segments=[float("-inf")]), "OverflowError"),
+    ("deep-env-id", lambda: frame("deep-env-id", env_id=_nested(1000)), "RecursionError"),
+    ("bomb", lambda: frame("bomb") and _container_bomb(8), "msgpack items"),
+]
+
+
+def test_malformed_frames_are_refused_and_the_stream_lives_on(tmp_path):
+    """Each MALFORMED frame is NACKed "malformed" and the good trajectory sent after it still arrives: no frame can
+    stop the receiver's io thread (before, the first one did, and get() then waited for nothing, for ever)."""
+    rx = receiver(tmp_path, vocab_size=V)
+    addr = rx.start()
+    d = raw_actor(addr, b"mangler")
+    d.send_multipart(P.Hello("mangler", "i", 1).encode())
+    recv_until(d, P.WELCOME)
+    sent = []
+    for i, (tid, payload, _) in enumerate(MALFORMED):
+        d.send_multipart([P.TRAJ, P.pack({"seq": i, "id": tid}), payload()])
+        d.send_multipart([P.TRAJ, P.pack({"seq": 100 + i, "id": f"ok-{i}"}), good(f"ok-{i}").encode()])
+        sent += [tid, f"ok-{i}"]
+    got = answers(d, sent, timeout=30.0)
+    d.close()
+    for tid, _, why in MALFORMED:
+        kind, reason = got[tid]
+        assert kind == "nack" and reason.startswith("malformed: ") and why in reason, (tid, got[tid])
+    assert all(got[f"ok-{i}"] == ("ack", "") for i in range(len(MALFORMED)))
+    assert [rx.get(timeout=1).id for _ in MALFORMED] == [f"ok-{i}" for i in range(len(MALFORMED))]
+    s = rx.stats()
+    rx.stop()
+    assert (s["malformed"], s["accepted"]) == (len(MALFORMED), len(MALFORMED))
+
+
+def test_a_container_bomb_costs_bounded_memory_and_a_long_trajectory_still_decodes():
+    """msgpack turns each byte of an empty array into a ~60-byte list: an 8 MiB frame of them cost ~580 MiB before
+    validation saw it. The decoders now stop at a budget of items (core.schema.unpack_bounded), for trajectories
+    and control bodies alike, while an honest 5,000-turn trajectory decodes as before."""
+    import tracemalloc
+
+    from core.schema import SchemaError
+
+    tracemalloc.start()
+    with pytest.raises(SchemaError, match="msgpack items"):
+        Trajectory.decode(_container_bomb(8), 64 << 20, V)
+    n = ((8 << 20) - 5) // 16
+    body = b"\xdd" + n.to_bytes(4, "big") + (b"\x9f" + b"\x90" * 15) * n  # just under 8 MiB, of lists
+    with pytest.raises(P.ProtocolError, match="not msgpack"):
+        P.unpack(body)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 100 << 20, f"peak {peak >> 20} MiB"
+    n = 5000
+    t = good("long", n=4 * n)
+    t.turns = [Turn("text:1", "out", {"k": i}, 0.0, 4 * i + 2, 4 * i + 4) for i in range(n)]
+    t.mask = np.tile(np.array([0, 0, 1, 1], np.uint8), n)
+    t.logprobs = np.where(t.mask, -1.0, 0).astype(np.float32)
+    t.versions = np.where(t.mask, 0, -1).astype(np.int32)
+    assert len(Trajectory.decode(t.encode(), 64 << 20, V).turns) == n
+
+
+def test_get_raises_once_the_io_thread_has_died(tmp_path):
+    """Whatever kills the io thread, the training loop hears of it from get() (and the learner exits, to be
+    restarted) instead of waiting for trajectories that can no longer arrive."""
+    rx = receiver(tmp_path, vocab_size=V)
+
+    def broken(msg):
+        raise AssertionError("a bug in the receiver")
+
+    rx._handle = broken
+    addr = rx.start()
+    d = raw_actor(addr, b"a")
+    d.send_multipart(P.Hello("a", "i", 1).encode())
+    with pytest.raises(RuntimeError, match="io thread crashed: AssertionError: a bug in the receiver"):
+        for _ in range(100):
+            rx.get(timeout=0.1)
+    d.close()
+    rx.stop()
+
+
 def _nan_batch(n: int = 64) -> list[Trajectory]:
     """The attack's batch: rewards (and so returns) NaN; built directly, as the stream would refuse it."""
     out = []

@@ -41,11 +41,14 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from core.schema import unpack_bounded
+
 HELLO, TRAJ, ADMIT, LOST, PING = b"H", b"T", b"A", b"L", b"P"
 WELCOME, CREDIT, ACK, NACK, GRANT, VERSION, PONG, WHO = b"W", b"C", b"K", b"N", b"G", b"V", b"O", b"?"
 
 # Largest control body we will unpack (pending_ids of a 64k window fits easily); bounds msgpack's allocations.
 MAX_BODY_BYTES = 8 << 20
+MAX_BODY_ITEMS = 1 << 20  # one body's msgpack budget (core.schema.unpack_bounded): HELLO's 64k pending ids fit
 
 
 class ProtocolError(ValueError):
@@ -66,8 +69,7 @@ def unpack(b: bytes) -> dict:
     if len(b) > MAX_BODY_BYTES:
         raise ProtocolError(f"control body of {len(b)} bytes")
     try:
-        d = msgpack.unpackb(b, raw=False, strict_map_key=False, max_bin_len=MAX_BODY_BYTES,
-                            max_str_len=MAX_BODY_BYTES)
+        d = unpack_bounded(b, MAX_BODY_BYTES, MAX_BODY_ITEMS)
     except Exception as e:  # msgpack raises several types for garbage
         raise ProtocolError(f"body is not msgpack: {type(e).__name__}") from None
     if not isinstance(d, dict):

@@ -108,6 +108,9 @@ class TrajectoryReceiver:
         """The next trajectory to train on, or None after `timeout` seconds."""
         if self.durability.fatal is not None:  # the WAL writer process died: the learner must stop (and restart)
             raise self.durability.fatal
+        if self._error is not None:  # the io thread crashed: nothing will ever arrive
+            raise RuntimeError(f"trajectory receiver io thread crashed: {type(self._error).__name__}: "
+                               f"{self._error}") from self._error
         try:
             return self._q.get(timeout=timeout)
         except queue.Empty:
@@ -120,10 +123,6 @@ class TrajectoryReceiver:
         """These ids went into a policy update: never deliver them again (store checkpoint_state() with the weights)."""
         with self._consumed_lock:
             self._consumed.update(ids)
-
-    def consumed_ids(self) -> set[str]:
-        with self._consumed_lock:
-            return set(self._consumed)
 
     def checkpoint_state(self) -> dict:
         """Goes into the learner checkpoint; pass state["consumed_ids"] to the next receiver's consumed_ids."""
@@ -142,12 +141,8 @@ class TrajectoryReceiver:
         return self.durability.compact(drop)
 
     def stats(self) -> dict:
-        s = dict(self._stats)
-        s["queue"] = self._q.qsize()
-        s.update(self.durability.stats())
-        s["replay_pending"] = len(self._replay)
-        s["actors"] = len(self._actors)
-        return s
+        return {**self._stats, "queue": self._q.qsize(), **self.durability.stats(), "replay_pending": len(self._replay),
+                "actors": len(self._actors)}
 
     def stop(self, timeout: float = 5.0) -> None:
         """Make everything durable, send the last acks, close. Queued but unconsumed trajectories stay in the WAL."""
@@ -219,8 +214,9 @@ class TrajectoryReceiver:
                 if pace.due(got, full, time.monotonic(), dur.acks_ready or self._credit_low):
                     self._tick()
             dur.flush()
-        except Exception:
+        except Exception as e:
             log.exception("trajectory receiver io thread crashed")
+            self._error = e  # get() raises it: the learner stops (and is restarted) instead of waiting for nothing
             raise
         finally:
             self._sock = None
@@ -239,19 +235,20 @@ class TrajectoryReceiver:
             self._warn("proto", "malformed message of %d frames", len(msg))
             return
         ident, tag = msg[0], msg[1]
+        st = self._actors.get(ident)
+        if st is None and tag != M.HELLO:
+            # A learner restart (or a timed-out actor): make the actor re-introduce itself; its outbox is re-sent.
+            # (Before its body is unpacked: a peer that never said HELLO costs no decoding.)
+            self._send(ident, M.Who())
+            return
         try:
             raw = M.unpack(msg[2])
         except M.ProtocolError as e:
             self._count("protocol_errors")
             self._warn("proto", "bad %r body from %r: %s", tag, ident, e)
             return
-        st = self._actors.get(ident)
         if st is not None:
             st.last_seen = self._now
-        elif tag != M.HELLO:
-            # A learner restart (or a timed-out actor): make the actor re-introduce itself; its outbox is re-sent.
-            self._send(ident, M.Who())
-            return
         try:
             m = M.parse(M.TO_LEARNER, tag, raw)
         except M.ProtocolError as e:
