@@ -78,6 +78,10 @@ class EnvdConfig:
                             "makes one per run when empty")
     auth_token_file: str = f("", "read envd.auth_token from this file (a Kubernetes Secret volume, a systemd "
                                  "credential: %d/envd-token), so it never sits on a command line")
+    snapshot_key: str = f("", "signs the snapshots Snapshot hands out; Restore refuses one it does not match "
+                              "(envd/snapshots.py). Empty: a random key per daemon process (a snapshot restores on "
+                              "the daemon that made it); the same key on several daemons lets them restore each other's")
+    snapshot_key_file: str = f("", "read envd.snapshot_key from this file")
     step_timeout_s: float = f(60.0, "deadline of one blocking backend call (create, reset, step, ...); past it the "
                                     "session ends as INFRA_ERROR")
     shutdown_grace_s: float = f(2.0, "on SIGTERM, how long in-flight RPCs may finish before envs are closed")

@@ -26,6 +26,7 @@ import grpc
 from envd import hints, registry
 from envd.base import Action, ActionError, Outcome, Resources
 from envd.admission import Admission, Status as _Status, peer_identity, rpc as _rpc
+from envd.snapshots import SnapshotSeal
 from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, check_result, list_page, to_response
 from core import telemetry
 from core.config import EnvdConfig
@@ -44,6 +45,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self.workers = Workers(cfg.workers)
         self.draining = False
         self.latency = LatencyWindow(cfg.latency_window)
+        self.seal = SnapshotSeal(cfg.snapshot_key)  # what Snapshot hands out, Restore checks (envd/snapshots.py)
         self.counters: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task] = set()   # background closes, tracked so shutdown can await them
         # Session caps and the host budget; closes give budget back, so a session that does not fit waits for them.
@@ -392,23 +394,24 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def Snapshot(self, request, context):
         self._check_run(request.run_id)
         s = self._get(request.session_id)
-        return env_pb2.SnapshotResponse(state=await self._snapshot(s), env_id=s.env_id)
+        return env_pb2.SnapshotResponse(state=self.seal.seal(await self._snapshot(s)), env_id=s.env_id)
 
     @_rpc
     async def Restore(self, request, context):
-        s = await self._restore(request.env_id, {}, request.state, self._ttl(request.lease_ttl_s),
-                                owner=peer_identity(context.peer()))
-        return self._created(s)
+        try:
+            state = self.seal.open(request.state)
+        except ValueError as e:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"restore {request.env_id}: {e}") from None
+        return self._created(await self._restore(request.env_id, {}, state, self._ttl(request.lease_ttl_s),
+                                                 owner=peer_identity(context.peer())))
 
     @_rpc
     async def Fork(self, request, context):
         self._check_run(request.run_id)
         self._check_accepting()  # before the snapshot, which may be expensive
-        src = self._get(request.session_id)
-        state = await self._snapshot(src)
-        s = await self._restore(src.env_id, dict(src.options), state, src.ttl_s, src.client_id,
-                                owner=peer_identity(context.peer()))
-        return self._created(s)
+        src = self._get(request.session_id)  # a fork never leaves the daemon: its state is not sealed
+        return self._created(await self._restore(src.env_id, dict(src.options), await self._snapshot(src), src.ttl_s,
+                                                 src.client_id, owner=peer_identity(context.peer())))
 
     @_rpc
     async def ListEnvs(self, request, context):
@@ -425,10 +428,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         by_env = collections.Counter(s.env_id for s in self.sessions.values())
         return {
             "sessions": len(self.sessions), "max_sessions": self.cfg.max_sessions, "draining": self.draining,
-            "sessions_created": self.counters["sessions_created"], "sessions_closed": self.counters["sessions_closed"],
-            "sessions_expired": self.counters["sessions_expired"], "steps": self.counters["steps"],
-            "resets": self.counters["resets"], "infra_errors": self.counters["infra_errors"],
-            "action_errors": self.counters["action_errors"],
+            **{k: self.counters[k] for k in ("sessions_created", "sessions_closed", "sessions_expired", "steps",
+                                             "resets", "infra_errors", "action_errors")},
             "step_ms_p50": round(self.latency.percentile(50), 4), "step_ms_p99": round(self.latency.percentile(99), 4),
             "step_ms_window": len(self.latency), "workers": self.cfg.workers,
             "backend_calls_running": self.workers.running, "sessions_by_env": dict(by_env),

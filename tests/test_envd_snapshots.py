@@ -1,0 +1,71 @@
+"""envd hands out sealed snapshots and restores only what it sealed (envd/snapshots.py).
+
+A backend's snapshot is state its restore trusts (an episode's `success`, its step limit, a sandbox's limits): a
+client that edits one, or writes one from scratch, is refused INVALID_ARGUMENT before the backend sees it; a daemon
+with the same envd.snapshot_key restores another's snapshot, one with another key does not."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from core.v1 import common_pb2, env_pb2
+from envd.snapshots import MAGIC, SnapshotSeal
+from envd_compliance import envd_client
+
+HEAD = len(MAGIC) + 32
+
+
+async def _snapshot(c) -> bytes:
+    sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/click", seed=1))).session_id
+    await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1, run_id=c.run_id))
+    return (await c.Snapshot(env_pb2.SessionRef(session_id=sid, run_id=c.run_id))).state
+
+
+async def _restore(c, state: bytes):
+    r = await c.Restore(env_pb2.RestoreRequest(env_id="builtin/click", state=state))
+    return await c.Observe(env_pb2.SessionRef(session_id=r.session_id, run_id=c.run_id))
+
+
+async def _refused(c, state: bytes) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await _restore(c, state)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    return e.value.details()
+
+
+def test_an_edited_or_made_up_snapshot_is_refused_and_a_sealed_one_restores():
+    async def main():
+        async with envd_client() as c:
+            snap = await _snapshot(c)
+            assert snap.startswith(MAGIC)
+            obs = await _restore(c, snap)  # the daemon's own snapshot: a live, unfinished episode
+            assert obs.outcome == common_pb2.Outcome.Value("RUNNING"), obs
+            state = json.loads(snap[HEAD:])
+            state["screen"]["done"] = state["screen"]["success"] = True  # "won" without a step
+            state["max_steps"] = 10**9
+            forged = json.dumps(state).encode()
+            assert "seal does not match" in await _refused(c, snap[:HEAD] + forged)   # old seal, new state
+            assert "no sealed header" in await _refused(c, forged)                    # no seal at all
+            assert "seal does not match" in await _refused(c, SnapshotSeal(b"guess").seal(forged))  # another key
+            assert "no sealed header" in await _refused(c, b"")
+            sessions = len(c.server.servicer.sessions)
+        return sessions
+
+    assert asyncio.run(main()) == 2  # the original and the one honest restore; refusals leave nothing behind
+
+
+def test_daemons_with_one_snapshot_key_restore_each_others_snapshots():
+    async def main():
+        async with envd_client(snapshot_key="shared") as a:
+            snap = await _snapshot(a)
+        async with envd_client(snapshot_key="shared") as b:  # another daemon (or this one restarted), same key
+            assert (await _restore(b, snap)).outcome == common_pb2.Outcome.Value("RUNNING")
+        async with envd_client(snapshot_key="other") as c:
+            assert "seal does not match" in await _refused(c, snap)
+        async with envd_client() as d:  # no key set: a random one, so only its own snapshots
+            assert "seal does not match" in await _refused(d, snap)
+
+    asyncio.run(main())
