@@ -13,6 +13,15 @@ from core.v1 import control_pb2, control_pb2_grpc
 Handler = Callable[[dict[str, str]], Awaitable[Any] | Any]
 
 
+class CommandError(Exception):
+    """Raised by a command handler: the call fails with this status code and message (ValueError and KeyError:
+    INVALID_ARGUMENT)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     def __init__(self, role: str, status: Callable[[], dict], version: Callable[[], int] = lambda: 0, run_id: str = ""):
         self.role, self._status, self._version, self.run_id = role, status, version, run_id
@@ -40,6 +49,8 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             r = h(dict(request.args))
             if hasattr(r, "__await__"):
                 r = await r
+        except CommandError as e:
+            await context.abort(e.code, f"{request.name}: {e.message}")
         except (ValueError, KeyError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.name}: {e}")
         if isinstance(r, tuple):

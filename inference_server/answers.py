@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 
 from core.v1 import inference_pb2
-from inference_server.engine_types import EngineClosed, GenerateOutput, QueueFull, SamplingParams
+from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError,
+                                          WeightsRefused)
 
 FINISH = {"stop": inference_pb2.STOP, "length": inference_pb2.LENGTH}
 # What a failed submit or generation answers (anything else: INTERNAL).
@@ -45,3 +46,19 @@ def response(out: GenerateOutput, replica: str) -> inference_pb2.GenerateRespons
         output_ids=out.output_ids, logprobs=out.logprobs, versions=out.versions, finish_reason=FINISH[out.finish_reason],
         prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=len(out.output_ids),
         interruptions=out.interruptions, replica=replica)
+
+
+def update_refusal(e: BaseException, path: str | None, timeout: float) -> tuple[grpc.StatusCode, str] | None:
+    """What a failed engine.update_weights answers, for the UpdateWeights RPCs and the ControlService's
+    update_weights command alike; None for anything else (a bug: the caller re-raises it)."""
+    if isinstance(e, WeightsRefused):  # non-finite weights, a version jump past inference.max_version_jump
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, (ValueError, WeightLoadError)):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    if isinstance(e, TimeoutError):  # before OSError, its base class
+        return grpc.StatusCode.DEADLINE_EXCEEDED, f"update not applied within {timeout:.1f}s (it still will be)"
+    if isinstance(e, OSError):  # a path that cannot even be looked at (name too long, ...)
+        return grpc.StatusCode.FAILED_PRECONDITION, f"cannot read {(path or '')[:200]!r}: {e.strerror or e}"
+    if isinstance(e, EngineClosed):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
+    return None

@@ -9,6 +9,7 @@ engine -> scheduler -> work_queue -> engine_types.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -19,7 +20,7 @@ from core.config import InferenceConfig
 from core.device import resolve_device, resolve_precision
 from core.model import CausalLM
 # The shared types are re-exported here: callers import the engine's vocabulary from the engine.
-from inference_server.engine_types import (LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
+from inference_server.engine_types import (GREEDY_BELOW, LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
                                            Request, SamplingParams, TokenCallback, VLInputs, WeightLoadError,
                                            WeightsRefused, WeightUpdate, check_finite, check_version_step)
 from inference_server.scheduler import Scheduler
@@ -130,6 +131,8 @@ class LocalEngine:
         params = params or SamplingParams()
         input_ids = [int(t) for t in input_ids]
         self.validate(input_ids, params)
+        if 0 < params.temperature < GREEDY_BELOW:  # dividing by 1e-44 overflows to inf: NaN logprobs
+            params = dataclasses.replace(params, temperature=0.0)
         stale = self.cfg.max_stale_versions if max_stale_versions is None else int(max_stale_versions)
         if stale < 0:
             raise ValueError(f"max_stale_versions must be >= 0, got {stale}")

@@ -60,10 +60,13 @@ class EngineClosed(RuntimeError):
     """The engine was closed while the request was pending (UNAVAILABLE)."""
 
 
+GREEDY_BELOW = 1e-6  # SGLang's rule (_SAMPLING_EPS): a temperature under it samples greedily, as 0 does
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 16
-    temperature: float = 1.0          # 0 = greedy
+    temperature: float = 1.0          # 0 (or under GREEDY_BELOW) = greedy
     top_p: float = 1.0                # 0 or 1 = off
     top_k: int = 0                    # 0 = off
     stop_token_ids: tuple[int, ...] = ()

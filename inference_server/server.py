@@ -19,15 +19,16 @@ import sys
 import grpc
 
 from inference_server.engine import LocalEngine
-from inference_server.answers import FINISH, SUBMIT_ERRORS, batch_item, code_of, failure, outcome, params, response
+from inference_server.answers import (FINISH, SUBMIT_ERRORS, batch_item, code_of, failure, outcome, params, response,
+                                      update_refusal)
 from inference_server.mailbox import Mailbox, expire, settle, wake
 from inference_server.sglang_launch import SGLangStartupError  # standard library only
-from inference_server.engine_types import EngineClosed, WeightLoadError, WeightsRefused, check_version_step
+from inference_server.engine_types import WeightsRefused, check_version_step
 from core.weights_stream import Assembler, BadChunk, WrongWeights
 from core import weights_shm
 from core import auth, rpc, telemetry
 from core.config import InferenceConfig
-from core.control import ControlServicer, add_control
+from core.control import CommandError, ControlServicer, add_control
 from core.proc import die_with_parent, write_ready
 from core.v1 import inference_pb2, inference_pb2_grpc
 
@@ -277,16 +278,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         timeout = self.cfg.update_timeout_s if remaining is None else max(0.01, min(self.cfg.update_timeout_s, remaining))
         try:
             info = await asyncio.to_thread(self.engine.update_weights, version, path, sd, timeout)
-        except WeightsRefused as e:  # non-finite weights, a version jump past inference.max_version_jump
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (ValueError, WeightLoadError) as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except OSError as e:  # a path that cannot even be looked at (name too long, ...)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read {(path or '')[:200]!r}: {e.strerror}")
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"update not applied within {timeout:.1f}s (it still will be)")
-        except EngineClosed as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:
+            if (why := update_refusal(e, path, timeout)) is None:
+                raise
+            await context.abort(*why)
         if "apply_ms" in info:  # where an install's time went (the part decoding waits for is apply_ms)
             log.info("weights v%d installed in %.0f ms (checks and queue %.0f ms, copy into the model %.0f ms)",
                      info["version"], info["load_ms"], info["load_ms"] - info["apply_ms"], info["apply_ms"])
@@ -322,8 +317,13 @@ class InferenceServer:
         return {**self.engine.metrics(), "images_ignored": self.servicer.images_ignored, "address": self.address}
 
     async def _cmd_update(self, args: dict[str, str]):
-        info = await asyncio.to_thread(self.engine.update_weights, int(args["version"]), args["path"], None, self.cfg.update_timeout_s)
-        return info
+        version, path, timeout = int(args["version"]), args["path"], self.cfg.update_timeout_s
+        try:
+            return await asyncio.to_thread(self.engine.update_weights, version, path, None, timeout)
+        except Exception as e:  # the same answers as the UpdateWeights RPC
+            if (why := update_refusal(e, path, timeout)) is None:
+                raise
+            raise CommandError(*why) from None
 
     async def start(self) -> int:
         check_bind(self.cfg, self.control_token)

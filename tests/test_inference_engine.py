@@ -1,6 +1,7 @@
 """LocalEngine against a slow reference (full-sequence forward, no cache): batching, prefix cache, weight updates."""
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -243,6 +244,17 @@ def test_bad_requests(engines, ids, kw, match):
     e = engines(make_model(0), start=False)
     with pytest.raises(ValueError, match=match):
         e.submit(ids, SamplingParams(**{"max_new_tokens": 4, **kw}))
+
+
+def test_a_tiny_temperature_samples_greedily_as_sglang_does(engines):
+    """0 < temperature < 1e-6 is greedy (SGLang's _SAMPLING_EPS); dividing the logits by 1e-44 once made them inf
+    and every logprob NaN, answered OK."""
+    e = engines(make_model(0))
+    want = e.generate([3, 4, 5], SamplingParams(max_new_tokens=6, temperature=0.0))
+    for t in (1e-44, 1e-30, 9e-7):
+        got = e.generate([3, 4, 5], SamplingParams(max_new_tokens=6, temperature=t))
+        assert got.output_ids == want.output_ids and got.logprobs == want.logprobs, t
+        assert all(math.isfinite(x) for x in got.logprobs)
 
 
 def test_cancel_stops_the_request(engines):

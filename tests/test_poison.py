@@ -413,3 +413,60 @@ def test_inference_server_refuses_nan_weights_and_version_jumps(tmp_path):
             await c2.close()
 
     run(main())
+
+
+def test_the_control_services_update_weights_answers_as_the_rpc_does(tmp_path):
+    """`tars ctl`'s update_weights command (ControlService) refuses what UpdateWeights refuses, with the same codes
+    (it answered UNKNOWN "Unexpected <class 'WeightLoadError'>" for a missing file), and the served weights stay."""
+    from safetensors.torch import load as st_load, save as st_save
+
+    from core.v1 import control_pb2, control_pb2_grpc
+
+    _weights(make_model(1), tmp_path, "v1")
+    sd = st_load((tmp_path / "v1" / "model.safetensors").read_bytes())
+    name = next(k for k, v in sd.items() if v.is_floating_point())
+    sd[name] = torch.full_like(sd[name], NAN)
+    _weights(make_model(1), tmp_path, "nan")
+    (tmp_path / "nan" / "model.safetensors").write_bytes(st_save(sd))
+
+    async def main():
+        async with Servers() as s:
+            _, eng, addr = await s.start(make_model(0))
+            ch = rpc.channel(addr)
+            ctl = control_pb2_grpc.ControlServiceStub(ch)
+
+            async def code(version, path) -> tuple[grpc.StatusCode, str]:
+                with pytest.raises(aio.AioRpcError) as ei:
+                    await ctl.Command(control_pb2.CommandRequest(name="update_weights", args={
+                        "version": str(version), "path": str(path)}), timeout=30)
+                return ei.value.code(), ei.value.details()
+
+            c, d = await code(1, tmp_path / "nan")
+            assert c == grpc.StatusCode.INVALID_ARGUMENT and "non-finite" in d, d
+            assert (await code(1001, tmp_path / "v1"))[0] == grpc.StatusCode.INVALID_ARGUMENT  # max_version_jump
+            assert (await code(1, tmp_path / "missing"))[0] == grpc.StatusCode.FAILED_PRECONDITION
+            assert (await code(1, "/etc/passwd"))[0] == grpc.StatusCode.FAILED_PRECONDITION
+            assert (await code(1, "x" * 5000))[0] == grpc.StatusCode.FAILED_PRECONDITION
+            assert (await code("one", tmp_path / "v1"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+            assert eng.version == 0
+            r = await ctl.Command(control_pb2.CommandRequest(name="update_weights", args={
+                "version": "1", "path": str(tmp_path / "v1")}), timeout=30)
+            assert json.loads(r.result_json)["version"] == 1 and eng.version == 1
+            await ch.close()
+
+    asyncio.run(main())
+
+
+def test_update_refusal_maps_a_timeout_before_its_base_class_oserror():
+    """TimeoutError is an OSError: the RPC's mapping once caught it as an unreadable path (FAILED_PRECONDITION,
+    "cannot read ''") instead of DEADLINE_EXCEEDED."""
+    from inference_server.answers import update_refusal
+    from inference_server.engine_types import EngineClosed, WeightLoadError, WeightsRefused
+
+    assert update_refusal(TimeoutError(), None, 2.0)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert update_refusal(FileNotFoundError(2, "No such file"), "/x", 2.0) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "cannot read '/x': No such file")
+    assert update_refusal(WeightsRefused("nan"), None, 2.0)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert update_refusal(WeightLoadError("bad"), None, 2.0)[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert update_refusal(EngineClosed("closed"), None, 2.0)[0] == grpc.StatusCode.UNAVAILABLE
+    assert update_refusal(RuntimeError("bug"), None, 2.0) is None
