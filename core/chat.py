@@ -74,6 +74,7 @@ class ChatTokenizer:
         self.vocab_size = len(hf)
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else (hf.eos_token_id or 0)
         self._eot_text, self._turn_text = self._probe()
+        self.system_role = self._takes_system()
         eot = self.hf.convert_tokens_to_ids(self._eot_text)
         if eot is None or eot == hf.unk_token_id:
             raise TokenizerError(f"{path}: the end-of-turn marker {self._eot_text!r} is not a token")
@@ -186,8 +187,22 @@ class ChatTokenizer:
             raise TokenizerError(f"{self.path}: the chat template drops a user message that follows an assistant one")
         return eot, turn
 
+    def _takes_system(self) -> bool:
+        """Whether the template renders a system message (Mistral's and Gemma's raise "System role not supported";
+        some drop it silently)."""
+        try:
+            text = self.render([{"role": "system", "content": _PROBE_SYSTEM}, {"role": "user", "content": _PROBE_USER}],
+                               True)
+        except Exception:  # jinja's TemplateError from raise_exception(), or anything a template may raise
+            return False
+        return _PROBE_SYSTEM in text
+
     def first_prompt(self, system: str, user: "Content") -> list[int]:
-        """The template over [system (if any), user] with the generation prompt."""
+        """The template over [system (if any), user] with the generation prompt. A template without a system role
+        gets the system text at the head of the user message, as those models' own templates fold it."""
+        if system and not self.system_role:
+            user = system + "\n\n" + user if isinstance(user, str) else [system + "\n\n", *user]
+            system = ""
         msgs = ([{"role": "system", "content": _PROBE_SYSTEM}] if system else []) + [{"role": "user", "content": _PROBE_USER}]
         return self._fill(self.render(msgs, True), {_PROBE_SYSTEM: system, _PROBE_USER: user})
 

@@ -214,9 +214,7 @@ class DecoderConfig:
                 raise _refuse("config field 'mlp_bias' = true on a qwen2 model: Qwen2 has no MLP biases")
         theta, scaling = _rope_from_hf(d, max_pos)
         eos = d.get("eos_token_id", _HF_DEFAULTS[mt]["eos_token_id"])
-        pad = d.get("pad_token_id")
-        if pad is None:  # padding only needs some valid id (masked everywhere): the first eos, as the tokenizer does
-            pad = (eos[0] if eos else 0) if isinstance(eos, list) else (eos if eos is not None else 0)
+        pad = padding_id(d.get("pad_token_id"), eos, int(g["vocab_size"]))
         kw = dict(
             vocab_size=int(g["vocab_size"]), hidden_size=int(g["hidden_size"]), intermediate_size=int(g["intermediate_size"]),
             num_hidden_layers=n_layers, num_attention_heads=heads,
@@ -234,6 +232,18 @@ class DecoderConfig:
         if d.get("tars_vision"):  # the optional patch-embedding vision path (core/vision.py)
             kw["extra"] = {"tars_vision": dict(d["tars_vision"])}
         return cls(**kw)
+
+
+def padding_id(pad, eos, vocab_size: int) -> int:
+    """The id batches are padded with. Padding only needs some valid id (it is masked everywhere): the config's
+    pad_token_id, else the first eos (as the tokenizer does), else 0. A negative one (-1 in the original LLaMA
+    conversions) counts as none; one past the vocabulary is refused, as transformers cannot build that embedding."""
+    if pad is not None and int(pad) >= vocab_size:
+        raise _refuse(f"config field 'pad_token_id' = {pad} is outside the vocabulary [0, {vocab_size})")
+    if pad is not None and int(pad) >= 0:
+        return int(pad)
+    first = (eos[0] if eos else None) if isinstance(eos, (list, tuple)) else eos
+    return int(first) if first is not None and 0 <= int(first) < vocab_size else 0
 
 
 def load_config(path: str | os.PathLike, via_transformers: bool = True) -> DecoderConfig:
@@ -324,7 +334,7 @@ def _model_type(d: dict) -> str:
 
 
 def _check_sliding(d: dict, mt: str, n_layers: int, max_pos: int) -> None:
-    """Refuse sliding-window attention that would bind: the decoder always attends to the whole context."""
+    """Refuse sliding-window attention on any layer: the decoder always attends to the whole context."""
     window = d.get("sliding_window")
     if mt == "qwen2":  # Qwen2Config: the window (default 4096) counts only with use_sliding_window
         window = (d["sliding_window"] if "sliding_window" in d else 4096) if d.get("use_sliding_window") else None
@@ -339,9 +349,10 @@ def _check_sliding(d: dict, mt: str, n_layers: int, max_pos: int) -> None:
     else:
         mwl = d.get("max_window_layers")  # qwen2: layers from max_window_layers on (default 28) slide
         sliding = mt == "llama" or (28 if mwl is None else int(mwl)) < n_layers
-    if sliding and window is not None and int(window) < max_pos:
-        raise _refuse(f"config field 'sliding_window' = {window} (use_sliding_window): sliding-window attention shorter "
-                      f"than max_position_embeddings {max_pos} is not implemented")
+    if sliding and window is not None:  # even one >= max_position_embeddings: nothing keeps sequences within that
+        raise _refuse(f"config field 'sliding_window' = {window} (use_sliding_window): sliding-window attention is not "
+                      "implemented (transformers applies the window to any longer sequence, and contexts are not "
+                      f"bounded by max_position_embeddings {max_pos})")
 
 
 _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor"}}

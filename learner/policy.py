@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from core import vision_attention
 from core.model import DecoderConfig
+from core.model_config import padding_id
 from core.model_files import read_weights  # noqa: F401  (learner.policy.read_weights: callers import it here)
 from core.vision import PatchEmbed, VisionConfig
 from learner.batch import right_padded
@@ -110,9 +111,8 @@ def _text_config(hf_config) -> DecoderConfig:
     learner runs transformers' own class."""
     tc = hf_config.text_config
     eos = tc.eos_token_id if tc.eos_token_id is not None else getattr(hf_config, "eos_token_id", None)
-    pad = tc.pad_token_id if tc.pad_token_id is not None else getattr(hf_config, "pad_token_id", None)
-    if pad is None:
-        pad = (eos[0] if eos else 0) if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
+    pad = padding_id(tc.pad_token_id if tc.pad_token_id is not None else getattr(hf_config, "pad_token_id", None),
+                     eos, int(tc.vocab_size))
     return DecoderConfig(vocab_size=int(tc.vocab_size), hidden_size=int(tc.hidden_size),
                          intermediate_size=int(tc.intermediate_size), num_hidden_layers=int(tc.num_hidden_layers),
                          num_attention_heads=int(tc.num_attention_heads),

@@ -86,3 +86,31 @@ def test_unusable_tokenizer_directories_get_clear_errors(tmp_path):
     save_tokenizer(hf, tmp_path / "u")
     with pytest.raises(TokenizerError, match="not with a special token"):
         ChatTokenizer.load(tmp_path / "u")
+
+
+@pytest.mark.parametrize("guard", [
+    "{%- if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{%- endif %}",  # Gemma
+    "{%- set messages = messages | rejectattr('role', 'equalto', 'system') | list %}",  # drops it silently
+])
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user_message(tmp_path, guard):
+    """Mistral's and Gemma's templates refuse a system message (every episode was an infra error, TemplateError) or
+    drop it: the system text then heads the first user message, as their own templates fold it."""
+    from core.bpe import CHATML
+
+    hf = train_bpe(rendered_corpus([CONV] * 20, "chatml"), 400, "chatml")
+    hf.chat_template = guard + CHATML
+    save_tokenizer(hf, tmp_path / "t")
+    t = ChatTokenizer.load(tmp_path / "t")
+    assert not t.system_role
+    sys_text, user = CONV[0]["content"], CONV[1]["content"]
+    want = t.hf.encode(t.render([{"role": "user", "content": sys_text + "\n\n" + user}], True), add_special_tokens=False)
+    assert t.first_prompt(sys_text, user) == want
+    assert t.first_prompt(sys_text, [user]) == want  # a content sequence (texts and image runs) too
+    assert t.first_prompt("", user) == t.hf.encode(t.render([{"role": "user", "content": user}], True),
+                                                  add_special_tokens=False)
+
+
+def test_a_template_with_a_system_role_keeps_it(tok):
+    assert tok.system_role
+    assert tok.decode(tok.first_prompt("Act on the screen.", "hi"), skip_special=False) == tok.render(
+        [{"role": "system", "content": "Act on the screen."}, {"role": "user", "content": "hi"}], True)

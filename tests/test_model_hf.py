@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,6 +150,9 @@ BASE = dict(TINY, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     (dict(BASE, model_type="qwen2_vl", architectures=None), "qwen2_vl config needs its vision_config"),
     (dict(BASE, architectures=["LlamaForCausalLM"]), "does not match model_type 'qwen2'"),
     (dict(BASE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding_window"),
+    # as long as max_position_embeddings: it still binds on longer sequences, which nothing prevents
+    (dict(BASE, use_sliding_window=True, sliding_window=BASE["max_position_embeddings"], max_window_layers=0),
+     "sliding_window"),
     (dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "foo", "factor": 2.0}),
      "rope type 'foo' is not supported"),
     (dict(BASE, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), "rope type 'yarn'"),
@@ -186,8 +190,8 @@ def test_refusals_are_the_same_through_autoconfig(tmp_path, arch, kw, match):
 
 
 def test_harmless_fields_are_accepted(tmp_path):
-    # sliding window configured but binding nowhere: off, as long as the context, or above the last layer
-    for kw in (dict(use_sliding_window=False, sliding_window=16), dict(use_sliding_window=True, sliding_window=128),
+    # sliding window configured but on no layer: off, or above the last layer
+    for kw in (dict(use_sliding_window=False, sliding_window=16), dict(use_sliding_window=False, sliding_window=None),
                dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)):
         c = DecoderConfig.from_hf(dict(BASE, attention_dropout=0.1, torch_dtype="bfloat16", use_cache=False,
                                        initializer_range=0.5, transformers_version="4.43.1", rope_scaling=None, **kw))
@@ -296,3 +300,35 @@ def test_load_hf_builds_on_meta_and_keeps_ties_and_the_value_head(tmp_path):
     assert not fresh.score.weight.is_meta and torch.isfinite(fresh.score.weight).all()
     x = torch.tensor([[1, 5, 9, 2]])
     assert torch.equal(fresh(x)[0], src(x)[0])
+
+
+def test_a_negative_pad_id_pads_with_eos_and_one_past_the_vocabulary_is_refused(tmp_path):
+    """The original LLaMA conversions say pad_token_id -1: the engine and the learner took it as the padding id and
+    the learner's first padded batch failed (IndexError in the embedding). It now pads with the first eos (else 0);
+    a pad id past the vocabulary, which transformers cannot build, is refused by name before any loading."""
+    from learner.batch import collate
+    from learner.policy import TrainPolicy
+    from core.schema import Trajectory, Turn
+
+    assert DecoderConfig.from_hf(dict(BASE, pad_token_id=-1)).pad_token_id == 2  # TINY's eos
+    assert DecoderConfig.from_hf(dict(BASE, pad_token_id=-1, eos_token_id=[5, 6])).pad_token_id == 5
+    assert DecoderConfig.from_hf(dict(BASE, pad_token_id=-1, eos_token_id=None)).pad_token_id == 0
+    with pytest.raises(UnsupportedModel, match="'pad_token_id' = 96 is outside the vocabulary"):
+        DecoderConfig.from_hf(dict(BASE, pad_token_id=96))
+    make_hf_model(tmp_path / "ck", "llama", pad_token_id=-1)
+    pol = TrainPolicy.load(tmp_path / "ck")
+    assert pol.config.pad_token_id == 2 and CausalLM.load_hf(tmp_path / "ck").config.pad_token_id == 2
+
+    def traj(n):
+        m = np.zeros(n, np.uint8)
+        m[-2:] = 1
+        return Trajectory(id=f"t{n}", env_id="x", outcome="terminated", tokens=np.arange(3, 3 + n, dtype=np.int32),
+                          logprobs=np.zeros(n, np.float32), versions=np.zeros(n, np.int32), mask=m,
+                          turns=[Turn("text:1", "o", {}, 1.0, n - 2, n)], ret=1.0)
+
+    b = collate([traj(5), traj(9)], pol.config.pad_token_id)  # right-padded with the pad id
+    lp = pol.logprobs_at(b.tokens, b.valid, b.mask)
+    assert lp.shape == (4,) and torch.isfinite(lp).all()
+    with pytest.raises(UnsupportedModel, match="pad_token_id"):
+        write_config(tmp_path / "bad", **dict(BASE, pad_token_id=96))
+        CausalLM.load_hf(tmp_path / "bad")
