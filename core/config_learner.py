@@ -84,8 +84,8 @@ class StalenessConfig:
     """learner.staleness: how far behind the current policy a trained trajectory may be."""
 
     eta: int = f(2, "staleness bound: started trajectories <= B * (version + 1 + eta); 0 = synchronous; live: "
-                    "`tars ctl set eta N`")
-    max_lag: int = f(8, "trajectories whose oldest token is more versions behind than this are dropped")
+                    "`tars ctl set eta N`", lo=0)
+    max_lag: int = f(8, "trajectories whose oldest token is more versions behind than this are dropped", lo=0)
 
 
 @dataclass

@@ -132,11 +132,18 @@ async def set_serving(hs, health_pb2, names: list[str], serving: bool = True) ->
             await r
 
 
-def bind(server: aio.Server, host: str, port: int) -> int:
-    """Bind host:port (port 0 = any free port) and return the port actually bound."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: aio.Server, host: str, port: int, setting: str = "") -> int:
+    """Bind host:port (port 0 = any free port) and return the port actually bound. One that cannot be bound (in use,
+    an address not of this host) is a core.config.UserError naming `setting`: one line and exit 2 from `tars`."""
+    from core.config import UserError
+
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.60 raises "Failed to bind to address" instead of returning 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise UserError(f"cannot bind {host}:{port}{f' ({setting})' if setting else ''}: the port is in use or the "
+                        "address is not one of this host's; choose another port, or 0 for any free one")
     return bound
 
 

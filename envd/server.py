@@ -64,7 +64,7 @@ class EnvServer:
         control.on("sessions_kill", self.servicer.sessions_kill)
         add_control(self.server, control)
         self._health = rpc.add_health_and_reflection(self.server, [ENV_SERVICE, CONTROL_SERVICE])
-        self.port = rpc.bind(self.server, self.cfg.host, self.cfg.port)
+        self.port = rpc.bind(self.server, self.cfg.host, self.cfg.port, "envd.port")
         await self.server.start()
         await rpc.set_serving(*self._health, [ENV_SERVICE, CONTROL_SERVICE])
         self.servicer.start_gc()

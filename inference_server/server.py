@@ -331,7 +331,7 @@ class InferenceServer:
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         add_control(self.server, self.control)
         self._health = rpc.add_health_and_reflection(self.server, [SERVICE, CONTROL])
-        port = rpc.bind(self.server, self.cfg.host, self.cfg.port)
+        port = rpc.bind(self.server, self.cfg.host, self.cfg.port, "inference.port")
         self.address = f"{self.cfg.host}:{port}"
         self.servicer.replica = self.address
         await self.server.start()

@@ -47,6 +47,18 @@ class LaunchError(RuntimeError):
         self.log = log
 
 
+def last_line(log: pathlib.Path, limit: int = 300) -> str:
+    """': <the log's last non-empty line>' (what a role that exited with status 2 said: one line naming the
+    setting), or '' when there is none."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = [x for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return f": {lines[-1].strip()[:limit]}" if lines else ""
+
+
 def role_argv(role: str, *options: str) -> list[str]:
     """`tars ROLE-COMMAND OPTIONS` run by this interpreter: the one place a role's command line is put together."""
     return [sys.executable, "-m", "tars.cli", COMMAND[role], *options]
@@ -119,8 +131,8 @@ class Process:
         if self.spec.ready.exists():
             return json.loads(self.spec.ready.read_text())  # written to a temporary name and renamed: whole
         if self.popen.poll() is not None:
-            raise LaunchError(f"{self.spec.role} exited with {self.popen.returncode} before it was ready; "
-                              f"see {self.spec.log}", self.spec.log)
+            raise LaunchError(f"{self.spec.role} exited with {self.popen.returncode} before it was ready"
+                              f"{last_line(self.spec.log)}; see {self.spec.log}", self.spec.log)
         return None
 
     def wait_ready(self, timeout: float | None = None) -> dict:

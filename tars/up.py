@@ -96,7 +96,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         say(f"stopping ({status})")
     except LaunchError as e:
         status = f"failed: {e}"
-        say(status)
+        print(f"[tars up] {status}", file=sys.stderr if quiet else sys.stdout, flush=True)  # --quiet too: why it ended
     finally:
         topo.stop()
         signal.signal(signal.SIGINT, old)

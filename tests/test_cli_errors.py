@@ -115,6 +115,7 @@ def test_missing_config_file_and_learner_resume_without_checkpoint(tmp_path, ckp
     (["--set", "actor.concurrency=-5"], "actor.concurrency = -5: must be >= 1"),
     (["--set", "telemetry.sample_ratio=2"], "telemetry.sample_ratio = 2.0: must be in [0, 1]"),
     (["--set", "envd.port=70000"], "envd.port = 70000: must be in [0, 65535]"),
+    (["--set", "learner.staleness.eta=-1"], "learner.staleness.eta = -1: must be >= 0"),
     (["--preset", "nope"], "no preset 'nope'"),
     (["--set", "actor.env_ids=[builtin/nope]"], "builtin has no task 'nope'"),
     (["--set", "actor.env_ids=[nosuch/x]"], "no backend serves it"),
@@ -251,3 +252,30 @@ def test_ctl_prefers_run_flag_env_and_cwd_and_warns_on_the_global_fallback(tmp_p
         assert r.returncode == 1 and "DOWN: process" in r.stdout and str(a) not in r.stdout, (how, r.stdout)
         assert "warning" not in r.stderr and "Traceback" not in r.stderr, (how, r.stderr)
     assert "TARS_RUN" in tars("ctl", "status", env={**env, "TARS_RUN": str(b)}, cwd=a).stdout  # $TARS_RUN beats cwd
+
+
+def test_a_port_in_use_is_one_line_naming_the_setting(tmp_path):
+    """envd, the inference server and the learner's stream on a port something else holds: exit 2 and one line
+    naming the setting (a traceback and exit 1 before), and `tars up` says why its role did not start."""
+    import socket
+
+    from core.config import UserError
+    from core.stream.receiver import TrajectoryReceiver
+    from learner.staleness import StalenessManager
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    try:
+        one_line(tars("envd", "--port", port, timeout=60), "envd", 2, f"127.0.0.1:{port} (envd.port)", "in use")
+        rx = TrajectoryReceiver(f"tcp://127.0.0.1:{port}", str(tmp_path / "wal"), StalenessManager(8, 2))
+        with pytest.raises(UserError, match=r"learner\.stream\.host, \.port\): Address already in use"):
+            rx.start()
+        rx.stop()
+        r = tars("up", "--preset", "quickstart", "--set", "sft.steps=0", "--set", f"envd.port={port}",
+                 "--out", tmp_path / "run", "--quiet", timeout=180)
+        assert r.returncode != 0 and f"envd exited with 2 before it was ready: tars envd: cannot bind 127.0.0.1:{port} " \
+            "(envd.port)" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+    finally:
+        held.close()

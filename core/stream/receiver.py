@@ -22,6 +22,7 @@ on_accepted/on_rejected once for every trajectory get() returns. What cannot be 
 """
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -29,6 +30,7 @@ import time
 import uuid
 import zmq
 
+from core.config import UserError
 from core.schema import SchemaError, Trajectory
 from core.stream import messages as M
 from core.stream.curve import curve_server
@@ -39,6 +41,7 @@ from core.stream.peers import Peer
 from core.stream.wal import WalError
 
 log = logging.getLogger(__name__)
+_BIND = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)  # a bind that fails for these is the user's to fix
 
 
 class TrajectoryReceiver:
@@ -88,9 +91,7 @@ class TrajectoryReceiver:
     def start(self, timeout: float = 10.0) -> str:
         """Open the durability, queue its unconsumed entries for replay, bind; returns tcp://host:port."""
         self.images.open()
-        with self._consumed_lock:
-            consumed = frozenset(self._consumed)
-        self._replay = self.durability.open(consumed)
+        self._replay = self.durability.open(frozenset(self._consumed))  # no lock: the io thread is not running yet
         if self._replay:
             # These were admitted by a previous learner; the training loop will resolve each with on_accepted/rejected.
             self.staleness.adopt(len(self._replay))
@@ -182,7 +183,8 @@ class TrajectoryReceiver:
             sock.bind(self.bind)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException as e:
-            self._error = e
+            self._error = UserError(f"cannot bind the trajectory stream to {self.bind} (learner.stream.host, .port): {e}; "
+                                    "choose another port, or 0 for any free one") if getattr(e, "errno", 0) in _BIND else e
             sock.close(0)
             ctx.term()
             self._ready.set()
