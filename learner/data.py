@@ -71,7 +71,6 @@ def passes_validation(tr: Trajectory, min_return: float | None = None) -> bool:
 def split(paths, out_dir, min_return: float | None = None) -> dict:
     """-> out_dir/sft.twl, out_dir/ct.twl and out_dir/split.json (the counts); returns the counts."""
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     sft, ct, infra = [], [], 0
     for tr in read_trajectories(paths):
         if tr.outcome == Outcome.INFRA_ERROR:
@@ -80,6 +79,7 @@ def split(paths, out_dir, min_return: float | None = None) -> dict:
             sft.append(tr)
         else:
             ct.append(tr)
+    out.mkdir(parents=True, exist_ok=True)  # after the inputs were read: a missing one leaves no empty directory
     counts = {"inputs": [str(p) for p in paths], "min_return": min_return,
               "sft": write_trajectories(out / "sft.twl", sft), "ct": write_trajectories(out / "ct.twl", ct),
               "infra_error_dropped": infra}

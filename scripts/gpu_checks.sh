@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run (docs/benchmarks.md "On a GPU"). Run from the repository root on a
-# machine with a CUDA GPU and tars's dependencies importable by $PYTHON (default python3):
+# machine with a CUDA GPU and tars's dependencies importable by $PYTHON (default: .venv/bin/python where the README's
+# setup made it, else python3):
 #
 #     bash scripts/gpu_checks.sh OUTDIR [SECONDS] [STEPS]
 #
@@ -16,12 +17,14 @@
 #   4. scripts/gpu_profile_learner.py on that checkpoint: the step's kernels and top operators, the publish phases;
 #   5. `tars bench learner --quick`: the stream figures on this machine's cores and the quickstart model's publish
 #      share with the learner on the GPU.
-# OUTDIR gets summary.txt (one line per step with its exit status and seconds) and each step's log or JSON.
+# OUTDIR gets summary.txt (one line per step with its exit status and seconds) and each step's log or JSON. The
+# script's exit status is 1 when any step that ran failed (or ran out of its time), else 0.
 set -u
 out=${1:?usage: bash scripts/gpu_checks.sh OUTDIR [SECONDS] [STEPS]}
 budget=${2:-540}
 only=${3:-}
-py=${PYTHON:-python3}
+if [[ -n ${PYTHON:-} ]]; then py=$PYTHON; elif [[ -x .venv/bin/python ]]; then py=.venv/bin/python; else py=python3; fi
+failed=0
 mkdir -p "$out"
 start=$(date +%s)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -36,6 +39,7 @@ step() {  # step NAME SECONDS COMMAND...: run within min(SECONDS, what is left o
   t0=$(date +%s)
   timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
   rc=$?
+  (( rc != 0 )) && failed=1
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" | tee -a "$out/summary.txt"
   tail -n 25 "$out/$name.log"
 }
@@ -58,3 +62,4 @@ step make_vl 120 "$py" scripts/make_vl_bench_model.py "$vl"
 [ -f "$vl/config.json" ] && step profile_learner_vl 240 "$py" scripts/gpu_profile_learner.py "$vl" "$out/profile_learner_vl.json"
 step bench_learner 120 "$py" -m tars.cli bench learner --quick --json "$out/bench_learner.json"
 echo "total $(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
+exit $failed

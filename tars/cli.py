@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a checkpoint, an inference server or a baseline on a suite")
     _config_args(p)
-    p.add_argument("--suite", help="a shipped suite (builtin, miniwob, miniwob-oracle) or a suite YAML file")
+    p.add_argument("--suite", help="a shipped suite (builtin, miniwob, miniwob-oracle, games) or a suite YAML file")
     p.add_argument("--model", help="checkpoint directory (HF layout), inference host:port, random or oracle")
     p.add_argument("--out", help="results directory (resumed if it holds episodes of the same suite and model)")
     p.add_argument("--episodes", type=int, help="episodes per task (overrides the suite)")
@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="tars ctl status | pause | resume | drain | undrain | checkpoint | set eta N | "
                                    "sessions [list | kill ID]. Without --run/--target: $TARS_RUN, ./run/, or the "
                                    "latest local `tars up` (~/.cache/tars/last-run).")
-    p.add_argument("what", choices=["status", "pause", "resume", "drain", "undrain", "checkpoint", "set", "set-eta",
-                                    "sessions", "kill-session"])
+    p.add_argument("what", nargs="?", default="status", help="default: status",
+                   choices=["status", "pause", "resume", "drain", "undrain", "checkpoint", "set", "set-eta", "sessions",
+                            "kill-session"])
     p.add_argument("rest", nargs="*", help="eta N for set; N for set-eta; list | kill ID for sessions; ID for kill-session")
     p.add_argument("--run", help="run directory of a local `tars up` (finds every process)")
     p.add_argument("--target", action="append", default=[], help="host:port of a ControlService (repeatable)")

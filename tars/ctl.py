@@ -68,6 +68,8 @@ def targets_of_run(run_dir: str) -> list[dict]:
             d = json.loads(f.read_text())
         except (OSError, ValueError):
             continue  # being written (ready files are replaced atomically, but be lenient)
+        if not isinstance(d, dict) or not isinstance(d.get("address"), str):
+            continue  # not a ready file (a report.json of a run whose --out was named "run")
         out.append({"role": d.get("role", f.stem), "address": d["address"], "pid": d.get("pid"), "file": f.name})
     if not out:
         raise CtlError(f"{run} lists no processes: the run has not started any yet")
@@ -107,7 +109,8 @@ def find_run() -> tuple[str, str]:
     and main() warns on stderr, since that run may be someone else's idea of "the" run."""
     if os.environ.get("TARS_RUN"):
         return os.environ["TARS_RUN"], "$TARS_RUN"
-    if (pathlib.Path.cwd() / "run").is_dir() and any((pathlib.Path.cwd() / "run").glob("*.json")):
+    if (pathlib.Path.cwd() / "run").is_dir() and any((pathlib.Path.cwd() / "run").glob("*.json")) and \
+            not (pathlib.Path.cwd() / "run" / "report.json").is_file():  # ./run a run's own --out is not a run's run/
         return str(pathlib.Path.cwd()), "the current directory"
     p = last_run_file()
     if p.is_file():
@@ -276,7 +279,7 @@ def main(a) -> int:
         print(f"tars ctl: {e}", file=sys.stderr)
         return 2
     results = [r for r in (_call(t, what, args, token, a.timeout) for t in targets) if r is not None]
-    rc = 1 if any("error" in r for r in results) else 0
+    rc = 1 if any("error" in r or r.get("ok") is False for r in results) else 0  # unreachable, or refused
     if what != "status" and not any("error" not in r for r in results):
         want = COMMANDS[what][0]
         results.append({"target": "-", "role": want, "error": f"no reachable {want} among the targets for {what!r}"})

@@ -254,6 +254,19 @@ def test_ctl_prefers_run_flag_env_and_cwd_and_warns_on_the_global_fallback(tmp_p
     assert "TARS_RUN" in tars("ctl", "status", env={**env, "TARS_RUN": str(b)}, cwd=a).stdout  # $TARS_RUN beats cwd
 
 
+def test_ctl_is_not_fooled_by_a_run_whose_out_is_named_run(tmp_path):
+    """`tars up --out run` puts report.json in ./run: ctl from that directory once took ./run for a run's ready
+    files and failed with KeyError: 'address'. A JSON file without an address is not a ready file either."""
+    env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    (tmp_path / "here" / "run").mkdir(parents=True)
+    (tmp_path / "here" / "run" / "report.json").write_text(json.dumps({"episodes": 3}))
+    one_line(tars("ctl", "status", env=env, cwd=tmp_path / "here"), "ctl", 2, "no run found")
+    d = _fake_run(tmp_path / "r")
+    (d / "run" / "notes.json").write_text(json.dumps(["not", "a", "ready", "file"]))
+    r = tars("ctl", "status", "--run", d, env=env)
+    assert r.returncode == 1 and "DOWN: process" in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
+
+
 def test_a_port_in_use_is_one_line_naming_the_setting(tmp_path):
     """envd, the inference server and the learner's stream on a port something else holds: exit 2 and one line
     naming the setting (a traceback and exit 1 before), and `tars up` says why its role did not start."""
@@ -279,3 +292,14 @@ def test_a_port_in_use_is_one_line_naming_the_setting(tmp_path):
             "(envd.port)" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
     finally:
         held.close()
+
+
+def test_arguments_refused_before_work_instead_of_after_it(tmp_path):
+    """A soak too short for its samples fails at once with the minimum (it failed after the whole run), `tars data
+    split` of a missing file leaves no empty output directory, and `tars ctl` with no command asks for status."""
+    r = tars("bench", "soak", "--minutes", "0.5", "--every", "5", timeout=60)
+    assert r.returncode == 2 and "use --minutes 0.83 or more" in r.stderr, r.stderr
+    one_line(tars("data", "split", tmp_path / "missing.twl", "--out", tmp_path / "d0"), "data", 2, "does not exist")
+    assert not (tmp_path / "d0").exists()
+    r = tars("ctl", "--target", "127.0.0.1:1", "--timeout", "2", timeout=60)
+    assert r.returncode == 1 and "ERROR DOWN: cannot reach 127.0.0.1:1" in r.stdout, r.stdout + r.stderr

@@ -182,7 +182,7 @@ def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
         assert r["ok"] and r["result"]["id"] == sid
         assert sid not in [s["id"] for s in ctl_json("sessions", env=env, cwd=elsewhere)[0]["result"]]
         rc, text = ctl("kill-session", "no-such-session", env=env, cwd=elsewhere)
-        assert "FAILED unknown session 'no-such-session'" in text, text
+        assert "FAILED unknown session 'no-such-session'" in text and rc == 1, (rc, text)  # refused: exit 1
         assert ctl_json("drain", env=env, cwd=elsewhere)[0]["result"]["draining"] is True
         with pytest.raises(grpc.RpcError) as e:
             envd.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/mixed"), timeout=10)

@@ -19,6 +19,9 @@ from tars.faults import FaultRun
 GOAL_RSS_GROWTH = 0.10
 
 
+MIN_SAMPLES = 8  # after warm-up: quarters of at least two samples
+
+
 def res_warm(minutes: float, warmup_frac: float) -> float:
     return warmup_frac * minutes * 60
 
@@ -52,7 +55,7 @@ def _lines(path: pathlib.Path) -> int:
 def analyse(samples: list[dict], warmup_s: float) -> dict:
     """samples: [{t, rss: {proc: bytes}, trajectories}] -> growth per process and throughput drift."""
     post = [s for s in samples if s["t"] >= warmup_s]
-    if len(post) < 8:
+    if len(post) < MIN_SAMPLES:
         raise ValueError("too few samples after warm-up: run longer or sample more often")
     q = max(1, len(post) // 4)
     first, last = post[:q], post[-q:]
@@ -122,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--warmup", type=float, default=0.2, help="share of the run counted as warm-up")
     a = ap.parse_args(argv)
+    if a.every <= 0 or not 0 <= a.warmup < 1:
+        ap.error("--every must be > 0 and --warmup in [0, 1)")
+    if (1 - a.warmup) * a.minutes * 60 / a.every < MIN_SAMPLES:  # refused now, not after the run
+        need = MIN_SAMPLES * a.every / (1 - a.warmup) / 60
+        ap.error(f"--minutes {a.minutes:g} leaves fewer than {MIN_SAMPLES} samples after warm-up at --every "
+                 f"{a.every:g} s: use --minutes {need:.2f} or more (or sample more often)")
     res = run(a.minutes, a.out, a.every, a.warmup, a.set)
     print(f"{'process':<12} {'RSS MB after warm-up':>21} {'RSS MB end':>11} {'growth':>8}   goal < {GOAL_RSS_GROWTH:.0%}")
     for p, g in res["processes"].items():
