@@ -20,7 +20,6 @@ import os
 import queue
 import resource
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -294,5 +293,13 @@ def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync:
 
 
 if __name__ == "__main__":
-    a = [int(x) for x in sys.argv[1:] if not x.startswith("-")][:3]
-    print(json.dumps(bench(*a, wal_thread="--wal-thread" in sys.argv), indent=1))
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tars.bench.stream", description=__doc__.split("\n")[0])
+    ap.add_argument("n", type=int, nargs="?", help="trajectories per transfer")
+    ap.add_argument("payload_bytes", type=int, nargs="?", help="bytes of each trajectory")
+    ap.add_argument("repeats", type=int, nargs="?", help="transfers per path (best rate, median CPU)")
+    ap.add_argument("--wal-thread", action="store_true", help="also the in-process WAL syncer thread, as a fourth path")
+    a = ap.parse_args()
+    pos = [x for x in (a.n, a.payload_bytes, a.repeats) if x is not None]
+    print(json.dumps(bench(*pos, wal_thread=a.wal_thread), indent=1))
