@@ -286,11 +286,15 @@ def unpack_bounded(b: bytes, max_bytes: int, max_items: int):
 
 
 def turn_rewards(tr: Trajectory) -> np.ndarray:
-    """Per-token rewards [T]: each turn's reward sits on the last token it generated."""
+    """Per-token rewards [T]: each turn's reward sits on the last token it generated. A turn that generated nothing
+    (its format penalty) puts it on the last generated token before it, else on the first one after it: on a token
+    the loss is taken on, so the per-token rewards still sum to the return (a prompt token's reward is never read)."""
     r = np.zeros(len(tr.tokens), np.float32)
+    gen = np.flatnonzero(np.asarray(tr.mask[1:], bool)) + 1  # generated, and with a prefix
     for t in tr.turns:
         if t.end > t.start:
             r[t.end - 1] += t.reward
-        elif t.reward and t.start > 0:
-            r[t.start - 1] += t.reward
+        elif t.reward and len(gen):
+            k = np.searchsorted(gen, t.start)  # gen[k - 1] < start <= gen[k]
+            r[gen[k - 1] if k else gen[0]] += t.reward
     return r

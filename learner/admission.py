@@ -19,6 +19,7 @@ from typing import Callable, TextIO
 
 from core.config_learner import GroupConfig
 from core.outcome import Outcome
+from learner.batch import trained_positions
 
 log = logging.getLogger("tars.learner")
 
@@ -97,7 +98,8 @@ class Admission:
             self.counters[Outcome.INFRA_ERROR] += 1  # the same key as "infra_error" (a str enum)
         elif lag > self.max_lag:
             self.counters["too_stale"] += 1
-        elif not len(gen):  # nothing the policy generated (its first prompt did not fit the context): no loss to take
+        elif not trained_positions(tr).any():  # nothing generated (its first prompt did not fit the context), or
+            # only where no loss is taken (a first token, a segment's first token): no loss to take
             self.counters["no_generated_tokens"] += 1
         elif self.check is not None and (why := self.check(tr)) is not None:
             self.counters["unbound_images"] += 1

@@ -177,6 +177,22 @@ def right_padded(valid: torch.Tensor) -> bool:
     return bool((valid[:, 1:] <= valid[:, :-1]).all()) if valid.shape[1] > 1 else True
 
 
+def trained_positions(tr: Trajectory) -> np.ndarray:
+    """[T] bool: the tokens a loss is taken on. The policy generated them (mask), and they have a prefix to be
+    predicted from: not the first token, nor a segment's first token."""
+    m = tr.mask.astype(bool)
+    if len(m):
+        m[0] = False
+    m[[s for s in tr.segments if 0 <= s < len(m)]] = False
+    return m
+
+
+def trained_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Indices (on the CPU) of the rows of a batch's mask with a trained token. A row without one adds nothing to
+    any loss, and a forward over it alone would take means over nothing (NaN, and the update skipped)."""
+    return torch.nonzero(mask.sum(1) > 0).flatten().cpu()
+
+
 def boot_position(tr: Trajectory) -> int:
     """The position whose value bootstraps `tr`'s return: boot_at for a truncated trajectory that carries its final
     state, else 0 (none: a terminated episode is worth nothing after its end)."""
@@ -206,15 +222,12 @@ def collate(trajs: list[Trajectory], pad_id: int = 0, vl=None) -> Batch:
         n = len(t.tokens)
         tokens[i, :n] = torch.from_numpy(t.tokens.astype(np.int64))
         valid[i, :n] = True
-        mask[i, :n] = torch.from_numpy(t.mask.astype(np.float32))
+        mask[i, :n] = torch.from_numpy(trained_positions(t).astype(np.float32))
         behav[i, :n] = torch.from_numpy(t.logprobs.astype(np.float32))
         versions[i, :n] = torch.from_numpy(t.versions.astype(np.int64))
         rewards[i, :n] = torch.from_numpy(turn_rewards(t))
         if boots[i]:
             boot[i, boots[i]] = 1.0
-    mask[:, 0] = 0.0  # the first token has no prefix to be predicted from
-    for i, t in enumerate(trajs):
-        mask[i, list(t.segments)] = 0.0  # nor has a segment's first token
     rets = torch.tensor([t.ret for t in trajs], dtype=torch.float32)
     cut = torch.tensor([t.outcome == Outcome.TRUNCATED for t in trajs], dtype=torch.bool)
     return Batch(tokens, valid, mask, behav, versions, rewards, rets, boot, cut, torch.tensor(widths, dtype=torch.long),

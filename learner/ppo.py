@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from learner import algorithms as A
-from learner.batch import Batch, at, bootstrap_values, collate, length_chunks, live_rows, put
+from learner.batch import Batch, at, bootstrap_values, collate, length_chunks, live_rows, put, trained_rows
 from learner.correction import importance_weight, needs_prox, policy_loss
 from learner.device import autocast
 from learner.distributed import Dist
@@ -168,7 +168,10 @@ class PPOTrainer:
         lengths = b.widths  # on the CPU: chunking is decided on the host
         dev, amp = self.device, self.amp_dtype
         self.policy.eval()
-        chunks = length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens)
+        rows = trained_rows(b.mask)  # the rows with a trained token: the others add nothing to any loss
+        has_tok = torch.zeros(len(trajs), dtype=torch.bool)
+        has_tok[rows] = True
+        chunks = length_chunks(lengths, rows, self.chunk_tokens)
         # V-trace needs pi_prox for its advantages before the policy's training forward: no single pass for it.
         fused = (self.fuse_single_pass and cfg.ppo.epochs == 1 and cfg.ppo.minibatches <= 1 and self.dist.world == 1
                  and cfg.correction.kind != "vtrace")
@@ -205,7 +208,7 @@ class PPOTrainer:
             for idx in perm.chunk(max(1, cfg.ppo.minibatches)):
                 n_tok = float(b.mask[idx.to(dev)].sum().clamp(min=1))
                 # Rows without signal add 0 to the gradient: not run, but their tokens stay in the normaliser n_tok.
-                idx = live_rows(idx, live)
+                idx = live_rows(idx[has_tok[idx]], live)
                 n_run = float(b.mask[idx.to(dev)].sum().clamp(min=1))
                 self.opt.zero_grad(set_to_none=True)
                 if self.critic is not None and not fused:  # fused: the critic's gradients are already in place
@@ -314,7 +317,7 @@ class PPOTrainer:
         """Critic only, Monte Carlo targets (lambda = 1), the policy untouched (value pretraining)."""
         b = collate(trajs, self.pad_id, getattr(self.policy, "vl", None)).to(self.device)
         lengths = b.widths
-        chunks = length_chunks(lengths, torch.arange(len(trajs)), self.chunk_tokens)
+        chunks = length_chunks(lengths, trained_rows(b.mask), self.chunk_tokens)
         _, old = self._forward_old(b, chunks, with_prox=False)
         _, targets = A.decoupled_gae(b.rewards, old, b.mask, self.cfg.ppo.gamma, 1.0, 1.0,
                                      bootstrap_values(old, b.boot))

@@ -455,3 +455,65 @@ def test_truncated_value_is_checked():
     assert C.load(None, None, ["learner.ppo.truncated_value=-1"]).learner.ppo.truncated_value == -1.0
     with pytest.raises(C.ConfigError, match="truncated_value must be finite"):
         C.load(None, None, ["learner.ppo.truncated_value=nan"])
+
+
+def test_a_row_with_no_trained_token_costs_nothing_and_loses_no_update():
+    """A row whose only generated token is its first (collate takes no loss there) alone in a length chunk took
+    means over nothing: NaN, and the whole batch's update was skipped (nonfinite_steps 1), in PPO and in value
+    pretraining. Such a row now adds nothing, and the update equals the one without it (SGD, exact)."""
+    from learner.admission import trained_positions
+
+    rng = np.random.default_rng(1)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1)
+
+    def row(tid, n, first_only=False):
+        m = np.zeros(n, np.uint8)
+        m[[0] if first_only else slice(n - 3, n)] = 1
+        end = 1 if first_only else n
+        return Trajectory(id=tid, env_id="x", outcome="terminated", tokens=rng.integers(2, V, n).astype(np.int32),
+                          logprobs=np.where(m, -1.5, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                          mask=m, turns=[Turn("", "", {}, 1.0, end - int(m.sum()), end)], ret=1.0)
+
+    good = [row("a", 12), row("b", 20)]
+    empty = row("c", 30, first_only=True)
+    assert not trained_positions(empty).any() and trained_positions(good[0]).any()
+    results = []
+    for trajs in (good, good + [empty]):
+        p, c = copy.deepcopy(pol), copy.deepcopy(critic)
+        tr = PPOTrainer(p, c, LearnerConfig(lr=0.1, warmup_steps=1, grad_clip=1e9, ppo=PPOConfig(kl_coef=0.1)), 0)
+        tr.opt, tr.critic_opt = torch.optim.SGD(p.parameters(), lr=0.1), torch.optim.SGD(c.parameters(), lr=0.1)
+        tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+        tr.chunk_tokens = 25  # the empty row alone in its chunk
+        m = tr.step(trajs, 0)
+        assert m["nonfinite_steps"] == 0 and not m["policy_step_skipped"], m
+        v = tr.value_pretrain_step(trajs)
+        assert v["nonfinite_steps"] == 0 and np.isfinite(v["v_loss"]), v
+        results.append((p, c))
+    for a, b in zip(results[0], results[1]):
+        for x, y in zip(a.parameters(), b.parameters()):
+            assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_the_reward_of_a_turn_that_generated_nothing_is_still_in_the_critics_targets():
+    """A turn with no output (its format penalty) put its reward on a prompt token, which GAE never reads: the
+    critic's target was 1.0 for a return of 0.9. It now sits on the last generated token before it."""
+    from core.schema import turn_rewards
+    from learner.batch import collate
+
+    toks = [1, 5, 6, 11, 7, 8, 7, 9, 12]
+    m = np.array([0, 0, 0, 1, 0, 0, 0, 0, 1], np.uint8)
+    t = Trajectory(id="e", env_id="x", outcome="terminated", tokens=np.array(toks, np.int32),
+                   logprobs=np.where(m, -1.0, 0).astype(np.float32), versions=np.where(m, 0, -1).astype(np.int32),
+                   mask=m, turns=[Turn("", "", {}, 0.0, 3, 4), Turn("", "", {}, -0.1, 6, 6), Turn("", "", {}, 1.0, 8, 9)],
+                   ret=0.9).validate()
+    r = turn_rewards(t)
+    assert r[3] == np.float32(-0.1) and r[8] == 1.0 and abs(float(r[m.astype(bool)].sum()) - 0.9) < 1e-6
+    b = collate([t])
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    tr = PPOTrainer(pol, TrainPolicy.from_config(pol.config, value_head=True, seed=1),
+                    LearnerConfig(ppo=PPOConfig(gamma=1.0, lam_policy=1.0, lam_critic=1.0)), 0)
+    _, targets = tr.advantages(b, torch.zeros(b.mask.shape), None)
+    np.testing.assert_allclose(targets[0, [3, 8]].numpy(), [0.9, 1.0], atol=1e-6)
+    only = Trajectory(**{**t.__dict__, "turns": [Turn("", "", {}, -0.1, 2, 2), *t.turns[:1]], "ret": -0.1})
+    assert turn_rewards(only)[3] == np.float32(-0.1)  # nothing generated before it: the first generated token after
