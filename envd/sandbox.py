@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import fcntl
+import logging
 import os
 import pathlib
 import select
@@ -36,8 +37,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid
 from envd.sandbox_limits import (INNER_ID, Limits, SandboxError, uid_task_count, allocate_uid, chown_tree,
                                  missing_tools, quota_breach, release_uid, workspace_usage)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SANDBOX_WORKSPACE", "Event", "Limits", "SandboxError", "ShellSandbox", "missing_tools", "quota_breach",
            "workspace_usage"]
@@ -119,6 +123,8 @@ class ShellSandbox:
         self.at_prompt = False              # the shell waits for a new command line (PS1 or PS2 shown)
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
+        self._info_fd = self._init_fd = -1  # bwrap's --info-fd (while starting); a pidfd of the sandbox's init
+        self._since_submit = 0              # output bytes since the last command line (the flood limit)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def _write_etc(self) -> pathlib.Path:
@@ -151,6 +157,7 @@ class ShellSandbox:
                 # tmpfs) and more; --disable-userns: no nested namespace in which to regain them.
                 "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
                 "--uid", str(INNER_ID), "--gid", str(INNER_ID), "--die-with-parent", "--new-session",
+                "--info-fd", str(self._info_fd),  # its child's pid: stop() waits for the namespace to empty
                 "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
         for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             p = pathlib.Path("/") / name
@@ -182,6 +189,7 @@ class ShellSandbox:
             os.chmod(self.private_dir, 0o711)      # the sandbox uid must reach etc/ and the workspace in here
             chown_tree(self.workspace, self.uid)
         master, slave = os.openpty()
+        info_r, self._info_fd = os.pipe()
         try:
             attrs = termios.tcgetattr(slave)
             attrs[3] &= ~(termios.ECHO | termios.ECHONL)     # the transcript shows typed commands itself
@@ -192,12 +200,15 @@ class ShellSandbox:
                    "LANG": "C.UTF-8", "USER": "user", "SHELL": "/bin/bash",
                    "TMPDIR": "/tmp", "PAGER": "cat", "GIT_PAGER": "cat", "COLUMNS": str(COLS), "LINES": str(ROWS)}
             self.proc = subprocess.Popen(self._argv(cwd), stdin=slave, stdout=slave, stderr=slave, env=env,
-                                         close_fds=True, start_new_session=True)
+                                         close_fds=True, start_new_session=True, pass_fds=(self._info_fd,))
         except BaseException:
             os.close(master)
+            os.close(info_r)
             raise
         finally:
             os.close(slave)  # the shell holds the only slave fds: its exit reads as EIO on the master
+            os.close(self._info_fd)
+        self._init_fd = open_pidfd(read_child_pid(info_r, timeout))
         os.set_blocking(master, False)
         self.master, self._events, self.at_prompt, self.shell_pgid = master, [], False, 0
         self._stop = threading.Event()
@@ -231,6 +242,9 @@ class ShellSandbox:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass  # SIGKILL was sent; the reader thread or a later stop() reaps it
+        if not kill_and_wait(self._init_fd):  # every process of the sandbox gone (envd/sandbox_exit.py)
+            log.error("sandbox processes still running 5 s after they were killed")
+        self._init_fd = -1
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
         self._reader = None
@@ -259,6 +273,7 @@ class ShellSandbox:
         data = line.encode() + b"\n"
         with self._cond:
             self.at_prompt = False
+            self._since_submit = 0
             self._deadline = time.monotonic() + self.limits.timeout_s
             self._expired_at = 0.0
             self._note = ""
@@ -339,8 +354,9 @@ class ShellSandbox:
                     self.at_prompt = False
                     return
                 if chunk:
+                    self._since_submit += len(chunk)  # prompts (a program can print look-alikes) do not reset it
                     buf = self._parse(buf + chunk, seg, decoder)
-                    if seg.total > flood and not self._expired_at:
+                    if self._since_submit > flood and not self._expired_at and not self.at_prompt:
                         self._expire(f"output flood: more than {flood} bytes")
                 now = time.monotonic()
                 fg_seen = self._police(now, fg_seen)
@@ -375,7 +391,9 @@ class ShellSandbox:
             if kind == _CONT and not body:
                 self._push(Event("cont"))
                 self.at_prompt = True
-            elif kind == _PROMPT and sep and status.isdigit() and cwd.startswith(b"/"):
+            elif kind == _PROMPT and sep and status.isdigit() and cwd.startswith(b"/") and \
+                    (not self.shell_pgid or self._foreground_pgrp() in (self.shell_pgid, 0)):  # the shell's, not a
+                # look-alike a running job printed (it would reset the deadline and the flood count)
                 self._push(Event("out", decoder.decode(seg.close(self.limits.output_bytes))))
                 self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"), note=self._note))
                 self.at_prompt = True

@@ -47,8 +47,11 @@ def chown_tree(root: pathlib.Path, uid: int) -> None:
     try:
         os.chown(root_fd, uid, uid)
         for _, dirnames, filenames, dfd in os.fwalk(dir_fd=root_fd, follow_symlinks=False):
-            for name in dirnames + filenames:
+            for name in list(dirnames) + filenames:
                 try:
+                    if name in dirnames and os.stat(name, dir_fd=dfd, follow_symlinks=False).st_uid == uid:
+                        dirnames.remove(name)  # the sandbox's own (it made it, or an earlier start chowned it):
+                        continue               # not walked, so a tree it nested 1,500 deep costs no recursion
                     os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:
                     pass

@@ -18,6 +18,8 @@ import random
 import stat
 from dataclasses import dataclass, field
 
+from envd.workspace_archive import write_new
+
 MAX_READ = 4096  # answers are short; a bigger file is read only this far
 
 
@@ -76,11 +78,10 @@ def build(name: str, seed: int) -> TaskSpec:
 
 
 def seed_files(workspace: pathlib.Path, spec: TaskSpec) -> None:
-    """Write the task's input files into an empty workspace."""
+    """Write the task's input files into an empty workspace (through O_NOFOLLOW directory fds: never where a link
+    the sandbox made points, envd/workspace_archive.write_new)."""
     for rel, data in spec.files.items():
-        p = workspace / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
+        write_new(workspace, rel, data)
 
 
 def read_top_level(workspace: pathlib.Path, name: str, limit: int = MAX_READ) -> bytes | None:

@@ -30,6 +30,7 @@ ROOT = "workspace"
 MAX_BYTES = 256 << 20      # total file bytes in one archive
 MAX_MEMBERS = 20_000
 MAX_META_BYTES = 4 << 20
+MAX_DEPTH = 256            # directories below the workspace: a walk of the tree recurses once per level
 
 
 def pack(workspace: pathlib.Path, meta: dict, max_bytes: int = MAX_BYTES) -> bytes:
@@ -41,16 +42,14 @@ def pack(workspace: pathlib.Path, meta: dict, max_bytes: int = MAX_BYTES) -> byt
         _add_bytes(tar, META, data)
         root_fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=root_fd, follow_symlinks=False):
+            for dirpath, dirnames, filenames, dfd in _walk(root_fd):
                 rel_dir = posixpath.normpath(posixpath.join(ROOT, dirpath))
                 dirnames.sort()
                 for name in sorted(dirnames + filenames):
                     members += 1
                     if members > MAX_MEMBERS:
                         raise ActionError(f"the workspace has more than {MAX_MEMBERS} entries to snapshot")
-                    total += _add_entry(tar, dfd, name, f"{rel_dir}/{name}")
-                    if total > max_bytes:
-                        raise ActionError(f"the workspace holds more than {max_bytes} bytes: too big to snapshot")
+                    total += _add_entry(tar, dfd, name, f"{rel_dir}/{name}", max_bytes - total)
         finally:
             os.close(root_fd)
     return buf.getvalue()
@@ -62,7 +61,18 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _add_entry(tar: tarfile.TarFile, dfd: int, name: str, arcname: str) -> int:
+def _walk(root_fd: int):
+    """os.fwalk from root_fd, never following links, as deep as MAX_DEPTH (deeper: ActionError, where os.fwalk's
+    recursion would raise RecursionError)."""
+    for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=root_fd, follow_symlinks=False):
+        if dirpath.count("/") >= MAX_DEPTH and dirnames:
+            raise ActionError(f"the workspace is nested deeper than {MAX_DEPTH} directories: too deep to snapshot")
+        yield dirpath, dirnames, filenames, dfd
+
+
+def _add_entry(tar: tarfile.TarFile, dfd: int, name: str, arcname: str, room: int) -> int:
+    """Add one entry; room: the bytes the snapshot may still take (a file larger is refused before it is read: a
+    sparse file of 1.5 GB passes the disk quota with no blocks at all)."""
     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     info = tarfile.TarInfo(arcname)
     info.mode, info.mtime = stat.S_IMODE(st.st_mode), int(st.st_mtime)
@@ -89,6 +99,9 @@ def _add_entry(tar: tarfile.TarFile, dfd: int, name: str, arcname: str) -> int:
         fst = os.fstat(fd)
         if not stat.S_ISREG(fst.st_mode):
             return 0
+        if fst.st_size > room:
+            raise ActionError(f"the workspace holds more bytes than a snapshot may ({arcname!r}: {fst.st_size} "
+                              f"bytes, {max(room, 0)} left of the limit): too big to snapshot")
         data = f.read(fst.st_size)   # a snapshot of the bytes now, whatever the file does next
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
@@ -141,6 +154,8 @@ def _validate(data: bytes, max_bytes: int) -> dict:
             name = _check_name(m.name)
             if name in seen:
                 raise ActionError(f"archive member {name!r} appears twice")
+            if name.count("/") > MAX_DEPTH:
+                raise ActionError(f"archive member {name[:80]!r}... is nested deeper than {MAX_DEPTH} directories")
             seen.add(name)
             if name == META:
                 if not m.isreg() or m.size > MAX_META_BYTES:
@@ -181,6 +196,25 @@ def _open_dir(root_fd: int, parts: list[str]) -> int:
     except OSError as e:
         os.close(fd)
         raise ActionError(f"archive path {'/'.join(parts)!r} goes through a non-directory: {e.strerror}") from None
+
+
+def write_new(root: pathlib.Path, rel: str, data: bytes) -> None:
+    """Create root/rel holding `data`, its directories too, through O_NOFOLLOW directory fds and O_EXCL: never
+    through a symlink, never over an existing file (ActionError), whatever the workspace holds."""
+    parts = _check_name(f"{ROOT}/{rel}").split("/")[1:]
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        parent = _open_dir(root_fd, parts[:-1])
+    finally:
+        os.close(root_fd)
+    try:
+        fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=parent)
+    except OSError as e:
+        raise ActionError(f"cannot create {rel!r} in the workspace: {e.strerror}") from None
+    finally:
+        os.close(parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def _extract(data: bytes, dest: pathlib.Path) -> None:
@@ -243,21 +277,60 @@ def clear_dir(d: pathlib.Path) -> None:
 
 
 def rmtree(p: pathlib.Path) -> None:
-    """Remove a tree the sandbox wrote into, whatever permissions it left on it."""
-    def fix(func, path, exc):
-        # chmod 000 directories made inside the sandbox: make them ours again, then retry once.
-        parent = os.path.dirname(path)
-        for q in (parent, path):
-            try:
-                if not os.path.islink(q):
-                    os.chmod(q, 0o700)
-            except OSError:
-                pass
+    """Remove a tree the sandbox wrote into, whatever permissions it left on it and however deep it is: iteratively,
+    one directory fd at a time, never following a link (shutil.rmtree and os.fwalk recurse: a chain of 1,500
+    directories raised RecursionError, and the workspace stayed on disk for good)."""
+    p = pathlib.Path(p)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        p.unlink(missing_ok=True)
+        return
+    fd = _enter(os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY), p.name)
+    names = [p.name]          # the path from p's parent down to the directory fd is open on
+    while fd is not None:
+        sub = None
+        with os.scandir(fd) as it:  # files go as they are met; the first subdirectory is entered (a directory we
+            for e in it:            # come back to holds only subdirectories, so its scan stops at once)
+                if e.is_dir(follow_symlinks=False):
+                    sub = e.name
+                    break
+                try:
+                    os.unlink(e.name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+        if sub is not None:  # down one level
+            fd = _enter(fd, sub)
+            names.append(sub)
+            continue
+        up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)   # empty now: up one level and remove it
+        os.close(fd)
         try:
-            func(path)
+            os.rmdir(names.pop(), dir_fd=up)
         except FileNotFoundError:
             pass
-        except IsADirectoryError:
-            shutil.rmtree(path, ignore_errors=True)
-    if p.exists() or p.is_symlink():
-        shutil.rmtree(p, onerror=fix)
+        if names:
+            fd = up
+        else:
+            os.close(up)
+            fd = None
+
+
+def _enter(parent: int, name: str) -> int:
+    """An fd of the directory `name` in `parent` (closed here), made readable and writable by us first: the sandbox
+    may have chmod 000'ed it. Never through a link (O_NOFOLLOW)."""
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+        except PermissionError:
+            os.chmod(name, 0o700, dir_fd=parent)  # lstat'ed as a directory above: no link to follow here
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    finally:
+        os.close(parent)
+    try:
+        os.chmod(fd, 0o700)
+    except OSError:
+        pass
+    return fd

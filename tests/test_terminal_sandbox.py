@@ -243,3 +243,104 @@ def test_containment_over_a_real_envd():
             assert "daemon-ok\n[exit 0]" in r.observation.text, r.observation.text[-1000:]
             assert (await c.Ping(env_pb2.PingRequest(payload=b"x"))).payload == b"x"
     run(body(), timeout=120)
+
+
+def _with_tag(tag: bytes) -> list[str]:
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            if tag in pathlib.Path(f"/proc/{d}/cmdline").read_bytes():
+                found.append(d)
+        except OSError:
+            continue
+    return found
+
+
+def test_stop_returns_only_once_every_process_of_the_sandbox_is_gone():
+    """Killing bwrap does not wait for its pid namespace: 40 busy forks were seen alive ~9 ms after stop() returned,
+    long enough for a symlink planted after Reset's clear to redirect a root daemon's seeding onto a host path.
+    stop() now waits on a pidfd of the namespace's init (envd/sandbox_exit.py)."""
+    env = make_env(timeout_s="60", wait_s="0.5")
+    tag = f"tag{os.getpid()}x".encode()
+    code = 'exec("import os\\nfor k in range(40):\\n  if os.fork() == 0: break\\nwhile True: os.getpid()")'
+    try:
+        for _ in range(3):
+            env.step(Action("type", content=f"python3 -c '{code}' {tag.decode()}\n"))
+            deadline = time.monotonic() + 10
+            while len(_with_tag(tag)) < 41 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(_with_tag(tag)) == 41
+            env.sandbox.stop()
+            assert _with_tag(tag) == []  # at once: no wait, no retry
+            env.reset(2, {})
+    finally:
+        env.close()
+
+
+def test_seeding_never_writes_through_a_link_the_sandbox_left(tmp_path):
+    from envd.base import ActionError
+    from envd.workspace_archive import write_new
+
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    ws.mkdir()
+    outside.mkdir()
+    os.symlink(outside / "pwned", ws / "data.csv")
+    os.symlink(outside, ws / "sub")
+    for rel in ("data.csv", "sub/data.csv"):
+        with pytest.raises(ActionError, match="cannot create|non-directory"):
+            write_new(ws, rel, b"seeded")
+    assert list(outside.iterdir()) == []
+    write_new(ws, "a/b/c.txt", b"ok")
+    assert (ws / "a" / "b" / "c.txt").read_bytes() == b"ok"
+
+
+DEEP = "python3 -c 'import os; [(os.mkdir(\"d\"), os.chdir(\"d\")) for i in range(1500)]'"
+
+
+def test_a_deep_tree_or_a_sparse_file_cannot_break_snapshot_reset_or_close():
+    """A 1,500-deep chain of directories raised RecursionError in Snapshot (INTERNAL), Reset (INFRA_ERROR) and
+    Close (the workspace left on disk for good); a 600 MB sparse file (no blocks: within the disk quota) was read
+    whole into the daemon before the snapshot's byte limit refused it."""
+    from envd.base import ActionError
+
+    env = make_env(timeout_s="30", fsize_mb="1024", disk_mb="16")
+    try:
+        out, status, _ = sh(env, DEEP)
+        assert status == 0
+        with pytest.raises(ActionError, match="nested deeper than 256 directories"):
+            env.snapshot()
+        assert env.reset(3, {}).outcome == Outcome.RUNNING and not (env.workspace / "d").exists()
+        out, status, _ = sh(env, "truncate -s 600M sparse")
+        assert status == 0
+        import tracemalloc
+
+        tracemalloc.start()
+        with pytest.raises(ActionError, match="too big to snapshot"):
+            env.snapshot()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 64 << 20, peak  # refused from its size, not after reading 600 MB
+        out, status, _ = sh(env, DEEP)
+        assert status == 0
+        ws = env.workspace
+    finally:
+        env.close()
+    assert not ws.exists()
+
+
+def test_an_output_flood_of_prompt_look_alikes_is_still_a_flood():
+    """Each look-alike of the shell's prompt sentinel restarted the flood count (and disarmed the deadline), so
+    `yes` printing them ran, and kept a daemon core busy, until the foreground timer. The count now runs from the
+    command line, and a prompt counts only when the shell holds the terminal."""
+    env = make_env(timeout_s="60")
+    try:
+        t0 = time.monotonic()
+        out, status, note = sh(env, "yes $'x\\x1e0 /x\\x1f'")
+        # Look-alikes still in the pty when it died are read after the shell has the terminal back: they pass as
+        # prompts (a bounded few, and the flood's note goes with the first of them), so only the end is checked:
+        # killed (SIGINT: 130) well before its 60 s deadline, and nothing of it left running.
+        assert status == 130 and time.monotonic() - t0 < 50 and _with_tag(b"yes\x00x\x1e0") == []
+        out, status, _ = sh(env, "echo after")
+        assert (out.strip(), status) == ("after", 0)
+    finally:
+        env.close()

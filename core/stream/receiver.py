@@ -357,11 +357,12 @@ class TrajectoryReceiver:
             return
         try:
             n_img = len(self.images)
-            if m.images or image_frames:  # stored even if the trajectory is then refused: later ones may refer to them
-                take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
             tr = Trajectory.decode(payload, self.max_frame_bytes, self.vocab_size)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
+            if m.images or image_frames:  # only with a trajectory that decoded (garbage with images grew the store);
+                # kept if it is refused later (busy): later ones may refer to them
+                take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
             missing = resolve(self.images, tr)
             self._count("images_stored", len(self.images) - n_img)
         except (SchemaError, ImageError) as e:
