@@ -147,6 +147,25 @@ def test_unknown_hash_is_nacked_for_retry_and_forged_bytes_are_refused(tmp_path)
         rx.stop()
 
 
+def test_images_attached_to_a_frame_that_is_no_trajectory_are_not_stored(tmp_path):
+    """Garbage payloads with 4 MiB image frames were NACKed but their images kept, for the life of the run: a
+    peer could fill the disk. Attachments are stored only with a trajectory that decodes."""
+    rx = receiver(tmp_path)
+    addr = rx.start()
+    ctx, d = _raw(addr)
+    try:
+        for i in range(5):
+            img = os.urandom(1 << 20)
+            name = hashlib.sha256(img).hexdigest()
+            d.send_multipart([P.TRAJ, P.pack({"seq": i, "id": f"junk-{i}", "images": [name]}), b"\xc1junk", img])
+            assert _answer(d, P.NACK)["reason"].startswith("malformed")
+        assert len(rx.images) == 0
+    finally:
+        d.close(0)
+        ctx.term()
+        rx.stop()
+
+
 def test_store_rejects_bad_names_and_survives_reopen(tmp_path):
     s = ImageStore(str(tmp_path / "imgs")).open()
     with pytest.raises(ImageError):
