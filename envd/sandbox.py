@@ -392,8 +392,7 @@ class ShellSandbox:
                 self._push(Event("cont"))
                 self.at_prompt = True
             elif kind == _PROMPT and sep and status.isdigit() and cwd.startswith(b"/") and \
-                    (not self.shell_pgid or self._foreground_pgrp() in (self.shell_pgid, 0)):  # the shell's, not a
-                # look-alike a running job printed (it would reset the deadline and the flood count)
+                    (not self.shell_pgid or self._foreground_pgrp() in (self.shell_pgid, 0)):  # not a running job's
                 self._push(Event("out", decoder.decode(seg.close(self.limits.output_bytes))))
                 self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"), note=self._note))
                 self.at_prompt = True
