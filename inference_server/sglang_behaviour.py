@@ -117,18 +117,33 @@ class SGLangBehaviour:
             raise ValueError("input_ids must be a non-empty list of token ids (this server has no tokenizer)")
         if body.get("logprob_start_len", -1) not in (-1, None):
             raise ValueError("only logprob_start_len=-1 (output logprobs) is supported")
-        sp = body.get("sampling_params") or {}
-        top_k = int(sp.get("top_k", -1))
+        raw = body.get("sampling_params")
+        if not isinstance(raw, dict | None):
+            raise ValueError(f"sampling_params must be an object, got {type(raw).__name__}")
+        sp = {k: v for k, v in (raw or {}).items() if v is not None}  # SGLang: a null field takes its default
+
+        def num(key, cast, default):
+            try:
+                return cast(sp.get(key, default))
+            except (TypeError, ValueError):
+                raise ValueError(f"sampling_params.{key} = {sp[key]!r} is not a {cast.__name__}") from None
+        top_k = num("top_k", int, -1)
         if top_k < -1 or top_k == 0:
             raise ValueError(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
-        top_p = float(sp.get("top_p", 1.0))
+        top_p = num("top_p", float, 1.0)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
-        stops = set(int(t) for t in sp.get("stop_token_ids") or ())
+        stop_ids = sp.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+            raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids, got {stop_ids!r:.80}")
+        stops = set(stop_ids)
         if not sp.get("ignore_eos", False):
             stops.update(self.eos)
-        params = SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 128)), temperature=float(sp.get("temperature", 1.0)),
-                                top_p=top_p, top_k=max(top_k, 0), stop_token_ids=tuple(sorted(stops)), seed=int(sp.get("sampling_seed") or 0))
+        # max_new_tokens null (not absent: 128): up to the context, as SGLang's scheduler takes it
+        null_budget = "max_new_tokens" in (raw or {}) and "max_new_tokens" not in sp
+        budget = self.engine.cfg.max_context - len(ids) if null_budget else num("max_new_tokens", int, 128)
+        params = SamplingParams(max_new_tokens=budget, temperature=num("temperature", float, 1.0), top_p=top_p,
+                                top_k=max(top_k, 0), stop_token_ids=tuple(sorted(stops)), seed=num("sampling_seed", int, 0))
         self.engine.validate(ids, params)
         rid = str(body.get("rid") or uuid.uuid4().hex)
         with self.cv:

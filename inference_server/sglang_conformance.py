@@ -72,7 +72,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _body(self) -> dict:
+        if self.headers.get("Transfer-Encoding"):  # not decoded here: refused, and the connection closed
+            self.close_connection = True
+            raise ValueError("Transfer-Encoding bodies are not supported: send Content-Length")
         n = int(self.headers.get("Content-Length") or 0)
+        if n < 0:
+            self.close_connection = True
+            raise ValueError(f"Content-Length {n} is negative")
         raw = self.rfile.read(n) if n else b""
         body = json.loads(raw) if raw.strip() else {}
         if not isinstance(body, dict):
@@ -107,8 +113,8 @@ class _Handler(BaseHTTPRequestHandler):
         s, path = self.server_ref, self.path.split("?")[0]
         try:
             body = self._body()
-        except (ValueError, UnicodeDecodeError) as e:
-            return self._error(400, f"bad JSON: {e}")
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
+            return self._error(400, f"bad JSON: {type(e).__name__}: {str(e)[:200]}")
         try:
             s.types.check(path, body, s.engine.vocab_size)
             if path in ("/generate",):

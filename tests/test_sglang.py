@@ -98,6 +98,35 @@ def test_generate_shapes_logprobs_and_finish_reasons(servers, models):
     assert http_json(s.url, "/health_generate")[0] == 200
 
 
+def test_malformed_bodies_get_sglangs_4xx_not_a_5xx_or_silence(servers):
+    """A 5xx reads to the tars front as a dead replica (taken out of rotation, the request resumed elsewhere), and a
+    body nested too deep once got no answer at all: client mistakes are 400s, and null fields take their defaults,
+    max_new_tokens null meaning up to the context, as in SGLang."""
+    import http.client
+    import json
+
+    s = servers()
+    for sp in ("x", [1], {"max_new_tokens": 2, "stop_token_ids": 5}, {"max_new_tokens": "two"}):
+        st, r = http_json(s.url, "/generate", {"input_ids": PROMPT, "sampling_params": sp})
+        assert st == 400 and r["type"] == "BadRequestError", (sp, st, r)
+    st, r = http_json(s.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": None}})
+    assert st == 200 and len(r["output_ids"]) <= 2
+    st, r = http_json(s.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": None, "ignore_eos": True}})
+    assert st == 200 and r["meta_info"]["completion_tokens"] == 256 - len(PROMPT)
+    host, port = s.url.split("//")[1].split(":")
+    for headers, body in (({"Content-Type": "application/json"}, b"[" * 100_000 + b"]" * 100_000),
+                          ({"Content-Length": "-1"}, None), ({"Transfer-Encoding": "chunked"}, b"2\r\n{}\r\n0\r\n\r\n")):
+        c = http.client.HTTPConnection(host, int(port), timeout=10)
+        c.putrequest("POST", "/generate")
+        for k, v in ({"Content-Length": str(len(body))} if body is not None and "Transfer-Encoding" not in headers
+                     else {}).items() | headers.items():
+            c.putheader(k, v)
+        c.endheaders(body)
+        resp = c.getresponse()
+        assert resp.status == 400 and json.loads(resp.read())["type"] == "BadRequestError", headers
+        c.close()
+
+
 def test_abort_returns_partial_output_and_matches_rids_by_prefix(servers):
     s = servers(token_delay_s=0.01)
     calls = {rid: in_thread(http_json, s.url, "/generate", gen_body(rid, 200)) for rid in ("t#1", "t#10", "t#2")}
