@@ -309,7 +309,7 @@ def test_learner_restart_delivers_every_trajectory_exactly_once(tmp_path):
 
     rx2, st, acked_unconsumed = asyncio.run(main())
     s2 = rx2.stats()
-    assert rx2.compact_wal() == {"kept": 0, "dropped": s2["wal_entries"]}   # all consumed: the log empties
+    assert rx2.compact_wal() == {"kept": 0, "dropped": s2["wal_entries"], "images_collected": 0}  # all consumed: the log empties
     rx2.stop()
     c = collections.Counter(trained)
     assert set(c) == {f"r{i}" for i in range(N)} and max(c.values()) == 1

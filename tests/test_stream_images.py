@@ -166,6 +166,39 @@ def test_images_attached_to_a_frame_that_is_no_trajectory_are_not_stored(tmp_pat
         rx.stop()
 
 
+def test_images_no_unconsumed_trajectory_needs_are_collected_at_compaction(tmp_path):
+    """The store kept every screenshot of a run. After a checkpoint's compaction it keeps only the images of
+    trajectories not yet consumed: a replay still finds them, and an actor that refers to a collected image later is
+    asked for it again (NACK "missing images") and the trajectory arrives whole."""
+    rx = receiver(tmp_path)
+    addr = rx.start()
+
+    async def main():
+        s = TrajectorySender(addr, "img-actor", **FAST)
+        await s.start()
+        for t in (traj("t0", [IMG_A]), traj("t1", [IMG_B])):
+            await s.send(t, timeout=5)
+        await s.flush(timeout=5)
+        got = drain(rx, 2)
+        rx.mark_consumed(["t0"])
+        out = rx.compact_wal()
+        assert out["images_collected"] == 1 and HA not in rx.images and HB in rx.images
+        await s.send(traj("t2", [IMG_A, IMG_B]), timeout=10)  # the sender thinks the learner has A
+        await s.flush(timeout=10)
+        st = s.stats()
+        await s.close()
+        return got, st
+
+    got, st = asyncio.run(main())
+    t2 = drain(rx, 1)[0]
+    assert t2.id == "t2" and t2.images == {HA: IMG_A, HB: IMG_B} and st["images_sent"] == 3  # A crossed twice
+    rx.stop()
+    rx2 = receiver(tmp_path)  # the same WAL: t1 and t2 were never consumed, and their images are still there
+    rx2.start()
+    assert sorted(t.id for t in drain(rx2, 2)) == ["t1", "t2"]
+    rx2.stop()
+
+
 def test_store_rejects_bad_names_and_survives_reopen(tmp_path):
     s = ImageStore(str(tmp_path / "imgs")).open()
     with pytest.raises(ImageError):

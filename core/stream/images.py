@@ -8,12 +8,19 @@ on disk beside its WAL, so that WAL replay after a restart still finds every ima
 
 The store is write-once by content: put() checks that the bytes hash to the name they are sent under, so a peer
 cannot make one hash resolve to other bytes.
+
+It is also bounded by what is still needed: resolve() records which images each trajectory it resolved refers to,
+release() forgets a trajectory once it is consumed, and collect() (after a durable checkpoint, when the consumed ids
+are the checkpoint's) deletes every image no unconsumed trajectory refers to. A WAL replay then still finds all it
+needs; an actor whose later trajectory refers to a collected image is NACKed "missing images" and sends it again.
+One lock makes resolve-and-record atomic against collect().
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import re
+import threading
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -44,6 +51,9 @@ class ImageStore:
         self.dir = directory
         self._have: set[str] = set()
         self.bytes_stored = 0
+        self.lock = threading.RLock()
+        self._held: dict[str, list[str]] = {}  # trajectory id -> the images it refers to, until released
+        self.collected = 0                    # images deleted by collect(), over the store's life
 
     def open(self) -> "ImageStore":
         os.makedirs(self.dir, exist_ok=True)
@@ -60,8 +70,37 @@ class ImageStore:
     def __len__(self) -> int:
         return len(self._have)
 
+    def hold(self, tid: str, hashes: list[str]) -> None:
+        with self.lock:
+            self._held[tid] = list(hashes)
+
+    def release(self, tids) -> None:
+        """These trajectories are consumed: their images are no longer needed for them."""
+        with self.lock:
+            for t in tids:
+                self._held.pop(t, None)
+
+    def collect(self) -> int:
+        """Delete every image no held trajectory refers to; returns how many. Call when the consumed trajectories
+        are those of a durable checkpoint (after it), so a replay of the rest finds its images."""
+        with self.lock:
+            keep = {h for hs in self._held.values() for h in hs}
+            gone = self._have - keep
+            for h in gone:
+                try:
+                    os.unlink(os.path.join(self.dir, h))
+                except FileNotFoundError:
+                    pass
+            self._have -= gone
+            self.collected += len(gone)
+            return len(gone)
+
     def put(self, h: str, data: bytes) -> bool:
         """Store data under h (no-op if present); True if it was new. Raises ImageError for a wrong hash."""
+        with self.lock:
+            return self._put(h, data)
+
+    def _put(self, h: str, data: bytes) -> bool:
         if not isinstance(h, str) or not _HEX.match(h):
             raise ImageError(f"image name {h!r} is not a sha256 hex digest")
         if h in self._have:
@@ -98,13 +137,17 @@ def take_attached(store: ImageStore, names: list[str], frames: list[bytes], max_
 
 
 def resolve(store: ImageStore, tr) -> list[str]:
-    """Fill tr.images with every image its turns refer to; returns the hashes the store lacks (then tr is unchanged).
+    """Fill tr.images with every image its turns refer to, and hold them for tr until it is released; returns the
+    hashes the store lacks (then tr is unchanged and nothing is held).
 
     Images carried inline in the frame (an actor without dedupe) are checked and stored too."""
-    for h, b in tr.images.items():
-        store.put(h, b)
-    refs = referenced(tr.turns, tr.image_refs)
-    miss = store.missing(refs)
-    if not miss:
-        tr.images = {h: tr.images.get(h) or store.get(h) for h in refs}
-    return miss
+    with store.lock:
+        for h, b in tr.images.items():
+            store.put(h, b)
+        refs = referenced(tr.turns, tr.image_refs)
+        miss = store.missing(refs)
+        if not miss:
+            tr.images = {h: tr.images.get(h) or store.get(h) for h in refs}
+            if refs:
+                store.hold(tr.id, refs)
+        return miss

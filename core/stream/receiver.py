@@ -110,8 +110,7 @@ class TrajectoryReceiver:
         if self.durability.fatal is not None:  # the WAL writer process died: the learner must stop (and restart)
             raise self.durability.fatal
         if self._error is not None:  # the io thread crashed: nothing will ever arrive
-            raise RuntimeError(f"trajectory receiver io thread crashed: {type(self._error).__name__}: "
-                               f"{self._error}") from self._error
+            raise RuntimeError(f"trajectory receiver io thread crashed: {self._error!r}") from self._error
         try:
             return self._q.get(timeout=timeout)
         except queue.Empty:
@@ -123,7 +122,8 @@ class TrajectoryReceiver:
     def mark_consumed(self, ids) -> None:
         """These ids went into a policy update: never deliver them again (store checkpoint_state() with the weights)."""
         with self._consumed_lock:
-            self._consumed.update(ids)
+            self._consumed.update(ids := list(ids))
+        self.images.release(ids)  # their screenshots may go at the next compaction (not mid-replay: see images.py)
 
     def checkpoint_state(self) -> dict:
         """Goes into the learner checkpoint; pass state["consumed_ids"] to the next receiver's consumed_ids."""
@@ -139,7 +139,7 @@ class TrajectoryReceiver:
         """Drop consumed entries from the WAL (call after the checkpoint that covers them is durable)."""
         with self._consumed_lock:
             drop = frozenset(self._consumed)
-        return self.durability.compact(drop)
+        return {**self.durability.compact(drop), "images_collected": 0 if self._replay else self.images.collect()}
 
     def stats(self) -> dict:
         return {**self._stats, "queue": self._q.qsize(), **self.durability.stats(), "replay_pending": len(self._replay),
