@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 
@@ -129,8 +130,11 @@ class Supervisor:
 
     def _event(self, r: _Role, what: str, **kw) -> None:
         rec = {"t": round(time.time(), 3), "role": r.role, "name": r.name, "event": what, "deaths": r.deaths, **kw}
-        with open(self.log, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        try:
+            with open(self.log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:  # a full disk must not end supervision (it once tore the whole run down, no report)
+            print(f"[tars up] cannot record {r.name} {what} in {self.log}: {e}", file=sys.stderr, flush=True)
 
     # ---- what the report shows --------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:

@@ -66,6 +66,21 @@ def test_killed_envd_comes_back_on_its_port(tmp_path):
         assert any("envd| the last words of envd" in m for m in said[i + 1:i + 6]), said
 
 
+def test_a_log_that_cannot_be_written_does_not_end_supervision(tmp_path, capsys):
+    """On a full disk, recording a death in supervisor.jsonl raised OSError inside the watch loop and tore the
+    whole run down with no report; the restart now goes on and the record goes to stderr."""
+    cfg, topo = _envd_only(tmp_path)
+    with topo:
+        topo.start()
+        bad = tmp_path / "full"
+        bad.mkdir()  # a directory: every append fails with an OSError, as on a full disk
+        sup = Supervisor(topo, max_restarts=2, backoff_s=0.2, log=bad)
+        os.killpg(topo.ready[("envd", 0)]["pid"], signal.SIGKILL)
+        _poll_until(sup, lambda end: sup.counts() == {"envd": 1}, 60)
+        assert _serves(topo.envd, cfg)
+    assert "cannot record envd died" in capsys.readouterr().err
+
+
 def test_a_process_that_keeps_dying_ends_the_run(tmp_path):
     cfg, topo = _envd_only(tmp_path)
     with topo:
