@@ -45,7 +45,7 @@ log = logging.getLogger("tars.learner")
 
 # What rank 0 broadcasts besides a batch (and None: stop) under learner.parallel=fsdp: "gather the sharded state with
 # me now", before it publishes / exports the policy or writes a checkpoint (learner/fsdp.py).
-GATHER_POLICY, GATHER_CHECKPOINT = "gather:policy", "gather:checkpoint"
+GATHER_POLICY, GATHER_CHECKPOINT, SET_VERSION = "gather:policy", "gather:checkpoint", "version:"
 
 
 class Learner:
@@ -147,6 +147,17 @@ class Learner:
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
         self.trained_log.write(json.dumps({"resume": self.version, "t": time.time()}) + "\n")
+        served = self.publisher.served_version()
+        if served >= self.version and (served or self.version):
+            # A resume behind what the servers serve (the killed learner published past its last checkpoint): its
+            # weights go out as served + 1, so no version number names two sets of weights (the servers refused the
+            # old numbers as not newer, and kept the dead learner's weights under labels the new one reused).
+            log.warning("resuming at version %d behind the servers' %d: continuing at %d", self.version, served,
+                        served + 1)
+            self.staleness.skip_versions(served + 1 - self.version)
+            self.version = served + 1
+            if self.dist.world > 1:
+                self.dist.broadcast(f"{SET_VERSION}{self.version}")  # the other ranks' losses read it too
         self.staleness.set_version(self.version)
         self._publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
         while not self.stop.is_set() and self.version < self.cfg.max_versions:
@@ -225,6 +236,9 @@ class Learner:
                 continue
             if batch == GATHER_CHECKPOINT:
                 self.checkpointer.gather()
+                continue
+            if isinstance(batch, str) and batch.startswith(SET_VERSION):  # rank 0 resumed behind the servers
+                self.version = int(batch[len(SET_VERSION):])
                 continue
             self._update(batch)
             self.version += 1

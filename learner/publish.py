@@ -25,6 +25,7 @@ import pathlib
 import shutil
 import time
 
+import grpc
 import torch
 
 from core import auth, rpc, weights_shm
@@ -125,6 +126,16 @@ class Publisher:
             gone = weights_shm.clean_stale(self.shm_prefix)  # a learner killed mid-publish left these
             if gone:
                 log.warning("removed %d stale weight segments of this run: %s", len(gone), gone[:3])
+
+    def served_version(self, timeout_s: float = 10.0) -> int:
+        """The highest version any inference server serves (GetVersion); -1 when none answers."""
+        got = -1
+        for stub in self.stubs:
+            try:
+                got = max(got, int(stub.GetVersion(inference_pb2.GetVersionRequest(), timeout=timeout_s).version))
+            except grpc.RpcError as e:
+                log.warning("GetVersion: %s", e.details() if hasattr(e, "details") else e)
+        return got
 
     def publish(self, version: int) -> float:
         """Bring every inference server to `version` (self.mode) and write weights/v{version}; seconds until the

@@ -83,6 +83,13 @@ class StalenessManager:
             self._asked += n
             return g
 
+    def skip_versions(self, n: int) -> None:
+        """The policy version jumps n ahead without n updates (a resume behind what the servers serve: the
+        learner's next version follows theirs): those versions' batches count as accepted, so the admission bound
+        (capacity) stays where it was."""
+        with self._lock:
+            self._accepted += max(0, n) * self.batch_size
+
     def adopt(self, n: int = 1) -> None:
         """Count n episodes as running that were admitted elsewhere (a previous learner); no capacity check."""
         with self._lock:

@@ -139,3 +139,35 @@ def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path, du
 
     assert sorted(t.id for t in read_trajectories([run / "trajectories.twl"])) == sorted(f"t{i}" for i in range(N))
     assert (run / "final" / "model.safetensors").exists()
+
+
+def test_a_learner_resumed_behind_the_servers_continues_past_their_version(tmp_path):
+    """A killed learner may have published past its last checkpoint; its successor's publishes of the checkpoint's
+    version were refused as not newer, so actors kept generating with the dead learner's weights under version
+    numbers the new learner then reused. The successor now asks the servers (GetVersion) and continues at their
+    version + 1: every version number names one set of weights, and the admission bound stays where it was."""
+    from test_inference_server import Servers
+
+    model = CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0)
+    model.save_hf(tmp_path / "model")
+    run = tmp_path / "run"
+    run.mkdir()
+
+    async def main():
+        async with Servers() as s:
+            _, eng, addr = await s.start(CausalLM.load_hf(tmp_path / "model"), version=5)  # a dead learner's v5
+            p = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(run), "--model", str(tmp_path / "model"),
+                "--inference", addr, "--resume-or-fresh", "--set", "max_versions=6", "--set", "learner.algo=grpo",
+                "--set", f"learner.batch_size={B}", "--set", "inference.auth_token=",
+                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            out, _ = await asyncio.wait_for(p.communicate(), 120)
+            return p.returncode, out.decode(), eng.version
+
+    rc, out, served = asyncio.run(main())
+    assert rc == 0, out[-3000:]
+    assert "resuming at version 0 behind the servers' 5: continuing at 6" in out, out[-3000:]
+    assert served == 6  # the learner's weights, under a number the dead learner never used
+    assert read_meta(run)["version"] == 6
+    assert json.loads((run / "trained.jsonl").read_text().splitlines()[0])["resume"] == 0
