@@ -223,6 +223,8 @@ class SupervisorConfig:
                              "ends; 0 = a death ends the run")
     backoff_s: float = f(1.0, "wait before the first restart; doubled for each further death of that process, "
                               "at most 30 s")
+    hang_s: float = f(120.0, lo=0, help="a process that is up but has not answered a ControlService Status for this "
+                                      "long (stopped, deadlocked) is killed and restarted; 0 = not probed")
 
 
 @dataclass

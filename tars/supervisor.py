@@ -13,6 +13,10 @@ under its old id with its spool (its unacknowledged trajectories are sent again)
 retry envd and inference with backoff (actor.unavailable_retry_s) and end what cannot go on as infra_error (kept out
 of the loss); their stream re-sends whatever a dead learner had not made durable.
 
+A process that is up but does not answer (SIGSTOPped, deadlocked, its event loop blocked) is found too: a thread
+asks each one for its ControlService Status every PROBE_EVERY_S (deadline PROBE_DEADLINE_S, the run's control
+token); one that has not answered for hang_s (supervisor.hang_s) is SIGKILLed and restarted like a dead one.
+
 The learner exiting with status 0 is the end of the run (it reached max_versions), not a death. Every death and
 restart is one JSON line in RUN/supervisor.jsonl; the report counts them (report.json "restarts").
 """
@@ -22,12 +26,14 @@ import dataclasses
 import json
 import pathlib
 import sys
+import threading
 import time
 from collections.abc import Callable
 
 from tars.topology import LaunchError, Topology
 
 MAX_BACKOFF_S = 30.0
+PROBE_EVERY_S, PROBE_DEADLINE_S = 5.0, 5.0
 TAIL_LINES = 5  # of a dead process's log, shown on screen
 
 
@@ -54,16 +60,44 @@ class _Role:
     due: float = 0.0              # down: when to start it again (monotonic)
     started: float = 0.0          # starting: when (monotonic)
     down_since: float = 0.0       # wall clock of the latest death
+    up_since: float = 0.0         # monotonic: when it was (last) seen up
 
 
 class Supervisor:
     """Watches every process of a started Topology and restarts the ones that die (module docstring)."""
 
     def __init__(self, topo: Topology, max_restarts: int = 5, backoff_s: float = 1.0,
-                 say: Callable[[str], None] = lambda m: None, log: pathlib.Path | None = None):
+                 say: Callable[[str], None] = lambda m: None, log: pathlib.Path | None = None, hang_s: float = 0.0,
+                 control_token: str = ""):
         self.topo, self.max_restarts, self.backoff_s, self.say = topo, max_restarts, backoff_s, say
         self.log = log if log is not None else topo.plan.out / "supervisor.jsonl"
-        self.roles = {key: _Role(key[0], key[1], topo.plan.name(*key)) for key in topo.procs}
+        now = time.monotonic()
+        self.roles = {key: _Role(key[0], key[1], topo.plan.name(*key), up_since=now) for key in topo.procs}
+        self.hang_s, self.answered = hang_s, {}  # answered: key -> monotonic time of its last Status answer
+        self._stop = threading.Event()
+        if hang_s > 0:
+            threading.Thread(target=self._probe, args=(control_token,), name="supervisor-probe", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _probe(self, token: str) -> None:
+        from core import rpc
+        from core.v1 import control_pb2, control_pb2_grpc
+
+        while not self._stop.wait(PROBE_EVERY_S):
+            for key, r in list(self.roles.items()):
+                addr = self.topo.ready.get(key, {}).get("address")
+                if r.state != "up" or not addr:
+                    continue
+                ch = rpc.sync_channel(addr, token)
+                try:
+                    control_pb2_grpc.ControlServiceStub(ch).Status(control_pb2.StatusRequest(), timeout=PROBE_DEADLINE_S)
+                    self.answered[key] = time.monotonic()
+                except Exception:  # noqa: BLE001 - no answer, whatever the reason: the clock keeps running
+                    pass
+                finally:
+                    ch.close()
 
     # ---- the loop's one call ------------------------------------------------------------------------------------
     def poll(self) -> str | None:
@@ -74,6 +108,10 @@ class Supervisor:
             proc = self.topo.procs[key]
             if r.state == "up":
                 rc = proc.returncode
+                if rc is None and self.hang_s and now - max(self.answered.get(key, 0.0), r.up_since) > self.hang_s:
+                    proc.kill()  # up but silent (stopped, deadlocked): SIGKILL, then restarted as if it had died
+                    self._died(r, None, now, f"did not answer for {self.hang_s:.0f} s (hung)")
+                    continue
                 if rc is None:
                     continue
                 if r.role == "learner" and rc == 0:
@@ -87,7 +125,7 @@ class Supervisor:
                     self._died(r, proc.returncode, now, "exited before it was ready")
                 if info is not None:
                     self.topo.ready[key] = info
-                    r.state, r.restarts = "up", r.restarts + 1
+                    r.state, r.restarts, r.up_since = "up", r.restarts + 1, now
                     self._event(r, "up", down_s=round(time.time() - r.down_since, 2))
                     self.say(f"{r.name} is back ({time.time() - r.down_since:.1f} s down, restart {r.restarts})")
                 elif r.state == "starting" and now - r.started > proc.spec.ready_s:

@@ -88,7 +88,8 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         topo.start()
         say(f"running: envd {topo.envd}, inference {topo.inference}, learner {topo.stream}, {cfg.actors} actor(s); "
             "Ctrl-C stops")
-        sup = Supervisor(topo, cfg.supervisor.max_restarts, cfg.supervisor.backoff_s,
+        sup = Supervisor(topo, cfg.supervisor.max_restarts, cfg.supervisor.backoff_s, hang_s=cfg.supervisor.hang_s,
+                         control_token=cfg.control.auth_token,
                          say=(lambda m: say(m) if not tty else print("\r\033[K[tars up] " + m, flush=True)))
         status = _watch(cfg, sup, out_p, quiet, tty, lambda: interrupted)
         if tty:
@@ -98,6 +99,8 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         status = f"failed: {e}"
         print(f"[tars up] {status}", file=sys.stderr if quiet else sys.stdout, flush=True)  # --quiet too: why it ended
     finally:
+        if sup is not None:
+            sup.close()
         topo.stop()
         signal.signal(signal.SIGINT, old)
     held, status = _held_out(cfg, out_p, model_dir, sft_s is not None, status, t_start, say)

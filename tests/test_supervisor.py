@@ -81,6 +81,32 @@ def test_a_log_that_cannot_be_written_does_not_end_supervision(tmp_path, capsys)
     assert "cannot record envd died" in capsys.readouterr().err
 
 
+def test_a_stopped_process_is_found_killed_and_restarted(tmp_path, monkeypatch):
+    """A SIGSTOPped envd is up but serves nothing: the run stalled without a word. The supervisor's probe (its
+    ControlService Status) finds it silent past hang_s, kills it and restarts it on its port."""
+    from tars import supervisor as S
+
+    monkeypatch.setattr(S, "PROBE_EVERY_S", 0.2)
+    monkeypatch.setattr(S, "PROBE_DEADLINE_S", 0.5)
+    cfg, topo = _envd_only(tmp_path)
+    with topo:
+        topo.start()
+        addr, pid0 = topo.envd, topo.ready[("envd", 0)]["pid"]
+        sup = Supervisor(topo, max_restarts=2, backoff_s=0.2, hang_s=3.0, control_token=cfg.control.auth_token)
+        try:
+            for _ in range(20):  # a healthy process answers and is left alone
+                assert sup.poll() is None
+                time.sleep(0.25)
+            assert sup.counts() == {} and ("envd", 0) in sup.answered
+            os.kill(pid0, signal.SIGSTOP)
+            _poll_until(sup, lambda end: sup.counts() == {"envd": 1}, 60)
+            assert topo.envd == addr and topo.ready[("envd", 0)]["pid"] != pid0 and _serves(addr, cfg)
+            died = [e for e in read_events(topo.plan.out) if e["event"] == "died"]
+            assert len(died) == 1 and "did not answer for 3 s (hung)" in died[0]["how"], died
+        finally:
+            sup.close()
+
+
 def test_a_process_that_keeps_dying_ends_the_run(tmp_path):
     cfg, topo = _envd_only(tmp_path)
     with topo:
