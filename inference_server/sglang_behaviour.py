@@ -36,6 +36,7 @@ whose ConformanceServer is this behaviour behind a socket.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -144,7 +145,9 @@ class SGLangBehaviour:
         budget = self.engine.cfg.max_context - len(ids) if null_budget else num("max_new_tokens", int, 128)
         params = SamplingParams(max_new_tokens=budget, temperature=num("temperature", float, 1.0), top_p=top_p,
                                 top_k=max(top_k, 0), stop_token_ids=tuple(sorted(stops)), seed=num("sampling_seed", int, 0))
-        self.engine.validate(ids, params)
+        if budget < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {budget}")
+        self.engine.validate(ids, dataclasses.replace(params, max_new_tokens=max(1, budget)))  # 0 is SGLang's too
         rid = str(body.get("rid") or uuid.uuid4().hex)
         with self.cv:
             self._wait_admitted()
@@ -152,6 +155,10 @@ class SGLangBehaviour:
                 raise ValueError(f"Duplicate request ID: {rid}")
             r = GenerateCall(rid, ids, params)
             r.return_logprob = bool(body.get("return_logprob"))
+            if budget == 0:  # nothing to generate: SGLang answers an empty output at once
+                r.finish = {"type": "length", "length": 0}
+                r.done.set()
+                return r
             self.reqs[rid] = r
             self._submit(r)
         return r

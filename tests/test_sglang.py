@@ -101,7 +101,7 @@ def test_generate_shapes_logprobs_and_finish_reasons(servers, models):
 def test_malformed_bodies_get_sglangs_4xx_not_a_5xx_or_silence(servers):
     """A 5xx reads to the tars front as a dead replica (taken out of rotation, the request resumed elsewhere), and a
     body nested too deep once got no answer at all: client mistakes are 400s, and null fields take their defaults,
-    max_new_tokens null meaning up to the context, as in SGLang."""
+    max_new_tokens null meaning up to the context and 0 an empty output, as in SGLang."""
     import http.client
     import json
 
@@ -113,6 +113,9 @@ def test_malformed_bodies_get_sglangs_4xx_not_a_5xx_or_silence(servers):
     assert st == 200 and len(r["output_ids"]) <= 2
     st, r = http_json(s.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": None, "ignore_eos": True}})
     assert st == 200 and r["meta_info"]["completion_tokens"] == 256 - len(PROMPT)
+    st, r = http_json(s.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}})
+    assert st == 200 and r["output_ids"] == [] and r["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert http_json(s.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -1}})[0] == 400
     host, port = s.url.split("//")[1].split(":")
     for headers, body in (({"Content-Type": "application/json"}, b"[" * 100_000 + b"]" * 100_000),
                           ({"Content-Length": "-1"}, None), ({"Transfer-Encoding": "chunked"}, b"2\r\n{}\r\n0\r\n\r\n")):
