@@ -285,12 +285,22 @@ def unpack_bounded(b: bytes, max_bytes: int, max_items: int):
                            max_array_len=cap, max_map_len=cap, list_hook=count, object_hook=count)
 
 
+def trained_positions(tr: Trajectory) -> np.ndarray:
+    """[T] bool: the tokens a loss is taken on. The policy generated them (mask), and they have a prefix to be
+    predicted from: not the first token, nor a segment's first token."""
+    m = np.asarray(tr.mask, bool).copy()
+    if len(m):
+        m[0] = False
+    m[[s for s in tr.segments if 0 <= s < len(m)]] = False
+    return m
+
+
 def turn_rewards(tr: Trajectory) -> np.ndarray:
     """Per-token rewards [T]: each turn's reward sits on the last token it generated. A turn that generated nothing
     (its format penalty) puts it on the last generated token before it, else on the first one after it: on a token
     the loss is taken on, so the per-token rewards still sum to the return (a prompt token's reward is never read)."""
     r = np.zeros(len(tr.tokens), np.float32)
-    gen = np.flatnonzero(np.asarray(tr.mask[1:], bool)) + 1  # generated, and with a prefix
+    gen = np.flatnonzero(trained_positions(tr))
     for t in tr.turns:
         if t.end > t.start:
             r[t.end - 1] += t.reward

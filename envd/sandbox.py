@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid
+from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid, shell_idle
 from envd.sandbox_limits import (INNER_ID, Limits, SandboxError, uid_task_count, allocate_uid, chown_tree,
                                  missing_tools, quota_breach, release_uid, workspace_usage)
 
@@ -210,7 +210,7 @@ class ShellSandbox:
             os.close(self._info_fd)
         self._init_fd = open_pidfd(read_child_pid(info_r, timeout))
         os.set_blocking(master, False)
-        self.master, self._events, self.at_prompt, self.shell_pgid = master, [], False, 0
+        self.master, self._events, self.at_prompt, self.shell_pgid, self._since_submit = master, [], False, 0, 0
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, args=(master, self._stop), name="terminal-reader",
                                         daemon=True)
@@ -356,7 +356,7 @@ class ShellSandbox:
                 if chunk:
                     self._since_submit += len(chunk)  # prompts (a program can print look-alikes) do not reset it
                     buf = self._parse(buf + chunk, seg, decoder)
-                    if self._since_submit > flood and not self._expired_at and not self.at_prompt:
+                    if self._since_submit > flood and not self._expired_at:
                         self._expire(f"output flood: more than {flood} bytes")
                 now = time.monotonic()
                 fg_seen = self._police(now, fg_seen)
@@ -392,12 +392,12 @@ class ShellSandbox:
                 self._push(Event("cont"))
                 self.at_prompt = True
             elif kind == _PROMPT and sep and status.isdigit() and cwd.startswith(b"/") and \
-                    (not self.shell_pgid or self._foreground_pgrp() in (self.shell_pgid, 0)):  # not a running job's
+                    shell_idle(self.shell_pgid, self._foreground_pgrp):  # not a look-alike a job printed
                 self._push(Event("out", decoder.decode(seg.close(self.limits.output_bytes))))
                 self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"), note=self._note))
                 self.at_prompt = True
                 self._deadline = self._expired_at = 0.0
-                self._note = ""
+                self._note, self._since_submit = "", 0
                 seg.__init__(self.limits.output_bytes)
             else:  # a look-alike without the shape of ours: plain output
                 self._push(Event("out", decoder.decode(seg.add(kind + body + _END))))

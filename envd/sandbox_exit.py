@@ -1,4 +1,5 @@
-"""Knowing that a sandbox is gone: no process of it runs once ShellSandbox.stop() returns.
+"""Facts about a sandbox's processes: that it is gone (no process of it runs once ShellSandbox.stop() returns), and
+that its shell is idle (a prompt sentinel is the shell's own).
 
 Killing bwrap (the process the daemon started) does not wait for the sandbox: bwrap's child is the init of the
 sandbox's pid namespace, and it and every process under it die a moment later (--die-with-parent, then the kernel's
@@ -65,3 +66,19 @@ def kill_and_wait(pidfd: int, timeout: float = 5.0) -> bool:
         return bool(p.poll(int(timeout * 1000)))
     finally:
         os.close(pidfd)
+
+
+def shell_idle(shell_pgid: int, foreground_pgrp) -> bool:
+    """Whether a prompt sentinel can be the shell's own: the shell holds the terminal (foreground_pgrp() is its
+    process group) and has no child (its PROMPT_COMMAND kills and reaps every other process before the prompt). A
+    running job printing look-alikes, in front or in the back while the shell waits for it, would otherwise reset
+    the command's deadline and flood count. shell_pgid 0: the shell is starting (its first prompt)."""
+    if not shell_pgid:
+        return True
+    if foreground_pgrp() not in (shell_pgid, 0):
+        return False
+    try:
+        with open(f"/proc/{shell_pgid}/task/{shell_pgid}/children") as f:
+            return not f.read().strip()
+    except OSError:
+        return True  # gone, or no /proc: the terminal check stands alone

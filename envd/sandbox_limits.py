@@ -46,15 +46,14 @@ def chown_tree(root: pathlib.Path, uid: int) -> None:
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.chown(root_fd, uid, uid)
-        for _, dirnames, filenames, dfd in os.fwalk(dir_fd=root_fd, follow_symlinks=False):
-            for name in list(dirnames) + filenames:
+        for dirpath, dirnames, filenames, dfd in os.fwalk(dir_fd=root_fd, follow_symlinks=False):
+            for name in dirnames + filenames:
                 try:
-                    if name in dirnames and os.stat(name, dir_fd=dfd, follow_symlinks=False).st_uid == uid:
-                        dirnames.remove(name)  # the sandbox's own (it made it, or an earlier start chowned it):
-                        continue               # not walked, so a tree it nested 1,500 deep costs no recursion
                     os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:
                     pass
+            if dirpath.count("/") >= 256:  # fwalk recurses per level: deeper than a restore makes is the sandbox's
+                dirnames.clear()
     finally:
         os.close(root_fd)
 

@@ -394,12 +394,12 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def Snapshot(self, request, context):
         self._check_run(request.run_id)
         s = self._get(request.session_id)
-        return env_pb2.SnapshotResponse(state=self.seal.seal(await self._snapshot(s)), env_id=s.env_id)
+        return env_pb2.SnapshotResponse(state=self.seal.seal(s.env_id, await self._snapshot(s)), env_id=s.env_id)
 
     @_rpc
     async def Restore(self, request, context):
         try:
-            state = self.seal.open(request.state)
+            state = self.seal.open(request.env_id, request.state)
         except ValueError as e:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"restore {request.env_id}: {e}") from None
         return self._created(await self._restore(request.env_id, {}, state, self._ttl(request.lease_ttl_s),

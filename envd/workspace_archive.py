@@ -65,7 +65,7 @@ def _walk(root_fd: int):
     """os.fwalk from root_fd, never following links, as deep as MAX_DEPTH (deeper: ActionError, where os.fwalk's
     recursion would raise RecursionError)."""
     for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=root_fd, follow_symlinks=False):
-        if dirpath.count("/") >= MAX_DEPTH and dirnames:
+        if dirpath.count("/") >= MAX_DEPTH and (dirnames or filenames):  # entries at MAX_DEPTH + 1: not restorable
             raise ActionError(f"the workspace is nested deeper than {MAX_DEPTH} directories: too deep to snapshot")
         yield dirpath, dirnames, filenames, dfd
 
@@ -199,8 +199,9 @@ def _open_dir(root_fd: int, parts: list[str]) -> int:
 
 
 def write_new(root: pathlib.Path, rel: str, data: bytes) -> None:
-    """Create root/rel holding `data`, its directories too, through O_NOFOLLOW directory fds and O_EXCL: never
-    through a symlink, never over an existing file (ActionError), whatever the workspace holds."""
+    """Write root/rel holding `data`, its directories too, through O_NOFOLLOW directory fds: never through a symlink,
+    whatever the workspace holds. An existing file or link there is replaced (unlinked, then created with O_EXCL); a
+    directory there is an ActionError."""
     parts = _check_name(f"{ROOT}/{rel}").split("/")[1:]
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -208,6 +209,10 @@ def write_new(root: pathlib.Path, rel: str, data: bytes) -> None:
     finally:
         os.close(root_fd)
     try:
+        try:
+            os.unlink(parts[-1], dir_fd=parent)  # a file or a link (never followed); a directory raises
+        except FileNotFoundError:
+            pass
         fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=parent)
     except OSError as e:
         raise ActionError(f"cannot create {rel!r} in the workspace: {e.strerror}") from None

@@ -19,7 +19,7 @@ from typing import Callable, TextIO
 
 from core.config_learner import GroupConfig
 from core.outcome import Outcome
-from learner.batch import trained_positions
+from core.schema import trained_positions
 
 log = logging.getLogger("tars.learner")
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from core.outcome import Outcome
-from core.schema import Trajectory, turn_rewards
+from core.schema import Trajectory, trained_positions, turn_rewards
 
 
 @dataclass
@@ -175,16 +175,6 @@ def right_padded(valid: torch.Tensor) -> bool:
     states are the same, and SDPA takes its causal kernel instead of an explicit [B, 1, T, T] mask (~2.5x faster
     forward + backward on CPU at T = 1024, measured)."""
     return bool((valid[:, 1:] <= valid[:, :-1]).all()) if valid.shape[1] > 1 else True
-
-
-def trained_positions(tr: Trajectory) -> np.ndarray:
-    """[T] bool: the tokens a loss is taken on. The policy generated them (mask), and they have a prefix to be
-    predicted from: not the first token, nor a segment's first token."""
-    m = tr.mask.astype(bool)
-    if len(m):
-        m[0] = False
-    m[[s for s in tr.segments if 0 <= s < len(m)]] = False
-    return m
 
 
 def trained_rows(mask: torch.Tensor) -> torch.Tensor:

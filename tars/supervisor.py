@@ -82,6 +82,8 @@ class Supervisor:
         self._stop.set()
 
     def _probe(self, token: str) -> None:
+        import grpc
+
         from core import rpc
         from core.v1 import control_pb2, control_pb2_grpc
 
@@ -94,6 +96,9 @@ class Supervisor:
                 try:
                     control_pb2_grpc.ControlServiceStub(ch).Status(control_pb2.StatusRequest(), timeout=PROBE_DEADLINE_S)
                     self.answered[key] = time.monotonic()
+                except grpc.RpcError as e:  # nothing listening (a learner shutting its service down to stop): not
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:  # hung; a stopped process accepts and says nothing
+                        self.answered[key] = time.monotonic()
                 except Exception:  # noqa: BLE001 - no answer, whatever the reason: the clock keeps running
                     pass
                 finally:

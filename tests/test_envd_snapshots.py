@@ -49,7 +49,10 @@ def test_an_edited_or_made_up_snapshot_is_refused_and_a_sealed_one_restores():
             forged = json.dumps(state).encode()
             assert "seal does not match" in await _refused(c, snap[:HEAD] + forged)   # old seal, new state
             assert "no sealed header" in await _refused(c, forged)                    # no seal at all
-            assert "seal does not match" in await _refused(c, SnapshotSeal(b"guess").seal(forged))  # another key
+            assert "seal does not match" in await _refused(c, SnapshotSeal(b"guess").seal("builtin/click", forged))
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # the state of one env restored as another
+                await c.Restore(env_pb2.RestoreRequest(env_id="builtin/form", state=snap))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "builtin/form" in e.value.details()
             assert "no sealed header" in await _refused(c, b"")
             sessions = len(c.server.servicer.sessions)
         return sessions

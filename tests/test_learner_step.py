@@ -461,7 +461,7 @@ def test_a_row_with_no_trained_token_costs_nothing_and_loses_no_update():
     """A row whose only generated token is its first (collate takes no loss there) alone in a length chunk took
     means over nothing: NaN, and the whole batch's update was skipped (nonfinite_steps 1), in PPO and in value
     pretraining. Such a row now adds nothing, and the update equals the one without it (SGD, exact)."""
-    from learner.admission import trained_positions
+    from core.schema import trained_positions
 
     rng = np.random.default_rng(1)
     pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)

@@ -13,7 +13,7 @@ It is also bounded by what is still needed: resolve() records which images each 
 release() forgets a trajectory once it is consumed, and collect() (after a durable checkpoint, when the consumed ids
 are the checkpoint's) deletes every image no unconsumed trajectory refers to. A WAL replay then still finds all it
 needs; an actor whose later trajectory refers to a collected image is NACKed "missing images" and sends it again.
-One lock makes resolve-and-record atomic against collect().
+One lock makes store-resolve-and-hold atomic against collect(), which takes it one batch of deletions at a time.
 """
 from __future__ import annotations
 
@@ -80,20 +80,28 @@ class ImageStore:
             for t in tids:
                 self._held.pop(t, None)
 
-    def collect(self) -> int:
+    def collect(self, batch: int = 256) -> int:
         """Delete every image no held trajectory refers to; returns how many. Call when the consumed trajectories
-        are those of a durable checkpoint (after it), so a replay of the rest finds its images."""
+        are those of a durable checkpoint (after it), so a replay of the rest finds its images. The lock is taken per
+        `batch` deletions (each batch checked against the holds of that moment), so the stream's io thread, which
+        needs it to resolve a trajectory, waits for one batch, not for the whole collection."""
         with self.lock:
-            keep = {h for hs in self._held.values() for h in hs}
-            gone = self._have - keep
-            for h in gone:
-                try:
-                    os.unlink(os.path.join(self.dir, h))
-                except FileNotFoundError:
-                    pass
-            self._have -= gone
-            self.collected += len(gone)
-            return len(gone)
+            todo = list(self._have - {h for hs in self._held.values() for h in hs})
+        n = 0
+        for i in range(0, len(todo), batch):
+            with self.lock:
+                keep = {h for hs in self._held.values() for h in hs}
+                for h in todo[i:i + batch]:
+                    if h in keep or h not in self._have:
+                        continue
+                    self._have.discard(h)  # with the file, under the lock: a put() of it now writes it again
+                    try:
+                        os.unlink(os.path.join(self.dir, h))
+                    except FileNotFoundError:
+                        pass
+                    n += 1
+        self.collected += n
+        return n
 
     def put(self, h: str, data: bytes) -> bool:
         """Store data under h (no-op if present); True if it was new. Raises ImageError for a wrong hash."""

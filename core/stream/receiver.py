@@ -72,8 +72,7 @@ class TrajectoryReceiver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._sock: zmq.Socket | None = None  # the io thread's, from bind to close
-        # The io thread's clock (read once per burst of messages); credit_low: an actor spent half its credit, so
-        # tick now (core/stream/ioloop.py).
+        # The io thread's clock (once per burst); credit_low: an actor spent half its credit (core/stream/ioloop.py).
         self._now, self._credit_low = time.monotonic(), False
         self.address = ""
         self._actors: dict[bytes, Peer] = {}
@@ -92,8 +91,7 @@ class TrajectoryReceiver:
         """Open the durability, queue its unconsumed entries for replay, bind; returns tcp://host:port."""
         self.images.open()
         self._replay = self.durability.open(frozenset(self._consumed))  # no lock: the io thread is not running yet
-        if self._replay:
-            # These were admitted by a previous learner; the training loop will resolve each with on_accepted/rejected.
+        if self._replay:  # admitted by a previous learner; the training loop resolves each (on_accepted/rejected)
             self.staleness.adopt(len(self._replay))
         self._replay.reverse()  # popped from the end, so replay goes in file (arrival) order
         self._claims_until = time.monotonic() + self.actor_timeout_s
@@ -136,10 +134,14 @@ class TrajectoryReceiver:
         self.durability.commit(ids)
 
     def compact_wal(self) -> dict:
-        """Drop consumed entries from the WAL (call after the checkpoint that covers them is durable)."""
+        """Drop consumed entries from the WAL (call after the checkpoint that covers them is durable), then the images
+        no unconsumed trajectory holds, unless mid-replay (unread entries hold nothing; replay pops under the lock)."""
         with self._consumed_lock:
             drop = frozenset(self._consumed)
-        return {**self.durability.compact(drop), "images_collected": 0 if self._replay else self.images.collect()}
+        out = self.durability.compact(drop)
+        with self.images.lock:
+            replaying = bool(self._replay)
+        return {**out, "images_collected": 0 if replaying else self.images.collect()}
 
     def stats(self) -> dict:
         return {**self._stats, "queue": self._q.qsize(), **self.durability.stats(), "replay_pending": len(self._replay),
@@ -175,8 +177,8 @@ class TrajectoryReceiver:
         try:
             sock.linger = 0
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted actor (same id) takes over its old route
-            # Hard cap against non-conforming peers (libzmq drops the connection beyond it); conforming actors learn
-            # max_frame_bytes from WELCOME and never send more, and frames in between are NACKed "oversize".
+            # Hard cap against non-conforming peers (libzmq drops the connection beyond it); conforming ones learn
+            # max_frame_bytes from WELCOME, and frames in between are NACKed "oversize".
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame_bytes + (1 << 20))
             sock.rcvhwm = sock.sndhwm = 0  # bounded by credits, not by silently dropping
             curve_server(sock, self.curve_secret_key)
@@ -239,8 +241,7 @@ class TrajectoryReceiver:
         ident, tag = msg[0], msg[1]
         st = self._actors.get(ident)
         if st is None and tag != M.HELLO:
-            # A learner restart (or a timed-out actor): make the actor re-introduce itself; its outbox is re-sent.
-            # (Before its body is unpacked: a peer that never said HELLO costs no decoding.)
+            # A learner restart (or a timed-out actor): the actor re-introduces itself (nothing of it is decoded).
             self._send(ident, M.Who())
             return
         try:
@@ -300,8 +301,8 @@ class TrajectoryReceiver:
             st = self._actors[ident] = Peer(m.incarnation, ledger=claim, claimed=claim, claim_deadline=now + self.actor_timeout_s)
         st.last_seen = now
         st.credit = 0  # WELCOME's credit is absolute: whatever was granted before is void on both sides
-        # Make everything received so far durable and acked first, then answer the pending ids we already have, so
-        # the actor's outbox holds exactly what must be re-sent when WELCOME arrives (same pipe, so in order).
+        # Durable and acked first, then answer the pending ids we have: the actor's outbox then holds exactly what
+        # must be re-sent when WELCOME arrives (same pipe, in order).
         self.durability.flush()
         self.durability.answer_known(ident, [t for t in m.pending_ids if self._known(t)])
         st.credit = min(self.credits, self._free_slots())
@@ -326,6 +327,7 @@ class TrajectoryReceiver:
         self._count(counter)
         self._count("nacked")
         self._send(ident, M.Nack(tid, reason, retry))
+        self.images.release([tid])  # a busy one holds its images again when it is re-sent
         if not retry and st.ledger:
             # The episode finished but can never be trained on: it stops counting as running.
             st.finish(1)
@@ -360,19 +362,17 @@ class TrajectoryReceiver:
             tr = Trajectory.decode(payload, self.max_frame_bytes, self.vocab_size)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
-            if m.images or image_frames:  # only with a trajectory that decoded (garbage with images grew the store);
-                # kept if it is refused later (busy): later ones may refer to them
-                take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
-            missing = resolve(self.images, tr)
+            with self.images.lock:  # stored and held as one step (a compaction between them would collect them)
+                if m.images or image_frames:  # only with a trajectory that decoded (garbage with images grew the store)
+                    take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
+                missing = resolve(self.images, tr)
             self._count("images_stored", len(self.images) - n_img)
         except (SchemaError, ImageError) as e:
             counter = getattr(e, "kind", "malformed")  # SchemaError: malformed | unknown_schema | invalid
             self._warn(counter, "dropping trajectory %s from %r: %s", tid, ident, e)
             self._nack(ident, st, tid, f"{counter}: {e}", counter)
             return
-        if missing:
-            # Refers to images this learner never got (e.g. an image frame went to a previous learner process):
-            # the actor forgets it sent them and re-sends the trajectory with them attached.
+        if missing:  # images this learner never got (or collected): the actor re-sends them attached
             self._count("missing_images")
             self._count("nacked")
             self._send(ident, M.Nack(tid, f"missing images: {len(missing)}", True, missing))
@@ -396,8 +396,7 @@ class TrajectoryReceiver:
         if n > self._stats["queue_max"]:
             self._stats["queue_max"] = n
 
-    def _free_slots(self) -> int:
-        # qsize only shrinks behind our back (get), so this is a safe under-estimate of the free slots.
+    def _free_slots(self) -> int:  # qsize only shrinks behind our back (get): a safe under-estimate
         return self.queue_size - self._q.qsize() - sum(a.credit for a in self._actors.values())
 
     def _tick(self) -> None:
@@ -407,11 +406,12 @@ class TrajectoryReceiver:
         free = self._free_slots()
         # WAL replay first: a restarted learner trains on what it had before taking anything new.
         while self._replay and free > 0:
-            tid = self._replay.pop()
             try:
-                tr = Trajectory.decode(self.durability.read(tid), self.max_frame_bytes, self.vocab_size)
-                if resolve(self.images, tr):
-                    raise SchemaError("refers to images missing from the image store")
+                with self.images.lock:  # popped and held as one step: a compaction between them may not collect
+                    tid = self._replay.pop()
+                    tr = Trajectory.decode(self.durability.read(tid), self.max_frame_bytes, self.vocab_size)
+                    if resolve(self.images, tr):
+                        raise SchemaError("refers to images missing from the image store")
             except (SchemaError, ImageError) as e:  # crc-checked, so a schema change or a lost image store
                 self._warn("replay", "cannot replay %s: %s", tid, e)
                 self.staleness.on_rejected(1)
