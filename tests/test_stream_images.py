@@ -228,3 +228,32 @@ def test_a_frame_referring_to_images_nobody_holds_is_dropped_not_retried_forever
     got = drain(rx, 1)
     rx.stop()
     assert got[0].id == "fine" and st["nacked"] == 1 and st["retried"] == 0 and rx.stats()["missing_images"] == 1
+
+
+def test_a_compaction_during_the_last_replay_keeps_its_images(tmp_path):
+    """The io thread popped the last replay id, then read and resolved it; a checkpoint's compaction in between saw
+    no replay pending and collected the image: the trajectory was dropped ("cannot replay"), unconsumed in the WAL
+    for good. Pop and hold are now one step under the store's lock."""
+    import threading
+    import time
+
+    rx1 = receiver(tmp_path)
+    addr = rx1.start()
+    asyncio.run(send_all(addr, [traj("t0", [IMG_A])]))
+    drain(rx1, 1)  # delivered, never consumed
+    rx1.stop()
+    rx2 = receiver(tmp_path)
+    popped, orig = threading.Event(), rx2.durability.read
+
+    def slow_read(tid):  # the window between the pop and the resolve
+        popped.set()
+        time.sleep(0.5)
+        return orig(tid)
+
+    rx2.durability.read = slow_read
+    rx2.start()
+    assert popped.wait(5)
+    assert rx2.compact_wal()["images_collected"] == 0
+    got = rx2.get(timeout=5)
+    rx2.stop()
+    assert got is not None and got.id == "t0" and got.images == {HA: IMG_A}

@@ -344,3 +344,33 @@ def test_an_output_flood_of_prompt_look_alikes_is_still_a_flood():
         assert (out.strip(), status) == ("after", 0)
     finally:
         env.close()
+
+
+def test_look_alikes_from_a_background_job_the_shell_waits_for_do_not_end_the_command():
+    """While the shell runs `wait`, it holds the terminal itself: look-alikes a background job printed passed for
+    prompts, disarmed the deadline, and the job ran on unpoliced. A prompt now also needs the shell to have no
+    child; the deadline kills the job."""
+    env = make_env(timeout_s="2", wait_s="1")
+    tag = f"lookalike{os.getpid()}"
+    try:
+        env.step(Action("type", content=f"bash -c 'while :; do printf \"\\x1e0 /x\\x1f\"; sleep 0.05; done' {tag} & wait\n"))
+        deadline = time.monotonic() + 30
+        while env.state == "running" and time.monotonic() < deadline:
+            env.step(Action("wait"))
+        assert env.state == "prompt" and _with_tag(tag.encode()) == []
+        assert "timed out after 2s" in env.transcript
+    finally:
+        env.close()
+
+
+def test_seeding_replaces_a_file_the_last_episode_left():
+    from envd import terminal_tasks
+
+    name = next(iter(terminal_tasks.TASKS))
+    import tempfile
+
+    ws = pathlib.Path(tempfile.mkdtemp())
+    for seed in (0, 1):  # the second finds the first's files (reset without clearing): replaced, not refused
+        spec = terminal_tasks.build(name, seed)
+        terminal_tasks.seed_files(ws, spec)
+        assert all((ws / rel).read_bytes() == data for rel, data in spec.files.items())
