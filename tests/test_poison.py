@@ -249,6 +249,7 @@ def test_a_container_bomb_costs_bounded_memory_and_a_long_trajectory_still_decod
     assert len(Trajectory.decode(t.encode(), 64 << 20, V).turns) == n
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the point
 def test_get_raises_once_the_io_thread_has_died(tmp_path):
     """Whatever kills the io thread, the training loop hears of it from get() (and the learner exits, to be
     restarted) instead of waiting for trajectories that can no longer arrive."""
