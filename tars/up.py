@@ -163,9 +163,9 @@ def _watch(cfg: C.RunConfig, sup: Supervisor, out_p: pathlib.Path, quiet: bool, 
             line = mon.progress_line(now - t_rl)
             print(("\r\033[K" + line) if tty else f"[tars up] {line}", end="" if tty else "\n", flush=True)
             last_print = now
+        end = sup.poll()  # first: a restart that became ready since the last poll is counted even on Ctrl-C
         if interrupted():
             return "interrupted"
-        end = sup.poll()
         if end is not None:
             return end
         if now - t_rl > cfg.wall_budget_s:
