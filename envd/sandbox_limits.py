@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from envd.base import Resources
+from envd.workspace_archive import MAX_DEPTH
 
 INNER_ID = 1000                      # the uid/gid the shell has inside the sandbox
 SANDBOX_UID_BASE = 2_000_000_000     # host uids for sandboxes of a root daemon: far above any real user's
@@ -52,7 +53,7 @@ def chown_tree(root: pathlib.Path, uid: int) -> None:
                     os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:
                     pass
-            if dirpath.count("/") >= 256:  # fwalk recurses per level: deeper than a restore makes is the sandbox's
+            if dirpath.count("/") >= MAX_DEPTH:  # fwalk recurses per level: below what a restore makes, the sandbox's
                 dirnames.clear()
     finally:
         os.close(root_fd)

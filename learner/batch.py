@@ -178,9 +178,9 @@ def right_padded(valid: torch.Tensor) -> bool:
 
 
 def trained_rows(mask: torch.Tensor) -> torch.Tensor:
-    """Indices (on the CPU) of the rows of a batch's mask with a trained token. A row without one adds nothing to
-    any loss, and a forward over it alone would take means over nothing (NaN, and the update skipped)."""
-    return torch.nonzero(mask.sum(1) > 0).flatten().cpu()
+    """[B] bool (on the CPU): the rows of a batch's mask with a trained token. A row without one adds nothing to any
+    loss, and a forward over it alone would take means over nothing (NaN, and the update skipped)."""
+    return (mask.sum(1) > 0).cpu()
 
 
 def boot_position(tr: Trajectory) -> int:

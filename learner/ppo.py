@@ -168,10 +168,8 @@ class PPOTrainer:
         lengths = b.widths  # on the CPU: chunking is decided on the host
         dev, amp = self.device, self.amp_dtype
         self.policy.eval()
-        rows = trained_rows(b.mask)  # the rows with a trained token: the others add nothing to any loss
-        has_tok = torch.zeros(len(trajs), dtype=torch.bool)
-        has_tok[rows] = True
-        chunks = length_chunks(lengths, rows, self.chunk_tokens)
+        has_tok = trained_rows(b.mask)  # the rows with a trained token: the others add nothing to any loss
+        chunks = length_chunks(lengths, torch.arange(len(trajs))[has_tok], self.chunk_tokens)
         # V-trace needs pi_prox for its advantages before the policy's training forward: no single pass for it.
         fused = (self.fuse_single_pass and cfg.ppo.epochs == 1 and cfg.ppo.minibatches <= 1 and self.dist.world == 1
                  and cfg.correction.kind != "vtrace")
@@ -317,7 +315,7 @@ class PPOTrainer:
         """Critic only, Monte Carlo targets (lambda = 1), the policy untouched (value pretraining)."""
         b = collate(trajs, self.pad_id, getattr(self.policy, "vl", None)).to(self.device)
         lengths = b.widths
-        chunks = length_chunks(lengths, trained_rows(b.mask), self.chunk_tokens)
+        chunks = length_chunks(lengths, torch.arange(len(trajs))[trained_rows(b.mask)], self.chunk_tokens)
         _, old = self._forward_old(b, chunks, with_prox=False)
         _, targets = A.decoupled_gae(b.rewards, old, b.mask, self.cfg.ppo.gamma, 1.0, 1.0,
                                      bootstrap_values(old, b.boot))

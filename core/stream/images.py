@@ -86,7 +86,7 @@ class ImageStore:
         `batch` deletions (each batch checked against the holds of that moment), so the stream's io thread, which
         needs it to resolve a trajectory, waits for one batch, not for the whole collection."""
         with self.lock:
-            todo = list(self._have - {h for hs in self._held.values() for h in hs})
+            todo = list(self._have)
         n = 0
         for i in range(0, len(todo), batch):
             with self.lock:
