@@ -103,24 +103,28 @@ def answers(d, ids, timeout=10.0) -> dict:
     return out
 
 
-def test_stream_nacks_untrainable_trajectories_and_delivers_the_rest(tmp_path):
-    rx = receiver(tmp_path, vocab_size=V)
-    addr = rx.start()
-    d = raw_actor(addr, b"poisoner")
-    d.send_multipart(P.Hello("poisoner", "i", 1).encode())
+def refused_between_good_ones(addr: str, name: str, cases, prefix: str, timeout: float = 10.0) -> None:
+    """From a raw actor `name`: each case's payload, each followed by a good trajectory ok-i. Every case is NACKed
+    with a reason starting with `prefix` and naming its expected text; every good one is acked."""
+    d = raw_actor(addr, name.encode())
+    d.send_multipart(P.Hello(name, "i", 1).encode())
     recv_until(d, P.WELCOME)
     sent = []
-    for i, (tid, payload, _) in enumerate(POISON):
+    for i, (tid, payload, _) in enumerate(cases):
         d.send_multipart([P.TRAJ, P.pack({"seq": i, "id": tid}), payload()])
-        sent.append(tid)
         d.send_multipart([P.TRAJ, P.pack({"seq": 100 + i, "id": f"ok-{i}"}), good(f"ok-{i}").encode()])
-        sent.append(f"ok-{i}")
-    got = answers(d, sent)
+        sent += [tid, f"ok-{i}"]
+    got = answers(d, sent, timeout)
     d.close()
-    for tid, _, why in POISON:
+    for tid, _, why in cases:
         kind, reason = got[tid]
-        assert kind == "nack" and reason.startswith("invalid: ") and why in reason, (tid, got[tid])
-    assert all(got[f"ok-{i}"] == ("ack", "") for i in range(len(POISON)))
+        assert kind == "nack" and reason.startswith(prefix) and why in reason, (tid, got[tid])
+    assert all(got[f"ok-{i}"] == ("ack", "") for i in range(len(cases)))
+
+
+def test_stream_nacks_untrainable_trajectories_and_delivers_the_rest(tmp_path):
+    rx = receiver(tmp_path, vocab_size=V)
+    refused_between_good_ones(rx.start(), "poisoner", POISON, "invalid: ")
     delivered = [rx.get(timeout=1) for _ in range(len(POISON))]
     assert [t.id for t in delivered] == [f"ok-{i}" for i in range(len(POISON))] and rx.get(timeout=0.2) is None
     s = rx.stats()
@@ -201,21 +205,7 @@ def test_malformed_frames_are_refused_and_the_stream_lives_on(tmp_path):
     """Each MALFORMED frame is NACKed "malformed" and the good trajectory sent after it still arrives: no frame can
     stop the receiver's io thread (before, the first one did, and get() then waited for nothing, for ever)."""
     rx = receiver(tmp_path, vocab_size=V)
-    addr = rx.start()
-    d = raw_actor(addr, b"mangler")
-    d.send_multipart(P.Hello("mangler", "i", 1).encode())
-    recv_until(d, P.WELCOME)
-    sent = []
-    for i, (tid, payload, _) in enumerate(MALFORMED):
-        d.send_multipart([P.TRAJ, P.pack({"seq": i, "id": tid}), payload()])
-        d.send_multipart([P.TRAJ, P.pack({"seq": 100 + i, "id": f"ok-{i}"}), good(f"ok-{i}").encode()])
-        sent += [tid, f"ok-{i}"]
-    got = answers(d, sent, timeout=30.0)
-    d.close()
-    for tid, _, why in MALFORMED:
-        kind, reason = got[tid]
-        assert kind == "nack" and reason.startswith("malformed: ") and why in reason, (tid, got[tid])
-    assert all(got[f"ok-{i}"] == ("ack", "") for i in range(len(MALFORMED)))
+    refused_between_good_ones(rx.start(), "mangler", MALFORMED, "malformed: ", timeout=30.0)
     assert [rx.get(timeout=1).id for _ in MALFORMED] == [f"ok-{i}" for i in range(len(MALFORMED))]
     s = rx.stats()
     rx.stop()

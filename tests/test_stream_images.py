@@ -235,7 +235,6 @@ def test_a_compaction_during_the_last_replay_keeps_its_images(tmp_path):
     no replay pending and collected the image: the trajectory was dropped ("cannot replay"), unconsumed in the WAL
     for good. Pop and hold are now one step under the store's lock."""
     import threading
-    import time
 
     rx1 = receiver(tmp_path)
     addr = rx1.start()
@@ -243,17 +242,23 @@ def test_a_compaction_during_the_last_replay_keeps_its_images(tmp_path):
     drain(rx1, 1)  # delivered, never consumed
     rx1.stop()
     rx2 = receiver(tmp_path)
-    popped, orig = threading.Event(), rx2.durability.read
+    popped, compacting = threading.Event(), threading.Event()
+    read, compact = rx2.durability.read, rx2.durability.compact
 
-    def slow_read(tid):  # the window between the pop and the resolve
+    def held_read(tid):  # the window between the pop and the resolve, held open until the compaction has begun
         popped.set()
-        time.sleep(0.5)
-        return orig(tid)
+        assert compacting.wait(10)
+        return read(tid)
 
-    rx2.durability.read = slow_read
+    def compact_then_open(drop):
+        out = compact(drop)
+        compacting.set()
+        return out
+
+    rx2.durability.read, rx2.durability.compact = held_read, compact_then_open
     rx2.start()
     assert popped.wait(5)
-    assert rx2.compact_wal()["images_collected"] == 0
+    assert rx2.compact_wal()["images_collected"] == 0  # it waits for the replay's hold (the store's lock)
     got = rx2.get(timeout=5)
     rx2.stop()
     assert got is not None and got.id == "t0" and got.images == {HA: IMG_A}

@@ -15,6 +15,7 @@ import pytest
 
 from envd.base import Action, Outcome
 from envd.sandbox import missing_tools
+from core.proc import wait_for
 from envd.terminal import TerminalEnv
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"sandbox tools missing: {missing_tools()}")
@@ -266,10 +267,7 @@ def test_stop_returns_only_once_every_process_of_the_sandbox_is_gone():
     try:
         for _ in range(3):
             env.step(Action("type", content=f"python3 -c '{code}' {tag.decode()}\n"))
-            deadline = time.monotonic() + 10
-            while len(_with_tag(tag)) < 41 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert len(_with_tag(tag)) == 41
+            wait_for(lambda: len(_with_tag(tag)) == 41, 10, "41 busy processes in the sandbox", every=0.05)
             env.sandbox.stop()
             assert _with_tag(tag) == []  # at once: no wait, no retry
             env.reset(2, {})
