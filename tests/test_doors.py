@@ -205,7 +205,7 @@ ALLOW = {
     "tars/eval.py: stopper = asyncio.create_task(stop.wait())": "a stop signal raced against work in asyncio.wait, not a wait",
     "actor/main.py: waiters = [*tasks, asyncio.ensure_future(stop.wait())]": "raced in asyncio.wait(timeout=...)",
     "actor/main.py: tr = task.result()": "in a done callback: the task is finished, result() does not block",
-    "core/stream/durability.py: batch = self._sync_req.get()": "the WAL syncer thread's idle wait; stop() sends it None",
+    "core/stream/durability.py: while self._req.get():  # close() sends False": "the WAL syncer thread's idle wait; close() sends it False",
     "tars/bench/stream.py: zmq socket without an explicit high-water mark": "benchmark's plain-socket baseline",
     "tars/bench/stream.py: a.recv()": "benchmark child process; the parent joins it with a deadline",
     "tars/bench/stream.py: conn.recv()  # wait for the parent's start signal so only the transfer is timed": "benchmark child",

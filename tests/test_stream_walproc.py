@@ -177,3 +177,176 @@ def test_an_unknown_wal_writer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="wal writer"):
         TrajectoryReceiver("tcp://127.0.0.1:0", str(tmp_path / "w.log"), StalenessManager(batch_size=8, eta=10),
                            wal_writer="disk")
+
+
+# --- the writer's block appends (core/stream/walwriter.py), against the in-process log as the reference -------------
+
+def _record(tid: str, body: bytes) -> bytes:
+    from core.stream.wal import _HDR, _MAGIC2
+    idb = tid.encode()
+    return _HDR.pack(_MAGIC2, len(idb), len(body), 0) + idb + body
+
+
+def _batches(seed: int):
+    """Batches of records of awkward sizes: tiny ones, ones across the small staging buffer, one far larger."""
+    import random
+    rng = random.Random(seed)
+    sizes = [1, 4095, 4096, 4097, 70_000, 9, 200_000] + [rng.randrange(1, 30_000) for _ in range(40)]
+    recs = [(f"r{i}", bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+    out, i = [], 0
+    while i < len(recs):
+        k = rng.randrange(1, 6)
+        out.append(recs[i:i + k])
+        i += k
+    return out
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_block_appends_write_the_same_bytes_as_the_in_process_log(tmp_path, monkeypatch, direct):
+    """Whole-block O_DIRECT writes (or buffered ones) with a carried partial block, a staging buffer that spills,
+    a record appended by the learner process in between (its block read back), and a reopen: the file is the
+    reference log's byte for byte once the padding is cut, and scans the same at every step."""
+    from core.stream import walwriter
+    from core.stream.wal import scan
+
+    class Small(walwriter._Appender):
+        STAGE = 64 << 10                                   # spills inside the 70 KB and 200 KB records
+
+    ref = WriteAheadLog(tmp_path / "ref.wal").open()
+    path = tmp_path / "blk.wal"
+    path.touch()
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT")
+    app = Small(str(path))
+    assert app.direct is direct
+    side = os.open(path, os.O_WRONLY)                      # the learner process's own descriptor
+    end = 0
+    for n, batch in enumerate(_batches(0)):
+        if n == 3:                                         # a self-checking record written by the learner itself
+            ref.append("own", b"x" * 5000)
+            ref.sync()
+            own = open(tmp_path / "ref.wal", "rb").read()[end:]
+            os.pwrite(side, own, end)
+            end += len(own)
+        if n == 6:
+            app.open()                                     # as after a compaction: nothing kept, the block is read back
+        for tid, body in batch:
+            ref.stage(tid, body)
+        ref.sync()
+        app.append(end, [_record(t, b) for t, b in batch])
+        end = os.path.getsize(tmp_path / "ref.wal")
+        data = path.read_bytes()
+        if direct:
+            assert len(data) % 4096 == 0 and len(data) >= end and not data[end:].strip(b"\0")
+        want, _ = scan(lambda k, o, d=open(tmp_path / "ref.wal", "rb").read(): d[o:o + k], end)
+        assert scan(lambda k, o: data[o:o + k], len(data)) == (want, end)
+    app.finish(end)
+    app.close()
+    os.close(side)
+    ref.close()
+    assert path.read_bytes() == (tmp_path / "ref.wal").read_bytes()
+
+
+def test_block_appends_fall_back_to_the_page_cache_when_direct_writes_are_refused(tmp_path, monkeypatch):
+    from core.stream import walwriter
+    path = tmp_path / "blk.wal"
+    path.touch()
+    app = walwriter._Appender(str(path))
+    real, refused = os.pwrite, []
+
+    def pwrite(fd, data, off):
+        if fd == app.fd and app.direct:
+            refused.append(off)
+            raise OSError(22, "Invalid argument")          # a file system that wants another alignment
+        return real(fd, data, off)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    ref = WriteAheadLog(tmp_path / "ref.wal").open()
+    end = 0
+    for batch in _batches(1)[:4]:
+        for tid, body in batch:
+            ref.stage(tid, body)
+        ref.sync()
+        app.append(end, [_record(t, b) for t, b in batch])
+        end = os.path.getsize(tmp_path / "ref.wal")
+    ref.close()
+    assert refused == [0] and not app.direct
+    app.finish(end)
+    app.close()
+    assert path.read_bytes() == (tmp_path / "ref.wal").read_bytes()
+
+
+def test_a_killed_writer_leaves_only_its_block_padding_which_the_next_open_cuts(tmp_path):
+    p = tmp_path / "w.wal"
+    w = WriterProcessLog(p).open()
+    for i in range(5):
+        w.stage(f"t{i}", payload(i, 10_001))               # an end that is not on a block boundary
+    w.sync()
+    end = w._end
+    os.kill(w.writer_pid, signal.SIGKILL)
+    w._proc.wait(10)
+    size = os.path.getsize(p)
+    assert size % 4096 == 0 and size > end                 # the last block went out whole, zeros after the commit
+    w.close()
+    r = WriteAheadLog(p).open()
+    assert list(r.index) == [f"t{i}" for i in range(5)] and r.truncated_bytes == size - end
+    assert [r.read(f"t{i}") for i in range(5)] == [payload(i, 10_001) for i in range(5)]
+    r.close()
+    assert os.path.getsize(p) == end
+
+
+def _until(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.002)
+
+
+def test_sync_begin_returns_at_once_and_sync_done_reports_the_reply(tmp_path):
+    w = WriterProcessLog(tmp_path / "w.wal").open()
+    w.stage("a", payload(1))
+    t = w.sync_begin()
+    assert t == 1 and w._inflight is not None
+    _until(lambda: w.sync_done(t))
+    assert w._inflight is None and scan_ids(tmp_path / "w.wal") == ["a"]
+    assert w.sync_begin() == t                             # nothing staged: nothing sent, the same ticket
+    # Another thread's sync() (or compact, or close) takes the reply in flight first; the io thread then sees it done.
+    w.stage("b", payload(2))
+    t = w.sync_begin()
+    w.stage("c", payload(3))
+    th = threading.Thread(target=w.sync)
+    th.start()
+    th.join(10)
+    assert w.sync_done(t) and scan_ids(tmp_path / "w.wal") == ["a", "b", "c"]
+    w.stage("d", payload(4))
+    t = w.sync_begin()
+    assert w.compact({"a"}) == (3, 1) and w.sync_done(t)
+    w.close()
+    assert scan_ids(tmp_path / "w.wal") == ["b", "c", "d"]
+
+
+def test_sync_done_turns_a_silent_writer_into_an_error_after_its_deadline(tmp_path):
+    w = WriterProcessLog(tmp_path / "w.wal", reply_timeout_s=0.5).open()
+    os.kill(w.writer_pid, signal.SIGSTOP)
+    w.stage("a", payload(1))
+    t = w.sync_begin()
+    assert not w.sync_done(t)                              # only looks: no reply yet, no error yet
+    t0 = time.monotonic()
+    with pytest.raises(WalError, match="writer process is gone"):
+        _until(lambda: w.sync_done(t))
+    assert 0.3 < time.monotonic() - t0 < 5 and w.fatal is not None
+    w.close()
+    assert scan_ids(tmp_path / "w.wal") == []
+
+
+def test_sync_done_reports_a_writer_killed_with_a_request_in_flight(tmp_path):
+    w = WriterProcessLog(tmp_path / "w.wal").open()
+    os.kill(w.writer_pid, signal.SIGSTOP)
+    w.stage("a", payload(1))
+    t = w.sync_begin()
+    os.kill(w.writer_pid, signal.SIGKILL)
+    with pytest.raises(WalError, match="writer process is gone"):
+        _until(lambda: w.sync_done(t))
+    with pytest.raises(WalError):
+        w.stage("b", payload(2))
+    w.close()

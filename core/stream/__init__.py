@@ -8,6 +8,7 @@
   durability.py  when an accepted trajectory may be acked: through the WAL, or through the learner's checkpoints
   wal.py         the write-ahead log (also the learner's trajectory-file format)
   walproc.py     the WAL with its checksum, writes and fdatasync in a writer process, fed through shared memory
+  walwriter.py   that writer process: O_DIRECT appends of whole blocks, fdatasync, one request at a time
   images.py      content-addressed screenshots, each sent once per learner connection
   curve.py       CURVE encryption hooks for both sockets
 

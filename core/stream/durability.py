@@ -5,9 +5,10 @@ ack is a promise that the trajectory survives a learner crash. The receiver (cor
 queues a trajectory, then hands it to its Durability, which decides how that promise is kept:
 
   "wal"         WalDurability: the trajectory is written to the write-ahead log (core/stream/wal.py) and fsynced, in
-                batches (the io thread stages, a syncer thread has each batch checksummed, written and fdatasynced
-                by the WAL writer process, core/stream/walproc.py, or does it itself with wal_writer="thread"; then
-                the io thread acks; group commit: one fdatasync in flight, the next one covers everything that arrived
+                batches (the io thread stages, then at a tick hands each batch to the WAL writer process,
+                core/stream/walproc.py, which checksums, writes and fdatasyncs it, and picks up the reply at a
+                later tick; with wal_writer="thread" a syncer thread does that work here; then the io thread
+                acks; group commit: one fdatasync in flight, the next one covers everything that arrived
                 meanwhile, see WalDurability). A restarted learner replays the entries its checkpoint does
                 not list as consumed; compact() drops consumed entries after a checkpoint.
   "checkpoint"  CheckpointDurability: no log. An accepted trajectory is answered at once with a "held" notice (the
@@ -135,8 +136,8 @@ class WalDurability(Durability):
         super().__init__(io)
         if writer not in WAL_WRITERS:
             raise ValueError(f"wal writer must be one of {WAL_WRITERS}, got {writer!r}")
-        # process: the syncer thread only hands each batch to a writer process (core/stream/walproc.py), which
-        # checksums, writes and fdatasyncs it; thread: the syncer thread does that work in this process.
+        # process: the io thread hands each batch to a writer process (core/stream/walproc.py), which checksums,
+        # writes and fdatasyncs it, and picks up its reply at a later tick; thread: a syncer thread does that work here.
         self.wal = WriteAheadLog(path, fsync=fsync) if writer == "thread" else \
             WriterProcessLog(path, fsync=fsync, ring_bytes=max(RING_BYTES, 2 * max_record + (2 << 20)))
         self.ack_interval_s = ack_interval_s
@@ -148,32 +149,29 @@ class WalDurability(Durability):
         # the previous one is done and either ack_interval_s passed since the first pending id or the pending batch
         # reaches what arrives during one fdatasync (measured: EWMA of the sync latency x EWMA of the arrival rate),
         # so a loaded stream does not wait out the interval and a quiet one still groups its syncs.
-        self._sync_s = 0.005  # EWMA seconds per sync (write + checksum + fdatasync), measured by the syncer
+        self._sync_s = 0.005  # EWMA seconds per sync (hand-over to acks), measured here
         self._rate = 0.0      # EWMA ids per second handed to the syncer
         self._handed_at = 0.0
-        # One fdatasync at a time runs on the syncer thread while the io thread keeps receiving; its batch of acks
-        # comes back through _sync_done and is sent by the io thread (which owns the socket), in order.
-        self._sync_req: queue.Queue = queue.Queue(maxsize=1)
-        self._sync_done: queue.Queue = queue.Queue(maxsize=1)
+        # One sync at a time is in flight while the io thread keeps receiving; its batch of acks is sent by the io
+        # thread (which owns the socket) once the sync is done, in order.
         self._syncing: dict[bytes, list[str]] | None = None
-        self._syncer: threading.Thread | None = None
+        self._sync: _ThreadSync | _WriterSync | None = None
+
+    @property
+    def acks_ready(self) -> bool:
+        return self._sync is not None and self._sync.ready
 
     def open(self, consumed: frozenset[str]) -> list[str]:
         self.wal.open()
-        self._syncer = threading.Thread(target=self._sync_loop, name="traj-wal-sync", daemon=True)
-        self._syncer.start()
+        self._sync = _WriterSync(self.wal) if isinstance(self.wal, WriterProcessLog) else _ThreadSync(self.wal)
         return [t for t in self.wal.index if t not in consumed]
 
     def read(self, tid: str) -> bytes:
         return self.wal.read(tid)
 
     def close(self, timeout: float) -> None:
-        if self._syncer:
-            try:
-                self._sync_req.put(None, timeout=timeout)
-            except queue.Full:
-                pass
-            self._syncer.join(timeout)
+        if self._sync is not None:
+            self._sync.close(timeout)
         self.wal.close()
 
     @property
@@ -220,7 +218,7 @@ class WalDurability(Durability):
             self._handed_at = now
             self._syncing, self._pending, self._ack_due, self._n_pending = self._pending, {}, 0.0, 0
             self.io.count("wal_syncs")
-            self._sync_req.put_nowait(self._syncing)
+            self._sync.begin()
 
     def flush(self) -> None:
         if not self._collect(timeout=30.0):
@@ -244,34 +242,17 @@ class WalDurability(Durability):
             self._ack(ident, ids)
 
     def _collect(self, timeout: float | None) -> bool:
-        """Send the acks of a finished background sync; timeout=None polls. False if one is still running."""
+        """Send the acks of a finished sync; timeout=None polls. False if one is still running."""
         if self._syncing is None:
             return True
-        try:
-            batch = self._sync_done.get(timeout=timeout) if timeout else self._sync_done.get_nowait()
-        except queue.Empty:
+        ok = self._sync.done(timeout)
+        if ok is None:
             return False
-        self._syncing = None
-        self.acks_ready = False
-        self._ack_batch(batch)
+        self._sync_s += 0.2 * (time.monotonic() - self._handed_at - self._sync_s)
+        batch, self._syncing = self._syncing, None
+        if ok:
+            self._ack_batch(batch)  # else sticky (WalError from now on): nothing is acked again, actors keep theirs
         return True
-
-    def _sync_loop(self) -> None:
-        while True:
-            # Idle until the io thread hands over a batch; close() sends None.
-            batch = self._sync_req.get()
-            if batch is None:
-                return
-            t0 = time.monotonic()
-            try:
-                self.wal.sync()
-                self._sync_s += 0.2 * (time.monotonic() - t0 - self._sync_s)
-            except OSError:
-                # Sticky (WalError from now on): nothing is acked again, actors keep what they sent.
-                log.exception("WAL write/fdatasync failed; these trajectories stay unacked")
-                batch = {}
-            self._sync_done.put(batch)
-            self.acks_ready = True  # the io thread looks at this after every message: acks go out at once
 
     def commit(self, ids: Iterable[str]) -> None:
         """Nothing to do: these ids were acked as soon as their WAL batch was fsynced."""
@@ -283,6 +264,77 @@ class WalDurability(Durability):
     def stats(self) -> dict:
         return {"wal_entries": len(self.wal), "held": 0, "wal_sync_ms": round(self._sync_s * 1e3, 2),
                 "wal_batch_target": self.batch_target()}
+
+
+class _ThreadSync:
+    """wal_writer="thread": a syncer thread runs wal.sync() (checksum, write, fdatasync in this process)."""
+
+    def __init__(self, wal: WriteAheadLog):
+        self.wal, self.ready = wal, False  # ready: a sync just finished (the io thread stops draining, ticks at once)
+        self._req: queue.Queue = queue.Queue(maxsize=1)
+        self._done: queue.Queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._loop, name="traj-wal-sync", daemon=True)
+        self._thread.start()
+
+    def begin(self) -> None:
+        self._req.put_nowait(True)
+
+    def done(self, timeout: float | None) -> bool | None:
+        """True: durable; False: it failed; None: still running."""
+        try:
+            ok = self._done.get(timeout=timeout) if timeout else self._done.get_nowait()
+        except queue.Empty:
+            return None
+        self.ready = False
+        return ok
+
+    def _loop(self) -> None:
+        while self._req.get():  # close() sends False
+            try:
+                self.wal.sync()
+                ok = True
+            except OSError:
+                log.exception("WAL write/fdatasync failed; these trajectories stay unacked")
+                ok = False
+            self._done.put(ok)
+            self.ready = True
+
+    def close(self, timeout: float) -> None:
+        try:
+            self._req.put(False, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+
+class _WriterSync:
+    """wal_writer="process": the io thread sends each batch to the writer process and looks for the reply at its
+    ticks (no thread of the learner waits on the writer)."""
+
+    ready = False
+
+    def __init__(self, wal: WriterProcessLog):
+        self.wal, self._ticket, self._failed = wal, 0, False
+
+    def begin(self) -> None:
+        try:
+            self._ticket = self.wal.sync_begin()
+        except OSError:
+            log.exception("WAL write failed; these trajectories stay unacked")
+            self._failed = True
+
+    def done(self, timeout: float | None) -> bool | None:
+        if self._failed:
+            self._failed = False
+            return False
+        try:
+            return True if self.wal.sync_done(self._ticket, timeout or 0.0) else None
+        except OSError:
+            log.exception("WAL write/fdatasync failed; these trajectories stay unacked")
+            return False
+
+    def close(self, timeout: float) -> None:
+        """Nothing runs on its own: close() of the log finishes a request in flight."""
 
 
 class CheckpointDurability(Durability):

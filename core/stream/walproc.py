@@ -1,20 +1,23 @@
 """The write-ahead log with its writes in a separate writer process: the receiver's io thread copies each record
-into a shared-memory ring, the writer process checksums, writes and fdatasyncs each batch.
+into a shared-memory ring, the writer process (core/stream/walwriter.py) checksums, writes and fdatasyncs each batch.
 
 Why: in WAL mode the learner process paid ~40 us of CPU per 33 KB trajectory for the syncer's block join, crc32,
 pwritev and fdatasync, work the raw link never does. Here the learner process pays one memcpy into the ring (a few
-us, GIL held) and one small message per batch; the checksum, the copy into the page cache and fdatasync's own work
-run in the writer process (on another core when one is free), outside the learner's GIL.
+us, GIL held) and one small message per batch; the checksum, the write (O_DIRECT: no page cache) and fdatasync's
+own work run in the writer process (on another core when one is free), outside the learner's GIL.
 
-  learner process                                          writer process (python -m core.stream.walproc)
+  learner process                                          writer process (python -m core.stream.walwriter)
   io thread: stage(): reserve file offset, index id,       recv ("write", file offset, [(ring off, len)...])
-             memcpy hdr+id+payload into the ring             crc32 over the regions, pwritev + TWC2 commit,
-  syncer thread: sync(): send the cut batch's regions  ->    fdatasync
-                 wait for the reply (deadline)         <-  ok | error text
-                 free the batch's ring space; the io thread acks
+             memcpy hdr+id+payload into the ring             copy into an aligned buffer, crc32, + TWC2 commit,
+  io thread at a tick: sync_begin(): send the cut    ->      O_DIRECT pwrite of whole blocks, fdatasync
+             batch's regions, go on receiving
+  io thread at later ticks: sync_done(): the reply?  <-    ok | error text
+             free the batch's ring space; ack it
+  (sync(), compact() and close() on other threads wait for a reply in flight first, then make their own call.)
 
-The file format is WriteAheadLog's (core/stream/wal.py), byte for byte: the same TWL2 records and TWC2 commit. The
-learner process keeps the index, the reads (replay) and compaction (after which the writer reopens the file).
+The file format is WriteAheadLog's (core/stream/wal.py), byte for byte: the same TWL2 records and TWC2 commit; only
+a crashed writer leaves zeros after the last commit (its last block's padding), which the next open() cuts as a torn
+tail. The learner process keeps the index, the reads (replay) and compaction (after which the writer reopens the file).
 
 Failure: the writer's death (EOF on the control socket) or a reply past its deadline is sticky, like a failed
 fdatasync: the batch in flight and everything after it is never acked, `fatal` is set and the receiver's get()
@@ -28,28 +31,21 @@ from __future__ import annotations
 
 import array
 import collections
-import errno
 import fcntl
 import logging
 import mmap
 import os
-import signal
+import select
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
-import zlib
 
-from core.stream.wal import _COMMIT, _COMMIT_MAGIC, _HDR, _MAGIC2, WalError, WalFull, WriteAheadLog, _Batch
+from core.stream.wal import _COMMIT, _HDR, _MAGIC2, WalError, WalFull, WriteAheadLog
+from core.stream.walwriter import REP, REQ, EXIT, HELLO, REOPEN, WRITE, WRITE_SYNC, recv_exact
 
 log = logging.getLogger(__name__)
-
-# The control protocol on a socketpair: request (op, file offset, n regions) + n x (ring offset, length) as u64;
-# reply (status 0 = ok, length of an error text) + the text.
-_REQ, _REP = struct.Struct("<BQI"), struct.Struct("<BI")
-_HELLO, _WRITE, _WRITE_SYNC, _REOPEN, _EXIT = range(5)
 
 RING_BYTES = 64 << 20  # at least; WalDurability sizes it to hold two of the largest frames
 
@@ -77,6 +73,8 @@ class WriterProcessLog(WriteAheadLog):
         self._proc: subprocess.Popen | None = None
         self._lock_fd = -1
         self.fatal: BaseException | None = None  # the writer process died or hung: the learner must stop
+        self._inflight: tuple[int, float] | None = None  # (regions, sent at) of a sync_begin() not yet answered
+        self._sent = self._done = 0  # sync_begin() tickets handed out / answered
 
     @property
     def writer_pid(self) -> int | None:
@@ -108,14 +106,14 @@ class WriterProcessLog(WriteAheadLog):
             _prefault(self._ring, self.ring_bytes >> 3)  # the part a stream cycles through (see _alloc)
             ours, theirs = socket.socketpair()
             with theirs:
-                cmd = [sys.executable, "-m", "core.stream.walproc", self.path, str(self.ring_bytes),
+                cmd = [sys.executable, "-m", "core.stream.walwriter", self.path, str(self.ring_bytes),
                        str(theirs.fileno()), str(ring_fd), str(self._lock_fd)]
                 self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), ring_fd, self._lock_fd),
                                               stdin=subprocess.DEVNULL)
             self._conn = ours
         finally:
             os.close(ring_fd)  # the mapping (and the writer's copy) keep the memory
-        self._call(_HELLO, 30.0)
+        self._call(HELLO, 30.0)
         return self
 
     def close(self) -> None:
@@ -124,7 +122,7 @@ class WriterProcessLog(WriteAheadLog):
         finally:
             if self._conn is not None and self.fatal is None:
                 try:
-                    self._call(_EXIT, 10.0)
+                    self._call(EXIT, 10.0, self._end)  # the writer cuts its block padding there
                 except WalError:
                     pass
             self._reap()
@@ -214,35 +212,49 @@ class WriterProcessLog(WriteAheadLog):
         super()._check_locked()
 
     # --- the writer ---------------------------------------------------------------------------------------------------
+    def _send(self, op: int, timeout: float, start: int = 0, regions=()) -> None:
+        flat = array.array("Q", [x for r in regions for x in r])
+        self._conn.settimeout(timeout)
+        self._conn.sendall(REQ.pack(op, start, len(regions)) + flat.tobytes())
+
+    def _lost(self, e: BaseException) -> WalError:
+        """The writer died or went silent: fatal and sticky."""
+        code = self._proc.poll() if self._proc else None
+        err = WalError(f"wal {self.path}: the writer process is gone (exit {code}): {e!r}")
+        self.fatal = self._failed = err
+        if self._proc is not None and code is None:
+            self._proc.kill()
+        log.error("%s; nothing after its last commit is acked", err)
+        return err
+
+    def _reply(self, timeout: float) -> None:
+        self._conn.settimeout(timeout)
+        status, n = REP.unpack(recv_exact(self._conn, REP.size))
+        why = recv_exact(self._conn, n).decode("utf-8", "replace") if n else ""
+        if status != 0:
+            self._failed = WalError(f"wal {self.path}: {why}")
+            raise self._failed
+
     def _call(self, op: int, timeout: float, start: int = 0, regions=()) -> None:
-        """One request to the writer and its reply, within timeout; its death or silence is fatal and sticky."""
+        """One request to the writer and its reply, within timeout (after the reply to a request sync_begin() left in
+        flight, if any)."""
+        self._finish(timeout)
         try:
             if self._conn is None:
                 raise EOFError("no writer process")
-            flat = array.array("Q", [x for r in regions for x in r])
-            self._conn.settimeout(timeout)
-            self._conn.sendall(_REQ.pack(op, start, len(regions)) + flat.tobytes())
-            status, n = _REP.unpack(_recv_exact(self._conn, _REP.size))
-            why = _recv_exact(self._conn, n).decode("utf-8", "replace") if n else ""
+            self._send(op, timeout, start, regions)
+            self._reply(timeout)
         except (OSError, EOFError) as e:  # socket.timeout is an OSError
-            code = self._proc.poll() if self._proc else None
-            err = WalError(f"wal {self.path}: the writer process is gone (exit {code}): {e!r}")
-            self.fatal = self._failed = err
-            if self._proc is not None and code is None:
-                self._proc.kill()
-            log.error("%s; nothing after its last commit is acked", err)
-            raise err from e
-        if status != 0:
-            err = WalError(f"wal {self.path}: {why}")
-            self._failed = err
-            raise err
+            if isinstance(e, WalError):
+                raise
+            raise self._lost(e) from e
 
     def _write_locked(self, cut) -> None:
         """Hand a cut batch to the writer: checksum, write, commit record, fdatasync; returns once durable."""
         batch, start = cut
         if self._failed is not None:
             raise WalError(f"wal {self.path} failed earlier: {self._failed}")
-        self._call(_WRITE_SYNC if self.fsync else _WRITE, self.reply_timeout_s, start, batch.bufs)
+        self._call(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, start, batch.bufs)
         self._free(len(batch.bufs))
 
     def sync(self) -> None:
@@ -253,6 +265,8 @@ class WriterProcessLog(WriteAheadLog):
                 fd, dirty, self._dirty = self._fd, self._dirty, False
             if cut is not None:
                 self._write_locked(cut)  # the writer fdatasyncs
+            else:
+                self._finish(self.reply_timeout_s)  # "everything staged before this call": a request in flight too
             if dirty and self.fsync and fd >= 0:  # a self-checking append() went through this process's fd
                 try:
                     os.fdatasync(fd)
@@ -260,9 +274,67 @@ class WriterProcessLog(WriteAheadLog):
                     self._failed = e
                     raise WalError(f"wal {self.path}: fdatasync failed: {e}") from e
 
+    # --- syncs without a waiting thread (the receiver's io thread: core/stream/durability.py) -------------------------
+    def sync_begin(self) -> int:
+        """Send what is staged to the writer and return without waiting for it: a ticket for sync_done(). The io
+        thread goes on receiving meanwhile, and no thread of this process waits on the writer (a syncer thread's
+        wake-ups cost the io thread the GIL hand-overs that made WAL mode slower than the raw link)."""
+        with self._sync_lock:
+            self._finish(self.reply_timeout_s)  # at most one request in flight
+            with self._lock:
+                self._check_locked()
+                cut = self._cut_locked()
+                dirty, self._dirty = self._dirty, False
+            if dirty:  # an append() through this process's fd (rare): make it durable the plain way first
+                os.fdatasync(self._fd)
+            if cut is None:
+                return self._sent
+            try:
+                self._send(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, cut[1], cut[0].bufs)
+            except OSError as e:
+                raise self._lost(e) from e
+            self._sent += 1
+            self._inflight = (len(cut[0].bufs), time.monotonic())
+            return self._sent
+
+    def sync_done(self, ticket: int, timeout: float = 0.0) -> bool:
+        """Is the batch of that ticket durable? Waits up to timeout for it (0: only looks). Raises WalError if it
+        failed, or once the writer has been silent past reply_timeout_s."""
+        if self._done >= ticket:
+            return True
+        if not self._sync_lock.acquire(timeout=timeout) if timeout else not self._sync_lock.acquire(False):
+            return False  # another thread is talking to the writer (it finishes our request first)
+        try:
+            if not timeout and not self._readable():
+                if time.monotonic() - self._inflight[1] > self.reply_timeout_s:
+                    raise self._lost(TimeoutError(f"no reply in {self.reply_timeout_s:.0f}s"))
+                return False
+            self._finish(timeout or self.reply_timeout_s)
+            return self._done >= ticket
+        finally:
+            self._sync_lock.release()
+
+    def _readable(self) -> bool:
+        return bool(select.select([self._conn], [], [], 0)[0])
+
+    def _finish(self, timeout: float) -> None:
+        """Read the reply to the request in flight, if any (call with _sync_lock), and free its ring space."""
+        if self._inflight is None:
+            return
+        n, _ = self._inflight
+        self._inflight = None
+        try:
+            self._reply(timeout)
+        except (OSError, EOFError) as e:
+            if isinstance(e, WalError):
+                raise
+            raise self._lost(e) from e
+        self._free(n)
+        self._done = self._sent
+
     def _replaced(self) -> None:
         if self._conn is not None and self.fatal is None and self._fd >= 0:
-            self._call(_REOPEN, self.reply_timeout_s)
+            self._call(REOPEN, self.reply_timeout_s)
 
 
 def _prefault(ring: mmap.mmap, n: int) -> None:
@@ -271,69 +343,3 @@ def _prefault(ring: mmap.mmap, n: int) -> None:
         ring.madvise(23, 0, n)  # MADV_POPULATE_WRITE (Linux 5.14)
     except (OSError, ValueError):
         ring[:n] = bytes(n)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise EOFError("the other end closed the WAL control socket")
-        got += k
-    return bytes(buf)
-
-
-def _serve(path: str, ring_bytes: int, sock_fd: int, ring_fd: int, lock_fd: int) -> int:
-    sock = socket.socket(fileno=sock_fd)
-    ring = mmap.mmap(ring_fd, ring_bytes)
-    os.close(ring_fd)
-    mv = memoryview(ring)
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        while True:
-            try:
-                op, start, count = _REQ.unpack(_recv_exact(sock, _REQ.size))
-                flat = array.array("Q", _recv_exact(sock, 16 * count)) if count else ()
-            except (EOFError, OSError):
-                return 0  # the learner is gone: nothing more may be written
-            try:
-                if op in (_WRITE, _WRITE_SYNC):
-                    crc, bufs = 0, []
-                    for k in range(0, len(flat), 2):
-                        b = mv[flat[k]:flat[k] + flat[k + 1]]
-                        crc = zlib.crc32(b, crc)
-                        bufs.append(b)
-                    bufs.append(_COMMIT.pack(_COMMIT_MAGIC, start, crc))
-                    _Batch.write(fd, start, bufs)
-                    bufs = b = None  # no views of the ring outlive the request
-                    if op == _WRITE_SYNC:
-                        os.fdatasync(fd)
-                elif op == _REOPEN:
-                    os.close(fd)
-                    fd = os.open(path, os.O_WRONLY)
-                elif op == _EXIT:
-                    sock.sendall(_REP.pack(0, 0))
-                    return 0
-            except OSError as e:
-                why = f"writer op {op} failed: {e!r}".encode()
-                sock.sendall(_REP.pack(1, len(why)) + why)
-                continue
-            sock.sendall(_REP.pack(0, 0))
-    finally:
-        os.close(fd)
-        os.close(lock_fd)
-
-
-if __name__ == "__main__":
-    # A Ctrl-C or SIGTERM to the process group: the learner decides when to stop (it flushes through this process
-    # first, then says "exit"); EOF on the control socket ends it if the learner dies.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    a = sys.argv[1:]
-    try:
-        sys.exit(_serve(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4])))
-    except OSError as e:
-        if e.errno != errno.EPIPE:
-            raise
-        sys.exit(1)
