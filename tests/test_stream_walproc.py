@@ -350,3 +350,64 @@ def test_sync_done_reports_a_writer_killed_with_a_request_in_flight(tmp_path):
     with pytest.raises(WalError):
         w.stage("b", payload(2))
     w.close()
+
+
+def test_compaction_and_append_wait_for_a_batch_still_with_the_writer(tmp_path):
+    """The io thread's batch is with the writer (no reply yet) when the training thread compacts, or the learner
+    appends a record itself: both wait for it, so nothing acked is copied half-written or overwritten by padding."""
+    for trial in range(5):
+        p = tmp_path / f"c{trial}.wal"
+        w = WriterProcessLog(p).open()
+        w.stage("old", payload(0, 1000))
+        w.sync()
+        new = {f"n{i}": payload(i, 33_000) for i in range(30)}
+        for t, b in new.items():
+            w.stage(t, b)
+        t = w.sync_begin()
+        assert w.compact({"old"}) == (30, 1) and w.sync_done(t, 5.0)
+        assert all(w.read(k) == b for k, b in new.items())
+        w.stage("s", payload(1, 5000))
+        t = w.sync_begin()
+        w.append("own", payload(2, 700))               # through the learner's fd, into the batch's last block
+        w.sync()
+        assert w.sync_done(t) and w.read("own") == payload(2, 700) and w.read("s") == payload(1, 5000)
+        w.close()
+        r = WriteAheadLog(p).open()
+        assert list(r.index) == [*new, "s", "own"] and r.truncated_bytes == 0
+        r.close()
+
+
+def test_a_slow_writer_is_waited_for_until_its_deadline_not_declared_lost(tmp_path):
+    w = WriterProcessLog(tmp_path / "w.wal", reply_timeout_s=60).open()
+    w.stage("a", payload(1))
+    os.kill(w.writer_pid, signal.SIGSTOP)
+    t = w.sync_begin()
+    t0 = time.monotonic()
+    assert w.sync_done(t, 0.3) is False                # waited 0.3 s, and said "not yet"
+    assert time.monotonic() - t0 >= 0.25 and w.fatal is None
+    os.kill(w.writer_pid, signal.SIGCONT)
+    assert w.sync_done(t, 10.0)
+    w.close()
+    assert scan_ids(tmp_path / "w.wal") == ["a"]
+
+
+def test_flush_says_when_it_could_not_make_the_accepted_ids_durable(tmp_path):
+    """A HELLO answers the actor's pending ids as known only after a flush that made them durable: once the writer
+    died with a batch in flight, flush() says False and nothing is acked (the ids are in the index, not on disk)."""
+    from core.stream.durability import IoHooks, WalDurability
+    sent = []
+    io = IoHooks(send=lambda ident, m: sent.append((ident, m)), count=lambda *a, **k: None,
+                 warn=lambda *a, **k: None)
+    dur = WalDurability(io, str(tmp_path / "w.wal"), fsync=True, ack_interval_s=0.0, max_staged=100)
+    dur.open(frozenset())
+    dur.accept(b"actor1", "t0", payload(0))
+    assert dur.flush() is True and [m.ids for _, m in sent] == [["t0"]]
+    os.kill(dur.wal.writer_pid, signal.SIGSTOP)
+    dur.accept(b"actor1", "t1", payload(1))
+    dur.tick(time.monotonic())                          # the batch goes to the stopped writer
+    os.kill(dur.wal.writer_pid, signal.SIGKILL)
+    _until(lambda: dur.wal._proc.poll() is not None)
+    assert dur.flush() is False and dur.fatal is not None and dur.holds("t1")
+    assert [m.ids for _, m in sent] == [["t0"]]         # t1 never acked
+    dur.close(1.0)
+    assert scan_ids(tmp_path / "w.wal") == ["t0"]

@@ -103,8 +103,9 @@ class Durability(ABC):
             self._ack(ident, ids)
 
     @abstractmethod
-    def flush(self) -> None:
-        """Synchronous: everything accepted so far is durable and answered when this returns (HELLO, stop)."""
+    def flush(self) -> bool:
+        """Synchronous: everything accepted so far is durable and answered when this returns True (HELLO, stop);
+        False when it could not be (a failed or slow log): then nothing more may be acked as known."""
 
     @abstractmethod
     def tick(self, now: float) -> None:
@@ -220,22 +221,22 @@ class WalDurability(Durability):
             self.io.count("wal_syncs")
             self._sync.begin()
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         if not self._collect(timeout=30.0):
             log.error("WAL sync took over 30s; acks delayed")
-            return
-        if not self._pending:
-            return
+            return False
         try:
-            self.wal.sync()
+            self.wal.sync()  # also raises once the log has failed, with nothing pending
         except OSError as e:
             self.io.count("wal_errors")
             self.io.warn("wal", "WAL sync failed, acks withheld: %s", e)
             self._pending, self._ack_due, self._n_pending = {}, 0.0, 0
-            return
-        self.io.count("wal_syncs")
-        self._ack_batch(self._pending)
-        self._pending, self._ack_due, self._n_pending = {}, 0.0, 0
+            return False
+        if self._pending:
+            self.io.count("wal_syncs")
+            self._ack_batch(self._pending)
+            self._pending, self._ack_due, self._n_pending = {}, 0.0, 0
+        return True
 
     def _ack_batch(self, batch: dict[bytes, list[str]]) -> None:
         for ident, ids in batch.items():
@@ -381,9 +382,10 @@ class CheckpointDurability(Durability):
         if ids:
             self._ack(ident, ids)
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         self._send_held()
         self._send_commits()
+        return True
 
     def tick(self, now: float) -> None:
         if self._pending_held:

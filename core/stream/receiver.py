@@ -303,8 +303,8 @@ class TrajectoryReceiver:
         st.credit = 0  # WELCOME's credit is absolute: whatever was granted before is void on both sides
         # Durable and acked first, then answer the pending ids we have: the actor's outbox then holds exactly what
         # must be re-sent when WELCOME arrives (same pipe, in order).
-        self.durability.flush()
-        self.durability.answer_known(ident, [t for t in m.pending_ids if self._known(t)])
+        if self.durability.flush():  # else a failed or slow log: ids it holds may not be durable; they come again
+            self.durability.answer_known(ident, [t for t in m.pending_ids if self._known(t)])
         st.credit = min(self.credits, self._free_slots())
         self._count("credits_granted", st.credit)
         self._send(ident, M.Welcome(self.run_id, m.hello_id, self.staleness.version, st.credit, self.max_frame_bytes))

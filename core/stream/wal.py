@@ -228,6 +228,7 @@ class WriteAheadLog:
         hdr = _HDR.pack(_MAGIC, len(idb), len(payload), zlib.crc32(payload, zlib.crc32(idb)))
         with self._sync_lock, self._lock:  # _sync_lock: a cut must not overlap a syncer's write (shared buffers)
             self._check_locked()
+            self._settle()
             if self._staged_n:  # keep file order: the staged batch (and its commit) goes first
                 self._write_locked(self._cut_locked())
             n = os.pwritev(self._fd, [hdr, idb, payload], self._end)
@@ -314,6 +315,7 @@ class WriteAheadLog:
         with self._sync_lock, self._lock:
             if self._failed is not None:  # the index may name records that never reached the file
                 raise WalError(f"wal {self.path} failed earlier: {self._failed}")
+            self._settle()  # a batch still being written must be in the file before the file is copied
             if self._fd >= 0:
                 cut = self._cut_locked()
                 if cut is not None:
@@ -353,6 +355,10 @@ class WriteAheadLog:
                 os.close(fd)
                 self._fd = -1
             return len(keep), dropped
+
+    def _settle(self) -> None:
+        """Called with both locks held before this process touches the file itself (append, compact): a subclass whose
+        writes may still be in flight waits for them here."""
 
     def _replaced(self) -> None:
         """compact() swapped in the rewritten file (both locks held): a subclass with another writer re-points it."""

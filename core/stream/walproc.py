@@ -122,7 +122,8 @@ class WriterProcessLog(WriteAheadLog):
         finally:
             if self._conn is not None and self.fatal is None:
                 try:
-                    self._call(EXIT, 10.0, self._end)  # the writer cuts its block padding there
+                    with self._sync_lock:
+                        self._call(EXIT, 10.0, self._end)  # the writer cuts its block padding there
                 except WalError:
                     pass
             self._reap()
@@ -286,7 +287,11 @@ class WriterProcessLog(WriteAheadLog):
                 cut = self._cut_locked()
                 dirty, self._dirty = self._dirty, False
             if dirty:  # an append() through this process's fd (rare): make it durable the plain way first
-                os.fdatasync(self._fd)
+                try:
+                    os.fdatasync(self._fd)
+                except OSError as e:
+                    self._failed = e
+                    raise WalError(f"wal {self.path}: fdatasync failed: {e}") from e
             if cut is None:
                 return self._sent
             try:
@@ -305,17 +310,19 @@ class WriterProcessLog(WriteAheadLog):
         if not self._sync_lock.acquire(timeout=timeout) if timeout else not self._sync_lock.acquire(False):
             return False  # another thread is talking to the writer (it finishes our request first)
         try:
-            if not timeout and not self._readable():
+            if self._inflight is None:  # its reply was an error (sticky), or the log was closed meanwhile
+                raise WalError(f"wal {self.path}: sync {ticket} failed: {self._failed}")
+            if not select.select([self._conn], [], [], timeout)[0]:  # a slow writer is not a lost one
                 if time.monotonic() - self._inflight[1] > self.reply_timeout_s:
                     raise self._lost(TimeoutError(f"no reply in {self.reply_timeout_s:.0f}s"))
                 return False
-            self._finish(timeout or self.reply_timeout_s)
+            self._finish(self.reply_timeout_s)
             return self._done >= ticket
         finally:
             self._sync_lock.release()
 
-    def _readable(self) -> bool:
-        return bool(select.select([self._conn], [], [], 0)[0])
+    def _settle(self) -> None:
+        self._finish(self.reply_timeout_s)
 
     def _finish(self, timeout: float) -> None:
         """Read the reply to the request in flight, if any (call with _sync_lock), and free its ring space."""

@@ -139,7 +139,7 @@ class _Appender:
 
     def finish(self, end: int) -> None:
         """Cut the padding after the logical end (the learner's: it may have appended records itself)."""
-        if self.direct and os.fstat(self.fd).st_size > end:
+        if os.fstat(self.fd).st_size > end:  # padding (also from before a fall-back to buffered writes)
             os.ftruncate(self.fd, end)
             os.fdatasync(self.fd)
 
