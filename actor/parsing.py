@@ -16,9 +16,12 @@ Reasoning in `<think>...</think>` (Qwen-style thinking, UI-TARS-desktop strips i
 leading block, a `</think>` whose opening was in the prompt, and the tag of a leading `<think>` that never closes.
 The typed text of type(content='...') / finished(content='...') runs, as in ui-tars, to the last `')` of the call
 (the call ends where a line starts another action or an "Action:" label, or at the end of the text), so quotes the
-model forgot to escape are recovered: type(content='Students', parents' and teachers' survey 2024\n').
+model forgot to escape are recovered: type(content='Students', parents' and teachers' survey 2024\n'). It ends
+earlier at a "', target='...'" written after the text (type(content='ls\n', target='terminal')) and at a "')"
+followed on the same line by another call. A typed text ending in a written-out backslash-n submits, as a real
+newline does (UI-TARS' executors treat both as Enter).
 Coordinates: '<point>x y</point>', '(x,y)', '<|box_start|>(x,y)<|box_end|>', '<bbox>x1 y1 x2 y2</bbox>' and
-4-number boxes '(x1,y1,x2,y2)' (-> their centre). Points stay in the model's coordinate space; `to_screen` maps them.
+4-number boxes '(x1,y1,x2,y2)' or '(x1,y1),(x2,y2)' (-> their centre). Points stay in the model's coordinate space; `to_screen` maps them.
 """
 from __future__ import annotations
 
@@ -39,10 +42,10 @@ _END_KEYS = ("end_box", "end_point")
 _ALLOWED = {
     **{a: (*_START_KEYS, "target") for a in _CLICKS},
     "drag": (*_START_KEYS, *_END_KEYS),
-    "hotkey": ("key",),
-    "type": ("content", "target"),   # target: our text-addressed extension (envd focuses it, then types)
+    "hotkey": ("key", "target"),     # target: our text-addressed extension (envd focuses it, or picks the app)
+    "type": ("content", "target"),
     "scroll": (*_START_KEYS, "direction", "target"),
-    "wait": (),
+    "wait": ("target",),
     "finished": ("content",),
     "call_user": ("content",),
 }
@@ -62,12 +65,16 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _WS = re.compile(r"\s*")
 _PLAIN = {"'": re.compile(r"[^\\']*"), '"': re.compile(r'[^\\"]*')}
 _NUM = re.compile(r"\d+(?:\.\d*)?|\.\d+")
-_NUM_SPLIT = re.compile(r"[\s,]+")
+_NUM_SPLIT = re.compile(r"[\s,，]+")
+_BRACKETS = str.maketrans("()[]", "    ")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
 _ESCAPE = re.compile(r"\\(.)", re.S)
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 # Arguments whose single-quoted value is free text that runs to the last "')" of the call (ui-tars' rule).
 _FREE_TEXT = {("type", "content"), ("finished", "content")}
+# Where free text ends early: a "')" followed on the same line by another call, and a target written after the text.
+_CALL_AFTER = re.compile(r"'\)[ \t]+(?:" + "|".join(ACTION_TYPES) + r")[ \t]*\(")
+_TARGET_AFTER = re.compile(r"'[ \t]*,[ \t]*target[ \t]*=[ \t]*\Z")
 
 
 class ParseError(ValueError):
@@ -85,6 +92,10 @@ def parse_response(text: str) -> tuple[str, list[Action]]:
     """Model output -> (thought, actions). Raises ParseError (and only ParseError) when it is not well formed."""
     if not isinstance(text, str):
         raise ParseError(f"expected str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:   # a lone surrogate: no env could type it, no wire could carry it
+        raise ParseError("output is not valid unicode") from None
     body = _strip_think(_unwrap(text))
     if not body.strip():
         raise ParseError("empty output")
@@ -227,9 +238,16 @@ def _free_text(s: str, i: int) -> tuple[str, int] | None:
     (the next line that starts an action call or an "Action:" label, else the end of the text); returns (value,
     index of that quote + 1, i.e. at the ')'), or None when there is no "')" (the strict reading then says why)."""
     ends = [m.start() for m in (_CALL_AT_LINE.search(s, i), _ACTION_AT_LINE.search(s, i)) if m]
-    j = s.rfind("')", i, min(ends, default=len(s)))
+    limit = min(ends, default=len(s))
+    m = _CALL_AFTER.search(s, i, limit)   # type(content='a') click(...) on one line: the text ends before the click
+    j = s.rfind("')", i, m.start() + 2 if m else limit)
     if j < 0:
         return None
+    q = s.rfind("'", i, j)   # type(content='ls\n', target='terminal'): the text ends before ", target='"
+    if q >= 0:
+        t = _TARGET_AFTER.search(s[i:q])
+        if t:
+            j = i + t.start()
     return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(0)), s[i:j]), j + 1
 
 
@@ -285,6 +303,8 @@ def _build(name: str, args: dict[str, str], raw: str) -> Action:
         if "content" not in args:
             raise ParseError("type: needs content")
         content = args["content"]   # verbatim: leading spaces and the trailing "\n" (submit) mean something
+        if content.endswith("\\n"):   # a written-out "\\n" at the end submits too, as in UI-TARS' executors
+            content = content[:-2] + "\n"
     if name in ("finished", "call_user"):
         content = args.get("content", "")
     if name == "scroll":
@@ -311,7 +331,8 @@ def parse_point(value: str) -> Point:
         if v.startswith(pre) and v.endswith(post) and len(v) >= len(pre) + len(post):
             v = v[len(pre):len(v) - len(post)]
             break
-    toks = [t for t in _NUM_SPLIT.split(v.strip()) if t]
+    # '(x1,y1),(x2,y2)' (Qwen2-VL's two-point box) and stray brackets: only the numbers count.
+    toks = [t for t in _NUM_SPLIT.split(v.translate(_BRACKETS).strip()) if t]
     if len(toks) not in (2, 4):
         raise ParseError(f"a point needs 2 numbers (or a box 4), got {len(toks)}")
     nums = []
@@ -335,7 +356,8 @@ def _peek(s: str, i: int) -> str:
 def to_screen(point: Point, mode: str, screen_w: float, screen_h: float, image_w: int | None = None,
               image_h: int | None = None, *, factor: int = 28, min_pixels: int = 56 * 56,
               max_pixels: int = 14 * 14 * 4 * 1280) -> Point:
-    """Model coordinates -> screen pixels (floats, not clamped: an off-screen point is the env's to reject).
+    """Model coordinates -> screen pixels (floats; only a point on the far edge of the model's range is pulled onto
+    the last pixel: one outside it is the env's to reject).
 
     mode "relative": UI-TARS 1.0 / Qwen2-VL style, 0..1000 in each axis whatever the image size.
     mode "absolute": UI-TARS 1.5 / Qwen2.5-VL style, pixels of the image the model saw, i.e. the screenshot
@@ -344,8 +366,15 @@ def to_screen(point: Point, mode: str, screen_w: float, screen_h: float, image_w
     """
     x, y = float(point[0]), float(point[1])
     if mode == "relative":
-        return x / 1000.0 * screen_w, y / 1000.0 * screen_h
-    if mode == "absolute":
+        rw = rh = 1000.0
+    elif mode == "absolute":
         rh, rw = smart_resize(int(image_h or screen_h), int(image_w or screen_w), factor, min_pixels, max_pixels)
-        return x / rw * screen_w, y / rh * screen_h
-    raise ValueError(f"mode must be 'relative' or 'absolute', got {mode!r}")
+    else:
+        raise ValueError(f"mode must be 'relative' or 'absolute', got {mode!r}")
+    # A point on the far edge of the model's own range (x == 1000, or the resized width) lands on the screen's last
+    # pixel, not one past it; beyond its range it stays off screen for the env to reject.
+    return _edge(x / rw * screen_w, x <= rw, screen_w), _edge(y / rh * screen_h, y <= rh, screen_h)
+
+
+def _edge(v: float, inside: bool, size: float) -> float:
+    return math.nextafter(size, 0.0) if inside and v >= size > 0 else v

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import re
 import shutil
@@ -235,8 +236,8 @@ class DesktopEnv(Env):
             raise ActionError(f"no window titled {action.target!r}")
         p = action.point if key == "point" else action.end_point
         try:
-            x, y = (int(round(float(v))) for v in p)
-        except (TypeError, ValueError):
+            x, y = (math.floor(float(v)) for v in p)   # the pixel the point lies in (1919.6 is in 1919, not 1920)
+        except (TypeError, ValueError, OverflowError):
             raise ActionError(f"{action.type} needs {key} [x, y], got {p!r}") from None
         if not (0 <= x < self.width and 0 <= y < self.height):
             raise ActionError(f"{key} ({x}, {y}) is outside the {self.width}x{self.height} screen")

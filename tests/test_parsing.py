@@ -231,7 +231,7 @@ def test_wrappers_are_dropped():
     ("click(start_box='(1,2)', point='(1,2)')", "more than one"),
     ("click(start_box='(1,2)', start_box='(1,2)')", "twice"),
     ("click(start_box='(1,2)'", "expected ','"),
-    ("click(start_box='(1,2)' target='x')", "2 numbers"),   # the quote is read as text, then the point fails
+    ("click(start_box='(1,2)' target='x')", "bad coordinate"),   # the quote is read as text, then the point fails
     ("wait(content='x')", "unexpected argument"),
     ("click(start_box='(1,2)') trailing words", "unknown action 'trailing'"),
     ("click(start_box='(1,2)') wait", "expected '('"),
@@ -375,14 +375,18 @@ def test_smart_resize_properties(h, w):
 
 def test_to_screen_relative():
     assert to_screen((500, 500), "relative", 1920, 1080) == (960.0, 540.0)
-    assert to_screen((0, 1000), "relative", 1920, 1080) == (0.0, 1080.0)
+    # The far edge of the model's range is the screen's last pixel, not one past it; beyond the range stays off.
+    x, y = to_screen((0, 1000), "relative", 1920, 1080)
+    assert x == 0.0 and y == pytest.approx(1080.0) and y < 1080
+    assert to_screen((1000.5, 1001), "relative", 1000, 1000) == pytest.approx((1000.5, 1001))
     assert to_screen((912, 40), "relative", 2560, 1440) == pytest.approx((912 * 2.56, 40 * 1.44))
 
 
 def test_to_screen_absolute():
     # 1920x1080 is resized to 1316x728 for the model: its pixel (658, 364) is the screen's centre.
     assert to_screen((658, 364), "absolute", 1920, 1080) == pytest.approx((960, 540))
-    assert to_screen((1316, 728), "absolute", 1920, 1080) == pytest.approx((1920, 1080))
+    x, y = to_screen((1316, 728), "absolute", 1920, 1080)
+    assert (x, y) == pytest.approx((1920, 1080)) and x < 1920 and y < 1080
     # A HiDPI screen whose screenshot is half size: the resize follows the image, the result the screen.
     rh, rw = smart_resize(1080, 1920)
     assert to_screen((rw / 4, rh / 4), "absolute", 3840, 2160, image_w=1920, image_h=1080) == pytest.approx((960, 540))
@@ -394,7 +398,8 @@ def test_to_screen_absolute():
 
 def test_on_screen_maps_both_points():
     a = on_screen(one("drag(start_box='(0,0)', end_box='(1000,500)')"), "relative", 800, 600)
-    assert a.to_dict() == {"type": "drag", "point": [0.0, 0.0], "end_point": [800.0, 300.0]}
+    assert a.to_dict()["point"] == [0.0, 0.0] and a.to_dict()["end_point"] == [pytest.approx(800.0), 300.0]
+    a.check_on_screen(800, 600)   # the far edge is on the screen
     assert on_screen(one("click(target='x')"), "absolute", 800, 600).point is None
 
 
@@ -470,3 +475,40 @@ def test_type_into_a_target_round_trips_with_free_text_content():
     assert format_action(Action("type", content="x")) == "type(content='x')"   # no target: as before
     with pytest.raises(ParseError):
         parse_response("type(target='[5]')")                                      # still needs content
+
+
+@pytest.mark.parametrize("src, content, target", [
+    ("type(content='ls\\n', target='terminal')", "ls\n", "terminal"),          # the order envd/hybrid.py documents
+    ("type(content='alice', target='Name')", "alice", "Name"),
+    ("type(content='it's', target = 'Name')", "it's", "Name"),                # an unescaped quote stays text
+    ("type(target='Name', content='x', y')", "x', y", "Name"),
+    ("type(content='a, target=b')", "a, target=b", ""),                        # not an argument: text
+])
+def test_a_target_after_the_typed_text_is_an_argument_not_text(src, content, target):
+    a = one(src)
+    assert (a.content, a.target) == (content, target)
+
+
+def test_hotkey_and_wait_take_a_target_and_a_written_out_newline_submits():
+    assert one("hotkey(key='ctrl c', target='terminal')").target == "terminal"
+    assert one("wait(target='terminal')").target == "terminal"
+    a = one("type(content='hello\\\\n')")           # the model wrote hello\\n: UI-TARS' executors press Enter
+    assert a.content == "hello\n" and a.submit
+    assert one("type(content='a\\\\nb')").content == "a\\nb"   # only at the end
+
+
+def test_two_point_boxes_and_full_width_commas():
+    assert parse_point("<|box_start|>(100,200),(300,400)<|box_end|>") == (200, 300)
+    assert parse_point("(100,200),(300,400)") == (200, 300)
+    assert parse_point("(100，200)") == (100, 200)
+    assert one("click(start_box='<|box_start|>(100,200),(300,400)<|box_end|>')").point == (200, 300)
+
+
+def test_a_second_call_on_the_same_line_as_type_is_a_second_action():
+    _, acts = parse_response("Action: type(content='a') click(start_box='(1,2)')")
+    assert [(x.type, x.content, x.point) for x in acts] == [("type", "a", None), ("click", "", (1, 2))]
+
+
+def test_a_lone_surrogate_is_a_parse_error():
+    with pytest.raises(ParseError, match="unicode"):
+        parse_response("Action: type(content='\ud800')")
