@@ -25,7 +25,7 @@ from core.model_config import (  # noqa: F401  (re-exported: core.model is where
     ACCEPTED_CONFIG_FIELDS, DecoderConfig, UnsupportedModel, load_config, rope_inv_freq,
 )
 from core import vision_attention
-from core.model_files import MissingWeights, read_weights, write_weights  # noqa: F401
+from core.model_files import MissingWeights, read_weights, untied_head, write_weights  # noqa: F401
 
 
 class WeightsMismatch(ValueError):
@@ -364,9 +364,7 @@ class CausalLM(nn.Module):
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         if path.exists():
-            import shutil
-
-            shutil.rmtree(path)
+            __import__("shutil").rmtree(path)
         os.replace(tmp, path)
         return path
 
@@ -384,7 +382,9 @@ class CausalLM(nn.Module):
 
         path = pathlib.Path(path)
         config = load_config(path)
-        sd = read_weights(path)
+        sd = canonical_names(read_weights(path))
+        if config.tie_word_embeddings and untied_head(sd):  # as transformers loads it: the file's own lm_head
+            config.tie_word_embeddings = False
         with torch.device("meta"):
             m = cls(config, value_head=value_head)
         try:

@@ -55,6 +55,8 @@ IGNORED_CONFIG_FIELDS = (
     "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    # what tools write beside the model: Unsloth's marks (transformers' own "_..." notes are ignored by their prefix)
+    "unsloth_version", "unsloth_fixed",
 )
 # Accepted only at these (transformers' default) values: anything else changes the model in a way not implemented.
 DEFAULT_ONLY_FIELDS = {"is_encoder_decoder": False, "add_cross_attention": False, "tie_encoder_decoder": False,
@@ -195,7 +197,7 @@ class DecoderConfig:
                 continue
             if k in DEFAULT_ONLY_FIELDS and v not in (DEFAULT_ONLY_FIELDS[k], None):
                 raise _refuse(f"config field {k!r} = {v!r} is not supported (only {DEFAULT_ONLY_FIELDS[k]!r})")
-            if k not in ACCEPTED_CONFIG_FIELDS:
+            if k not in ACCEPTED_CONFIG_FIELDS and not k.startswith("_"):  # "_attn_implementation_autoset", ...
                 raise _refuse(f"config field {k!r} is not one the decoder knows (accepted: core.model_config."
                               "ACCEPTED_CONFIG_FIELDS)")
         if d.get("hidden_act", "silu") != "silu":

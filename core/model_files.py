@@ -83,3 +83,11 @@ def write_weights(path: str | os.PathLike, sd: dict[str, torch.Tensor], max_shar
     total = sum(v.numel() * v.element_size() for v in sd.values())
     (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names + [INDEX_NAME]
+
+
+def untied_head(sd: dict) -> bool:
+    """A config that says tie_word_embeddings, over weights whose lm_head.weight differs from the embedding (a
+    fine-tune exported with both): transformers then unties and uses the file's lm_head; so do the engine and the
+    learner (TrainPolicy.load), so that both compute the model transformers computes and publish the head."""
+    head, emb = sd.get("lm_head.weight"), sd.get("model.embed_tokens.weight")
+    return head is not None and emb is not None and (head.shape != emb.shape or not torch.equal(head, emb))

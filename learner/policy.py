@@ -175,6 +175,11 @@ class TrainPolicy(nn.Module):
                                             attn_implementation=ATTENTION, output_loading_info=True)
         if vl is not None:
             vision_attention.use(lm.model.visual)  # one SDPA call per window length, not per window
+        if lm.config.tie_word_embeddings and lm.lm_head.weight is not lm.get_input_embeddings().weight:
+            # transformers untied them: the file's lm_head differs from the embedding (core.model.untied_head).
+            # Say so in the config too, or the publish would drop the head this model trains.
+            lm.config.tie_word_embeddings = False
+            log.warning("%s: lm_head.weight differs from the embedding: loaded untied, as transformers does", p)
         m = cls(lm, value_head=value_head, vl=vl)
         # transformers initialises a missing weight at random and says so in a log line: an error here.
         tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()

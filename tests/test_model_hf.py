@@ -332,3 +332,45 @@ def test_a_negative_pad_id_pads_with_eos_and_one_past_the_vocabulary_is_refused(
     with pytest.raises(UnsupportedModel, match="pad_token_id"):
         write_config(tmp_path / "bad", **dict(BASE, pad_token_id=96))
         CausalLM.load_hf(tmp_path / "bad")
+
+
+def test_a_tied_config_over_a_different_lm_head_loads_untied_as_transformers_does(tmp_path):
+    """tie_word_embeddings: true, but the safetensors hold an lm_head unlike the embedding: transformers unties and
+    uses the file's head. The engine and the learner compute the same logits, the learner publishes the head with
+    an untied config, and the engine takes that publish as an update. A head equal to the embedding stays tied."""
+    from safetensors.torch import save_file
+
+    from learner.policy import TrainPolicy
+
+    d = tmp_path / "ck"
+    m = make_hf_model(d, "qwen2", shard_bytes=None, tie_word_embeddings=True)
+    sd = {k: v.contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}
+    sd["lm_head.weight"] = torch.randn_like(sd["model.embed_tokens.weight"]) * 0.1
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    x = ids()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    engine, pol = CausalLM.load_hf(d), TrainPolicy.load(d)
+    with torch.no_grad():
+        want = ref(x).logits
+        assert max_diff(engine(x)[0], want) < TOL and max_diff(pol(x), want) < TOL
+    assert not engine.config.tie_word_embeddings and engine.lm_head.weight is not engine.model.embed_tokens.weight
+    pub = pol.hf_state_dict()
+    assert torch.equal(pub["lm_head.weight"], sd["lm_head.weight"])
+    engine.load_weights(pub)                                    # the learner's publish fits the engine's model
+    pol.save_hf(tmp_path / "pub")
+    assert json.loads((tmp_path / "pub" / "config.json").read_text())["tie_word_embeddings"] is False
+    with torch.no_grad():
+        again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "pub"), dtype=torch.float32).eval()
+        assert max_diff(again(x).logits, want) < TOL
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()  # exported with both, equal: tied
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    engine, pol = CausalLM.load_hf(d), TrainPolicy.load(d)
+    assert engine.lm_head.weight is engine.model.embed_tokens.weight and "lm_head.weight" not in pol.hf_state_dict()
+
+
+def test_tool_metadata_in_a_config_is_not_a_refusal():
+    c = DecoderConfig.from_hf(dict(BASE, _attn_implementation_autoset=True, unsloth_version="2024.12.4",
+                                   unsloth_fixed=True))
+    assert c.hidden_size == BASE["hidden_size"]
+    with pytest.raises(UnsupportedModel, match="not one the decoder knows"):
+        DecoderConfig.from_hf(dict(BASE, attn_logit_softcapping=30.0))
