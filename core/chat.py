@@ -38,6 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 IMAGE_TOKENS = ("<|image|>", "<|image_pad|>")
 _PROBE_SYSTEM, _PROBE_USER = "\x00tars-system\x00", "\x00tars-user\x00"
 _PROBE_ASSISTANT, _PROBE_USER2 = "\x00tars-assistant\x00", "\x00tars-next\x00"
+_ANCHOR = "\n"  # what a SentencePiece-style tokenizer encodes a mid-text piece after (ChatTokenizer._encode)
 
 
 class TokenizerError(ValueError):
@@ -73,7 +74,21 @@ class ChatTokenizer:
                                  "chat_template.jinja); the conversation is built from it")
         self.vocab_size = len(hf)
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else (hf.eos_token_id or 0)
+        # SentencePiece-style tokenizers (Llama-2, Mistral v0.1, TinyLlama: a "▁" prepended by the normalizer or a
+        # Metaspace pre-tokenizer) put a space marker at the start of every text encoded alone, which the whole
+        # conversation does not have mid-text. Such a tokenizer encodes each piece after an anchor ("\n") and drops
+        # the anchor's ids, so the pieces add up to the whole conversation's ids.
+        self._anchor = list(hf.encode(_ANCHOR, add_special_tokens=False))
+        self._mid_text = list(hf.encode(_ANCHOR + "a", add_special_tokens=False))[len(self._anchor):] != \
+            list(hf.encode("a", add_special_tokens=False))
+        self._specials = sorted((t for t in hf.all_special_tokens + list(hf.get_added_vocab()) if t), key=len,
+                                reverse=True)
         self._eot_text, self._turn_text = self._probe()
+        # After a special token a legacy normaliser starts a new segment (the marker comes back), Metaspace's
+        # prepend_scheme "first" does not: which one this is, from the end-of-turn token.
+        eot_ids = list(hf.encode(self._eot_text, add_special_tokens=False))
+        self._restarts = list(hf.encode(self._eot_text + "a", add_special_tokens=False))[len(eot_ids):] == \
+            list(hf.encode("a", add_special_tokens=False))
         self.system_role = self._takes_system()
         eot = self.hf.convert_tokens_to_ids(self._eot_text)
         if eot is None or eot == hf.unk_token_id:
@@ -120,42 +135,59 @@ class ChatTokenizer:
                                  f"embedding has {model_vocab_size} rows; they are not a pair")
 
     # ---- text <-> ids ----------------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        """Plain text -> ids. Special-token strings in it ("<|im_start|>" on a web page) stay plain text: content
-        from an environment must not be able to open a new message."""
-        return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+    def encode(self, text: str, after: str = "text") -> list[int]:
+        """Plain text -> ids, as it is encoded inside a conversation after `after` ("text", "special": a special
+        token, "start": nothing). Special-token strings in it ("<|im_start|>" on a web page) stay plain text:
+        content from an environment must not be able to open a new message."""
+        return self._encode(text, True, after)
 
-    def _encode_template(self, text: str) -> list[int]:
-        # The template's own text, whose special tokens are meant.
-        return list(self.hf.encode(text, add_special_tokens=False))
+    def _encode(self, text: str, plain: bool, after: str = "text") -> list[int]:
+        """plain: special-token strings stay text (content); else the template's own text, whose special tokens are
+        meant. Without a space-marker tokenizer (byte-level BPE) the piece is encoded alone, as it is whole."""
+        if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
+            return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=plain))
+        ids = list(self.hf.encode(_ANCHOR + text, add_special_tokens=False, split_special_tokens=plain))
+        if ids[:len(self._anchor)] != self._anchor:  # the anchor merged with the text: it stands alone then
+            return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=plain))
+        return ids[len(self._anchor):]
 
-    def _fill(self, text: str, contents: dict[str, "Content"]) -> list[int]:
+    def _fill(self, text: str, contents: dict[str, "Content"], after: str) -> list[int]:
         """A rendered template with probe strings -> ids: the template's text with its special tokens, each probe's
-        content as plain text, image runs as placeholder ids."""
+        content as plain text, image runs as placeholder ids. after: what comes before it ("start", "special")."""
         pat = "(" + "|".join(map(re.escape, contents)) + ")"
         ids: list[int] = []
         for i, part in enumerate(re.split(pat, text)):
             if i % 2 == 0:
-                ids += self._encode_template(part) if part else []
+                ids += self._encode(part, False, after) if part else []
+                after = self._after(part, after)
             else:
-                ids += self.content_ids(contents[part])
+                ids += self.content_ids(contents[part], after)
+                after = "text"
         return ids
 
-    def content_ids(self, content: "Content") -> list[int]:
+    def _after(self, text: str, before: str) -> str:
+        """What a piece that follows `text` comes after: "special" when it ends with a special token."""
+        if not text:
+            return before
+        return "special" if any(text.endswith(t) for t in self._specials) else "text"
+
+    def content_ids(self, content: "Content", after: str = "text") -> list[int]:
         """A message's content: a text, or a sequence of texts and image runs (an int n = n placeholders, framed
         by <|vision_start|> ... <|vision_end|> where the tokenizer is Qwen2-VL's)."""
         if isinstance(content, str):
-            return self.encode(content)
+            return self.encode(content, after)
         ids: list[int] = []
         for c in content:
             if isinstance(c, str):
-                ids += self.encode(c)
+                ids += self.encode(c, after)
+                after = "text"
             elif c > 0:
                 if self.image_id < 0:
                     raise TokenizerError(f"{self.path}: the tokenizer has no image placeholder token "
                                          f"({', '.join(IMAGE_TOKENS)})")
                 run = [self.image_id] * int(c)
                 ids += [self.vision_start_id, *run, self.vision_end_id] if self.vision_end_id >= 0 else run
+                after = "special"
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
@@ -176,9 +208,7 @@ class ChatTokenizer:
             raise TokenizerError(f"{self.path}: the chat template does not render a conversation as a growing text "
                                  "(an assistant message changes when a user message follows it)")
         rest = a[i + len(_PROBE_ASSISTANT):]
-        specials = sorted((t for t in self.hf.all_special_tokens + list(self.hf.get_added_vocab()) if t),
-                          key=len, reverse=True)
-        eot = next((t for t in specials if rest.startswith(t)), None)
+        eot = next((t for t in self._specials if rest.startswith(t)), None)
         if eot is None:
             raise TokenizerError(f"{self.path}: the chat template ends an assistant message with {rest[:20]!r}, "
                                  "not with a special token; the turn rule needs an end-of-turn token")
@@ -204,17 +234,17 @@ class ChatTokenizer:
             user = system + "\n\n" + user if isinstance(user, str) else [system + "\n\n", *user]
             system = ""
         msgs = ([{"role": "system", "content": _PROBE_SYSTEM}] if system else []) + [{"role": "user", "content": _PROBE_USER}]
-        return self._fill(self.render(msgs, True), {_PROBE_SYSTEM: system, _PROBE_USER: user})
+        return self._fill(self.render(msgs, True), {_PROBE_SYSTEM: system, _PROBE_USER: user}, "start")
 
     def next_turn(self, user: "Content", closed: bool = True) -> list[int]:
         """Ids appended after the engine's output: [end-of-turn if the output did not end with it] + the user
         message + the generation prompt."""
-        ids = self._fill(self._turn_text, {_PROBE_USER2: user})
+        ids = self._fill(self._turn_text, {_PROBE_USER2: user}, "special")  # after the end-of-turn token
         return ([] if closed else [self.eot_id]) + ids
 
     def answer(self, text: str) -> list[int]:
         """What the policy should generate for an answer text: its ids and the end-of-turn token."""
-        return [*self.encode(text), self.eot_id]
+        return [*self.encode(text, self._after(self._turn_text, "text")), self.eot_id]  # after the generation prompt
 
 
 

@@ -114,3 +114,41 @@ def test_a_template_with_a_system_role_keeps_it(tok):
     assert tok.system_role
     assert tok.decode(tok.first_prompt("Act on the screen.", "hi"), skip_special=False) == tok.render(
         [{"role": "system", "content": "Act on the screen."}, {"role": "user", "content": "hi"}], True)
+
+
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+          "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+          "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+          "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("kind", ["legacy", "metaspace-first"])
+def test_sentencepiece_style_tokenizers_add_up_to_the_whole_conversation(tmp_path, kind):
+    """Llama-2 / TinyLlama / Mistral-v0.1 style tokenizer.json (a "▁" prepended by the normaliser, or Metaspace with
+    prepend_scheme "first") under TinyLlama-Chat's Zephyr template: a piece encoded alone would start with a space
+    marker the whole conversation does not have; the turn-by-turn ids still equal the template's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    if kind == "legacy":
+        t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    else:
+        t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    corpus = [m["content"] for m in CONV] * 50 + ["<|user|>\n hello world <|assistant|>\n the quick brown fox"] * 50
+    t.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                      min_frequency=2))
+    hf = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = ZEPHYR
+    hf.save_pretrained(str(tmp_path))
+    tok = ChatTokenizer.load(tmp_path)
+    ids = tok.first_prompt(CONV[0]["content"], CONV[1]["content"]) + tok.answer(CONV[2]["content"])
+    ids += tok.next_turn(CONV[3]["content"])
+    text = tok.render(CONV[:4], add_generation_prompt=True)
+    assert ids == tok.hf.encode(text, add_special_tokens=False)
+    assert ids == list(tok.hf.apply_chat_template(CONV[:4], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    assert tok.next_turn("x", closed=False)[1:] == tok.next_turn("x")
