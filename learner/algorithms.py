@@ -211,7 +211,9 @@ def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor,
     if behav_cap is not None and math.isfinite(behav_cap):
         log_w = log_w.clamp(max=math.log(behav_cap))  # == min(exp(.), cap), overflow-free
     w = torch.exp(log_w)                                                       # [B, T]
-    u = torch.exp(log_u)                                                       # [B, T]
+    # exp would overflow past ~88 in fp32 (inf loss, NaN gradient: the step skipped), which correction.kind=none
+    # reaches with a stale token (u = current / behaviour there); e^20 is far past any clip, so nothing else changes.
+    u = torch.exp(log_u.clamp(max=20.0))                                       # [B, T]
     surr = torch.minimum(u * adv, u.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
     return -masked_mean(w * surr, m)
 

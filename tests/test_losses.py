@@ -338,3 +338,15 @@ def test_masked_scale_keeps_zero_advantages_at_zero():
     assert torch.sign(y[1, :2]).tolist() == [1.0, -1.0]
     sel = y[m.bool()]
     assert torch.isclose((sel ** 2).mean(), torch.tensor(1.0), atol=1e-5)
+
+
+def test_a_ratio_past_fp32_range_gives_a_finite_loss_and_gradient():
+    """correction.kind=none feeds u = current / behaviour: a stale token whose behaviour logprob is -100 puts
+    logp - behav near 99, past exp's fp32 range. The loss and gradient stay finite (the step is not skipped); with
+    A > 0 the clip holds that token's gradient at 0, as PPO's clip says."""
+    for adv, want_grad in ((1.0, 0.0), (-1.0, 0.0)):
+        logp = torch.tensor([-1.0, -1.0], requires_grad=True)
+        behav = torch.tensor([-1.2, -100.0])
+        loss = decoupled_ppo_loss(logp, behav, behav, torch.tensor([adv, adv]), torch.ones(2), 0.2, 0.28, None)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and float(logp.grad[1]) == want_grad
