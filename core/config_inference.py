@@ -59,7 +59,8 @@ class InferenceConfig:
                               "(INVALID_ARGUMENT; a huge version would lock out every later publish); 0 = unbounded. "
                               "A server started from older weights than the learner's: start it with --version")
     sglang_pause_mode: str = f("abort", "engine=sglang: pause_generation mode around a weight update: abort (in-flight requests "
-                               "come back and are resumed from their tokens) | retract | in_place (the server keeps them)")
+                               "come back and are resumed from their tokens) | retract | in_place (the server keeps them "
+                               "and their KV from the old weights: tokens after the update are conditioned on it)")
     sglang_tp_size: int = f(1, "engine=sglang: tensor-parallel size of each server (--tp-size): in-memory weight updates "
                                "(update_weights_from_tensor) send one serialized entry per TP rank", lo=1)
     sglang_request_timeout_s: float = f(600.0, "engine=sglang: longest a generation may take, resumes included")

@@ -234,7 +234,7 @@ class LocalEngine:
         wrong = [(k, tuple(v.shape), self._shapes[k]) for k, v in sd.items() if tuple(v.shape) != self._shapes[k]]
         if wrong:
             raise WeightLoadError(f"weight shapes do not match the model, e.g. {wrong[0][0]}: {wrong[0][1]} vs {wrong[0][2]}")
-        check_finite(sd)
+        check_finite(sd, self.dtype)
 
     # ---- metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict:

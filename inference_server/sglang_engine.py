@@ -65,6 +65,7 @@ class _Call:
     cached_tokens: int = 0
     interruptions: int = 0
     recomputed_tokens: int = 0
+    posting: str = ""   # the rid whose /generate is in flight ("" between segments)
 
 
 class SGLangEngine:
@@ -139,8 +140,10 @@ class SGLangEngine:
                max_stale_versions: int | None = None, on_token: TokenCallback | None = None) -> Future:
         """Queue a generation; the Future resolves to a GenerateOutput. Cancelling it aborts the request on its server.
 
-        max_stale_versions is accepted for interface parity: SGLang flushes its cache on every update, so resumed
-        requests always re-prefill under the new weights. on_token is called per token as each segment (the part
+        max_stale_versions is accepted for interface parity: with pause mode abort or retract SGLang flushes its cache
+        on every update, so resumed requests re-prefill under the new weights. With in_place it does not: a request
+        carried across an update keeps the KV its prefix got from the old weights, and its next tokens (labelled with
+        the new version) are conditioned on it, as max_stale_versions > 0 allows on the local engine. on_token is called per token as each segment (the part
         generated between two interruptions) comes back, in the worker thread, before the Future resolves.
         """
         params = params or SamplingParams()
@@ -175,13 +178,22 @@ class SGLangEngine:
             self.stats["cancelled"] += 1
             rep, rid = call.replica, call.rid
             if rep is not None and rid and not self._closed.is_set():
-                self._workers.submit(self._abort_rid, rep, rid)
+                threading.Thread(target=self._abort_rid, args=(call, rep, rid), name="tars-sglang-abort",
+                                 daemon=True).start()
 
-    def _abort_rid(self, rep: Replica, rid: str) -> None:
-        try:
-            http_json(rep.url, "/abort_request", {"rid": rid}, timeout=5.0)
-        except OSError:
-            pass
+    def _abort_rid(self, call: _Call, rep: Replica, rid: str) -> None:
+        """Abort `rid` until its /generate returns: one abort can be lost (SGLang drops an abort for a rid its
+        scheduler has not registered yet, and a paused server holds the request), and a request nobody waits for
+        would run to max_new_tokens on the server. Bounded by the request timeout."""
+        deadline = time.monotonic() + self.cfg.sglang_request_timeout_s
+        while not self._closed.is_set() and time.monotonic() < deadline:
+            try:
+                http_json(rep.url, "/abort_request", {"rid": rid}, timeout=5.0)
+            except OSError:
+                pass
+            if call.posting != rid:
+                return
+            time.sleep(0.2)
 
     def _rid(self, call: _Call) -> str:
         h = hashlib.sha1(call.trajectory_id.encode()).hexdigest()[:10]
@@ -226,9 +238,15 @@ class SGLangEngine:
                                     "stop_token_ids": list(p.stop_token_ids), "ignore_eos": True, "no_stop_trim": True,
                                     **({"sampling_seed": p.seed} if p.seed else {})},
             }
+            call.posting = call.rid
             try:
-                with self.pool.serving(rep):
-                    status, resp = http_json(rep.url, "/generate", body, timeout=max(1.0, deadline - time.monotonic()))
+                if call.future.cancelled():  # cancelled while the body was built: the abort may already be gone
+                    raise EngineClosed("cancelled")
+                try:
+                    with self.pool.serving(rep):
+                        status, resp = http_json(rep.url, "/generate", body, timeout=max(1.0, deadline - time.monotonic()))
+                finally:
+                    call.posting = ""
             except OSError as e:
                 # Refused / reset / timed out: take the replica out and go on elsewhere with the tokens we have.
                 self.pool.mark_down(rep, f"{type(e).__name__}: {e}")

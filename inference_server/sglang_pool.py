@@ -128,8 +128,8 @@ class ReplicaPool:
 
         requests_in_flight() is asked once the update has the pool to itself: the engine's generations it interrupts.
         Raises ValueError when the version is not newer, WeightsRefused when it jumps past cfg.max_version_jump,
-        NoHealthyReplica when none is up, WeightLoadError when no replica accepts the weights (one that refuses is
-        taken out until it can be brought up to date). SGLang reads the weights itself: they are not checked for
+        NoHealthyReplica when none is up, WeightLoadError when no replica accepts the weights (all keep serving the
+        old ones; one that refuses what others took is taken out until it can be brought up to date). SGLang reads the weights itself: they are not checked for
         non-finite values here (the local engine does).
         """
         with self._update_lock:
@@ -149,11 +149,11 @@ class ReplicaPool:
                 self._updating.clear()
                 self._no_update.set()
             errors = [(r.url, e) for r, e in zip(live, results) if e]
-            for r, e in zip(live, results):
-                if e:
-                    self.mark_down(r, f"weight update failed: {e}")
-            if len(errors) == len(live):
+            if len(errors) == len(live):  # the weights, not the replicas: all keep serving the old ones
                 raise WeightLoadError(f"no replica accepted the weights: {errors[0][1]}")
+            for r, e in zip(live, results):
+                if e:  # the others took them: this one is behind until it is brought up to date
+                    self.mark_down(r, f"weight update failed: {e}")
             self.version = version
             self._last_weights = (version, path, tensors)
             self.stats["weight_updates"] += 1

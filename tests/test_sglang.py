@@ -341,3 +341,45 @@ def test_launchable_as_a_process_that_prints_nothing(models):
         p.terminate()
         out, err = p.communicate(timeout=10)
     assert out == b"" and err == b""
+
+
+def test_weights_every_replica_refuses_leave_the_pool_serving_the_old_ones(servers, models, tmp_path):
+    """A refused update (a missing directory) changes nothing: the replica stays in, the requests it interrupted
+    resume on the old weights, and a new request is served at once."""
+    s = servers(weight_version="0", token_delay_s=0.005)
+    e = engine([s.url], sglang_pause_mode="abort")
+    try:
+        futs = [e.submit(PROMPT, SamplingParams(max_new_tokens=40, temperature=0.0), f"t{i}") for i in range(3)]
+        wait_for(lambda: s.tokens_in_flight() >= 3)
+        with pytest.raises(Exception, match="no replica accepted"):
+            e.update_weights(1, str(tmp_path / "missing"))
+        assert [r["healthy"] for r in e.metrics()["replicas"]] == [True] and e.version == 0
+        ref = greedy(models["a"], PROMPT, 40)[0]
+        for f in futs:
+            out = f.result(20)
+            assert out.output_ids == ref and set(out.versions) == {0}
+        assert len(e.generate(PROMPT, SamplingParams(max_new_tokens=3, temperature=0.0), "new").output_ids) == 3
+    finally:
+        e.close()
+
+
+def test_a_cancelled_request_stops_on_the_server_even_when_paused_or_just_posted(servers):
+    """One /abort_request can be lost (the rid not registered yet, or held by a paused server): the engine aborts
+    until the request's /generate returns, so nothing runs on to max_new_tokens for a caller that is gone."""
+    s = servers(weight_version="0", token_delay_s=0.02)
+    e = engine([s.url])
+    try:
+        http_json(s.url, "/pause_generation", {"mode": "abort"})
+        f = e.submit(PROMPT, SamplingParams(max_new_tokens=230, temperature=1.0), "held")
+        time.sleep(0.3)
+        assert f.cancel()
+        time.sleep(0.2)
+        http_json(s.url, "/continue_generation", {})
+        wait_for(lambda: not s.reqs and e.replicas[0].in_flight == 0, timeout=3.0)
+        for i in range(10):
+            f = e.submit(PROMPT, SamplingParams(max_new_tokens=230, temperature=1.0), f"early{i}")
+            time.sleep(0.002 * i)
+            f.cancel()
+        wait_for(lambda: not s.reqs, timeout=3.0)          # 230 tokens at 20 ms each would take 4.6 s
+    finally:
+        e.close()
