@@ -30,7 +30,7 @@ from core.weights_stream import DTYPES, _NAMES
 
 SHM_DIR = "/dev/shm"
 MAGIC = b"TARSWSH1"
-NAME_RE = re.compile(r"^tars-w-[0-9a-f]{12}-v[0-9]{1,12}-[0-9]{1,10}$")
+NAME_RE = re.compile(r"tars-w-[0-9a-f]{12}-v[0-9]{1,12}-[0-9]{1,10}")  # fullmatch: "$" let a trailing "\n" in
 MAX_HEADER = 64 << 20
 ALIGN = 64
 
@@ -73,7 +73,7 @@ def write_segment(prefix: str, version: int, state_dict: dict[str, torch.Tensor]
     copying), mapped, and each tensor copied straight into the mapping (from the GPU too): no intermediate host
     copy and no write() calls. A 1 B-parameter fp32 model on 2 cores: 5.2 s through write(), 1.9-2.9 s this way."""
     name = f"{prefix}v{int(version)}-{os.getpid()}"
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise SegmentError(f"bad segment name {name!r}")
     entries, tensors, off = [], [], 0
     for k, t in state_dict.items():
@@ -116,7 +116,7 @@ def write_segment(prefix: str, version: int, state_dict: dict[str, torch.Tensor]
 
 
 def unlink(name: str) -> None:
-    if NAME_RE.match(name or ""):
+    if NAME_RE.fullmatch(name or ""):
         try:
             os.unlink(os.path.join(SHM_DIR, name))
         except OSError:
@@ -129,7 +129,7 @@ def read_segment(name: str) -> tuple[int, dict[str, torch.Tensor]]:
     Raises SegmentError for a name that is not a tars segment name, a file that is not this user's regular file in
     /dev/shm, or a malformed segment; FileNotFoundError when there is no such segment (another host's learner).
     """
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise SegmentError(f"not a weights segment name: {str(name)[:100]!r}")
     dfd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
     try:

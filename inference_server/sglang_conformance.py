@@ -20,6 +20,13 @@ from inference_server.sglang_behaviour import KEEP_KV, SGLangBehaviour
 from inference_server.sglang_types import SGLangTypes
 
 
+MAX_BODY = 64 << 20  # generate bodies are token ids; update_weights_from_tensor carries shared-memory handles, not data
+
+
+class BodyTooLarge(ValueError):
+    """413: a Content-Length over MAX_BODY."""
+
+
 class ConformanceServer(SGLangBehaviour):
     """In-process SGLang stand-in; start() binds (port 0 = free) and returns the port; stop() shuts it down."""
 
@@ -79,6 +86,9 @@ class _Handler(BaseHTTPRequestHandler):
         if n < 0:
             self.close_connection = True
             raise ValueError(f"Content-Length {n} is negative")
+        if n > MAX_BODY:  # the body is read whole: a huge length must not become a MemoryError and a dropped socket
+            self.close_connection = True
+            raise BodyTooLarge(f"Content-Length {n} is over the {MAX_BODY}-byte limit")
         raw = self.rfile.read(n) if n else b""
         body = json.loads(raw) if raw.strip() else {}
         if not isinstance(body, dict):
@@ -113,6 +123,8 @@ class _Handler(BaseHTTPRequestHandler):
         s, path = self.server_ref, self.path.split("?")[0]
         try:
             body = self._body()
+        except BodyTooLarge as e:
+            return self._error(413, str(e))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
             return self._error(400, f"bad JSON: {type(e).__name__}: {str(e)[:200]}")
         try:

@@ -335,10 +335,20 @@ def _role(a, cfg) -> int:
         from core import config as C
 
         print(C.help_text())
-        print("\n# resolved:")
-        print(json.dumps(C.to_dict(cfg), indent=2))
+        print("\n# resolved (secrets shown as <set>):")
+        print(json.dumps(_masked(C.to_dict(cfg)), indent=2))
         return 0
     return 2
+
+
+_SECRETS = ("auth_token", "curve_secret_key", "snapshot_key")
+
+
+def _masked(d):
+    """A config dict with its secrets (tokens, keys; not their *_file paths) replaced by "<set>" where set."""
+    if isinstance(d, dict):
+        return {k: ("<set>" if v else v) if k in _SECRETS else _masked(v) for k, v in d.items()}
+    return d
 
 
 if __name__ == "__main__":

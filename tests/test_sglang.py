@@ -383,3 +383,18 @@ def test_a_cancelled_request_stops_on_the_server_even_when_paused_or_just_posted
         wait_for(lambda: not s.reqs, timeout=3.0)          # 230 tokens at 20 ms each would take 4.6 s
     finally:
         e.close()
+
+
+def test_a_body_over_the_limit_gets_413_not_a_memory_error(servers):
+    import http.client
+    s = servers()
+    host, port = s.url.split("//")[1].split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=10)
+    c.putrequest("POST", "/generate")
+    c.putheader("Content-Type", "application/json")
+    c.putheader("Content-Length", str(10 ** 13))
+    c.endheaders()
+    r = c.getresponse()
+    assert r.status == 413 and b"limit" in r.read()
+    c.close()
+    assert http_json(s.url, "/generate", gen_body(None, 2))[0] == 200   # the server is fine

@@ -139,7 +139,7 @@ def test_hostile_names_and_segments_are_refused_and_change_nothing(served, tmp_p
     pathlib.Path(weights_shm.SHM_DIR, lying).write_bytes(weights_shm.MAGIC + len(hdr).to_bytes(8, "little") + hdr)
     try:
         for name in ("/etc/passwd", "../../etc/passwd", str(secret), f"tars-w-{'0' * 12}-v1-1/../../etc/passwd",
-                     "tars-w-x", link, junk, lying):
+                     "tars-w-x", f"tars-w-{'3' * 12}-v9-9\n", link, junk, lying):
             with pytest.raises(grpc.RpcError) as e:
                 stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=v + 1, shm=name), timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.value.details())
