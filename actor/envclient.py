@@ -115,6 +115,9 @@ class EnvClient:
                 return sid, run_id, obs
             except (EnvInfraError, EnvActionError):   # its lease ran out, the daemon restarted: start a new one
                 await self.close_session(sid)
+            except BaseException:   # cancelled (an actor stopping): taken from the pool, so closed here or leaked
+                await self.close_session(sid)
+                raise
             break
         await self._expire()
         sid, run_id = await self.create(env_id, seed, options)

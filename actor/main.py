@@ -48,6 +48,7 @@ class Actor:
         self.counter = itertools.count()
         self.running: set[asyncio.Task] = set()
         self.sending: set[asyncio.Task] = set()
+        self._stopping = False  # shutdown(): a send that times out is not tried again
         self.stats = collections.Counter()
         self.recent = collections.deque(maxlen=512)  # (success, outcome) of the latest episodes
         self.t0 = time.monotonic()
@@ -134,15 +135,28 @@ class Actor:
         self.stats["segments_started"] += len(tr.segments)  # VL image windows and context windows
         self.stats["successes"] += int(tr.success)
         self.recent.append((tr.success, tr.outcome))
+        self._send(tr)
+
+    def _send(self, tr) -> None:
         s = asyncio.create_task(self.sender.send(tr, timeout=self.acfg.admission_timeout_s))
         self.sending.add(s)
-        s.add_done_callback(self._sent)
+        s.add_done_callback(lambda task: self._sent(task, tr))
 
-    def _sent(self, task: asyncio.Task) -> None:
+    def _sent(self, task: asyncio.Task, tr) -> None:
         self.sending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("send failed: %r", task.exception())
-            self.stats["send_failures"] += 1
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        if isinstance(e, TimeoutError) and not self._stopping:
+            # No credit for admission_timeout_s (the learner down, restarting or backlogged): finished work is not
+            # dropped; it waits for the learner again (spooled meanwhile, when there is a spool).
+            log.warning("send of %s timed out waiting for the learner; trying again", tr.id)
+            self.stats["send_retries"] += 1
+            self._send(tr)
+            return
+        log.error("send of %s failed: %r", tr.id, e)  # never sendable (over the frame limit), or stopping
+        self.stats["send_failures"] += 1
+        asyncio.ensure_future(self.sender.lost(1))  # its admission goes back: the learner stops counting it running
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.sender.start(timeout=60.0)
@@ -171,6 +185,7 @@ class Actor:
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         # Episodes still running are abandoned: their admissions go back to the learner.
+        self._stopping = True
         for t in list(self.running):
             t.cancel()
         if self.running:

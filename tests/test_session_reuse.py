@@ -136,3 +136,28 @@ def test_close_closes_the_idle_sessions():
 
     n, after = asyncio.run(main())
     assert n == 2 and after == 0
+
+
+def test_an_episode_cancelled_while_it_resets_a_kept_session_closes_it():
+    """An actor stopping cancels its episodes; one inside open(), resetting a session it took from the pool, closes
+    that session rather than leaving it on envd until its lease runs out."""
+    async def main():
+        async with stack(1) as (ctx, env, sessions):
+            await run_episode(ctx, env, "t-0", "builtin/click", 1, 0)
+            assert len(env._idle) == 1 and len(sessions) == 1
+            gate, real_reset = asyncio.Event(), env.reset
+
+            async def slow_reset(*a):
+                gate.set()
+                await asyncio.sleep(30)
+                return await real_reset(*a)
+
+            env.reset = slow_reset
+            t = asyncio.create_task(run_episode(ctx, env, "t-1", "builtin/click", 2, 0))
+            await asyncio.wait_for(gate.wait(), 10)
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+            return len(env._idle), len(sessions)
+
+    assert asyncio.run(main()) == (0, 0)

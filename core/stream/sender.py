@@ -159,9 +159,12 @@ class TrajectorySender:
         """Send an encoded trajectory; waits (until timeout -> TimeoutError) for credit and outbox room.
 
         images: sha256 hex -> bytes that the frame refers to by hash and does not carry itself."""
-        size = len(frame) + sum(len(b) for b in (images or {}).values())
-        if size > self.max_frame_bytes:
-            raise ValueError(f"trajectory {tid} is {size} bytes; the learner takes at most {self.max_frame_bytes}")
+        # The learner's two limits (core/stream/receiver.py): the frame, and the images attached to one message
+        # (all of them after a reconnect, when none is known to have arrived), each at most max_frame_bytes.
+        img = sum(len(b) for b in (images or {}).values())
+        if len(frame) > self.max_frame_bytes or img > self.max_frame_bytes:
+            raise ValueError(f"trajectory {tid} is {len(frame)} bytes with {img} bytes of images; the learner takes "
+                             f"at most {self.max_frame_bytes} of each")
         deadline = time.monotonic() + timeout
         if self._spool is not None:
             # Spooled before waiting for credit: an actor killed while it waits (learner backlogged or down)

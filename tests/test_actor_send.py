@@ -1,0 +1,95 @@
+"""actor/main.py's hand-off of finished episodes to the stream: a send that can never happen gives its admission
+back (the learner's staleness manager stops counting the episode as running), and a send that timed out waiting
+for the learner (down, restarting, backlogged) is tried again instead of dropping finished work."""
+from __future__ import annotations
+
+import asyncio
+
+from actor.main import Actor
+from core import config as C
+from core.schema import Trajectory, Turn
+from tars.fresh import shared_tokenizer
+
+import numpy as np
+
+
+class FakeSender:
+    """TrajectorySender's send/lost, scripted: each send pops the next outcome (an exception or None = delivered)."""
+
+    def __init__(self, outcomes):
+        self.outcomes, self.sent, self.lost_n = list(outcomes), [], 0
+
+    async def send(self, tr, timeout):
+        out = self.outcomes.pop(0)
+        if out is not None:
+            raise out
+        self.sent.append(tr.id)
+
+    async def lost(self, n):
+        self.lost_n += n
+
+
+def _traj(tid: str) -> Trajectory:
+    return Trajectory(id=tid, env_id="builtin/click", outcome="terminated", tokens=np.array([1, 2], np.int32),
+                      logprobs=np.zeros(2, np.float32), versions=np.zeros(2, np.int32), mask=np.array([0, 1], np.uint8),
+                      turns=[Turn("text:1", "x", {}, 1.0, 1, 2)], ret=1.0)
+
+
+def _run(outcomes, stopping=False):
+    async def main():
+        a = Actor(C.RunConfig(), "a0", ["127.0.0.1:9"], ["127.0.0.1:9"], "tcp://127.0.0.1:9", shared_tokenizer())
+        a.sender = FakeSender(outcomes)
+        a._stopping = stopping
+        a._send(_traj("t1"))
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if not a.sending:
+                break
+        await asyncio.sleep(0.02)  # the lost() it scheduled
+        return a.sender, a.stats
+
+    return asyncio.run(main())
+
+
+def test_a_timed_out_send_is_tried_again_until_it_goes_out():
+    s, stats = _run([TimeoutError("no credit"), TimeoutError("no credit"), None])
+    assert s.sent == ["t1"] and s.lost_n == 0 and stats["send_retries"] == 2 and stats["send_failures"] == 0
+
+
+def test_a_send_that_can_never_happen_gives_its_admission_back():
+    s, stats = _run([ValueError("over the frame limit")])
+    assert s.sent == [] and s.lost_n == 1 and stats["send_failures"] == 1
+
+
+def test_a_timeout_while_stopping_gives_the_admission_back_instead_of_waiting():
+    s, stats = _run([TimeoutError("no credit")], stopping=True)
+    assert s.sent == [] and s.lost_n == 1 and stats["send_retries"] == 0
+
+
+def test_the_senders_size_check_is_the_learners_two_limits():
+    """The frame and the images attached to one message are each limited to max_frame_bytes by the learner; the
+    sender refused a trajectory whose frame and images only together passed the limit."""
+    import hashlib
+    import os
+
+    from core.stream.sender import TrajectorySender
+
+    async def main():
+        s = TrajectorySender("tcp://127.0.0.1:9", "a0")
+        s.max_frame_bytes = 1000
+        imgs = {hashlib.sha256(b).hexdigest(): b for b in (os.urandom(600), os.urandom(300))}
+        try:                                             # 900 + 900 bytes: each under 1000
+            await s.send_frame("ok", b"x" * 900, 0.05, images=imgs)
+        except ValueError as e:
+            raise AssertionError(f"refused: {e}") from None
+        except Exception:                                # not started: it gets past the check and fails later
+            pass
+        for frame, images in ((b"x" * 1001, {}), (b"x", {**imgs, "c": os.urandom(200)})):
+            try:
+                await s.send_frame("big", frame, 0.05, images=images)
+            except ValueError as e:
+                assert "at most 1000" in str(e)
+            else:
+                raise AssertionError("not refused")
+
+    asyncio.run(main())
