@@ -10,6 +10,7 @@ A session whose episode ended in an error or was cancelled is never reused."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from dataclasses import dataclass, replace
@@ -53,9 +54,9 @@ class EnvClient:
     """One envd daemon. An episode keeps its session on the daemon that created it (sessions are stateful)."""
 
     def __init__(self, address: str, auth_token: str = "", timeout_s: float = 30.0, retries: int = 3,
-                 keep_sessions: int = 0, idle_s: float = 20.0):
+                 keep_sessions: int = 0, idle_s: float = 20.0, lease_ttl_s: float = 60.0):
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
-        self.keep_sessions, self.idle_s = keep_sessions, idle_s
+        self.keep_sessions, self.idle_s, self.lease_ttl_s = keep_sessions, idle_s, lease_ttl_s
         self._idle: list[tuple[tuple, str, str, float]] = []   # (env id and options, session, run, since), oldest first
         self.created = self.reused = 0   # sessions this client created, and episodes that reused a kept one
         self.channel = rpc.channel(address, auth_token)
@@ -143,6 +144,28 @@ class EnvClient:
         if old:
             self._idle = [e for e in self._idle if e not in old]
             await asyncio.gather(*(self.close_session(e[1]) for e in old))
+
+    @contextlib.asynccontextmanager
+    async def keepalive(self, sid: str):
+        """Renew `sid`'s lease (every lease_ttl_s / 3) while the caller waits on something else, e.g. a generate
+        that outlasts the lease while inference restarts: only a step, a reset or a heartbeat renews it, and a
+        session lost to its lease then would be a healthy episode thrown away and its daemon blamed."""
+        async def beat():
+            while True:
+                await asyncio.sleep(self.lease_ttl_s / 3)
+                try:
+                    await self.stub.Heartbeat(env_pb2.HeartbeatRequest(session_ids=[sid]),
+                                              timeout=min(5.0, self.timeout_s))
+                except grpc.aio.AioRpcError:
+                    pass  # the next step says whether the session is gone
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def close_session(self, sid: str) -> None:
         try:

@@ -272,10 +272,11 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     t0, c0 = time.perf_counter(), time.thread_time()
                     with telemetry.client_span("generate", {"tars.prompt_tokens": len(request)}) as gsp:
                         try:
-                            g = await ctx.infer.generate(tid, request, cfg.max_new_tokens,
-                                                         temperature=cfg.temperature, stop_token_ids=stop_ids,
-                                                         timeout_s=cfg.rpc_timeout_s,
-                                                         images=[common_pb2.Image(data=b) for b in window])
+                            async with env.keepalive(sid):   # a slow generate must not cost the session its lease
+                                g = await ctx.infer.generate(tid, request, cfg.max_new_tokens,
+                                                             temperature=cfg.temperature, stop_token_ids=stop_ids,
+                                                             timeout_s=cfg.rpc_timeout_s,
+                                                             images=[common_pb2.Image(data=b) for b in window])
                         except grpc.aio.AioRpcError as e:
                             limit = _context_overflow(e)
                             if limit is None:

@@ -34,7 +34,7 @@ class Actor:
                  tokenizer: ChatTokenizer, spool_dir: str | None = None):
         self.cfg, self.acfg, self.actor_id = cfg, cfg.actor, actor_id
         self.envs = [EnvClient(a, cfg.envd.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
-                               cfg.actor.keep_sessions, cfg.envd.lease_ttl_s / 2) for a in envd]
+                               cfg.actor.keep_sessions, cfg.envd.lease_ttl_s / 2, cfg.envd.lease_ttl_s) for a in envd]
         self.infer = InferenceClient(inference, cfg.inference.auth_token, cfg.actor.rpc_timeout_s, cfg.actor.retries,
                                      unavailable_retry_s=cfg.actor.unavailable_retry_s, coalesce=cfg.actor.coalesce_generate)
         self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,

@@ -102,7 +102,8 @@ class ScriptedPolicy(Policy):
             await self.server.start()
             self.envd_addr = self.server.address
         a = self.cfg.actor
-        self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries)
+        self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries,
+                             lease_ttl_s=self.cfg.envd.lease_ttl_s)
 
     async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
         from actor.envclient import EnvActionError, EnvInfraError
@@ -224,7 +225,7 @@ class ModelPolicy(Policy):
         self.envd_addr, self.inference_addr = self.topo.envd, self.topo.inference
         a = self.cfg.actor
         self.env = EnvClient(self.envd_addr, self.cfg.envd.auth_token, a.rpc_timeout_s, a.retries, a.keep_sessions,
-                             self.cfg.envd.lease_ttl_s / 2)
+                             self.cfg.envd.lease_ttl_s / 2, self.cfg.envd.lease_ttl_s)
         self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries,
                                      coalesce=a.coalesce_generate)
         self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval", max_context=max_context)

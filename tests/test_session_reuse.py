@@ -161,3 +161,38 @@ def test_an_episode_cancelled_while_it_resets_a_kept_session_closes_it():
             return len(env._idle), len(sessions)
 
     assert asyncio.run(main()) == (0, 0)
+
+
+def test_a_generate_longer_than_the_lease_keeps_the_session():
+    """Only a step, a reset or a heartbeat renews a session's lease; the episode heartbeats while it waits for
+    inference, so a generate slower than the lease (inference restarting) does not cost a healthy session."""
+    import threading
+    from concurrent.futures import Future
+
+    from test_episode import stack as episode_stack
+
+    class Slow(ScriptedEngine):
+        n = 0
+
+        def submit(self, *a, **kw):
+            f, self.n = super().submit(*a, **kw), self.n + 1
+            if self.n != 2:                              # the second turn's generate takes 2.5 leases
+                return f
+            g = Future()
+            threading.Timer(2.5, lambda: g.set_result(f.result())).start()
+            return g
+
+    async def main():
+        env_srv = EnvServer(dataclasses.replace(EnvdConfig(), host="127.0.0.1", port=0, lease_ttl_s=1.0,
+                                                gc_interval_s=0.1))
+        await env_srv.start()
+        try:
+            async with episode_stack(Slow(fixed_answer(TOK.answer("wait()")), TOK.vocab_size), env_srv.address,
+                                     max_turns=3) as (ctx, env):
+                env.lease_ttl_s = 1.0
+                return await run_episode(ctx, env, "t-lease", "builtin/click", 7, 0)
+        finally:
+            await env_srv.stop()
+
+    tr = asyncio.run(main())
+    assert tr.outcome != Outcome.INFRA_ERROR and len(tr.turns) == 3, (tr.outcome, tr.error)
