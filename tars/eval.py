@@ -176,6 +176,9 @@ class _RecordingEnv:
     async def release(self, *a, **kw):
         await self.env.release(*a, **kw)
 
+    def keepalive(self, sid: str):
+        return self.env.keepalive(sid)
+
 
 class ModelPolicy(Policy):
     def __init__(self, model: str, cfg: RunConfig, tokenizer: str = "", envd: str = ""):
