@@ -217,7 +217,12 @@ class Plan:
 
 
 def prepare(out: pathlib.Path) -> None:
-    """The run directory's run/ and logs/, with no ready file left from an earlier run (`tars ctl` reads them)."""
+    """The run directory's run/ and logs/, with no ready file left from an earlier run (`tars ctl` reads them).
+    A run directory is the owner's alone (0700): trajectories, episodes and logs are the task data of a run, and
+    only config.yaml (0600) guarded them before. An existing directory that is not a run's is left as it is."""
+    if not out.exists() or not any(out.iterdir()) or (out / "config.yaml").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        os.chmod(out, 0o700)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "run").mkdir(exist_ok=True)
     for f in (out / "run").glob("*.json"):

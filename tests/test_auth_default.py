@@ -301,3 +301,19 @@ def test_a_run_with_a_learner_gets_a_curve_stream(tmp_path):
     cfg = C.load("quickstart")
     assert not tokens.issue(cfg, tmp_path / "c3.yaml")["learner.stream.curve"]
     assert not cfg.learner.stream.curve_secret_key
+
+
+def test_a_run_directory_is_the_owners_alone(tmp_path):
+    """Trajectories, episodes and logs under a run directory are task data: the directory is 0700. A directory that
+    holds something else is not a run's and keeps its mode."""
+    import stat
+
+    from tars.topology import prepare
+
+    prepare(tmp_path / "new")
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700 and (tmp_path / "new" / "logs").is_dir()
+    other = tmp_path / "home"
+    other.mkdir(mode=0o755)
+    (other / "notes.txt").write_text("mine")
+    prepare(other)
+    assert stat.S_IMODE(other.stat().st_mode) == 0o755
