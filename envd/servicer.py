@@ -4,7 +4,7 @@ The process around it (listening, health, drain, signals, exit) is envd/server.p
 pool are envd/sessions.py.
 
 Error contract (see proto/tars/v1/env.proto and envd/base.py):
-  unknown session / env id -> NOT_FOUND            malformed action or options -> INVALID_ARGUMENT
+  unknown session / env id -> NOT_FOUND            malformed action or options, an unsandboxed env not enabled -> INVALID_ARGUMENT
   session cap, per-client cap, host budget -> RESOURCE_EXHAUSTED      draining -> UNAVAILABLE
   backend lacks snapshots -> UNIMPLEMENTED         request from before a daemon restart -> FAILED_PRECONDITION
   a crashing or hanging backend never raises: Reset/Step/Observe answer outcome INFRA_ERROR and the session is gone.
@@ -146,8 +146,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             raise _Status(grpc.StatusCode.NOT_FOUND, f"session {s.id!r} was closed")
 
     def _ttl(self, requested: float) -> float:
-        # Capped: an absurd lease would overflow lease_expires_unix_ms (int64) after the session was already made,
-        # and a session nobody renews must still expire.
+        # Capped: an absurd lease overflows lease_expires_unix_ms (int64); a session nobody renews must still expire.
         if requested < 0 or not math.isfinite(requested) or requested > MAX_LEASE_TTL_S:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"lease_ttl_s must be in [0, {MAX_LEASE_TTL_S:.0f}], got {requested}")
         return requested or self.cfg.lease_ttl_s
@@ -157,11 +156,12 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self._check_accepting()
         self.admission.check(owner, client_id)
         options, hint = hints.split_options(options)
+        make = functools.partial(registry.make, remote=True, unsandboxed=self.cfg.unsandboxed_envs)
         if hint and hint not in hints.POLICIES:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{hints.OPTION}={hint!r}: expected one of {hints.POLICIES}")
         with self.admission.building(owner):
             try:
-                env = await self.workers.run(registry.make, env_id, options, timeout=self.cfg.step_timeout_s,
+                env = await self.workers.run(make, env_id, options, timeout=self.cfg.step_timeout_s,
                                              orphan=lambda e: e.close())
             except KeyError as e:
                 raise _Status(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else f"unknown env id {env_id!r}")

@@ -90,8 +90,10 @@ class EnvCompliance:
         assert a, "set valid_action on the compliance subclass"
         return env_pb2.Action(**a)
 
+    envd_overrides: dict = {}   # envd settings a backend needs (desktop, hybrid: unsandboxed_envs)
+
     def client(self, **overrides):
-        return envd_client(gc_interval_s=0.05, **overrides)
+        return envd_client(gc_interval_s=0.05, **{**self.envd_overrides, **overrides})
 
     async def create(self, c: Client, **kw) -> str:
         r = await c.CreateSession(env_pb2.CreateSessionRequest(env_id=self.env_id, options=self.options,

@@ -146,6 +146,7 @@ def test_shared_workspace_and_distinct_displays(tmp_path, monkeypatch, desk):
 
 class TestDesktopCompliance(EnvCompliance):
     env_id = "desktop"
+    envd_overrides = {"unsandboxed_envs": True}
     options = {"max_steps": "3", "apps": "xterm", "width": "640", "height": "480", "settle_s": "0"}
     valid_action = {"type": "click", "point": [50, 50]}
     invalid_action = {"type": "click", "point": [5000, 5]}
@@ -157,7 +158,7 @@ class TestDesktopCompliance(EnvCompliance):
 
 def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
     async def body():
-        async with envd_client(gc_interval_s=0.05) as c:
+        async with envd_client(gc_interval_s=0.05, unsandboxed_envs=True) as c:
             opts = {"apps": "xterm,xcalc", "width": "640", "height": "480"}
             sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="desktop", options=opts))).session_id
             r = await c.Reset(env_pb2.ResetRequest(session_id=sid, options=opts))
@@ -175,3 +176,25 @@ def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
 
     live = run(body(), timeout=60)
     assert not _gone(live) and not os.path.exists(live._dir)
+
+
+def test_envd_serves_the_unsandboxed_desktop_only_when_told_and_never_a_callers_workspace(tmp_path):
+    """The desktop's xterm is a shell as envd's user: over RPC it is refused unless envd.unsandboxed_envs is set,
+    and even then a workspace the caller names (a directory envd would create and run programs in) is refused."""
+    opts = {"apps": "xterm", "width": "640", "height": "480", "settle_s": "0"}
+
+    async def main():
+        for env_id in ("desktop", "hybrid"):
+            async with envd_client() as c:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.CreateSession(env_pb2.CreateSessionRequest(env_id=env_id, options=opts))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "envd.unsandboxed_envs" in e.value.details()
+        async with envd_client(unsandboxed_envs=True) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.CreateSession(env_pb2.CreateSessionRequest(
+                    env_id="desktop", options={**opts, "workspace": str(tmp_path / "chosen" / "dir")}))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "workspace" in e.value.details()
+        assert not (tmp_path / "chosen").exists()
+
+    run(main())

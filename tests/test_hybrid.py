@@ -146,6 +146,7 @@ def test_dead_sandbox_is_an_infra_failure():
 
 class TestHybridCompliance(EnvCompliance):
     env_id = "hybrid"
+    envd_overrides = {"unsandboxed_envs": True}
     options = {**SMALL, "max_steps": "3", "settle_s": "0"}
     valid_action = {"type": "type", "content": "echo hi\n", "target": "terminal"}
     invalid_action = {"type": "click", "point": [5000, 5]}
@@ -157,7 +158,7 @@ class TestHybridCompliance(EnvCompliance):
 
 def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
     async def body():
-        async with envd_client(gc_interval_s=0.05) as c:
+        async with envd_client(gc_interval_s=0.05, unsandboxed_envs=True) as c:
             sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="hybrid/hello", options=SMALL))).session_id
             r = await c.Reset(env_pb2.ResetRequest(session_id=sid))
             assert r.outcome == common_pb2.RUNNING and "hello.txt" in r.observation.instruction
