@@ -58,6 +58,8 @@ class InferenceConfig:
     max_version_jump: int = f(1000, "UpdateWeights to a version more than this beyond the one served is refused "
                               "(INVALID_ARGUMENT; a huge version would lock out every later publish); 0 = unbounded. "
                               "A server started from older weights than the learner's: start it with --version")
+    weights_root: str = f("", "if set, UpdateWeights paths (and the update_weights command's) must lie under this "
+                              "directory, symlinks resolved (INVALID_ARGUMENT otherwise); `tars up` sets the run's weights/")
     sglang_pause_mode: str = f("abort", "engine=sglang: pause_generation mode around a weight update: abort (in-flight requests "
                                "come back and are resumed from their tokens) | retract | in_place (the server keeps them "
                                "and their KV from the old weights: tokens after the update are conditioned on it)")

@@ -2,6 +2,8 @@
 code of a failed submit or generation, a GenerateBatch item (inference_server/server.py)."""
 from __future__ import annotations
 
+import os
+
 import grpc
 
 from core.v1 import inference_pb2
@@ -48,10 +50,22 @@ def response(out: GenerateOutput, replica: str) -> inference_pb2.GenerateRespons
         interruptions=out.interruptions, replica=replica)
 
 
+class PathRefused(ValueError):
+    """A weights path outside inference.weights_root (INVALID_ARGUMENT; the message says nothing of what is there)."""
+
+
+def confine(path: str | None, root: str) -> None:
+    """PathRefused unless `path` (symlinks resolved) lies under `root`; no root: any path."""
+    if path and root:
+        real, base = os.path.realpath(path), os.path.realpath(root)
+        if os.path.commonpath([real, base]) != base:
+            raise PathRefused("the weights path is outside inference.weights_root")
+
+
 def update_refusal(e: BaseException, path: str | None, timeout: float) -> tuple[grpc.StatusCode, str] | None:
     """What a failed engine.update_weights answers, for the UpdateWeights RPCs and the ControlService's
     update_weights command alike; None for anything else (a bug: the caller re-raises it)."""
-    if isinstance(e, WeightsRefused):  # non-finite weights, a version jump past inference.max_version_jump
+    if isinstance(e, (WeightsRefused, PathRefused)):  # non-finite weights, a version jump, a path outside the root
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, (ValueError, WeightLoadError)):
         return grpc.StatusCode.FAILED_PRECONDITION, str(e)

@@ -19,8 +19,8 @@ import sys
 import grpc
 
 from inference_server.engine import LocalEngine
-from inference_server.answers import (FINISH, SUBMIT_ERRORS, batch_item, code_of, failure, outcome, params, response,
-                                      update_refusal)
+from inference_server.answers import (FINISH, SUBMIT_ERRORS, batch_item, code_of, confine, failure, outcome, params,
+                                      response, update_refusal)
 from inference_server.mailbox import Mailbox, expire, settle, wake
 from inference_server.sglang_launch import SGLangStartupError  # standard library only
 from inference_server.engine_types import WeightsRefused, check_version_step
@@ -277,6 +277,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         remaining = context.time_remaining()
         timeout = self.cfg.update_timeout_s if remaining is None else max(0.01, min(self.cfg.update_timeout_s, remaining))
         try:
+            confine(path, self.cfg.weights_root)
             info = await asyncio.to_thread(self.engine.update_weights, version, path, sd, timeout)
         except Exception as e:
             if (why := update_refusal(e, path, timeout)) is None:
@@ -319,6 +320,7 @@ class InferenceServer:
     async def _cmd_update(self, args: dict[str, str]):
         version, path, timeout = int(args["version"]), args["path"], self.cfg.update_timeout_s
         try:
+            confine(path, self.cfg.weights_root)
             return await asyncio.to_thread(self.engine.update_weights, version, path, None, timeout)
         except Exception as e:  # the same answers as the UpdateWeights RPC
             if (why := update_refusal(e, path, timeout)) is None:

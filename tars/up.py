@@ -57,6 +57,8 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
 def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     out_p = pathlib.Path(out).resolve()
     prepare(out_p)
+    if not cfg.inference.weights_root:  # the server loads only what this run's learner publishes (or a restart)
+        cfg.inference.weights_root = str(out_p / "weights")
     if cfg.telemetry.enabled and not cfg.telemetry.dir and not cfg.telemetry.otlp_endpoint:
         cfg.telemetry.dir = str(out_p / "telemetry")  # every role's spans in the run directory
     C.save(cfg, out_p / "config.yaml")

@@ -238,3 +238,29 @@ def test_client_sticky_routing_across_two_servers():
             await c.close()
 
     run(main())
+
+
+def test_weights_paths_are_confined_to_weights_root(tmp_path):
+    """With inference.weights_root (what `tars up` sets: the run's weights/), a path outside it, through a symlink
+    inside it included, is INVALID_ARGUMENT with a message that says nothing of what is there; inside it loads."""
+    import os
+
+    root = tmp_path / "weights"
+    make_model(1).save_hf(root / "v1")
+    make_model(2).save_hf(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", root / "v2")
+
+    async def main():
+        async with Servers() as s:
+            _, eng, addr = await s.start(make_model(0), weights_root=str(root))
+            stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr, ""))
+            for path in (str(tmp_path / "elsewhere"), str(root / "v2"), "/etc/shadow", str(root / ".." / "elsewhere")):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=1, path=path), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == "the weights path is outside inference.weights_root"
+            assert eng.version == 0
+            r = await stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=1, path=str(root / "v1")), timeout=30)
+            assert r.version == 1 and eng.version == 1
+
+    run(main())
