@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass
 
@@ -144,15 +143,6 @@ def _prompt(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, c
         ids = turn_ids(tok, style, obs.text, obs.instruction, past + note, first=first or new, closed=closed,
                        images=n_img, obs_budget=cfg.max_obs_tokens)
     return _Prompt(ids, shot if n_img else b"", new)
-
-
-_OVERFLOW = re.compile(r"exceeds max_context (\d+)")
-
-
-def _context_overflow(e: grpc.aio.AioRpcError) -> int | None:
-    """The server's max_context when `e` is its INVALID_ARGUMENT answer to a prompt that does not fit, else None."""
-    m = _OVERFLOW.search(e.details() or "") if e.code() == grpc.StatusCode.INVALID_ARGUMENT else None
-    return int(m.group(1)) if m else None
 
 
 def _stray(ids: list[int], vision: frozenset) -> int:
@@ -278,7 +268,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                                                              timeout_s=cfg.rpc_timeout_s,
                                                              images=[common_pb2.Image(data=b) for b in window])
                         except grpc.aio.AioRpcError as e:
-                            limit = _context_overflow(e)
+                            limit = J.context_limit(e)
                             if limit is None:
                                 raise
                             # The server's own limit is lower than the config said (or the config did not say):
@@ -430,7 +420,7 @@ async def _judge(ctx: EpisodeContext, tid: str, instruction: str, steps: list, o
     cfg = ctx.cfg
     try:
         v = await J.ask(ctx.judge_infer or ctx.infer, ctx.tok, cfg, tid, instruction, steps, obs.text, _screenshot(obs),
-                        ctx.vision)
+                        ctx.vision, 0 if ctx.judge_infer else ctx.max_context)
     except J.JudgeError as e:
         if cfg.judge_on_error == "infra_error":  # no verdict is not a verdict of 0
             return Outcome.INFRA_ERROR, ret, f"judge: {e}"[:500], {"error": str(e)[:200]}

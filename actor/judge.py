@@ -37,6 +37,15 @@ class JudgeError(RuntimeError):
     """The judge gave no usable verdict (unparseable answer, or the inference call failed)."""
 
 
+_OVERFLOW = re.compile(r"exceeds max_context (\d+)")
+
+
+def context_limit(e: grpc.aio.AioRpcError) -> int | None:
+    """The server's max_context when `e` is its INVALID_ARGUMENT answer to a prompt that does not fit, else None."""
+    m = _OVERFLOW.search(e.details() or "") if e.code() == grpc.StatusCode.INVALID_ARGUMENT else None
+    return int(m.group(1)) if m else None
+
+
 def parse_verdict(text: str) -> tuple[str, float]:
     """'YES'/'NO' (first one wins) or 'Score: x' with x in [0, 1] -> (verdict, score). JudgeError otherwise."""
     if not isinstance(text, str):
@@ -63,12 +72,32 @@ class Step:
 
 
 def judge_prompt(tok, instruction: str, steps: list[Step], final_screen: str, final_image: bytes,
-                 n_images: int, image_tokens: int, vision: "Vision | None" = None) -> tuple[list[int], list[bytes]]:
+                 n_images: int, image_tokens: int, vision: "Vision | None" = None,
+                 budget: int = 0) -> tuple[list[int], list[bytes]]:
     """Token ids and the images bound to them (the last n_images screenshots, in order).
 
     vision: the actor's resolved Vision; for a VL checkpoint each run takes `vision.tokens(png)` pads (its image's
     own count; ValueError for an unreadable screenshot) and `image_tokens` is not used. Otherwise every run is
-    `image_tokens` placeholders (tars_vision), none when the tokenizer has no placeholder token (text)."""
+    `image_tokens` placeholders (tars_vision), none when the tokenizer has no placeholder token (text).
+    budget (> 0): the most prompt tokens the judge's server takes; the oldest steps are left out (the prompt says how
+    many), then the screens are cut, until it fits; JudgeError when not even the task and the end fit."""
+    drop, clip = 0, 0
+    while True:
+        ids, images = _prompt(tok, instruction, steps, final_screen, final_image, n_images, image_tokens, vision,
+                              drop, clip)
+        if not budget or len(ids) <= budget:
+            return ids, images
+        if drop < len(steps):
+            drop += 1
+            continue
+        longest = max([len(final_screen), *(len(s.screen) for s in steps)])
+        clip = (clip or longest) // 2
+        if clip < 16:
+            raise JudgeError(f"judge prompt: {len(ids)} tokens with no step and the screen cut; the server takes {budget}")
+
+
+def _prompt(tok, instruction, steps, final_screen, final_image, n_images, image_tokens, vision, drop, clip):
+    cut = (lambda t: t if not clip or len(t) <= clip else t[:clip] + "...")
     vl = vision is not None and vision.vl
     shots = [s.image for s in steps] + [final_image]
     with_image = {i for i in range(len(shots)) if shots[i]}
@@ -76,12 +105,15 @@ def judge_prompt(tok, instruction: str, steps: list[Step], final_screen: str, fi
     if tok.image_id < 0:
         keep = []
     runs = {i: vision.tokens(shots[i]) if vl else image_tokens for i in keep}
-    parts: list = [f"Task: {instruction}\n"]
+    keep = [i for i in keep if i >= drop]  # a left-out step takes its screenshot with it
+    parts: list = [f"Task: {instruction}\n"] + ([f"({drop} earlier steps not shown)\n"] if drop else [])
     for i, s in enumerate(steps):
+        if i < drop:
+            continue
         parts += [runs[i]] if i in runs else []
-        parts.append(f"Step {i + 1}: Screen: {s.screen}\nAction: {s.action}\n")
+        parts.append(f"Step {i + 1}: Screen: {cut(s.screen)}\nAction: {s.action}\n")
     parts += [runs[len(steps)]] if len(steps) in runs else []
-    parts.append(f"Final screen: {final_screen}\n{QUESTION}")
+    parts.append(f"Final screen: {cut(final_screen)}\n{QUESTION}")
     return tok.first_prompt("", parts), [shots[i] for i in keep]
 
 
@@ -97,26 +129,34 @@ class Verdict:
 
 
 async def ask(infer, tok, cfg, tid: str, instruction: str, steps: list[Step], final_screen: str,
-              final_image: bytes, vision: "Vision | None" = None) -> Verdict:
+              final_image: bytes, vision: "Vision | None" = None, max_context: int = 0) -> Verdict:
     """One judge call; raises JudgeError for an unparseable answer, an unreadable screenshot or a failed inference
-    call. vision: the actor's resolved Vision (actor.uitars.resolve of cfg and tok when None)."""
+    call. vision: the actor's resolved Vision (actor.uitars.resolve of cfg and tok when None). max_context: what the
+    judge's server takes (0: unknown; its "exceeds max_context N" answer then sets it, and the prompt is fitted once
+    more), so an episode the actor windowed to its context is still judged."""
     if vision is None:
         from actor.uitars import resolve
 
         vision = resolve(cfg, tok)
-    try:
-        ids, images = judge_prompt(tok, instruction, steps, final_screen, final_image, cfg.judge_images,
-                                   cfg.image_tokens, vision)
-    except ValueError as e:   # a screenshot whose size cannot be read: no run to size for it
-        raise JudgeError(f"judge prompt: a screenshot cannot be read: {e}") from None
-    t0 = time.perf_counter()
-    try:
-        # "judge-" first: trajectory ids must never be prefixes of each other (SGLang matches rids by prefix).
-        g = await infer.generate(f"judge-{tid}", ids, cfg.judge_max_new_tokens, temperature=0.0,
-                                 stop_token_ids=tok.stop_ids, images=[common_pb2.Image(data=b) for b in images],
-                                 timeout_s=cfg.rpc_timeout_s)
-    except grpc.aio.AioRpcError as e:
-        raise JudgeError(f"judge inference failed: {e.code().name}: {e.details()}") from None
+    for attempt in range(2):
+        budget = max(1, max_context - cfg.judge_max_new_tokens) if max_context else 0
+        try:
+            ids, images = judge_prompt(tok, instruction, steps, final_screen, final_image, cfg.judge_images,
+                                       cfg.image_tokens, vision, budget)
+        except ValueError as e:   # a screenshot whose size cannot be read: no run to size for it
+            raise JudgeError(f"judge prompt: a screenshot cannot be read: {e}") from None
+        t0 = time.perf_counter()
+        try:
+            # "judge-" first: trajectory ids must never be prefixes of each other (SGLang matches rids by prefix).
+            g = await infer.generate(f"judge-{tid}", ids, cfg.judge_max_new_tokens, temperature=0.0,
+                                     stop_token_ids=tok.stop_ids, images=[common_pb2.Image(data=b) for b in images],
+                                     timeout_s=cfg.rpc_timeout_s)
+            break
+        except grpc.aio.AioRpcError as e:
+            limit = context_limit(e)
+            if attempt or limit is None:
+                raise JudgeError(f"judge inference failed: {e.code().name}: {e.details()}") from None
+            max_context = limit
     text = tok.decode(g.output_ids)
     verdict, score = parse_verdict(text)
     return Verdict(verdict, score, text, (time.perf_counter() - t0) * 1000)

@@ -286,3 +286,51 @@ def test_vl_judge_request_is_accepted_by_the_real_local_engine(vl_dir, vl_tok):
     else:
         assert out.verdict in ("yes", "no") or out.verdict.startswith("score=")
     assert eng.stats["requests"] == 1 and eng.stats["images"] == 5
+
+
+def test_a_judge_prompt_over_the_budget_leaves_out_the_oldest_steps_then_cuts_the_screens():
+    steps = [J.Step(f"screen {i} " + "x" * 200, f"click(target='b{i}')", bytes([i + 1])) for i in range(8)]
+    full, _ = J.judge_prompt(TOK, "do it", steps, "final", b"F", 5, 4)
+    ids, imgs = J.judge_prompt(TOK, "do it", steps, "final", b"F", 5, 4, budget=len(full) // 2)
+    text = TOK.decode(ids)
+    assert len(ids) <= len(full) // 2 and "earlier steps not shown" in text and "Step 8: Screen: screen 7" in text
+    assert "Step 1: Screen" not in text and J.QUESTION in text and imgs[-1] == b"F"
+    assert len(imgs) == ids.count(TOK.image_id) // 4          # a left-out step's screenshot went with it
+    cut, _ = J.judge_prompt(TOK, "do it", steps, "final " + "y" * 3000, b"", 0, 4, budget=len(full) // 3)
+    assert len(cut) <= len(full) // 3 and "..." in TOK.decode(cut)
+    with pytest.raises(J.JudgeError, match="server takes"):
+        J.judge_prompt(TOK, "do it " * 200, steps, "final", b"", 0, 4, budget=20)
+
+
+def test_the_judge_fits_its_prompt_to_the_limit_its_server_answers():
+    """A judge server whose context is unknown to the actor refuses a long prompt with its limit; the judge fits
+    the prompt to it and asks once more, so a long episode is judged instead of becoming an infra error."""
+    class Limited(ScriptedEngine):
+        max_context = 0
+
+        def submit(self, input_ids, params=None, *a, **kw):
+            if params is not None and len(input_ids) + params.max_new_tokens > self.max_context:
+                raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                                 f"exceeds max_context {self.max_context}")
+            return super().submit(input_ids, params, *a, **kw)
+
+    steps = [J.Step(f"screen {i} " + "x" * 300, f"click(target='b{i}')") for i in range(8)]
+    eng = Limited(answer("YES"), TOK.vocab_size)
+    full, _ = J.judge_prompt(TOK, "do it", steps, "final", b"", 0, 0)
+
+    async def main():
+        from core.config import ActorConfig
+        from inference_server.server import InferenceServer
+        cfg = ActorConfig(judge_max_new_tokens=8)
+        eng.max_context = len(full) // 2
+        srv = InferenceServer(InferenceConfig(host="127.0.0.1", port=0, max_context=4096), eng)
+        await srv.start()
+        c = InferenceClient([srv.address], timeout_s=10.0, retries=0)
+        try:
+            return await J.ask(c, TOK, cfg, "t", "do it", steps, "final", b"")
+        finally:
+            await c.close()
+            await srv.stop(0.5)
+            eng.close()
+
+    assert asyncio.run(main()).verdict == "yes"
