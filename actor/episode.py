@@ -219,6 +219,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                 image_refs.append(h)
             else:
                 shown.append(p.shot)   # the user message opens with its placeholders, then the text
+                del shown[:-max(1, vis.image_history)]   # requests carry only the last image_history of them
         tokens.extend(p.ids)
         logprobs.extend([0.0] * len(p.ids))
         versions.extend([-1] * len(p.ids))
@@ -297,7 +298,10 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     mask += [1] * len(out_ids)
                     closed = bool(out_ids) and out_ids[-1] == tok.eot_id
                     text = tok.decode(out_ids)
-                    steps.append(J.Step(obs.text, text.strip(), shot))
+                    # The judge's history: screenshots only with a judge, and only the last judge_images of them.
+                    steps.append(J.Step(obs.text, text.strip(), shot if cfg.judge_mode != "off" else b""))
+                    if len(steps) > cfg.judge_images:
+                        steps[-cfg.judge_images - 1].image = b""
                     # 3. parse; unparseable output gets a format penalty and, by default, another try. An answer
                     #    that wrote a vision token is one too, and ends the episode: no request can extend a
                     #    conversation past an unframed vision token (the engine binds every run to an image).
