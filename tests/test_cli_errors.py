@@ -173,8 +173,11 @@ def test_a_cuda_device_that_is_not_there_is_refused_at_the_start(tmp_path, ckpts
 
 # ---- Ctrl-C ------------------------------------------------------------------------------------------------------
 def _interrupt(args, ready, cwd=None) -> tuple[int, str, str]:
+    # SIGINT back to its default in the child: a test run started in the background (`cmd &` in a script) has it
+    # ignored, and a child inherits that, so the Ctrl-C under test would never arrive.
     p = subprocess.Popen([sys.executable, "-m", "tars.cli", *map(str, args)], cwd=cwd or ROOT, env=ENV,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         out = []
         deadline = time.monotonic() + 90
