@@ -298,12 +298,16 @@ class WriteAheadLog:
                 self._write_locked(cut)  # its offsets are reserved, so appends may go on meanwhile
             with self._lock:
                 fd, dirty, self._dirty = self._fd, self._dirty, False
-            if dirty and self.fsync and fd >= 0:
-                try:
-                    os.fdatasync(fd)
-                except OSError as e:
-                    self._failed = e  # after a failed fdatasync the page cache state is unknown: stop acking
-                    raise WalError(f"wal {self.path}: fdatasync failed: {e}") from e
+            self._datasync(fd, dirty)
+
+    def _datasync(self, fd: int, dirty: bool) -> None:
+        """fdatasync `fd` when something was written through it since the last sync (and the log syncs at all)."""
+        if dirty and self.fsync and fd >= 0:
+            try:
+                os.fdatasync(fd)
+            except OSError as e:
+                self._failed = e  # after a failed fdatasync the page cache state is unknown: stop acking
+                raise WalError(f"wal {self.path}: fdatasync failed: {e}") from e
 
     def read(self, tid: str) -> bytes:
         with self._lock:

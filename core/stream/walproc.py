@@ -213,10 +213,17 @@ class WriterProcessLog(WriteAheadLog):
         super()._check_locked()
 
     # --- the writer ---------------------------------------------------------------------------------------------------
-    def _send(self, op: int, timeout: float, start: int = 0, regions=()) -> None:
-        flat = array.array("Q", [x for r in regions for x in r])
-        self._conn.settimeout(timeout)
-        self._conn.sendall(REQ.pack(op, start, len(regions)) + flat.tobytes())
+    def _request(self, op: int, timeout: float, start: int = 0, regions=()) -> None:
+        """Send one request (call with _sync_lock, none in flight); _finish reads its reply and frees its regions."""
+        try:
+            if self._conn is None:
+                raise EOFError("no writer process")
+            flat = array.array("Q", [x for r in regions for x in r])
+            self._conn.settimeout(timeout)
+            self._conn.sendall(REQ.pack(op, start, len(regions)) + flat.tobytes())
+        except (OSError, EOFError) as e:  # socket.timeout is an OSError
+            raise self._lost(e) from e
+        self._inflight = (len(regions), time.monotonic())
 
     def _lost(self, e: BaseException) -> WalError:
         """The writer died or went silent: fatal and sticky."""
@@ -240,15 +247,8 @@ class WriterProcessLog(WriteAheadLog):
         """One request to the writer and its reply, within timeout (after the reply to a request sync_begin() left in
         flight, if any)."""
         self._finish(timeout)
-        try:
-            if self._conn is None:
-                raise EOFError("no writer process")
-            self._send(op, timeout, start, regions)
-            self._reply(timeout)
-        except (OSError, EOFError) as e:  # socket.timeout is an OSError
-            if isinstance(e, WalError):
-                raise
-            raise self._lost(e) from e
+        self._request(op, timeout, start, regions)
+        self._finish(timeout)
 
     def _write_locked(self, cut) -> None:
         """Hand a cut batch to the writer: checksum, write, commit record, fdatasync; returns once durable."""
@@ -256,7 +256,6 @@ class WriterProcessLog(WriteAheadLog):
         if self._failed is not None:
             raise WalError(f"wal {self.path} failed earlier: {self._failed}")
         self._call(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, start, batch.bufs)
-        self._free(len(batch.bufs))
 
     def sync(self) -> None:
         with self._sync_lock:
@@ -268,12 +267,7 @@ class WriterProcessLog(WriteAheadLog):
                 self._write_locked(cut)  # the writer fdatasyncs
             else:
                 self._finish(self.reply_timeout_s)  # "everything staged before this call": a request in flight too
-            if dirty and self.fsync and fd >= 0:  # a self-checking append() went through this process's fd
-                try:
-                    os.fdatasync(fd)
-                except OSError as e:
-                    self._failed = e
-                    raise WalError(f"wal {self.path}: fdatasync failed: {e}") from e
+            self._datasync(fd, dirty)  # a self-checking append() went through this process's fd
 
     # --- syncs without a waiting thread (the receiver's io thread: core/stream/durability.py) -------------------------
     def sync_begin(self) -> int:
@@ -286,20 +280,11 @@ class WriterProcessLog(WriteAheadLog):
                 self._check_locked()
                 cut = self._cut_locked()
                 dirty, self._dirty = self._dirty, False
-            if dirty:  # an append() through this process's fd (rare): make it durable the plain way first
-                try:
-                    os.fdatasync(self._fd)
-                except OSError as e:
-                    self._failed = e
-                    raise WalError(f"wal {self.path}: fdatasync failed: {e}") from e
+            self._datasync(self._fd, dirty)  # an append() through this process's fd (rare): durable the plain way
             if cut is None:
                 return self._sent
-            try:
-                self._send(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, cut[1], cut[0].bufs)
-            except OSError as e:
-                raise self._lost(e) from e
+            self._request(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, cut[1], cut[0].bufs)
             self._sent += 1
-            self._inflight = (len(cut[0].bufs), time.monotonic())
             return self._sent
 
     def sync_done(self, ticket: int, timeout: float = 0.0) -> bool:
@@ -332,9 +317,9 @@ class WriterProcessLog(WriteAheadLog):
         self._inflight = None
         try:
             self._reply(timeout)
-        except (OSError, EOFError) as e:
-            if isinstance(e, WalError):
-                raise
+        except WalError:  # the writer's own error answer (sticky, set by _reply)
+            raise
+        except (OSError, EOFError) as e:  # socket.timeout is an OSError
             raise self._lost(e) from e
         self._free(n)
         self._done = self._sent
