@@ -367,20 +367,24 @@ def test_a_cancelled_request_stops_on_the_server_even_when_paused_or_just_posted
     """One /abort_request can be lost (the rid not registered yet, or held by a paused server): the engine aborts
     until the request's /generate returns, so nothing runs on to max_new_tokens for a caller that is gone."""
     s = servers(weight_version="0", token_delay_s=0.02)
+    aborts, real_abort = [], s.abort_request
+    s.abort_request = lambda rid="", abort_all=False: aborts.append(rid) or real_abort(rid, abort_all)
     e = engine([s.url])
+    params = SamplingParams(max_new_tokens=230, temperature=1.0)
     try:
         http_json(s.url, "/pause_generation", {"mode": "abort"})
-        f = e.submit(PROMPT, SamplingParams(max_new_tokens=230, temperature=1.0), "held")
-        time.sleep(0.3)
+        f = e.submit(PROMPT, params, "held")
+        wait_for(lambda: e.replicas[0].in_flight == 1)      # posted, and held by the paused server
         assert f.cancel()
-        time.sleep(0.2)
+        wait_for(lambda: aborts)                            # an abort reached the paused server (which drops it)
         http_json(s.url, "/continue_generation", {})
         wait_for(lambda: not s.reqs and e.replicas[0].in_flight == 0, timeout=3.0)
-        for i in range(10):
-            f = e.submit(PROMPT, SamplingParams(max_new_tokens=230, temperature=1.0), f"early{i}")
-            time.sleep(0.002 * i)
+        # Cancelled at once, while its /generate is being posted, and once the server runs it.
+        for when in (lambda: True, lambda: e.replicas[0].in_flight > 0, lambda: s.reqs):
+            f = e.submit(PROMPT, params, "early")
+            wait_for(when)
             f.cancel()
-        wait_for(lambda: not s.reqs, timeout=3.0)          # 230 tokens at 20 ms each would take 4.6 s
+            wait_for(lambda: not s.reqs and e.replicas[0].in_flight == 0, timeout=3.0)  # 230 x 20 ms would be 4.6 s
     finally:
         e.close()
 

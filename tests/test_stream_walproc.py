@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from core.proc import wait_for
 from core.stream.receiver import TrajectoryReceiver
 from core.stream.sender import TrajectorySender
 from core.stream.wal import WalError, WalFull, WriteAheadLog, scan_ids
@@ -295,11 +296,8 @@ def test_a_killed_writer_leaves_only_its_block_padding_which_the_next_open_cuts(
     assert os.path.getsize(p) == end
 
 
-def _until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.002)
+def _until(pred, what="the writer's reply"):
+    return wait_for(pred, 10.0, what, every=0.002)
 
 
 def test_sync_begin_returns_at_once_and_sync_done_reports_the_reply(tmp_path):
@@ -406,7 +404,7 @@ def test_flush_says_when_it_could_not_make_the_accepted_ids_durable(tmp_path):
     dur.accept(b"actor1", "t1", payload(1))
     dur.tick(time.monotonic())                          # the batch goes to the stopped writer
     os.kill(dur.wal.writer_pid, signal.SIGKILL)
-    _until(lambda: dur.wal._proc.poll() is not None)
+    _until(lambda: dur.wal._proc.poll() is not None, "the killed writer's exit")
     assert dur.flush() is False and dur.fatal is not None and dur.holds("t1")
     assert [m.ids for _, m in sent] == [["t0"]]         # t1 never acked
     dur.close(1.0)
