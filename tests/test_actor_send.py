@@ -18,15 +18,18 @@ class FakeSender:
 
     def __init__(self, outcomes):
         self.outcomes, self.sent, self.lost_n = list(outcomes), [], 0
+        self.settled = asyncio.Event()  # delivered, or its admission given back
 
     async def send(self, tr, timeout):
         out = self.outcomes.pop(0)
         if out is not None:
             raise out
         self.sent.append(tr.id)
+        self.settled.set()
 
     async def lost(self, n):
         self.lost_n += n
+        self.settled.set()
 
 
 def _traj(tid: str) -> Trajectory:
@@ -41,11 +44,7 @@ def _run(outcomes, stopping=False):
         a.sender = FakeSender(outcomes)
         a._stopping = stopping
         a._send(_traj("t1"))
-        for _ in range(200):
-            await asyncio.sleep(0.005)
-            if not a.sending:
-                break
-        await asyncio.sleep(0.02)  # the lost() it scheduled
+        await asyncio.wait_for(a.sender.settled.wait(), 10)
         return a.sender, a.stats
 
     return asyncio.run(main())
