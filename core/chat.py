@@ -41,6 +41,13 @@ _PROBE_ASSISTANT, _PROBE_USER2 = "\x00tars-assistant\x00", "\x00tars-next\x00"
 _ANCHOR = "\n"  # what a SentencePiece-style tokenizer encodes a mid-text piece after (ChatTokenizer._encode)
 
 
+def _alone_after(hf, prefix: str) -> bool:
+    """Whether a text encodes after `prefix` as it does alone (no space marker comes or goes at the boundary)."""
+    head = list(hf.encode(prefix, add_special_tokens=False))
+    return list(hf.encode(prefix + "a", add_special_tokens=False))[len(head):] == \
+        list(hf.encode("a", add_special_tokens=False))
+
+
 class TokenizerError(ValueError):
     """A tokenizer directory that cannot be used: missing files, no chat template, a template the turn rule cannot
     follow, or a vocabulary that does not fit the model."""
@@ -79,16 +86,14 @@ class ChatTokenizer:
         # conversation does not have mid-text. Such a tokenizer encodes each piece after an anchor ("\n") and drops
         # the anchor's ids, so the pieces add up to the whole conversation's ids.
         self._anchor = list(hf.encode(_ANCHOR, add_special_tokens=False))
-        self._mid_text = list(hf.encode(_ANCHOR + "a", add_special_tokens=False))[len(self._anchor):] != \
-            list(hf.encode("a", add_special_tokens=False))
+        self._mid_text = not _alone_after(hf, _ANCHOR)
         self._specials = sorted((t for t in hf.all_special_tokens + list(hf.get_added_vocab()) if t), key=len,
                                 reverse=True)
         self._eot_text, self._turn_text = self._probe()
         # After a special token a legacy normaliser starts a new segment (the marker comes back), Metaspace's
         # prepend_scheme "first" does not: which one this is, from the end-of-turn token.
-        eot_ids = list(hf.encode(self._eot_text, add_special_tokens=False))
-        self._restarts = list(hf.encode(self._eot_text + "a", add_special_tokens=False))[len(eot_ids):] == \
-            list(hf.encode("a", add_special_tokens=False))
+        self._restarts = _alone_after(hf, self._eot_text)
+        self._after_prompt = self._after(self._turn_text, "text")  # what an answer follows: the generation prompt
         self.system_role = self._takes_system()
         eot = self.hf.convert_tokens_to_ids(self._eot_text)
         if eot is None or eot == hf.unk_token_id:
@@ -244,7 +249,7 @@ class ChatTokenizer:
 
     def answer(self, text: str) -> list[int]:
         """What the policy should generate for an answer text: its ids and the end-of-turn token."""
-        return [*self.encode(text, self._after(self._turn_text, "text")), self.eot_id]  # after the generation prompt
+        return [*self.encode(text, self._after_prompt), self.eot_id]
 
 
 
