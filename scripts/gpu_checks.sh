@@ -10,7 +10,7 @@
 #
 # Steps, most important first, each under its own deadline (the whole run stays within SECONDS, default 540):
 #   1. the tests marked gpu (`pytest -m gpu`: the learner's bf16 steps on CUDA publishing fp32 CPU weights, SFT on
-#      CUDA, the engine sampling on the device);
+#      CUDA, the engine sampling on the device, the publish's pinned host copy);
 #   2. `tars bench inference --gpu`: the local engine against transformers' generate, batch 1 and 64;
 #   3. `tars bench learner --model VLDIR`: a Qwen2.5-VL checkpoint (Qwen2-0.5B's text shape, Qwen2.5-VL's 32-layer
 #      vision tower, random weights) trained on screenshots on the GPU and published to a real `tars serve` on it;
@@ -50,7 +50,7 @@ step() {  # step NAME SECONDS COMMAND...: run within min(SECONDS, what is left o
   nproc; } 2>&1 | tee "$out/summary.txt"
 
 step pytest_gpu 150 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_learner_device.py \
-    tests/test_inference_precision.py
+    tests/test_inference_precision.py tests/test_weights_shm.py
 step bench_inference_gpu 150 "$py" -m tars.cli bench inference --gpu --skip-front --skip-updates --skip-multiturn \
     --json "$out/bench_inference_gpu.json"
 
