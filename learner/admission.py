@@ -37,6 +37,12 @@ class Admission:
         self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
         # Ids kept out of the loss since the last update (trained.jsonl records them with the next version).
         self.masked: list[str] = []
+        # Kept (on_accepted) but not yet handed out in a batch: in a pending group or a batch being collected. A
+        # checkpoint counts them as not accepted (held()): they are not consumed, so a restart receives them again.
+        self._held = 0
+
+    def held(self) -> int:
+        return self._held
 
     def take_masked(self) -> list[str]:
         masked, self.masked = self.masked, []
@@ -67,6 +73,7 @@ class Admission:
                 on_idle()
                 continue
             keep = self.admit(tr, version)
+            self._held += keep
             if k == 1 or not tr.group:
                 batch += [tr] if keep else []
                 continue
@@ -78,6 +85,7 @@ class Admission:
                 batch += members
             else:
                 self.pending_groups[tr.group] = (t0, arrived, members)
+        self._held -= len(batch)
         return batch
 
     def admit(self, tr, version: int) -> bool:

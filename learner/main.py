@@ -148,6 +148,9 @@ class Learner:
     def train(self) -> None:
         self.trained_log.write(json.dumps({"resume": self.version, "t": time.time()}) + "\n")
         served = self.publisher.served_version()
+        if self.publisher.stubs:  # or what a server restarted beside this learner will load (it may not answer yet:
+            # tars up relaunches it with the newest weights/vN, written before any server is told of them)
+            served = max(served, self.publisher.newest_written())
         if served >= self.version and (served or self.version):
             # A resume behind what the servers serve (the killed learner published past its last checkpoint): its
             # weights go out as served + 1, so no version number names two sets of weights (the servers refused the
@@ -246,8 +249,12 @@ class Learner:
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def checkpoint(self) -> None:
         self.checkpoint_requested.clear()
+        # The admission ledger without what Admission still holds (kept, not consumed: received again after a
+        # restart and counted then), and the configured eta beside the live one (`tars ctl set eta`).
+        ledger = self.staleness.state_dict()
+        ledger.update(accepted=ledger["accepted"] - self.admission.held(), eta_config=self.lcfg.staleness.eta)
         meta = {"version": self.version, "value_pretrain_left": self.updater.value_pretrain_left,
-                "staleness": self.staleness.state_dict(), **self.receiver.checkpoint_state(), "t": time.time()}
+                "staleness": ledger, **self.receiver.checkpoint_state(), "t": time.time()}
         state = None
         if self.trainer.fsdp:  # the other ranks gather the sharded models and optimizers with rank 0
             self.dist.broadcast(GATHER_CHECKPOINT)
@@ -261,13 +268,18 @@ class Learner:
         meta = self.checkpointer.load(src)
         self.version = int(meta["version"])
         self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
+        if "staleness" in meta:  # the admission bound stays where it was (accepted counts what was trained)
+            ledger = dict(meta["staleness"], version=self.version)
+            if ledger.get("eta_config", self.lcfg.staleness.eta) != self.lcfg.staleness.eta:
+                ledger.pop("eta", None)  # the configured eta changed since: the new configuration wins
+            self.staleness.load_state_dict(ledger)
         log.info("resumed from checkpoint %s at version %d (%d trajectories consumed)", src, self.version,
                  len(meta["consumed_ids"]))
         return set(meta["consumed_ids"])
 
     # ---- control ---------------------------------------------------------------------------------------------
     def status(self) -> dict:
-        return {"version": self.version, "counters": self.counters, "staleness": self.staleness.stats(),
+        return {"version": self.version, "counters": dict(self.counters), "staleness": self.staleness.stats(),
                 "staleness_histogram": self.staleness.histogram(), "stream": self.receiver.stats(),
                 "queue": self.receiver.qsize(), "last": self.last_metrics, "last_checkpoint": self.last_checkpoint}
 

@@ -137,6 +137,11 @@ class Publisher:
                 log.warning("GetVersion: %s", e.details() if hasattr(e, "details") else e)
         return got
 
+    def newest_written(self) -> int:
+        """The highest version whose weights/vN this run wrote whole (a write in progress has a temporary name); -1
+        when none."""
+        return max((int(d.name[1:]) for d in self.wdir.glob("v*") if d.name[1:].isdigit()), default=-1)
+
     def publish(self, version: int) -> float:
         """Bring every inference server to `version` (self.mode) and write weights/v{version}; seconds until the
         last server answered (it serves the new weights then)."""

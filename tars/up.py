@@ -83,7 +83,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         interrupted = True
 
     old = signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, on_sigint)
+    old_term = signal.signal(signal.SIGTERM, on_sigint)
     status = "done"
     sup = None
     try:
@@ -105,6 +105,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
             sup.close()
         topo.stop()
         signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGTERM, old_term)
     held, status = _held_out(cfg, out_p, model_dir, sft_s is not None, status, t_start, say)
     mon = report.Monitor(out_p)
     mon.poll()

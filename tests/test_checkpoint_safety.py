@@ -8,6 +8,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -360,3 +361,83 @@ def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypat
         assert f"{out / 'final'} not written: " in o.err
         rep = json.loads((out / "report.json").read_text())
         assert rep["status"] == f"{status}; not written: final" and list(rep["not_written"]) == [str(out / "final")]
+
+
+# ---- what a resume keeps besides the weights -----------------------------------------------------------------------
+def _kept(tid: str, group: str, version: int) -> Trajectory:
+    return Trajectory(id=tid, env_id="test", outcome="terminated", tokens=np.array([1, 2, 3], np.int32),
+                      logprobs=np.array([0.0, -0.5, -0.5], np.float32), versions=np.full(3, version, np.int32),
+                      mask=np.array([0, 1, 1], np.uint8), turns=[Turn("text:1", "x", {}, 1.0, 0, 3)], ret=1.0,
+                      group=group)
+
+
+def test_a_resumed_learner_keeps_its_admission_bound_and_live_eta(tmp_path, model):
+    """The admission ledger is restored: accepted counts what was trained (not the kept members a pending group still
+    held at the checkpoint: they come again after the restart and are counted then), and a live `set eta` survives;
+    the old resume restarted the ledger at 0 (capacity 32 instead of 4 here) with the configured eta."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ov = [*OVERRIDES, "learner.algo=grpo", "learner.group.size=4"]
+    ln = Learner(C.load(overrides=ov), str(run), str(model), [])
+    st = ln.staleness
+    assert st.eta == 2
+    st.set_eta(0)                                   # tars ctl set eta 0
+    for v in range(1, 6):                           # 5 updates of B = 4
+        assert st.try_admit(4) == 4
+        st.on_accepted(4)
+        ln.version = v
+        st.set_version(v)
+    assert st.try_admit(2) == 2                     # two members of a group of 4 arrive, kept, the group pending
+    arrivals = [_kept("a", "g", 5), _kept("b", "g", 5)]
+    ln.receiver.get = lambda timeout: arrivals.pop(0) if arrivals else None
+    stop = __import__("threading").Event()
+
+    def idle():                                     # no arrival for a poll: the learner checkpoints then if asked
+        ln.checkpoint()
+        stop.set()
+    assert ln.admission.collect(4, 5, stop, on_idle=idle) is None
+    assert ln.admission.held() == 2 and st.stats()["accepted"] == 22 and st.capacity() == 2
+    close(ln)
+
+    back = Learner(C.load(overrides=ov), str(run), str(model), [], resume=True)
+    s = back.staleness.stats()
+    assert (back.version, s["version"], s["eta"], s["accepted"]) == (5, 5, 0, 20)
+    assert back.staleness.capacity() == 4           # the two held ones are not consumed: they come again
+    back.staleness.adopt(2)                         # (replayed from the WAL, or re-sent by their actor)
+    assert back.staleness.capacity() == 2           # where the bound was before the kill
+    close(back)
+    # A restart with another configured eta: the configuration wins over the live value.
+    again = Learner(C.load(overrides=[*ov, "learner.staleness.eta=3"]), str(run), str(model), [], resume=True)
+    assert again.staleness.eta == 3 and again.staleness.stats()["accepted"] == 20
+    close(again)
+
+
+def test_a_resume_numbers_after_the_newest_written_weights_when_no_server_answers(tmp_path, model, caplog):
+    """The learner and its inference server died together; the server, relaunched with the newest weights/vN, does
+    not answer yet when the learner resumes: the learner continues after that N (it wrote those weights), not at its
+    checkpoint's version, whose next numbers the relaunched server refuses as not newer."""
+    run = tmp_path / "run"
+    saved_at(run, model, 5)
+    for v in (6, 7):                                # published past the checkpoint before the kill
+        ln = learner(run, model)
+        ln.policy.save_hf(run / "weights" / f"v{v:06d}")
+        close(ln)
+    (run / "weights" / "v000009.tmp-x").mkdir()     # a write in progress is not a version
+    caplog.set_level("WARNING", logger="tars.learner")
+    with socket.socket() as s:                      # the server's port, nobody listening on it yet
+        s.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{s.getsockname()[1]}"
+    back = Learner(C.load(overrides=[*OVERRIDES, "learner.publish.timeout_s=5"]), str(run), str(model), [down],
+                   resume=True)
+    back.stop.set()
+    back.train()                                    # no update: the resume, its publish, the final checkpoint
+    assert back.version == 8
+    assert "resuming at version 5 behind the servers' 7: continuing at 8" in caplog.text
+    assert (run / "weights" / "v000008").is_dir()
+    close(back)
+    # With no inference server at all (a learner alone) nothing else numbers versions: the checkpoint's stands.
+    alone = learner(run, model, resume=True)
+    alone.stop.set()
+    alone.train()
+    assert alone.version == 8                       # the checkpoint the run above left at 8, not past weights/v8
+    close(alone)
