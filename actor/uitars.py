@@ -94,7 +94,10 @@ def resolve(cfg, tok: ChatTokenizer, spec: VLSpec | None = None) -> Vision:
         raise ValueError(f"{tok.path}: a vision-language checkpoint whose tokenizer has no <|vision_start|> / "
                          "<|image_pad|> tokens")
     k = cfg.image_history if cfg.image_history >= 0 else (VL_IMAGE_HISTORY if spec is not None else 0)
-    coords = cfg.coordinates if cfg.coordinates != "auto" else ("absolute" if spec is not None else "screen")
+    # auto: what the checkpoint's family answers in: Qwen2-VL / UI-TARS-1.0 thousandths of the screen, Qwen2.5-VL /
+    # UI-TARS-1.5 pixels of the resized screenshot, a text checkpoint the screen's own pixels.
+    coords = cfg.coordinates if cfg.coordinates != "auto" else (
+        "screen" if spec is None else "relative" if spec.model_type == "qwen2_vl" else "absolute")
     return Vision(spec, k, coords)
 
 

@@ -133,8 +133,8 @@ class ActorConfig:
                                "(docs/actor.md); tars_vision: the last k turns; 0 = text only")
     image_tokens: int = f(16, "image placeholder tokens per screenshot: the model's tars_vision grid**2 (a "
                               "vision-language checkpoint counts its own from each screenshot's size)")
-    coordinates: str = f("auto", "what the model's coordinates mean: auto (absolute for a vision-language checkpoint, "
-                                 "else screen) | absolute (UI-TARS-1.5: pixels of the resized screenshot) | relative "
+    coordinates: str = f("auto", "what the model's coordinates mean: auto (relative for a Qwen2-VL checkpoint, absolute "
+                                 "for a Qwen2.5-VL one, else screen) | absolute (UI-TARS-1.5: pixels of the resized screenshot) | relative "
                                  "(UI-TARS-1.0: 0..1000) | screen (screen pixels, passed to envd as they are)")
     judge_mode: str = f("off", "LLM-as-judge outcome reward through the inference server: off | replace (the verdict "
                                "replaces the env reward) | add (added to it)")

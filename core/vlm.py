@@ -38,14 +38,17 @@ VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 def smart_resize(height: int, width: int, factor: int = IMAGE_FACTOR, min_pixels: int = 56 * 56,
                  max_pixels: int = 14 * 14 * 4 * 1280) -> tuple[int, int]:
     """(height, width) the Qwen2-VL image processor resizes an image to: both sides multiples of `factor`, the
-    area within [min_pixels, max_pixels], the aspect ratio kept as well as that allows. Same maths as
-    qwen_vl_utils / ui-tars / transformers, so "absolute" model coordinates can be mapped back exactly."""
+    area within [min_pixels, max_pixels], the aspect ratio kept as well as that allows. transformers' maths (the
+    same as qwen_vl_utils / ui-tars except for a side under factor/2, which qwen_vl_utils floors at factor), so
+    "absolute" model coordinates can be mapped back exactly and the image's token count is the processor's."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {height}x{width}")
     if max(height, width) / min(height, width) > MAX_RATIO:
         raise ValueError(f"aspect ratio must be at most {MAX_RATIO}, got {max(height, width) / min(height, width):.1f}")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
+    # transformers' rule (its processor makes the pixels, so its grid is the one the tokens must match): no floor of
+    # `factor` here; a side that rounds to 0 is taken up by the min_pixels branch (qwen_vl_utils floors it instead)
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
         h = max(factor, math.floor(height / beta / factor) * factor)

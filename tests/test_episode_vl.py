@@ -165,6 +165,16 @@ def test_a_vl_checkpoint_resolves_to_uitars_defaults(vl_dir, tok):
         resolve(ActorConfig(coordinates="pixels"), tok)
 
 
+def test_a_qwen2_vl_checkpoint_answers_in_thousandths_by_default(tmp_path):
+    """UI-TARS-1.0 / Qwen2-VL write relative 0..1000 points (start_box='(x,y)'): auto must not map them as pixels
+    of the resized screenshot (UI-TARS-1.5's rule), which put (500,500) on a 1920x1080 screen at (497, 495)."""
+    make_vl_checkpoint(tmp_path, arch="qwen2_vl")
+    t = ChatTokenizer.load(tmp_path)
+    v = resolve(ActorConfig(), t)
+    assert v.vl and v.coordinates == "relative"
+    assert resolve(ActorConfig(coordinates="absolute"), t).coordinates == "absolute"   # said explicitly: kept
+
+
 @pytest.mark.parametrize("env_id", ["vlscreen/screen", "vlscreen/noscreen"])
 def test_every_action_of_a_turn_reaches_envd_in_order_with_screen_coordinates(tok, env_id):
     spec = VLSpec.load(tok.path)

@@ -50,6 +50,18 @@ def test_smart_resize_ui_tars_limits():
     assert smart_resize(10, 10, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS) == (280, 280)
 
 
+@pytest.mark.parametrize("h,w", [(9, 1393), (1393, 9), (13, 1000), (1000, 13), (14, 2000), (10, 1500), (1, 150),
+                                 (15, 15), (1080, 1920), (27, 5000)])
+def test_smart_resize_is_transformers_rule_for_thin_images(h, w):
+    """The processor that makes the pixels (transformers) decides the grid, so the token count must follow its rule:
+    a side under 14 px rounds to 0 there and is taken up by the min_pixels branch, where qwen_vl_utils' floor of 28
+    gave 50 pads for a 9x1393 image whose grid makes 25 (the engine refused it; the learner failed mid-update)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as reference
+
+    for lim in ((56 * 56, 28 * 28 * 1280), (MIN_PIXELS, MAX_PIXELS), (8 * 28 * 28, 400 * 28 * 28)):
+        assert smart_resize(h, w, 28, *lim) == reference(h, w, 28, *lim)
+
+
 def test_prompt_frames_each_image_and_the_model_takes_it(vl_dir):
     spec, tok = VLSpec.load(vl_dir), ChatTokenizer.load(vl_dir)
     n = spec.image_tokens(160, 210)
