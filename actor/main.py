@@ -29,6 +29,28 @@ from core.chat import ChatTokenizer, open_tokenizer
 log = logging.getLogger("tars.actor")
 
 
+def episode_rng(seed: int, actor_id: str, spool_dir: str | None) -> tuple[random.Random, int]:
+    """The generator of an actor's task seeds and env choices, and its life: 0 on a first start, n on the n-th
+    restart that shares its spool (counted there, in `lives`). A restarted actor must not replay its first life's
+    seeds: it would sample the same tasks again, and its GRPO group ids would meet groups the learner still holds
+    from before the kill. Without a spool every start is a first one."""
+    life = 0
+    if spool_dir:
+        path = os.path.join(spool_dir, "lives")
+        try:
+            with open(path) as f:
+                life = int(f.read().strip() or 0)
+        except FileNotFoundError:
+            pass
+        except ValueError:  # a torn write of the counter: a life of its own all the same
+            life = int(time.time())
+        os.makedirs(spool_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(life + 1))
+        os.replace(path + ".tmp", path)
+    return random.Random(f"{seed}-{actor_id}" + (f"-life{life}" if life else "")), life
+
+
 class Actor:
     def __init__(self, cfg: RunConfig, actor_id: str, envd: list[str], inference: list[str], stream: str,
                  tokenizer: ChatTokenizer, spool_dir: str | None = None):
@@ -42,7 +64,7 @@ class Actor:
                                        **_curve_keys(cfg.learner.stream.curve_public_key))
         # The inference server's context, from the run's config (the server's own answer lowers it: actor/episode.py).
         self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id, max_context=cfg.inference.max_context)
-        self.rng = random.Random(f"{cfg.seed}-{actor_id}")
+        self.rng, self.life = episode_rng(cfg.seed, actor_id, spool_dir)
         self.paused = False
         self.version = 0
         self.counter = itertools.count()
@@ -176,7 +198,7 @@ class Actor:
                 await self.sender.lost(granted - whole)
             for _ in range(whole // k):
                 seed, env_id = self.rng.randrange(HELD_OUT_SEED_BASE), self.rng.choice(self.acfg.env_ids)
-                group = f"{self.actor_id}-g{seed}" if k > 1 else ""
+                group = f"{self.actor_id}{f'-l{self.life}' if self.life else ''}-g{seed}" if k > 1 else ""
                 for _ in range(k):
                     self._new_episode(group, seed, env_id)
             if whole == 0:

@@ -92,3 +92,23 @@ def test_the_senders_size_check_is_the_learners_two_limits():
                 raise AssertionError("not refused")
 
     asyncio.run(main())
+
+
+def test_a_restarted_actor_draws_new_seeds_and_group_ids(tmp_path):
+    """A restart that shares the spool is a new life: its seeds (and so its GRPO group ids) differ from the first
+    life's, which the learner may still hold pending groups of; the first life is the same as an actor without a
+    spool (a run stays reproducible from its seed), and a torn counter still gives a life of its own."""
+    from actor.main import episode_rng
+
+    draw = lambda rng: [rng.randrange(1 << 30) for _ in range(8)]
+    alone, _ = episode_rng(7, "a0", None)
+    spool = str(tmp_path / "spool")
+    lives = [episode_rng(7, "a0", spool) for _ in range(3)]
+    assert [life for _, life in lives] == [0, 1, 2]
+    first, second, third = (draw(rng) for rng, _ in lives)
+    assert first == draw(alone)
+    assert len({*first, *second, *third}) == 24
+    assert episode_rng(7, "a1", str(tmp_path / "other"))[1] == 0    # each actor counts its own lives
+    (tmp_path / "spool" / "lives").write_text("1x")
+    rng, life = episode_rng(7, "a0", spool)
+    assert life > 2 and draw(rng) != first
