@@ -16,7 +16,9 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   paused, new /generate calls wait.
 - POST /update_weights_from_disk {model_path, weight_version, abort_all_requests, flush_cache=true}:
   {success, message, num_paused_requests}. Not paused: waits until no request is in flight (SGLang's writer lock)
-  and holds new ones back; paused: applies at once (in_place: at the next step boundary, after continue).
+  and holds new ones back; requests still in flight after inference.update_timeout_s fail the update (nothing
+  installed: SGLang would wait on; the stand-in keeps a deadline); paused: applies at once (in_place: at the next
+  step boundary, after continue).
 - POST /update_weights_from_tensor {serialized_named_tensors: [one per TP rank], load_format, flush_cache=true,
   abort_all_requests, weight_version}: {success, message}; the same locking, abort, flush and weight_version
   semantics as from disk; rank 0's entry is decoded (inference_server/sglang_tensors.py: shared-memory handles,
@@ -292,6 +294,11 @@ class SGLangBehaviour:
                     self.cv.wait(0.2)
             n_paused = len(self.reqs)
         try:
+            if paused is None and n_paused:
+                # SGLang's writer lock never lets an update in under running requests; rather than wait without a
+                # deadline, the stand-in gives up after update_timeout_s and installs nothing.
+                return False, (f"Failed to update weights: {n_paused} requests still in flight after "
+                               f"{self.cfg.update_timeout_s:g} s (an update without a pause waits for them)."), n_paused
             version = self.engine.target_version + 1
             try:
                 # in_place: the engine thread may be parked in on_token, so the update lands when it resumes.

@@ -402,3 +402,26 @@ def test_a_body_over_the_limit_gets_413_not_a_memory_error(servers):
     assert r.status == 413 and b"limit" in r.read()
     c.close()
     assert http_json(s.url, "/generate", gen_body(None, 2))[0] == 200   # the server is fine
+
+
+def test_an_unpaused_update_never_lands_under_a_running_request(servers, models):
+    """SGLang's writer lock lets an update in only once no request runs; the stand-in keeps a deadline, and when
+    requests still run at update_timeout_s the update fails with nothing installed (it used to install the new
+    weights under them, so their later tokens were not the labelled version's)."""
+    s = ConformanceServer(models["a"], cfg=InferenceConfig(max_context=256, max_stale_versions=1 << 30,
+                                                           update_timeout_s=0.3), token_delay_s=0.02, weight_version="0")
+    s.start()
+    try:
+        t, box = in_thread(http_json, s.url, "/generate", gen_body("long", 60))  # ~1.2 s of tokens
+        wait_for(lambda: s.reqs)
+        st, r = http_json(s.url, "/update_weights_from_disk", {"model_path": models["b"], "weight_version": "1"})
+        assert st == 400 and r["success"] is False and "still in flight" in r["message"], (st, r)
+        t.join(10)
+        out = box["r"][1]
+        assert out["meta_info"]["weight_version"] == "0"
+        assert out["output_ids"] == greedy(models["a"], PROMPT, 60)[0]          # every token from the old weights
+        assert http_json(s.url, "/get_model_info")[1]["weight_version"] == "0"
+        st, r = http_json(s.url, "/update_weights_from_disk", {"model_path": models["b"], "weight_version": "1"})
+        assert st == 200 and r["success"]                                      # nothing running: it lands
+    finally:
+        s.stop()
