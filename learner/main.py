@@ -151,7 +151,8 @@ class Learner:
         if self.publisher.stubs:  # or what a server restarted beside this learner will load (it may not answer yet:
             # tars up relaunches it with the newest weights/vN, written before any server is told of them)
             served = max(served, self.publisher.newest_written())
-        if served >= self.version and (served or self.version):
+        done = self.version >= self.cfg.max_versions  # killed after its last update (in the final export, say)
+        if served >= self.version and (served or self.version) and not done:
             # A resume behind what the servers serve (the killed learner published past its last checkpoint): its
             # weights go out as served + 1, so no version number names two sets of weights (the servers refused the
             # old numbers as not newer, and kept the dead learner's weights under labels the new one reused).
@@ -162,7 +163,8 @@ class Learner:
             if self.dist.world > 1:
                 self.dist.broadcast(f"{SET_VERSION}{self.version}")  # the other ranks' losses read it too
         self.staleness.set_version(self.version)
-        self._publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
+        if not (done and served >= self.version):  # (served there: the last version, these weights)
+            self._publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
         while not self.stop.is_set() and self.version < self.cfg.max_versions:
             batch = self.admission.collect(self.lcfg.batch_size, self.version, self.stop, on_idle=self._idle)
             if batch is None:

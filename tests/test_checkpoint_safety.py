@@ -441,3 +441,23 @@ def test_a_resume_numbers_after_the_newest_written_weights_when_no_server_answer
     alone.train()
     assert alone.version == 8                       # the checkpoint the run above left at 8, not past weights/v8
     close(alone)
+
+
+def test_a_learner_resumed_after_its_last_update_ends_at_max_versions(tmp_path, model):
+    """Killed in the final export: the resume has nothing to train and keeps the number (it went one past
+    max_versions, with the same weights under a new number)."""
+    run = tmp_path / "run"
+    saved_at(run, model, 3)
+    ln = learner(run, model)
+    ln.policy.save_hf(run / "weights" / "v000003")
+    close(ln)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{s.getsockname()[1]}"
+    back = Learner(C.load(overrides=[*OVERRIDES, "max_versions=3", "learner.publish.timeout_s=5"]), str(run),
+                   str(model), [down], resume=True)
+    back.train()
+    assert back.version == 3 and back.counters["publish_failures"] == 0
+    assert (run / "final" / "model.safetensors").exists()
+    assert json.loads((run / "ckpt" / "meta.json").read_text())["version"] == 3
+    close(back)
