@@ -81,15 +81,29 @@ def judge_prompt(tok, instruction: str, steps: list[Step], final_screen: str, fi
     `image_tokens` placeholders (tars_vision), none when the tokenizer has no placeholder token (text).
     budget (> 0): the most prompt tokens the judge's server takes; the oldest steps are left out (the prompt says how
     many), then the screens are cut, until it fits; JudgeError when not even the task and the end fit."""
-    drop, clip = 0, 0
+    def build(drop: int, clip: int = 0):
+        return _prompt(tok, instruction, steps, final_screen, final_image, n_images, image_tokens, vision, drop, clip)
+
+    ids, images = build(0)
+    if not budget or len(ids) <= budget:
+        return ids, images
+    # The fewest oldest steps to leave out, by bisection (the prompt shrinks as more are left out): log2(steps)
+    # tokenizations of the prompt instead of one per step left out.
+    lo, hi, best = 1, len(steps), None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = build(mid)
+        if len(got[0]) <= budget:
+            best, hi = got, mid - 1
+        else:
+            lo = mid + 1
+    if best is not None:
+        return best
+    drop, clip = len(steps), 0
     while True:
-        ids, images = _prompt(tok, instruction, steps, final_screen, final_image, n_images, image_tokens, vision,
-                              drop, clip)
-        if not budget or len(ids) <= budget:
+        ids, images = build(drop, clip)
+        if len(ids) <= budget:
             return ids, images
-        if drop < len(steps):
-            drop += 1
-            continue
         longest = max([len(final_screen), *(len(s.screen) for s in steps)])
         clip = (clip or longest) // 2
         if clip < 16:

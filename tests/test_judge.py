@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+import re
+
 import pytest
 
 from actor import judge as J
@@ -300,6 +302,20 @@ def test_a_judge_prompt_over_the_budget_leaves_out_the_oldest_steps_then_cuts_th
     assert len(cut) <= len(full) // 3 and "..." in TOK.decode(cut)
     with pytest.raises(J.JudgeError, match="server takes"):
         J.judge_prompt(TOK, "do it " * 200, steps, "final", b"", 0, 4, budget=20)
+
+
+def test_a_long_episodes_judge_prompt_leaves_out_the_fewest_steps_in_few_tokenizations(monkeypatch):
+    """The fewest oldest steps are left out (one fewer does not fit), found by bisection: about log2(steps)
+    tokenizations of the prompt, not one per step left out."""
+    steps = [J.Step(f"screen {i} " + "x" * 100, f"click(target='b{i}')") for i in range(300)]
+    full, _ = J.judge_prompt(TOK, "do it", steps, "final", b"", 0, 4)
+    real, calls = J._prompt, []
+    monkeypatch.setattr(J, "_prompt", lambda *a: calls.append(a) or real(*a))
+    budget = len(full) // 5
+    ids, _ = J.judge_prompt(TOK, "do it", steps, "final", b"", 0, 4, budget=budget)
+    drop = int(re.search(r"\((\d+) earlier steps not shown\)", TOK.decode(ids)).group(1))
+    assert len(ids) <= budget < len(real(TOK, "do it", steps, "final", b"", 0, 4, None, drop - 1, 0)[0])
+    assert len(calls) <= 11, len(calls)                       # 1 + ceil(log2(300)); one per step left out: ~240
 
 
 def test_the_judge_fits_its_prompt_to_the_limit_its_server_answers():
