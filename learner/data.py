@@ -12,6 +12,7 @@ counted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Iterator
@@ -19,27 +20,50 @@ from dataclasses import dataclass
 
 from core.outcome import Outcome
 from core.schema import SchemaError, Trajectory
-from core.stream.wal import WriteAheadLog
+from core.stream.wal import WriteAheadLog, scan, tail_kind
+
+log = logging.getLogger(__name__)
+
+
+class TrajectoryFileError(ValueError):
+    """A trajectory file that cannot be read whole: not a trajectory log, or damaged at a byte offset."""
 
 
 def read_trajectories(paths) -> Iterator[Trajectory]:
-    """Every valid trajectory in these files, first occurrence of each id only, in file order."""
+    """Every valid trajectory in these files, first occurrence of each id only, in file order.
+
+    Read-only: an input is never modified (the learner may be appending to it). A file whose records stop before
+    its end is an error naming the file and the offset (TrajectoryFileError), unless what follows is an append not
+    yet finished (a live learner's uncommitted tail, or one a crash cut short: never acked): those records are
+    left out with a warning that gives the count read."""
     seen: set[str] = set()
     for p in paths:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"trajectory file {p} does not exist")
-        wal = WriteAheadLog(p, fsync=False).open()
-        try:
-            for tid in list(wal.index):
+        with open(p, "rb") as f:
+            fd = f.fileno()
+            size = os.fstat(fd).st_size
+            read = lambda n, off: os.pread(fd, n, off)  # noqa: E731
+            records, good = scan(read, size)
+            if good < size:
+                kind = tail_kind(read, size, good)
+                if kind == "corrupt" and not records and good == 0:
+                    raise TrajectoryFileError(f"{p} is not a trajectory file (no trajectory-log record at its start)")
+                if kind == "corrupt":
+                    raise TrajectoryFileError(
+                        f"{p} is damaged at byte offset {good} of {size}: {len(records)} valid record(s) before it, "
+                        f"{size - good} byte(s) from there on that do not check out (the file is left as it is)")
+                log.warning("%s: %d record(s) read; the %d byte(s) from offset %d are an append not yet finished "
+                            "(a live learner's uncommitted tail, or one cut short by a crash), left out",
+                            p, len(records), size - good, good)
+            for tid, off, n in records:
                 if tid in seen:
                     continue
                 seen.add(tid)
                 try:
-                    yield Trajectory.decode(wal.read(tid))
+                    yield Trajectory.decode(read(n, off))
                 except (SchemaError, ValueError) as e:
                     raise ValueError(f"{p}: trajectory {tid} does not decode: {e}") from None
-        finally:
-            wal.close()
 
 
 def write_trajectories(path, trajs) -> int:
