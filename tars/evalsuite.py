@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from core.config import HELD_OUT_SEED_BASE
+from core.config import HELD_OUT_SEED_BASE, UserError
 
 SUITES = pathlib.Path(__file__).parent / "suites"
 INFRA = "infra_error"
@@ -43,6 +43,11 @@ INFRA = "infra_error"
 
 class SuiteError(ValueError):
     """A suite file is missing or malformed; the message says which file and which entry."""
+
+
+class EvalError(UserError):
+    """What `tars eval` was asked cannot be done (a model, a tokenizer, a results directory of another
+    evaluation, a results file it cannot read): one line, exit status 2."""
 
 
 @dataclass

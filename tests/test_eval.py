@@ -211,6 +211,35 @@ def test_resuming_into_a_directory_of_another_model_is_refused(tmp_path):
         _run(suite, E.ScriptedPolicy("random", _cfg()), tmp_path)
 
 
+def test_a_directory_of_other_seeds_or_task_settings_is_refused_and_foreign_records_are_left_out(tmp_path, fake_env):
+    """eval.json names the seed rule and each task's settings: a rerun that would play other episodes is refused
+    (saying what differs); another --episodes resumes. A record whose seed is not the suite's for its episode (a
+    directory written before the seeds were recorded) is not counted and its episode is played again."""
+    out = tmp_path / "out"
+    suite = S.load_suite(_suite(tmp_path, "episodes: 2\nseed: 1\ntasks: [evaltest/ok]\n"))
+    _run(suite, E.ScriptedPolicy("oracle", _cfg()), out)
+    for text, why in (("episodes: 2\nseed: 2\ntasks: [evaltest/ok]\n", "seed 1, not 2"),
+                      ("episodes: 2\nseed: 1\nmax_turns: 3\ntasks: [evaltest/ok]\n", "task 'evaltest/ok' settings")):
+        with pytest.raises(E.EvalError, match=why):
+            _run(S.load_suite(_suite(tmp_path, text)), E.ScriptedPolicy("oracle", _cfg()), out)
+    FakeEnv.actions = []
+    res = _run(S.load_suite(_suite(tmp_path, "episodes: 3\nseed: 1\ntasks: [evaltest/ok]\n")),
+               E.ScriptedPolicy("oracle", _cfg()), out)
+    assert len(FakeEnv.actions) == 1 and res["overall"]["episodes"] == 3      # only episode 2 was new
+    meta = json.loads((out / "eval.json").read_text())
+    assert meta["seed"] == 1 and meta["held_out"] is False and meta["policy"] == "oracle"
+    assert meta["tasks"] == {"evaltest/ok": {"env_id": "evaltest/ok", "max_turns": None, "options": {}}}
+    # a foreign record (wrong seed, failed) for episode 0: left out, episode 0 played again on its own seed
+    lines = _lines(out / "episodes.jsonl")
+    (ep0,) = [r for r in lines if r["episode"] == 0]
+    (out / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["episode"] != 0)
+                                        + json.dumps({**ep0, "seed": 12345, "success": False}) + "\n")
+    FakeEnv.actions = []
+    res = _run(suite, E.ScriptedPolicy("oracle", _cfg()), out)
+    assert len(FakeEnv.actions) == 1 and res["tasks"]["evaltest/ok"]["success_rate"] == 1.0
+    assert {r["seed"] for r in _lines(out / "episodes.jsonl") if r["episode"] == 0} == {12345, suite.seed_of("evaltest/ok", 0)}
+
+
 # ---- human-normalised scores ------------------------------------------------------------------------------
 
 def test_normalised_score_from_env_info_and_from_the_suite(tmp_path, fake_env):
