@@ -114,21 +114,30 @@ def split(paths, out_dir, min_return: float | None = None) -> dict:
 @dataclass
 class ExampleImages:
     """A vision-language example's images, as its trajectory carries them (core/schema.py): segment starts, the
-    image bound to each framed run in token order, and the bytes by sha256. learner.sft binds them per segment."""
+    image bound to each framed run in token order, and the bytes by sha256. learner.sft binds them per segment.
+    generated: the trajectory's own mask (every token the policy wrote, in the loss or not), which the binding
+    needs to tell a vision token the policy sampled from an image run."""
     segments: list[int]
     image_refs: list[str]
     images: dict[str, bytes]
+    generated: list[int] | None = None
 
 
 def sft_examples(trajs) -> list[tuple]:
-    """Trajectories -> (tokens, loss mask) pairs for train_sft: the loss on the policy's own tokens only. A
-    vision-language trajectory (segments / image_refs) gives (tokens, loss mask, ExampleImages)."""
+    """Trajectories -> (tokens, loss mask) pairs for train_sft: the loss on the policy's own tokens only, and not on
+    an answer that did not parse (a turn with parse_error: imitating it would teach the invalid format, even in an
+    episode that went on to succeed). A vision-language trajectory (segments / image_refs) gives (tokens, loss
+    mask, ExampleImages)."""
     out = []
     for tr in trajs:
-        if tr.mask.sum() == 0:
-            continue  # nothing generated: nothing to imitate
-        ex = (tr.tokens.astype(int).tolist(), tr.mask.astype(int).tolist())
+        loss = tr.mask.astype(int)
+        for t in tr.turns:
+            if t.parse_error:
+                loss[t.start:t.end] = 0
+        if loss.sum() == 0:
+            continue  # nothing generated (or nothing valid): nothing to imitate
+        ex = (tr.tokens.astype(int).tolist(), loss.tolist())
         if tr.segments or tr.image_refs:
-            ex += (ExampleImages(list(tr.segments), list(tr.image_refs), dict(tr.images)),)
+            ex += (ExampleImages(list(tr.segments), list(tr.image_refs), dict(tr.images), tr.mask.astype(int).tolist()),)
         out.append(ex)
     return out

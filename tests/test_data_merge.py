@@ -109,6 +109,25 @@ def test_split_of_a_live_log_leaves_out_its_unfinished_append_with_a_warning(tmp
     assert live.read_bytes() == bytes(bad)
 
 
+def test_sft_leaves_answers_that_did_not_parse_out_of_the_loss():
+    """A successful episode whose first answer did not parse (format penalty, Turn.parse_error) goes to sft.twl
+    whole, but SFT imitates only its valid answers; an episode with no valid answer gives no example."""
+    from learner.data import sft_examples
+
+    bad, ok = [30, 31, 32], [11, 2]
+    toks = PROMPT[:3] + bad + [7, 8] + ok
+    mask = [0] * 3 + [1] * 3 + [0] * 2 + [1] * 2
+    tr = Trajectory(id="t", env_id="bandit", outcome="terminated", tokens=np.array(toks, np.int32),
+                    logprobs=np.zeros(len(toks), np.float32), versions=np.array([m - 1 for m in mask], np.int32),
+                    mask=np.array(mask, np.uint8), ret=0.9, success=True,
+                    turns=[Turn("", "clikc(", {}, -0.1, 3, 6, parse_error="no action found"),
+                           Turn("", "click(target='OK')", {"type": "click"}, 1.0, 8, 10)])
+    ((tokens, loss),) = sft_examples([tr])
+    assert tokens == toks and loss == [0] * 8 + [1, 1]
+    tr.turns[1].parse_error = "no action found"
+    assert sft_examples([tr]) == []
+
+
 def test_sft_on_stored_trajectories_learns_them(tmp_path, capsys):
     torch.manual_seed(0)
     m = model()

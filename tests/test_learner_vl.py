@@ -442,8 +442,17 @@ def test_sft_trains_on_a_trajectory_ending_in_a_sampled_vision_token(vl_dir, tmp
 
     tr, _, stray = stray_trajectory(vl_dir)
     good, _ = vl_trajectory(vl_dir, "good")
-    ex = bind_images(TrainPolicy.load(vl_dir), sft_examples([tr]))
+    pol = TrainPolicy.load(vl_dir)
+    ex = bind_images(pol, sft_examples([tr]))
     assert ex[0][2].stray == [stray] and ex[0][1][stray] == 1       # bound, and the token keeps its loss
+    # as the actor records it: the answer holding the vision token is a turn that did not parse (out of the SFT
+    # loss), and the binding still knows the token was generated
+    gen = np.flatnonzero(tr.mask)
+    runs = np.split(gen, np.flatnonzero(np.diff(gen) > 1) + 1)
+    tr.turns = [Turn("", "", {"type": "click"}, 0.0, int(runs[0][0]), int(runs[0][-1]) + 1),
+                Turn("", "", {}, -0.1, int(runs[1][0]), stray + 1, parse_error="the model wrote a vision token")]
+    (ex,) = bind_images(pol, sft_examples([tr]))
+    assert ex[2].stray == [stray] and ex[1][stray] == 0 and sum(ex[1]) == len(runs[0]) - (runs[0][0] in tr.segments)
     write_trajectories(tmp_path / "trajectories.twl", [good, tr])
     cfg = RunConfig()
     cfg.learner.device = "cpu"
