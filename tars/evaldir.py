@@ -78,8 +78,12 @@ def differences(old: dict, meta: dict) -> list[str]:
 def write_meta(out: pathlib.Path, meta: dict) -> None:
     p = out / "eval.json"
     tmp = p.with_name(f"eval.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, p)
+    try:
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def check(out: pathlib.Path, meta: dict, restart: bool = False, say=None) -> dict:

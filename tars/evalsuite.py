@@ -176,17 +176,29 @@ def check_env_ids(suite: Suite) -> None:
 
 # ---- episodes.jsonl ---------------------------------------------------------------------------------------
 
+REQUIRED = ("task", "episode", "outcome", "success", "return", "steps")
+
+
 def read_episodes(path: pathlib.Path) -> list[dict]:
-    """Every whole record; a line cut short by a crash is skipped."""
+    """Every whole record; a line cut short by a crash is skipped. A record missing a field the results need is an
+    EvalError naming the file and the line."""
     out = []
     if path.exists():
-        for line in path.read_bytes().splitlines():
+        for n, line in enumerate(path.read_bytes().splitlines(), 1):
             try:
                 r = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(r, dict) and "task" in r and "episode" in r:
-                out.append(r)
+            missing = [k for k in REQUIRED if k not in r] if isinstance(r, dict) else list(REQUIRED)
+            if not missing:
+                try:
+                    r["episode"] = int(r["episode"])
+                except (TypeError, ValueError):
+                    missing = ["episode (an integer)"]
+            if missing:
+                raise EvalError(f"{path}:{n}: not an episode record (no {', '.join(missing)}): remove or repair the "
+                                "line, or use another --out")
+            out.append(r)
     return out
 
 

@@ -240,6 +240,35 @@ def test_a_directory_of_other_seeds_or_task_settings_is_refused_and_foreign_reco
     assert {r["seed"] for r in _lines(out / "episodes.jsonl") if r["episode"] == 0} == {12345, suite.seed_of("evaltest/ok", 0)}
 
 
+def test_an_unreadable_eval_json_or_a_record_without_its_fields_is_a_clear_error(tmp_path, fake_env, capsys,
+                                                                                 monkeypatch):
+    """An empty eval.json (a crash while an older version wrote it) and an episodes.jsonl record that is JSON but
+    lacks a field are one-line errors naming the file (and the line), exit status 2, not tracebacks. eval.json is
+    written whole: a write that fails leaves the one before."""
+    from tars import evaldir
+
+    suite = S.load_suite(_suite(tmp_path, "episodes: 1\ntasks: [evaltest/ok]\n"))
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "e1" / "eval.json").write_text("")
+    assert asyncio.run(E._run(suite, E.ScriptedPolicy("oracle", _cfg()), str(tmp_path / "e1"), 1, False)) == 2
+    assert f"{tmp_path / 'e1' / 'eval.json'} is not readable" in capsys.readouterr().err
+    (tmp_path / "e2").mkdir()
+    (tmp_path / "e2" / "episodes.jsonl").write_text(json.dumps({"task": "evaltest/ok", "episode": 0, "seed": 1,
+                                                                "success": True}) + "\n")
+    assert asyncio.run(E._run(suite, E.ScriptedPolicy("oracle", _cfg()), str(tmp_path / "e2"), 1, False)) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'e2' / 'episodes.jsonl'}:1: not an episode record (no outcome, return, steps)" in err
+    before = (tmp_path / "e2" / "eval.json").read_text()
+
+    def fail(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(evaldir.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        evaldir.write_meta(tmp_path / "e2", {"suite": "other"})
+    assert (tmp_path / "e2" / "eval.json").read_text() == before
+
+
 # ---- human-normalised scores ------------------------------------------------------------------------------
 
 def test_normalised_score_from_env_info_and_from_the_suite(tmp_path, fake_env):
