@@ -218,9 +218,11 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
     by = latest(records)
     tasks: dict[str, dict] = {}
     norm: list[float] = []
+    pooled: list[dict] = []  # every task's scored episodes within its plan: overall.episode_success_rate
     for t in suite.tasks:
         rs = [r for (name, i), r in sorted(by.items()) if name == t.name and i < t.episodes]
         ok = [r for r in rs if r["outcome"] != INFRA]
+        pooled += ok
         human = t.human_score
         if human is None:
             hs = [r["human_score"] for r in ok if isinstance(r.get("human_score"), (int, float)) and r["human_score"]]
@@ -241,7 +243,6 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
                 norm.append(row["normalised_score"])
         tasks[t.name] = row
     scored = [r for r in tasks.values() if r["success_rate"] is not None]
-    all_ok = [r for k, r in by.items() if r["outcome"] != INFRA and k[0] in tasks]
     overall = {
         "tasks": len(tasks),
         # the rates below average over these tasks only: a task with no scored episode has no rate, not a rate of 0
@@ -253,7 +254,7 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
         "infra_errors": sum(r["infra_errors"] for r in tasks.values()),
         # the suite's headline: every task weighs the same, however many episodes it ran
         "success_rate": _mean([r["success_rate"] for r in scored]),
-        "episode_success_rate": _mean([float(bool(r["success"])) for r in all_ok]),
+        "episode_success_rate": _mean([float(bool(r["success"])) for r in pooled]),
         "mean_return": _mean([r["mean_return"] for r in scored]),
         "mean_steps": _mean([r["mean_steps"] for r in scored]),
     }

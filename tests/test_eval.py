@@ -147,6 +147,10 @@ def test_overall_figures_say_which_tasks_they_cover_and_warn_about_infra_errors(
     quiet = S.summarise(suite, [rec(t, i, "terminated", True) for t in ("click", "menu", "form", "dialog")
                                 for i in range(3)])
     assert quiet["warnings"] == [] and S.headline(quiet["overall"]).startswith("success 1.000 over 4 tasks,")
+    # episodes beyond the plan (a directory run with --episodes 10, resumed with --episodes 4) are in no figure
+    extra = S.summarise(S.Suite("s", "", [S.TaskSpec("a", "builtin/click", 4)]),
+                        [rec("a", i, "terminated", i >= 4) for i in range(10)])["overall"]
+    assert (extra["episodes"], extra["scored"], extra["success_rate"], extra["episode_success_rate"]) == (4, 4, 0.0, 0.0)
     from tars.report import infra_warning
 
     assert infra_warning(1, 10, "x", "y") is None and infra_warning(2, 10, "x", "y").startswith("2 of 10 episodes (20%)")
