@@ -34,8 +34,8 @@ def read_trajectories(paths) -> Iterator[Trajectory]:
 
     Read-only: an input is never modified (the learner may be appending to it). A file whose records stop before
     its end is an error naming the file and the offset (TrajectoryFileError), unless what follows is an append not
-    yet finished (a live learner's uncommitted tail, or one a crash cut short: never acked): those records are
-    left out with a warning that gives the count read."""
+    yet finished (a live learner's uncommitted tail or the zero padding of its log writer's last block, or an
+    append a crash cut short: never acked): those records are left out with a warning that gives the count read."""
     seen: set[str] = set()
     for p in paths:
         if not os.path.isfile(p):
@@ -54,7 +54,8 @@ def read_trajectories(paths) -> Iterator[Trajectory]:
                         f"{p} is damaged at byte offset {good} of {size}: {len(records)} valid record(s) before it, "
                         f"{size - good} byte(s) from there on that do not check out (the file is left as it is)")
                 log.warning("%s: %d record(s) read; the %d byte(s) from offset %d are an append not yet finished "
-                            "(a live learner's uncommitted tail, or one cut short by a crash), left out",
+                            "(a live learner's uncommitted tail or its log writer's block padding, or an append cut "
+                            "short by a crash), left out",
                             p, len(records), size - good, good)
             for tid, off, n in records:
                 if tid in seen:

@@ -100,6 +100,13 @@ def test_split_of_a_live_log_leaves_out_its_unfinished_append_with_a_warning(tmp
             assert [t.id for t in read_trajectories([p])] == ["t0", "t1", "t2"]
         assert p.read_bytes() == before
         assert any("3 record(s) read" in r.getMessage() and str(p) in r.getMessage() for r in caplog.records)
+    # a learner's stream.wal: its log writer pads its last block with zeros (O_DIRECT) until it exits
+    padded = tmp_path / "stream.wal"
+    padded.write_bytes(data + bytes(-len(data) % 4096))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="learner.data"):
+        assert [t.id for t in read_trajectories([padded])] == ["t0", "t1", "t2", "t3"]
+    assert any("4 record(s) read" in r.getMessage() for r in caplog.records)
     # the same batch with its commit but a byte of it changed: damage, not an unfinished append
     bad = bytearray(data)
     bad[-30] ^= 0xFF
