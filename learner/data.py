@@ -12,6 +12,7 @@ counted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Iterator
@@ -19,27 +20,51 @@ from dataclasses import dataclass
 
 from core.outcome import Outcome
 from core.schema import SchemaError, Trajectory
-from core.stream.wal import WriteAheadLog
+from core.stream.wal import WriteAheadLog, scan, tail_kind
+
+log = logging.getLogger(__name__)
+
+
+class TrajectoryFileError(ValueError):
+    """A trajectory file that cannot be read whole: not a trajectory log, or damaged at a byte offset."""
 
 
 def read_trajectories(paths) -> Iterator[Trajectory]:
-    """Every valid trajectory in these files, first occurrence of each id only, in file order."""
+    """Every valid trajectory in these files, first occurrence of each id only, in file order.
+
+    Read-only: an input is never modified (the learner may be appending to it). A file whose records stop before
+    its end is an error naming the file and the offset (TrajectoryFileError), unless what follows is an append not
+    yet finished (a live learner's uncommitted tail or the zero padding of its log writer's last block, or an
+    append a crash cut short: never acked): those records are left out with a warning that gives the count read."""
     seen: set[str] = set()
     for p in paths:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"trajectory file {p} does not exist")
-        wal = WriteAheadLog(p, fsync=False).open()
-        try:
-            for tid in list(wal.index):
+        with open(p, "rb") as f:
+            fd = f.fileno()
+            size = os.fstat(fd).st_size
+            read = lambda n, off: os.pread(fd, n, off)  # noqa: E731
+            records, good = scan(read, size)
+            if good < size:
+                kind = tail_kind(read, size, good)
+                if kind == "corrupt" and not records and good == 0:
+                    raise TrajectoryFileError(f"{p} is not a trajectory file (no trajectory-log record at its start)")
+                if kind == "corrupt":
+                    raise TrajectoryFileError(
+                        f"{p} is damaged at byte offset {good} of {size}: {len(records)} valid record(s) before it, "
+                        f"{size - good} byte(s) from there on that do not check out (the file is left as it is)")
+                log.warning("%s: %d record(s) read; the %d byte(s) from offset %d are an append not yet finished "
+                            "(a live learner's uncommitted tail or its log writer's block padding, or an append cut "
+                            "short by a crash), left out",
+                            p, len(records), size - good, good)
+            for tid, off, n in records:
                 if tid in seen:
                     continue
                 seen.add(tid)
                 try:
-                    yield Trajectory.decode(wal.read(tid))
+                    yield Trajectory.decode(read(n, off))
                 except (SchemaError, ValueError) as e:
                     raise ValueError(f"{p}: trajectory {tid} does not decode: {e}") from None
-        finally:
-            wal.close()
 
 
 def write_trajectories(path, trajs) -> int:
@@ -90,21 +115,30 @@ def split(paths, out_dir, min_return: float | None = None) -> dict:
 @dataclass
 class ExampleImages:
     """A vision-language example's images, as its trajectory carries them (core/schema.py): segment starts, the
-    image bound to each framed run in token order, and the bytes by sha256. learner.sft binds them per segment."""
+    image bound to each framed run in token order, and the bytes by sha256. learner.sft binds them per segment.
+    generated: the trajectory's own mask (every token the policy wrote, in the loss or not), which the binding
+    needs to tell a vision token the policy sampled from an image run."""
     segments: list[int]
     image_refs: list[str]
     images: dict[str, bytes]
+    generated: list[int] | None = None
 
 
 def sft_examples(trajs) -> list[tuple]:
-    """Trajectories -> (tokens, loss mask) pairs for train_sft: the loss on the policy's own tokens only. A
-    vision-language trajectory (segments / image_refs) gives (tokens, loss mask, ExampleImages)."""
+    """Trajectories -> (tokens, loss mask) pairs for train_sft: the loss on the policy's own tokens only, and not on
+    an answer that did not parse (a turn with parse_error: imitating it would teach the invalid format, even in an
+    episode that went on to succeed). A vision-language trajectory (segments / image_refs) gives (tokens, loss
+    mask, ExampleImages)."""
     out = []
     for tr in trajs:
-        if tr.mask.sum() == 0:
-            continue  # nothing generated: nothing to imitate
-        ex = (tr.tokens.astype(int).tolist(), tr.mask.astype(int).tolist())
+        loss = tr.mask.astype(int)
+        for t in tr.turns:
+            if t.parse_error:
+                loss[t.start:t.end] = 0
+        if loss.sum() == 0:
+            continue  # nothing generated (or nothing valid): nothing to imitate
+        ex = (tr.tokens.astype(int).tolist(), loss.tolist())
         if tr.segments or tr.image_refs:
-            ex += (ExampleImages(list(tr.segments), list(tr.image_refs), dict(tr.images)),)
+            ex += (ExampleImages(list(tr.segments), list(tr.image_refs), dict(tr.images), tr.mask.astype(int).tolist()),)
         out.append(ex)
     return out

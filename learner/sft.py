@@ -84,8 +84,12 @@ def bind_images(policy: TrainPolicy, examples: list[Example]) -> list[Example]:
             mask = list(e[1])
             for s in im.segments:
                 mask[s] = 0
+            # the generated tokens (the trajectory's mask: before the segment starts are zeroed, and with the turns
+            # left out of the loss): a vision token the policy sampled as its last one is no image run, as in the
+            # learner's own binding (learner.batch.collate)
+            gen = im.generated if im.generated is not None else e[1]
             e = (e[0], mask, row_images(np.asarray(e[0]), im.segments, im.image_refs, im.images, policy.vl, cache,
-                                        f"SFT example {i}"))
+                                        f"SFT example {i}", mask=np.asarray(gen)))
         out.append(e)
     return out
 

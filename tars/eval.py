@@ -39,15 +39,12 @@ import sys
 import time
 import uuid
 
+from tars import evaldir
 from tars import evalsuite as S
-from core.config import RunConfig, UserError
+from tars.evalsuite import EvalError  # noqa: F401 - raised here, and imported from here by callers
+from core.config import RunConfig
 
 ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
-
-
-class EvalError(UserError):
-    """What `tars eval` was asked cannot be done (a model, a tokenizer, a results directory of another
-    evaluation): one line, exit status 2, before any episode."""
 
 
 def _info(info_json: str) -> dict:
@@ -71,6 +68,10 @@ def _record(task: S.TaskSpec, episode: int, seed: int, outcome: str, success: bo
 
 class Policy(abc.ABC):
     name: str
+
+    def identity(self) -> str:
+        """What this policy is, for eval.json (tars.evaldir): a checkpoint directory's contents, else its name."""
+        return evaldir.checkpoint_identity(self.name) if os.path.isdir(self.name) else self.name
 
     async def start(self, out: pathlib.Path) -> None:
         pass
@@ -205,6 +206,10 @@ class ModelPolicy(Policy):
         self.name = str(self.checkpoint or model)
         self.topo = None
 
+    def identity(self) -> str:
+        # the weights (a server given by address: only its address is known) and how they are sampled
+        return f"{super().identity()} temperature={self.cfg.actor.temperature}"
+
     async def start(self, out: pathlib.Path) -> None:
         from actor.envclient import EnvClient
         from actor.episode import EpisodeContext
@@ -282,28 +287,24 @@ def _open_log(path: pathlib.Path):
     return open(path, "ab")
 
 
-def _check_meta(out: pathlib.Path, meta: dict) -> None:
-    p = out / "eval.json"
-    if p.exists():
-        old = json.loads(p.read_text())
-        for k in ("suite", "model"):
-            if old.get(k) != meta[k]:
-                raise EvalError(f"{out} holds an evaluation of {k} {old.get(k)!r}, not {meta[k]!r}: "
-                                "use another --out (results are resumed from the directory)")
-    p.write_text(json.dumps(meta, indent=2))
-
-
 async def evaluate(suite: S.Suite, policy: Policy, out: str | pathlib.Path, concurrency: int = 8,
-                   retry_infra: bool = False, stop: asyncio.Event | None = None, say=print) -> dict:
+                   retry_infra: bool = False, stop: asyncio.Event | None = None, say=print,
+                   restart: bool = False) -> dict:
     """Run every (task, episode) not yet in out/episodes.jsonl, then write the results. Returns results.json.
 
-    The policy is started (its daemons brought up) here, after the directory's meta check, and closed on the way out."""
+    A directory holding another evaluation (tars.evaldir: suite, seeds, task settings, policy) is refused, or with
+    restart=True started over. Records not played on this suite's seeds are left out. The policy is started (its
+    daemons brought up) here, after the directory's meta check, and closed on the way out."""
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"suite": suite.name, "suite_path": suite.path, "model": policy.name}
-    _check_meta(out, meta)
+    meta = {**evaldir.suite_meta(suite), "model": policy.name, "policy": policy.identity()}
+    evaldir.check(out, meta, restart, say)
+    meta = {k: v for k, v in meta.items() if k != "tasks"}  # results.json has its own "tasks"
     log_path = out / "episodes.jsonl"
-    done = S.latest(S.read_episodes(log_path))
+    records, other = evaldir.current(suite, S.read_episodes(log_path))
+    if other and say:
+        say(f"[tars eval] {other} record(s) in {log_path} were not played on this suite's seeds: left out")
+    done = S.latest(records)
     todo = [(t, i) for i in range(max(t.episodes for t in suite.tasks)) for t in suite.tasks  # round-robin: a
             if i < t.episodes and ((t.name, i) not in done or (retry_infra and done[(t.name, i)]["outcome"] == S.INFRA))]
     total = sum(t.episodes for t in suite.tasks)
@@ -367,7 +368,8 @@ async def evaluate(suite: S.Suite, policy: Policy, out: str | pathlib.Path, conc
                     if not w.cancelled() and w.exception() is not None:
                         raise w.exception()
         progress(final=True)
-        res = S.summarise(suite, S.read_episodes(log_path), {**meta, "complete": not stop.is_set()})
+        records, _ = evaldir.current(suite, S.read_episodes(log_path))
+        res = S.summarise(suite, records, {**meta, "complete": not stop.is_set()})
         S.write_results(out, res)
         return res
     finally:

@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from core.config import HELD_OUT_SEED_BASE
+from core.config import HELD_OUT_SEED_BASE, UserError
 
 SUITES = pathlib.Path(__file__).parent / "suites"
 INFRA = "infra_error"
@@ -43,6 +43,11 @@ INFRA = "infra_error"
 
 class SuiteError(ValueError):
     """A suite file is missing or malformed; the message says which file and which entry."""
+
+
+class EvalError(UserError):
+    """What `tars eval` was asked cannot be done (a model, a tokenizer, a results directory of another
+    evaluation, a results file it cannot read): one line, exit status 2."""
 
 
 @dataclass
@@ -171,17 +176,29 @@ def check_env_ids(suite: Suite) -> None:
 
 # ---- episodes.jsonl ---------------------------------------------------------------------------------------
 
+REQUIRED = ("task", "episode", "outcome", "success", "return", "steps")
+
+
 def read_episodes(path: pathlib.Path) -> list[dict]:
-    """Every whole record; a line cut short by a crash is skipped."""
+    """Every whole record; a line cut short by a crash is skipped. A record missing a field the results need is an
+    EvalError naming the file and the line."""
     out = []
     if path.exists():
-        for line in path.read_bytes().splitlines():
+        for n, line in enumerate(path.read_bytes().splitlines(), 1):
             try:
                 r = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(r, dict) and "task" in r and "episode" in r:
-                out.append(r)
+            missing = [k for k in REQUIRED if k not in r] if isinstance(r, dict) else list(REQUIRED)
+            if not missing:
+                try:
+                    r["episode"] = int(r["episode"])
+                except (TypeError, ValueError):
+                    missing = ["episode (an integer)"]
+            if missing:
+                raise EvalError(f"{path}:{n}: not an episode record (no {', '.join(missing)}): remove or repair the "
+                                "line, or use another --out")
+            out.append(r)
     return out
 
 
@@ -201,9 +218,11 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
     by = latest(records)
     tasks: dict[str, dict] = {}
     norm: list[float] = []
+    pooled: list[dict] = []  # every task's scored episodes within its plan: overall.episode_success_rate
     for t in suite.tasks:
         rs = [r for (name, i), r in sorted(by.items()) if name == t.name and i < t.episodes]
         ok = [r for r in rs if r["outcome"] != INFRA]
+        pooled += ok
         human = t.human_score
         if human is None:
             hs = [r["human_score"] for r in ok if isinstance(r.get("human_score"), (int, float)) and r["human_score"]]
@@ -224,7 +243,6 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
                 norm.append(row["normalised_score"])
         tasks[t.name] = row
     scored = [r for r in tasks.values() if r["success_rate"] is not None]
-    all_ok = [r for k, r in by.items() if r["outcome"] != INFRA and k[0] in tasks]
     overall = {
         "tasks": len(tasks),
         # the rates below average over these tasks only: a task with no scored episode has no rate, not a rate of 0
@@ -236,7 +254,7 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
         "infra_errors": sum(r["infra_errors"] for r in tasks.values()),
         # the suite's headline: every task weighs the same, however many episodes it ran
         "success_rate": _mean([r["success_rate"] for r in scored]),
-        "episode_success_rate": _mean([float(bool(r["success"])) for r in all_ok]),
+        "episode_success_rate": _mean([float(bool(r["success"])) for r in pooled]),
         "mean_return": _mean([r["mean_return"] for r in scored]),
         "mean_steps": _mean([r["mean_steps"] for r in scored]),
     }

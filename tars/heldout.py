@@ -7,8 +7,9 @@ seeds from a held-out suite (core.config.HELD_OUT_SEED_BASE and above: no traini
 tokenizer-corpus episode drew one), episode i of a task getting the same seed for both.
 
     out/heldout/start/, out/heldout/final/   tars eval's directories (episodes.jsonl, results.json/.md/.png);
-                                             an interrupted evaluation resumes from them (`tars eval` on the same
-                                             directory, or a rerun of this step)
+                                             (eval.json names the policy's weights and the seeds: a directory of
+                                             another policy or other seeds, e.g. an earlier `tars up` in the same
+                                             --out, is started over, never resumed; tars/evaldir.py)
     out/heldout/summary.md                   per-task success of both, the means, the differences
     report.json "held_out"                   the same figures
 
@@ -44,8 +45,9 @@ def run(cfg: C.RunConfig, out: pathlib.Path, start: pathlib.Path, start_label: s
     results = {}
     for key, model in (("start", start), ("final", out / "final")):
         say(f"held-out evaluation of {key} ({model}): {len(su.tasks)} tasks x {cfg.evaluation.episodes} episodes")
+        # restart: the directory may hold an earlier run's evaluation (another policy, other seeds): started over
         results[key] = asyncio.run(evaluate(su, ModelPolicy(str(model), ecfg), out / "heldout" / key,
-                                            cfg.evaluation.concurrency, say=say))
+                                            cfg.evaluation.concurrency, say=say, restart=True))
     summ = summary(results["start"], results["final"], start_label, cfg.evaluation.episodes)
     (out / "heldout" / "summary.md").write_text(markdown(summ))
     return summ

@@ -1,7 +1,8 @@
 """Run monitoring and the run report: reads the learner's episodes.jsonl / learner.jsonl as they grow.
 
 report.json (stable, read by outside checks):
-  episodes          trajectories received by the learner (infra_error included, counted apart)
+  episodes          trajectories received by the learner in this run (infra_error included, counted apart); a run
+                    in a directory used before counts only what was logged since it started
   infra_errors      infra_error episodes; infra_errors_by_fault: the same by the part that broke ({"inference": n, ...})
   truncated         truncated episodes; truncated_by: the same by what cut them ({"context": n, "max_turns": n, ...};
                     "unknown" for episodes logged before the learner recorded it)
@@ -59,6 +60,15 @@ class Monitor:
     def poll(self) -> None:
         self._tail("episodes.jsonl", self.eps)
         self._tail("learner.jsonl", self.steps)
+
+    def since(self, t: float) -> "Monitor":
+        """The records logged at or after time t: a new `tars up` in the same directory appends to the logs of the
+        runs before it, whose episodes are not this run's."""
+        m = Monitor(self.run)
+        m.eps = [e for e in self.eps if e.get("t", t) >= t]
+        m.steps = [s for s in self.steps if s.get("t", t) >= t]
+        m._pos = dict(self._pos)
+        return m
 
     @property
     def episodes(self) -> int:
@@ -119,7 +129,10 @@ def write_report(run_dir: pathlib.Path, mon: Monitor, wall_s: float, sft_used: b
                  status: str, since: float | None = None, restarts: dict[str, int] | None = None,
                  held_out: dict | None = None, max_versions: int | None = None) -> dict:
     """report.json and learning.png, and a check of the learner's final/ export (written at or after `since`).
-    Returns the report with "written" (paths actually there) and "not_written" (path -> error); never raises on I/O."""
+    Returns the report with "written" (paths actually there) and "not_written" (path -> error); never raises on I/O.
+    With `since`, only the episodes and updates logged from then on count (an earlier run's are left out)."""
+    if since is not None:
+        mon = mon.since(since)
     scored = mon.scored()
     k = max(1, len(scored) // 10)
     first = [e["success"] for e in scored[:k]]

@@ -51,6 +51,90 @@ def test_split_of_a_missing_or_corrupt_file_is_a_clear_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_split_reads_its_inputs_read_only_and_a_damaged_one_is_an_error_naming_the_offset(tmp_path, capsys):
+    """An input is never modified: a flipped byte in record 3 of 10 is an error naming the file and the offset (the
+    file keeps every byte), and so is a file that is no trajectory log (episodes.jsonl by mistake)."""
+    f = tmp_path / "trajectories.twl"
+    write_trajectories(f, [traj(f"t{i}", success=True, ret=1.0) for i in range(10)])
+    data = bytearray(f.read_bytes())
+    rec = len(data) // 10
+    data[2 * rec + rec // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert cli.main(["data", "split", str(f), "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert f"{f} is damaged at byte offset {2 * rec} of {len(data)}" in err and "2 valid record(s)" in err
+    assert f.read_bytes() == bytes(data) and not (tmp_path / "s").exists()
+    g = tmp_path / "episodes.jsonl"
+    g.write_text('{"task": "a", "episode": 0, "success": true}\n' * 100)
+    before = g.read_bytes()
+    assert cli.main(["data", "split", str(g), "--out", str(tmp_path / "s2")]) == 2
+    assert f"{g} is not a trajectory file" in capsys.readouterr().err and g.read_bytes() == before
+    model().save_hf(tmp_path / "m0")                                 # `tars sft --data` reads them the same way
+    assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data", str(f)]) == 2
+    assert "is damaged at byte offset" in capsys.readouterr().err and f.read_bytes() == bytes(data)
+
+
+def test_split_of_a_live_log_leaves_out_its_unfinished_append_with_a_warning(tmp_path, caplog):
+    """A learner appending to its archive (or one killed inside an append) leaves records cut short at the end, or
+    group-committed records whose commit is not written yet: those were never acked, so they are left out with a
+    warning giving the count read, and the file is not touched (the learner may finish the append)."""
+    from core.stream.wal import WriteAheadLog
+
+    full = tmp_path / "full.twl"
+    write_trajectories(full, [traj(f"t{i}", success=True, ret=1.0) for i in range(4)])
+    cut = tmp_path / "cut.twl"
+    cut.write_bytes(full.read_bytes()[:-10])                         # the 4th record half written
+    live = tmp_path / "live.twl"
+    w = WriteAheadLog(live, fsync=False).open()
+    for i in range(3):
+        w.append(f"t{i}", traj(f"t{i}", success=True, ret=1.0).encode())
+    w.stage("t3", traj("t3", success=True, ret=1.0).encode())
+    w.sync()
+    w.close()
+    data = live.read_bytes()
+    live.write_bytes(data[:-16])                                     # the batch is there, its commit is not yet
+    for p in (cut, live):
+        before = p.read_bytes()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="learner.data"):
+            assert [t.id for t in read_trajectories([p])] == ["t0", "t1", "t2"]
+        assert p.read_bytes() == before
+        assert any("3 record(s) read" in r.getMessage() and str(p) in r.getMessage() for r in caplog.records)
+    # a learner's stream.wal: its log writer pads its last block with zeros (O_DIRECT) until it exits
+    padded = tmp_path / "stream.wal"
+    padded.write_bytes(data + bytes(-len(data) % 4096))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="learner.data"):
+        assert [t.id for t in read_trajectories([padded])] == ["t0", "t1", "t2", "t3"]
+    assert any("4 record(s) read" in r.getMessage() for r in caplog.records)
+    # the same batch with its commit but a byte of it changed: damage, not an unfinished append
+    bad = bytearray(data)
+    bad[-30] ^= 0xFF
+    live.write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="damaged at byte offset"):
+        list(read_trajectories([live]))
+    assert live.read_bytes() == bytes(bad)
+
+
+def test_sft_leaves_answers_that_did_not_parse_out_of_the_loss():
+    """A successful episode whose first answer did not parse (format penalty, Turn.parse_error) goes to sft.twl
+    whole, but SFT imitates only its valid answers; an episode with no valid answer gives no example."""
+    from learner.data import sft_examples
+
+    bad, ok = [30, 31, 32], [11, 2]
+    toks = PROMPT[:3] + bad + [7, 8] + ok
+    mask = [0] * 3 + [1] * 3 + [0] * 2 + [1] * 2
+    tr = Trajectory(id="t", env_id="bandit", outcome="terminated", tokens=np.array(toks, np.int32),
+                    logprobs=np.zeros(len(toks), np.float32), versions=np.array([m - 1 for m in mask], np.int32),
+                    mask=np.array(mask, np.uint8), ret=0.9, success=True,
+                    turns=[Turn("", "clikc(", {}, -0.1, 3, 6, parse_error="no action found"),
+                           Turn("", "click(target='OK')", {"type": "click"}, 1.0, 8, 10)])
+    ((tokens, loss),) = sft_examples([tr])
+    assert tokens == toks and loss == [0] * 8 + [1, 1]
+    tr.turns[1].parse_error = "no action found"
+    assert sft_examples([tr]) == []
+
+
 def test_sft_on_stored_trajectories_learns_them(tmp_path, capsys):
     torch.manual_seed(0)
     m = model()

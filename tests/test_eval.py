@@ -147,6 +147,10 @@ def test_overall_figures_say_which_tasks_they_cover_and_warn_about_infra_errors(
     quiet = S.summarise(suite, [rec(t, i, "terminated", True) for t in ("click", "menu", "form", "dialog")
                                 for i in range(3)])
     assert quiet["warnings"] == [] and S.headline(quiet["overall"]).startswith("success 1.000 over 4 tasks,")
+    # episodes beyond the plan (a directory run with --episodes 10, resumed with --episodes 4) are in no figure
+    extra = S.summarise(S.Suite("s", "", [S.TaskSpec("a", "builtin/click", 4)]),
+                        [rec("a", i, "terminated", i >= 4) for i in range(10)])["overall"]
+    assert (extra["episodes"], extra["scored"], extra["success_rate"], extra["episode_success_rate"]) == (4, 4, 0.0, 0.0)
     from tars.report import infra_warning
 
     assert infra_warning(1, 10, "x", "y") is None and infra_warning(2, 10, "x", "y").startswith("2 of 10 episodes (20%)")
@@ -209,6 +213,64 @@ def test_resuming_into_a_directory_of_another_model_is_refused(tmp_path):
     _run(suite, E.ScriptedPolicy("oracle", _cfg()), tmp_path)
     with pytest.raises(E.EvalError, match="model 'oracle', not 'random'"):
         _run(suite, E.ScriptedPolicy("random", _cfg()), tmp_path)
+
+
+def test_a_directory_of_other_seeds_or_task_settings_is_refused_and_foreign_records_are_left_out(tmp_path, fake_env):
+    """eval.json names the seed rule and each task's settings: a rerun that would play other episodes is refused
+    (saying what differs); another --episodes resumes. A record whose seed is not the suite's for its episode (a
+    directory written before the seeds were recorded) is not counted and its episode is played again."""
+    out = tmp_path / "out"
+    suite = S.load_suite(_suite(tmp_path, "episodes: 2\nseed: 1\ntasks: [evaltest/ok]\n"))
+    _run(suite, E.ScriptedPolicy("oracle", _cfg()), out)
+    for text, why in (("episodes: 2\nseed: 2\ntasks: [evaltest/ok]\n", "seed 1, not 2"),
+                      ("episodes: 2\nseed: 1\nmax_turns: 3\ntasks: [evaltest/ok]\n", "task 'evaltest/ok' settings")):
+        with pytest.raises(E.EvalError, match=why):
+            _run(S.load_suite(_suite(tmp_path, text)), E.ScriptedPolicy("oracle", _cfg()), out)
+    FakeEnv.actions = []
+    res = _run(S.load_suite(_suite(tmp_path, "episodes: 3\nseed: 1\ntasks: [evaltest/ok]\n")),
+               E.ScriptedPolicy("oracle", _cfg()), out)
+    assert len(FakeEnv.actions) == 1 and res["overall"]["episodes"] == 3      # only episode 2 was new
+    meta = json.loads((out / "eval.json").read_text())
+    assert meta["seed"] == 1 and meta["held_out"] is False and meta["policy"] == "oracle"
+    assert meta["tasks"] == {"evaltest/ok": {"env_id": "evaltest/ok", "max_turns": None, "options": {}}}
+    # a foreign record (wrong seed, failed) for episode 0: left out, episode 0 played again on its own seed
+    lines = _lines(out / "episodes.jsonl")
+    (ep0,) = [r for r in lines if r["episode"] == 0]
+    (out / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["episode"] != 0)
+                                        + json.dumps({**ep0, "seed": 12345, "success": False}) + "\n")
+    FakeEnv.actions = []
+    res = _run(suite, E.ScriptedPolicy("oracle", _cfg()), out)
+    assert len(FakeEnv.actions) == 1 and res["tasks"]["evaltest/ok"]["success_rate"] == 1.0
+    assert {r["seed"] for r in _lines(out / "episodes.jsonl") if r["episode"] == 0} == {12345, suite.seed_of("evaltest/ok", 0)}
+
+
+def test_an_unreadable_eval_json_or_a_record_without_its_fields_is_a_clear_error(tmp_path, fake_env, capsys,
+                                                                                 monkeypatch):
+    """An empty eval.json (a crash while an older version wrote it) and an episodes.jsonl record that is JSON but
+    lacks a field are one-line errors naming the file (and the line), exit status 2, not tracebacks. eval.json is
+    written whole: a write that fails leaves the one before."""
+    from tars import evaldir
+
+    suite = S.load_suite(_suite(tmp_path, "episodes: 1\ntasks: [evaltest/ok]\n"))
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "e1" / "eval.json").write_text("")
+    assert asyncio.run(E._run(suite, E.ScriptedPolicy("oracle", _cfg()), str(tmp_path / "e1"), 1, False)) == 2
+    assert f"{tmp_path / 'e1' / 'eval.json'} is not readable" in capsys.readouterr().err
+    (tmp_path / "e2").mkdir()
+    (tmp_path / "e2" / "episodes.jsonl").write_text(json.dumps({"task": "evaltest/ok", "episode": 0, "seed": 1,
+                                                                "success": True}) + "\n")
+    assert asyncio.run(E._run(suite, E.ScriptedPolicy("oracle", _cfg()), str(tmp_path / "e2"), 1, False)) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'e2' / 'episodes.jsonl'}:1: not an episode record (no outcome, return, steps)" in err
+    before = (tmp_path / "e2" / "eval.json").read_text()
+
+    def fail(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(evaldir.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        evaldir.write_meta(tmp_path / "e2", {"suite": "other"})
+    assert (tmp_path / "e2" / "eval.json").read_text() == before
 
 
 # ---- human-normalised scores ------------------------------------------------------------------------------

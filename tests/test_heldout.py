@@ -35,6 +35,53 @@ def test_summary_gives_both_policies_per_task_the_means_and_names_a_task_that_go
     assert report.held_out_warnings(ok) == []                               # within 0.05: not a drop worth a warning
 
 
+def test_a_rerun_in_the_same_out_evaluates_its_own_policy_on_its_own_seeds(tmp_path, monkeypatch):
+    """`tars up` again into the same --out: out/heldout/{start,final} hold the earlier run's episodes. A directory
+    whose policy (its weights files) or seeds differ is started over, not resumed; one whose policy and seeds are
+    the same resumes (nothing replayed)."""
+    from tars import eval as E
+
+    played = []
+
+    class Fake(E.Policy):  # stands in for ModelPolicy: its name is the checkpoint's path, it wins iff "wins" is there
+        def __init__(self, model, cfg, tokenizer="", envd=""):
+            self.name = str(pathlib.Path(model).resolve())
+
+        async def episode(self, task, i, seed):
+            ok = (pathlib.Path(self.name) / "wins").exists()
+            played.append((pathlib.Path(self.name).name, seed))
+            return E._record(task, i, seed, "terminated", ok, float(ok), 1, "", 0.0, {})
+
+    monkeypatch.setattr(E, "ModelPolicy", Fake)
+    for d in ("model", "final"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "model.safetensors").write_bytes(b"run 1")
+    cfg = C.load("quickstart", overrides=["evaluation.episodes=4", "actor.env_ids=[builtin/click]"])
+    say = []
+    h1 = heldout.run(cfg, tmp_path, tmp_path / "model", "SFT", say.append)
+    assert (h1["mean_start"], h1["mean_final"]) == (0.0, 0.0) and len(played) == 8
+    # run 2, same seeds: a new final policy (rewritten weights) that wins; the start policy is the same files
+    (tmp_path / "final" / "model.safetensors").write_bytes(b"run 2, other weights")
+    (tmp_path / "final" / "wins").touch()
+    played.clear()
+    h2 = heldout.run(cfg, tmp_path, tmp_path / "model", "SFT", say.append)
+    assert (h2["mean_start"], h2["mean_final"]) == (0.0, 1.0)
+    assert [m for m, _ in played] == ["final"] * 4            # start resumed, final played again
+    assert any("held another evaluation (policy " in m and "starting it over" in m for m in say)
+    assert (tmp_path / "heldout" / "final" / "episodes.previous.jsonl").is_file()
+    # run 3 with another seed: both are played again, on the new seeds, the same for both
+    cfg7 = C.load("quickstart", overrides=["evaluation.episodes=4", "actor.env_ids=[builtin/click]", "seed=7"])
+    played.clear()
+    heldout.run(cfg7, tmp_path, tmp_path / "model", "SFT", say.append)
+    want = sorted(heldout.suite(cfg7).seed_of("builtin/click", i) for i in range(4))
+    assert sorted(s for m, s in played if m == "model") == want == sorted(s for m, s in played if m == "final")
+    for key in ("start", "final"):
+        eps = [json.loads(x) for x in (tmp_path / "heldout" / key / "episodes.jsonl").read_text().splitlines()]
+        assert sorted(e["seed"] for e in eps) == want
+        meta = json.loads((tmp_path / "heldout" / key / "eval.json").read_text())
+        assert meta["seed"] == 7 and meta["held_out"] is True and meta["policy"].startswith("sha256:")
+
+
 @pytest.mark.timeout(400)
 def test_tars_up_evaluates_the_start_and_the_final_policy_on_the_same_held_out_seeds(tmp_path):
     out = tmp_path / "run"

@@ -431,3 +431,31 @@ def test_a_sampled_vision_token_before_the_end_is_a_binding_error(vl_dir):
     assert "is not its last generated token" in binding_error(tr, spec)
     with pytest.raises(ValueError, match="is not its last generated token"):
         collate([tr], 0, spec)
+
+
+def test_sft_trains_on_a_trajectory_ending_in_a_sampled_vision_token(vl_dir, tmp_path):
+    """`tars sft --data` binds a stored trajectory the way the learner does: a vision token the policy sampled as
+    its last generated token is no image run (it was "4 framed image runs but 3 image_refs" and SFT stopped)."""
+    from core.config import RunConfig
+    from learner.data import sft_examples, write_trajectories
+    from learner.sft import bind_images, run
+
+    tr, _, stray = stray_trajectory(vl_dir)
+    good, _ = vl_trajectory(vl_dir, "good")
+    pol = TrainPolicy.load(vl_dir)
+    ex = bind_images(pol, sft_examples([tr]))
+    assert ex[0][2].stray == [stray] and ex[0][1][stray] == 1       # bound, and the token keeps its loss
+    # as the actor records it: the answer holding the vision token is a turn that did not parse (out of the SFT
+    # loss), and the binding still knows the token was generated
+    gen = np.flatnonzero(tr.mask)
+    runs = np.split(gen, np.flatnonzero(np.diff(gen) > 1) + 1)
+    tr.turns = [Turn("", "", {"type": "click"}, 0.0, int(runs[0][0]), int(runs[0][-1]) + 1),
+                Turn("", "", {}, -0.1, int(runs[1][0]), stray + 1, parse_error="the model wrote a vision token")]
+    (ex,) = bind_images(pol, sft_examples([tr]))
+    assert ex[2].stray == [stray] and ex[1][stray] == 0 and sum(ex[1]) == len(runs[0]) - (runs[0][0] in tr.segments)
+    write_trajectories(tmp_path / "trajectories.twl", [good, tr])
+    cfg = RunConfig()
+    cfg.learner.device = "cpu"
+    cfg.sft.batch_size = 2
+    m = run(cfg, str(vl_dir), str(tmp_path / "out"), [str(tmp_path / "trajectories.twl")], steps=1, log=lambda *_: None)
+    assert m["trajectories"] == 2

@@ -168,6 +168,25 @@ def test_report_warns_of_infra_errors_no_update_and_restarts(tmp_path):
     assert report.write_report(tmp_path, mon, 1.0, False, None, "done")["warnings"] == []
 
 
+def test_report_counts_only_this_runs_episodes_when_the_directory_was_used_before(tmp_path):
+    """`tars up` again into the same --out: the learner appends to episodes.jsonl / learner.jsonl, so the first
+    10 % of the file are the earlier run's. The report's figures are those logged since this run started."""
+    from tars import report
+
+    eps = [{"id": f"e{i}", "outcome": "terminated", "success": i >= 10, "return": 1.0, "vmax": 0, "vmin": 0,
+            "t": float(i if i < 10 else 100 + i), "train_version": 0} for i in range(20)]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps))
+    (tmp_path / "learner.jsonl").write_text(json.dumps({"version": 9, "t": 5.0}) + "\n"
+                                            + json.dumps({"version": 2, "t": 120.0}) + "\n")
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    rep = report.write_report(tmp_path, mon, 1.0, False, None, "done", since=50.0)
+    assert (rep["episodes"], rep["success_first"], rep["success_last"]) == (10, 1.0, 1.0)
+    assert rep["policy_version"] == 2 and rep["rl_s"] == 9.0
+    everything = report.write_report(tmp_path, mon, 1.0, False, None, "done")
+    assert (everything["episodes"], everything["success_first"]) == (20, 0.0)
+
+
 def test_report_warns_when_the_context_cut_most_episodes(tmp_path):
     """Episodes cut by the context (a VL prompt with screenshots over inference.max_context) are named, with the
     settings to change, instead of a run that silently learns nothing."""

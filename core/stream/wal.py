@@ -78,6 +78,44 @@ def scan(read, size: int) -> tuple[list[tuple[str, int, int]], int]:
     return out, good
 
 
+_PAGE = 4096  # core/stream/walwriter.py writes whole blocks of this size with O_DIRECT: zeros after the logical end
+
+
+def _padding(read, size: int, off: int) -> bool:
+    """Zeros from off to the end of a file of whole blocks: the log writer's padding (cut when it exits, left by a
+    crash), not damage."""
+    return size % _PAGE == 0 and size - off < _PAGE and not any(read(size - off, off))
+
+
+def tail_kind(read, size: int, good: int) -> str:
+    """What follows a log's valid prefix (scan()'s end `good`): "" nothing; "incomplete" an append not finished
+    (a record cut short by the end of the file, group-committed records up to the end with no commit yet, or the
+    log writer's zero padding of its last block: what a reader sees during a write or after a crash inside one;
+    none of it was acked); "corrupt" anything else (a crc or a commit that does not check out, bytes that are no
+    record). Read-only, like scan()."""
+    off, in_batch = good, False
+    while off < size:
+        if _padding(read, size, off):
+            return "incomplete"
+        if size - off < _HDR.size:
+            head = read(size - off, off)
+            return "incomplete" if any(m.startswith(head[:4]) for m in (_MAGIC, _MAGIC2, _COMMIT_MAGIC)) else "corrupt"
+        head = read(_HDR.size, off)
+        magic = head[:4]
+        if magic == _COMMIT_MAGIC:  # scan() took every commit that checks out: this one does not, unless cut short
+            return "incomplete" if in_batch and off + _COMMIT.size > size else "corrupt"
+        if magic not in (_MAGIC, _MAGIC2):
+            return "corrupt"
+        _, id_len, plen, _ = _HDR.unpack(head)
+        if off + _HDR.size + id_len + plen > size:
+            return "incomplete"
+        if magic == _MAGIC:  # whole, yet scan() stopped at or before it: a bad crc, or inside a batch
+            return "corrupt"
+        in_batch = True
+        off += _HDR.size + id_len + plen
+    return "incomplete" if in_batch else ""
+
+
 def scan_ids(path) -> list[str]:
     """Ids in a WAL file, read-only (a live learner owns it: its uncommitted tail is simply not counted)."""
     with open(path, "rb") as f:
