@@ -80,8 +80,10 @@ TINY_VL_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, n
                     num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
                     rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
 TINY_VL_VISION = {
-    "qwen2_5_vl": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
-                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0]),
+    # two blocks, the first windowed (window 56 px: 2x2 merged patches) and the second full, as Qwen2.5-VL mixes them:
+    # every VL test then runs the window attention of core/vision_attention.py, not only its unit test
+    "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
     "qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=14,
                      spatial_merge_size=2, temporal_patch_size=2),
 }
