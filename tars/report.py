@@ -61,6 +61,13 @@ class Monitor:
         self._tail("episodes.jsonl", self.eps)
         self._tail("learner.jsonl", self.steps)
 
+    def at_end(self) -> "Monitor":
+        """Read only what is appended from now on (the logs of earlier runs in the same directory are left out)."""
+        for name in self._pos:
+            p = self.run / name
+            self._pos[name] = p.stat().st_size if p.exists() else 0
+        return self
+
     def since(self, t: float) -> "Monitor":
         """The records logged at or after time t: a new `tars up` in the same directory appends to the logs of the
         runs before it, whose episodes are not this run's."""

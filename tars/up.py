@@ -86,6 +86,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     old_term = signal.signal(signal.SIGTERM, on_sigint)
     status = "done"
     sup = None
+    live = report.Monitor(out_p).at_end()  # this run's records only: a rerun in the same --out appends to the logs
     try:
         topo.start()
         say(f"running: envd {topo.envd}, inference {topo.inference}, learner {topo.stream}, {cfg.actors} actor(s); "
@@ -93,7 +94,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         sup = Supervisor(topo, cfg.supervisor.max_restarts, cfg.supervisor.backoff_s, hang_s=cfg.supervisor.hang_s,
                          control_token=cfg.control.auth_token,
                          say=(lambda m: say(m) if not tty else print("\r\033[K[tars up] " + m, flush=True)))
-        status = _watch(cfg, sup, out_p, quiet, tty, lambda: interrupted)
+        status = _watch(cfg, sup, live, quiet, tty, lambda: interrupted)
         if tty:
             print()
         say(f"stopping ({status})")
@@ -153,10 +154,9 @@ def _held_out(cfg: C.RunConfig, out_p: pathlib.Path, start: pathlib.Path, sft: b
     return h, status
 
 
-def _watch(cfg: C.RunConfig, sup: Supervisor, out_p: pathlib.Path, quiet: bool, tty: bool, interrupted) -> str:
+def _watch(cfg: C.RunConfig, sup: Supervisor, mon: report.Monitor, quiet: bool, tty: bool, interrupted) -> str:
     """Live progress, and the supervisor's restarts, until the run ends; returns why it ended (the report's status)."""
     t_rl = time.time()
-    mon = report.Monitor(out_p)
     last_print = 0.0
     while True:
         time.sleep(0.5)

@@ -187,6 +187,24 @@ def test_report_counts_only_this_runs_episodes_when_the_directory_was_used_befor
     assert (everything["episodes"], everything["success_first"]) == (20, 0.0)
 
 
+def test_the_live_monitor_of_a_rerun_reads_only_its_own_records(tmp_path):
+    """tars up's progress line and its target_success stop read a Monitor started at the end of the logs: an
+    earlier run's successes in the same --out neither show as this run's nor end it at once."""
+    from tars import report
+
+    old = [{"id": f"o{i}", "outcome": "terminated", "success": True, "return": 1.0, "t": float(i)} for i in range(50)]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in old))
+    (tmp_path / "learner.jsonl").write_text(json.dumps({"version": 80, "t": 1.0}) + "\n")
+    mon = report.Monitor(tmp_path).at_end()
+    mon.poll()
+    assert mon.episodes == 0 and mon.rolling_success() is None
+    with open(tmp_path / "episodes.jsonl", "a") as f:
+        f.write(json.dumps({"id": "n0", "outcome": "terminated", "success": False, "return": 0.0, "t": 99.0}) + "\n")
+    mon.poll()
+    assert mon.episodes == 1 and mon.rolling_success() == 0.0 and mon.steps == []
+    assert report.Monitor(tmp_path / "nothing-yet").at_end().episodes == 0
+
+
 def test_report_warns_when_the_context_cut_most_episodes(tmp_path):
     """Episodes cut by the context (a VL prompt with screenshots over inference.max_context) are named, with the
     settings to change, instead of a run that silently learns nothing."""
