@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid, shell_idle
 from envd.sandbox_limits import (INNER_ID, Limits, SandboxError, uid_task_count, allocate_uid, chown_tree,
                                  missing_tools, quota_breach, release_uid, workspace_usage)
+from envd.terminal_text import OutputSegment
 
 log = logging.getLogger(__name__)
 
@@ -68,35 +69,6 @@ class Event:
     status: int = 0      # prompt: $? of the last command line; exit: the sandbox's exit status
     cwd: str = ""
     note: str = ""       # prompt/exit: why the sandbox killed the command line ("" when it did not)
-
-
-class _Segment:
-    """Output between two prompts, capped: the first `head` bytes go out as they come, the last `tail` are kept."""
-
-    def __init__(self, cap: int):
-        self.tail_cap = cap // 4
-        self.head_left = cap - self.tail_cap
-        self.tail = bytearray()
-        self.dropped = self.total = 0
-
-    def add(self, data: bytes) -> bytes:
-        """The part of `data` to show now; the rest is held in the tail or dropped."""
-        self.total += len(data)
-        shown, data = data[:self.head_left], data[self.head_left:]
-        self.head_left -= len(shown)
-        if data:
-            self.tail += data
-            if len(self.tail) > self.tail_cap:
-                cut = len(self.tail) - self.tail_cap
-                self.dropped += cut
-                del self.tail[:cut]
-        return shown
-
-    def close(self, cap: int) -> bytes:
-        if not self.dropped:
-            return bytes(self.tail)
-        note = f"\n[... {self.dropped} bytes of output dropped (output cap {cap} bytes per command) ...]\n"
-        return note.encode() + bytes(self.tail)
 
 
 class ShellSandbox:
@@ -335,7 +307,7 @@ class ShellSandbox:
     def _read_loop(self, master: int, stop: threading.Event) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         buf = b""
-        seg = _Segment(self.limits.output_bytes)
+        seg = OutputSegment(self.limits.output_bytes)
         flood = max(8 << 20, 64 * self.limits.output_bytes)
         next_disk = 0.0
         fg_seen = (0, 0.0)
@@ -370,7 +342,7 @@ class ShellSandbox:
                     if breach and not self._expired_at and self._deadline:
                         self._expire(breach)
 
-    def _parse(self, buf: bytes, seg: _Segment, decoder) -> bytes:
+    def _parse(self, buf: bytes, seg: OutputSegment, decoder) -> bytes:
         """Turn raw output into events (caller holds the condition); returns the unparsed rest."""
         while buf:
             starts = [j for j in (buf.find(_PROMPT), buf.find(_CONT)) if j >= 0]
