@@ -1,7 +1,7 @@
 """envd's EnvService: stateful Env sessions served over gRPC (tars.v1.EnvService), and their lease GC.
 
-The process around it (listening, health, drain, signals, exit) is envd/server.py; session state and the worker
-pool are envd/sessions.py.
+The process around it (listening, health, drain, signals, exit, the ControlService's commands) is envd/server.py;
+session state and the worker pool are envd/sessions.py.
 
 Error contract (see proto/tars/v1/env.proto and envd/base.py):
   unknown session / env id -> NOT_FOUND            malformed action or options, an unsandboxed env not enabled -> INVALID_ARGUMENT
@@ -27,7 +27,7 @@ from envd import hints, registry
 from envd.base import Action, ActionError, Outcome, Resources
 from envd.admission import Admission, Status as _Status, peer_identity, rpc as _rpc
 from envd.snapshots import SnapshotSeal
-from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, check_result, list_page, to_response
+from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, check_result, to_response
 from core import telemetry
 from core.config import EnvdConfig
 from core.v1 import env_pb2, env_pb2_grpc
@@ -422,29 +422,3 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def Ping(self, request, context):
         # Deliberately bare (no wrapper, no locks): benchmarks use it as the raw RPC baseline.
         return env_pb2.PingResponse(payload=request.payload, run_id=self.run_id)
-
-    # ---- ControlService ----------------------------------------------------------------------------------------
-    def metrics(self) -> dict:
-        by_env = collections.Counter(s.env_id for s in self.sessions.values())
-        return {
-            "sessions": len(self.sessions), "max_sessions": self.cfg.max_sessions, "draining": self.draining,
-            **{k: self.counters[k] for k in ("sessions_created", "sessions_closed", "sessions_expired", "steps",
-                                             "resets", "infra_errors", "action_errors")},
-            "step_ms_p50": round(self.latency.percentile(50), 4), "step_ms_p99": round(self.latency.percentile(99), 4),
-            "step_ms_window": len(self.latency), "workers": self.cfg.workers,
-            "backend_calls_running": self.workers.running, "sessions_by_env": dict(by_env),
-            "budget": self.admission.describe(),
-        }
-
-    def sessions_list(self, args: dict[str, str]) -> dict:
-        """One page of the sessions (envd.sessions.list_page: args offset, limit)."""
-        return list_page(list(self.sessions.values()), args)
-
-    def sessions_kill(self, args: dict[str, str]):
-        sid = args["id"]  # KeyError -> INVALID_ARGUMENT via ControlServicer
-        s = self.sessions.get(sid)
-        if s is None:
-            return False, f"unknown session {sid!r}", {}
-        self._retire(s)
-        return True, f"session {sid} closed", {"id": sid, "env_id": s.env_id}
-
