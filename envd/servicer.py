@@ -8,6 +8,8 @@ Error contract (see proto/tars/v1/env.proto and envd/base.py):
   session cap, per-client cap, host budget -> RESOURCE_EXHAUSTED      draining -> UNAVAILABLE
   backend lacks snapshots -> UNIMPLEMENTED         request from before a daemon restart -> FAILED_PRECONDITION
   a crashing or hanging backend never raises: Reset/Step/Observe answer outcome INFRA_ERROR and the session is gone.
+  a call that waited past its deadline for a worker held by other sessions' calls, and never ran -> ABORTED (the
+  session is kept; even a Step may be retried).
 """
 from __future__ import annotations
 
@@ -110,7 +112,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                     # budget stays taken until then: its processes may still be running.
                     cf.add_done_callback(lambda _: (s.close_quietly(), self.budget.give_back(s)))
                     return
-                await self.workers.run(s.env.close, timeout=self.cfg.step_timeout_s, session=s)
+                await self.workers.run(s.env.close, timeout=self.cfg.step_timeout_s, session=s, must_run=True)
         except Exception as e:
             log.warning("closing session %s (%s) failed: %s: %s", s.id, s.env_id, type(e).__name__, e)
         self.budget.give_back(s)
@@ -167,6 +169,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 raise _Status(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else f"unknown env id {env_id!r}")
             except ValueError as e:
                 raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{env_id}: {e}")
+            except _Status:
+                raise  # NotStarted: the pool was busy, nothing ran
             except Exception as e:
                 log.warning("creating %s failed: %s: %s", env_id, type(e).__name__, e)
                 raise _Status(grpc.StatusCode.INTERNAL, f"{env_id}: {type(e).__name__}: {e}")
@@ -186,7 +190,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     def _close_env(self, env) -> None:
         """Close an env that never became a session, in the background (in a worker thread)."""
-        t = asyncio.get_running_loop().create_task(self.workers.run(env.close, timeout=self.cfg.step_timeout_s))
+        t = asyncio.get_running_loop().create_task(self.workers.run(env.close, timeout=self.cfg.step_timeout_s,
+                                                                    must_run=True))
         self._tasks.add(t)
         t.add_done_callback(self._closed_env)
 
@@ -226,6 +231,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         except invalid as e:
             self.counters["action_errors"] += 1
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {e}")
+        except _Status:
+            raise  # NotStarted: the call waited for other sessions' calls and never ran; the session is kept
         except (BackendTimeout, Exception) as e:
             return self._crash(s, op, e)
 
@@ -328,6 +335,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 r, ms = s.last, 0.0
             except ActionError as e:
                 raise _Status(grpc.StatusCode.FAILED_PRECONDITION, f"observe: {e}")
+            except _Status:
+                raise  # NotStarted
             except (BackendTimeout, Exception) as e:
                 return self._crash(s, "observe", e)
             # reward 0: looking again earns nothing; the reward was reported by the step that produced it.
@@ -363,6 +372,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 raise _Status(grpc.StatusCode.UNIMPLEMENTED, str(e) or f"{s.env_id} does not support snapshots")
             except ActionError as e:
                 raise _Status(grpc.StatusCode.FAILED_PRECONDITION, f"snapshot: {e}")
+            except _Status:
+                raise  # NotStarted
             except (BackendTimeout, Exception) as e:
                 raise _Status(grpc.StatusCode.INTERNAL, f"snapshot of {s.env_id}: {type(e).__name__}: {e}")
         if not isinstance(state, (bytes, bytearray)):

@@ -456,3 +456,26 @@ def test_a_step_whose_answer_is_too_big_is_not_sent_again():
             finally:
                 await ec.close()
     run(body())
+
+
+def test_a_call_that_never_got_a_worker_is_aborted_and_its_session_kept():
+    """Time a call spent queued behind other sessions' stuck calls counted against its deadline: a healthy session
+    was answered INFRA_ERROR and closed for another backend's hang. A call still queued at its deadline is now
+    dropped and answered ABORTED; its session stays and works once a worker is free."""
+    async def body():
+        async with envd_client(workers=2, step_timeout_s=0.3) as c:
+            stuck = [await _started(c, f"test-fragile/stuck{i}") for i in range(2)]
+            healthy = await _started(c, "test-fragile/healthy")
+            hangs = [asyncio.ensure_future(_step(c, sid, "hang")) for sid in stuck]
+            deadline = time.monotonic() + 10
+            while c.server.servicer.workers.running < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            e = await expect_code(grpc.StatusCode.ABORTED, _step(c, healthy))
+            assert "never started" in e.details() and healthy in c.server.servicer.sessions
+            assert all(r.outcome == common_pb2.INFRA_ERROR for r in await asyncio.gather(*hangs))  # they did hang
+            deadline = time.monotonic() + 10
+            while c.server.servicer.workers.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert (await _step(c, healthy)).outcome == common_pb2.RUNNING
+            assert "healthy" not in FragileEnv.closed
+    run(body())
