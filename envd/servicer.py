@@ -8,6 +8,7 @@ Error contract (see proto/tars/v1/env.proto and envd/base.py):
   session cap, per-client cap, host budget -> RESOURCE_EXHAUSTED      draining -> UNAVAILABLE
   backend lacks snapshots -> UNIMPLEMENTED         request from before a daemon restart -> FAILED_PRECONDITION
   a crashing or hanging backend never raises: Reset/Step/Observe answer outcome INFRA_ERROR and the session is gone.
+  Snapshot (Fork's too) answers INTERNAL then, and the session is gone as well.
   a call that waited past its deadline for a worker held by other sessions' calls, and never ran -> ABORTED (the
   session is kept; even a Step may be retried).
 """
@@ -375,6 +376,9 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             except _Status:
                 raise  # NotStarted
             except (BackendTimeout, Exception) as e:
+                # The backend broke or hangs: the session goes, as after a broken step. Left registered, a hung
+                # call kept it busy, and the lease GC skips busy sessions: its slot and budget were held for good.
+                self._crash(s, "snapshot", e)
                 raise _Status(grpc.StatusCode.INTERNAL, f"snapshot of {s.env_id}: {type(e).__name__}: {e}")
         if not isinstance(state, (bytes, bytearray)):
             raise _Status(grpc.StatusCode.INTERNAL, f"{s.env_id}.snapshot returned {type(state).__name__}, not bytes")
