@@ -387,23 +387,24 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def _restore(self, env_id: str, options: dict[str, str], state: bytes, ttl_s: float,
                        client_id: str = "", owner: str = "") -> Session:
         s = await self._open(env_id, options, ttl_s, client_id, owner=owner)
-        async with s.lock:
-            try:
+        try:
+            async with s.lock:
                 r = await self.workers.run(s.env.restore, state, timeout=self.cfg.step_timeout_s, session=s)
                 s.last = check_result(r)
                 # The state brings limits of its own (a terminal snapshot's): charge what the session now has.
                 await self.admission.charge(s.env.resources(), f"restored session {s.id} ({env_id})", s)
                 return s
-            except _Status as e:
-                status = e
-            except NotImplementedError as e:
-                status = _Status(grpc.StatusCode.UNIMPLEMENTED, str(e) or f"{env_id} does not support restore")
-            except ValueError as e:  # ActionError included: the state blob is not one this backend made
-                status = _Status(grpc.StatusCode.INVALID_ARGUMENT, f"restore {env_id}: {e}")
-            except (BackendTimeout, Exception) as e:
-                status = _Status(grpc.StatusCode.INTERNAL, f"restore {env_id}: {type(e).__name__}: {e}")
-        self._retire(s)
-        raise status
+        except BaseException as e:
+            # Whatever ends it, a cancelled RPC included: nobody has the new session's id, so it goes now (it
+            # would otherwise hold its slot, budget and sandbox until its lease ran out).
+            self._retire(s)
+            if isinstance(e, _Status) or not isinstance(e, Exception):
+                raise
+            if isinstance(e, NotImplementedError):
+                raise _Status(grpc.StatusCode.UNIMPLEMENTED, str(e) or f"{env_id} does not support restore") from None
+            if isinstance(e, ValueError):  # ActionError included: the state blob is not one this backend made
+                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"restore {env_id}: {e}") from None
+            raise _Status(grpc.StatusCode.INTERNAL, f"restore {env_id}: {type(e).__name__}: {e}") from None
 
     @_rpc
     async def Snapshot(self, request, context):

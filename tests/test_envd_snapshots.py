@@ -82,8 +82,11 @@ class StuckEnv(Env):
     """A backend whose snapshot and restore block until the test lets them go; everything else is instant."""
     action_space = "wait"
 
+    made: list["StuckEnv"] = []
+
     def __init__(self, name: str, options: dict[str, str]):
         self.release, self.closed = threading.Event(), threading.Event()
+        StuckEnv.made.append(self)
 
     def resources(self, options=None) -> Resources:
         return Resources(10, 100)
@@ -133,5 +136,29 @@ def test_a_snapshot_that_hangs_retires_its_session():
             env.release.set()   # the stuck call returns: the env is closed then, and its budget given back
             await _until(lambda: env.closed.is_set() and not c.server.servicer.budget.used.pids,
                          "the env closed and its budget given back")
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_fork_leaves_no_session_behind():
+    """A Fork (or Restore) whose client gave up while the backend restored skipped the cleanup, which caught only
+    Exceptions: the new session, whose id nobody got, held its slot, budget and sandbox until its lease ran out
+    (the source's, up to 7 days). It is now retired on any exit, a cancelled RPC included."""
+    async def main():
+        async with envd_client(step_timeout_s=10) as c:
+            sv = c.server.servicer
+            src = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="test-stuck",
+                                                                      lease_ttl_s=7 * 24 * 3600))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=src))
+            sv.sessions[src].env.release.set()  # the source snapshots at once; the fork's restore blocks
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.Fork(env_pb2.SessionRef(session_id=src), timeout=0.5)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await _until(lambda: list(sv.sessions) == [src], "the fork nobody got to be retired")
+            for env in StuckEnv.made:
+                env.release.set()
+            fork = StuckEnv.made[-1]
+            await _until(lambda: fork.closed.is_set(), "the fork's env to be closed")
+            assert (await c.Observe(env_pb2.SessionRef(session_id=src))).observation.text == "ok"
 
     asyncio.run(main())
