@@ -18,6 +18,7 @@ import sys
 
 import grpc
 
+from envd import scratch
 from envd.servicer import ENV_SERVICE, EnvServicer
 from envd.sessions import list_page
 from core import auth, rpc
@@ -82,6 +83,7 @@ class EnvServer:
 
     async def start(self) -> int:
         check_bind(self.cfg, self.control_token)
+        scratch.root()  # made now, which first removes the scratch roots a killed daemon left (envd/scratch.py)
         self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token, self.control_token)
         env_pb2_grpc.add_EnvServiceServicer_to_server(self.servicer, self.server)
         sv = self.servicer
