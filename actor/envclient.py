@@ -82,7 +82,10 @@ class EnvClient:
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise EnvActionError(e.details()) from None
                 # A Step is not idempotent: retrying it after the daemon may have applied it would double-step.
-                retry = code in rpc.RETRYABLE and (idempotent or code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+                # gRPC itself answers UNAVAILABLE (a dropped connection) and RESOURCE_EXHAUSTED (a response over the
+                # size limit) after the handler ran; only ABORTED, which gRPC never makes and envd sends for a call
+                # it did not start (envd/sessions.py Workers.run), says for certain that nothing was applied.
+                retry = code in rpc.RETRYABLE and (idempotent or code == grpc.StatusCode.ABORTED)
                 if not retry or attempt == self.retries:
                     raise EnvInfraError(f"envd {self.address}: {code.name}: {e.details()}") from None
                 await asyncio.sleep(delay * (1 + random.random()))

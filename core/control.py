@@ -8,6 +8,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from core.rpc import clip_details
 from core.v1 import control_pb2, control_pb2_grpc
 
 Handler = Callable[[dict[str, str]], Awaitable[Any] | Any]
@@ -44,15 +45,15 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     async def Command(self, request, context):
         h = self.handlers.get(request.name)
         if h is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.role} has no command {request.name!r}; it knows {sorted(self.handlers)}")
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, clip_details(f"{self.role} has no command {request.name!r}; it knows {sorted(self.handlers)}"))
         try:
             r = h(dict(request.args))
             if hasattr(r, "__await__"):
                 r = await r
         except CommandError as e:
-            await context.abort(e.code, f"{request.name}: {e.message}")
+            await context.abort(e.code, clip_details(f"{request.name}: {e.message}"))
         except (ValueError, KeyError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.name}: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip_details(f"{request.name}: {e}"))
         if isinstance(r, tuple):
             ok, msg, result = r
         else:

@@ -10,6 +10,18 @@ from grpc import aio
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 CONTROL_PREFIX = "/tars.v1.ControlService/"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
+MAX_DETAILS = 1024   # bytes of a status message a server sends (they travel in a header: see clip_details)
+
+
+def clip_details(text: str, limit: int = MAX_DETAILS) -> str:
+    """A status message cut to `limit` UTF-8 bytes, with a note of what was cut. The message travels
+    percent-encoded in the grpc-message trailer; past the peer's metadata limit (8-16 KiB) the call fails with
+    RESOURCE_EXHAUSTED instead of its own code, so a message echoing a long client-written field (an action's target,
+    unknown option names) must be cut before it is sent."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[:limit].decode(errors="ignore") + f" [... {len(raw) - limit} more bytes]"
 
 
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -20,6 +20,7 @@ import grpc
 from envd.base import Resources
 from envd.budget import BudgetExhausted, HostBudget, host_totals
 from core.config import EnvdConfig
+from core.rpc import clip_details
 
 log = logging.getLogger("envd")
 
@@ -37,18 +38,19 @@ class Status(Exception):
 
 def rpc(fn):
     """An EnvService handler's wrapper: Status -> that gRPC status; any other exception (a bug in the daemon, not a
-    backend) -> INTERNAL, logged."""
+    backend) -> INTERNAL, logged. Messages are cut to about 1 KiB (core.rpc.clip_details): one echoing a long
+    client-written field would otherwise arrive as RESOURCE_EXHAUSTED, not as its own code."""
     @functools.wraps(fn)
     async def wrapper(self, request, context):
         try:
             return await fn(self, request, context)
         except Status as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, clip_details(e.message))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.exception("envd %s failed", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"envd {fn.__name__}: {type(e).__name__}: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL, clip_details(f"envd {fn.__name__}: {type(e).__name__}: {e}"))
     return wrapper
 
 

@@ -16,10 +16,14 @@ Command boundaries: the shell is interactive (job control: each command line is 
 reaches it through the terminal); PS1/PS2 print sentinels carrying the exit status and the cwd. PS1, PS2 and
 PROMPT_COMMAND are read-only, and PROMPT_COMMAND kills every other process in the sandbox (`kill -9 -1` from the
 shell spares only itself and the namespace's init), so background jobs and fork bombs end with the command line
-that started them. A reader thread owns the pty's output: it parses it into events, caps what each command line
-may print, and polices the limits that need a clock: past the wall timeout (or the disk quota, or an output flood)
-the foreground job gets SIGINT, then SIGKILL after a grace period; a shell that still does not come back (a busy
-loop of builtins with SIGINT ignored) has its whole sandbox killed, and the caller starts a new one.
+that started them. The daemon does the same from the host at each prompt, since bash can still run user code after
+that kill (a DEBUG trap, PS4 under `set -x`), and every half second while the shell waits at its prompt (a trap
+run when the shell takes a signal there): everything but the init and the shell is killed (a job of the shell's
+own, such as a line typed ahead, is timed like a command line). A reader thread owns the pty's output: it parses it into events,
+caps what each command line may print, and polices the limits that need a clock: past the wall timeout (or the
+disk quota, or an output flood) the foreground job gets SIGINT, then SIGKILL after a grace period; a shell that
+still does not come back (a busy loop of builtins with SIGINT ignored) has its whole sandbox killed, and the
+caller starts a new one. The disk quota is checked while the sandbox lives, between command lines too.
 """
 from __future__ import annotations
 
@@ -37,9 +41,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid, shell_idle
+from envd.sandbox_exit import (kill_and_wait, kill_strays, killpg, open_pidfd, read_child_pid, reap, running,
+                               shell_idle, strays)
 from envd.sandbox_limits import (INNER_ID, Limits, SandboxError, uid_task_count, allocate_uid, chown_tree,
                                  missing_tools, quota_breach, release_uid, workspace_usage)
+from envd.terminal_text import OutputSegment
 
 log = logging.getLogger(__name__)
 
@@ -70,35 +76,6 @@ class Event:
     note: str = ""       # prompt/exit: why the sandbox killed the command line ("" when it did not)
 
 
-class _Segment:
-    """Output between two prompts, capped: the first `head` bytes go out as they come, the last `tail` are kept."""
-
-    def __init__(self, cap: int):
-        self.tail_cap = cap // 4
-        self.head_left = cap - self.tail_cap
-        self.tail = bytearray()
-        self.dropped = self.total = 0
-
-    def add(self, data: bytes) -> bytes:
-        """The part of `data` to show now; the rest is held in the tail or dropped."""
-        self.total += len(data)
-        shown, data = data[:self.head_left], data[self.head_left:]
-        self.head_left -= len(shown)
-        if data:
-            self.tail += data
-            if len(self.tail) > self.tail_cap:
-                cut = len(self.tail) - self.tail_cap
-                self.dropped += cut
-                del self.tail[:cut]
-        return shown
-
-    def close(self, cap: int) -> bytes:
-        if not self.dropped:
-            return bytes(self.tail)
-        note = f"\n[... {self.dropped} bytes of output dropped (output cap {cap} bytes per command) ...]\n"
-        return note.encode() + bytes(self.tail)
-
-
 class ShellSandbox:
     """One sandboxed interactive bash on a pty, with a reader thread that parses its output and polices limits.
 
@@ -124,6 +101,8 @@ class ShellSandbox:
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
         self._info_fd = self._init_fd = -1  # bwrap's --info-fd (while starting); a pidfd of the sandbox's init
+        self._init_pid = 0                  # that init's pid (0 when none runs), for the stray sweeps
+        self._jobs_since = 0.0              # when jobs of the shell were first seen while it idles at its prompt
         self._since_submit = 0              # output bytes since the last command line (the flood limit)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -208,7 +187,8 @@ class ShellSandbox:
         finally:
             os.close(slave)  # the shell holds the only slave fds: its exit reads as EIO on the master
             os.close(self._info_fd)
-        self._init_fd = open_pidfd(read_child_pid(info_r, timeout))
+        init_pid = read_child_pid(info_r, timeout)
+        self._init_fd, self._init_pid = open_pidfd(init_pid), init_pid or 0
         os.set_blocking(master, False)
         self.master, self._events, self.at_prompt, self.shell_pgid, self._since_submit = master, [], False, 0, 0
         self._stop = threading.Event()
@@ -237,14 +217,15 @@ class ShellSandbox:
         """Kill the sandbox (the namespace's init dies, taking every process in it) and release the pty."""
         self._stop.set()
         if self.proc is not None:
-            _killpg(self.proc.pid, signal.SIGKILL)
+            killpg(self.proc.pid, signal.SIGKILL)
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass  # SIGKILL was sent; the reader thread or a later stop() reaps it
-        if not kill_and_wait(self._init_fd):  # every process of the sandbox gone (envd/sandbox_exit.py)
+        with self._cond:                      # no stray sweep of the reader's may start from here on
+            init_fd, self._init_fd, self._init_pid = self._init_fd, -1, 0
+        if not kill_and_wait(init_fd):        # every process of the sandbox gone (envd/sandbox_exit.py)
             log.error("sandbox processes still running 5 s after they were killed")
-        self._init_fd = -1
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
         self._reader = None
@@ -322,22 +303,22 @@ class ShellSandbox:
         """SIGINT to the foreground process group: what ctrl-c does, even if the program turned ISIG off."""
         pg = self._foreground_pgrp()
         if pg > 0:
-            _killpg(pg, signal.SIGINT)
+            killpg(pg, signal.SIGINT)
 
     def kill_foreground(self) -> None:
         """SIGKILL the foreground job unless the foreground is the shell itself."""
         pg = self._foreground_pgrp()
         if pg > 0 and pg != self.shell_pgid:
-            _killpg(pg, signal.SIGKILL)
+            killpg(pg, signal.SIGKILL)
 
     # ---- the reader thread ---------------------------------------------------------------------------------
 
     def _read_loop(self, master: int, stop: threading.Event) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         buf = b""
-        seg = _Segment(self.limits.output_bytes)
+        seg = OutputSegment(self.limits.output_bytes)
         flood = max(8 << 20, 64 * self.limits.output_bytes)
-        next_disk = 0.0
+        next_disk = next_idle = 0.0
         fg_seen = (0, 0.0)
         while not stop.is_set():
             try:
@@ -350,7 +331,7 @@ class ShellSandbox:
             with self._cond:
                 if chunk == b"":
                     self._push(Event("out", decoder.decode(buf + seg.close(self.limits.output_bytes), final=True)))
-                    self._push(Event("exit", status=_reap(self.proc), note=self._note))
+                    self._push(Event("exit", status=reap(self.proc), note=self._note))
                     self.at_prompt = False
                     return
                 if chunk:
@@ -360,17 +341,23 @@ class ShellSandbox:
                         self._expire(f"output flood: more than {flood} bytes")
                 now = time.monotonic()
                 fg_seen = self._police(now, fg_seen)
-                check_disk = bool(self._deadline or fg_seen[0]) and now >= next_disk
-            if check_disk:                # a tree walk: outside the lock, so `wait` is never held up by it
+                if now >= next_idle:
+                    next_idle = now + _IDLE_CHECK_S
+                    self._police_idle(now)
+                busy = bool(self._deadline or fg_seen[0])
+            if now >= next_disk:          # a tree walk: outside the lock, so `wait` is never held up by it
                 t0 = time.monotonic()
                 breach = quota_breach(self.workspace, self.limits)
-                # Every second, or less often when the walk itself is slow (it is bounded by disk_files entries).
-                next_disk = now + max(1.0, 4 * (time.monotonic() - t0))
+                # Every second, or less often when the walk itself is slow (it is bounded by disk_files entries),
+                # and much less often between command lines, when only a stray can write (and is swept anyway).
+                next_disk = now + max(1.0, (4 if busy else 16) * (time.monotonic() - t0))
                 with self._cond:
                     if breach and not self._expired_at and self._deadline:
                         self._expire(breach)
+                    elif breach and self._idle():
+                        self._sweep(jobs_too=True)   # nothing may keep filling the workspace between commands
 
-    def _parse(self, buf: bytes, seg: _Segment, decoder) -> bytes:
+    def _parse(self, buf: bytes, seg: OutputSegment, decoder) -> bytes:
         """Turn raw output into events (caller holds the condition); returns the unparsed rest."""
         while buf:
             starts = [j for j in (buf.find(_PROMPT), buf.find(_CONT)) if j >= 0]
@@ -393,6 +380,7 @@ class ShellSandbox:
                 self.at_prompt = True
             elif kind == _PROMPT and sep and status.isdigit() and cwd.startswith(b"/") and \
                     shell_idle(self.shell_pgid, self._foreground_pgrp):  # not a look-alike a job printed
+                self._sweep(jobs_too=True)  # what escaped PROMPT_COMMAND's kill (a trap's job) ends here
                 self._push(Event("out", decoder.decode(seg.close(self.limits.output_bytes))))
                 self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"), note=self._note))
                 self.at_prompt = True
@@ -409,6 +397,33 @@ class ShellSandbox:
         self._expired_at = time.monotonic()
         self.interrupt()
 
+    def _idle(self) -> bool:
+        """The shell waits at its primary prompt with no command line submitted (caller holds the condition)."""
+        return self.at_prompt and not self._deadline and not self._expired_at
+
+    def _sweep(self, jobs_too: bool) -> dict[int, int]:
+        """SIGKILL every process of the sandbox but its init and shell (with `jobs_too`; else only those not
+        under the shell) while the init runs; returns the shell's jobs found (caller holds the condition)."""
+        if not (self.shell_pgid and self._init_pid and running(self._init_fd)):
+            return {}
+        orphans, jobs = strays(self._init_pid, self.shell_pgid)
+        if orphans or (jobs and jobs_too):
+            kill_strays(self._init_pid, self.shell_pgid, jobs_too)
+        return jobs
+
+    def _police_idle(self, now: float) -> None:
+        """Between command lines only the shell may run (caller holds the condition): a process outside it (a
+        trap's orphan) is killed at once; a job of its own (a trap's `cmd &`, a line typed ahead) past the wall
+        timeout. The shell is not interrupted, so no prompt comes that nobody asked for."""
+        jobs = self._sweep(jobs_too=False) if self._idle() else {}
+        if not jobs:
+            self._jobs_since = 0.0
+        elif not self._jobs_since:
+            self._jobs_since = now
+        elif now - self._jobs_since > self.limits.timeout_s:
+            self._sweep(jobs_too=True)
+            self._jobs_since = 0.0
+
     def _police(self, now: float, fg_seen: tuple[int, float]) -> tuple[int, float]:
         """Enforce the wall timeout (caller holds the condition). Returns the foreground job being timed."""
         if self._deadline and not self._expired_at and now >= self._deadline:
@@ -416,9 +431,9 @@ class ShellSandbox:
         pg = self._foreground_pgrp()
         if self._expired_at and now - self._expired_at > _GRACE_S:
             if pg > 0 and pg != self.shell_pgid:
-                _killpg(pg, signal.SIGKILL)   # ignored SIGINT, or a later job of the same command line
+                killpg(pg, signal.SIGKILL)   # ignored SIGINT, or a later job of the same command line
             if now - self._expired_at > 3 * _GRACE_S and self.proc is not None:
-                _killpg(self.proc.pid, signal.SIGKILL)  # the shell itself will not come back: new sandbox
+                killpg(self.proc.pid, signal.SIGKILL)  # the shell itself will not come back: new sandbox
         # A foreground job the timeout does not cover (typed ahead, or after a prompt look-alike) is timed here.
         if pg <= 0 or pg == self.shell_pgid or not self.shell_pgid:
             return 0, 0.0
@@ -426,25 +441,10 @@ class ShellSandbox:
             return pg, now
         if now - fg_seen[1] > self.limits.timeout_s and not self._deadline:
             self._note = self._note or f"timed out after {self.limits.timeout_s:g}s"
-            _killpg(pg, signal.SIGKILL)
+            killpg(pg, signal.SIGKILL)
         return fg_seen
 
 
 _MAX_EVENTS = 1024
+_IDLE_CHECK_S = 0.5                              # how often a shell at its prompt is checked for strays
 
-
-def _reap(proc: subprocess.Popen | None) -> int:
-    if proc is None:
-        return -1
-    try:
-        return proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        _killpg(proc.pid, signal.SIGKILL)
-        return -signal.SIGKILL
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -1,5 +1,6 @@
-"""Facts about a sandbox's processes: that it is gone (no process of it runs once ShellSandbox.stop() returns), and
-that its shell is idle (a prompt sentinel is the shell's own).
+"""Facts about a sandbox's processes: that it is gone (no process of it runs once ShellSandbox.stop() returns), that
+its shell is idle (a prompt sentinel is the shell's own), and which of its processes are strays once the shell
+waits at its prompt (`strays`, `kill_strays`: everything but the namespace's init and the shell).
 
 Killing bwrap (the process the daemon started) does not wait for the sandbox: bwrap's child is the init of the
 sandbox's pid namespace, and it and every process under it die a moment later (--die-with-parent, then the kernel's
@@ -15,6 +16,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import time
 
 
@@ -82,3 +84,103 @@ def shell_idle(shell_pgid: int, foreground_pgrp) -> bool:
             return not f.read().strip()
     except OSError:
         return True  # gone, or no /proc: the terminal check stands alone
+
+
+def _children(pid: int) -> list[int]:
+    """`pid`'s children, from every one of its threads (a child is listed under the thread that made it)."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rfind(b")") + 2:].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def strays(init_pid: int, shell_pid: int) -> tuple[dict[int, int], dict[int, int]]:
+    """The processes of a sandbox besides its init, its shell and any process between the two, as {pid: parent}:
+    (orphans, jobs), jobs being the shell's descendants. Every process of a pid namespace descends from its init
+    (an orphan is reparented to it), so walking the init's children finds them all."""
+    keep, p = {init_pid, shell_pid}, shell_pid
+    while p and p != init_pid and len(keep) < 64:   # the shell's ancestors up to the init
+        p = _ppid(p)
+        keep.add(p)
+    orphans: dict[int, int] = {}
+    jobs: dict[int, int] = {}
+    todo = [(c, init_pid, False) for c in _children(init_pid)]
+    while todo:
+        pid, parent, under_shell = todo.pop()
+        if pid not in keep:
+            (jobs if under_shell else orphans)[pid] = parent
+        todo += [(c, pid, under_shell or pid == shell_pid) for c in _children(pid)]
+    return orphans, jobs
+
+
+def kill_strays(init_pid: int, shell_pid: int, jobs_too: bool = True, rounds: int = 64) -> set[int]:
+    """SIGKILL the sandbox's strays (`strays`: the orphans, and with `jobs_too` the shell's jobs as well), again
+    until a pass finds none it has not killed yet (one forking while it was listed). Returns the pids killed.
+
+    Each is signalled through a pidfd taken while it is still the child of the parent it was found under, so that
+    a pid freed and reused by another process in between is never signalled."""
+    killed: set[int] = set()
+    for _ in range(rounds):
+        orphans, jobs = strays(init_pid, shell_pid)
+        found = orphans | jobs if jobs_too else orphans
+        new = {pid: parent for pid, parent in found.items() if pid not in killed}
+        if not new:
+            break
+        for pid, parent in new.items():
+            killed.add(pid)
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue  # already gone
+            try:
+                if _ppid(pid) == parent:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return killed
+
+
+def running(pidfd: int) -> bool:
+    """Whether the process behind `pidfd` has not exited yet (so its pid still names it)."""
+    if pidfd < 0:
+        return False
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return not p.poll(0)
+
+
+def reap(proc: subprocess.Popen | None) -> int:
+    """The exit status of the sandbox's bwrap (-1 when none ran), SIGKILLed if it does not exit within 5 s."""
+    if proc is None:
+        return -1
+    try:
+        return proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        killpg(proc.pid, signal.SIGKILL)
+        return -signal.SIGKILL
+
+
+def killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

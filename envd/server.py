@@ -8,6 +8,8 @@ down gracefully on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 import os
 import secrets
@@ -16,7 +18,9 @@ import sys
 
 import grpc
 
+from envd import scratch
 from envd.servicer import ENV_SERVICE, EnvServicer
+from envd.sessions import list_page
 from core import auth, rpc
 from core.config import EnvdConfig
 from core.control import ControlServicer, add_control
@@ -34,6 +38,30 @@ def check_bind(cfg: EnvdConfig, control_token: str | None) -> None:
     control = cfg.auth_token if control_token is None else control_token
     auth.check_listener("envd", "the EnvService and its ControlService", cfg.host,
                         {"envd.auth_token": cfg.auth_token, "control.auth_token": control})
+
+
+def metrics(sv: EnvServicer) -> dict:
+    """The ControlService's Status of envd."""
+    by_env = collections.Counter(s.env_id for s in sv.sessions.values())
+    return {
+        "sessions": len(sv.sessions), "max_sessions": sv.cfg.max_sessions, "draining": sv.draining,
+        **{k: sv.counters[k] for k in ("sessions_created", "sessions_closed", "sessions_expired", "steps",
+                                       "resets", "infra_errors", "action_errors")},
+        "step_ms_p50": round(sv.latency.percentile(50), 4), "step_ms_p99": round(sv.latency.percentile(99), 4),
+        "step_ms_window": len(sv.latency), "workers": sv.cfg.workers,
+        "backend_calls_running": sv.workers.running, "sessions_by_env": dict(by_env),
+        "budget": sv.admission.describe(),
+    }
+
+
+def sessions_kill(sv: EnvServicer, args: dict[str, str]):
+    """The `sessions_kill` command: close session args["id"]."""
+    sid = args["id"]  # KeyError -> INVALID_ARGUMENT via ControlServicer
+    s = sv.sessions.get(sid)
+    if s is None:
+        return False, f"unknown session {sid!r}", {}
+    sv._retire(s)
+    return True, f"session {sid} closed", {"id": sid, "env_id": s.env_id}
 
 
 class EnvServer:
@@ -55,13 +83,15 @@ class EnvServer:
 
     async def start(self) -> int:
         check_bind(self.cfg, self.control_token)
+        scratch.root()  # made now, which first removes the scratch roots a killed daemon left (envd/scratch.py)
         self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token, self.control_token)
         env_pb2_grpc.add_EnvServiceServicer_to_server(self.servicer, self.server)
-        control = ControlServicer("envd", status=self.servicer.metrics, run_id=self.run_id)
+        sv = self.servicer
+        control = ControlServicer("envd", status=functools.partial(metrics, sv), run_id=self.run_id)
         control.on("drain", lambda args: self.drain(True))
         control.on("undrain", lambda args: self.drain(False))
-        control.on("sessions_list", self.servicer.sessions_list)
-        control.on("sessions_kill", self.servicer.sessions_kill)
+        control.on("sessions_list", lambda args: list_page(list(sv.sessions.values()), args))
+        control.on("sessions_kill", functools.partial(sessions_kill, sv))
         add_control(self.server, control)
         self._health = rpc.add_health_and_reflection(self.server, [ENV_SERVICE, CONTROL_SERVICE])
         self.port = rpc.bind(self.server, self.cfg.host, self.cfg.port, "envd.port")

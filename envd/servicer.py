@@ -1,13 +1,16 @@
 """envd's EnvService: stateful Env sessions served over gRPC (tars.v1.EnvService), and their lease GC.
 
-The process around it (listening, health, drain, signals, exit) is envd/server.py; session state and the worker
-pool are envd/sessions.py.
+The process around it (listening, health, drain, signals, exit, the ControlService's commands) is envd/server.py;
+session state and the worker pool are envd/sessions.py.
 
 Error contract (see proto/tars/v1/env.proto and envd/base.py):
   unknown session / env id -> NOT_FOUND            malformed action or options, an unsandboxed env not enabled -> INVALID_ARGUMENT
   session cap, per-client cap, host budget -> RESOURCE_EXHAUSTED      draining -> UNAVAILABLE
   backend lacks snapshots -> UNIMPLEMENTED         request from before a daemon restart -> FAILED_PRECONDITION
   a crashing or hanging backend never raises: Reset/Step/Observe answer outcome INFRA_ERROR and the session is gone.
+  Snapshot (Fork's too) answers INTERNAL then, and the session is gone as well.
+  a call that waited past its deadline for a worker held by other sessions' calls, and never ran -> ABORTED (the
+  session is kept; even a Step may be retried).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from envd import hints, registry
 from envd.base import Action, ActionError, Outcome, Resources
 from envd.admission import Admission, Status as _Status, peer_identity, rpc as _rpc
 from envd.snapshots import SnapshotSeal
-from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, check_result, list_page, to_response
+from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, check_result, to_response
 from core import telemetry
 from core.config import EnvdConfig
 from core.v1 import env_pb2, env_pb2_grpc
@@ -110,7 +113,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                     # budget stays taken until then: its processes may still be running.
                     cf.add_done_callback(lambda _: (s.close_quietly(), self.budget.give_back(s)))
                     return
-                await self.workers.run(s.env.close, timeout=self.cfg.step_timeout_s, session=s)
+                await self.workers.run(s.env.close, timeout=self.cfg.step_timeout_s, session=s, must_run=True)
         except Exception as e:
             log.warning("closing session %s (%s) failed: %s: %s", s.id, s.env_id, type(e).__name__, e)
         self.budget.give_back(s)
@@ -167,6 +170,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 raise _Status(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else f"unknown env id {env_id!r}")
             except ValueError as e:
                 raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{env_id}: {e}")
+            except _Status:
+                raise  # NotStarted: the pool was busy, nothing ran
             except Exception as e:
                 log.warning("creating %s failed: %s: %s", env_id, type(e).__name__, e)
                 raise _Status(grpc.StatusCode.INTERNAL, f"{env_id}: {type(e).__name__}: {e}")
@@ -186,7 +191,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     def _close_env(self, env) -> None:
         """Close an env that never became a session, in the background (in a worker thread)."""
-        t = asyncio.get_running_loop().create_task(self.workers.run(env.close, timeout=self.cfg.step_timeout_s))
+        t = asyncio.get_running_loop().create_task(self.workers.run(env.close, timeout=self.cfg.step_timeout_s,
+                                                                    must_run=True))
         self._tasks.add(t)
         t.add_done_callback(self._closed_env)
 
@@ -226,6 +232,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         except invalid as e:
             self.counters["action_errors"] += 1
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {e}")
+        except _Status:
+            raise  # NotStarted: the call waited for other sessions' calls and never ran; the session is kept
         except (BackendTimeout, Exception) as e:
             return self._crash(s, op, e)
 
@@ -328,6 +336,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 r, ms = s.last, 0.0
             except ActionError as e:
                 raise _Status(grpc.StatusCode.FAILED_PRECONDITION, f"observe: {e}")
+            except _Status:
+                raise  # NotStarted
             except (BackendTimeout, Exception) as e:
                 return self._crash(s, "observe", e)
             # reward 0: looking again earns nothing; the reward was reported by the step that produced it.
@@ -363,7 +373,12 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 raise _Status(grpc.StatusCode.UNIMPLEMENTED, str(e) or f"{s.env_id} does not support snapshots")
             except ActionError as e:
                 raise _Status(grpc.StatusCode.FAILED_PRECONDITION, f"snapshot: {e}")
+            except _Status:
+                raise  # NotStarted
             except (BackendTimeout, Exception) as e:
+                # The backend broke or hangs: the session goes, as after a broken step. Left registered, a hung
+                # call kept it busy, and the lease GC skips busy sessions: its slot and budget were held for good.
+                self._crash(s, "snapshot", e)
                 raise _Status(grpc.StatusCode.INTERNAL, f"snapshot of {s.env_id}: {type(e).__name__}: {e}")
         if not isinstance(state, (bytes, bytearray)):
             raise _Status(grpc.StatusCode.INTERNAL, f"{s.env_id}.snapshot returned {type(state).__name__}, not bytes")
@@ -372,23 +387,24 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def _restore(self, env_id: str, options: dict[str, str], state: bytes, ttl_s: float,
                        client_id: str = "", owner: str = "") -> Session:
         s = await self._open(env_id, options, ttl_s, client_id, owner=owner)
-        async with s.lock:
-            try:
+        try:
+            async with s.lock:
                 r = await self.workers.run(s.env.restore, state, timeout=self.cfg.step_timeout_s, session=s)
                 s.last = check_result(r)
                 # The state brings limits of its own (a terminal snapshot's): charge what the session now has.
                 await self.admission.charge(s.env.resources(), f"restored session {s.id} ({env_id})", s)
                 return s
-            except _Status as e:
-                status = e
-            except NotImplementedError as e:
-                status = _Status(grpc.StatusCode.UNIMPLEMENTED, str(e) or f"{env_id} does not support restore")
-            except ValueError as e:  # ActionError included: the state blob is not one this backend made
-                status = _Status(grpc.StatusCode.INVALID_ARGUMENT, f"restore {env_id}: {e}")
-            except (BackendTimeout, Exception) as e:
-                status = _Status(grpc.StatusCode.INTERNAL, f"restore {env_id}: {type(e).__name__}: {e}")
-        self._retire(s)
-        raise status
+        except BaseException as e:
+            # Whatever ends it, a cancelled RPC included: nobody has the new session's id, so it goes now (it
+            # would otherwise hold its slot, budget and sandbox until its lease ran out).
+            self._retire(s)
+            if isinstance(e, _Status) or not isinstance(e, Exception):
+                raise
+            if isinstance(e, NotImplementedError):
+                raise _Status(grpc.StatusCode.UNIMPLEMENTED, str(e) or f"{env_id} does not support restore") from None
+            if isinstance(e, ValueError):  # ActionError included: the state blob is not one this backend made
+                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"restore {env_id}: {e}") from None
+            raise _Status(grpc.StatusCode.INTERNAL, f"restore {env_id}: {type(e).__name__}: {e}") from None
 
     @_rpc
     async def Snapshot(self, request, context):
@@ -422,29 +438,3 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def Ping(self, request, context):
         # Deliberately bare (no wrapper, no locks): benchmarks use it as the raw RPC baseline.
         return env_pb2.PingResponse(payload=request.payload, run_id=self.run_id)
-
-    # ---- ControlService ----------------------------------------------------------------------------------------
-    def metrics(self) -> dict:
-        by_env = collections.Counter(s.env_id for s in self.sessions.values())
-        return {
-            "sessions": len(self.sessions), "max_sessions": self.cfg.max_sessions, "draining": self.draining,
-            **{k: self.counters[k] for k in ("sessions_created", "sessions_closed", "sessions_expired", "steps",
-                                             "resets", "infra_errors", "action_errors")},
-            "step_ms_p50": round(self.latency.percentile(50), 4), "step_ms_p99": round(self.latency.percentile(99), 4),
-            "step_ms_window": len(self.latency), "workers": self.cfg.workers,
-            "backend_calls_running": self.workers.running, "sessions_by_env": dict(by_env),
-            "budget": self.admission.describe(),
-        }
-
-    def sessions_list(self, args: dict[str, str]) -> dict:
-        """One page of the sessions (envd.sessions.list_page: args offset, limit)."""
-        return list_page(list(self.sessions.values()), args)
-
-    def sessions_kill(self, args: dict[str, str]):
-        sid = args["id"]  # KeyError -> INVALID_ARGUMENT via ControlServicer
-        s = self.sessions.get(sid)
-        if s is None:
-            return False, f"unknown session {sid!r}", {}
-        self._retire(s)
-        return True, f"session {sid} closed", {"id": sid, "env_id": s.env_id}
-

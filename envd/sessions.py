@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import grpc
+
+from envd.admission import Status
 from envd.base import Env, Outcome, Resources, StepResult
 from core.v1 import env_pb2
 
@@ -30,6 +33,16 @@ _REPORTABLE = (Outcome.RUNNING, Outcome.TERMINATED, Outcome.TRUNCATED)
 
 class BackendTimeout(Exception):
     """A backend call ran past its deadline; its thread may still be running."""
+
+
+class NotStarted(Status):
+    """A backend call waited for a worker past its deadline and was dropped before it started: other sessions'
+    calls held every worker. Nothing ran and the session is fine: ABORTED, which gRPC never sends itself, so a
+    client may retry even a Step on it."""
+
+    def __init__(self, what: str):
+        super().__init__(grpc.StatusCode.ABORTED, f"{what}: no envd worker was free (envd.workers busy with other "
+                                                  "sessions' calls); it never started, retry it")
 
 
 @dataclass(eq=False)
@@ -163,9 +176,12 @@ class Workers:
                 self._running -= 1
 
     async def run(self, fn: Callable, *args: Any, timeout: float, session: Session | None = None,
-                  orphan: Callable[[Any], None] | None = None, timed: bool = False, name: str = "") -> Any:
+                  orphan: Callable[[Any], None] | None = None, timed: bool = False, name: str = "",
+                  must_run: bool = False) -> Any:
         """fn(*args) in a worker thread; with `timed`, (result, ms inside fn). BackendTimeout past `timeout` s
-        (queueing included).
+        once it started; NotStarted if it is still queued then (the time went to other sessions' calls: its own
+        backend is not to blame), and it is dropped, as it is when the caller is cancelled first, unless `must_run`
+        (a close: it runs however late).
 
         With `session`, first wait for the session's previous call if it is still running (the Env is not
         thread-safe). `orphan(result)` is called in the worker if the call finishes after its deadline, so that a
@@ -176,9 +192,14 @@ class Workers:
         cf = self.pool.submit(self._job, fn, args, timed)
         if session is not None:
             session.inflight = cf
+        what = name or getattr(fn, "__name__", str(fn))
         try:
-            return await self._wait(cf, timeout, f"{name or getattr(fn, '__name__', fn)} took longer than {timeout:g}s")
-        except (BackendTimeout, asyncio.CancelledError):
+            return await self._wait(cf, timeout, f"{what} took longer than {timeout:g}s")
+        except (BackendTimeout, asyncio.CancelledError) as e:
+            if not must_run and cf.cancel():   # still queued: it never runs
+                if isinstance(e, BackendTimeout):
+                    raise NotStarted(what) from None
+                raise
             if orphan is not None:
                 cf.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or _safe(orphan, f.result()))
             raise

@@ -34,7 +34,7 @@ import pathlib
 import tempfile
 import time
 
-from envd import terminal_tasks, workspace_archive
+from envd import scratch, terminal_tasks, workspace_archive
 from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult
 from envd.sandbox import SANDBOX_WORKSPACE, Limits, SandboxError, ShellSandbox, quota_breach
 from envd.terminal_text import KEYS, MAX_LINE, check_content, clean_terminal_text, normalize_key
@@ -53,7 +53,7 @@ class TerminalEnv(Env):
                  reset_clears_workspace: bool = True):
         """`workspace`: a host directory to use as /workspace (a `hybrid` backend shares one between a GUI and this
         shell); it is never an option, since a client naming host directories would defeat the sandbox. Without
-        it the session gets a fresh temp dir, removed at close."""
+        it the session gets a fresh temp dir (in this process's scratch root, envd/scratch.py), removed at close."""
         options = dict(options or {})
         self.options = dict(options)     # creation options; a Reset's options are laid over them
         self.task = options.pop("task", "") or task
@@ -63,7 +63,7 @@ class TerminalEnv(Env):
             raise ValueError(f"unknown terminal task {self.task!r}; tasks are {list(terminal_tasks.TASKS)}")
         self.env_id = f"terminal/{task}" if task else "terminal"
         self._configure(options)
-        self.private_dir = pathlib.Path(tempfile.mkdtemp(prefix="tars-terminal-"))
+        self.private_dir = pathlib.Path(tempfile.mkdtemp(prefix="tars-terminal-", dir=scratch.root()))
         self.owns_workspace = workspace is None
         self.workspace = self.private_dir / "workspace" if workspace is None else pathlib.Path(workspace).resolve()
         self.workspace.mkdir(mode=0o755, exist_ok=True)

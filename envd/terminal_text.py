@@ -1,6 +1,6 @@
 """The terminal backend's text at its two ends: what a step may type or press (content checks, key names) and how
 the shell's output reads on screen (ANSI sequences, carriage returns and backspaces resolved). Pure functions, no
-sandbox: tested directly.
+sandbox: tested directly. Also the cap on what one command line may print (OutputSegment).
 """
 from __future__ import annotations
 
@@ -56,3 +56,33 @@ def check_content(content: str) -> str:
     if any(len(line.encode()) > MAX_LINE for line in content.split("\n")):
         raise ActionError(f"a line longer than {MAX_LINE} bytes cannot be typed into the terminal")
     return content
+
+
+class OutputSegment:
+    """A sandboxed shell's output between two prompts (envd/sandbox.py), capped: the first `head` bytes go out as
+    they come, the last `tail` are kept."""
+
+    def __init__(self, cap: int):
+        self.tail_cap = cap // 4
+        self.head_left = cap - self.tail_cap
+        self.tail = bytearray()
+        self.dropped = self.total = 0
+
+    def add(self, data: bytes) -> bytes:
+        """The part of `data` to show now; the rest is held in the tail or dropped."""
+        self.total += len(data)
+        shown, data = data[:self.head_left], data[self.head_left:]
+        self.head_left -= len(shown)
+        if data:
+            self.tail += data
+            if len(self.tail) > self.tail_cap:
+                cut = len(self.tail) - self.tail_cap
+                self.dropped += cut
+                del self.tail[:cut]
+        return shown
+
+    def close(self, cap: int) -> bytes:
+        if not self.dropped:
+            return bytes(self.tail)
+        note = f"\n[... {self.dropped} bytes of output dropped (output cap {cap} bytes per command) ...]\n"
+        return note.encode() + bytes(self.tail)

@@ -394,3 +394,88 @@ def test_hint_policy_option_gives_the_scripted_action_and_never_reaches_the_back
             r = await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1))
             assert "has no oracle" in json.loads(r.info_json)["hint_error"]
     run(body())
+
+
+def test_an_error_echoing_a_long_client_field_keeps_its_code():
+    """A status message travels in a header: one echoing a long model-written field (a click target the page lacks,
+    thousands of unknown option names) passed the peer's metadata limit and arrived as RESOURCE_EXHAUSTED, so the
+    model's mistake read as an envd failure. Messages are now cut to about 1 KiB."""
+    async def body():
+        async with envd_client() as c:
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(
+                env_id="builtin/click", options={"strict_targets": "1"}))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1))
+            e = await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.Step(env_pb2.StepRequest(
+                session_id=sid, action=env_pb2.Action(type="click", target="按钮" * 950))))
+            assert "no element labelled" in e.details() and len(e.details().encode()) < 1100
+            e = await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.CreateSession(env_pb2.CreateSessionRequest(
+                env_id="terminal", options={f"opt{i:06d}": "1" for i in range(20000)})))
+            assert "unknown" in e.details() and len(e.details().encode()) < 1100
+    run(body())
+
+
+class CountingEnv(Env):
+    """Counts the steps applied; from the second on, its observation is bigger than the daemon may send."""
+    action_space = "wait"
+    nonblocking = True
+
+    def __init__(self, name: str, options: dict[str, str]):
+        self.applied = 0
+
+    def reset(self, seed: int, options: dict[str, str]) -> StepResult:
+        self.applied = 0
+        return StepResult(text="0")
+
+    def step(self, action: Action) -> StepResult:
+        self.applied += 1
+        return StepResult(text=str(self.applied) + ("x" * (256 << 10) if self.applied >= 2 else ""))
+
+    def close(self) -> None:
+        pass
+
+
+registry.register("test-counting", CountingEnv)
+
+
+def test_a_step_whose_answer_is_too_big_is_not_sent_again():
+    """gRPC answers RESOURCE_EXHAUSTED for a response over the size limit, after the backend applied the step; the
+    actor's client retried Step on that code, and one action was applied four times. A call that changes state is
+    now retried only on ABORTED, which envd alone sends, for a call it never started."""
+    from actor.envclient import EnvClient, EnvInfraError
+    from core.action import Action as CoreAction
+
+    async def body():
+        async with envd_client(max_message_bytes=128 << 10) as c:
+            ec = EnvClient(c.server.address, timeout_s=10, retries=3)
+            try:
+                sid, run_id, _ = await ec.open("test-counting", 1, {})
+                await ec.step(sid, run_id, CoreAction("wait"))
+                with pytest.raises(EnvInfraError, match="RESOURCE_EXHAUSTED"):
+                    await ec.step(sid, run_id, CoreAction("wait"))
+                assert c.server.servicer.sessions[sid].env.applied == 2
+            finally:
+                await ec.close()
+    run(body())
+
+
+def test_a_call_that_never_got_a_worker_is_aborted_and_its_session_kept():
+    """Time a call spent queued behind other sessions' stuck calls counted against its deadline: a healthy session
+    was answered INFRA_ERROR and closed for another backend's hang. A call still queued at its deadline is now
+    dropped and answered ABORTED; its session stays and works once a worker is free."""
+    async def body():
+        async with envd_client(workers=2, step_timeout_s=0.3) as c:
+            stuck = [await _started(c, f"test-fragile/stuck{i}") for i in range(2)]
+            healthy = await _started(c, "test-fragile/healthy")
+            hangs = [asyncio.ensure_future(_step(c, sid, "hang")) for sid in stuck]
+            deadline = time.monotonic() + 10
+            while c.server.servicer.workers.running < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            e = await expect_code(grpc.StatusCode.ABORTED, _step(c, healthy))
+            assert "never started" in e.details() and healthy in c.server.servicer.sessions
+            assert all(r.outcome == common_pb2.INFRA_ERROR for r in await asyncio.gather(*hangs))  # they did hang
+            deadline = time.monotonic() + 10
+            while c.server.servicer.workers.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert (await _step(c, healthy)).outcome == common_pb2.RUNNING
+            assert "healthy" not in FragileEnv.closed
+    run(body())

@@ -370,3 +370,40 @@ class TestTerminalTaskCompliance(EnvCompliance):
     valid_action = {"type": "type", "content": "wc -l < data.csv > count.txt\n"}
     invalid_action = {"type": "hotkey", "key": "f13"}
     max_episode_steps = 6
+
+
+def test_a_killed_daemons_session_files_are_removed_by_the_next_daemon():
+    """A SIGKILLed envd closes nothing: its sandboxes die with it, but their workspaces stayed in /tmp for good.
+    Sessions now live in a scratch root per process whose lock the process holds while it lives; a daemon starting
+    removes the roots nobody holds, and never a live process's."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal; from envd.terminal import TerminalEnv\n"
+        "e = TerminalEnv(options={})\n(e.workspace / 'big').write_bytes(b'x' * 4096)\n"
+        "print(e.private_dir, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)")],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    left = pathlib.Path(killed.stdout.strip())
+    assert (left / "workspace" / "big").exists()
+    live = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from envd.terminal import TerminalEnv\n"
+        "print(TerminalEnv(options={}).private_dir, flush=True)\nsys.stdin.read()")],
+        cwd=repo, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        alive = pathlib.Path(live.stdout.readline().strip())
+        started = subprocess.run([sys.executable, "-c", (
+            "import asyncio; from core.config import EnvdConfig; from envd.server import EnvServer\n"
+            "async def main():\n"
+            "    s = EnvServer(EnvdConfig(host='127.0.0.1', port=0))\n    await s.start()\n    await s.stop(grace=0)\n"
+            "asyncio.run(main())")], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+        assert started.returncode == 0, started.stderr[-2000:]
+        assert not left.exists()
+        assert alive.is_dir()
+    finally:
+        live.stdin.close()
+        live.wait(timeout=30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import signal
 import socket
 import time
 
@@ -373,3 +374,56 @@ def test_seeding_replaces_a_file_the_last_episode_left():
         spec = terminal_tasks.build(name, seed)
         terminal_tasks.seed_files(ws, spec)
         assert all((ws / rel).read_bytes() == data for rel, data in spec.files.items())
+
+
+def _no_strays(env: TerminalEnv) -> bool:
+    """No process in the sandbox but its init and its shell (the shell's parent)."""
+    from envd.sandbox_exit import strays
+    shell = env.sandbox.shell_pgid
+    init = int(pathlib.Path(f"/proc/{shell}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return strays(init, shell) == ({}, {})
+
+
+@pytest.mark.parametrize("start", [
+    "trap '[[ $BASH_COMMAND == \"builtin wait\"* ]] && (setsid sleep 1000 >/dev/null 2>&1 &)' DEBUG",
+    "PS4='$( (setsid sleep 1000 >/dev/null 2>&1 &) )+ '; set -x",
+], ids=["debug-trap", "ps4"])
+def test_a_job_started_after_the_prompts_kill_still_ends_with_its_command_line(env, start):
+    """bash runs a DEBUG trap (or expands PS4 under `set -x`) before PROMPT_COMMAND's `builtin wait`, after its
+    `kill -9 -1`: a job started there outlived its command line and ran at the prompt with no timeout or quota. The
+    daemon now kills every process but the shell and the init from the host when the prompt comes."""
+    sh(env, start)
+    sh(env, "true")
+    wait_for(lambda: _no_strays(env), 5, "the job started after the prompt's kill to be killed", every=0.05)
+    out, status, _ = sh(env, "trap - DEBUG; set +x; echo still-here")
+    assert "still-here" in out and status == 0
+
+
+def test_a_job_a_trap_starts_at_the_prompt_is_killed():
+    """A trap run when the idle shell takes a signal started jobs nothing policed (the timeout and the quota watch
+    command lines). Now one outside the shell dies at once, and one of the shell's own past the wall timeout."""
+    env = make_env(timeout_s="1")
+    try:
+        sh(env, "trap '(setsid sleep 1000 >/dev/null 2>&1 &); : > fired1' USR1; trap 'sleep 1000 & : > fired2' USR2")
+        for sig, marker in ((signal.SIGUSR1, "fired1"), (signal.SIGUSR2, "fired2")):
+            os.kill(env.sandbox.shell_pgid, sig)
+            wait_for(lambda: (env.workspace / marker).exists(), 10, f"the {sig.name} trap to run", every=0.05)
+            wait_for(lambda: _no_strays(env), 10, f"the {sig.name} trap's job to be killed", every=0.05)
+        out, status, _ = sh(env, "echo still-here")
+        assert (out.strip(), status) == ("still-here", 0)
+    finally:
+        env.close()
+
+
+def test_the_disk_quota_holds_between_command_lines():
+    """The quota was checked only while a command line ran: a job of the shell's own started at the prompt (a
+    trap's) could fill the workspace until the wall timeout. It is now checked while the sandbox lives."""
+    env = make_env(timeout_s="120", disk_mb="1")
+    try:
+        sh(env, "trap '(for i in $(seq 200); do head -c 256K /dev/zero > f$i; sleep 0.05; done) & : > fired' USR1")
+        os.kill(env.sandbox.shell_pgid, signal.SIGUSR1)
+        wait_for(lambda: (env.workspace / "fired").exists(), 10, "the trap to run", every=0.05)
+        wait_for(lambda: _no_strays(env), 20, "the job over the quota to be killed", every=0.05)
+        assert len(list(env.workspace.glob("f*"))) < 150
+    finally:
+        env.close()
