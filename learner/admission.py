@@ -2,7 +2,9 @@
 are sampled in GRPO groups, held until its whole group is in.
 
 Trajectories kept out of the loss never reach a batch: an infra_error episode is never a reward of 0, one whose
-oldest token is more than `learner.staleness.max_lag` versions behind is dropped, and so is one with no generated
+oldest token is more than `learner.staleness.max_lag` versions behind is dropped, so is one with a token of a
+version the learner has not reached (counted future_versions: a bug or a hostile actor; its lag would be < 0 and
+pass as fresh), and so is one with no generated
 token (counted no_generated_tokens: a truncated episode whose first prompt did not fit the inference server's context;
 in a GRPO group its return of 0 would only move the others' baseline), and so is one whose images cannot be bound to its
 framed image runs (counted unbound_images: `check`, learner.batch.binding_error). All are marked consumed on the
@@ -106,6 +108,10 @@ class Admission:
             self.counters[Outcome.INFRA_ERROR] += 1  # the same key as "infra_error" (a str enum)
         elif lag > self.max_lag:
             self.counters["too_stale"] += 1
+        elif len(gen) and int(gen.max()) > version:  # not published yet: lag < 0 passed as perfectly fresh
+            self.counters["future_versions"] += 1
+            log.warning("trajectory %s kept out of the loss: tokens of version %d, the learner is at %d", tr.id,
+                        int(gen.max()), version)
         elif not trained_positions(tr).any():  # nothing generated (its first prompt did not fit the context), or
             # only where no loss is taken (a first token, a segment's first token): no loss to take
             self.counters["no_generated_tokens"] += 1

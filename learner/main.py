@@ -140,6 +140,7 @@ class Learner:
                           description="updates whose loss or gradient was not finite: no optimiser step taken",
                           kind="counter")
         telemetry.observe("tars.learner.dropped", lambda: {k: self.counters[k] for k in (Outcome.INFRA_ERROR, "too_stale",
+                                                                                    "future_versions",
                                                                                     "no_generated_tokens",
                                                                                     "unbound_images")},
                           description="trajectories kept out of the loss, by reason", kind="counter", label="reason")

@@ -137,6 +137,11 @@ def test_the_staleness_bound_admits_the_same_whatever_the_correction(kind):
     fresh.versions = np.where(fresh.mask > 0, 2, -1).astype(np.int32)
     assert not adm.admit(old, version=3) and adm.admit(fresh, version=3)
     assert adm.counters["too_stale"] == 1
+    # Tokens of a version the learner has not reached had lag < 0 and trained as perfectly fresh.
+    future, _ = batch(2, n=2)
+    future.versions = np.where(future.mask > 0, 2**31 - 1, -1).astype(np.int32)
+    assert stal.try_admit(1) == 1
+    assert not adm.admit(future, version=3) and adm.counters["future_versions"] == 1
 
 
 def test_correction_config_is_checked():

@@ -133,15 +133,18 @@ class ImageStore:
         return [h for h in hashes if h not in self._have]
 
 
-def take_attached(store: ImageStore, names: list[str], frames: list[bytes], max_bytes: int) -> None:
-    """Store the images attached to a TRAJ message (its header's images names the extra frames, in order)."""
+def take_attached(store: ImageStore, names: list[str], frames: list[bytes], max_bytes: int,
+                  wanted: set[str] | None = None) -> None:
+    """Store the images attached to a TRAJ message (its header's images names the extra frames, in order); with
+    `wanted`, only those (what the trajectory refers to: other frames would sit in the store, held by nothing)."""
     if len(names) != len(frames):
         raise ImageError(f"{len(frames)} image frames but names {names!r:.80}")
     total = sum(len(f) for f in frames)
     if total > max_bytes:
         raise ImageError(f"{total} bytes of images exceed the {max_bytes}-byte limit")
     for h, b in zip(names, frames):
-        store.put(h, b)
+        if wanted is None or h in wanted:
+            store.put(h, b)
 
 
 def resolve(store: ImageStore, tr) -> list[str]:
@@ -150,9 +153,10 @@ def resolve(store: ImageStore, tr) -> list[str]:
 
     Images carried inline in the frame (an actor without dedupe) are checked and stored too."""
     with store.lock:
-        for h, b in tr.images.items():
-            store.put(h, b)
         refs = referenced(tr.turns, tr.image_refs)
+        for h in refs:  # (inline images it does not refer to are not stored)
+            if h in tr.images:
+                store.put(h, tr.images[h])
         miss = store.missing(refs)
         if not miss:
             tr.images = {h: tr.images.get(h) or store.get(h) for h in refs}

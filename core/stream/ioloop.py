@@ -10,6 +10,8 @@ poll finds nothing.
 """
 from __future__ import annotations
 
+import time
+
 import zmq
 
 MIN_EVERY = 32   # messages between ticks while the io thread keeps up
@@ -50,3 +52,21 @@ class TickPacer:
             self.since, self.last = 0, now
             return True
         return False
+
+
+class Throttled:
+    """Rate-limited warnings, one per reason per `every_s`: a flood of bad frames must not flood the log too."""
+
+    def __init__(self, log, every_s: float):
+        self.log, self.every_s = log, every_s
+        self.last: dict[str, float] = {}     # reason -> when last logged
+        self.suppressed: dict[str, int] = {}  # reason -> warnings left out since
+
+    def __call__(self, reason: str, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.last.get(reason, -1e9) >= self.every_s:
+            n = self.suppressed.pop(reason, 0)
+            self.log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
+            self.last[reason] = now
+        else:
+            self.suppressed[reason] = self.suppressed.get(reason, 0) + 1

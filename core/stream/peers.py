@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Credit an idle actor keeps when it is reclaimed, and how long without a trajectory makes it idle (see regrant).
+KEEP_CREDIT, IDLE_S = 8, 1.0
+MAX_PEERS = 4096  # actors one receiver tracks; a HELLO from another identity beyond it is refused (receiver.py)
+
 
 @dataclass
 class Peer:
@@ -23,6 +27,7 @@ class Peer:
     last_seen: float = 0.0
     claimed: int = 0        # part of the ledger taken on the actor's word (HELLO inflight), not yet borne out
     claim_deadline: float = 0.0
+    last_traj: float = 0.0  # when its last trajectory arrived (or its HELLO): idle since then
 
     def finish(self, n: int) -> None:
         """n episodes of the ledger ended without arriving (lost, or NACKed for good)."""
@@ -47,3 +52,33 @@ class Peer:
         k, self.claimed = self.claimed, 0
         self.ledger -= k
         return k
+
+
+def regrant(peers: dict[bytes, Peer], credits: int, free: int, now: float) -> list[tuple[bytes, int]]:
+    """Credit to send, as (identity, n): n < 0 takes credit back. Credit is the receiver's view of the actor's: what
+    it granted minus what arrived, so it may go below 0 while trajectories sent under reclaimed credit are in flight
+    (both sides then agree again once they land).
+
+    Fair re-grant: least credit first, up to `credits` each, small grants batched (one CREDIT per ~1/8 window) to
+    save messages. Credit an actor holds but does not use is taken back when another wants it and no slot is free:
+    an actor that sent nothing for IDLE_S keeps KEEP_CREDIT (idle, paused or wedged actors holding every slot left an
+    actor that came later with no credit at all, for good)."""
+    out: list[tuple[bytes, int]] = []
+    batch = max(1, credits // 8)
+    short = sum(min(batch, credits - max(p.credit, 0)) for p in peers.values() if p.credit < min(batch, credits))
+    if short > free:
+        keep = min(KEEP_CREDIT, credits)
+        for ident, p in peers.items():
+            if p.credit > keep and now - p.last_traj > IDLE_S:
+                out.append((ident, keep - p.credit))
+                free += p.credit - keep
+                p.credit = keep
+    for ident, p in sorted(peers.items(), key=lambda kv: kv[1].credit):
+        want = credits - max(p.credit, 0)
+        g = min(want, free)
+        if g <= 0 or (g < batch and g < want and p.credit > 0):
+            continue
+        p.credit += g
+        free -= g
+        out.append((ident, g))
+    return out

@@ -35,9 +35,9 @@ from core.schema import SchemaError, Trajectory
 from core.stream import messages as M
 from core.stream.curve import curve_server
 from core.stream.durability import IoHooks, make_durability
-from core.stream.images import ImageError, ImageStore, resolve, take_attached
-from core.stream.ioloop import TickPacer, recv_message
-from core.stream.peers import Peer
+from core.stream.images import ImageError, ImageStore, referenced, resolve, take_attached
+from core.stream.ioloop import Throttled, TickPacer, recv_message
+from core.stream.peers import MAX_PEERS, Peer, regrant
 from core.stream.wal import WalError
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class TrajectoryReceiver:
         self.log_every_s, self.curve_secret_key = log_every_s, curve_secret_key
         self.vocab_size, self._claims_until = vocab_size, 0.0  # HELLO inflight is adopted until then (set by start)
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
+        self._warn = Throttled(log, log_every_s)
         self.durability = make_durability(durability, IoHooks(self._send, self._count, self._warn), wal_path,
                                           run_id=self.run_id, fsync=fsync, ack_interval_s=ack_interval_s,
                                           max_staged=queue_size, wal_writer=wal_writer, max_record=max_frame_bytes)
@@ -82,9 +83,8 @@ class TrajectoryReceiver:
             ("received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked",
              "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
              "protocol_errors", "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images",
-             "committed", "invalid", "claimed", "claims_capped", "claims_expired"), 0)
-        self._last_log: dict[str, float] = {}  # reason -> when last logged; _suppressed: reason -> count since
-        self._suppressed: dict[str, int] = {}
+             "committed", "invalid", "claimed", "claims_capped", "claims_expired", "credits_reclaimed",
+             "peers_refused"), 0)
 
     # --- training-thread API --------------------------------------------------------------------------------------
     def start(self, timeout: float = 10.0) -> str:
@@ -160,16 +160,6 @@ class TrajectoryReceiver:
     def _count(self, key: str, n: int = 1) -> None:
         # Only the io thread writes counters, so no lock: stats() copies the dict, which is safe against value updates.
         self._stats[key] += n
-
-    def _warn(self, reason: str, msg: str, *args) -> None:
-        """Rate-limited logging: a flood of bad frames must not flood the log too."""
-        now = time.monotonic()
-        if now - self._last_log.get(reason, -1e9) >= self.log_every_s:
-            n = self._suppressed.pop(reason, 0)
-            log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
-            self._last_log[reason] = now
-        else:
-            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -291,6 +281,10 @@ class TrajectoryReceiver:
                 self._count("lost", st.ledger)
             st = None
         now = time.monotonic()
+        if st is None and len(self._actors) >= MAX_PEERS:
+            self._count("peers_refused")  # (HELLO floods from new identities: each peer costs every tick)
+            self._warn("peers", "HELLO from %r refused: %d actors already", ident, len(self._actors))
+            return
         if st is None:
             # Admitted by a previous learner, still running on the actor: bounded claims (core/stream/peers.py).
             claim = self.staleness.adopt_claim(inflight) if inflight and now < self._claims_until else 0
@@ -299,12 +293,14 @@ class TrajectoryReceiver:
                 self._warn("claim", "HELLO from %r claims %d episodes in flight: %d taken", ident, inflight, claim)
             self._count("claimed", claim)
             st = self._actors[ident] = Peer(m.incarnation, ledger=claim, claimed=claim, claim_deadline=now + self.actor_timeout_s)
-        st.last_seen = now
+        st.last_seen = st.last_traj = now
         st.credit = 0  # WELCOME's credit is absolute: whatever was granted before is void on both sides
         # Durable and acked first, then answer the pending ids we have: the actor's outbox then holds exactly what
-        # must be re-sent when WELCOME arrives (same pipe, in order).
-        if self.durability.flush():  # else a failed or slow log: ids it holds may not be durable; they come again
-            self.durability.answer_known(ident, [t for t in m.pending_ids if self._known(t)])
+        # must be re-sent when WELCOME arrives (same pipe, in order). Only then: a sync per HELLO let a HELLO loop
+        # starve the stream. A failed or slow log: ids it holds may not be durable; they come again.
+        known = [t for t in m.pending_ids if self._known(t)]
+        if known and self.durability.flush():
+            self.durability.answer_known(ident, known)
         st.credit = min(self.credits, self._free_slots())
         self._count("credits_granted", st.credit)
         self._send(ident, M.Welcome(self.run_id, m.hello_id, self.staleness.version, st.credit, self.max_frame_bytes))
@@ -318,8 +314,7 @@ class TrajectoryReceiver:
     def _traj_refused(self, ident: bytes, st: Peer, tid: str | None, reason: str) -> None:
         """A TRAJ without a usable header or payload: counted as received and malformed, NACKed for good."""
         self._count("received")
-        if st.credit > 0:
-            st.credit -= 1
+        st.credit -= 1  # (below 0 while trajectories sent under reclaimed credit land: peers.regrant)
         self._warn("malformed", "TRAJ from %r refused: %s", ident, reason)
         self._nack(ident, st, tid, reason, "malformed")
 
@@ -344,8 +339,8 @@ class TrajectoryReceiver:
             self._traj_refused(ident, st, m.id, "malformed: no id or payload")
             return
         self._count("received")
-        if st.credit > 0:
-            st.credit -= 1
+        st.credit -= 1
+        st.last_traj = self._now
         if st.credit <= self.credits >> 1:
             self._credit_low = True
         tid = m.id
@@ -357,16 +352,26 @@ class TrajectoryReceiver:
             self._warn("oversize", "dropping %d-byte trajectory %s from %r", len(payload), tid, ident)
             self._nack(ident, st, tid, f"oversize: {len(payload)} > {self.max_frame_bytes}", "oversize")
             return
+        if self._q.full() or self.durability.backlogged(len(payload)):
+            # Only a peer that ignores credit (or a disk far behind) gets here; it keeps the trajectory and retries.
+            # Before its images are stored: a refused trajectory's frames filled the disk, held by nothing.
+            self._nack(ident, st, tid, "busy: no queue slot", "busy", retry=True)
+            return
         try:
             n_img = len(self.images)
             tr = Trajectory.decode(payload, self.max_frame_bytes, self.vocab_size)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
             with self.images.lock:  # stored and held as one step (a compaction between them would collect them)
-                if m.images or image_frames:  # only with a trajectory that decoded (garbage with images grew the store)
-                    take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes)
+                if m.images or image_frames:  # only with a trajectory that decoded (garbage with images grew the store),
+                    take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes,
+                                  set(referenced(tr.turns, tr.image_refs)))  # and only the ones it refers to
                 missing = resolve(self.images, tr)
             self._count("images_stored", len(self.images) - n_img)
+        except OSError as e:  # the image store's disk (full, gone): the actor keeps it and retries
+            self._warn("images", "cannot store the images of %s: %s", tid, e)
+            self._nack(ident, st, tid, "busy: the image store failed", "busy", retry=True)
+            return
         except (SchemaError, ImageError) as e:
             counter = getattr(e, "kind", "malformed")  # SchemaError: malformed | unknown_schema | invalid
             self._warn(counter, "dropping trajectory %s from %r: %s", tid, ident, e)
@@ -376,10 +381,6 @@ class TrajectoryReceiver:
             self._count("missing_images")
             self._count("nacked")
             self._send(ident, M.Nack(tid, f"missing images: {len(missing)}", True, missing))
-            return
-        if self._q.full() or self.durability.backlogged(len(payload)):
-            # Only a peer that ignores credit (or a disk far behind) gets here; it keeps the trajectory and retries.
-            self._nack(ident, st, tid, "busy: no queue slot", "busy", retry=True)
             return
         try:
             self.durability.accept(ident, tid, payload)
@@ -397,7 +398,7 @@ class TrajectoryReceiver:
             self._stats["queue_max"] = n
 
     def _free_slots(self) -> int:  # qsize only shrinks behind our back (get): a safe under-estimate
-        return self.queue_size - self._q.qsize() - sum(a.credit for a in self._actors.values())
+        return self.queue_size - self._q.qsize() - sum(max(a.credit, 0) for a in self._actors.values())
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -419,17 +420,9 @@ class TrajectoryReceiver:
             self._q.put_nowait(tr)
             self._count("replayed")
             free -= 1
-        if not self._replay and free > 0 and self._actors:
-            # Fair re-grant: least credit first; batch small grants (one CREDIT per ~1/8 window) to save messages.
-            batch = max(1, self.credits // 8)
-            for ident, st in sorted(self._actors.items(), key=lambda kv: kv[1].credit):
-                want = self.credits - st.credit
-                g = min(want, free)
-                if g <= 0 or (g < batch and g < want and st.credit > 0):
-                    continue
-                st.credit += g
-                free -= g
-                self._count("credits_granted", g)
+        if not self._replay and self._actors:  # fair re-grant, and credit idle actors hold taken back (peers.py)
+            for ident, g in regrant(self._actors, self.credits, max(free, 0), now):
+                self._count("credits_granted" if g > 0 else "credits_reclaimed", abs(g))
                 self._send(ident, M.Credit(g))
         v = self.staleness.version
         if v != self._version_sent:
