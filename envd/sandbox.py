@@ -13,7 +13,8 @@ threaded daemon can deadlock): CPU seconds, address space, processes, file size,
 daemon runs every sandbox as an unprivileged uid of its own.
 
 Command boundaries: the shell is interactive (job control: each command line is its own process group, and ctrl-c
-reaches it through the terminal); PS1/PS2 print sentinels carrying the exit status and the cwd. PS1, PS2 and
+reaches it through the terminal); PS1/PS2 print sentinels carrying the prompt's number (a look-alike a job printed,
+or one left in the pty after a kill, cannot know it), the exit status and the cwd. PS1, PS2 and
 PROMPT_COMMAND are read-only, and PROMPT_COMMAND kills every other process in the sandbox (`kill -9 -1` from the
 shell spares only itself and the namespace's init), so background jobs and fork bombs end with the command line
 that started them. The daemon does the same from the host at each prompt, since bash can still run user code after
@@ -54,13 +55,13 @@ __all__ = ["SANDBOX_WORKSPACE", "Event", "Limits", "SandboxError", "ShellSandbox
 
 SANDBOX_WORKSPACE = "/workspace"
 ROWS, COLS = 40, 160
-_PROMPT, _CONT, _END = b"\x1e", b"\x1d", b"\x1f"   # PS1 = \x1e<status> <cwd>\x1f, PS2 = \x1d\x1f
+_PROMPT, _CONT, _END = b"\x1e", b"\x1d", b"\x1f"   # PS1 = \x1e<n> <status> <cwd>\x1f, PS2 = \x1d\x1f
 _MAX_SENTINEL = 4096                             # a \x1e without its \x1f this far on is plain output
 _GRACE_S = 1.0                                   # SIGINT first; SIGKILL the job after this; the sandbox after 3x
 _RC = r"""
-PS1=$'\x1e$? ${PWD}\x1f'
+PS1=$'\x1e${__tars_prompt} $? ${PWD}\x1f'
 PS2=$'\x1d\x1f'
-PROMPT_COMMAND='builtin kill -9 -1 2>/dev/null; builtin wait 2>/dev/null'
+PROMPT_COMMAND='builtin kill -9 -1 2>/dev/null; builtin wait 2>/dev/null; __tars_prompt=$((__tars_prompt + 1))'
 readonly PS1 PS2 PROMPT_COMMAND
 unset HISTFILE
 set +o histexpand
@@ -78,9 +79,7 @@ class Event:
 
 class ShellSandbox:
     """One sandboxed interactive bash on a pty, with a reader thread that parses its output and polices limits.
-
-    The caller (one thread) writes input and consumes events with `wait`; the reader thread owns the pty's output.
-    """
+    The caller (one thread) writes input and consumes events with `wait`; the reader thread owns the pty's output."""
 
     def __init__(self, workspace: str | os.PathLike, private_dir: str | os.PathLike, limits: Limits):
         self.workspace = pathlib.Path(workspace)
@@ -190,7 +189,8 @@ class ShellSandbox:
         init_pid = read_child_pid(info_r, timeout)
         self._init_fd, self._init_pid = open_pidfd(init_pid), init_pid or 0
         os.set_blocking(master, False)
-        self.master, self._events, self.at_prompt, self.shell_pgid, self._since_submit = master, [], False, 0, 0
+        self.master, self._events, self.at_prompt, self.shell_pgid = master, [], False, 0
+        self._since_submit = self._prompts = 0  # the shell's prompts seen: the next one says _prompts + 1
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, args=(master, self._stop), name="terminal-reader",
                                         daemon=True)
@@ -253,11 +253,8 @@ class ShellSandbox:
         """Send one command line to the shell waiting at its prompt; arms the wall timeout."""
         data = line.encode() + b"\n"
         with self._cond:
-            self.at_prompt = False
-            self._since_submit = 0
+            self.at_prompt, self._since_submit, self._expired_at, self._note = False, 0, 0.0, ""
             self._deadline = time.monotonic() + self.limits.timeout_s
-            self._expired_at = 0.0
-            self._note = ""
         return self.write(data) == len(data)
 
     # ---- output --------------------------------------------------------------------------------------------
@@ -299,14 +296,12 @@ class ShellSandbox:
             return 0
 
     # ---- signals -------------------------------------------------------------------------------------------
-    def interrupt(self) -> None:
-        """SIGINT to the foreground process group: what ctrl-c does, even if the program turned ISIG off."""
+    def interrupt(self) -> None:  # SIGINT to the foreground process group: ctrl-c, even if the program turned ISIG off
         pg = self._foreground_pgrp()
         if pg > 0:
             killpg(pg, signal.SIGINT)
 
-    def kill_foreground(self) -> None:
-        """SIGKILL the foreground job unless the foreground is the shell itself."""
+    def kill_foreground(self) -> None:  # SIGKILL the foreground job unless the foreground is the shell itself
         pg = self._foreground_pgrp()
         if pg > 0 and pg != self.shell_pgid:
             killpg(pg, signal.SIGKILL)
@@ -367,6 +362,11 @@ class ShellSandbox:
                 buf = buf[i:]
                 continue
             end = buf.find(_END)
+            cut = [j for j in (buf.find(_PROMPT, 1), buf.find(_CONT, 1)) if 0 < j < (end if end >= 0 else len(buf))]
+            if cut:  # a sentinel cut short (its writer killed mid-line): what follows it may be the shell's own
+                self._push(Event("out", decoder.decode(seg.add(buf[:min(cut)]))))
+                buf = buf[min(cut):]
+                continue
             if end < 0:
                 if len(buf) <= _MAX_SENTINEL:
                     return buf  # the rest of the sentinel is still on its way
@@ -374,16 +374,17 @@ class ShellSandbox:
                 buf = buf[1:]
                 continue
             kind, body, buf = buf[:1], buf[1:end], buf[end + 1:]
-            status, sep, cwd = body.partition(b" ")
+            n, _, rest = body.partition(b" ")
+            status, sep, cwd = rest.partition(b" ")
             if kind == _CONT and not body:
                 self._push(Event("cont"))
                 self.at_prompt = True
-            elif kind == _PROMPT and sep and status.isdigit() and cwd.startswith(b"/") and \
-                    shell_idle(self.shell_pgid, self._foreground_pgrp):  # not a look-alike a job printed
+            elif kind == _PROMPT and n == b"%d" % (self._prompts + 1) and sep and status.isdigit() and \
+                    cwd.startswith(b"/") and shell_idle(self.shell_pgid, self._foreground_pgrp):  # not a look-alike
                 self._sweep(jobs_too=True)  # what escaped PROMPT_COMMAND's kill (a trap's job) ends here
                 self._push(Event("out", decoder.decode(seg.close(self.limits.output_bytes))))
                 self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"), note=self._note))
-                self.at_prompt = True
+                self.at_prompt, self._prompts = True, self._prompts + 1
                 self._deadline = self._expired_at = 0.0
                 self._note, self._since_submit = "", 0
                 seg.__init__(self.limits.output_bytes)
@@ -397,8 +398,7 @@ class ShellSandbox:
         self._expired_at = time.monotonic()
         self.interrupt()
 
-    def _idle(self) -> bool:
-        """The shell waits at its primary prompt with no command line submitted (caller holds the condition)."""
+    def _idle(self) -> bool:  # the shell waits at its primary prompt, no command line submitted (holds _cond)
         return self.at_prompt and not self._deadline and not self._expired_at
 
     def _sweep(self, jobs_too: bool) -> dict[int, int]:

@@ -411,7 +411,8 @@ async def serve(cfg: InferenceConfig, model_path: str, version: int = 0, ready_f
     try:
         await srv.start()
         write_ready(ready_file, {"role": "inference", "address": srv.address, "version": engine.version})
-        log.info("inference server on %s (version %d)", srv.address, engine.version)
+        where = f", {engine.device} {str(engine.dtype).removeprefix('torch.')}" if hasattr(engine, "device") else ""
+        log.info("inference server on %s (version %d%s)", srv.address, engine.version, where)
         await stop.wait()
     finally:
         await srv.stop()
