@@ -208,6 +208,23 @@ def test_wrong_answer_fails_and_max_steps_truncates(enter_text):
     env.reset(10, {"max_steps": "0"})
 
 
+def test_a_reused_session_starts_an_episode_like_a_new_one():
+    """choose-date: an episode that opened the datepicker (which covers Submit), then a Reset to the same seed,
+    shows exactly what a new session shows for that seed: element list and screenshot (on main the page was reused
+    and the calendar stayed open)."""
+    env = miniwob_backend.make("choose-date", {"episode_time_s": "600"})
+    try:
+        fresh = env.reset(7)
+        field = next(e for e in env._elements if e.ref > 0 and e.tag.startswith("input_text"))
+        opened = env.step(Action("click", target=f"[{field.ref}]"))
+        assert "Prev" in opened.text and "Prev" not in fresh.text  # the calendar is open
+        reused = env.reset(7)
+        assert reused.text == fresh.text
+        assert reused.images[0].data == fresh.images[0].data
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("task", ["click-button", "click-checkboxes", "login-user"])
 def test_oracle_solves_tasks(task):
     env = miniwob_backend.make(task)
