@@ -7,7 +7,7 @@ time-decayed (`info.raw_reward` holds the undecayed value, `info.success` = raw 
 of time ends with reward -1. Actions (core.action.Action) are mapped onto MiniWoB's action space by
 envd.miniwob_actions; observations are the element list as text, the task-area screenshot as PNG, and its size.
 
-Options (CreateSession / Reset):
+Options (CreateSession: the session's defaults; Reset: max_steps, episode_time_s and data_mode for that episode only):
   action_space    MiniWoB preset: all_supported (default), shi17, liu18, humphreys22
   max_steps       steps after which the episode is truncated (default 0: only MiniWoB's time limit ends it)
   episode_time_s  the task's time limit, over which the reward decays (MiniWoB: 10 s for most tasks; 0: the task's)
@@ -263,7 +263,8 @@ class MiniWoBEnv(Env):
         except ValueError as e:
             raise ValueError(f"boxes: {e}") from None
         timeout = _float_opt(options, "command_timeout_s", 30.0) or 30.0
-        self._episode_options(options)  # validate now: bad options fail CreateSession, not the first Reset
+        # Validated now (bad options fail CreateSession, not the first Reset) and kept: every Reset starts from them.
+        self._defaults = {"max_steps": self.max_steps, "data_mode": "train", **self._episode_options(options)}
         configure_offline()
         from gymnasium.envs.registration import load_env_creator
 
@@ -304,15 +305,15 @@ class MiniWoBEnv(Env):
         return out
 
     def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
-        opts = self._episode_options(dict(options or {}))
+        # A Reset's options hold for its episode only, over the session's (CreateSession's) defaults.
+        opts = {**self._defaults, **self._episode_options(dict(options or {}))}
         inst = self.gym.unwrapped.instance
         # The task page is loaded afresh: a reused page keeps what its task does not regenerate (an open datepicker,
         # typed text, scroll positions, focus, hover styles), so the episode would differ from a new session's.
         inst.driver.get(inst.url)
         wait_for_task_page(inst.driver, inst.url, self.browser.command_timeout_s)
-        self.max_steps = opts.get("max_steps", self.max_steps)
-        if "data_mode" in opts:
-            self.gym.unwrapped.set_data_mode(opts["data_mode"])
+        self.max_steps = opts["max_steps"]
+        self.gym.unwrapped.set_data_mode(opts["data_mode"])
         if opts.get("episode_ms"):  # a page global: the reload above put back the task's own limit
             inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {opts['episode_ms']};")
         obs, info = self.gym.reset(seed=int(seed))

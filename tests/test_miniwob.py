@@ -208,6 +208,28 @@ def test_wrong_answer_fails_and_max_steps_truncates(enter_text):
     env.reset(10, {"max_steps": "0"})
 
 
+def _episode_ms(env) -> int:
+    return env.gym.unwrapped.instance.driver.execute_script("return core.EPISODE_MAX_TIME;")
+
+
+def test_episode_time_from_create_session_holds_for_every_reset():
+    """episode_time_s given at CreateSession (how the actor passes env_options; its Resets carry no options) is the
+    session's limit; one given to a Reset holds for that episode only (on main the CreateSession value was never
+    applied, and a Reset's value stayed on the page for later Resets)."""
+    env = miniwob_backend.make("click-test", {"episode_time_s": "600"})
+    try:
+        env.reset(1)
+        assert _episode_ms(env) == 600_000
+        env.reset(2, {"episode_time_s": "30"})
+        assert _episode_ms(env) == 30_000
+        env.reset(3)
+        assert _episode_ms(env) == 600_000
+        env.reset(4, {"episode_time_s": "0"})    # 0: the task's own limit
+        assert _episode_ms(env) == 10_000
+    finally:
+        env.close()
+
+
 def test_a_reused_session_starts_an_episode_like_a_new_one():
     """choose-date: an episode that opened the datepicker (which covers Submit), then a Reset to the same seed,
     shows exactly what a new session shows for that seed: element list and screenshot (on main the page was reused
