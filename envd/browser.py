@@ -123,9 +123,15 @@ class BrowserEnv(Env):
         self._check_alive()
         await self._close_context()
         self.opts, self._raw, self._crashed = opts, dict(raw), False
-        ctx = await self.browser.new_context(
-            viewport={"width": opts.width, "height": opts.height}, device_scale_factor=1,
-            storage_state=snap["storage"] if snap else None, service_workers="block", accept_downloads=False)
+        try:
+            ctx = await self.browser.new_context(
+                viewport={"width": opts.width, "height": opts.height}, device_scale_factor=1,
+                storage_state=snap["storage"] if snap else None, service_workers="block", accept_downloads=False)
+        except Exception as e:
+            if type(e).__name__ != "TargetClosedError":
+                raise
+            self.host.lost(self.generation)  # the next session gets a new browser
+            raise BrowserGone(f"the browser behind this session is gone: {str(e).splitlines()[0]}") from None
         self.context = ctx
         ctx.set_default_timeout(opts.timeout_s * 800)  # ms, inside the call's own deadline
         if not opts.allow_any_url:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"),
                                 reason="Debian's chromium is not installed (scripts/setup.sh --dev installs it)")
 
 from envd.browser import HOST, BrowserEnv  # noqa: E402
-from envd.browser_host import process_group  # noqa: E402
+from envd.browser_host import BrowserGone, process_group  # noqa: E402
 
 # Every widget sits at a fixed place so that tests can click points; events land in #log, keys in #keys.
 PAGE = """<!doctype html><html><head><title>Test page</title><style>
@@ -330,6 +330,55 @@ def test_killed_browser_ends_sessions_as_infra_error_and_next_session_relaunches
             assert HOST.generation == gen + 1 and HOST.browser_pid != pid
             await asyncio.to_thread(poll, lambda: not process_group(pid), 10.0, "the old Chromium's group to empty")
     run(body())
+
+
+def test_a_killed_playwright_driver_is_replaced_by_the_next_session():
+    """The node driver dies (Chromium exits with it, yet Browser.is_connected() stays True): the session on it fails
+    its next step as a dead browser, and the next session starts a new driver and browser (on main every later
+    session failed with TargetClosedError until the daemon restarted)."""
+    a = BrowserEnv({"html": PAGE, "settle_ms": "0"})
+    try:
+        a.reset(0, {})
+        driver, pid, gen = HOST.driver_pid, HOST.browser_pid, HOST.generation
+        assert driver and pid
+        os.kill(driver, signal.SIGKILL)
+        poll(lambda: _gone(driver) and not process_group(pid), 10.0, "the driver and its Chromium to exit")
+        with pytest.raises(BrowserGone):
+            a.step(Action("click", point=ADD))
+    finally:
+        a.close()
+    b = BrowserEnv({"html": PAGE, "settle_ms": "0"})
+    try:
+        b.reset(0, {})
+        assert "count 1" in b.step(Action("click", point=ADD)).text
+        assert HOST.generation == gen + 1 and HOST.driver_pid not in (None, driver) and not _gone(HOST.driver_pid)
+    finally:
+        b.close()
+
+
+def test_target_closed_on_a_new_context_counts_as_a_dead_browser(monkeypatch):
+    """new_context failing with TargetClosedError (the browser went away under it) is BrowserGone, and the next
+    session gets a new browser instead of the same dead one."""
+    from playwright._impl._errors import TargetClosedError
+
+    e = BrowserEnv({"html": PAGE})
+    try:
+        gen = e.generation
+
+        async def closed(**_):
+            raise TargetClosedError()
+
+        monkeypatch.setattr(e.browser, "new_context", closed)
+        with pytest.raises(BrowserGone):
+            e.reset(0, {})
+    finally:
+        e.close()
+    monkeypatch.undo()
+    e2 = BrowserEnv({"html": PAGE})
+    try:
+        assert "count 0" in e2.reset(0, {}).text and e2.generation == gen + 1
+    finally:
+        e2.close()
 
 
 def test_no_chromium_left_after_daemon_stop(monkeypatch):
