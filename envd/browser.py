@@ -121,6 +121,20 @@ class BrowserEnv(Env):
 
     async def _reset(self, opts: BrowserOptions, raw: dict[str, str], seed: int, snap: dict | None) -> StepResult:
         self._check_alive()
+        old = self.opts, self._raw
+        try:
+            return await self._start(opts, raw, seed, snap)
+        except BaseException:
+            # A refused or failed reset leaves no half-made episode: no page (a Step says "Reset first") and the
+            # options of the last good reset (what a snapshot or a later Reset without options builds on).
+            self.opts, self._raw = old
+            try:
+                await asyncio.wait_for(self._close_context(), 5.0)
+            except Exception:
+                self.context = self.page = self.cdp = None
+            raise
+
+    async def _start(self, opts: BrowserOptions, raw: dict[str, str], seed: int, snap: dict | None) -> StepResult:
         await self._close_context()
         self.opts, self._raw, self._crashed = opts, dict(raw), False
         try:

@@ -249,6 +249,30 @@ def test_broken_verifier_is_a_bad_option(js):
         e.close()
 
 
+def test_a_refused_reset_leaves_no_half_reset_episode():
+    """A Reset refused for a broken verifier (INVALID_ARGUMENT) leaves no episode: no page, the last good options,
+    and envd answers the next Step with "Reset it first" (on main the new page and verifier were already in place
+    while envd still showed the old episode running, so the next Step failed as INFRA_ERROR)."""
+    good = {"html": "<button>Old</button>", "verify_js": "({reward: 0, done: false})"}
+
+    async def body():
+        async with envd_client() as c:
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="browser", options=good))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid))
+            await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.Reset(env_pb2.ResetRequest(
+                session_id=sid, options={"html": "<button>New</button>", "verify_js": "undefinedVar.x"})))
+            env = c.server.servicer.sessions[sid].env
+            assert env.page is None and env.context is None and env._raw == good and env.opts.verify_js == good["verify_js"]
+            e = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, c.Step(env_pb2.StepRequest(
+                session_id=sid, action=env_pb2.Action(type="click", target="Old"))))
+            assert "Reset it first" in e.details()
+            r = await c.Reset(env_pb2.ResetRequest(session_id=sid))  # the session itself is fine
+            assert r.outcome == common_pb2.RUNNING and "Old" in r.observation.text
+            r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="click", target="Old")))
+            assert r.outcome == common_pb2.RUNNING
+    run(body())
+
+
 # ---- URLs, contexts, snapshots -----------------------------------------------------------------------------------
 
 def test_navigation_off_loopback_is_blocked():
