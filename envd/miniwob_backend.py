@@ -31,6 +31,7 @@ import threading
 import weakref
 from typing import Any
 
+from envd import scratch
 from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
 from envd.browser_input import _bool
 from envd.miniwob_actions import Translator, flatten_dom, render
@@ -272,7 +273,7 @@ class MiniWoBEnv(Env):
         kwargs = dict(spec.kwargs or {}, action_space_config=preset, data_mode=options.get("data_mode", "train"))
         if task.startswith("flight."):
             kwargs["base_url"] = _flight_base_url()
-        self._dir = tempfile.mkdtemp(prefix="tars-miniwob-")
+        self._dir = tempfile.mkdtemp(prefix="tars-miniwob-", dir=scratch.root())
         weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
         self.browser = ChromiumProcess(self._dir, timeout)
         try:

@@ -14,9 +14,9 @@ import time
 import grpc
 import pytest
 
-from envd import proctree, registry
+from envd import proctree, registry, scratch
 from envd.base import Action, ActionError
-from envd_compliance import EnvCompliance, envd_client, expect_code, run
+from envd_compliance import EnvCompliance, dir_left_by_a_killed_daemon, envd_client, expect_code, run
 from core.v1 import common_pb2, env_pb2
 
 pytest.importorskip("miniwob", reason="the miniwob package is not installed")
@@ -258,6 +258,15 @@ def test_oracle_solves_tasks(task):
             assert r.outcome == "terminated" and r.info["success"], (task, seed, r.instruction, r.info)
     finally:
         env.close()
+
+
+def test_a_killed_daemons_session_dir_is_removed_by_the_next_sweep():
+    """A SIGKILLed envd closes nothing: the session's private directory (profile, caches) stayed in /tmp for good.
+    It now lives in the daemon's scratch root (envd/scratch.py), which the next daemon's start-up sweep removes."""
+    d = dir_left_by_a_killed_daemon(
+        "from envd import miniwob_backend\ne = miniwob_backend.make('click-test', {})\ne.reset(1)\npath = e._dir")
+    assert d.is_dir() and d.parent.name.startswith(scratch.PREFIX)
+    assert d.parent in scratch.sweep() and not d.exists()
 
 
 # ---- over a real envd -----------------------------------------------------------------------------------------
