@@ -121,11 +121,31 @@ class BrowserEnv(Env):
 
     async def _reset(self, opts: BrowserOptions, raw: dict[str, str], seed: int, snap: dict | None) -> StepResult:
         self._check_alive()
+        old = self.opts, self._raw
+        try:
+            return await self._start(opts, raw, seed, snap)
+        except BaseException:
+            # A refused or failed reset leaves no half-made episode: no page (a Step says "Reset first") and the
+            # options of the last good reset (what a snapshot or a later Reset without options builds on).
+            self.opts, self._raw = old
+            try:
+                await asyncio.wait_for(self._close_context(), 5.0)
+            except Exception:
+                self.context = self.page = self.cdp = None
+            raise
+
+    async def _start(self, opts: BrowserOptions, raw: dict[str, str], seed: int, snap: dict | None) -> StepResult:
         await self._close_context()
         self.opts, self._raw, self._crashed = opts, dict(raw), False
-        ctx = await self.browser.new_context(
-            viewport={"width": opts.width, "height": opts.height}, device_scale_factor=1,
-            storage_state=snap["storage"] if snap else None, service_workers="block", accept_downloads=False)
+        try:
+            ctx = await self.browser.new_context(
+                viewport={"width": opts.width, "height": opts.height}, device_scale_factor=1,
+                storage_state=snap["storage"] if snap else None, service_workers="block", accept_downloads=False)
+        except Exception as e:
+            if type(e).__name__ != "TargetClosedError":
+                raise
+            self.host.lost(self.generation)  # the next session gets a new browser
+            raise BrowserGone(f"the browser behind this session is gone: {str(e).splitlines()[0]}") from None
         self.context = ctx
         ctx.set_default_timeout(opts.timeout_s * 800)  # ms, inside the call's own deadline
         if not opts.allow_any_url:

@@ -8,7 +8,8 @@ calls of many sessions; nothing on it blocks.
 Lifetime:
   - the browser (and Playwright's node driver) start lazily with the first `acquire()`;
   - if the browser process dies, every session bound to it fails its next call (BrowserGone, which envd reports as
-    INFRA_ERROR) and the next `acquire()` launches a new one (a new `generation`);
+    INFRA_ERROR) and the next `acquire()` launches a new one (a new `generation`); if Playwright's node driver
+    dies (Chromium exits with it), the next `acquire()` starts a new driver too;
   - when the last session releases it, the browser and the driver are shut down after `linger_s` (a daemon that
     closes and re-creates sessions back to back keeps one browser; an idle daemon holds no Chromium);
   - `shutdown()` closes everything now; it runs at interpreter exit too. If this process is killed outright, the
@@ -24,6 +25,8 @@ import os
 import signal
 import threading
 from typing import Any, Awaitable, Callable
+
+from envd import proctree
 
 log = logging.getLogger("envd.browser")
 
@@ -162,21 +165,39 @@ class BrowserHost:
         return self._users
 
     def alive(self, generation: int) -> bool:
-        """Whether the browser of `generation` is still the running one."""
+        """Whether the browser of `generation` is still the running one. Its driver must live too: when Playwright's
+        node driver dies, Chromium exits with it but the Browser object still says it is connected."""
         b = self._browser
-        return b is not None and generation == self.generation and b.is_connected()
+        return b is not None and generation == self.generation and b.is_connected() and self._driver_alive()
+
+    def _driver_alive(self) -> bool:
+        return self.driver_pid is None or proctree.alive(self.driver_pid)
+
+    def lost(self, generation: int) -> None:
+        """A session found the browser of `generation` dead (a TargetClosedError): the next acquire() launches anew."""
+        if generation == self.generation and self._browser is not None:
+            log.warning("Chromium (generation %d, pid %s) is gone", generation, self.browser_pid)
+            self._browser = None
 
     async def _ensure_browser(self) -> tuple[Any, int]:
         if self._alock is None:
             self._alock = asyncio.Lock()
         async with self._alock:
+            if self._pw is not None and not self._driver_alive():
+                log.warning("the Playwright driver (pid %s) died: starting a new one", self.driver_pid)
+                self._browser = None      # its Chromium exited with the driver; the object cannot tell
+                await self._teardown()
             if self._browser is not None and self._browser.is_connected():
                 return self._browser, self.generation
+            if self.browser_pid is not None:  # what is left of a browser that died
+                self._kill_group(self.browser_pid)
+                self.browser_pid = None
             if self._pw is None:
                 from playwright.async_api import async_playwright
 
+                others = {p for p, _ in proc_children(os.getpid())}
                 self._pw = await asyncio.wait_for(async_playwright().start(), self.launch_timeout_s)
-                drivers = [p for p, exe in proc_children(os.getpid()) if "playwright" in exe]
+                drivers = [p for p, exe in proc_children(os.getpid()) if "playwright" in exe and p not in others]
                 self.driver_pid = max(drivers) if drivers else None
             before = {p for p, _ in proc_children(self.driver_pid)} if self.driver_pid else set()
             browser = await self._pw.chromium.launch(executable_path=self.executable, args=list(self.args),
@@ -209,22 +230,25 @@ class BrowserHost:
         if self._alock is None:
             self._alock = asyncio.Lock()
         async with self._alock:
-            browser, self._browser = self._browser, None
-            pid = self.browser_pid
-            if browser is not None:
-                try:
-                    await asyncio.wait_for(browser.close(), 10.0)
-                except Exception as e:  # already dead, or hung: the group kill below finishes the job
-                    log.warning("closing Chromium failed: %s: %s", type(e).__name__, e)
-            if self._pw is not None:
-                pw, self._pw = self._pw, None
-                try:
-                    await asyncio.wait_for(pw.stop(), 10.0)
-                except Exception as e:
-                    log.warning("stopping the Playwright driver failed: %s: %s", type(e).__name__, e)
-            if pid is not None:
-                self._kill_group(pid)
-            self.browser_pid = self.driver_pid = None
+            await self._teardown()
+
+    async def _teardown(self) -> None:
+        browser, self._browser = self._browser, None
+        pid = self.browser_pid
+        if browser is not None:
+            try:
+                await asyncio.wait_for(browser.close(), 10.0)
+            except Exception as e:  # already dead, or hung: the group kill below finishes the job
+                log.warning("closing Chromium failed: %s: %s", type(e).__name__, e)
+        if self._pw is not None:
+            pw, self._pw = self._pw, None
+            try:
+                await asyncio.wait_for(pw.stop(), 10.0)
+            except Exception as e:
+                log.warning("stopping the Playwright driver failed: %s: %s", type(e).__name__, e)
+        if pid is not None:
+            self._kill_group(pid)
+        self.browser_pid = self.driver_pid = None
 
     @staticmethod
     def _kill_group(pgid: int) -> None:

@@ -29,6 +29,7 @@ import time
 import weakref
 from typing import Any
 
+from envd import scratch
 from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
 from envd.png import encode_rgb
 from envd.proctree import kill_session, with_parent_death_signal
@@ -130,7 +131,7 @@ class DesktopEnv(Env):
         self.action_space = (f"{self.width}x{self.height} X desktop: click/left_double/right_single(start_box='(x,y)' "
                              "| target=window title), drag, type(content), hotkey(key), scroll(direction), wait(), "
                              "finished()")
-        self._dir = tempfile.mkdtemp(prefix="tars-desktop-")
+        self._dir = tempfile.mkdtemp(prefix="tars-desktop-", dir=scratch.root())
         weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
         self._owns_workspace = not options.get("workspace")
         self.workspace = os.path.abspath(options.get("workspace") or os.path.join(self._dir, "home"))

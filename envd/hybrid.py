@@ -38,7 +38,7 @@ import tempfile
 import weakref
 from dataclasses import replace
 
-from envd import terminal_tasks
+from envd import scratch, terminal_tasks
 from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult
 from envd.desktop import DesktopEnv
 from envd.sandbox_limits import Limits, chown_tree
@@ -86,7 +86,7 @@ class HybridEnv(Env):
         self.desktop: DesktopEnv | None = None
         self.terminal: TerminalEnv | None = None
         # 0o711: the sandbox uid may pass through to the workspace but not list this directory.
-        self._dir = pathlib.Path(tempfile.mkdtemp(prefix="tars-hybrid-"))
+        self._dir = pathlib.Path(tempfile.mkdtemp(prefix="tars-hybrid-", dir=scratch.root()))
         weakref.finalize(self, rmtree, self._dir)
         os.chmod(self._dir, 0o711)
         self.workspace = self._dir / "workspace"

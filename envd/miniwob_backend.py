@@ -7,10 +7,10 @@ time-decayed (`info.raw_reward` holds the undecayed value, `info.success` = raw 
 of time ends with reward -1. Actions (core.action.Action) are mapped onto MiniWoB's action space by
 envd.miniwob_actions; observations are the element list as text, the task-area screenshot as PNG, and its size.
 
-Options (CreateSession / Reset):
+Options (CreateSession: the session's defaults; Reset: max_steps, episode_time_s and data_mode for that episode only):
   action_space    MiniWoB preset: all_supported (default), shi17, liu18, humphreys22
   max_steps       steps after which the episode is truncated (default 0: only MiniWoB's time limit ends it)
-  episode_time_s  override the task's time limit (MiniWoB: 10 s for most tasks); the reward decays over it
+  episode_time_s  the task's time limit, over which the reward decays (MiniWoB: 10 s for most tasks; 0: the task's)
   data_mode       MiniWoB data mode, "train" (default) or "test"
   boxes           1 (default): each element line ends with its box, @(left,top widthxheight) in screenshot pixels;
                   0: without (a text policy that acts by ref, click(target='[5]'), reads half the tokens)
@@ -31,6 +31,7 @@ import threading
 import weakref
 from typing import Any
 
+from envd import scratch
 from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
 from envd.browser_input import _bool
 from envd.miniwob_actions import Translator, flatten_dom, render
@@ -128,12 +129,22 @@ class ChromiumProcess:
                 pass
 
 
-def _instance_class():
+def wait_for_task_page(driver, url: str, timeout_s: float) -> None:
+    """Wait until a just-loaded task page shows MiniWoB's sync screen (its scripts have run)."""
     from miniwob.selenium_instance import SeleniumInstance
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.wait import WebDriverWait
+
+    try:
+        WebDriverWait(driver, timeout_s).until(EC.element_to_be_clickable((By.ID, SeleniumInstance.SYNC_SCREEN_ID)))
+    except TimeoutException:
+        raise RuntimeError(f"MiniWoB page {url} did not load") from None
+
+
+def _instance_class():
+    from miniwob.selenium_instance import SeleniumInstance
 
     class ChromiumInstance(SeleniumInstance):
         """SeleniumInstance whose driver is a ChromiumProcess (the package's own launch has no way to add flags,
@@ -147,11 +158,7 @@ def _instance_class():
             self.driver = self.browser.start((self.window_width, self.window_height))
             self.driver.implicitly_wait(5)
             self.driver.get(self.url)
-            try:
-                WebDriverWait(self.driver, self.browser.command_timeout_s).until(
-                    EC.element_to_be_clickable((By.ID, self.SYNC_SCREEN_ID)))
-            except TimeoutException:
-                raise RuntimeError(f"MiniWoB page {self.url} did not load") from None
+            wait_for_task_page(self.driver, self.url, self.browser.command_timeout_s)
             # Headless windows lose ~160 px to (invisible) browser UI: grow the window until the viewport holds the
             # page the task expects, else the screenshot has a black band and clicks there fall off the page.
             for _ in range(3):
@@ -257,7 +264,8 @@ class MiniWoBEnv(Env):
         except ValueError as e:
             raise ValueError(f"boxes: {e}") from None
         timeout = _float_opt(options, "command_timeout_s", 30.0) or 30.0
-        self._episode_options(options)  # validate now: bad options fail CreateSession, not the first Reset
+        # Validated now (bad options fail CreateSession, not the first Reset) and kept: every Reset starts from them.
+        self._defaults = {"max_steps": self.max_steps, "data_mode": "train", **self._episode_options(options)}
         configure_offline()
         from gymnasium.envs.registration import load_env_creator
 
@@ -265,7 +273,7 @@ class MiniWoBEnv(Env):
         kwargs = dict(spec.kwargs or {}, action_space_config=preset, data_mode=options.get("data_mode", "train"))
         if task.startswith("flight."):
             kwargs["base_url"] = _flight_base_url()
-        self._dir = tempfile.mkdtemp(prefix="tars-miniwob-")
+        self._dir = tempfile.mkdtemp(prefix="tars-miniwob-", dir=scratch.root())
         weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
         self.browser = ChromiumProcess(self._dir, timeout)
         try:
@@ -298,16 +306,17 @@ class MiniWoBEnv(Env):
         return out
 
     def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
-        opts = self._episode_options(dict(options or {}))
-        self.max_steps = opts.get("max_steps", self.max_steps)
-        if "data_mode" in opts:
-            self.gym.unwrapped.set_data_mode(opts["data_mode"])
-        if opts.get("episode_ms"):
-            self.gym.unwrapped.instance.driver.execute_script(f"core.EPISODE_MAX_TIME = {opts['episode_ms']};")
-        # A task page keeps the elements it does not regenerate (enter-text's Submit button), and with them the
-        # focus the last episode left: blurred first, a reset shows what a new session shows.
-        self.gym.unwrapped.instance.driver.execute_script(
-            "if (document.activeElement && document.activeElement.blur) document.activeElement.blur();")
+        # A Reset's options hold for its episode only, over the session's (CreateSession's) defaults.
+        opts = {**self._defaults, **self._episode_options(dict(options or {}))}
+        inst = self.gym.unwrapped.instance
+        # The task page is loaded afresh: a reused page keeps what its task does not regenerate (an open datepicker,
+        # typed text, scroll positions, focus, hover styles), so the episode would differ from a new session's.
+        inst.driver.get(inst.url)
+        wait_for_task_page(inst.driver, inst.url, self.browser.command_timeout_s)
+        self.max_steps = opts["max_steps"]
+        self.gym.unwrapped.set_data_mode(opts["data_mode"])
+        if opts.get("episode_ms"):  # a page global: the reload above put back the task's own limit
+            inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {opts['episode_ms']};")
         obs, info = self.gym.reset(seed=int(seed))
         self._utterance, self._fields = obs["utterance"], dict(obs["fields"])
         self._steps, self._done = 0, False

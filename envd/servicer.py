@@ -30,7 +30,7 @@ from envd import hints, registry
 from envd.base import Action, ActionError, Outcome, Resources
 from envd.admission import Admission, Status as _Status, peer_identity, rpc as _rpc
 from envd.snapshots import SnapshotSeal
-from envd.sessions import BackendTimeout, LatencyWindow, Session, Workers, check_result, to_response
+from envd.sessions import BackendTimeout, LatencyWindow, NotStarted, Session, Workers, check_result, to_response
 from core import telemetry
 from core.config import EnvdConfig
 from core.v1 import env_pb2, env_pb2_grpc
@@ -267,7 +267,13 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                                                       max(need.memory_mb, s.charge.memory_mb)), f"session {s.id}", s)
             # ValueError too: a reset fails on malformed options, which is the caller's fault, not an infra error.
             # Seed 0 means "the session's seed" (proto3 has no unset): CreateSession's seed, itself 0 by default.
-            out = await self._drive(s, "reset", (ValueError,), s.env.reset, request.seed or s.seed, options)
+            try:
+                out = await self._drive(s, "reset", (ValueError,), s.env.reset, request.seed or s.seed, options)
+            except NotStarted:
+                raise  # it never ran: the episode goes on
+            except _Status:
+                s.last = None  # a refused Reset may have ended the last episode: none runs until a Reset succeeds
+                raise
             if isinstance(out, env_pb2.StepResponse):
                 return out
             r, ms = out

@@ -17,6 +17,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
 from typing import Any, Callable
 
 import grpc
@@ -39,6 +45,24 @@ def run(coro, timeout: float = 60.0):
 
 def code_of(e: BaseException) -> grpc.StatusCode | None:
     return e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+
+
+def dir_left_by_a_killed_daemon(setup: str, timeout_s: float = 120.0) -> pathlib.Path:
+    """Run `setup` (Python that binds `path`: a session's private directory) in a child process that then SIGKILLs
+    itself, as a killed envd dies: nothing is closed. Returns the path once no process names it any more (the
+    session's programs die with their parent)."""
+    from envd import proctree
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    code = f"import os, signal\n{setup}\nprint(path, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                       capture_output=True, text=True, timeout=timeout_s)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    path = pathlib.Path(p.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 20
+    while proctree.mentioning(str(path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path
 
 
 async def expect_code(code: grpc.StatusCode, awaitable) -> grpc.aio.AioRpcError:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"),
                                 reason="Debian's chromium is not installed (scripts/setup.sh --dev installs it)")
 
 from envd.browser import HOST, BrowserEnv  # noqa: E402
-from envd.browser_host import process_group  # noqa: E402
+from envd.browser_host import BrowserGone, process_group  # noqa: E402
 
 # Every widget sits at a fixed place so that tests can click points; events land in #log, keys in #keys.
 PAGE = """<!doctype html><html><head><title>Test page</title><style>
@@ -249,6 +249,30 @@ def test_broken_verifier_is_a_bad_option(js):
         e.close()
 
 
+def test_a_refused_reset_leaves_no_half_reset_episode():
+    """A Reset refused for a broken verifier (INVALID_ARGUMENT) leaves no episode: no page, the last good options,
+    and envd answers the next Step with "Reset it first" (on main the new page and verifier were already in place
+    while envd still showed the old episode running, so the next Step failed as INFRA_ERROR)."""
+    good = {"html": "<button>Old</button>", "verify_js": "({reward: 0, done: false})"}
+
+    async def body():
+        async with envd_client() as c:
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="browser", options=good))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid))
+            await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.Reset(env_pb2.ResetRequest(
+                session_id=sid, options={"html": "<button>New</button>", "verify_js": "undefinedVar.x"})))
+            env = c.server.servicer.sessions[sid].env
+            assert env.page is None and env.context is None and env._raw == good and env.opts.verify_js == good["verify_js"]
+            e = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, c.Step(env_pb2.StepRequest(
+                session_id=sid, action=env_pb2.Action(type="click", target="Old"))))
+            assert "Reset it first" in e.details()
+            r = await c.Reset(env_pb2.ResetRequest(session_id=sid))  # the session itself is fine
+            assert r.outcome == common_pb2.RUNNING and "Old" in r.observation.text
+            r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="click", target="Old")))
+            assert r.outcome == common_pb2.RUNNING
+    run(body())
+
+
 # ---- URLs, contexts, snapshots -----------------------------------------------------------------------------------
 
 def test_navigation_off_loopback_is_blocked():
@@ -330,6 +354,55 @@ def test_killed_browser_ends_sessions_as_infra_error_and_next_session_relaunches
             assert HOST.generation == gen + 1 and HOST.browser_pid != pid
             await asyncio.to_thread(poll, lambda: not process_group(pid), 10.0, "the old Chromium's group to empty")
     run(body())
+
+
+def test_a_killed_playwright_driver_is_replaced_by_the_next_session():
+    """The node driver dies (Chromium exits with it, yet Browser.is_connected() stays True): the session on it fails
+    its next step as a dead browser, and the next session starts a new driver and browser (on main every later
+    session failed with TargetClosedError until the daemon restarted)."""
+    a = BrowserEnv({"html": PAGE, "settle_ms": "0"})
+    try:
+        a.reset(0, {})
+        driver, pid, gen = HOST.driver_pid, HOST.browser_pid, HOST.generation
+        assert driver and pid
+        os.kill(driver, signal.SIGKILL)
+        poll(lambda: _gone(driver) and not process_group(pid), 10.0, "the driver and its Chromium to exit")
+        with pytest.raises(BrowserGone):
+            a.step(Action("click", point=ADD))
+    finally:
+        a.close()
+    b = BrowserEnv({"html": PAGE, "settle_ms": "0"})
+    try:
+        b.reset(0, {})
+        assert "count 1" in b.step(Action("click", point=ADD)).text
+        assert HOST.generation == gen + 1 and HOST.driver_pid not in (None, driver) and not _gone(HOST.driver_pid)
+    finally:
+        b.close()
+
+
+def test_target_closed_on_a_new_context_counts_as_a_dead_browser(monkeypatch):
+    """new_context failing with TargetClosedError (the browser went away under it) is BrowserGone, and the next
+    session gets a new browser instead of the same dead one."""
+    from playwright._impl._errors import TargetClosedError
+
+    e = BrowserEnv({"html": PAGE})
+    try:
+        gen = e.generation
+
+        async def closed(**_):
+            raise TargetClosedError()
+
+        monkeypatch.setattr(e.browser, "new_context", closed)
+        with pytest.raises(BrowserGone):
+            e.reset(0, {})
+    finally:
+        e.close()
+    monkeypatch.undo()
+    e2 = BrowserEnv({"html": PAGE})
+    try:
+        assert "count 0" in e2.reset(0, {}).text and e2.generation == gen + 1
+    finally:
+        e2.close()
 
 
 def test_no_chromium_left_after_daemon_stop(monkeypatch):

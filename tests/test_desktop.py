@@ -14,9 +14,9 @@ import zlib
 import grpc
 import pytest
 
-from envd import png, proctree, xserver
+from envd import png, proctree, scratch, xserver
 from envd.base import Action, ActionError
-from envd_compliance import EnvCompliance, envd_client, expect_code, run
+from envd_compliance import EnvCompliance, dir_left_by_a_killed_daemon, envd_client, expect_code, run
 from core.proc import wait_for
 from core.v1 import common_pb2, env_pb2
 
@@ -198,3 +198,13 @@ def test_envd_serves_the_unsandboxed_desktop_only_when_told_and_never_a_callers_
         assert not (tmp_path / "chosen").exists()
 
     run(main())
+
+
+def test_a_killed_daemons_session_dir_is_removed_by_the_next_sweep():
+    """A SIGKILLed envd closes nothing: the session's directory (Xauthority, logs, the workspace) stayed in /tmp for
+    good. It now lives in the daemon's scratch root (envd/scratch.py), which the next daemon's start-up sweep
+    removes."""
+    d = dir_left_by_a_killed_daemon(
+        "from envd import desktop\ne = desktop.DesktopEnv('', {'apps': 'xterm'})\ne.reset(1)\npath = e._dir")
+    assert d.is_dir() and d.parent.name.startswith(scratch.PREFIX)
+    assert d.parent in scratch.sweep() and not d.exists()

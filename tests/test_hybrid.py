@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import shutil
 import signal
 import time
@@ -12,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from envd import proctree
+from envd import proctree, scratch
 from envd.base import Action, ActionError
 from envd.sandbox import missing_tools
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
@@ -75,6 +76,12 @@ def env():
     yield e
     e.close()
     assert _closed_cleanly(e)
+
+
+def test_session_dirs_live_in_the_daemons_scratch_root(env):
+    """Both private directories are in this process's scratch root (envd/scratch.py), so a SIGKILLed daemon's are
+    removed when the next daemon starts (before, they stayed in /tmp for good)."""
+    assert {env._dir.parent, pathlib.Path(env.desktop._dir).parent} == {scratch.root()}
 
 
 def test_workspace_round_trip_between_gui_and_shell(env):

@@ -14,9 +14,9 @@ import time
 import grpc
 import pytest
 
-from envd import proctree, registry
+from envd import proctree, registry, scratch
 from envd.base import Action, ActionError
-from envd_compliance import EnvCompliance, envd_client, expect_code, run
+from envd_compliance import EnvCompliance, dir_left_by_a_killed_daemon, envd_client, expect_code, run
 from core.v1 import common_pb2, env_pb2
 
 pytest.importorskip("miniwob", reason="the miniwob package is not installed")
@@ -208,6 +208,45 @@ def test_wrong_answer_fails_and_max_steps_truncates(enter_text):
     env.reset(10, {"max_steps": "0"})
 
 
+def _episode_ms(env) -> int:
+    return env.gym.unwrapped.instance.driver.execute_script("return core.EPISODE_MAX_TIME;")
+
+
+def test_episode_time_from_create_session_holds_for_every_reset():
+    """episode_time_s given at CreateSession (how the actor passes env_options; its Resets carry no options) is the
+    session's limit; one given to a Reset holds for that episode only (on main the CreateSession value was never
+    applied, and a Reset's value stayed on the page for later Resets)."""
+    env = miniwob_backend.make("click-test", {"episode_time_s": "600"})
+    try:
+        env.reset(1)
+        assert _episode_ms(env) == 600_000
+        env.reset(2, {"episode_time_s": "30"})
+        assert _episode_ms(env) == 30_000
+        env.reset(3)
+        assert _episode_ms(env) == 600_000
+        env.reset(4, {"episode_time_s": "0"})    # 0: the task's own limit
+        assert _episode_ms(env) == 10_000
+    finally:
+        env.close()
+
+
+def test_a_reused_session_starts_an_episode_like_a_new_one():
+    """choose-date: an episode that opened the datepicker (which covers Submit), then a Reset to the same seed,
+    shows exactly what a new session shows for that seed: element list and screenshot (on main the page was reused
+    and the calendar stayed open)."""
+    env = miniwob_backend.make("choose-date", {"episode_time_s": "600"})
+    try:
+        fresh = env.reset(7)
+        field = next(e for e in env._elements if e.ref > 0 and e.tag.startswith("input_text"))
+        opened = env.step(Action("click", target=f"[{field.ref}]"))
+        assert "Prev" in opened.text and "Prev" not in fresh.text  # the calendar is open
+        reused = env.reset(7)
+        assert reused.text == fresh.text
+        assert reused.images[0].data == fresh.images[0].data
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("task", ["click-button", "click-checkboxes", "login-user"])
 def test_oracle_solves_tasks(task):
     env = miniwob_backend.make(task)
@@ -219,6 +258,15 @@ def test_oracle_solves_tasks(task):
             assert r.outcome == "terminated" and r.info["success"], (task, seed, r.instruction, r.info)
     finally:
         env.close()
+
+
+def test_a_killed_daemons_session_dir_is_removed_by_the_next_sweep():
+    """A SIGKILLed envd closes nothing: the session's private directory (profile, caches) stayed in /tmp for good.
+    It now lives in the daemon's scratch root (envd/scratch.py), which the next daemon's start-up sweep removes."""
+    d = dir_left_by_a_killed_daemon(
+        "from envd import miniwob_backend\ne = miniwob_backend.make('click-test', {})\ne.reset(1)\npath = e._dir")
+    assert d.is_dir() and d.parent.name.startswith(scratch.PREFIX)
+    assert d.parent in scratch.sweep() and not d.exists()
 
 
 # ---- over a real envd -----------------------------------------------------------------------------------------
