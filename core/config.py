@@ -2,21 +2,22 @@
 
 The resolved config is written into every run directory (config.yaml) so a run can be reproduced. A section may
 hold sections (`learner.staleness.eta`; the learner's are in core/config_learner.py); a class's MOVED table maps
-keys of an older layout to their new place, so such a key is refused with an error that names it. `validate` checks
-the rules that span sections.
+keys of an older layout to their new place, so such a key is refused with an error that names it. Values are read
+into their fields' types, `--set` text and YAML alike, by core/config_values.py. `validate` checks the rules that
+span sections.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import pathlib
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import yaml
 
 from core.config_fields import f
+from core.config_values import ConfigError, UserError, apply_override, from_dict  # noqa: F401 (core.config.*)
 from core.config_inference import InferenceConfig  # noqa: F401 (core.config.InferenceConfig)
 from core.config_learner import (CheckpointConfig, CorrectionConfig, GroupConfig, LearnerConfig,  # noqa: F401
                                  PPOConfig, PublishConfig, StalenessConfig, StreamConfig, ValuePretrainConfig)
@@ -255,87 +256,8 @@ class RunConfig:
                                          metadata={"help": "restarts of the processes of `tars up`"})
 
 
-class UserError(ValueError):
-    """A mistake in what the user asked for (a path, a value, a task id): `tars` prints the message as one line and
-    exits with status 2, with no traceback (tars.cli.main). Raise it, or a subclass, only before work starts."""
-
-
-class ConfigError(UserError):
-    """A config value, key, preset or file that cannot be used."""
-
-
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping")
-        return from_dict(tp, value, where)
-    if tp is bool:
-        if isinstance(value, str):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"{where}: {value!r} is not a boolean")
-        return bool(value)
-    if tp in (int, float):
-        try:
-            return tp(value) if not (tp is int and isinstance(value, float) and not value.is_integer()) else _fail(where, value, tp)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: {value!r} is not {tp.__name__}") from None
-    if tp is str:
-        return str(value)
-    if tp is list or origin is list:
-        if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list")
-        return value
-    if tp is dict or origin is dict:
-        if isinstance(value, str):
-            value = yaml.safe_load(value)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping")
-        return value
-    return value
-
-
-def _fail(where, value, tp):
-    raise ConfigError(f"{where}: {value!r} is not {tp.__name__}")
-
-
-def from_dict(cls, d: dict, where: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {fl.name for fl in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    moved = {k: getattr(cls, "MOVED", {})[k] for k in sorted(unknown) if k in getattr(cls, "MOVED", {})}
-    if moved:  # a key of an older layout: say where it lives now
-        where_ = f"{where}." if where else ""
-        raise ConfigError("renamed config key(s): " + ", ".join(f"{where_}{k} is now {v}" for k, v in moved.items()))
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {sorted(unknown)} in {where or cls.__name__}")
-    kw = {k: _coerce(hints[k], v, f"{where}.{k}".lstrip(".")) for k, v in d.items()}
-    for fl in dataclasses.fields(cls):  # a given value outside its field's range (f(..., lo=, hi=))
-        v, lo, hi = kw.get(fl.name), fl.metadata.get("lo"), fl.metadata.get("hi")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and (
-                (lo is not None and v < lo) or (hi is not None and v > hi)):
-            rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-            raise ConfigError(f"{where}.{fl.name}".lstrip(".") + f" = {v!r}: must be {rng}")
-    return cls(**kw)
-
-
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def apply_override(d: dict, key: str, value: str) -> None:
-    parts = key.split(".")
-    cur = d
-    for p in parts[:-1]:
-        cur = cur.setdefault(p, {})
-        if not isinstance(cur, dict):
-            raise ConfigError(f"{key}: {p} is not a section")
-    cur[parts[-1]] = yaml.safe_load(value) if value != "" else ""
 
 
 def load(preset: str | None = None, path: str | None = None, overrides: list[str] = ()) -> RunConfig:
