@@ -72,11 +72,13 @@ class InferenceConfig:
     sglang_max_resumes: int = f(32, "engine=sglang: aborts / replica failures one request survives before it fails")
     sglang_max_concurrency: int = f(256, "engine=sglang: HTTP calls in flight at once (threads of the client pool)")
     sglang_launch: int = f(0, "engine=sglang: start and supervise this many SGLang servers on the --model directory "
-                           "(restarted when one dies, stopped with the server); 0 = attach to sglang_urls (docs/sglang.md)")
+                           "(restarted when one dies, stopped with the server); 0 = attach to sglang_urls (docs/sglang.md)",
+                           lo=0)
     sglang_gpus: list = f([], "engine=sglang with sglang_launch: CUDA_VISIBLE_DEVICES of each launched server, round-robin "
                           "(e.g. [\"0\", \"1\"] or [\"0,1\"] for --tp-size 2); empty = inherit")
     sglang_host: str = f("127.0.0.1", "engine=sglang with sglang_launch: the launched servers' bind address")
-    sglang_base_port: int = f(30000, "engine=sglang with sglang_launch: server i listens on sglang_base_port + i")
+    sglang_base_port: int = f(30000, "engine=sglang with sglang_launch: server i listens on sglang_base_port + i",
+                              lo=1, hi=65535)
     sglang_args: list = f([], "engine=sglang with sglang_launch: extra SGLang server flags, e.g. [--mem-fraction-static, "
                           "'0.85', --tp-size, '2']")
     sglang_python: str = f("", "engine=sglang with sglang_launch: the Python that runs SGLang (its own environment: "
@@ -93,6 +95,9 @@ class InferenceConfig:
                                   "this many requests in flight beyond the least loaded one; 0 = always sticky")
 
     def config_error(self) -> str:
-        """What is wrong with device / precision ("" when nothing): the config loader raises it as a ConfigError.
+        """What is wrong with device / precision / the launched servers' ports ("" when nothing): the config loader raises it as a ConfigError.
         Whether CUDA is there is checked where the engine starts (core.device.resolve_device)."""
+        if self.sglang_launch and self.sglang_base_port + self.sglang_launch - 1 > 65535:
+            return (f"inference.sglang_base_port={self.sglang_base_port} with sglang_launch={self.sglang_launch}: the "
+                    f"last server's port {self.sglang_base_port + self.sglang_launch - 1} is past 65535")
         return device_error(self.device, "inference.device") or precision_error(self.precision, "inference.precision")

@@ -138,7 +138,7 @@ class StreamConfig:
     """learner.stream: the acked, credit-based ZMQ trajectory stream the actors send to."""
 
     host: str = f("127.0.0.1", "bind address of the trajectory stream")
-    port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one")
+    port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one", lo=0, hi=65535)
     curve_secret_key: str = f("", "Z85 CURVE secret key of the learner: if set, the stream is encrypted and only "
                                   "clients that know the public key connect (zmq.curve_keypair() makes a pair)")
     curve_public_key: str = f("", "the learner's Z85 CURVE public key; actors need it when CURVE is on")

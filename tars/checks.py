@@ -86,7 +86,7 @@ def inference_device(cfg, engine: str | None = None) -> None:
     naming the setting otherwise): checked before `tars serve` (and `tars up`) loads any model."""
     from core.device import resolve_device, resolve_precision
 
-    if (engine or cfg.inference.engine) == "local":  # engine: `tars serve --engine`, applied after the checks
+    if (engine or cfg.inference.engine) == "local":  # `tars serve --engine` is in cfg (tars.cli._option_sets)
         resolve_precision(cfg.inference.precision, resolve_device(cfg.inference.device, "inference.device"),
                           "inference.precision")
 

@@ -126,6 +126,14 @@ def test_bad_config_values_are_refused_before_the_run(tmp_path, args, needle):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("args", [["envd", "--port", "70000"], ["envd", "--port", "-1"],
+                                  ["serve", "--model", "m", "--port", "70001"]])
+def test_a_port_option_out_of_range_is_refused_not_wrapped(args):
+    """--port past 65535 (or below 0) bound port % 65536 before: now a config error, exit 2."""
+    one_line(tars(*args, timeout=60), args[0], 2, "config error", f"port = {args[args.index('--port') + 1]}: must be "
+             "in [0, 65535]")
+
+
 def test_unknown_key_in_a_yaml_file(tmp_path):
     (tmp_path / "c.yaml").write_text("actor:\n  concurency: 4\n")
     one_line(tars("up", "--config", tmp_path / "c.yaml", "--out", tmp_path / "run"), "up", 2, "['concurency'] in actor")

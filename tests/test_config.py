@@ -47,3 +47,27 @@ def test_a_saved_config_reads_back_the_same(tmp_path):
                                       "name=1.10"])
     C.save(cfg, tmp_path / "c.yaml")
     assert C.load(None, str(tmp_path / "c.yaml")) == cfg
+
+
+# ---- ports -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", ["learner.stream.port=65536", "envd.port=-1", "inference.port=70000",
+                                     "telemetry.prometheus_port=65536", "inference.sglang_base_port=70000"])
+def test_every_port_setting_is_a_tcp_port(setting):
+    with pytest.raises(C.ConfigError, match=r"must be in \[-?[01], 65535\]"):
+        C.load(None, None, [setting])
+    with pytest.raises(C.ConfigError, match="last server's port 65536 is past 65535"):
+        C.load(None, None, ["inference.sglang_launch=2", "inference.sglang_base_port=65535"])
+
+
+def test_command_options_are_config_settings_checked_at_load():
+    """`tars envd --port`, `tars serve --port/--engine/--sglang-launch/--sglang-url` go through the config checks."""
+    from tars.cli import _load, build_parser
+
+    a = build_parser().parse_args(["serve", "--model", "m", "--port", "5", "--engine", "sglang", "--sglang-url",
+                                   "http://a:1", "--sglang-url", "http://b:2", "--sglang-launch", "0"])
+    inf = _load(a).inference
+    assert (inf.port, inf.engine, inf.sglang_urls, inf.sglang_launch) == (5, "sglang", ["http://a:1", "http://b:2"], 0)
+    assert _load(build_parser().parse_args(["envd", "--port", "7"])).envd.port == 7
+    for argv in (["envd", "--port", "70000"], ["envd", "--port", "-1"], ["serve", "--model", "m", "--port", "70001"]):
+        with pytest.raises(C.ConfigError, match=r"port = -?\d+: must be in \[0, 65535\]"):
+            _load(build_parser().parse_args(argv))
