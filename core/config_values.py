@@ -30,8 +30,12 @@ class Text(str):
 
 
 def _yaml(text: str, where: str) -> Any:
-    """`--set` text read as YAML."""
-    return yaml.safe_load(str(text))
+    """`--set` text read as YAML; ConfigError (one line) when it is not YAML."""
+    try:
+        return yaml.safe_load(str(text))
+    except yaml.YAMLError as e:
+        why = getattr(e, "problem", None) or " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"{where}: {str(text)!r} is not a valid YAML value ({why})") from None
 
 
 def _not_text(where: str, value: Any) -> ConfigError:

@@ -134,6 +134,13 @@ def test_a_port_option_out_of_range_is_refused_not_wrapped(args):
              "in [0, 65535]")
 
 
+@pytest.mark.parametrize("cmd,setting,needle", [("config", "actor.env_ids=[oops", "is not a valid YAML value"),
+                                                 ("envd", "learner.lr=*abc", "is not a valid YAML value")])
+def test_a_set_value_that_is_not_yaml_is_one_line(cmd, setting, needle):
+    """A --set value its setting cannot read (a YAML syntax error) is a config error, exit 2, not a traceback."""
+    one_line(tars(cmd, "--set", setting, timeout=60), cmd, 2, "config error", needle)
+
+
 def test_unknown_key_in_a_yaml_file(tmp_path):
     (tmp_path / "c.yaml").write_text("actor:\n  concurency: 4\n")
     one_line(tars("up", "--config", tmp_path / "c.yaml", "--out", tmp_path / "run"), "up", 2, "['concurency'] in actor")

@@ -71,3 +71,14 @@ def test_command_options_are_config_settings_checked_at_load():
     for argv in (["envd", "--port", "70000"], ["envd", "--port", "-1"], ["serve", "--model", "m", "--port", "70001"]):
         with pytest.raises(C.ConfigError, match=r"port = -?\d+: must be in \[0, 65535\]"):
             _load(build_parser().parse_args(argv))
+
+
+# ---- a --set value that is not YAML --------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting,needle", [("actor.env_ids=[oops", "actor.env_ids: '[oops' is not a valid YAML value"),
+                                            ("learner.lr=*x", "learner.lr: '*x' is not a valid YAML value"),
+                                            ("actor.env_options={a", "actor.env_options: '{a' is not a valid YAML"),
+                                            ("learner.batch_size=.inf", "learner.batch_size: inf is not int")])
+def test_a_set_value_that_cannot_be_read_is_a_config_error(setting, needle):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, None, [setting])
+    assert needle in str(e.value) and "\n" not in str(e.value)
