@@ -76,7 +76,8 @@ class InferenceConfig:
                            lo=0)
     sglang_gpus: list = f([], "engine=sglang with sglang_launch: CUDA_VISIBLE_DEVICES of each launched server, round-robin "
                           "(e.g. [\"0\", \"1\"] or [\"0,1\"] for --tp-size 2); empty = inherit")
-    sglang_host: str = f("127.0.0.1", "engine=sglang with sglang_launch: the launched servers' bind address")
+    sglang_host: str = f("127.0.0.1", "engine=sglang with sglang_launch: the launched servers' bind address, loopback "
+                         "only (their HTTP API takes no token; another address is refused before launch)")
     sglang_base_port: int = f(30000, "engine=sglang with sglang_launch: server i listens on sglang_base_port + i",
                               lo=1, hi=65535)
     sglang_args: list = f([], "engine=sglang with sglang_launch: extra SGLang server flags, e.g. [--mem-fraction-static, "
