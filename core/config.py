@@ -108,10 +108,12 @@ class ActorConfig:
                                   "visible '[observation clipped ...]' marker (docs/actor.md); 0 = no budget")
     temperature: float = f(1.0, lo=0, help="sampling temperature")
     format_penalty: float = f(-0.1, "reward added to a turn whose output does not parse")
-    on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)")
+    on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)",
+                            choices=("continue", "stop"))
     on_context_full: str = f("window", "a turn whose prompt would not fit the context: window (start a new segment, "
                                        "a first prompt with the earlier turns' actions as text and only the new "
-                                       "observation; actor/episode.py) | truncate (end the episode there)")
+                                       "observation; actor/episode.py) | truncate (end the episode there)",
+                            choices=("window", "truncate"))
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
     retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
     coalesce_generate: bool = f(True, "inference calls made together go as one GenerateBatch call per replica, each "
@@ -128,7 +130,8 @@ class ActorConfig:
                         "checkpoint durability: everything since its last checkpoint); sending waits at this bound")
     system_prompt: str = f("auto", "system prompt of the first turn: auto (a vision-language checkpoint on a GUI task: "
                                    "computer; otherwise tiny) | tiny (one line, for small policies trained from "
-                                   "scratch) | computer | browser | mobile (the UI-TARS prompts, actor/prompts.py) | none")
+                                   "scratch) | computer | browser | mobile (the UI-TARS prompts, actor/prompts.py) | none",
+                           choices=("auto", "tiny", "none", "computer", "browser", "mobile"))
     image_history: int = f(-1, "screenshots shown as images in the prompt; -1 = auto (5 for a vision-language "
                                "checkpoint, else 0). VL: at most k images per segment, the (k+1)-th starts a new one "
                                "(docs/actor.md); tars_vision: the last k turns; 0 = text only")
@@ -136,14 +139,15 @@ class ActorConfig:
                               "vision-language checkpoint counts its own from each screenshot's size)")
     coordinates: str = f("auto", "what the model's coordinates mean: auto (relative for a Qwen2-VL checkpoint, absolute "
                                  "for a Qwen2.5-VL one, else screen) | absolute (UI-TARS-1.5: pixels of the resized screenshot) | relative "
-                                 "(UI-TARS-1.0: 0..1000) | screen (screen pixels, passed to envd as they are)")
+                                 "(UI-TARS-1.0: 0..1000) | screen (screen pixels, passed to envd as they are)",
+                         choices=("auto", "absolute", "relative", "screen"))
     judge_mode: str = f("off", "LLM-as-judge outcome reward through the inference server: off | replace (the verdict "
-                               "replaces the env reward) | add (added to it)")
+                               "replaces the env reward) | add (added to it)", choices=("off", "replace", "add"))
     judge_weight: float = f(1.0, "reward given for a YES (score 1) verdict")
     judge_images: int = f(5, "last screenshots shown to the judge")
     judge_max_new_tokens: int = f(8, "generation budget of the judge's answer")
     judge_on_error: str = f("infra_error", "unparseable verdict or judge call failed: infra_error (episode kept out "
-                                           "of the loss) | env (keep the env reward)")
+                                           "of the loss) | env (keep the env reward)", choices=("infra_error", "env"))
 
     # The group size is the learner's (learner.group.size): one number for the actors that launch the members and
     # the learner that waits for them.
@@ -304,8 +308,6 @@ def validate(cfg: RunConfig) -> None:
         # a service token alone would leave those commands open.
         raise ConfigError("envd.auth_token / inference.auth_token is set but control.auth_token is empty: the "
                           "ControlService on the same listeners would take unauthenticated calls; set control.auth_token")
-    if cfg.actor.on_context_full not in ("window", "truncate"):
-        raise ConfigError(f"actor.on_context_full={cfg.actor.on_context_full!r}: window or truncate")
     if err := cfg.learner.config_error() or cfg.inference.config_error():
         raise ConfigError(err)
 

@@ -30,7 +30,8 @@ class InferenceConfig:
 
     host: str = f("127.0.0.1", "bind address (loopback by default)")
     port: int = f(0, lo=0, hi=65535, help="gRPC port; 0 = pick a free one")
-    engine: str = f("local", "local (embedded torch engine) | sglang (SGLang servers over HTTP)")
+    engine: str = f("local", "local (embedded torch engine) | sglang (SGLang servers over HTTP)",
+                    choices=("local", "sglang"))
     sglang_urls: list = f([], "SGLang base URLs for engine=sglang")
     max_batch: int = f(256, lo=1, help="most sequences decoded together in one step")
     max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED")
@@ -62,7 +63,8 @@ class InferenceConfig:
                               "directory, symlinks resolved (INVALID_ARGUMENT otherwise); `tars up` sets the run's weights/")
     sglang_pause_mode: str = f("abort", "engine=sglang: pause_generation mode around a weight update: abort (in-flight requests "
                                "come back and are resumed from their tokens) | retract | in_place (the server keeps them "
-                               "and their KV from the old weights: tokens after the update are conditioned on it)")
+                               "and their KV from the old weights: tokens after the update are conditioned on it)",
+                               choices=("abort", "retract", "in_place"))
     sglang_tp_size: int = f(1, "engine=sglang: tensor-parallel size of each server (--tp-size): in-memory weight updates "
                                "(update_weights_from_tensor) send one serialized entry per TP rank", lo=1)
     sglang_request_timeout_s: float = f(600.0, "engine=sglang: longest a generation may take, resumes included")

@@ -153,14 +153,18 @@ class StreamConfig:
     fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
     wal_writer: str = f("process", "who checksums, writes and fdatasyncs the WAL: process (a writer process fed "
                                    "through shared memory; the learner process only copies each trajectory once) "
-                                   "| thread (a thread of the learner process)")
+                                   "| thread (a thread of the learner process)", choices=("process", "thread"))
     durability: str = f("wal", "wal: ack a trajectory once it is fsynced in the learner's write-ahead log | "
                                "checkpoint: no WAL; ack it once a checkpoint that consumed it is on disk (actors "
-                               "keep everything since the last checkpoint: faster, more actor memory)")
+                               "keep everything since the last checkpoint: faster, more actor memory)",
+                        choices=("wal", "checkpoint"))
 
 
 def _section(cls, help: str) -> Any:
     return field(default_factory=cls, metadata={"help": help})
+
+
+ALGOS = ("ppo", "grpo")
 
 
 @dataclass
@@ -168,7 +172,7 @@ class LearnerConfig:
     """learner: consumes trajectories, trains, publishes weights."""
 
     algo: str = f("ppo", "ppo (PPO with a critic: GAE advantages, or V-trace under learner.correction.kind=vtrace) | "
-                         "grpo (group-centred returns, no critic)")
+                         "grpo (group-centred returns, no critic)", choices=ALGOS)
     batch_size: int = f(64, lo=1, help="trajectories per policy update (B in the staleness rule)")
     lr: float = f(1e-3, lo=0, help="policy learning rate (AdamW)")
     critic_lr: float = f(2e-3, lo=0, help="critic learning rate")
@@ -196,6 +200,8 @@ class LearnerConfig:
     def config_error(self) -> str:
         """What is wrong with this learner config that no single field can say ("" when nothing): the config loader
         raises it as a ConfigError, PPOTrainer as a ValueError."""
+        if self.algo not in ALGOS:
+            return f"learner.algo: {self.algo!r} is not one of {' | '.join(ALGOS)}"
         if self.publish.mode not in PublishConfig.MODES:
             return f"learner.publish.mode: {self.publish.mode!r} is not one of {' | '.join(PublishConfig.MODES)}"
         if self.parallel not in ("ddp", "fsdp"):

@@ -28,17 +28,18 @@ def test_a_set_value_of_another_type_is_still_yaml():
     assert C.load(None, None, ["envd.auth_token=", "control.auth_token="]).envd.auth_token == ""
 
 
-@pytest.mark.parametrize("line,shown", [("judge_mode: off", "the boolean False"), ("system_prompt: 0755", "the number 493"),
-                                        ("system_prompt: 0x1F", "the number 31"), ("system_prompt: {x}", "the mapping"),
-                                        ("system_prompt: #x", "an empty (null) value")])
-def test_a_yaml_file_text_setting_of_another_type_says_to_quote_it(tmp_path, line, shown):
-    (tmp_path / "c.yaml").write_text(f"actor:\n  {line}\n")
+@pytest.mark.parametrize("text,shown", [("actor:\n  judge_mode: off", "actor.judge_mode: YAML read this value as the "
+                                        "boolean False"), ("model:\n  path: 0755", "model.path: YAML read this value as "
+                                        "the number 493"), ("name: 0x1F", "name: YAML read this value as the number 31"),
+                                        ("model:\n  path: {x}", "the mapping"), ("name: #x", "an empty (null) value")])
+def test_a_yaml_file_text_setting_of_another_type_says_to_quote_it(tmp_path, text, shown):
+    (tmp_path / "c.yaml").write_text(text + "\n")
     with pytest.raises(C.ConfigError, match="quote the value as written") as e:
         C.load(None, str(tmp_path / "c.yaml"))
-    assert str(e.value).startswith("actor.") and shown in str(e.value) and "\n" not in str(e.value)
-    (tmp_path / "q.yaml").write_text('actor:\n  judge_mode: "off"\n  system_prompt: \'0755\'\n')
+    assert shown in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "q.yaml").write_text('actor:\n  judge_mode: "off"\nmodel:\n  path: \'0755\'\n')
     cfg = C.load(None, str(tmp_path / "q.yaml"))
-    assert (cfg.actor.judge_mode, cfg.actor.system_prompt) == ("off", "0755")
+    assert (cfg.actor.judge_mode, cfg.model.path) == ("off", "0755")
 
 
 def test_a_saved_config_reads_back_the_same(tmp_path):
@@ -82,3 +83,43 @@ def test_a_set_value_that_cannot_be_read_is_a_config_error(setting, needle):
     with pytest.raises(C.ConfigError) as e:
         C.load(None, None, [setting])
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- choice settings are checked at load ----------------------------------------------------------------------------
+@pytest.mark.parametrize("key,bad,allowed", [
+    ("learner.algo", "PPO", "ppo | grpo"), ("actor.on_parse_error", "Stop", "continue | stop"),
+    ("actor.judge_mode", "False", "off | replace | add"), ("actor.judge_on_error", "drop", "infra_error | env"),
+    ("actor.system_prompt", "computre", "auto | tiny | none | computer | browser | mobile"),
+    ("actor.coordinates", "pixels", "auto | absolute | relative | screen"),
+    ("actor.on_context_full", "wrap", "window | truncate"), ("inference.engine", "vllm", "local | sglang"),
+    ("learner.stream.durability", "none", "wal | checkpoint"), ("learner.stream.wal_writer", "proc", "process | thread"),
+    ("inference.sglang_pause_mode", "pause", "abort | retract | in_place"),
+])
+def test_a_choice_setting_outside_its_choices_is_refused_at_load(tmp_path, key, bad, allowed):
+    """learner.algo=PPO trained GRPO without a critic, actor.on_parse_error=Stop went on; the actor's own checks of
+    judge_mode, system_prompt, coordinates and judge_on_error ran only after `tars up` had started (and its SFT)."""
+    with pytest.raises(C.ConfigError, match=f"^{key} = '{bad}': must be one of {allowed}$".replace("|", r"\|")):
+        C.load(None, None, [f"{key}={bad}"])
+    section, _, name = key.rpartition(".")
+    (tmp_path / "c.yaml").write_text("".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(section.split(".")))
+                                     + f"{'  ' * (section.count('.') + 1)}{name}: '{bad}'\n")
+    with pytest.raises(C.ConfigError, match="must be one of"):
+        C.load(None, str(tmp_path / "c.yaml"))
+    for good in allowed.split(" | "):
+        C.load(None, None, [f"{key}={good}", "envd.auth_token=", "inference.sglang_urls=[]"])
+
+
+def test_learner_config_error_names_the_algorithms():
+    """PPOTrainer raises LearnerConfig.config_error() for a config built in code, past the loader's checks."""
+    assert "learner.algo: 'PPO' is not one of ppo | grpo" == C.LearnerConfig(algo="PPO").config_error()
+
+
+def test_the_actors_choices_are_the_configs():
+    """The actor keeps its own checks (core cannot import the actor): the two lists must agree."""
+    import dataclasses
+
+    from actor.tiny import SYSTEM_PROMPTS
+    from actor.uitars import COORDINATES
+
+    fields = {fl.name: fl.metadata.get("choices") for fl in dataclasses.fields(C.ActorConfig)}
+    assert set(fields["system_prompt"]) == set(SYSTEM_PROMPTS) and set(fields["coordinates"]) == set(COORDINATES)
