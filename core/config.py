@@ -115,7 +115,7 @@ class ActorConfig:
                                        "observation; actor/episode.py) | truncate (end the episode there)",
                             choices=("window", "truncate"))
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
-    retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
+    retries: int = f(3, lo=0, help="retries with exponential backoff for retryable RPC failures")
     coalesce_generate: bool = f(True, "inference calls made together go as one GenerateBatch call per replica, each "
                                       "keeping its own result, deadline and retries (core/inference_client.py); "
                                       "false = one Generate call each")
@@ -125,7 +125,7 @@ class ActorConfig:
                                  "(the failed attempt is never sent); the last one is sent as infra_error. One whose "
                                  "inference stayed down past unavailable_retry_s is sent at once (fault inference)")
     admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
-    send_window: int = f(256, "trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
+    send_window: int = f(256, lo=1, help="trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
     max_outbox: int = f(1 << 16, "trajectories kept for re-send until acknowledged, held ones included (with the learner's "
                         "checkpoint durability: everything since its last checkpoint); sending waits at this bound")
     system_prompt: str = f("auto", "system prompt of the first turn: auto (a vision-language checkpoint on a GUI task: "

@@ -31,7 +31,7 @@ class PPOConfig:
     length_adaptive: bool = f(False, "lambda_policy = 1 - 1/(alpha * response length) (VAPO)")
     length_alpha: float = f(0.05, "alpha of length-adaptive GAE")
     value_clip: float = f(0.2, "clip range of the value loss")
-    epochs: int = f(1, "passes over each batch")
+    epochs: int = f(1, "passes over each batch", lo=1)
     minibatches: int = f(1, "minibatches per pass")
     adv_norm: bool = f(True, "normalise advantages over the batch's generated tokens")
     neg_adv_weight: float = f(1.0, "scale of negative advantages (1 = symmetric PPO); below 1, updates away from failed "
@@ -93,7 +93,7 @@ class GroupConfig:
     """learner.group: GRPO groups (episodes of one task seed), assembled whole before they are trained on."""
 
     size: int = f(1, "episodes per task seed; 1 = independent. The one source of truth: the actors launch this many "
-                     "members per seed and the learner waits for all of them")
+                     "members per seed and the learner waits for all of them", lo=1)
     timeout_s: float = f(120.0, "a group still incomplete this long after its first member arrived is trained as it "
                                 "is, so a lost actor cannot stall training")
 
@@ -111,7 +111,7 @@ class ValuePretrainConfig:
 class CheckpointConfig:
     """learner.checkpoint: model, optimizers, RNG, version and consumed trajectory ids in run_dir/ckpt."""
 
-    every: int = f(20, "checkpoint every N updates (and at the end; `tars ctl checkpoint` asks for one now)")
+    every: int = f(20, "checkpoint every N updates (and at the end; `tars ctl checkpoint` asks for one now)", lo=1)
 
 
 @dataclass

@@ -5,11 +5,13 @@ is (`--set actor.judge_mode=off` is "off", `envd.auth_token=0x1F` is "0x1F"); an
 (`actor.env_ids=[a, b]`, `learner.lr=1e-3`), and text that is not YAML is a ConfigError. In a YAML file, a text
 field given another YAML type (`judge_mode: off` is the boolean false in YAML, `0755` a number) is a ConfigError that
 says to quote it: read as it was, its text would change silently. After the types: a number outside its field's
-range (f(..., lo=, hi=)) or a text not among its field's choices (f(..., choices=)) is a ConfigError too.
+range (f(..., lo=, hi=)), a float that is not finite (nan, .inf) or a text not among its field's choices
+(f(..., choices=)) is a ConfigError too.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -91,8 +93,11 @@ def _fail(where, value, tp):
 
 
 def _check(fl: dataclasses.Field, v: Any, where: str) -> None:
-    """A given value against its field's range (lo=, hi=) and choices (core.config_fields.f)."""
+    """A given value against its field's range (lo=, hi=) and choices (core.config_fields.f); a float must be finite
+    (NaN passes every comparison, so every range check)."""
     lo, hi, choices = fl.metadata.get("lo"), fl.metadata.get("hi"), fl.metadata.get("choices")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{where} = {v!r}: must be a finite number")
     if isinstance(v, (int, float)) and not isinstance(v, bool) and (
             (lo is not None and v < lo) or (hi is not None and v > hi)):
         rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"

@@ -116,6 +116,8 @@ def test_missing_config_file_and_learner_resume_without_checkpoint(tmp_path, ckp
     (["--set", "telemetry.sample_ratio=2"], "telemetry.sample_ratio = 2.0: must be in [0, 1]"),
     (["--set", "envd.port=70000"], "envd.port = 70000: must be in [0, 65535]"),
     (["--set", "learner.staleness.eta=-1"], "learner.staleness.eta = -1: must be >= 0"),
+    (["--set", "learner.lr=nan"], "learner.lr = nan: must be a finite number"),
+    (["--set", "learner.checkpoint.every=0"], "learner.checkpoint.every = 0: must be >= 1"),
     (["--set", "learner.algo=PPO"], "learner.algo = 'PPO': must be one of ppo | grpo"),
     (["--set", "actor.judge_mode=replce"], "actor.judge_mode = 'replce': must be one of off | replace | add"),
     (["--preset", "nope"], "no preset 'nope'"),

@@ -123,3 +123,28 @@ def test_the_actors_choices_are_the_configs():
 
     fields = {fl.name: fl.metadata.get("choices") for fl in dataclasses.fields(C.ActorConfig)}
     assert set(fields["system_prompt"]) == set(SYSTEM_PROMPTS) and set(fields["coordinates"]) == set(COORDINATES)
+
+
+# ---- bounds and finite numbers --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting,needle", [
+    ("actor.retries=-1", "actor.retries = -1: must be >= 0"),  # every envd call returned None
+    ("learner.checkpoint.every=0", "learner.checkpoint.every = 0: must be >= 1"),  # ZeroDivisionError after update 1
+    ("learner.ppo.epochs=0", "learner.ppo.epochs = 0: must be >= 1"),
+    ("learner.group.size=0", "learner.group.size = 0: must be >= 1"),
+    ("actor.send_window=0", "actor.send_window = 0: must be >= 1"),
+    ("learner.lr=nan", "learner.lr = nan: must be a finite number"),  # NaN passes lo=0
+    ("telemetry.sample_ratio=nan", "telemetry.sample_ratio = nan: must be a finite number"),  # and lo=0, hi=1
+    ("actor.temperature=.inf", "actor.temperature = inf: must be a finite number"),
+    ("learner.ppo.gamma=-.inf", "learner.ppo.gamma = -inf: must be a finite number"),
+])
+def test_values_outside_what_the_code_can_run_are_refused_at_load(tmp_path, setting, needle):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, None, [setting])
+    assert str(e.value) == needle
+    key, _, value = setting.partition("=")
+    *section, name = key.split(".")
+    (tmp_path / "c.yaml").write_text("".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(section))
+                                     + f"{'  ' * len(section)}{name}: {value}\n")
+    with pytest.raises(C.ConfigError, match="must be"):
+        C.load(None, str(tmp_path / "c.yaml"))
+    assert C.load(None, None, ["actor.retries=0", "learner.checkpoint.every=1"]).actor.retries == 0
