@@ -255,6 +255,8 @@ def preflight(a, cfg) -> None:
     elif a.cmd == "eval" and not a.compare:
         if a.out:
             checks.out_dir(a.out)
+        if a.model and pathlib.Path(a.model).is_dir():
+            checks.weights(a.model, f"--model {a.model}")
         if a.tokenizer:
             checks.tokenizer_dir(a.tokenizer)
     elif a.cmd == "learner":
