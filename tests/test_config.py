@@ -52,7 +52,7 @@ def test_a_saved_config_reads_back_the_same(tmp_path):
 
 # ---- ports -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting", ["learner.stream.port=65536", "envd.port=-1", "inference.port=70000",
-                                     "telemetry.prometheus_port=65536", "inference.sglang_base_port=70000"])
+                                     "inference.sglang_base_port=70000"])
 def test_every_port_setting_is_a_tcp_port(setting):
     with pytest.raises(C.ConfigError, match=r"must be in \[-?[01], 65535\]"):
         C.load(None, None, [setting])
