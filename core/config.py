@@ -2,21 +2,22 @@
 
 The resolved config is written into every run directory (config.yaml) so a run can be reproduced. A section may
 hold sections (`learner.staleness.eta`; the learner's are in core/config_learner.py); a class's MOVED table maps
-keys of an older layout to their new place, so such a key is refused with an error that names it. `validate` checks
-the rules that span sections.
+keys of an older layout to their new place, so such a key is refused with an error that names it. Values are read
+into their fields' types, `--set` text and YAML alike, by core/config_values.py. `validate` checks the rules that
+span sections.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import pathlib
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import yaml
 
 from core.config_fields import f
+from core.config_values import ConfigError, UserError, apply_override, from_dict  # noqa: F401 (core.config.*)
 from core.config_inference import InferenceConfig  # noqa: F401 (core.config.InferenceConfig)
 from core.config_learner import (CheckpointConfig, CorrectionConfig, GroupConfig, LearnerConfig,  # noqa: F401
                                  PPOConfig, PublishConfig, StalenessConfig, StreamConfig, ValuePretrainConfig)
@@ -107,12 +108,14 @@ class ActorConfig:
                                   "visible '[observation clipped ...]' marker (docs/actor.md); 0 = no budget")
     temperature: float = f(1.0, lo=0, help="sampling temperature")
     format_penalty: float = f(-0.1, "reward added to a turn whose output does not parse")
-    on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)")
+    on_parse_error: str = f("continue", "continue (tell the model and go on) | stop (truncate the episode)",
+                            choices=("continue", "stop"))
     on_context_full: str = f("window", "a turn whose prompt would not fit the context: window (start a new segment, "
                                        "a first prompt with the earlier turns' actions as text and only the new "
-                                       "observation; actor/episode.py) | truncate (end the episode there)")
+                                       "observation; actor/episode.py) | truncate (end the episode there)",
+                            choices=("window", "truncate"))
     rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
-    retries: int = f(3, "retries with exponential backoff for retryable RPC failures")
+    retries: int = f(3, lo=0, help="retries with exponential backoff for retryable RPC failures")
     coalesce_generate: bool = f(True, "inference calls made together go as one GenerateBatch call per replica, each "
                                       "keeping its own result, deadline and retries (core/inference_client.py); "
                                       "false = one Generate call each")
@@ -122,12 +125,13 @@ class ActorConfig:
                                  "(the failed attempt is never sent); the last one is sent as infra_error. One whose "
                                  "inference stayed down past unavailable_retry_s is sent at once (fault inference)")
     admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
-    send_window: int = f(256, "trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
+    send_window: int = f(256, lo=1, help="trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
     max_outbox: int = f(1 << 16, "trajectories kept for re-send until acknowledged, held ones included (with the learner's "
                         "checkpoint durability: everything since its last checkpoint); sending waits at this bound")
     system_prompt: str = f("auto", "system prompt of the first turn: auto (a vision-language checkpoint on a GUI task: "
                                    "computer; otherwise tiny) | tiny (one line, for small policies trained from "
-                                   "scratch) | computer | browser | mobile (the UI-TARS prompts, actor/prompts.py) | none")
+                                   "scratch) | computer | browser | mobile (the UI-TARS prompts, actor/prompts.py) | none",
+                           choices=("auto", "tiny", "none", "computer", "browser", "mobile"))
     image_history: int = f(-1, "screenshots shown as images in the prompt; -1 = auto (5 for a vision-language "
                                "checkpoint, else 0). VL: at most k images per segment, the (k+1)-th starts a new one "
                                "(docs/actor.md); tars_vision: the last k turns; 0 = text only")
@@ -135,14 +139,15 @@ class ActorConfig:
                               "vision-language checkpoint counts its own from each screenshot's size)")
     coordinates: str = f("auto", "what the model's coordinates mean: auto (relative for a Qwen2-VL checkpoint, absolute "
                                  "for a Qwen2.5-VL one, else screen) | absolute (UI-TARS-1.5: pixels of the resized screenshot) | relative "
-                                 "(UI-TARS-1.0: 0..1000) | screen (screen pixels, passed to envd as they are)")
+                                 "(UI-TARS-1.0: 0..1000) | screen (screen pixels, passed to envd as they are)",
+                         choices=("auto", "absolute", "relative", "screen"))
     judge_mode: str = f("off", "LLM-as-judge outcome reward through the inference server: off | replace (the verdict "
-                               "replaces the env reward) | add (added to it)")
+                               "replaces the env reward) | add (added to it)", choices=("off", "replace", "add"))
     judge_weight: float = f(1.0, "reward given for a YES (score 1) verdict")
     judge_images: int = f(5, "last screenshots shown to the judge")
     judge_max_new_tokens: int = f(8, "generation budget of the judge's answer")
     judge_on_error: str = f("infra_error", "unparseable verdict or judge call failed: infra_error (episode kept out "
-                                           "of the loss) | env (keep the env reward)")
+                                           "of the loss) | env (keep the env reward)", choices=("infra_error", "env"))
 
     # The group size is the learner's (learner.group.size): one number for the actors that launch the members and
     # the learner that waits for them.
@@ -255,87 +260,8 @@ class RunConfig:
                                          metadata={"help": "restarts of the processes of `tars up`"})
 
 
-class UserError(ValueError):
-    """A mistake in what the user asked for (a path, a value, a task id): `tars` prints the message as one line and
-    exits with status 2, with no traceback (tars.cli.main). Raise it, or a subclass, only before work starts."""
-
-
-class ConfigError(UserError):
-    """A config value, key, preset or file that cannot be used."""
-
-
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping")
-        return from_dict(tp, value, where)
-    if tp is bool:
-        if isinstance(value, str):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"{where}: {value!r} is not a boolean")
-        return bool(value)
-    if tp in (int, float):
-        try:
-            return tp(value) if not (tp is int and isinstance(value, float) and not value.is_integer()) else _fail(where, value, tp)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: {value!r} is not {tp.__name__}") from None
-    if tp is str:
-        return str(value)
-    if tp is list or origin is list:
-        if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list")
-        return value
-    if tp is dict or origin is dict:
-        if isinstance(value, str):
-            value = yaml.safe_load(value)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping")
-        return value
-    return value
-
-
-def _fail(where, value, tp):
-    raise ConfigError(f"{where}: {value!r} is not {tp.__name__}")
-
-
-def from_dict(cls, d: dict, where: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {fl.name for fl in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    moved = {k: getattr(cls, "MOVED", {})[k] for k in sorted(unknown) if k in getattr(cls, "MOVED", {})}
-    if moved:  # a key of an older layout: say where it lives now
-        where_ = f"{where}." if where else ""
-        raise ConfigError("renamed config key(s): " + ", ".join(f"{where_}{k} is now {v}" for k, v in moved.items()))
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {sorted(unknown)} in {where or cls.__name__}")
-    kw = {k: _coerce(hints[k], v, f"{where}.{k}".lstrip(".")) for k, v in d.items()}
-    for fl in dataclasses.fields(cls):  # a given value outside its field's range (f(..., lo=, hi=))
-        v, lo, hi = kw.get(fl.name), fl.metadata.get("lo"), fl.metadata.get("hi")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and (
-                (lo is not None and v < lo) or (hi is not None and v > hi)):
-            rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-            raise ConfigError(f"{where}.{fl.name}".lstrip(".") + f" = {v!r}: must be {rng}")
-    return cls(**kw)
-
-
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def apply_override(d: dict, key: str, value: str) -> None:
-    parts = key.split(".")
-    cur = d
-    for p in parts[:-1]:
-        cur = cur.setdefault(p, {})
-        if not isinstance(cur, dict):
-            raise ConfigError(f"{key}: {p} is not a section")
-    cur[parts[-1]] = yaml.safe_load(value) if value != "" else ""
 
 
 def load(preset: str | None = None, path: str | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -382,8 +308,6 @@ def validate(cfg: RunConfig) -> None:
         # a service token alone would leave those commands open.
         raise ConfigError("envd.auth_token / inference.auth_token is set but control.auth_token is empty: the "
                           "ControlService on the same listeners would take unauthenticated calls; set control.auth_token")
-    if cfg.actor.on_context_full not in ("window", "truncate"):
-        raise ConfigError(f"actor.on_context_full={cfg.actor.on_context_full!r}: window or truncate")
     if err := cfg.learner.config_error() or cfg.inference.config_error():
         raise ConfigError(err)
 

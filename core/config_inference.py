@@ -30,7 +30,8 @@ class InferenceConfig:
 
     host: str = f("127.0.0.1", "bind address (loopback by default)")
     port: int = f(0, lo=0, hi=65535, help="gRPC port; 0 = pick a free one")
-    engine: str = f("local", "local (embedded torch engine) | sglang (SGLang servers over HTTP)")
+    engine: str = f("local", "local (embedded torch engine) | sglang (SGLang servers over HTTP)",
+                    choices=("local", "sglang"))
     sglang_urls: list = f([], "SGLang base URLs for engine=sglang")
     max_batch: int = f(256, lo=1, help="most sequences decoded together in one step")
     max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED")
@@ -62,7 +63,8 @@ class InferenceConfig:
                               "directory, symlinks resolved (INVALID_ARGUMENT otherwise); `tars up` sets the run's weights/")
     sglang_pause_mode: str = f("abort", "engine=sglang: pause_generation mode around a weight update: abort (in-flight requests "
                                "come back and are resumed from their tokens) | retract | in_place (the server keeps them "
-                               "and their KV from the old weights: tokens after the update are conditioned on it)")
+                               "and their KV from the old weights: tokens after the update are conditioned on it)",
+                               choices=("abort", "retract", "in_place"))
     sglang_tp_size: int = f(1, "engine=sglang: tensor-parallel size of each server (--tp-size): in-memory weight updates "
                                "(update_weights_from_tensor) send one serialized entry per TP rank", lo=1)
     sglang_request_timeout_s: float = f(600.0, "engine=sglang: longest a generation may take, resumes included")
@@ -72,11 +74,14 @@ class InferenceConfig:
     sglang_max_resumes: int = f(32, "engine=sglang: aborts / replica failures one request survives before it fails")
     sglang_max_concurrency: int = f(256, "engine=sglang: HTTP calls in flight at once (threads of the client pool)")
     sglang_launch: int = f(0, "engine=sglang: start and supervise this many SGLang servers on the --model directory "
-                           "(restarted when one dies, stopped with the server); 0 = attach to sglang_urls (docs/sglang.md)")
+                           "(restarted when one dies, stopped with the server); 0 = attach to sglang_urls (docs/sglang.md)",
+                           lo=0)
     sglang_gpus: list = f([], "engine=sglang with sglang_launch: CUDA_VISIBLE_DEVICES of each launched server, round-robin "
                           "(e.g. [\"0\", \"1\"] or [\"0,1\"] for --tp-size 2); empty = inherit")
-    sglang_host: str = f("127.0.0.1", "engine=sglang with sglang_launch: the launched servers' bind address")
-    sglang_base_port: int = f(30000, "engine=sglang with sglang_launch: server i listens on sglang_base_port + i")
+    sglang_host: str = f("127.0.0.1", "engine=sglang with sglang_launch: the launched servers' bind address, loopback "
+                         "only (their HTTP API takes no token; another address is refused before launch)")
+    sglang_base_port: int = f(30000, "engine=sglang with sglang_launch: server i listens on sglang_base_port + i",
+                              lo=1, hi=65535)
     sglang_args: list = f([], "engine=sglang with sglang_launch: extra SGLang server flags, e.g. [--mem-fraction-static, "
                           "'0.85', --tp-size, '2']")
     sglang_python: str = f("", "engine=sglang with sglang_launch: the Python that runs SGLang (its own environment: "
@@ -93,6 +98,9 @@ class InferenceConfig:
                                   "this many requests in flight beyond the least loaded one; 0 = always sticky")
 
     def config_error(self) -> str:
-        """What is wrong with device / precision ("" when nothing): the config loader raises it as a ConfigError.
+        """What is wrong with device / precision / the launched servers' ports ("" when nothing): the config loader raises it as a ConfigError.
         Whether CUDA is there is checked where the engine starts (core.device.resolve_device)."""
+        if self.sglang_launch and self.sglang_base_port + self.sglang_launch - 1 > 65535:
+            return (f"inference.sglang_base_port={self.sglang_base_port} with sglang_launch={self.sglang_launch}: the "
+                    f"last server's port {self.sglang_base_port + self.sglang_launch - 1} is past 65535")
         return device_error(self.device, "inference.device") or precision_error(self.precision, "inference.precision")

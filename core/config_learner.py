@@ -31,7 +31,7 @@ class PPOConfig:
     length_adaptive: bool = f(False, "lambda_policy = 1 - 1/(alpha * response length) (VAPO)")
     length_alpha: float = f(0.05, "alpha of length-adaptive GAE")
     value_clip: float = f(0.2, "clip range of the value loss")
-    epochs: int = f(1, "passes over each batch")
+    epochs: int = f(1, "passes over each batch", lo=1)
     minibatches: int = f(1, "minibatches per pass")
     adv_norm: bool = f(True, "normalise advantages over the batch's generated tokens")
     neg_adv_weight: float = f(1.0, "scale of negative advantages (1 = symmetric PPO); below 1, updates away from failed "
@@ -93,7 +93,7 @@ class GroupConfig:
     """learner.group: GRPO groups (episodes of one task seed), assembled whole before they are trained on."""
 
     size: int = f(1, "episodes per task seed; 1 = independent. The one source of truth: the actors launch this many "
-                     "members per seed and the learner waits for all of them")
+                     "members per seed and the learner waits for all of them", lo=1)
     timeout_s: float = f(120.0, "a group still incomplete this long after its first member arrived is trained as it "
                                 "is, so a lost actor cannot stall training")
 
@@ -111,7 +111,7 @@ class ValuePretrainConfig:
 class CheckpointConfig:
     """learner.checkpoint: model, optimizers, RNG, version and consumed trajectory ids in run_dir/ckpt."""
 
-    every: int = f(20, "checkpoint every N updates (and at the end; `tars ctl checkpoint` asks for one now)")
+    every: int = f(20, "checkpoint every N updates (and at the end; `tars ctl checkpoint` asks for one now)", lo=1)
 
 
 @dataclass
@@ -138,7 +138,7 @@ class StreamConfig:
     """learner.stream: the acked, credit-based ZMQ trajectory stream the actors send to."""
 
     host: str = f("127.0.0.1", "bind address of the trajectory stream")
-    port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one")
+    port: int = f(0, "ZMQ port of the trajectory stream; 0 = pick a free one", lo=0, hi=65535)
     curve_secret_key: str = f("", "Z85 CURVE secret key of the learner: if set, the stream is encrypted and only "
                                   "clients that know the public key connect (zmq.curve_keypair() makes a pair)")
     curve_public_key: str = f("", "the learner's Z85 CURVE public key; actors need it when CURVE is on")
@@ -153,14 +153,18 @@ class StreamConfig:
     fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
     wal_writer: str = f("process", "who checksums, writes and fdatasyncs the WAL: process (a writer process fed "
                                    "through shared memory; the learner process only copies each trajectory once) "
-                                   "| thread (a thread of the learner process)")
+                                   "| thread (a thread of the learner process)", choices=("process", "thread"))
     durability: str = f("wal", "wal: ack a trajectory once it is fsynced in the learner's write-ahead log | "
                                "checkpoint: no WAL; ack it once a checkpoint that consumed it is on disk (actors "
-                               "keep everything since the last checkpoint: faster, more actor memory)")
+                               "keep everything since the last checkpoint: faster, more actor memory)",
+                        choices=("wal", "checkpoint"))
 
 
 def _section(cls, help: str) -> Any:
     return field(default_factory=cls, metadata={"help": help})
+
+
+ALGOS = ("ppo", "grpo")
 
 
 @dataclass
@@ -168,7 +172,7 @@ class LearnerConfig:
     """learner: consumes trajectories, trains, publishes weights."""
 
     algo: str = f("ppo", "ppo (PPO with a critic: GAE advantages, or V-trace under learner.correction.kind=vtrace) | "
-                         "grpo (group-centred returns, no critic)")
+                         "grpo (group-centred returns, no critic)", choices=ALGOS)
     batch_size: int = f(64, lo=1, help="trajectories per policy update (B in the staleness rule)")
     lr: float = f(1e-3, lo=0, help="policy learning rate (AdamW)")
     critic_lr: float = f(2e-3, lo=0, help="critic learning rate")
@@ -196,6 +200,8 @@ class LearnerConfig:
     def config_error(self) -> str:
         """What is wrong with this learner config that no single field can say ("" when nothing): the config loader
         raises it as a ConfigError, PPOTrainer as a ValueError."""
+        if self.algo not in ALGOS:
+            return f"learner.algo: {self.algo!r} is not one of {' | '.join(ALGOS)}"
         if self.publish.mode not in PublishConfig.MODES:
             return f"learner.publish.mode: {self.publish.mode!r} is not one of {' | '.join(PublishConfig.MODES)}"
         if self.parallel not in ("ddp", "fsdp"):

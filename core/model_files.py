@@ -56,6 +56,70 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return sd
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on the JSON header
+
+
+def check_file(path: pathlib.Path) -> set[str]:
+    """A safetensors file's header read without its tensors: an 8-byte length, a JSON header whose tensors' byte
+    ranges lie in the data that follows and cover it exactly, as safetensors itself requires. ValueError (one line,
+    naming the file) for a truncated, empty or otherwise unreadable file; returns the tensor names."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path}: not a whole safetensors file ({size} bytes, header length "
+                             f"{'unreadable' if n < 0 else n}): truncated or corrupt; copy it again")
+        try:
+            header = json.loads(fh.read(n))
+            assert isinstance(header, dict)
+        except (ValueError, AssertionError, UnicodeDecodeError):
+            raise ValueError(f"{path}: its safetensors header is not a JSON mapping: corrupt; copy it again") from None
+    end = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in t["data_offsets"])
+            assert 0 <= begin <= stop
+        except (TypeError, KeyError, ValueError, AssertionError):
+            raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets in its header: corrupt") from None
+        end = max(end, stop)
+    if end != size - 8 - n:
+        raise ValueError(f"{path}: its header describes {end} bytes of tensor data but the file holds {size - 8 - n}: "
+                         "truncated or corrupt; copy it again")
+    return set(header) - {"__metadata__"}
+
+
+def check_weights(path: str | os.PathLike) -> None:
+    """The weights of checkpoint directory DIR can be read, judged by their headers (check_file) and, for shards, the
+    index: MissingWeights / ValueError naming the file, before a process spends time on a model it cannot load."""
+    path = pathlib.Path(path)
+    if (path / WEIGHTS_NAME).is_file():
+        check_file(path / WEIGHTS_NAME)
+        return
+    if not (path / INDEX_NAME).is_file():
+        read_weights(path)  # raises MissingWeights, naming what is there instead
+    try:
+        weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+        assert isinstance(weight_map, dict) and weight_map and all(isinstance(s, str) for s in weight_map.values())
+    except Exception as e:
+        raise ValueError(f"{path / INDEX_NAME}: not a safetensors index with a weight_map ({type(e).__name__})") from None
+    shards = sorted(set(weight_map.values()))
+    bad = [s for s in shards if pathlib.PurePath(s).name != s]
+    if bad:
+        raise ValueError(f"{path / INDEX_NAME}: shard names must be plain file names in the directory, got {bad[:3]}")
+    missing = [s for s in shards if not (path / s).is_file()]
+    if missing:
+        raise MissingWeights(f"{path}: {INDEX_NAME} lists shards that are not there: {missing[:5]}")
+    held: set[str] = set()
+    for s in shards:
+        held |= check_file(path / s)
+    absent = [k for k in weight_map if k not in held]
+    if absent:
+        raise MissingWeights(f"{path}: {INDEX_NAME} maps tensors that no shard holds: {absent[:5]}")
+
+
 def write_weights(path: str | os.PathLike, sd: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> list[str]:
     """Write sd into the directory DIR as model.safetensors, or, when it exceeds max_shard_bytes, as shards + index
     (a tensor larger than the limit gets a shard of its own, as in transformers). Returns the file names written."""

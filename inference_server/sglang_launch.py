@@ -11,6 +11,9 @@ dying) takes SGLang's scheduler and detokenizer processes down with it.
 - `wait_first_healthy`: the start-up deadline (sglang_startup_timeout_s); SGLangStartupError names what failed in one
   line, which `tars serve` prints before exiting with status 2.
 - `launch_sglang_servers` / `stop_sglang_servers` / `wait_healthy`: unsupervised launching for scripts and tests.
+
+A launched server's HTTP API (weights, pause, generate) takes no token, so it is launched on a loopback address only
+(check_host; docs/threat-model.md): off loopback only with auth, and tars has none to give SGLang.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import threading
 import time
 from typing import Callable
 
+from core.auth import InsecureBind, is_loopback
 from inference_server.sglang_http import http_json
 
 log = logging.getLogger("tars.inference.sglang")
@@ -46,6 +50,15 @@ def server_command(model_path: str, host: str, port: int, weight_version: int = 
     return [python or sys.executable, "-m", module, "--model-path", model_path, "--tokenizer-path", model_path,
             "--skip-tokenizer-init", "--host", host, "--port", str(port), "--weight-version", str(int(weight_version)),
             *[str(a) for a in extra_args or ()]]
+
+
+def check_host(host: str) -> None:
+    """InsecureBind (a ValueError: `tars serve` prints it and exits 2) for a launch address that is not loopback."""
+    if not is_loopback(host):
+        raise InsecureBind(f"inference.sglang_host={host!r}: refusing to launch SGLang servers off loopback: their HTTP "
+                           "API (update_weights_from_disk, pause_generation, generate) takes no token, so anyone who "
+                           "can reach this host could use it. Bind 127.0.0.1 (remote actors call the tars front, "
+                           "guarded by inference.auth_token)")
 
 
 # Run by the server's own Python before it becomes the server: SIGTERM when the thread that started it goes
@@ -90,6 +103,7 @@ class SGLangFleet:
         n = int(cfg.sglang_launch)
         if n < 1:
             raise ValueError(f"inference.sglang_launch must be >= 1 to launch servers, got {n}")
+        check_host(cfg.sglang_host)  # before anything starts
         self.cfg, self.n = cfg, n
         ports = [int(cfg.sglang_base_port) + i for i in range(n)]
         self.urls = [f"http://{cfg.sglang_host}:{p}" for p in ports]
@@ -208,6 +222,7 @@ def launch_sglang_servers(model_path: str, n: int = 1, host: str = "127.0.0.1", 
                           wait_s: float = 900.0, module: str = "sglang.launch_server") -> tuple[list[subprocess.Popen], list[str]]:
     """Start n servers (server_command; one GPU each through CUDA_VISIBLE_DEVICES) and wait until every one answers
     /health_generate. Unsupervised: the caller stops them with stop_sglang_servers."""
+    check_host(host)
     procs, urls = [], []
     try:
         for i in range(n):

@@ -2,7 +2,8 @@
 own core.chat.TokenizerError / core.model.UnsupportedModel) whose message names the path, setting or task and what
 to do instead; tars.cli prints it as one line and exits 2.
 
-    model_dir      a checkpoint directory: there, a directory, config.json of a supported model, a tokenizer that fits
+    model_dir      a checkpoint directory: there, a directory, config.json of a supported model, weights whose
+                   safetensors headers read whole (weights), a tokenizer that fits
     tokenizer_dir  a tokenizer directory (and, given a model directory, that its vocabulary fits the model's)
     out_dir        an output directory that can be created (or is one) and written to
     device         learner.device on this machine (cuda without CUDA, a cuda:N beyond the devices there)
@@ -38,12 +39,24 @@ def model_dir(path: str, what: str = "--model", need_tokenizer: bool = True) -> 
         raise UserError(f"{what} {path}: no config.json here (a checkpoint directory holds config.json + "
                         "model.safetensors + the tokenizer files)")
     load_config(p)  # UnsupportedModel (a user error) for an architecture this code cannot run
+    weights(p, f"{what} {path}")
     if need_tokenizer or any((p / n).is_file() for n in TOKENIZER_FILES):
         try:
             open_tokenizer(p, p)  # a missing tokenizer, or one whose vocabulary does not fit the model
         except TokenizerError as e:
             raise TokenizerError(f"{what} {path}: {e}") from None
     return p.resolve()
+
+
+def weights(path: str | os.PathLike, what: str) -> None:
+    """The checkpoint's safetensors files (model.safetensors, or the index and every shard it lists) have whole
+    headers whose tensors fit the file: a truncated copy is a UserError here, not a failure once loading."""
+    from core.model_files import MissingWeights, check_weights
+
+    try:
+        check_weights(path)
+    except (MissingWeights, ValueError, OSError) as e:
+        raise UserError(f"{what}: {e}") from None
 
 
 def tokenizer_dir(path: str, model: str | os.PathLike | None = None, what: str = "--tokenizer") -> None:
@@ -86,7 +99,7 @@ def inference_device(cfg, engine: str | None = None) -> None:
     naming the setting otherwise): checked before `tars serve` (and `tars up`) loads any model."""
     from core.device import resolve_device, resolve_precision
 
-    if (engine or cfg.inference.engine) == "local":  # engine: `tars serve --engine`, applied after the checks
+    if (engine or cfg.inference.engine) == "local":  # `tars serve --engine` is in cfg (tars.cli._option_sets)
         resolve_precision(cfg.inference.precision, resolve_device(cfg.inference.device, "inference.device"),
                           "inference.precision")
 

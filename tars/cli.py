@@ -19,9 +19,23 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(a):
+    """The command's config: preset, --config, --set, then the command's own options that set a config field
+    (--port, serve's --engine, ...), applied as `--set`s so the same checks hold them (a port past 65535 is refused,
+    not wrapped)."""
     from core import config as C
 
-    return C.load(a.preset, a.config, a.set)
+    return C.load(a.preset, a.config, [*a.set, *_option_sets(a)])
+
+
+def _option_sets(a) -> list[str]:
+    section = {"envd": "envd", "serve": "inference"}.get(a.cmd)
+    if section is None:
+        return []
+    opts = {"port": a.port}
+    if a.cmd == "serve":
+        opts.update(engine=a.engine, sglang_launch=a.sglang_launch,
+                    sglang_urls=json.dumps(a.sglang_url) if a.sglang_url is not None else None)
+    return [f"{section}.{k}={v}" for k, v in opts.items() if v is not None]
 
 
 def _split(s: str) -> list[str]:
@@ -241,6 +255,8 @@ def preflight(a, cfg) -> None:
     elif a.cmd == "eval" and not a.compare:
         if a.out:
             checks.out_dir(a.out)
+        if a.model and pathlib.Path(a.model).is_dir():
+            checks.weights(a.model, f"--model {a.model}")
         if a.tokenizer:
             checks.tokenizer_dir(a.tokenizer)
     elif a.cmd == "learner":
@@ -248,7 +264,7 @@ def preflight(a, cfg) -> None:
         checks.model_dir(a.model, need_tokenizer=False)
         checks.out_dir(a.run_dir, "--run-dir")
     elif a.cmd == "serve":
-        checks.inference_device(cfg, a.engine)
+        checks.inference_device(cfg)
         checks.model_dir(a.model, need_tokenizer=False)
     elif a.cmd == "actor":
         checks.tokenizer_dir(a.tokenizer)
@@ -294,19 +310,12 @@ def _role(a, cfg) -> int:
         from core.proc import die_with_parent
 
         die_with_parent()
-        if a.port is not None:
-            cfg.envd.port = a.port
         return envd_main(cfg.envd, a.ready_file, control_token=cfg.control.auth_token)
     if a.cmd == "serve":
         from inference_server.server import main as serve_main
         from core.proc import die_with_parent
 
         die_with_parent()
-        if a.port is not None:
-            cfg.inference.port = a.port
-        for key, value in (("engine", a.engine), ("sglang_launch", a.sglang_launch), ("sglang_urls", a.sglang_url)):
-            if value is not None:
-                setattr(cfg.inference, key, value)
         return serve_main(cfg.inference, a.model, a.version, a.ready_file, control_token=cfg.control.auth_token)
     if a.cmd == "actor":
         from actor.main import main as actor_main

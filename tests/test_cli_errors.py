@@ -53,17 +53,41 @@ def _checkpoint(path: pathlib.Path, vocab: int | None = None, tokenizer: bool = 
     return path
 
 
+def _damaged(good: pathlib.Path, path: pathlib.Path, how: str) -> pathlib.Path:
+    """A copy of the good checkpoint whose weights are damaged: truncated (a copy cut short), sharded with one shard
+    cut short, or without any weights file."""
+    import shutil
+
+    from core.model_files import WEIGHTS_NAME, read_weights, write_weights
+
+    shutil.copytree(good, path)
+    w = path / WEIGHTS_NAME
+    if how == "truncated":
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    elif how == "shard":
+        shards = [n for n in write_weights(path, read_weights(good), max_shard_bytes=20_000) if n.endswith("safetensors")]
+        w.unlink()
+        last = path / shards[-1]
+        last.write_bytes(last.read_bytes()[:-1])
+    else:
+        w.unlink()
+    return path
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpts")
     (d / "a-file").write_text("not a directory")
-    return {"good": _checkpoint(d / "good"), "notok": _checkpoint(d / "notok", tokenizer=False),
-            "small": _checkpoint(d / "small", vocab=64), "file": d / "a-file", "missing": d / "missing"}
+    good = _checkpoint(d / "good")
+    return {"good": good, "notok": _checkpoint(d / "notok", tokenizer=False),
+            "small": _checkpoint(d / "small", vocab=64), "file": d / "a-file", "missing": d / "missing",
+            **{how: _damaged(good, d / how, how) for how in ("truncated", "shard", "noweights")}}
 
 
 # ---- bad paths ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("which,needle", [("missing", "no such directory"), ("file", "a file, not a checkpoint"),
-                                          ("notok", "no tokenizer.json"), ("small", "not a pair")])
+                                          ("notok", "no tokenizer.json"), ("small", "not a pair"),
+                                          ("shard", "truncated or corrupt")])
 def test_up_model_path_that_cannot_be_used(tmp_path, ckpts, which, needle):
     r = tars("up", "--set", f"model.path={ckpts[which]}", "--out", tmp_path / "run", "--quiet")
     one_line(r, "up", 2, "model.path", needle)
@@ -74,7 +98,10 @@ def test_up_model_path_that_cannot_be_used(tmp_path, ckpts, which, needle):
     *((c, "small", "not a pair") for c in ("sft", "serve", "learner", "eval")),  # the vocabulary check: every command
     ("sft", "missing", "no such directory"), ("learner", "missing", "no such directory"),
     ("serve", "file", "a file, not a checkpoint"), ("sft", "file", "a file, not a checkpoint"),
-    ("eval", "missing", "not a checkpoint directory")])
+    ("eval", "missing", "not a checkpoint directory"),
+    # weights that cannot be read: exit 1 (sft, eval) or a traceback (serve, learner) once loading, before
+    *((c, "truncated", "model.safetensors: its header describes") for c in ("sft", "serve", "learner", "eval")),
+    ("serve", "shard", "its header describes"), ("learner", "noweights", "no weights")])
 def test_model_that_cannot_be_used_every_command(tmp_path, ckpts, cmd, which, needle):
     args = {"sft": ["--out", tmp_path / "o", "--demos", "2"], "serve": [],
             "learner": ["--run-dir", tmp_path / "o"], "eval": ["--suite", "builtin", "--out", tmp_path / "o"]}[cmd]
@@ -116,6 +143,10 @@ def test_missing_config_file_and_learner_resume_without_checkpoint(tmp_path, ckp
     (["--set", "telemetry.sample_ratio=2"], "telemetry.sample_ratio = 2.0: must be in [0, 1]"),
     (["--set", "envd.port=70000"], "envd.port = 70000: must be in [0, 65535]"),
     (["--set", "learner.staleness.eta=-1"], "learner.staleness.eta = -1: must be >= 0"),
+    (["--set", "learner.lr=nan"], "learner.lr = nan: must be a finite number"),
+    (["--set", "learner.checkpoint.every=0"], "learner.checkpoint.every = 0: must be >= 1"),
+    (["--set", "learner.algo=PPO"], "learner.algo = 'PPO': must be one of ppo | grpo"),
+    (["--set", "actor.judge_mode=replce"], "actor.judge_mode = 'replce': must be one of off | replace | add"),
     (["--preset", "nope"], "no preset 'nope'"),
     (["--set", "actor.env_ids=[builtin/nope]"], "builtin has no task 'nope'"),
     (["--set", "actor.env_ids=[nosuch/x]"], "no backend serves it"),
@@ -124,6 +155,21 @@ def test_bad_config_values_are_refused_before_the_run(tmp_path, args, needle):
     r = tars("up", *args, "--out", tmp_path / "run", "--quiet", timeout=60)
     one_line(r, "up", 2, "config error", needle)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args", [["envd", "--port", "70000"], ["envd", "--port", "-1"],
+                                  ["serve", "--model", "m", "--port", "70001"]])
+def test_a_port_option_out_of_range_is_refused_not_wrapped(args):
+    """--port past 65535 (or below 0) bound port % 65536 before: now a config error, exit 2."""
+    one_line(tars(*args, timeout=60), args[0], 2, "config error", f"port = {args[args.index('--port') + 1]}: must be "
+             "in [0, 65535]")
+
+
+@pytest.mark.parametrize("cmd,setting,needle", [("config", "actor.env_ids=[oops", "is not a valid YAML value"),
+                                                 ("envd", "learner.lr=*abc", "is not a valid YAML value")])
+def test_a_set_value_that_is_not_yaml_is_one_line(cmd, setting, needle):
+    """A --set value its setting cannot read (a YAML syntax error) is a config error, exit 2, not a traceback."""
+    one_line(tars(cmd, "--set", setting, timeout=60), cmd, 2, "config error", needle)
 
 
 def test_unknown_key_in_a_yaml_file(tmp_path):
@@ -314,3 +360,25 @@ def test_tars_config_does_not_print_secrets(tmp_path):
     r = tars("config", "--config", tmp_path / "c.yaml")
     assert r.returncode == 0 and "sekrit" not in r.stdout + r.stderr and '"auth_token": "<set>"' in r.stdout
     assert '"auth_token": ""' in r.stdout                          # inference's, unset, shows as it is
+
+
+def test_weights_check_reads_only_headers_and_names_what_is_wrong(tmp_path, ckpts):
+    """core.model_files.check_weights: a whole checkpoint (single file or shards) passes; a file cut inside its
+    header, a header that is not JSON, trailing bytes, a shard missing a mapped tensor are ValueError / MissingWeights."""
+    from core.model_files import MissingWeights, check_weights
+
+    check_weights(ckpts["good"])
+    sharded = _damaged(ckpts["good"], tmp_path / "sharded", "shard")
+    last = max(sharded.glob("model-*.safetensors"))
+    whole = (ckpts["good"] / "model.safetensors").read_bytes()
+    for data, needle in [(whole[:100], "not a whole safetensors file"), (b"", "not a whole safetensors file"),
+                         (whole[:8] + b"x" * (len(whole) - 8), "not a JSON mapping"),
+                         (whole + b"\0", "the file holds")]:
+        d = tmp_path / f"c{len(data)}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(data)
+        with pytest.raises(ValueError, match=needle):
+            check_weights(d)
+    last.unlink()
+    with pytest.raises(MissingWeights, match="lists shards that are not there"):
+        check_weights(sharded)

@@ -347,6 +347,75 @@ def test_k8s_command_lines_parse(rendered):
         assert not any("$(" in x for x in args), (overlay, pod, args)
 
 
+# ---- the model directory: every --model and --tokenizer of a deploy file is the checkpoint directory ---------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny checkpoint directory as docs/deploy.md has it copied in (config.json, safetensors, tokenizer files)."""
+    from hf_dirs import make_checkpoint
+
+    d = tmp_path_factory.mktemp("ck") / "policy"
+    make_checkpoint(d, vocab_size=400)
+    return d
+
+
+def _check_model_args(argv: list[str], root: str, models: pathlib.Path, where) -> set[str]:
+    """Run the `tars` argument parsing and the command's model / tokenizer pre-flight checks (tars.checks) on argv,
+    with the model volume (root) holding the checkpoint at `models`; the paths found (as the deploy file names them)."""
+    from core import config as C
+    from tars import checks
+    from tars.cli import preflight
+
+    a = build_parser().parse_args(argv)
+    seen = set()
+    for opt in ("model", "tokenizer"):
+        path = getattr(a, opt, None)
+        if not path:
+            continue
+        assert path == root or path.startswith(root + "/"), (where, opt, path, "not on the model volume", root)
+        seen.add(path)
+        setattr(a, opt, str(models) + path[len(root):])
+    if a.cmd == "actor":
+        preflight(a, C.RunConfig())  # `tars actor`'s own check: the tokenizer directory loads
+    elif getattr(a, "model", None):
+        checks.model_dir(a.model, need_tokenizer=False)
+    return seen
+
+
+def test_k8s_model_and_tokenizer_paths_are_the_checkpoint_directory(rendered, checkpoint):
+    """The tars-model volume holds the checkpoint at /models/policy (docs/deploy.md): every tars container's
+    --model / --tokenizer passes `tars`'s own checks on a checkpoint laid out so, and all name that directory."""
+    overlay, objs = rendered
+    seen = set()
+    for pod, spec in _pods(objs).items():
+        vols = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            cmd = c.get("command") or [""]
+            if cmd != [TARS_BIN] and not cmd[-1].endswith("/accelerate"):
+                continue  # not a tars process (SGLang's own server, the collector)
+            args = c["args"]
+            if args[0] == "launch":
+                args = args[args.index("tars.cli") + 1:]
+            mount = next((m["mountPath"] for m in c.get("volumeMounts", []) if vols.get(m["name"]) == "tars-model"),
+                         None)
+            if "--model" in args or "--tokenizer" in args:
+                assert mount, (overlay, pod, "names a model path but does not mount tars-model")
+                seen |= _check_model_args(args, mount, checkpoint.parent, (overlay, pod))
+    assert seen == {"/models/policy"}, (overlay, seen)
+
+
+def test_systemd_model_and_tokenizer_paths_are_the_checkpoint_directory(checkpoint):
+    """The env files name the checkpoint directory (/srv/tars/models/policy, docs/deploy.md) for the learner's and
+    the inference server's --model and the actors' --tokenizer, and each passes `tars`'s own checks."""
+    root, seen = "/srv/tars/models", set()
+    for unit in UNITS:
+        role = ROLE_ENV[unit]
+        argv = _expand_exec(_directives((SYSTEMD / unit).read_text())["ExecStart"][0],
+                            _env_file(SYSTEMD / "env" / f"{role}.env"))
+        seen |= _check_model_args(argv[1:], root, checkpoint.parent, unit)
+    assert seen == {"/srv/tars/models/policy"}, seen
+
+
 def test_gpu_overlay_sglang_and_accelerate():
     pods = _pods(_render("gpu"))
     inf = pods["inference"]

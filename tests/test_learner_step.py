@@ -453,7 +453,7 @@ def test_truncated_value_is_checked():
 
     assert C.load(None, None, []).learner.ppo.truncated_value == 0.0
     assert C.load(None, None, ["learner.ppo.truncated_value=-1"]).learner.ppo.truncated_value == -1.0
-    with pytest.raises(C.ConfigError, match="truncated_value must be finite"):
+    with pytest.raises(C.ConfigError, match="truncated_value = nan: must be a finite number"):
         C.load(None, None, ["learner.ppo.truncated_value=nan"])
 
 

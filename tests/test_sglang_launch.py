@@ -54,6 +54,30 @@ def test_serve_exits_2_with_one_line_when_no_sglang_server_answers(models):  # n
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::"])
+def test_launching_sglang_off_loopback_is_refused_before_launch(models, host):  # noqa: F811
+    """A launched SGLang server's HTTP API takes no token: off loopback it is refused, exit 2, one line, and nothing
+    listens on its port (it bound 0.0.0.0 and answered /pause_generation to anyone before)."""
+    from core.auth import InsecureBind
+    from inference_server.sglang_launch import SGLangFleet, launch_sglang_servers
+
+    port = _free_port()
+    r = _serve("--model", models["a"], "--port", "0", "--engine", "sglang", "--sglang-launch", "1",
+               "--set", f"inference.sglang_module={CONFORMANCE}", "--set", f"inference.sglang_base_port={port}",
+               "--set", f"inference.sglang_host={host}", "--set", "inference.sglang_startup_timeout_s=30")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"inference_server: inference.sglang_host={host!r}: refusing to launch SGLang servers off loopback: their "
+        "HTTP API (update_weights_from_disk, pause_generation, generate) takes no token, so anyone who can reach this "
+        "host could use it. Bind 127.0.0.1 (remote actors call the tars front, guarded by inference.auth_token)"], r.stderr
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # no server was started
+    with pytest.raises(InsecureBind):
+        SGLangFleet(InferenceConfig(engine="sglang", sglang_launch=1, sglang_host=host), models["a"])
+    with pytest.raises(InsecureBind):
+        launch_sglang_servers(models["a"], host=host, base_port=port, module=CONFORMANCE)
+    SGLangFleet(InferenceConfig(engine="sglang", sglang_launch=1, sglang_host="localhost"), models["a"])  # loopback
+
+
 def test_serve_exits_2_at_once_when_a_launched_server_dies_before_it_is_healthy(models):  # noqa: F811
     # the checkpoint is fine (tars serve checks it first); the server's Python fails at once, exit status 1
     t0 = time.monotonic()
