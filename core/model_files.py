@@ -120,6 +120,14 @@ def check_weights(path: str | os.PathLike) -> None:
         raise MissingWeights(f"{path}: {INDEX_NAME} maps tensors that no shard holds: {absent[:5]}")
 
 
+def newest_published(wdir: str | os.PathLike) -> tuple[pathlib.Path, int] | None:
+    """The newest whole weights/vN in a run's weights directory (numerically: v10 after v9; a version still being
+    written has a temporary name) and its N, or None when there is none."""
+    n, d = max(((int(d.name[1:]), d) for d in pathlib.Path(wdir).glob("v*") if d.name[1:].isdigit()),
+               default=(-1, None))
+    return (d, n) if d is not None else None
+
+
 def write_weights(path: str | os.PathLike, sd: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> list[str]:
     """Write sd into the directory DIR as model.safetensors, or, when it exceeds max_shard_bytes, as shards + index
     (a tensor larger than the limit gets a shard of its own, as in transformers). Returns the file names written."""

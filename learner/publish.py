@@ -29,6 +29,7 @@ import grpc
 import torch
 
 from core import auth, rpc, weights_shm
+from core.model_files import newest_published
 from core.weights_stream import chunks
 from core.config_learner import PublishConfig
 from core.v1 import inference_pb2, inference_pb2_grpc
@@ -140,7 +141,8 @@ class Publisher:
     def newest_written(self) -> int:
         """The highest version whose weights/vN this run wrote whole (a write in progress has a temporary name); -1
         when none."""
-        return max((int(d.name[1:]) for d in self.wdir.glob("v*") if d.name[1:].isdigit()), default=-1)
+        w = newest_published(self.wdir)
+        return w[1] if w else -1
 
     def publish(self, version: int) -> float:
         """Bring every inference server to `version` (self.mode) and write weights/v{version}; seconds until the

@@ -340,10 +340,10 @@ class Topology:
         if role == "learner":
             self._resume = True
         if role == "inference":
+            from core.model_files import newest_published
+
             # Come back with the newest published weights (what an orchestrator restarting it would load).
-            # Numerically newest (v10 after v9), whole versions only (a half-written one has a temporary name).
-            w = sorted((int(d.name[1:]), d) for d in (self.plan.out / "weights").glob("v*") if d.name[1:].isdigit())
-            self._weights = (w[-1][1], w[-1][0]) if w else None
+            self._weights = newest_published(self.plan.out / "weights")
         old = self.procs.get((role, i))
         if old is not None and not old.stopped:
             old.kill()  # reaped, its log closed, and anything it started gone with its group
