@@ -207,7 +207,11 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                                              action_space=s.env.action_space)
 
     def _crash(self, s: Session, op: str, e: BaseException) -> env_pb2.StepResponse:
-        """The backend broke: end the session and report INFRA_ERROR (never a reward of 0 to learn from)."""
+        """The backend broke: end the session and report INFRA_ERROR (never a reward of 0 to learn from). A call that
+        never started (NotStarted: the pool was busy with other sessions' calls) broke nothing: raised as it is, the
+        session kept."""
+        if isinstance(e, NotStarted):
+            raise e
         self.counters["infra_errors"] += 1
         log.warning("session %s (%s) %s failed, closing it: %s: %s", s.id, s.env_id, op, type(e).__name__, e)
         self._retire(s)
@@ -232,8 +236,6 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         except invalid as e:
             self.counters["action_errors"] += 1
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {e}")
-        except _Status:
-            raise  # NotStarted: the call waited for other sessions' calls and never ran; the session is kept
         except (BackendTimeout, Exception) as e:
             return self._crash(s, op, e)
 
@@ -342,8 +344,6 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 r, ms = s.last, 0.0
             except ActionError as e:
                 raise _Status(grpc.StatusCode.FAILED_PRECONDITION, f"observe: {e}")
-            except _Status:
-                raise  # NotStarted
             except (BackendTimeout, Exception) as e:
                 return self._crash(s, "observe", e)
             # reward 0: looking again earns nothing; the reward was reported by the step that produced it.
@@ -379,8 +379,6 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 raise _Status(grpc.StatusCode.UNIMPLEMENTED, str(e) or f"{s.env_id} does not support snapshots")
             except ActionError as e:
                 raise _Status(grpc.StatusCode.FAILED_PRECONDITION, f"snapshot: {e}")
-            except _Status:
-                raise  # NotStarted
             except (BackendTimeout, Exception) as e:
                 # The backend broke or hangs: the session goes, as after a broken step. Left registered, a hung
                 # call kept it busy, and the lease GC skips busy sessions: its slot and budget were held for good.
