@@ -79,11 +79,7 @@ def shell_idle(shell_pgid: int, foreground_pgrp) -> bool:
         return True
     if foreground_pgrp() not in (shell_pgid, 0):
         return False
-    try:
-        with open(f"/proc/{shell_pgid}/task/{shell_pgid}/children") as f:
-            return not f.read().strip()
-    except OSError:
-        return True  # gone, or no /proc: the terminal check stands alone
+    return not _children(shell_pgid)  # gone, or no /proc: the terminal check stands alone
 
 
 def _children(pid: int) -> list[int]:
