@@ -108,9 +108,8 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         signal.signal(signal.SIGINT, old)
         signal.signal(signal.SIGTERM, old_term)
     held, status = _held_out(cfg, out_p, model_dir, sft_s is not None, status, t_start, say)
-    mon = report.Monitor(out_p)
-    mon.poll()
-    rep = report.write_report(out_p, mon, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s,
+    live.poll()  # what the run logged since the live monitor's last read; the earlier runs' logs are not read again
+    rep = report.write_report(out_p, live, wall_s=time.time() - t_start, sft_used=cfg.sft.steps > 0, sft_s=sft_s,
                               status=status, since=t_start, restarts=sup.counts() if sup else {}, held_out=held,
                               max_versions=cfg.max_versions)
     say(f"report: {json.dumps({k: rep[k] for k in ('episodes', 'success_first', 'success_last', 'success_sft', 'policy_version', 'wall_s')})}")
