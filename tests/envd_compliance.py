@@ -22,7 +22,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 from typing import Any, Callable
 
 import grpc
@@ -30,6 +29,7 @@ import pytest
 
 from envd.server import EnvServer
 from core import rpc
+from core.proc import wait_for
 from core.config import EnvdConfig
 from core.v1 import common_pb2, env_pb2, env_pb2_grpc
 
@@ -59,9 +59,8 @@ def dir_left_by_a_killed_daemon(setup: str, timeout_s: float = 120.0) -> pathlib
                        capture_output=True, text=True, timeout=timeout_s)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     path = pathlib.Path(p.stdout.strip().splitlines()[-1])
-    deadline = time.monotonic() + 20
-    while proctree.mentioning(str(path)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not proctree.mentioning(str(path)), 20, f"the killed daemon's programs naming {path} to end",
+             every=0.05)
     return path
 
 
