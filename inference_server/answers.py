@@ -6,6 +6,7 @@ import os
 
 import grpc
 
+from core.rpc import clip_details
 from core.v1 import inference_pb2
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError,
                                           WeightsRefused)
@@ -33,8 +34,15 @@ def outcome(fut) -> tuple[grpc.StatusCode, str]:
     return (grpc.StatusCode.CANCELLED, "request cancelled") if fut.cancelled() else failure(fut.exception())
 
 
+async def abort(context, code: grpc.StatusCode, details: str) -> None:
+    """Every refusal of the front goes out through here: the message is clipped (core.rpc.clip_details), since engine
+    errors can echo what a client or an SGLang server wrote (a rejection's message, a path), and a status message past
+    the peer's metadata limit arrives as RESOURCE_EXHAUSTED instead of its own code."""
+    await context.abort(code, clip_details(details))
+
+
 def batch_item(i: int, code: grpc.StatusCode, details: str = "", resp=None) -> inference_pb2.GenerateBatchItem:
-    return inference_pb2.GenerateBatchItem(index=i, response=resp, code=code.value[0], error=details)
+    return inference_pb2.GenerateBatchItem(index=i, response=resp, code=code.value[0], error=clip_details(details))
 
 
 def params(s: inference_pb2.SamplingParams) -> SamplingParams:

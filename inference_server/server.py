@@ -19,8 +19,8 @@ import sys
 import grpc
 
 from inference_server.engine import LocalEngine
-from inference_server.answers import (FINISH, SUBMIT_ERRORS, batch_item, code_of, confine, failure, outcome, params,
-                                      response, update_refusal)
+from inference_server.answers import (FINISH, SUBMIT_ERRORS, abort, batch_item, code_of, confine, failure, outcome,
+                                      params, response, update_refusal)
 from inference_server.mailbox import Mailbox, expire, settle, wake
 from inference_server.sglang_launch import SGLangStartupError  # standard library only
 from inference_server.engine_types import WeightsRefused, check_version_step
@@ -78,10 +78,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         try:
             return self._engine_submit(request, on_token)
         except SUBMIT_ERRORS as e:
-            await context.abort(code_of(e), str(e))
+            await abort(context, code_of(e), str(e))
 
     async def _abort_for(self, context, e: BaseException):
-        await context.abort(*failure(e))
+        await abort(context, *failure(e))
 
     async def Generate(self, request, context):
         with telemetry.server_span("inference.generate", context) as sp:
@@ -97,7 +97,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         try:
             out = await self._result(fut, context)
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished")
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished")
         except Exception as e:  # what the engine raised for this request: the code GenerateStream/GenerateBatch give
             await self._abort_for(context, e)
         finally:
@@ -128,7 +128,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 try:
                     item = await asyncio.wait_for(q.get(), None if deadline is None else max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished")
+                    await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before generation finished")
                 items = [item]
                 while not q.empty():  # coalesce what arrived meanwhile into one chunk
                     items.append(q.get_nowait())
@@ -137,7 +137,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                                     versions=[v for _, _, v in toks])
                 if None in items:
                     if fut.cancelled() or fut.exception() is not None:
-                        await context.abort(*outcome(fut))
+                        await abort(context, *outcome(fut))
                     out = fut.result()
                     chunk.finish_reason = FINISH[out.finish_reason]
                     chunk.prompt_tokens, chunk.cached_tokens = out.prompt_tokens, out.cached_tokens
@@ -152,7 +152,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         the results that arrived together (one wake-up of this loop), so a decode step that finishes many costs one."""
         n = len(request.requests)
         if n > self.cfg.max_queue:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a batch of {n} requests is more than inference.max_queue ({self.cfg.max_queue})")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"a batch of {n} requests is more than inference.max_queue ({self.cfg.max_queue})")
         loop, mail = asyncio.get_running_loop(), self._mail()
         remaining = context.time_remaining()
         now = loop.time()
@@ -231,28 +231,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
                 sd = await asyncio.to_thread(st_load, bytes(request.safetensors))
             except Exception as e:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read inline safetensors: {type(e).__name__}: {e}")
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"cannot read inline safetensors: {type(e).__name__}: {e}")
         elif request.shm:
             try:  # a bare segment name in this host's /dev/shm, never a path (core/weights_shm.py)
                 version, sd = await asyncio.to_thread(weights_shm.read_segment, request.shm)
             except weights_shm.SegmentError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except OSError as e:  # no such segment here: the learner is on another host
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot map weights segment {request.shm!r}: {e.strerror}")
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"cannot map weights segment {request.shm!r}: {e.strerror}")
             if version != request.version:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"segment {request.shm} holds version {version}, not {request.version}")
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"segment {request.shm} holds version {version}, not {request.version}")
             try:
                 return await self._update(context, request.version, None, sd)
             finally:
                 del sd  # the mapping goes when the engine has copied the tensors (or dropped the update)
         elif not request.path:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights needs a path, a shm segment or inline safetensors")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights needs a path, a shm segment or inline safetensors")
         return await self._update(context, request.version, request.path or None, sd)
 
     async def UpdateWeightsStream(self, request_iterator, context):
         shapes = getattr(self.engine, "weight_shapes", None)
         if shapes is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine loads weights from disk only: use UpdateWeights with a path")
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "this engine loads weights from disk only: use UpdateWeights with a path")
         asm = Assembler(shapes)
         remaining = context.time_remaining()
 
@@ -266,11 +266,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         try:
             version, sd = await asyncio.wait_for(receive(), remaining)
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the weights stream ended")
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the weights stream ended")
         except (BadChunk, WeightsRefused) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (WrongWeights, ValueError) as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return await self._update(context, version, None, sd)
 
     async def _update(self, context, version: int, path: str | None, sd: dict | None):
@@ -282,7 +282,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except Exception as e:
             if (why := update_refusal(e, path, timeout)) is None:
                 raise
-            await context.abort(*why)
+            await abort(context, *why)
         if "apply_ms" in info:  # where an install's time went (the part decoding waits for is apply_ms)
             log.info("weights v%d installed in %.0f ms (checks and queue %.0f ms, copy into the model %.0f ms)",
                      info["version"], info["load_ms"], info["load_ms"] - info["apply_ms"], info["apply_ms"])

@@ -94,3 +94,40 @@ def test_streamed_weights_refused_by_a_disk_only_engine(tmp_path):
             eng.close()
 
     run(main())
+
+
+def test_long_refusals_keep_their_code(monkeypatch):
+    """An engine error can echo what a client or an SGLang server wrote (a rejection's message, a path); the front
+    clips every status message, so a 40 KB one still arrives as its own code, not RESOURCE_EXHAUSTED from the peer's
+    metadata limit, and a GenerateBatch item carries the same clipped text."""
+    async def main():
+        async with Servers() as s:
+            _, eng, addr = await s.start(make_model(0))
+            ok = eng.validate
+
+            def validate(ids, p):
+                if ids[0] == 7:
+                    raise ValueError("SGLang rejected the request: " + "é" * 20000)
+                return ok(ids, p)
+            monkeypatch.setattr(eng, "validate", validate)
+            stub = inference_pb2_grpc.InferenceServiceStub(rpc.channel(addr))
+            req = inference_pb2.GenerateRequest(input_ids=[7, 1], sampling=inference_pb2.SamplingParams(max_new_tokens=2))
+            for call in (stub.Generate(req, timeout=10), _drain(stub.GenerateStream(req, timeout=10))):
+                with pytest.raises(aio.AioRpcError) as ei:
+                    await call
+                d = ei.value.details()
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), d[:200])
+                assert d.startswith("SGLang rejected the request: éé") and len(d.encode()) < rpc.MAX_DETAILS + 40
+                assert d.endswith("more bytes]")
+            batch = inference_pb2.GenerateBatchRequest(requests=[req, inference_pb2.GenerateRequest(
+                input_ids=[1, 2], sampling=inference_pb2.SamplingParams(max_new_tokens=2))])
+            items = [it async for msg in stub.GenerateBatch(batch, timeout=10) for it in msg.items]
+            bad = next(it for it in items if it.index == 0)
+            assert bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and len(bad.error.encode()) < rpc.MAX_DETAILS + 40
+            assert next(it for it in items if it.index == 1).code == 0
+    run(main())
+
+
+async def _drain(stream):
+    async for _ in stream:
+        pass
