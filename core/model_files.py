@@ -1,5 +1,6 @@
 """A checkpoint directory's weights, as transformers lays them out: one model.safetensors, or shards named
-model-00001-of-0000N.safetensors listed in model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"}).
+model-00001-of-0000N.safetensors listed in model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"});
+and its config.json's RoPE in both transformers spellings (both_rope_spellings).
 """
 from __future__ import annotations
 
@@ -163,3 +164,27 @@ def untied_head(sd: dict) -> bool:
     learner (TrainPolicy.load), so that both compute the model transformers computes and publish the head."""
     head, emb = sd.get("lm_head.weight"), sd.get("model.embed_tokens.weight")
     return head is not None and emb is not None and (head.shape != emb.shape or not torch.equal(head, emb))
+
+
+def both_rope_spellings(d: dict) -> dict:
+    """A config.json dict as transformers 5 writes it (the RoPE base and scaling only in `rope_parameters`, at the top
+    or in a VL model's text_config) with transformers 4's spelling beside it: `rope_theta`, and `rope_scaling` for
+    a scaled or multimodal RoPE (llama3, linear, Qwen-VL's mrope_section). Readers on transformers 4 (SGLang, vLLM,
+    an older user) otherwise load such a checkpoint with plain RoPE: silently another model. transformers 5 reads
+    the result back as before (rope_scaling is its legacy name for the same dict)."""
+    out = dict(d)
+    for key in (None, "text_config"):
+        if key is not None and not isinstance(out.get(key), dict):
+            continue
+        level = out if key is None else dict(out[key])
+        rp = level.get("rope_parameters")
+        if isinstance(rp, dict) and not {"full_attention", "sliding_attention"} & set(rp):
+            if level.get("rope_theta") is None and "rope_theta" in rp:
+                level["rope_theta"] = rp["rope_theta"]
+            scaling = {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")}
+            if not level.get("rope_scaling") and (
+                    "mrope_section" in scaling or (scaling.get("rope_type") or scaling.get("type") or "default") != "default"):
+                level["rope_scaling"] = scaling
+        if key is not None:
+            out[key] = level
+    return out

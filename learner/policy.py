@@ -40,7 +40,7 @@ import torch.nn as nn
 from core import vision_attention
 from core.model import DecoderConfig
 from core.model_config import padding_id
-from core.model_files import read_weights  # noqa: F401  (learner.policy.read_weights: callers import it here)
+from core.model_files import both_rope_spellings, read_weights  # noqa: F401  (read_weights: callers import it here)
 from core.vision import PatchEmbed, VisionConfig
 from learner.batch import right_padded
 from learner.fsdp import full, like
@@ -72,18 +72,11 @@ def _no_progress_bars():
             tlog.enable_progress_bar()
 
 
-def _engine_readable(hf_config) -> None:
-    """transformers 5 keeps the RoPE base only in `rope_parameters`; the engine's DecoderConfig.from_hf (and older
-    readers) read the top-level `rope_theta`. Set it, so config.json carries both and every reader agrees."""
-    rp = getattr(hf_config, "rope_parameters", None)
-    if isinstance(rp, dict) and "rope_theta" in rp and getattr(hf_config, "rope_theta", None) is None:
-        hf_config.rope_theta = rp["rope_theta"]
-
-
 def config_dict(hf_config) -> dict:
-    """The transformers config as config.json holds it (rope_theta included, see _engine_readable)."""
-    _engine_readable(hf_config)
-    return hf_config.to_dict()
+    """The transformers config as config.json holds it, with the RoPE in both transformers spellings
+    (core.model_files.both_rope_spellings: the engine's DecoderConfig.from_hf and transformers 4 read rope_theta and
+    rope_scaling)."""
+    return both_rope_spellings(hf_config.to_dict())
 
 
 @contextlib.contextmanager
@@ -421,9 +414,10 @@ class TrainPolicy(nn.Module):
         tmp.mkdir(parents=True)
         try:
             sd = {k: v.to("cpu", torch.float32).contiguous() for k, v in self.hf_state_dict().items()}
-            _engine_readable(self.lm.config)
             with _no_progress_bars():
                 self.lm.save_pretrained(str(tmp), state_dict=sd)
+            cj = tmp / "config.json"  # readable by transformers 4 (SGLang relaunched on it) as the same model
+            cj.write_text(json.dumps(both_rope_spellings(json.loads(cj.read_text())), indent=2, sort_keys=True) + "\n")
             if self.score is not None:
                 save_file({k: v.detach().to("cpu", torch.float32).contiguous()
                            for k, v in self.score.state_dict().items()}, str(tmp / VALUE_HEAD_FILE))

@@ -209,3 +209,37 @@ def test_right_padded_batches_skip_the_padding_mask_and_keep_every_valid_state()
     h_ref = base(input_ids=ids, attention_mask=holey, use_cache=False).last_hidden_state
     assert maxdiff(h_holey[holey], h_ref[holey]) < 1e-5
     assert maxdiff(h_holey[holey], pol.hidden(ids, valid)[holey]) > 1e-4   # the hole changed what others attend to
+
+
+@pytest.mark.parametrize("kind", ["llama3", "linear", "mrope"])
+def test_published_configs_carry_the_rope_in_both_transformers_spellings(tmp_path, kind):
+    """transformers 5 writes a scaled or multimodal RoPE only as `rope_parameters`; transformers 4 (what SGLang and
+    vLLM load a relaunched or exported checkpoint with) reads only `rope_scaling` and `rope_theta`, and without them
+    builds plain RoPE: another model. save_hf writes both; transformers 5 and the engine read the result back as the
+    source, and the transformers-4 fields equal the source's RoPE."""
+    import transformers
+    from hf_dirs import make_hf_model, make_vl_checkpoint
+
+    src = tmp_path / "src"
+    if kind == "mrope":
+        make_vl_checkpoint(src)
+    else:
+        rope = ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 64} if kind == "llama3" else {"rope_type": "linear", "factor": 2.0})
+        make_hf_model(src, "llama", rope_scaling=rope, rope_theta=50000.0)
+    TrainPolicy.load(src).save_hf(tmp_path / "out")
+    d = json.loads((tmp_path / "out" / "config.json").read_text())
+    level = d.get("text_config", d) if kind == "mrope" else d
+    rp = level["rope_parameters"]
+    assert level["rope_theta"] == rp["rope_theta"] and level["rope_scaling"] == {k: v for k, v in rp.items() if k != "rope_theta"}
+    if kind == "mrope":
+        assert level["rope_scaling"]["mrope_section"] == [2, 1, 1]
+    else:
+        assert level["rope_scaling"]["rope_type"] == kind and level["rope_theta"] == 50000.0
+
+    def rope_of(path):
+        c = transformers.AutoConfig.from_pretrained(str(path))
+        return getattr(c, "text_config", c).rope_parameters
+    assert rope_of(tmp_path / "out") == rope_of(src)
+    if kind != "mrope":
+        assert DecoderConfig.from_hf(d).rope_scaling == DecoderConfig.from_hf(json.loads((src / "config.json").read_text())).rope_scaling
