@@ -36,17 +36,17 @@ class ModelConfig:
     path: str = f("", "Hugging Face checkpoint directory to start from (config.json, safetensors, tokenizer with a chat "
                       "template; Qwen2/Qwen2.5 or Llama: docs/model.md); empty = a fresh tiny model (tars/fresh.py)")
     hidden_size: int = f(64, lo=1, help="width of a fresh model")
-    intermediate_size: int = f(256, "MLP width of a fresh model")
+    intermediate_size: int = f(256, "MLP width of a fresh model", lo=1)
     num_layers: int = f(2, lo=1, help="decoder layers of a fresh model")
     num_heads: int = f(4, lo=1, help="attention heads of a fresh model")
     num_kv_heads: int = f(4, lo=1, help="key/value heads of a fresh model (GQA when fewer than num_heads)")
     max_positions: int = f(1024, lo=1, help="context length")
     rope_theta: float = f(100.0, "RoPE base of a fresh model; a small base separates nearby positions sharply, "
-                                 "which short GUI prompts need more than long-range reach")
+                                 "which short GUI prompts need more than long-range reach", gt=0)
     vocab_size: int = f(1024, lo=1, help="BPE vocabulary of a fresh model's tokenizer, trained on the tasks' text (tars/fresh.py); "
                               "the trainer stops earlier when the text has no more pairs to merge")
     tie_embeddings: bool = f(False, "share the input embedding and the output projection of a fresh model")
-    init_std: float = f(0.02, "init scale of a fresh model")
+    init_std: float = f(0.02, "init scale of a fresh model", lo=0)
     seed: int = f(0, "init seed of a fresh model")
     freeze_vision: bool = f(False, "a vision-language checkpoint (Qwen2-VL / Qwen2.5-VL): keep its vision tower's weights "
                                    "fixed (no gradient, not in the optimiser); false = the learner and tars sft train "
@@ -59,21 +59,21 @@ class EnvdConfig:
 
     host: str = f("127.0.0.1", "bind address (loopback by default)")
     port: int = f(0, lo=0, hi=65535, help="gRPC port; 0 = pick a free one")
-    max_sessions: int = f(4096, "session cap; CreateSession beyond it answers RESOURCE_EXHAUSTED")
+    max_sessions: int = f(4096, "session cap; CreateSession beyond it answers RESOURCE_EXHAUSTED", lo=1)
     max_sessions_per_client: int = f(1024, "sessions one client (its gRPC peer address: the IP without the port, since "
                                            "the shared auth token names nobody and a request's client_id is whatever "
                                            "the caller writes) may hold; CreateSession/Fork/Restore beyond it answer "
-                                           "RESOURCE_EXHAUSTED; 0 = no per-client cap")
+                                           "RESOURCE_EXHAUSTED; 0 = no per-client cap", lo=0)
     max_total_pids: int = f(0, "host-wide budget of processes (threads included) that all sessions together may be "
                                "allowed: the sum of their sandboxes' nproc (estimates for backends without a sandbox); "
-                               "a session past it answers RESOURCE_EXHAUSTED; 0 = half of the host's pid/thread limit")
+                               "a session past it answers RESOURCE_EXHAUSTED; 0 = half of the host's pid/thread limit", lo=0)
     max_total_memory_mb: int = f(0, "host-wide budget of memory (MiB) that all sessions together may be allowed: the sum "
                                     "of their sandboxes' memory_mb plus tmpfs sizes (estimates for backends without a "
-                                    "sandbox); past it RESOURCE_EXHAUSTED; 0 = 3/4 of the host's physical memory")
-    lease_ttl_s: float = f(60.0, "default session lease; renewed by every step and heartbeat")
-    gc_interval_s: float = f(1.0, "how often expired leases are collected")
+                                    "sandbox); past it RESOURCE_EXHAUSTED; 0 = 3/4 of the host's physical memory", lo=0)
+    lease_ttl_s: float = f(60.0, "default session lease; renewed by every step and heartbeat", gt=0)
+    gc_interval_s: float = f(1.0, "how often expired leases are collected", gt=0)
     workers: int = f(8, lo=1, help="threads for blocking backends")
-    max_message_bytes: int = f(16 << 20, "largest gRPC message accepted")
+    max_message_bytes: int = f(16 << 20, "largest gRPC message accepted", lo=1)
     auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
                             "control.auth_token); required off loopback (envd refuses to start, exit 2); `tars up` "
                             "makes one per run when empty")
@@ -84,9 +84,9 @@ class EnvdConfig:
                               "the daemon that made it); the same key on several daemons lets them restore each other's")
     snapshot_key_file: str = f("", "read envd.snapshot_key from this file")
     step_timeout_s: float = f(60.0, "deadline of one blocking backend call (create, reset, step, ...); past it the "
-                                    "session ends as INFRA_ERROR")
-    shutdown_grace_s: float = f(2.0, "on SIGTERM, how long in-flight RPCs may finish before envs are closed")
-    latency_window: int = f(4096, "recent steps kept for the step latency p50/p99 in ControlService status")
+                                    "session ends as INFRA_ERROR", gt=0)
+    shutdown_grace_s: float = f(2.0, "on SIGTERM, how long in-flight RPCs may finish before envs are closed", lo=0)
+    latency_window: int = f(4096, "recent steps kept for the step latency p50/p99 in ControlService status", lo=1)
     unsandboxed_envs: bool = f(False, "serve desktop and hybrid, whose GUI apps (xterm's shell included) run as "
                                       "envd's user, outside the terminal sandbox: for a trusted policy on a throwaway host")
 
@@ -114,29 +114,29 @@ class ActorConfig:
                                        "a first prompt with the earlier turns' actions as text and only the new "
                                        "observation; actor/episode.py) | truncate (end the episode there)",
                             choices=("window", "truncate"))
-    rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call")
+    rpc_timeout_s: float = f(30.0, "deadline of every envd / inference call", gt=0)
     retries: int = f(3, lo=0, help="retries with exponential backoff for retryable RPC failures")
     coalesce_generate: bool = f(True, "inference calls made together go as one GenerateBatch call per replica, each "
                                       "keeping its own result, deadline and retries (core/inference_client.py); "
                                       "false = one Generate call each")
     unavailable_retry_s: float = f(60.0, "how long an inference call keeps retrying a server that is down (e.g. "
-                                         "restarting) before the episode ends as infra_error; the rollout resumes")
+                                         "restarting) before the episode ends as infra_error; the rollout resumes", lo=0)
     episode_attempts: int = f(3, lo=1, help="attempts per episode: an infra_error episode is rerun from scratch on a live envd "
                                  "(the failed attempt is never sent); the last one is sent as infra_error. One whose "
                                  "inference stayed down past unavailable_retry_s is sent at once (fault inference)")
-    admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode")
+    admission_timeout_s: float = f(120.0, "longest wait for the learner to admit a new episode", gt=0)
     send_window: int = f(256, lo=1, help="trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
     max_outbox: int = f(1 << 16, "trajectories kept for re-send until acknowledged, held ones included (with the learner's "
-                        "checkpoint durability: everything since its last checkpoint); sending waits at this bound")
+                        "checkpoint durability: everything since its last checkpoint); sending waits at this bound", lo=1)
     system_prompt: str = f("auto", "system prompt of the first turn: auto (a vision-language checkpoint on a GUI task: "
                                    "computer; otherwise tiny) | tiny (one line, for small policies trained from "
                                    "scratch) | computer | browser | mobile (the UI-TARS prompts, actor/prompts.py) | none",
                            choices=("auto", "tiny", "none", "computer", "browser", "mobile"))
     image_history: int = f(-1, "screenshots shown as images in the prompt; -1 = auto (5 for a vision-language "
                                "checkpoint, else 0). VL: at most k images per segment, the (k+1)-th starts a new one "
-                               "(docs/actor.md); tars_vision: the last k turns; 0 = text only")
+                               "(docs/actor.md); tars_vision: the last k turns; 0 = text only", lo=-1)
     image_tokens: int = f(16, "image placeholder tokens per screenshot: the model's tars_vision grid**2 (a "
-                              "vision-language checkpoint counts its own from each screenshot's size)")
+                              "vision-language checkpoint counts its own from each screenshot's size)", lo=0)
     coordinates: str = f("auto", "what the model's coordinates mean: auto (relative for a Qwen2-VL checkpoint, absolute "
                                  "for a Qwen2.5-VL one, else screen) | absolute (UI-TARS-1.5: pixels of the resized screenshot) | relative "
                                  "(UI-TARS-1.0: 0..1000) | screen (screen pixels, passed to envd as they are)",
@@ -144,8 +144,8 @@ class ActorConfig:
     judge_mode: str = f("off", "LLM-as-judge outcome reward through the inference server: off | replace (the verdict "
                                "replaces the env reward) | add (added to it)", choices=("off", "replace", "add"))
     judge_weight: float = f(1.0, "reward given for a YES (score 1) verdict")
-    judge_images: int = f(5, "last screenshots shown to the judge")
-    judge_max_new_tokens: int = f(8, "generation budget of the judge's answer")
+    judge_images: int = f(5, "last screenshots shown to the judge", lo=0)
+    judge_max_new_tokens: int = f(8, "generation budget of the judge's answer", lo=1)
     judge_on_error: str = f("infra_error", "unparseable verdict or judge call failed: infra_error (episode kept out "
                                            "of the loss) | env (keep the env reward)", choices=("infra_error", "env"))
 
@@ -188,8 +188,8 @@ class TelemetryConfig:
                                "$OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf")
     sample_ratio: float = f(0.1, lo=0, hi=1, help="share of episodes traced (their turns, env steps and generations follow the "
                                  "episode); learner steps are always traced")
-    max_queued_spans: int = f(8192, "spans waiting for export; past it new spans are dropped, never waited for")
-    max_file_mb: float = f(256.0, "a span file stops growing past this size (spans then counted as dropped)")
+    max_queued_spans: int = f(8192, "spans waiting for export; past it new spans are dropped, never waited for", lo=1)
+    max_file_mb: float = f(256.0, "a span file stops growing past this size (spans then counted as dropped)", lo=0)
     prometheus_port: int = f(-1, "serve Prometheus text (prometheus_client) at http://HOST:PORT/metrics (HOST = "
                                  "prometheus_host); 0 = any free port (named in the run file, shown by `tars ctl "
                                  "status`); -1 = off. Under `accelerate launch` the process with LOCAL_RANK n > 0 "
@@ -219,7 +219,7 @@ class EvaluationConfig:
 
     episodes: int = f(0, lo=0, help="episodes per task for each of the two policies; 0 = no held-out evaluation")
     concurrency: int = f(4, lo=1, help="episodes at once")
-    temperature: float = f(-1.0, "sampling temperature of both policies; -1 = actor.temperature (as trained)")
+    temperature: float = f(-1.0, "sampling temperature of both policies; -1 = actor.temperature (as trained)", lo=-1)
 
 
 @dataclass
@@ -229,7 +229,7 @@ class SupervisorConfig:
     max_restarts: int = f(5, lo=0, help="restarts of one process (envd, inference, the learner, each actor) before the run "
                              "ends; 0 = a death ends the run")
     backoff_s: float = f(1.0, "wait before the first restart; doubled for each further death of that process, "
-                              "at most 30 s")
+                              "at most 30 s", lo=0)
     hang_s: float = f(120.0, lo=0, help="a process that is up but has not answered a ControlService Status for this "
                                       "long (stopped, deadlocked) is killed and restarted; 0 = not probed")
 
@@ -308,6 +308,9 @@ def validate(cfg: RunConfig) -> None:
         # a service token alone would leave those commands open.
         raise ConfigError("envd.auth_token / inference.auth_token is set but control.auth_token is empty: the "
                           "ControlService on the same listeners would take unauthenticated calls; set control.auth_token")
+    if cfg.actor.max_outbox < cfg.actor.send_window:  # the sender refuses it when the actor starts (ValueError)
+        raise ConfigError(f"actor.max_outbox={cfg.actor.max_outbox} is below actor.send_window={cfg.actor.send_window}: "
+                          "the outbox holds every trajectory in the send window")
     if err := cfg.learner.config_error() or cfg.inference.config_error():
         raise ConfigError(err)
 
@@ -361,6 +364,7 @@ def help_text(cls=RunConfig, prefix: str = "") -> str:
         else:
             default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
             lo, hi = fl.metadata.get("lo"), fl.metadata.get("hi")
-            rng = "" if lo is None and hi is None else f" [{'' if lo is None else lo}..{'' if hi is None else hi}]"
+            rng = "" if lo is None and hi is None else (f" {'(' if fl.metadata.get('lo_open') else '['}"
+                                                        f"{'' if lo is None else lo}..{'' if hi is None else hi}]")
             lines.append(f"  {prefix}{fl.name} = {default!r}{rng}\n      {fl.metadata.get('help', '')}")
     return "\n".join(lines)

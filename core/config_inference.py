@@ -34,31 +34,31 @@ class InferenceConfig:
                     choices=("local", "sglang"))
     sglang_urls: list = f([], "SGLang base URLs for engine=sglang")
     max_batch: int = f(256, lo=1, help="most sequences decoded together in one step")
-    max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED")
+    max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED", lo=1)
     max_context: int = f(1024, lo=1, help="longest prompt + output; longer prompts answer INVALID_ARGUMENT")
-    threads: int = f(1, "torch intra-op threads of the local engine")
+    threads: int = f(1, "torch intra-op threads of the local engine", lo=1)
     device: str = f("auto", "where the local engine runs its model and samples: auto (cuda when available, else cpu) | "
                             "cpu | cuda | cuda:N; cuda on a machine without CUDA is refused at start (exit 2)")
     precision: str = f("auto", "the dtype of the local engine's weights: auto (bf16 on CUDA, fp16 on a GPU without "
                                "bf16; fp32 on the CPU) | fp32 | bf16 | fp16. The behaviour logprobs come from this "
                                "precision; the learner's behaviour weight absorbs the gap to its own (docs/learner.md)")
-    cache_capacity: int = f(4096, "trajectories whose KV prefix is kept (LRU)")
-    max_stale_versions: int = f(0, "default staleness budget for keeping KV across a weight update (0 = recompute)")
+    cache_capacity: int = f(4096, "trajectories whose KV prefix is kept (LRU)", lo=0)
+    max_stale_versions: int = f(0, "default staleness budget for keeping KV across a weight update (0 = recompute)", lo=0)
     auth_token: str = f("", "if set, every RPC must carry `authorization: Bearer <token>` (its ControlService: "
                             "control.auth_token); required off loopback (the server refuses to start, exit 2); "
                             "`tars up` makes one per run when empty")
     auth_token_file: str = f("", "read inference.auth_token from this file (a Kubernetes Secret volume, a systemd "
                                  "credential), so it never sits on a command line")
     cache_max_bytes: int = f(0, "memory bound of the per-trajectory KV prefix cache, in bytes; 0 = auto: a tenth of the "
-                                "memory available at start (MemAvailable, or free GPU memory for a CUDA model), at most 4 GiB")
+                                "memory available at start (MemAvailable, or free GPU memory for a CUDA model), at most 4 GiB", lo=0)
     cache_block_tokens: int = f(32, "the prefix cache holds KV in blocks of this many tokens; over the byte bound the least "
-                                    "recently used trajectory loses its tail blocks first")
-    prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)")
-    max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)")
-    update_timeout_s: float = f(120.0, "longest wait for a weight update to be applied between two steps")
+                                    "recently used trajectory loses its tail blocks first", lo=1)
+    prefill_batch_tokens: int = f(8192, "most padded prompt tokens prefilled in one forward (bounds decode stalls)", lo=1)
+    max_message_bytes: int = f(512 << 20, "largest gRPC message accepted (inline weights in UpdateWeights)", lo=1)
+    update_timeout_s: float = f(120.0, "longest wait for a weight update to be applied between two steps", gt=0)
     max_version_jump: int = f(1000, "UpdateWeights to a version more than this beyond the one served is refused "
                               "(INVALID_ARGUMENT; a huge version would lock out every later publish); 0 = unbounded. "
-                              "A server started from older weights than the learner's: start it with --version")
+                              "A server started from older weights than the learner's: start it with --version", lo=0)
     weights_root: str = f("", "if set, UpdateWeights paths (and the update_weights command's) must lie under this "
                               "directory, symlinks resolved (INVALID_ARGUMENT otherwise); `tars up` sets the run's weights/")
     sglang_pause_mode: str = f("abort", "engine=sglang: pause_generation mode around a weight update: abort (in-flight requests "
@@ -67,12 +67,12 @@ class InferenceConfig:
                                choices=("abort", "retract", "in_place"))
     sglang_tp_size: int = f(1, "engine=sglang: tensor-parallel size of each server (--tp-size): in-memory weight updates "
                                "(update_weights_from_tensor) send one serialized entry per TP rank", lo=1)
-    sglang_request_timeout_s: float = f(600.0, "engine=sglang: longest a generation may take, resumes included")
-    sglang_health_interval_s: float = f(2.0, "engine=sglang: seconds between GET /health_generate rounds")
-    sglang_health_timeout_s: float = f(25.0, "engine=sglang: health check timeout (SGLang's own check waits up to 20 s)")
-    sglang_health_failures: int = f(1, "engine=sglang: failed health checks in a row that take a replica out")
-    sglang_max_resumes: int = f(32, "engine=sglang: aborts / replica failures one request survives before it fails")
-    sglang_max_concurrency: int = f(256, "engine=sglang: HTTP calls in flight at once (threads of the client pool)")
+    sglang_request_timeout_s: float = f(600.0, "engine=sglang: longest a generation may take, resumes included", gt=0)
+    sglang_health_interval_s: float = f(2.0, "engine=sglang: seconds between GET /health_generate rounds", gt=0)
+    sglang_health_timeout_s: float = f(25.0, "engine=sglang: health check timeout (SGLang's own check waits up to 20 s)", gt=0)
+    sglang_health_failures: int = f(1, "engine=sglang: failed health checks in a row that take a replica out", lo=1)
+    sglang_max_resumes: int = f(32, "engine=sglang: aborts / replica failures one request survives before it fails", lo=0)
+    sglang_max_concurrency: int = f(256, "engine=sglang: HTTP calls in flight at once (threads of the client pool)", lo=1)
     sglang_launch: int = f(0, "engine=sglang: start and supervise this many SGLang servers on the --model directory "
                            "(restarted when one dies, stopped with the server); 0 = attach to sglang_urls (docs/sglang.md)",
                            lo=0)
@@ -89,13 +89,13 @@ class InferenceConfig:
     sglang_module: str = f("sglang.launch_server", "engine=sglang with sglang_launch: the module run as `python -m` "
                            "(inference_server.sglang_conformance is the stand-in the tests use)")
     sglang_startup_timeout_s: float = f(900.0, "engine=sglang: at start, how long to wait for a first server to answer "
-                                        "GET /health_generate (model load included) before exiting with status 2")
+                                        "GET /health_generate (model load included) before exiting with status 2", gt=0)
     sglang_max_restarts: int = f(5, "engine=sglang with sglang_launch: restarts of one server that died before it is "
-                                 "given up (its replica stays out)")
+                                 "given up (its replica stays out)", lo=0)
     sglang_restart_backoff_s: float = f(2.0, "engine=sglang with sglang_launch: wait before a restart, doubled for each "
-                                        "restart of the same server (at most 60 s)")
+                                        "restart of the same server (at most 60 s)", lo=0)
     sticky_max_imbalance: int = f(8, "a trajectory leaves its replica (and its prefix cache) when that replica has more than "
-                                  "this many requests in flight beyond the least loaded one; 0 = always sticky")
+                                  "this many requests in flight beyond the least loaded one; 0 = always sticky", lo=0)
 
     def config_error(self) -> str:
         """What is wrong with device / precision / the launched servers' ports ("" when nothing): the config loader raises it as a ConfigError.

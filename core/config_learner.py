@@ -21,30 +21,30 @@ from core.config_fields import f
 class PPOConfig:
     """learner.ppo: the policy loss (decoupled PPO; GRPO uses the clip, KL and entropy terms too)."""
 
-    eps_low: float = f(0.2, "PPO clip, lower side")
-    eps_high: float = f(0.28, "PPO clip, upper side (clip-higher)")
+    eps_low: float = f(0.2, "PPO clip, lower side", lo=0)
+    eps_high: float = f(0.28, "PPO clip, upper side (clip-higher)", lo=0)
     behav_cap: float = f(5.0, "cap of the decoupled behaviour weight pi_prox / pi_behav (learner.correction.kind="
-                              "decoupled)")
-    gamma: float = f(1.0, "discount")
-    lam_policy: float = f(0.95, "GAE lambda for advantages (unused under learner.correction.kind=vtrace)")
-    lam_critic: float = f(1.0, "GAE lambda for value targets (decoupled GAE; unused under vtrace)")
+                              "decoupled)", gt=0)
+    gamma: float = f(1.0, "discount", lo=0, hi=1)
+    lam_policy: float = f(0.95, "GAE lambda for advantages (unused under learner.correction.kind=vtrace)", lo=0, hi=1)
+    lam_critic: float = f(1.0, "GAE lambda for value targets (decoupled GAE; unused under vtrace)", lo=0, hi=1)
     length_adaptive: bool = f(False, "lambda_policy = 1 - 1/(alpha * response length) (VAPO)")
-    length_alpha: float = f(0.05, "alpha of length-adaptive GAE")
-    value_clip: float = f(0.2, "clip range of the value loss")
+    length_alpha: float = f(0.05, "alpha of length-adaptive GAE", lo=0)
+    value_clip: float = f(0.2, "clip range of the value loss", lo=0)
     epochs: int = f(1, "passes over each batch", lo=1)
-    minibatches: int = f(1, "minibatches per pass")
+    minibatches: int = f(1, "minibatches per pass", lo=1)
     adv_norm: bool = f(True, "normalise advantages over the batch's generated tokens")
     neg_adv_weight: float = f(1.0, "scale of negative advantages (1 = symmetric PPO); below 1, updates away from failed "
                                    "samples are tempered, which keeps the shared output-format tokens stable at learning "
-                                   "rates where symmetric updates break them (asymmetric REINFORCE)")
-    entropy_coef: float = f(0.0, "entropy bonus (the starting value when target_entropy is set)")
+                                   "rates where symmetric updates break them (asymmetric REINFORCE)", lo=0)
+    entropy_coef: float = f(0.0, "entropy bonus (the starting value when target_entropy is set)", lo=0)
     target_entropy: float = f(0.0, "adaptive entropy control: above 0, the entropy bonus's coefficient is raised while "
                                    "the mean entropy of generated tokens is below this and lowered (not below 0) while "
                                    "above it, so the policy keeps exploring instead of collapsing onto its first habits")
-    entropy_coef_lr: float = f(0.002, "step of the adaptive coefficient per update, per nat of entropy off target")
-    entropy_coef_max: float = f(0.02, "upper bound of the adaptive entropy coefficient")
+    entropy_coef_lr: float = f(0.002, "step of the adaptive coefficient per update, per nat of entropy off target", lo=0)
+    entropy_coef_max: float = f(0.02, "upper bound of the adaptive entropy coefficient", lo=0)
     kl_coef: float = f(0.0, "penalty on the KL (k3 estimator) from the initial (warm-started) policy on generated "
-                            "tokens; anchors the output format at higher learning rates")
+                            "tokens; anchors the output format at higher learning rates", lo=0)
     truncated_value: float = f(0.0, "without a critic (algo=grpo), the value of the state a limit (actor.max_turns, the "
                                     "context) cut an episode in, added to its return: 0 scores a cut-off episode by its "
                                     "rewards so far. Set it to what the task gives a failure (MiniWoB: -1 for running "
@@ -73,10 +73,10 @@ class CorrectionConfig:
                                "proximal pass and no clip, each token's gradient weighted by min(pi_theta / pi_behav, "
                                "tis_cap) | none: plain PPO clipped against pi_behav, no proximal pass")
     rho_bar: float = f(1.0, "vtrace: truncation of the importance weight rho = min(rho_bar, pi_prox / pi_behav) in the "
-                            "TD errors and the policy advantages (which value function V-trace converges to)")
+                            "TD errors and the policy advantages (which value function V-trace converges to)", gt=0)
     c_bar: float = f(1.0, "vtrace: truncation of the trace coefficients c = min(c_bar, pi_prox / pi_behav) (how far "
-                          "back a TD error is carried; c_bar <= rho_bar)")
-    tis_cap: float = f(2.0, "tis: cap C of the truncated importance ratio min(pi_theta / pi_behav, C)")
+                          "back a TD error is carried; c_bar <= rho_bar)", gt=0)
+    tis_cap: float = f(2.0, "tis: cap C of the truncated importance ratio min(pi_theta / pi_behav, C)", gt=0)
 
 
 @dataclass
@@ -95,14 +95,14 @@ class GroupConfig:
     size: int = f(1, "episodes per task seed; 1 = independent. The one source of truth: the actors launch this many "
                      "members per seed and the learner waits for all of them", lo=1)
     timeout_s: float = f(120.0, "a group still incomplete this long after its first member arrived is trained as it "
-                                "is, so a lost actor cannot stall training")
+                                "is, so a lost actor cannot stall training", lo=0)
 
 
 @dataclass
 class ValuePretrainConfig:
     """learner.value_pretrain: critic-only updates (the policy fixed) before PPO starts."""
 
-    steps: int = f(0, "critic-only updates before PPO starts; 0 = none")
+    steps: int = f(0, "critic-only updates before PPO starts; 0 = none", lo=0)
     target_ev: float = f(0.5, "stop early once the critic's explained variance, averaged over the last 10 batches, "
                               "reaches this")
 
@@ -118,9 +118,9 @@ class CheckpointConfig:
 class PublishConfig:
     """learner.publish: each new version written to run_dir/weights/vNNNNNN and loaded by every inference server."""
 
-    keep_versions: int = f(3, "published weight versions kept on disk")
+    keep_versions: int = f(3, "published weight versions kept on disk", lo=1)
     timeout_s: float = f(60.0, "deadline of one inference server's UpdateWeights; a server past it is counted as a "
-                               "publish failure (it loads the latest version when it restarts)")
+                               "publish failure (it loads the latest version when it restarts)", gt=0)
     mode: str = f("auto", "how weights reach the servers: shm (a segment in /dev/shm named over gRPC, same host "
                           "only), stream (UpdateWeightsStream chunks over gRPC), disk (weights/vN loaded by path); auto = "
                           "shm when every inference server is on loopback and /dev/shm is writable, else disk. In shm "
@@ -145,11 +145,11 @@ class StreamConfig:
     curve_secret_key_file: str = f("", "read curve_secret_key from this file (a Kubernetes Secret volume, a systemd "
                                        "credential); CURVE is required when the stream binds off loopback")
     curve_public_key_file: str = f("", "read curve_public_key from this file")
-    credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)")
-    max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted")
-    queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)")
+    credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)", lo=1)
+    max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted", lo=1)
+    queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)", lo=1)
     ack_interval_s: float = f(0.002, "longest a WAL batch waits to grow before its fdatasync (sooner once it holds "
-                                     "what arrives during one fdatasync)")
+                                     "what arrives during one fdatasync)", lo=0)
     fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
     wal_writer: str = f("process", "who checksums, writes and fdatasyncs the WAL: process (a writer process fed "
                                    "through shared memory; the learner process only copies each trajectory once) "
@@ -176,10 +176,10 @@ class LearnerConfig:
     batch_size: int = f(64, lo=1, help="trajectories per policy update (B in the staleness rule)")
     lr: float = f(1e-3, lo=0, help="policy learning rate (AdamW)")
     critic_lr: float = f(2e-3, lo=0, help="critic learning rate")
-    weight_decay: float = f(0.0, "AdamW weight decay")
-    warmup_steps: int = f(20, "linear learning-rate warm-up, in updates")
-    grad_clip: float = f(1.0, "gradient norm clip")
-    threads: int = f(1, "torch intra-op threads")
+    weight_decay: float = f(0.0, "AdamW weight decay", lo=0)
+    warmup_steps: int = f(20, "linear learning-rate warm-up, in updates", lo=0)
+    grad_clip: float = f(1.0, "gradient norm clip", gt=0)
+    threads: int = f(1, "torch intra-op threads", lo=1)
     device: str = f("auto", "where the learner (and tars sft) trains: auto (cuda when available, else cpu) | cpu | cuda | "
                             "cuda:N; under accelerate with several processes, auto/cuda = cuda:LOCAL_RANK with NCCL")
     precision: str = f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, fp32 master weights "

@@ -5,8 +5,10 @@ is (`--set actor.judge_mode=off` is "off", `envd.auth_token=0x1F` is "0x1F"); an
 (`actor.env_ids=[a, b]`, `learner.lr=1e-3`), and text that is not YAML is a ConfigError. In a YAML file, a text
 field given another YAML type (`judge_mode: off` is the boolean false in YAML, `0755` a number) is a ConfigError that
 says to quote it: read as it was, its text would change silently. After the types: a number outside its field's
-range (f(..., lo=, hi=)), a float that is not finite (nan, .inf) or a text not among its field's choices
-(f(..., choices=)) is a ConfigError too.
+range (f(..., lo=, hi=), or gt= for a bound it may not equal), a float that is not finite (nan, .inf) or a text not
+among its field's choices (f(..., choices=)) is a ConfigError too. A boolean is not a number here (to Python,
+True == 1): `actors: true` or `--set actor.concurrency=true` is a ConfigError, and a boolean field takes true / false
+(or the text forms _coerce lists), 0 or 1, nothing else.
 """
 from __future__ import annotations
 
@@ -67,8 +69,12 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             if value.lower() in ("0", "false", "no", "off"):
                 return False
             raise ConfigError(f"{where}: {value!r} is not a boolean")
-        return bool(value)
+        if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            return bool(value)
+        raise ConfigError(f"{where}: {value!r} is not a boolean (true | false, or 0 | 1)")
     if tp in (int, float):
+        if isinstance(value, bool):  # a bool is an int to Python: `actors: true` would run 1 actor
+            raise ConfigError(f"{where}: {value!r} is a boolean, not {tp.__name__}")
         try:
             return tp(value) if not (tp is int and isinstance(value, float) and not value.is_integer()) else _fail(where, value, tp)
         except (TypeError, ValueError):
@@ -96,11 +102,13 @@ def _check(fl: dataclasses.Field, v: Any, where: str) -> None:
     """A given value against its field's range (lo=, hi=) and choices (core.config_fields.f); a float must be finite
     (NaN passes every comparison, so every range check)."""
     lo, hi, choices = fl.metadata.get("lo"), fl.metadata.get("hi"), fl.metadata.get("choices")
+    lo_open = fl.metadata.get("lo_open", False)  # f(..., gt=): v > lo
     if isinstance(v, float) and not math.isfinite(v):
         raise ConfigError(f"{where} = {v!r}: must be a finite number")
     if isinstance(v, (int, float)) and not isinstance(v, bool) and (
-            (lo is not None and v < lo) or (hi is not None and v > hi)):
-        rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+            (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi)):
+        rng = (f"in {'(' if lo_open else '['}{lo}, {hi}]" if lo is not None and hi is not None
+               else f"{'>' if lo_open else '>='} {lo}" if lo is not None else f"<= {hi}")
         raise ConfigError(f"{where} = {v!r}: must be {rng}")
     if choices and v not in choices:
         raise ConfigError(f"{where} = {v!r}: must be one of {' | '.join(choices)}")

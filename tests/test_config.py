@@ -148,3 +148,129 @@ def test_values_outside_what_the_code_can_run_are_refused_at_load(tmp_path, sett
     with pytest.raises(C.ConfigError, match="must be"):
         C.load(None, str(tmp_path / "c.yaml"))
     assert C.load(None, None, ["actor.retries=0", "learner.checkpoint.every=1"]).actor.retries == 0
+
+
+# ---- booleans are not numbers, numbers are not booleans ---------------------------------------------------------------
+def _yaml_setting(tmp_path, setting: str) -> str:
+    """`a.b=v` as a YAML file with v unquoted, its path."""
+    key, _, value = setting.partition("=")
+    *section, name = key.split(".")
+    (tmp_path / "c.yaml").write_text("".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(section))
+                                     + f"{'  ' * len(section)}{name}: {value}\n")
+    return str(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("setting,needle", [
+    ("actors=true", "actors: True is a boolean, not int"),  # loaded as 1 actor before
+    ("actor.concurrency=true", "actor.concurrency: True is a boolean, not int"),
+    ("learner.batch_size=false", "learner.batch_size: False is a boolean, not int"),
+    ("learner.lr=false", "learner.lr: False is a boolean, not float"),  # loaded as lr 0.0 before
+    ("learner.ppo.gamma=yes", "learner.ppo.gamma: True is a boolean, not float"),  # YAML 1.1: yes is true
+    ("telemetry.sample_ratio=on", "telemetry.sample_ratio: True is a boolean, not float"),
+])
+def test_a_boolean_for_a_number_setting_is_refused(tmp_path, setting, needle):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, None, [setting])
+    assert str(e.value) == needle
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, _yaml_setting(tmp_path, setting))
+    assert str(e.value) == needle
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "0.5", "1.0", "[1]", "{a: 1}", "[]"])
+def test_a_bool_setting_takes_only_booleans_and_0_or_1(tmp_path, value):
+    """`bool(value)` made learner.archive=2, [1] or {a: 1} true and [] false."""
+    needle = "learner.archive: {} is not a boolean (true | false, or 0 | 1)"
+    import yaml
+
+    shown = repr(yaml.safe_load(value))
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, None, [f"learner.archive={value}"])
+    assert str(e.value) == needle.format(shown)
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, _yaml_setting(tmp_path, f"learner.archive={value}"))
+    assert str(e.value) == needle.format(shown)
+
+
+@pytest.mark.parametrize("value,want", [("1", True), ("0", False), ("true", True), ("false", False), ("on", True),
+                                        ("no", False), ('"yes"', True), ('"off"', False)])
+def test_a_bool_setting_still_takes_booleans_and_0_1(tmp_path, value, want):
+    assert C.load(None, _yaml_setting(tmp_path, f"learner.archive={value}")).learner.archive is want
+    if not value.startswith('"'):
+        assert C.load(None, None, [f"learner.archive={value}"]).learner.archive is want
+
+
+# ---- bounds of the settings that had none -----------------------------------------------------------------------------
+@pytest.mark.parametrize("setting,needle", [
+    ("inference.max_queue=0", "inference.max_queue = 0: must be >= 1"),  # every request RESOURCE_EXHAUSTED
+    ("inference.threads=0", "inference.threads = 0: must be >= 1"),
+    ("inference.cache_block_tokens=0", "inference.cache_block_tokens = 0: must be >= 1"),
+    ("inference.cache_max_bytes=-1", "inference.cache_max_bytes = -1: must be >= 0"),  # 0 = auto stays legal
+    ("inference.update_timeout_s=0", "inference.update_timeout_s = 0.0: must be > 0"),
+    ("inference.sglang_health_interval_s=0", "inference.sglang_health_interval_s = 0.0: must be > 0"),  # busy loop
+    ("envd.lease_ttl_s=0", "envd.lease_ttl_s = 0.0: must be > 0"),  # the heartbeat sleeps lease_ttl_s / 3
+    ("envd.gc_interval_s=-1", "envd.gc_interval_s = -1.0: must be > 0"),
+    ("envd.step_timeout_s=0", "envd.step_timeout_s = 0.0: must be > 0"),
+    ("envd.max_sessions=0", "envd.max_sessions = 0: must be >= 1"),
+    ("envd.max_sessions_per_client=-1", "envd.max_sessions_per_client = -1: must be >= 0"),
+    ("actor.rpc_timeout_s=0", "actor.rpc_timeout_s = 0.0: must be > 0"),
+    ("actor.image_history=-2", "actor.image_history = -2: must be >= -1"),  # -1 = auto stays legal
+    ("learner.ppo.gamma=1.5", "learner.ppo.gamma = 1.5: must be in [0, 1]"),
+    ("learner.ppo.lam_policy=-0.1", "learner.ppo.lam_policy = -0.1: must be in [0, 1]"),
+    ("learner.ppo.eps_low=-0.2", "learner.ppo.eps_low = -0.2: must be >= 0"),
+    ("learner.ppo.behav_cap=0", "learner.ppo.behav_cap = 0.0: must be > 0"),  # log(0) in the clamp
+    ("learner.ppo.minibatches=0", "learner.ppo.minibatches = 0: must be >= 1"),
+    ("learner.correction.rho_bar=0", "learner.correction.rho_bar = 0.0: must be > 0"),
+    ("learner.grad_clip=0", "learner.grad_clip = 0.0: must be > 0"),
+    ("learner.stream.queue_size=0", "learner.stream.queue_size = 0: must be >= 1"),
+    ("learner.publish.keep_versions=0", "learner.publish.keep_versions = 0: must be >= 1"),
+    ("evaluation.temperature=-2", "evaluation.temperature = -2.0: must be >= -1"),
+    ("model.rope_theta=0", "model.rope_theta = 0.0: must be > 0"),
+])
+def test_the_new_bounds_are_refused_with_their_message(tmp_path, setting, needle):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, None, [setting])
+    assert str(e.value) == needle
+    with pytest.raises(C.ConfigError, match="must be"):
+        C.load(None, _yaml_setting(tmp_path, setting))
+
+
+def test_documented_special_values_stay_legal():
+    cfg = C.load(None, None, ["actor.image_history=-1", "evaluation.temperature=-1", "inference.cache_max_bytes=0",
+                              "envd.max_total_pids=0", "envd.max_sessions_per_client=0", "inference.max_version_jump=0",
+                              "inference.sticky_max_imbalance=0", "learner.ppo.truncated_value=-1",
+                              "actor.format_penalty=-5", "seed=-3", "learner.ppo.gamma=0", "learner.ppo.gamma=1"])
+    assert (cfg.actor.image_history, cfg.inference.cache_max_bytes, cfg.seed) == (-1, 0, -3)
+
+
+def test_the_outbox_holds_the_send_window():
+    with pytest.raises(C.ConfigError, match="actor.max_outbox=8 is below actor.send_window=256"):
+        C.load(None, None, ["actor.max_outbox=8"])
+    assert C.load(None, None, ["actor.max_outbox=8", "actor.send_window=8"]).actor.max_outbox == 8
+
+
+def test_every_default_passes_its_own_bounds():
+    """A bound added later that its field's default breaks fails here, not in every `tars up`."""
+    import dataclasses
+    import typing
+
+    from core.config_values import _check
+
+    checked = []
+
+    def walk(cls, pre=""):
+        hints = typing.get_type_hints(cls)
+        for fl in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[fl.name]):
+                walk(hints[fl.name], pre + fl.name + ".")
+            elif fl.default is not dataclasses.MISSING and {"lo", "hi", "choices"} & set(fl.metadata):
+                _check(fl, fl.default, pre + fl.name)
+                checked.append(pre + fl.name)
+
+    walk(C.RunConfig)
+    assert len(checked) > 100 and "learner.ppo.gamma" in checked and "envd.lease_ttl_s" in checked
+    C.from_dict(C.RunConfig, {})
+
+
+def test_help_shows_an_open_bound():
+    assert "envd.lease_ttl_s = 60.0 (0..]" in C.help_text() and "learner.ppo.gamma = 1.0 [0..1]" in C.help_text()
