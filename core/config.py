@@ -87,8 +87,8 @@ class EnvdConfig:
                                     "session ends as INFRA_ERROR", gt=0)
     shutdown_grace_s: float = f(2.0, "on SIGTERM, how long in-flight RPCs may finish before envs are closed", lo=0)
     latency_window: int = f(4096, "recent steps kept for the step latency p50/p99 in ControlService status", lo=1)
-    unsandboxed_envs: bool = f(False, "serve desktop and hybrid, whose GUI apps (xterm's shell included) run as "
-                                      "envd's user, outside the terminal sandbox: for a trusted policy on a throwaway host")
+    unsandboxed_envs: bool = f(False, "deprecated, ignored (a warning in envd's log when true): desktop and hybrid are "
+                                      "always served now, since their GUI apps run in the terminal's sandbox")
 
 
 @dataclass

@@ -3,15 +3,18 @@ xdotool, screenshots through mss.
 
 Per session: `Xvfb :N -screen 0 WxHx24 -nolisten tcp` on a free display number (Xvfb's own lock file decides: a
 taken number makes it exit and we try the next), a private MIT-MAGIC-COOKIE in the session's XAUTHORITY file, and
-the apps started in a workspace directory (their cwd and HOME). Everything runs in the X server's process group
-(plus what the apps spawn, like xterm's shell), killed as a whole on close; Xvfb and the apps get SIGKILL if the
-daemon dies. There is no window manager: keyboard input goes to the window under the pointer, so click a window
-before typing into it.
+the apps, xterm's shell included, in ONE bubblewrap sandbox per episode (envd/desktop_apps.py, on the terminal's
+command line, envd/bwrap.py): no network, no host file but the system's read-only directories, the workspace at
+/workspace (their cwd and HOME), the X socket and a copy of the cookie bound in, the limits of DESKTOP_LIMITS, and on a
+root daemon an unprivileged uid of its own. Xvfb and the tools envd runs itself (xdotool, xwininfo, mss) stay
+outside. Closing or resetting kills the sandbox's init and waits until its namespace is empty; Xvfb and the
+sandbox get SIGKILL if the daemon dies. There is no window manager: keyboard input goes to the window under the
+pointer, so click a window before typing into it.
 
 The desktop has no task of its own: reward is 0, `finished`/`call_user` end the episode (terminated), `max_steps`
 truncates it. Options: width, height (default 1024x768), apps (comma list from APPS, default "xterm,xedit"),
-workspace (a directory to share with other sessions, e.g. a sandboxed terminal; default a fresh temp dir, emptied
-on every reset), max_steps (0 = none), settle_s (pause before the screenshot after an action, default 0.15),
+workspace (in-process only, never over RPC: a directory to share with other sessions; default a fresh temp dir,
+emptied on every reset), max_steps (0 = none), settle_s (pause before the screenshot after an action, default 0.15),
 instruction (text shown as the task), command_timeout_s (deadline of each X tool call, default 10).
 """
 from __future__ import annotations
@@ -30,9 +33,11 @@ import weakref
 from typing import Any
 
 from envd import scratch
-from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
+from envd.desktop_apps import DESKTOP_LIMITS, XVFB_CLAIM, AppSandbox
 from envd.png import encode_rgb
-from envd.proctree import kill_session, with_parent_death_signal
+from envd.proctree import kill_session
+from envd.workspace_archive import rmtree
 from envd.xserver import XServer
 
 APPS = ("xterm", "xedit", "xcalc", "xclock")
@@ -107,8 +112,8 @@ _WINDOW = re.compile(r'^\s+(0x[0-9a-f]+) "(.*)": \((?:"([^"]*)" "([^"]*)")?\)\s+
 class DesktopEnv(Env):
     """One Xvfb desktop with real apps."""
 
-    # An estimate for the host budget (no sandbox limits these processes): Xvfb, xterm with its shell, xedit.
-    claim = Resources(pids=64, memory_mb=512)
+    # The app sandbox's limits, plus an estimate for Xvfb (outside it).
+    claim = DESKTOP_LIMITS.host_claim() + XVFB_CLAIM
 
     def __init__(self, name: str = "", options: dict[str, str] | None = None):
         options = dict(options or {})
@@ -132,15 +137,16 @@ class DesktopEnv(Env):
                              "| target=window title), drag, type(content), hotkey(key), scroll(direction), wait(), "
                              "finished()")
         self._dir = tempfile.mkdtemp(prefix="tars-desktop-", dir=scratch.root())
-        weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
+        weakref.finalize(self, rmtree, self._dir)  # also at interpreter exit if close() never ran
         self._owns_workspace = not options.get("workspace")
         self.workspace = os.path.abspath(options.get("workspace") or os.path.join(self._dir, "home"))
         os.makedirs(self.workspace, exist_ok=True)
-        self._app_procs: list[subprocess.Popen] = []
+        self.apps_sandbox: AppSandbox | None = None
         self._shot = None
         self._steps, self._done, self._last = 0, True, None
         try:
             self.x = XServer(self._dir, self.width, self.height, timeout_s=self.timeout_s)
+            self.apps_sandbox = AppSandbox(self._dir, self.workspace, self.x, owns_workspace=self._owns_workspace)
             import mss
 
             with _env_lock:  # mss (libxcb) reads XAUTHORITY from the environment while it connects
@@ -162,10 +168,6 @@ class DesktopEnv(Env):
     def display(self) -> str:
         return self.x.display
 
-    def client_env(self) -> dict[str, str]:
-        """Environment for a program that should run on this desktop (DISPLAY, XAUTHORITY, HOME = workspace)."""
-        return {**self.x.env, "HOME": self.workspace, "LANG": "C.UTF-8", "SHELL": "/bin/bash", "PS1": "$ "}
-
     def _check_x(self) -> None:
         if not self.x.alive():
             raise RuntimeError(f"the X server {self.x.display} exited (code {self.x.proc.poll()})")
@@ -180,31 +182,18 @@ class DesktopEnv(Env):
         return [app, "-geometry", f"{cw - 10}x{min(self.height - 10, 600)}+{x0}+0"]
 
     def _stop_apps(self) -> None:
-        pids = {p.pid for p in self._app_procs}
-        if pids:
-            kill_session(0, pids)  # the apps and what they spawned (xterm's shell has its own session)
-            for p in self._app_procs:
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
-        self._app_procs = []
+        """Kill every app and everything they started (xterm's shell and its jobs): their sandbox is emptied."""
+        self.apps_sandbox.stop()
 
     def _start_apps(self) -> None:
-        log = open(os.path.join(self._dir, "apps.log"), "ab")
-        try:
-            for i, app in enumerate(self.apps):
-                self._app_procs.append(subprocess.Popen(
-                    with_parent_death_signal(self._app_argv(app, i)), cwd=self.workspace, env=self.client_env(),
-                    process_group=self.x.pid, stdin=subprocess.DEVNULL, stdout=log, stderr=log))
-        finally:
-            log.close()
+        log = os.path.join(self._dir, "apps.log")
+        self.apps_sandbox.start([self._app_argv(app, i) for i, app in enumerate(self.apps)], log,
+                                process_group=self.x.pid, timeout_s=self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         while len(self.windows()) < len(self.apps):
             self._check_x()
-            dead = [a for a, p in zip(self.apps, self._app_procs) if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"apps did not show their windows: {dead or self.apps} (see {self._dir}/apps.log)")
+            if not self.apps_sandbox.alive or time.monotonic() > deadline:
+                raise RuntimeError(f"apps did not show their windows: {self.apps} (see {log})")
             time.sleep(0.05)
 
     # ---- X tools -------------------------------------------------------------------------------------------------
@@ -252,7 +241,7 @@ class DesktopEnv(Env):
         self._check_x()
         self._stop_apps()
         if self._owns_workspace:  # a fresh episode starts in an empty home; a shared workspace is not ours to wipe
-            shutil.rmtree(self.workspace, ignore_errors=True)
+            rmtree(self.workspace)   # whatever permissions the sandbox left on it
             os.makedirs(self.workspace, exist_ok=True)
         self._start_apps()
         self._run("xdotool", "mousemove", str(self.width // 2), str(self.height // 2))
@@ -331,7 +320,7 @@ class DesktopEnv(Env):
 
     def _observe(self, reward: float, outcome: Outcome) -> StepResult:
         wins = self.windows()
-        lines = [f"desktop {self.width}x{self.height}, home {self.workspace}", "windows:"]
+        lines = [f"desktop {self.width}x{self.height}, home /workspace (on the host {self.workspace})", "windows:"]
         lines += [f'  "{w["title"]}" ({w["class"]}) @({w["x"]},{w["y"]} {w["w"]}x{w["h"]})' for w in wins]
         if not wins:
             lines.append("  (none)")
@@ -354,8 +343,8 @@ class DesktopEnv(Env):
 
     @property
     def pids(self) -> set[int]:
-        x = getattr(self, "x", None)
-        return ({x.pid} if x is not None else set()) | {p.pid for p in self._app_procs}
+        x, apps = getattr(self, "x", None), getattr(self, "apps_sandbox", None)
+        return ({x.pid} if x is not None else set()) | (apps.pids if apps is not None else set())
 
     def close(self) -> None:
         shot, self._shot = getattr(self, "_shot", None), None
@@ -364,10 +353,16 @@ class DesktopEnv(Env):
                 shot.close()
             except Exception:
                 pass
-        x = getattr(self, "x", None)
-        roots = {p.pid for p in getattr(self, "_app_procs", [])}
+        x, apps = getattr(self, "x", None), getattr(self, "apps_sandbox", None)
+        roots = {x.pid} if x is not None else set()
+        if apps is not None:
+            left = apps.pids
+            try:
+                apps.release()      # the sandbox's init killed and waited for: no app runs after this
+            except RuntimeError:
+                roots |= left       # still there 5 s on: the sweep below goes after its processes by pid
         if x is not None:
-            kill_session(x.pid, roots | {x.pid})
+            kill_session(x.pid, roots)
             try:
                 x.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -375,14 +370,8 @@ class DesktopEnv(Env):
             x.remove_stale_files()
         elif roots:
             kill_session(0, roots)
-        for p in getattr(self, "_app_procs", []):
-            try:
-                p.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass
-        self._app_procs = []
         if getattr(self, "_dir", None):
-            shutil.rmtree(self._dir, ignore_errors=True)  # the owned workspace lives inside it
+            rmtree(self._dir)  # the owned workspace lives inside it
 
 
 def make(name: str = "", options: dict[str, str] | None = None) -> DesktopEnv:

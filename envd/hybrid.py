@@ -1,5 +1,7 @@
 """`hybrid`: a GUI desktop (envd/desktop.py) and a sandboxed terminal (envd/terminal.py) on ONE shared workspace,
 in the spirit of UI-TARS-2's GUI-SDK: a file the GUI apps save is visible to the shell and the other way round.
+Both halves are sandboxed alike (envd/bwrap.py): the GUI apps, xterm's shell included, run in the desktop's app
+sandbox (envd/desktop_apps.py) and see the workspace at /workspace, as the terminal does.
 
 Env ids: `hybrid` (an open desktop + shell, reward 0) and `hybrid/<terminal task>` (a task of envd/terminal_tasks.py,
 solved through either side; its verifier judges the shared workspace at `finished()`).
@@ -19,11 +21,11 @@ by the terminal transcript (at most the terminal's `screen_chars`).
 
 Workspace: the env makes it itself (never an option: a client naming host directories would defeat the sandbox),
 inside a private directory of mode 0o711 so the sandbox uid can reach it without listing its neighbours. The
-workspace belongs to the sandbox's uid (the terminal chowns it at each shell start) with mode 0o755; no 0o1777
-is needed because the GUI apps run as the daemon user, which is either root (bypasses file permissions) or, for a
-non-root daemon, the very uid the sandbox runs as. Files the GUI writes as root are handed to the sandbox uid
-before each terminal action so the shell can also modify them, not only read them. Reset stops the GUI apps,
-clears the workspace, seeds the task's files, then starts a fresh shell and fresh apps.
+workspace belongs to the sandbox's uid (the terminal chowns it at each shell start) with mode 0o755. The GUI's
+sandbox runs as the terminal's uid (a root daemon's, or the daemon's own), so what either side writes the other
+may change; sharing the uid shares RLIMIT_NPROC's count too, so each side's limit is the sum of both sides' nproc
+(the session's claim). Reset stops the GUI apps, clears the workspace, seeds the task's files, then starts a fresh
+shell and fresh apps.
 
 Options: the desktop's (width, height, apps, settle_s, command_timeout_s, instruction), the terminal's (verify,
 screen_chars and the sandbox limits of envd/sandbox_limits.py), and max_steps. Snapshots: UNIMPLEMENTED (a live X
@@ -41,7 +43,7 @@ from dataclasses import replace
 from envd import scratch, terminal_tasks
 from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult
 from envd.desktop import DesktopEnv
-from envd.sandbox_limits import Limits, chown_tree
+from envd.sandbox_limits import Limits
 from envd.terminal import TerminalEnv
 from envd.workspace_archive import rmtree
 
@@ -95,11 +97,18 @@ class HybridEnv(Env):
         try:
             self.terminal = TerminalEnv(self.task, term_opts, workspace=self.workspace, reset_clears_workspace=True)
             self.desktop = DesktopEnv("", {**desk_opts, "workspace": str(self.workspace)})
+            self._share_uid()
         except BaseException:
             self.close()
             raise
         self.action_space = (f"{self.desktop.action_space}; with target='terminal': {TerminalEnv.action_space} "
                              "go to the sandboxed shell on the same workspace")
+
+    def _share_uid(self) -> None:
+        """The GUI's sandbox runs as the terminal's uid, in one process count of both sides' nproc."""
+        apps, shell = self.desktop.apps_sandbox, self.terminal.sandbox
+        apps.share_uid(shell.uid, extra_nproc=self.terminal.limits.nproc)
+        shell.extra_nproc = apps.limits.nproc
 
     def resources(self, options: dict[str, str] | None = None) -> Resources:
         """The terminal sandbox's limits (after a Reset with `options`) plus the desktop's estimate."""
@@ -129,6 +138,7 @@ class HybridEnv(Env):
         self.desktop._check_x()
         self.desktop._stop_apps()   # nothing from the old episode may write into the workspace being cleared
         self.terminal.reset(seed, term_opts or None)      # clears the workspace, seeds the task, starts a shell
+        self._share_uid()                                 # the terminal's nproc may have changed with the options
         d = self.desktop.reset(seed, {"instruction": self.instruction})
         self.steps, self.outcome, self._over, self._started = 0, Outcome.RUNNING, False, True
         return self._compose(d, reward=0.0)
@@ -146,8 +156,6 @@ class HybridEnv(Env):
         reward = 0.0
         if to_terminal:
             term_action = replace(action, target="")
-            if self.terminal.sandbox.uid is not None:
-                chown_tree(self.workspace, self.terminal.sandbox.uid)   # GUI (root) files become the shell's
             t = self.terminal.step(term_action)       # validates before acting: ActionError leaves it unchanged
             d = self.desktop.observe()
         else:

@@ -57,25 +57,19 @@ def resolve(env_id: str) -> tuple[str, str, Factory]:
     return best, env_id[len(best) + 1:], table[best][0]
 
 
-# Backends whose programs run as envd's user, not in the terminal sandbox (the desktop's xterm is a real shell).
-UNSANDBOXED = ("desktop", "hybrid")
+# Backends that take a `workspace` option in-process (a host directory they would create and run programs in).
+WORKSPACE_OPTION = ("desktop", "hybrid")
 
 
-def make(env_id: str, options: dict[str, str] | None = None, *, remote: bool = False,
-         unsandboxed: bool = True) -> Env:
+def make(env_id: str, options: dict[str, str] | None = None, *, remote: bool = False) -> Env:
     """A fresh Env for `env_id`. KeyError: unknown id; ValueError: bad options; anything else: backend failure.
 
-    remote: asked over RPC (envd's CreateSession): the UNSANDBOXED backends only where `unsandboxed` allows them
-    (envd.unsandboxed_envs), and never with a workspace the caller names (a directory envd would create and run
-    programs in)."""
+    remote: asked over RPC (envd's CreateSession): never with a workspace the caller names (a directory envd would
+    create and run programs in). Every backend is served: the desktop's and hybrid's GUI apps run in the sandbox."""
     prefix, name, factory = resolve(env_id)
-    if remote and prefix in UNSANDBOXED:
-        if not unsandboxed:
-            raise ValueError(f"{prefix} runs its programs as envd's user, outside the sandbox: envd serves it only "
-                             "with envd.unsandboxed_envs=true")
-        if (options or {}).get("workspace"):
-            raise ValueError("the workspace option is not taken over RPC (envd would create and run programs in a "
-                             "directory the caller names)")
+    if remote and prefix in WORKSPACE_OPTION and (options or {}).get("workspace"):
+        raise ValueError("the workspace option is not taken over RPC (envd would create and run programs in a "
+                         "directory the caller names)")
     env = factory(name, dict(options or {}))
     if not isinstance(env, Env):
         raise TypeError(f"the factory for {env_id!r} returned {type(env).__name__}, not an envd.base.Env")

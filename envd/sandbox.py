@@ -1,16 +1,8 @@
 """A bash shell in a bubblewrap sandbox, driven through a pseudo-terminal (the `terminal` backend's engine).
 
-Inside: /usr, /bin, /lib*, /etc/alternatives and /etc/ld.so.cache read-only from the host; a generated /etc/passwd,
-/etc/group, /etc/hosts and bash rc file (read-only); the session workspace read-write at /workspace; fresh
-size-limited tmpfs at /tmp and /dev/shm; a new /proc and a minimal /dev; the root and /dev read-only. Nothing else
-of the host exists in there: not the repo, not /root or /home, not /run, /sys or /var. `--unshare-all
---unshare-user` gives new user, pid, network (a loopback of its own), ipc, uts and cgroup namespaces; all
-capabilities are dropped and no nested user namespace can be made; `--new-session` keeps the sandbox off any
-terminal of the daemon; `--die-with-parent` and `setpriv --pdeathsig KILL` tie its life to the daemon's.
-
-Limits (envd/sandbox_limits.py) are set by `prlimit` before bwrap starts (no preexec_fn: forking Python in a
-threaded daemon can deadlock): CPU seconds, address space, processes, file size, open files, no core dumps. A root
-daemon runs every sandbox as an unprivileged uid of its own.
+The sandbox itself (mounts, namespaces, dropped capabilities, the prlimit limits of envd/sandbox_limits.py, a root
+daemon's uid of its own) is the command line of envd/bwrap.py, which the desktop's GUI apps share; the shell adds
+its bash rc file (read-only at /etc/tars.bashrc) and runs in the workspace at /workspace.
 
 Command boundaries: the shell is interactive (job control: each command line is its own process group, and ctrl-c
 reaches it through the terminal); PS1/PS2 print sentinels carrying the prompt's number (a look-alike a job printed,
@@ -42,10 +34,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, write_etc
 from envd.sandbox_exit import (kill_and_wait, kill_strays, killpg, open_pidfd, read_child_pid, reap, running,
                                shell_idle, strays)
-from envd.sandbox_limits import (INNER_ID, Limits, SandboxError, uid_task_count, allocate_uid, chown_tree,
-                                 missing_tools, quota_breach, release_uid, workspace_usage)
+from envd.sandbox_limits import (Limits, SandboxError, allocate_uid, chown_tree, missing_tools, quota_breach,
+                                 release_uid, workspace_usage)
 from envd.terminal_text import OutputSegment
 
 log = logging.getLogger(__name__)
@@ -53,7 +46,6 @@ log = logging.getLogger(__name__)
 __all__ = ["SANDBOX_WORKSPACE", "Event", "Limits", "SandboxError", "ShellSandbox", "missing_tools", "quota_breach",
            "workspace_usage"]
 
-SANDBOX_WORKSPACE = "/workspace"
 ROWS, COLS = 40, 160
 _PROMPT, _CONT, _END = b"\x1e", b"\x1d", b"\x1f"   # PS1 = \x1e<n> <status> <cwd>\x1f, PS2 = \x1d\x1f
 _MAX_SENTINEL = 4096                             # a \x1e without its \x1f this far on is plain output
@@ -86,6 +78,7 @@ class ShellSandbox:
         self.private_dir = pathlib.Path(private_dir)
         self.limits = limits
         self.uid = allocate_uid()           # the host uid the shell runs as (None: the daemon's own)
+        self.extra_nproc = 0                # processes a GUI sharing the uid may use (envd/hybrid.py)
         self.proc: subprocess.Popen | None = None
         self.master = -1
         self.shell_pgid = 0
@@ -105,57 +98,11 @@ class ShellSandbox:
         self._since_submit = 0              # output bytes since the last command line (the flood limit)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def _write_etc(self) -> pathlib.Path:
-        etc = self.private_dir / "etc"
-        etc.mkdir(mode=0o755, parents=True, exist_ok=True)
-        files = {"passwd": f"user:x:{INNER_ID}:{INNER_ID}:user:{SANDBOX_WORKSPACE}:/bin/bash\n"
-                           "nobody:x:65534:65534:nobody:/:/usr/sbin/nologin\n",
-                 "group": f"user:x:{INNER_ID}:\nnogroup:x:65534:\n",
-                 "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n", "bashrc": _RC}
-        for name, text in files.items():
-            (etc / name).write_text(text)
-            os.chmod(etc / name, 0o644)
-        return etc
-
     def _argv(self, cwd: str) -> list[str]:
-        lim = self.limits
-        etc = self._write_etc()
-        if self.uid is not None:
-            # Root daemon: the sandbox runs as its own unprivileged uid. RLIMIT_NPROC is never enforced for uid 0
-            # (not even inside a user namespace), and a uid of its own makes the count per sandbox.
-            drop = [f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
-            nproc = lim.nproc
-        else:
-            # Unprivileged daemon: the sandbox shares the daemon user's process count, so leave room for it.
-            drop, nproc = [], lim.nproc + uid_task_count(os.getuid())
-        argv = ["setpriv", *drop, "--pdeathsig", "KILL", "--",
-                "prlimit", f"--cpu={lim.cpu_s}", f"--as={lim.memory_mb << 20}", f"--nproc={nproc}",
-                f"--fsize={lim.fsize_mb << 20}", f"--nofile={lim.nofile}", "--core=0", "--",
-                # --cap-drop ALL: capabilities in the sandbox's user namespace would allow mounts (an unbounded
-                # tmpfs) and more; --disable-userns: no nested namespace in which to regain them.
-                "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
-                "--uid", str(INNER_ID), "--gid", str(INNER_ID), "--die-with-parent", "--new-session",
-                "--info-fd", str(self._info_fd),  # its child's pid: stop() waits for the namespace to empty
-                "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
-        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            p = pathlib.Path("/") / name
-            if p.is_symlink():               # merged-/usr systems: /bin -> usr/bin
-                argv += ["--symlink", os.readlink(p), str(p)]
-            elif p.is_dir():
-                argv += ["--ro-bind", str(p), str(p)]
-        for extra in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime"):
-            if os.path.exists(extra):        # alternatives: /usr/bin/awk -> /etc/alternatives/awk -> mawk
-                argv += ["--ro-bind", extra, extra]
-        for name in ("passwd", "group", "hosts"):
-            argv += ["--ro-bind", str(etc / name), f"/etc/{name}"]
-        argv += ["--ro-bind", str(etc / "bashrc"), "/etc/tars.bashrc", "--proc", "/proc", "--dev", "/dev",
-                 "--size", str(min(lim.tmp_mb, 16) << 20), "--tmpfs", "/dev/shm",
-                 "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
-                 "--bind", str(self.workspace), SANDBOX_WORKSPACE,
-                 # bwrap's root and /dev are tmpfs (memory, unbounded): read-only once the mounts are in place.
-                 "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd,
-                 "--", "setsid", "-c", "bash", "--noprofile", "--rcfile", "/etc/tars.bashrc", "--noediting", "-i"]
-        return argv
+        etc = write_etc(self.private_dir / "etc", {"bashrc": _RC})
+        return [*sandbox_argv(self.workspace, etc, self.limits, self.uid, self._info_fd, cwd=cwd,
+                              ro_binds=[(etc / "bashrc", "/etc/tars.bashrc")], extra_nproc=self.extra_nproc),
+                "setsid", "-c", "bash", "--noprofile", "--rcfile", "/etc/tars.bashrc", "--noediting", "-i"]
 
     def start(self, cwd: str = SANDBOX_WORKSPACE, timeout: float = 10.0) -> str:
         """Start the shell in `cwd` (a path inside the sandbox) and wait for its first prompt; returns its output."""
@@ -174,7 +121,7 @@ class ShellSandbox:
             attrs[1] &= ~termios.ONLCR                        # \n stays \n
             termios.tcsetattr(slave, termios.TCSANOW, attrs)
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
-            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_WORKSPACE, "TERM": "dumb",
+            env = {"PATH": SANDBOX_PATH, "HOME": SANDBOX_WORKSPACE, "TERM": "dumb",
                    "LANG": "C.UTF-8", "USER": "user", "SHELL": "/bin/bash",
                    "TMPDIR": "/tmp", "PAGER": "cat", "GIT_PAGER": "cat", "COLUMNS": str(COLS), "LINES": str(ROWS)}
             self.proc = subprocess.Popen(self._argv(cwd), stdin=slave, stdout=slave, stderr=slave, env=env,

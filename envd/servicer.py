@@ -4,7 +4,7 @@ The process around it (listening, health, drain, signals, exit, the ControlServi
 session state and the worker pool are envd/sessions.py.
 
 Error contract (see proto/tars/v1/env.proto and envd/base.py):
-  unknown session / env id -> NOT_FOUND            malformed action or options, an unsandboxed env not enabled -> INVALID_ARGUMENT
+  unknown session / env id -> NOT_FOUND            malformed action or options -> INVALID_ARGUMENT
   session cap, per-client cap, host budget -> RESOURCE_EXHAUSTED      draining -> UNAVAILABLE
   backend lacks snapshots -> UNIMPLEMENTED         request from before a daemon restart -> FAILED_PRECONDITION
   a crashing or hanging backend never raises: Reset/Step/Observe answer outcome INFRA_ERROR and the session is gone.
@@ -44,6 +44,9 @@ MAX_LEASE_TTL_S = 7 * 24 * 3600.0
 class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     def __init__(self, cfg: EnvdConfig, run_id: str):
         self.cfg, self.run_id = cfg, run_id
+        if cfg.unsandboxed_envs:
+            log.warning("envd.unsandboxed_envs is deprecated and ignored: desktop and hybrid are always served now, "
+                        "their GUI apps run in the sandbox (envd/desktop_apps.py)")
         self.sessions: dict[str, Session] = {}
         self.workers = Workers(cfg.workers)
         self.draining = False
@@ -159,7 +162,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self._check_accepting()
         self.admission.check(owner, client_id)
         options, hint = hints.split_options(options)
-        make = functools.partial(registry.make, remote=True, unsandboxed=self.cfg.unsandboxed_envs)
+        make = functools.partial(registry.make, remote=True)
         if hint and hint not in hints.POLICIES:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{hints.OPTION}={hint!r}: expected one of {hints.POLICIES}")
         with self.admission.building(owner):

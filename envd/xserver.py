@@ -1,5 +1,6 @@
 """The X server behind a `desktop` session: one Xvfb on a free display number, reachable only with the session's
-private MIT-MAGIC-COOKIE, in its own process group so that it and every X client started in it die together.
+private MIT-MAGIC-COOKIE, in its own process group so that it and every X client started in it die together. Xvfb is
+the daemon's own (no policy input reaches it but X requests); the apps that talk to it run in a sandbox.
 
 Display numbers: threads of one daemon pick them one at a time; between processes Xvfb's own lock file decides (a
 taken number makes it exit and the next is tried).
@@ -86,6 +87,11 @@ class XServer:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def socket(self) -> str:
+        """The server's unix socket in the file system (sandboxed clients get it bound in: envd/desktop_apps.py)."""
+        return f"/tmp/.X11-unix/X{self.display[1:]}"
 
     def alive(self) -> bool:
         return self.proc.poll() is None and alive(self.proc.pid)

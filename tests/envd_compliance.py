@@ -113,7 +113,7 @@ class EnvCompliance:
         assert a, "set valid_action on the compliance subclass"
         return env_pb2.Action(**a)
 
-    envd_overrides: dict = {}   # envd settings a backend needs (desktop, hybrid: unsandboxed_envs)
+    envd_overrides: dict = {}   # envd settings a backend needs
 
     def client(self, **overrides):
         return envd_client(gc_interval_s=0.05, **{**self.envd_overrides, **overrides})

@@ -1,13 +1,19 @@
 """The desktop backend: a real Xvfb with xterm and xedit per session. Typing a shell command into xterm makes the
-file in the workspace, screenshots have the screen's size and change with input, bad input is rejected without
-effect, display numbers never collide, a killed X server is infra_error, and nothing outlives a session or the
-daemon. Also the PNG encoder the screenshots go through."""
+file in the workspace, and that shell is sandboxed (no host file outside the workspace, no network, the sandbox's
+user, nothing of it outlives the session, not even a daemonised job), screenshots have the screen's size and change
+with input, bad input is rejected without effect, display numbers never collide, a killed X server is infra_error,
+and nothing outlives a session or the daemon. Also the PNG encoder the screenshots go through."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import pathlib
+import secrets
 import shutil
 import signal
+import socket
+import tempfile
 import time
 import zlib
 
@@ -15,14 +21,18 @@ import grpc
 import pytest
 
 from envd import png, proctree, scratch, xserver
+from envd.sandbox_limits import missing_tools
+from envd.workspace_archive import rmtree
 from envd.base import Action, ActionError
 from envd_compliance import EnvCompliance, dir_left_by_a_killed_daemon, envd_client, expect_code, run
+from core.config import EnvdConfig, from_dict
 from core.proc import wait_for
 from core.v1 import common_pb2, env_pb2
 
 _NEEDED = ["Xvfb", "xdotool", "xwininfo", "xterm", "xedit"]
-if any(shutil.which(b) is None for b in _NEEDED):
-    pytest.skip(f"the desktop backend needs {_NEEDED} (scripts/setup.sh --dev)", allow_module_level=True)
+if any(shutil.which(b) is None for b in _NEEDED) or missing_tools():
+    pytest.skip(f"the desktop backend needs {_NEEDED} and the sandbox tools {missing_tools()} (scripts/setup.sh --dev)",
+                allow_module_level=True)
 pytest.importorskip("mss", reason="mss is not installed")
 
 from envd import desktop  # noqa: E402
@@ -123,30 +133,114 @@ def test_every_input_kind_and_rejected_input(desk):
         desk.snapshot()
 
 
-def test_shared_workspace_and_distinct_displays(tmp_path, monkeypatch, desk):
+@pytest.fixture
+def shared_dir():
+    """A directory a root daemon's sandbox uid can reach (pytest's tmp_path lies under a 0700 directory)."""
+    d = pathlib.Path(tempfile.mkdtemp(prefix="shared-", dir=scratch.root()))
+    yield d
+    rmtree(d)
+
+
+def test_shared_workspace_and_distinct_displays(tmp_path, shared_dir, monkeypatch, desk):
+    if os.getuid() == 0 and any(not os.stat(p).st_mode & 0o001 for p in tmp_path.parents):
+        # The sandbox's own uid could not bind a workspace it cannot reach: said at once.
+        with pytest.raises(ValueError, match="reachable"):
+            desktop.make("", {"apps": "xterm", "workspace": str(tmp_path)})
     # Pretend no lock files exist and aim at the display in use: Xvfb itself refuses it and the next one is tried.
     taken = int(desk.display[1:])
     monkeypatch.setattr(xserver, "_next_display", taken)
     real_exists = os.path.exists
     monkeypatch.setattr(xserver.os.path, "exists", lambda p: False if str(p).startswith("/tmp/.X") else real_exists(p))
-    other = desktop.make("", {"apps": "xterm", "workspace": str(tmp_path), "width": "640", "height": "480"})
+    other = desktop.make("", {"apps": "xterm", "workspace": str(shared_dir), "width": "640", "height": "480"})
     try:
         assert other.display != desk.display
         other.reset(0)
         other.step(Action("click", target="xterm"))
         other.step(Action("type", content="pwd > where\n"))
-        _poll(lambda: (tmp_path / "where").exists() and (tmp_path / "where").read_text().strip(), what="pwd output")
-        assert (tmp_path / "where").read_text().strip() == str(tmp_path)
+        _poll(lambda: (shared_dir / "where").exists() and (shared_dir / "where").read_text().strip(), what="pwd")
+        assert (shared_dir / "where").read_text().strip() == "/workspace"   # the workspace, as the terminal sees it
     finally:
         other.close()
-    assert not _gone(other) and tmp_path.exists()  # a workspace we were given is not ours to delete
+    assert not _gone(other) and shared_dir.exists()  # a workspace we were given is not ours to delete
+
+
+def _typed_lines(env, script: str, out: str, timeout_s: float = 20.0) -> list[str]:
+    """Type `script` (one line) into the env's xterm with its output to `out` in the workspace; its lines."""
+    env.step(Action("click", target="xterm"))
+    env.step(Action("type", content=f"({script}; echo END) > {out} 2>&1\n"))
+    path = pathlib.Path(env.workspace) / out
+    _poll(lambda: path.exists() and path.read_text().endswith("END\n"), timeout_s, f"the xterm to write {out}")
+    return path.read_text().splitlines()
+
+
+@pytest.fixture
+def host_dir():
+    """A host directory outside any workspace that every uid could read (so only the sandbox keeps it out)."""
+    d = pathlib.Path(tempfile.mkdtemp(prefix="tars-host-marker-"))
+    os.chmod(d, 0o755)
+    (d / "host_secret").write_text("HOST-SECRET\n")
+    os.chmod(d / "host_secret", 0o644)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_xterm_commands_run_in_the_sandbox(desk, host_dir):
+    """What a policy types into the xterm runs in the sandbox: a world-readable host file outside the workspace is
+    not there, a port on the host's loopback cannot be reached, no name resolves, and the shell is the sandbox's
+    user in /workspace; what it writes lands in the workspace on the host, owned by the sandbox's uid."""
+    marker = host_dir / "host_secret"
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    try:
+        desk.reset(5)
+        lines = _typed_lines(desk, f"id -u; id -un; pwd; cat {marker} || echo NO-FILE; "
+                                   f"test -e {host_dir} || echo NO-DIR; getent hosts example.com || echo NO-DNS;"
+                                   f" (exec 3<>/dev/tcp/127.0.0.1/{port}) && echo CONNECTED "
+                                   f"|| echo NO-NET; ls /", "probe.txt")
+    finally:
+        srv.close()
+    assert lines[:3] == ["1000", "user", "/workspace"], lines
+    assert "HOST-SECRET" not in lines and "NO-FILE" in lines and "NO-DIR" in lines, lines
+    assert "NO-NET" in lines and "CONNECTED" not in lines and "NO-DNS" in lines, lines
+    assert not {"root", "home", "var", "opt"} & set(lines), lines    # no host directory but the system's
+    st = os.stat(pathlib.Path(desk.workspace) / "probe.txt")
+    assert st.st_uid == (desk.apps_sandbox.uid if os.getuid() == 0 else os.getuid())
+
+
+@pytest.fixture
+def tag():
+    """A unique argument for a `sleep` typed into a session; whatever still runs with it is killed at teardown (a
+    job that escaped the session, as it did before the apps were sandboxed, is never left behind)."""
+    t = f"{31000 + os.getpid() % 1000}.{secrets.randbelow(10 ** 6):06d}"
+    yield t
+    for pid in proctree.mentioning(t):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_closing_kills_every_process_of_the_apps_even_a_daemonised_one(shared_dir, tag):
+    """A job the xterm's shell daemonises (setsid, double fork) leaves the apps' process group and is no descendant
+    of theirs: as the daemon's user it outlived the session. In the sandbox it is in the apps' pid namespace, which
+    closing empties; so are the apps themselves (their pids, from /proc, are gone)."""
+    env = desktop.make("", {"apps": "xterm,xedit", "workspace": str(shared_dir), "width": "640", "height": "480"})
+    try:
+        env.reset(0)
+        _typed_lines(env, f"(setsid sleep {tag} > /dev/null 2>&1 &)", "daemonised.txt")
+        jobs = _poll(lambda: proctree.mentioning(tag), what="the daemonised sleep")
+        roots = env.pids - {env.x.pid}
+        apps = roots | proctree.descendants(roots)
+        assert len(apps) >= 3      # xterm, its shell, xedit (and the sandbox's bwrap, init and sh)
+    finally:
+        env.close()
+    assert not _gone(env)
+    assert not {p for p in apps | jobs if proctree.alive(p)}, "processes of the closed session still run"
 
 
 # ---- over a real envd -----------------------------------------------------------------------------------------
 
 class TestDesktopCompliance(EnvCompliance):
     env_id = "desktop"
-    envd_overrides = {"unsandboxed_envs": True}
     options = {"max_steps": "3", "apps": "xterm", "width": "640", "height": "480", "settle_s": "0"}
     valid_action = {"type": "click", "point": [50, 50]}
     invalid_action = {"type": "click", "point": [5000, 5]}
@@ -158,7 +252,7 @@ class TestDesktopCompliance(EnvCompliance):
 
 def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
     async def body():
-        async with envd_client(gc_interval_s=0.05, unsandboxed_envs=True) as c:
+        async with envd_client(gc_interval_s=0.05) as c:
             opts = {"apps": "xterm,xcalc", "width": "640", "height": "480"}
             sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="desktop", options=opts))).session_id
             r = await c.Reset(env_pb2.ResetRequest(session_id=sid, options=opts))
@@ -178,24 +272,28 @@ def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
     assert not _gone(live) and not os.path.exists(live._dir)
 
 
-def test_envd_serves_the_unsandboxed_desktop_only_when_told_and_never_a_callers_workspace(tmp_path):
-    """The desktop's xterm is a shell as envd's user: over RPC it is refused unless envd.unsandboxed_envs is set,
-    and even then a workspace the caller names (a directory envd would create and run programs in) is refused."""
+def test_envd_serves_the_desktop_without_a_setting_but_never_a_callers_workspace(tmp_path, caplog):
+    """The GUI apps run in the sandbox, so envd serves desktop and hybrid as it is (they needed
+    envd.unsandboxed_envs=true once); that setting still loads but is ignored, with a warning. A workspace the caller
+    names (a directory envd would create and run programs in) is still refused over RPC."""
     opts = {"apps": "xterm", "width": "640", "height": "480", "settle_s": "0"}
 
     async def main():
-        for env_id in ("desktop", "hybrid"):
-            async with envd_client() as c:
+        async with envd_client() as c:
+            for env_id in ("desktop", "hybrid"):
+                sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id=env_id, options=opts))).session_id
+                await c.Close(env_pb2.SessionRef(session_id=sid))
+            for env_id in ("desktop", "hybrid"):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await c.CreateSession(env_pb2.CreateSessionRequest(env_id=env_id, options=opts))
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "envd.unsandboxed_envs" in e.value.details()
-        async with envd_client(unsandboxed_envs=True) as c:
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await c.CreateSession(env_pb2.CreateSessionRequest(
-                    env_id="desktop", options={**opts, "workspace": str(tmp_path / "chosen" / "dir")}))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "workspace" in e.value.details()
+                    await c.CreateSession(env_pb2.CreateSessionRequest(
+                        env_id=env_id, options={**opts, "workspace": str(tmp_path / "chosen" / "dir")}))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "workspace" in e.value.details()
         assert not (tmp_path / "chosen").exists()
+        with caplog.at_level(logging.WARNING, logger="envd.servicer"):
+            async with envd_client(from_dict(EnvdConfig, {"unsandboxed_envs": True})) as c:
+                sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="desktop", options=opts))).session_id
+                await c.Close(env_pb2.SessionRef(session_id=sid))
+        assert "envd.unsandboxed_envs is deprecated and ignored" in caplog.text
 
     run(main())
 

@@ -1,13 +1,17 @@
 """The hybrid backend: an X desktop and a sandboxed terminal on one workspace. Files cross both ways (xterm ->
-shell, shell -> host and xterm), terminal tasks are judged at finished() whichever side solved them, actions route
-by target, bad actions change neither side, a dead X server or sandbox is infra_error, and nothing outlives close."""
+shell, shell -> host and xterm), the xterm's shell is sandboxed like the terminal (same /workspace, same user, no
+host file, no network), terminal tasks are judged at finished() whichever side solved them, actions route by
+target, bad actions change neither side, a dead X server or sandbox is infra_error, and nothing outlives close."""
 from __future__ import annotations
 
 import asyncio
 import os
 import pathlib
+import secrets
 import shutil
 import signal
+import socket
+import tempfile
 import time
 
 import grpc
@@ -137,6 +141,62 @@ def test_task_solved_through_either_side(env):
     assert r.reward == 1.0 and r.info["success"] is True
 
 
+@pytest.fixture
+def tag():
+    """A unique argument for a `sleep` typed into a session; whatever still runs with it is killed at teardown (a
+    job that escaped the session, as it did before the apps were sandboxed, is never left behind)."""
+    t = f"{32000 + os.getpid() % 1000}.{secrets.randbelow(10 ** 6):06d}"
+    yield t
+    for pid in proctree.mentioning(t):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def host_dir():
+    """A host directory outside any workspace that every uid could read (so only the sandbox keeps it out)."""
+    d = pathlib.Path(tempfile.mkdtemp(prefix="tars-host-marker-"))
+    os.chmod(d, 0o755)
+    (d / "host_secret").write_text("HOST-SECRET\n")
+    os.chmod(d / "host_secret", 0o644)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_xterm_is_sandboxed_like_the_terminal_and_nothing_outlives_close(host_dir, tag):
+    """The desktop's xterm sees what the terminal sees: the same files at /workspace, the same sandbox user, no
+    host file outside the workspace, no network; the two run as one host uid, so each may change what the other
+    wrote; and closing the session ends every process of both, even a job the xterm's shell daemonised."""
+    marker = host_dir / "host_secret"
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    e = hybrid.make("", SMALL)
+    try:
+        e.reset(0)
+        e.step(Action("type", content="echo from-shell > shell.txt\n", target="terminal"))
+        e.step(Action("click", target="xterm"))
+        e.step(Action("type", content=f"(id -u; id -un; pwd; cat shell.txt; cat {marker} || echo NO-FILE; "
+                                      f"(exec 3<>/dev/tcp/127.0.0.1/{srv.getsockname()[1]}) && echo CONNECTED || "
+                                      f"echo NO-NET; echo gui >> shell.txt; (setsid sleep {tag} >/dev/null 2>&1 &); "
+                                      "echo END) > gui.txt 2>&1\n"))
+        _poll(lambda: _read(e.workspace / "gui.txt").endswith("END\n"), 20, "the xterm to write gui.txt")
+        lines = _read(e.workspace / "gui.txt").splitlines()
+        assert lines[:4] == ["1000", "user", "/workspace", "from-shell"], lines
+        assert "HOST-SECRET" not in lines and "NO-FILE" in lines and "NO-NET" in lines, lines
+        r = e.step(Action("type", content="id -u; cat shell.txt; echo shell >> gui.txt\n", target="terminal"))
+        assert "1000\nfrom-shell\ngui\n[exit 0]" in r.text, r.text
+        if os.getuid() == 0:   # one uid for both sides, the terminal's own
+            assert os.stat(e.workspace / "gui.txt").st_uid == e.terminal.sandbox.uid == e.desktop.apps_sandbox.uid
+        jobs = _poll(lambda: proctree.mentioning(tag), what="the daemonised sleep")
+        roots = e.desktop.pids - {e.desktop.x.pid}
+        apps = roots | proctree.descendants(roots)
+    finally:
+        srv.close()
+        e.close()
+    assert _closed_cleanly(e)
+    assert not {p for p in apps | jobs if proctree.alive(p)}, "processes of the closed session still run"
+
+
 def test_dead_sandbox_is_an_infra_failure():
     e = hybrid.make("", SMALL)
     try:
@@ -153,7 +213,6 @@ def test_dead_sandbox_is_an_infra_failure():
 
 class TestHybridCompliance(EnvCompliance):
     env_id = "hybrid"
-    envd_overrides = {"unsandboxed_envs": True}
     options = {**SMALL, "max_steps": "3", "settle_s": "0"}
     valid_action = {"type": "type", "content": "echo hi\n", "target": "terminal"}
     invalid_action = {"type": "click", "point": [5000, 5]}
@@ -165,7 +224,7 @@ class TestHybridCompliance(EnvCompliance):
 
 def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
     async def body():
-        async with envd_client(gc_interval_s=0.05, unsandboxed_envs=True) as c:
+        async with envd_client(gc_interval_s=0.05) as c:
             sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="hybrid/hello", options=SMALL))).session_id
             r = await c.Reset(env_pb2.ResetRequest(session_id=sid))
             assert r.outcome == common_pb2.RUNNING and "hello.txt" in r.observation.instruction
