@@ -23,7 +23,15 @@ from typing import Any
 from core.action import Action, ActionError
 from core.outcome import Outcome
 
-__all__ = ["Action", "ActionError", "Env", "Outcome", "Resources", "Screenshot", "StepResult"]
+__all__ = ["Action", "ActionError", "Env", "Outcome", "Resources", "Screenshot", "StepResult", "refuse_unknown"]
+
+
+def refuse_unknown(backend: str, options, known) -> None:
+    """ValueError naming the option names `backend` does not take, and the ones it does (a typo must not be
+    ignored: a run would go on with the option unapplied)."""
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {backend} option(s) {unknown}; known: {sorted(known)}")
 
 
 @dataclass

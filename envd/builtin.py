@@ -13,6 +13,9 @@ Tasks (env id `builtin/<task>`):
 
 A click on a wrong button or item ends the episode as a failure (terminated, reward 0); opening a wrong menu or
 focusing a wrong field is allowed (the policy can recover). Success gives reward 1.
+
+Options (parse_options; any other name is refused): max_steps (default 6), strict_targets (boolean: a click on a
+label not on the screen is an invalid action), step_delay (a simulated slow GUI, envd/latency.py; CreateSession only).
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import json
 import random
 from dataclasses import dataclass, field
 
-from envd.base import Action, ActionError, Env, Outcome, StepResult
+from envd import latency
+from envd.base import Action, ActionError, Env, Outcome, StepResult, refuse_unknown
 
 LABELS = [
     "Save", "Open", "Export", "Print", "Close", "Copy", "Paste", "Undo", "Redo", "Cut", "Find", "Replace",
@@ -119,11 +123,11 @@ class BuiltinEnv(Env):
     # ---- episode construction ----------------------------------------------------------------------------
     def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
         options = options or {}
+        opts = parse_options(options)   # every option checked, as at CreateSession; step_delay stays the session's
         if "max_steps" in options:
-            try:
-                self.max_steps = int(options["max_steps"])
-            except ValueError:
-                raise ValueError(f"max_steps={options['max_steps']!r} is not an integer") from None
+            self.max_steps = opts["max_steps"]
+        if "strict_targets" in options:
+            self.strict_targets = opts["strict_targets"]
         rng = random.Random(seed)
         task = self.task if self.task != "mixed" else rng.choice(TASKS[:-1])
         s = Screen(task=task, app=rng.choice(APPS))
@@ -308,13 +312,31 @@ class BuiltinEnv(Env):
         return self._result(0.0)
 
 
-def make(task: str, options: dict[str, str] | None = None) -> Env:
-    options = options or {}
+OPTIONS = ("max_steps", "strict_targets", "step_delay")
+
+
+def parse_options(options: dict[str, str]) -> dict:
+    """The session options (the one parser of the factory, Reset and registry.check_options); ValueError names a
+    bad or unknown one. max_steps (default 6), strict_targets (boolean, default off), step_delay (envd/latency.py)."""
+    from envd.browser_input import _bool
+
+    refuse_unknown("builtin", options, OPTIONS)
     try:
-        max_steps = int(options.get("max_steps", 6))
+        max_steps = int(str(options.get("max_steps", 6)).strip())
     except ValueError:
         raise ValueError(f"max_steps={options['max_steps']!r} is not an integer") from None
-    strict = str(options.get("strict_targets", "0")).lower() in ("1", "true", "yes")
-    from envd import latency  # step_delay=...: a simulated slow GUI (long-tailed step latency), see envd/latency.py
+    if not 1 <= max_steps <= 10**9:
+        raise ValueError(f"max_steps={max_steps} is outside [1, 1000000000]")
+    try:
+        strict = _bool(options.get("strict_targets", "0"))
+    except ValueError as e:
+        raise ValueError(f"strict_targets: {e}") from None
+    spec = str(options.get(latency.OPTION, "")).strip()
+    return {"max_steps": max_steps, "strict_targets": strict, "step_delay": latency.DelaySpec(spec) if spec else None}
 
-    return latency.wrap(BuiltinEnv(task, max_steps=max_steps, strict_targets=strict), options)
+
+def make(task: str, options: dict[str, str] | None = None) -> Env:
+    opts = parse_options(options or {})
+    env = BuiltinEnv(task, max_steps=opts["max_steps"], strict_targets=opts["strict_targets"])
+    # step_delay=...: a simulated slow GUI (long-tailed step latency), see envd/latency.py
+    return latency.DelayedEnv(env, opts["step_delay"]) if opts["step_delay"] else env

@@ -33,7 +33,7 @@ import weakref
 from typing import Any
 
 from envd import scratch
-from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult, refuse_unknown
 from envd.desktop_apps import DESKTOP_LIMITS, XVFB_CLAIM, AppSandbox
 from envd.png import encode_rgb
 from envd.proctree import kill_session
@@ -101,9 +101,27 @@ def _opt(options: dict[str, str], name: str, default, kind=int, low=None, high=N
         v = kind(options.get(name, default))
     except (TypeError, ValueError):
         raise ValueError(f"{name}={options.get(name)!r} is not a valid {kind.__name__}") from None
-    if (low is not None and v < low) or (high is not None and v > high):
+    if (low is not None and not v >= low) or (high is not None and not v <= high):   # NaN is outside too
         raise ValueError(f"{name}={v} is outside [{low}, {high}]")
     return v
+
+
+OPTIONS = ("width", "height", "apps", "workspace", "max_steps", "settle_s", "instruction", "command_timeout_s")
+
+
+def parse_options(options: dict[str, str]) -> dict[str, Any]:
+    """The session options (the module docstring lists them): the one parser of the factory, Reset and
+    registry.check_options. ValueError names a bad or unknown one; nothing is started."""
+    refuse_unknown("desktop", options, OPTIONS)
+    apps = [a.strip() for a in str(options.get("apps", "xterm,xedit")).split(",") if a.strip()]
+    if not apps or any(a not in APPS for a in apps):
+        raise ValueError(f"apps={options.get('apps')!r}: choose from {APPS}")
+    return {"width": _opt(options, "width", 1024, int, 200, 4096),
+            "height": _opt(options, "height", 768, int, 200, 4096), "apps": apps,
+            "max_steps": _opt(options, "max_steps", 0, int, 0),
+            "settle_s": _opt(options, "settle_s", 0.15, float, 0.0, 10.0),
+            "command_timeout_s": _opt(options, "command_timeout_s", 10.0, float, 0.5, 120.0),
+            "instruction": str(options.get("instruction", "")), "workspace": str(options.get("workspace", ""))}
 
 
 _WINDOW = re.compile(r'^\s+(0x[0-9a-f]+) "(.*)": \((?:"([^"]*)" "([^"]*)")?\)\s+(\d+)x(\d+)\+(-?\d+)\+(-?\d+)')
@@ -120,19 +138,13 @@ class DesktopEnv(Env):
         if name:
             raise KeyError(f"unknown env id 'desktop/{name}': the desktop backend is just 'desktop'")
         self.env_id = "desktop"
-        self.width = _opt(options, "width", 1024, int, 200, 4096)
-        self.height = _opt(options, "height", 768, int, 200, 4096)
-        self.apps = [a.strip() for a in str(options.get("apps", "xterm,xedit")).split(",") if a.strip()]
-        bad = [a for a in self.apps if a not in APPS]
-        if bad or not self.apps:
-            raise ValueError(f"apps={options.get('apps')!r}: choose from {APPS}")
+        opts = parse_options(options)
+        self.width, self.height, self.apps = opts["width"], opts["height"], opts["apps"]
         missing = [a for a in ["Xvfb", "xdotool", "xwininfo", *self.apps] if shutil.which(a) is None]
         if missing:
             raise RuntimeError(f"desktop needs {missing} installed (scripts/setup.sh --dev)")
-        self.max_steps = _opt(options, "max_steps", 0, int, 0)
-        self.settle_s = _opt(options, "settle_s", 0.15, float, 0.0, 10.0)
-        self.timeout_s = _opt(options, "command_timeout_s", 10.0, float, 0.5, 120.0)
-        self.instruction = str(options.get("instruction", ""))
+        self.max_steps, self.settle_s, self.timeout_s = opts["max_steps"], opts["settle_s"], opts["command_timeout_s"]
+        self.instruction = opts["instruction"]
         self.action_space = (f"{self.width}x{self.height} X desktop: click/left_double/right_single(start_box='(x,y)' "
                              "| target=window title), drag, type(content), hotkey(key), scroll(direction), wait(), "
                              "finished()")
@@ -236,8 +248,9 @@ class DesktopEnv(Env):
     # ---- episodes --------------------------------------------------------------------------------------------
     def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
         options = dict(options or {})
-        self.max_steps = _opt(options, "max_steps", self.max_steps, int, 0)
-        self.instruction = str(options.get("instruction", self.instruction))
+        opts = parse_options(options)   # all checked as at CreateSession; screen, apps, timings stay the session's
+        self.max_steps = opts["max_steps"] if "max_steps" in options else self.max_steps
+        self.instruction = opts["instruction"] if "instruction" in options else self.instruction
         self._check_x()
         self._stop_apps()
         if self._owns_workspace:  # a fresh episode starts in an empty home; a shared workspace is not ours to wipe

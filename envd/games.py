@@ -51,6 +51,24 @@ def game_info(name: str) -> dict:
     return json.loads(GAMES_DIR.joinpath(f"{name}.json").read_text())
 
 
+def parse_options(name: str, raw: dict[str, str]) -> tuple[BrowserOptions, int]:
+    """(the browser options of game `name`'s page, step_ms) from a session's options over the game's defaults: the
+    one parser of the factory, Reset, restore and registry.check_options. ValueError names a bad or unknown option;
+    KeyError: no such game. Nothing is started."""
+    info = game_info(name)
+    bad = sorted(set(raw) - set(_GAME_OPTIONS) - {"step_ms"})
+    if bad:
+        raise ValueError(f"option(s) {bad} do not apply to games; they take step_ms and {list(_GAME_OPTIONS)}")
+    try:
+        step_ms = int_in(1, 60_000)(raw.get("step_ms", info.get("step_ms", 100)))
+    except ValueError as e:
+        raise ValueError(f"option step_ms: {e}") from None
+    defaults = {k: str(info[k]) for k in ("instruction", "max_steps", "width", "height") if k in info}
+    opts = BrowserOptions.parse({**defaults, **{k: v for k, v in raw.items() if k != "step_ms"}})
+    return dataclasses.replace(opts, url=GAMES_DIR.joinpath(f"{name}.html").resolve().as_uri(),
+                               verify_js="window.__tars_verify()", settle_ms=0, wait_ms=0), step_ms
+
+
 class GameEnv(BrowserEnv):
     action_space = ("hotkey(key='up'|'down'|'left'|'right'|...), click/left_double/right_single(point=[x,y] | "
                     "target=LABEL), drag(point, end_point), type(content), scroll(point, direction), wait(), "
@@ -65,18 +83,8 @@ class GameEnv(BrowserEnv):
         super().__init__(options, host)
 
     def _options(self, raw: dict[str, str]) -> BrowserOptions:
-        bad = sorted(set(raw) - set(_GAME_OPTIONS) - {"step_ms"})
-        if bad:
-            raise ValueError(f"option(s) {bad} do not apply to games; they take step_ms and {list(_GAME_OPTIONS)}")
-        try:
-            step_ms = int_in(1, 60_000)(raw.get("step_ms", self.info.get("step_ms", 100)))
-        except ValueError as e:
-            raise ValueError(f"option step_ms: {e}") from None
-        defaults = {k: str(self.info[k]) for k in ("instruction", "max_steps", "width", "height") if k in self.info}
-        opts = BrowserOptions.parse({**defaults, **{k: v for k, v in raw.items() if k != "step_ms"}})
-        self.step_ms = step_ms
-        return dataclasses.replace(opts, url=GAMES_DIR.joinpath(f"{self.game}.html").resolve().as_uri(),
-                                   verify_js="window.__tars_verify()", settle_ms=0, wait_ms=0)
+        opts, self.step_ms = parse_options(self.game, raw)
+        return opts
 
     async def _before_load(self, page) -> None:
         # Installed before the page's scripts run, and paused from the start: no game time passes while loading.

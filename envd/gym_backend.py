@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult, refuse_unknown
+from envd.browser_input import _bool
 from envd.png import encode_png
 
 SNAPSHOT_VERSION = 1
@@ -163,6 +164,30 @@ def _decode_like(raw: Any, like: Any, what: str) -> Any:
     return _decode_scalar(raw, what)
 
 
+def parse_options(options: dict[str, str]) -> dict:
+    """The session options (module docstring): the one parser of the factory, Reset, restore and
+    registry.check_options. ValueError names a bad or unknown one; nothing is made."""
+    refuse_unknown("gym", options, ("render", "max_episode_steps", "decimals", "obs_chars", "kwargs"))
+    out: dict[str, Any] = {}
+    for k, parse, default in (("render", _bool, "0"), ("max_episode_steps", int, 0), ("decimals", int, 3),
+                              ("obs_chars", int, 2000), ("kwargs", lambda v: json.loads(v or "{}"), "{}")):
+        try:
+            out[k] = parse(options.get(k, default))
+        except ValueError as e:
+            raise ValueError(f"bad gym option {k}={options.get(k)!r}: {e}") from None
+    kw = out["kwargs"]
+    if not isinstance(kw, dict) or len(json.dumps(kw)) > 4096 or any(
+            not isinstance(v, (bool, int, float, str, type(None)))
+            and not (isinstance(v, list) and all(isinstance(s, str) for s in v)) for v in kw.values()):
+        raise ValueError("kwargs must be a small JSON object of scalars or lists of strings")
+    if "render_mode" in kw or "max_episode_steps" in kw:
+        raise ValueError("set render and max_episode_steps as options, not in kwargs")
+    if not 0 <= out["max_episode_steps"] <= 1_000_000 or not 0 <= out["decimals"] <= 12 \
+            or not 100 <= out["obs_chars"] <= 100_000:
+        raise ValueError("max_episode_steps in [0, 1e6], decimals in [0, 12], obs_chars in [100, 100000]")
+    return out
+
+
 class GymEnv(Env):
     """One Gymnasium env behind the envd contract."""
 
@@ -172,7 +197,7 @@ class GymEnv(Env):
         self.gym = gymnasium
         self.name = name
         self.env_id = f"gym/{name}"
-        self.options = self._parse_options(options)
+        self.options = parse_options(options)
         self.env = self._make(self.options)
         self.space = self.env.action_space
         self.action_help = self._action_help()
@@ -182,29 +207,6 @@ class GymEnv(Env):
         self.outcome, self.info = Outcome.RUNNING, {}
 
     # ---- construction ----------------------------------------------------------------------------------------
-    def _parse_options(self, options: dict[str, str]) -> dict:
-        known = {"render", "max_episode_steps", "decimals", "obs_chars", "kwargs"}
-        if unknown := set(options) - known:
-            raise ValueError(f"unknown gym option(s) {sorted(unknown)}; known: {sorted(known)}")
-        try:
-            out = {"render": str(options.get("render", "0")).lower() in ("1", "true", "yes"),
-                   "max_episode_steps": int(options.get("max_episode_steps", 0)),
-                   "decimals": int(options.get("decimals", 3)), "obs_chars": int(options.get("obs_chars", 2000)),
-                   "kwargs": json.loads(options.get("kwargs", "{}") or "{}")}
-        except ValueError as e:
-            raise ValueError(f"bad gym option: {e}") from None
-        kw = out["kwargs"]
-        if not isinstance(kw, dict) or len(json.dumps(kw)) > 4096 or any(
-                not isinstance(v, (bool, int, float, str, type(None)))
-                and not (isinstance(v, list) and all(isinstance(s, str) for s in v)) for v in kw.values()):
-            raise ValueError("kwargs must be a small JSON object of scalars or lists of strings")
-        if "render_mode" in kw or "max_episode_steps" in kw:
-            raise ValueError("set render and max_episode_steps as options, not in kwargs")
-        if not 0 <= out["max_episode_steps"] <= 1_000_000 or not 0 <= out["decimals"] <= 12 \
-                or not 100 <= out["obs_chars"] <= 100_000:
-            raise ValueError("max_episode_steps in [0, 1e6], decimals in [0, 12], obs_chars in [100, 100000]")
-        return out
-
     def _make(self, opts: dict):
         gym = self.gym
         try:
@@ -252,7 +254,7 @@ class GymEnv(Env):
     # ---- episode ---------------------------------------------------------------------------------------------
     def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
         if options:
-            opts = self._parse_options(options)
+            opts = parse_options(options)
             if opts != self.options:
                 env = self._make(opts)   # before touching the current env: a bad option leaves it as it was
                 self.env.close()
@@ -389,7 +391,7 @@ class GymEnv(Env):
             if meta["name"] != self.name:
                 raise ValueError(f"snapshot of gym/{meta['name']}, not {self.env_id}")
             o = meta["options"]
-            opts = self._parse_options({k: str(int(v) if isinstance(v, bool) else v) for k, v in o.items()})
+            opts = parse_options({k: str(int(v) if isinstance(v, bool) else v) for k, v in o.items()})
             outcome = meta["outcome"]
             if outcome not in (Outcome.RUNNING, Outcome.TERMINATED, Outcome.TRUNCATED):
                 raise ValueError(f"bad outcome {outcome!r}")

@@ -41,10 +41,12 @@ import weakref
 from dataclasses import replace
 
 from envd import scratch, terminal_tasks
-from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult, refuse_unknown
 from envd.desktop import DesktopEnv
+from envd.desktop import parse_options as parse_desktop
 from envd.sandbox_limits import Limits
 from envd.terminal import TerminalEnv
+from envd.terminal import parse_options as parse_terminal
 from envd.workspace_archive import rmtree
 
 DESKTOP_OPTIONS = {"width", "height", "apps", "settle_s", "command_timeout_s"}
@@ -54,10 +56,11 @@ TERMINAL_TARGET = "terminal"
 
 
 def _split_options(options: dict[str, str]) -> tuple[dict[str, str], dict[str, str], int, str]:
-    unknown = set(options) - DESKTOP_OPTIONS - TERMINAL_OPTIONS - {"max_steps", "instruction", "task"}
-    if unknown:
-        raise ValueError(f"unknown hybrid option(s) {sorted(unknown)}; known: "
-                         f"{sorted(DESKTOP_OPTIONS | TERMINAL_OPTIONS | {'max_steps', 'instruction', 'task'})}")
+    """(desktop options, terminal options, max_steps, instruction), each side's checked by its own parser
+    (envd.desktop.parse_options, envd.terminal.parse_options): the factory, Reset and check_options use this."""
+    if "workspace" in options:
+        raise ValueError("hybrid makes its own shared workspace; option `workspace` is not accepted")
+    refuse_unknown("hybrid", options, DESKTOP_OPTIONS | TERMINAL_OPTIONS | {"max_steps", "instruction", "task"})
     try:
         max_steps = int(options.get("max_steps", 50))
     except ValueError:
@@ -68,7 +71,24 @@ def _split_options(options: dict[str, str]) -> tuple[dict[str, str], dict[str, s
     term = {k: v for k, v in options.items() if k in TERMINAL_OPTIONS}
     # The hybrid env counts steps itself; the children must never end an episode on their own count.
     desk["max_steps"], term["max_steps"] = "0", "10000"
+    parse_desktop(desk)
+    parse_terminal(term)
     return desk, term, max_steps, str(options.get("instruction", ""))
+
+
+def _task(task: str, options: dict[str, str]) -> str:
+    chosen = options.get("task", "") or task
+    if task and chosen != task:
+        raise ValueError(f"env id names task {task!r} but option task={chosen!r}")
+    if chosen and chosen not in terminal_tasks.TASKS:
+        raise KeyError(f"unknown env id 'hybrid/{chosen}': tasks are {list(terminal_tasks.TASKS)}")
+    return chosen
+
+
+def check_options(task: str, options: dict[str, str]) -> None:
+    """registry.check_options for `hybrid[/task]`: what the factory would refuse of these options, starting nothing."""
+    _task(task, options)
+    _split_options(options)
 
 
 class HybridEnv(Env):
@@ -76,13 +96,7 @@ class HybridEnv(Env):
 
     def __init__(self, task: str = "", options: dict[str, str] | None = None):
         options = dict(options or {})
-        if "workspace" in options:
-            raise ValueError("hybrid makes its own shared workspace; option `workspace` is not accepted")
-        self.task = options.get("task", "") or task
-        if task and self.task != task:
-            raise ValueError(f"env id names task {task!r} but option task={self.task!r}")
-        if self.task and self.task not in terminal_tasks.TASKS:
-            raise KeyError(f"unknown env id 'hybrid/{self.task}': tasks are {list(terminal_tasks.TASKS)}")
+        self.task = _task(task, options)
         self.env_id = f"hybrid/{task}" if task else "hybrid"
         desk_opts, term_opts, self.max_steps, self.instruction = _split_options(options)
         self.desktop: DesktopEnv | None = None
@@ -127,8 +141,6 @@ class HybridEnv(Env):
     def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
         options = dict(options or {})
         if options:
-            if "workspace" in options:
-                raise ValueError("hybrid makes its own shared workspace; option `workspace` is not accepted")
             if options.get("task", self.task) != self.task:
                 raise ValueError(f"{self.env_id} runs task {self.task!r}, not {options['task']!r}")
             _, term_opts, self.max_steps, instruction = _split_options(options)

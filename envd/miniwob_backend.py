@@ -32,7 +32,7 @@ import weakref
 from typing import Any
 
 from envd import scratch
-from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult, refuse_unknown
 from envd.browser_input import _bool
 from envd.miniwob_actions import Translator, flatten_dom, render
 from envd.miniwob_oracle import oracle_action
@@ -238,6 +238,38 @@ def _float_opt(options: dict[str, str], name: str, default: float) -> float:
     return v
 
 
+OPTIONS = ("action_space", "max_steps", "episode_time_s", "data_mode", "boxes", "max_text_chars", "command_timeout_s")
+
+
+def _episode_options(options: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if options.get("episode_time_s"):
+        out["episode_ms"] = int(_float_opt(options, "episode_time_s", 0.0) * 1000)
+    if "data_mode" in options:
+        if options["data_mode"] not in ("train", "test"):
+            raise ValueError(f"data_mode={options['data_mode']!r}: expected train or test")
+        out["data_mode"] = options["data_mode"]
+    if "max_steps" in options:
+        out["max_steps"] = _int_opt(options, "max_steps", 0)
+    return out
+
+
+def parse_options(options: dict[str, str]) -> dict[str, Any]:
+    """The session options (the module docstring lists them): the one parser of CreateSession, Reset and
+    registry.check_options. ValueError names a bad or unknown one; nothing is started."""
+    refuse_unknown("miniwob", options, OPTIONS)
+    preset = options.get("action_space", "all_supported")
+    if preset not in PRESETS:
+        raise ValueError(f"action_space={preset!r}: expected one of {PRESETS}")
+    try:
+        boxes = _bool(options.get("boxes", "1"))
+    except ValueError as e:
+        raise ValueError(f"boxes: {e}") from None
+    return {"action_space": preset, "max_steps": _int_opt(options, "max_steps", 0), "boxes": boxes,
+            "max_text_chars": _int_opt(options, "max_text_chars", 3000, low=200),
+            "command_timeout_s": _float_opt(options, "command_timeout_s", 30.0) or 30.0, **_episode_options(options)}
+
+
 class MiniWoBEnv(Env):
     """One MiniWoB task in its own Chromium."""
 
@@ -253,19 +285,13 @@ class MiniWoBEnv(Env):
         env_id = f"miniwob/{task}-v1"
         if env_id not in gym.registry:
             raise KeyError(f"unknown env id 'miniwob/{task}': not a MiniWoB task (see ListEnvs)")
-        preset = options.get("action_space", "all_supported")
-        if preset not in PRESETS:
-            raise ValueError(f"action_space={preset!r}: expected one of {PRESETS}")
+        opts = parse_options(options)
+        preset = opts["action_space"]
         self.task, self.env_id = task, f"miniwob/{task}"
-        self.max_steps = _int_opt(options, "max_steps", 0)
-        self.max_text_chars = _int_opt(options, "max_text_chars", 3000, low=200)
-        try:
-            self.boxes = _bool(options.get("boxes", "1"))
-        except ValueError as e:
-            raise ValueError(f"boxes: {e}") from None
-        timeout = _float_opt(options, "command_timeout_s", 30.0) or 30.0
+        self.max_steps, self.max_text_chars, self.boxes = opts["max_steps"], opts["max_text_chars"], opts["boxes"]
+        timeout = opts["command_timeout_s"]
         # Validated now (bad options fail CreateSession, not the first Reset) and kept: every Reset starts from them.
-        self._defaults = {"max_steps": self.max_steps, "data_mode": "train", **self._episode_options(options)}
+        self._defaults = {"max_steps": self.max_steps, "data_mode": "train", **_episode_options(options)}
         configure_offline()
         from gymnasium.envs.registration import load_env_creator
 
@@ -292,22 +318,12 @@ class MiniWoBEnv(Env):
         self._steps, self._done = 0, True
 
     # ---- episodes ------------------------------------------------------------------------------------------
-    @staticmethod
-    def _episode_options(options: dict[str, str]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if options.get("episode_time_s"):
-            out["episode_ms"] = int(_float_opt(options, "episode_time_s", 0.0) * 1000)
-        if "data_mode" in options:
-            if options["data_mode"] not in ("train", "test"):
-                raise ValueError(f"data_mode={options['data_mode']!r}: expected train or test")
-            out["data_mode"] = options["data_mode"]
-        if "max_steps" in options:
-            out["max_steps"] = _int_opt(options, "max_steps", 0)
-        return out
-
     def reset(self, seed: int, options: dict[str, str] | None = None) -> StepResult:
-        # A Reset's options hold for its episode only, over the session's (CreateSession's) defaults.
-        opts = {**self._defaults, **self._episode_options(dict(options or {}))}
+        # A Reset's options hold for its episode only, over the session's (CreateSession's) defaults. All are
+        # checked as at CreateSession; those of the session itself (action_space, boxes, ...) keep its values.
+        options = dict(options or {})
+        parse_options(options)
+        opts = {**self._defaults, **_episode_options(options)}
         inst = self.gym.unwrapped.instance
         # The task page is loaded afresh: a reused page keeps what its task does not regenerate (an open datepicker,
         # typed text, scroll positions, focus, hover styles), so the episode would differ from a new session's.

@@ -4,6 +4,11 @@ An env id is `<prefix>/<name>` (or a bare `<prefix>`): `builtin/click`, later `g
 `miniwob/click-button`, `browser`, ... Each prefix maps to a factory `(name, options) -> Env`. The longest
 registered prefix wins, so `miniwob/v2` can override part of `miniwob`.
 
+A backend may also register an option checker `(name, options) -> None`: pure parsing (it starts nothing) that
+raises ValueError naming a bad or unknown option and the known ones, the very parser its factory and reset use.
+`check_options` runs it, so `tars up` / `tars eval` refuse a typo in actor.env_options or a suite's options before
+any daemon or browser starts (every built-in backend has one and refuses option names it does not know).
+
 Backends are imported lazily inside their factory: a daemon that never serves browsers must not need playwright,
 and a broken optional backend must not stop the others from loading.
 """
@@ -16,17 +21,20 @@ from envd.base import Env
 
 Factory = Callable[[str, dict[str, str]], Env]
 Names = Callable[[], Iterable[str]]
+Checker = Callable[[str, dict[str, str]], None]
 
 _lock = threading.Lock()  # factories run in worker threads; registration may happen at any time
-_factories: dict[str, tuple[Factory, Names | None]] = {}
+_factories: dict[str, tuple[Factory, Names | None, Checker | None]] = {}
 
 
-def register(prefix: str, factory: Factory, names: Iterable[str] | Names | None = None) -> None:
+def register(prefix: str, factory: Factory, names: Iterable[str] | Names | None = None,
+             options: Checker | None = None) -> None:
     """Serve env ids under `prefix` with `factory(name, options)`.
 
     `names` lists the env names the backend offers (for ListEnvs): an iterable, a callable returning one (evaluated
-    on every ListEnvs, so it may import lazily), or None when the set is open-ended. Registering a prefix again
-    replaces the previous factory.
+    on every ListEnvs, so it may import lazily), or None when the set is open-ended. `options`: the backend's option
+    checker `(name, options) -> None` (see the module docstring); None: its options are not checked ahead.
+    Registering a prefix again replaces the previous factory.
     """
     prefix = prefix.strip().strip("/")
     if not prefix:
@@ -35,7 +43,7 @@ def register(prefix: str, factory: Factory, names: Iterable[str] | Names | None 
         frozen = tuple(names)
         names = lambda: frozen  # noqa: E731
     with _lock:
-        _factories[prefix] = (factory, names)
+        _factories[prefix] = (factory, names, options)
 
 
 def unregister(prefix: str) -> None:
@@ -43,8 +51,7 @@ def unregister(prefix: str) -> None:
         _factories.pop(prefix.strip().strip("/"), None)
 
 
-def resolve(env_id: str) -> tuple[str, str, Factory]:
-    """(prefix, name, factory) for an env id; KeyError when no prefix serves it."""
+def _lookup(env_id: str) -> tuple[str, str, tuple[Factory, Names | None, Checker | None]]:
     env_id = env_id.strip()
     with _lock:
         table = dict(_factories)
@@ -54,7 +61,37 @@ def resolve(env_id: str) -> tuple[str, str, Factory]:
             best = prefix
     if not best:
         raise KeyError(f"unknown env id {env_id!r}: no backend serves it (known prefixes: {sorted(table)})")
-    return best, env_id[len(best) + 1:], table[best][0]
+    return best, env_id[len(best) + 1:], table[best]
+
+
+def resolve(env_id: str) -> tuple[str, str, Factory]:
+    """(prefix, name, factory) for an env id; KeyError when no prefix serves it."""
+    prefix, name, entry = _lookup(env_id)
+    return prefix, name, entry[0]
+
+
+def check_options(env_id: str, options: dict[str, str] | None = None, *, remote: bool = False) -> None:
+    """What the backend of `env_id` would refuse of these session options, found without creating anything:
+    ValueError naming the bad option (and the known ones); KeyError for an id no backend serves (as resolve).
+    A backend registered without a checker is not checked. remote: options a CreateSession would carry, so the
+    daemon's own `hint_policy` is taken out (and checked) and a `workspace` is refused as make(remote=True) does."""
+    prefix, name, (_, _, checker) = _lookup(env_id)
+    opts = {str(k): str(v) for k, v in (options or {}).items()}
+    if remote:
+        from envd import hints
+
+        opts, hint = hints.split_options(opts)
+        if hint and hint not in hints.POLICIES:
+            raise ValueError(f"{hints.OPTION}={hint!r}: expected one of {list(hints.POLICIES)}")
+        _remote_rules(prefix, opts)
+    if checker is not None:
+        checker(name, opts)
+
+
+def _remote_rules(prefix: str, options: dict[str, str]) -> None:
+    if prefix in WORKSPACE_OPTION and options.get("workspace"):
+        raise ValueError("the workspace option is not taken over RPC (envd would create and run programs in a "
+                         "directory the caller names)")
 
 
 # Backends that take a `workspace` option in-process (a host directory they would create and run programs in).
@@ -67,9 +104,8 @@ def make(env_id: str, options: dict[str, str] | None = None, *, remote: bool = F
     remote: asked over RPC (envd's CreateSession): never with a workspace the caller names (a directory envd would
     create and run programs in). Every backend is served: the desktop's and hybrid's GUI apps run in the sandbox."""
     prefix, name, factory = resolve(env_id)
-    if remote and prefix in WORKSPACE_OPTION and (options or {}).get("workspace"):
-        raise ValueError("the workspace option is not taken over RPC (envd would create and run programs in a "
-                         "directory the caller names)")
+    if remote:
+        _remote_rules(prefix, options or {})
     env = factory(name, dict(options or {}))
     if not isinstance(env, Env):
         raise TypeError(f"the factory for {env_id!r} returned {type(env).__name__}, not an envd.base.Env")
@@ -83,7 +119,7 @@ def list_env_ids() -> list[str]:
     with _lock:
         table = dict(_factories)
     out: list[str] = []
-    for prefix, (_, names) in sorted(table.items()):
+    for prefix, (_, names, _) in sorted(table.items()):
         if names is None:
             out.append(prefix)
             continue
@@ -110,7 +146,13 @@ def _builtin_names() -> list[str]:
     return list(builtin.TASKS)
 
 
-register("builtin", _builtin_factory, _builtin_names)
+def _builtin_options(task: str, options: dict[str, str]) -> None:
+    from envd import builtin
+
+    builtin.parse_options(options)
+
+
+register("builtin", _builtin_factory, _builtin_names, _builtin_options)
 
 
 # ---- miniwob: the MiniWoB++ tasks on headless Chromium (envd/miniwob_backend.py) ----------------------------
@@ -127,7 +169,13 @@ def _miniwob_names() -> list[str]:
     return miniwob_backend.task_names()
 
 
-register("miniwob", _miniwob_factory, _miniwob_names)
+def _miniwob_options(task: str, options: dict[str, str]) -> None:
+    from envd import miniwob_backend
+
+    miniwob_backend.parse_options(options)
+
+
+register("miniwob", _miniwob_factory, _miniwob_names, _miniwob_options)
 
 
 # ---- desktop: an Xvfb desktop with real apps per session (envd/desktop.py) -----------------------------------
@@ -138,7 +186,13 @@ def _desktop_factory(name: str, options: dict[str, str]) -> Env:
     return desktop.make(name, options)
 
 
-register("desktop", _desktop_factory, [""])
+def _desktop_options(name: str, options: dict[str, str]) -> None:
+    from envd import desktop
+
+    desktop.parse_options(options)
+
+
+register("desktop", _desktop_factory, [""], _desktop_options)
 
 
 def _terminal_factory(task: str, options: dict[str, str]) -> Env:
@@ -153,7 +207,13 @@ def _terminal_names() -> list[str]:
     return ["", *terminal_tasks.TASKS]
 
 
-register("terminal", _terminal_factory, _terminal_names)
+def _terminal_options(task: str, options: dict[str, str]) -> None:
+    from envd import terminal
+
+    terminal.check_options(task, options)
+
+
+register("terminal", _terminal_factory, _terminal_names, _terminal_options)
 
 
 def _gym_factory(name: str, options: dict[str, str]) -> Env:
@@ -168,7 +228,13 @@ def _gym_names() -> list[str]:
     return gym_backend.env_names()
 
 
-register("gym", _gym_factory, _gym_names)
+def _gym_options(name: str, options: dict[str, str]) -> None:
+    from envd import gym_backend
+
+    gym_backend.parse_options(options)
+
+
+register("gym", _gym_factory, _gym_names, _gym_options)
 
 
 def _hybrid_factory(task: str, options: dict[str, str]) -> Env:
@@ -183,7 +249,13 @@ def _hybrid_names() -> list[str]:
     return ["", *terminal_tasks.TASKS]
 
 
-register("hybrid", _hybrid_factory, _hybrid_names)
+def _hybrid_options(task: str, options: dict[str, str]) -> None:
+    from envd import hybrid
+
+    hybrid.check_options(task, options)
+
+
+register("hybrid", _hybrid_factory, _hybrid_names, _hybrid_options)
 
 
 # ---- browser and games (envd/browser.py, envd/games.py) ----------------------------------------------------------
@@ -206,5 +278,17 @@ def _games_names() -> list[str]:
     return games.names()
 
 
-register("browser", _browser_factory, [""])
-register("games", _games_factory, _games_names)
+def _browser_options(name: str, options: dict[str, str]) -> None:
+    from envd.browser_input import BrowserOptions
+
+    BrowserOptions.parse(options)
+
+
+def _games_options(name: str, options: dict[str, str]) -> None:
+    from envd import games
+
+    games.parse_options(name, options)
+
+
+register("browser", _browser_factory, [""], _browser_options)
+register("games", _games_factory, _games_names, _games_options)

@@ -35,12 +35,49 @@ import tempfile
 import time
 
 from envd import scratch, terminal_tasks, workspace_archive
-from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult, refuse_unknown
 from envd.sandbox import SANDBOX_WORKSPACE, Limits, SandboxError, ShellSandbox, quota_breach
 from envd.terminal_text import KEYS, MAX_LINE, check_content, clean_terminal_text, normalize_key
 from envd.workspace_archive import clear_dir, rmtree
 
 SNAPSHOT_VERSION = 1
+
+
+OPTIONS = ("max_steps", "verify", "screen_chars", *Limits.__dataclass_fields__)   # and `task`: session_task
+
+
+def parse_options(options: dict[str, str]) -> tuple[Limits, int, int, str]:
+    """(limits, max_steps, screen_chars, verify) from the options other than `task`: the one parser of the factory,
+    Reset, restore and registry.check_options (`task`, taken apart by session_task, is not read here). ValueError
+    names a bad or unknown one; nothing is started."""
+    refuse_unknown("terminal", options, {*OPTIONS, "task"})
+    limits = Limits.from_options(options)
+    try:
+        max_steps, screen_chars = int(options.get("max_steps", 50)), int(options.get("screen_chars", 6000))
+    except ValueError as e:
+        raise ValueError(f"bad terminal option: {e}") from None
+    if not 1 <= max_steps <= 10_000 or not 500 <= screen_chars <= 200_000:
+        raise ValueError("max_steps must be in [1, 10000] and screen_chars in [500, 200000]")
+    verify = options.get("verify", "finished")
+    if verify not in ("finished", "step"):
+        raise ValueError(f"verify={verify!r}: use 'finished' or 'step'")
+    return limits, max_steps, screen_chars, verify
+
+
+def session_task(task: str, options: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """(the task the session runs, the other options): the env id's task or option `task`, which must agree."""
+    rest = dict(options)
+    chosen = rest.pop("task", "") or task
+    if task and chosen != task:
+        raise ValueError(f"env id names task {task!r} but option task={chosen!r}")
+    if chosen and chosen not in terminal_tasks.TASKS:
+        raise ValueError(f"unknown terminal task {chosen!r}; tasks are {list(terminal_tasks.TASKS)}")
+    return chosen, rest
+
+
+def check_options(task: str, options: dict[str, str]) -> None:
+    """registry.check_options for `terminal[/task]`: what CreateSession would refuse of these options."""
+    parse_options(session_task(task, options)[1])
 
 
 class TerminalEnv(Env):
@@ -56,11 +93,7 @@ class TerminalEnv(Env):
         it the session gets a fresh temp dir (in this process's scratch root, envd/scratch.py), removed at close."""
         options = dict(options or {})
         self.options = dict(options)     # creation options; a Reset's options are laid over them
-        self.task = options.pop("task", "") or task
-        if task and self.task != task:
-            raise ValueError(f"env id names task {task!r} but option task={self.task!r}")
-        if self.task and self.task not in terminal_tasks.TASKS:
-            raise ValueError(f"unknown terminal task {self.task!r}; tasks are {list(terminal_tasks.TASKS)}")
+        self.task, options = session_task(task, options)
         self.env_id = f"terminal/{task}" if task else "terminal"
         self._configure(options)
         self.private_dir = pathlib.Path(tempfile.mkdtemp(prefix="tars-terminal-", dir=scratch.root()))
@@ -85,21 +118,7 @@ class TerminalEnv(Env):
         self.outcome, self.success, self.last_status, self.detail = Outcome.RUNNING, False, 0, ""
 
     def _configure(self, options: dict[str, str]) -> None:
-        known = {"max_steps", "verify", "screen_chars", *Limits.__dataclass_fields__}
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(f"unknown terminal option(s) {sorted(unknown)}; known: {sorted(known | {'task'})}")
-        self.limits = Limits.from_options(options)
-        try:
-            self.max_steps = int(options.get("max_steps", 50))
-            self.screen_chars = int(options.get("screen_chars", 6000))
-        except ValueError as e:
-            raise ValueError(f"bad terminal option: {e}") from None
-        if not 1 <= self.max_steps <= 10_000 or not 500 <= self.screen_chars <= 200_000:
-            raise ValueError("max_steps must be in [1, 10000] and screen_chars in [500, 200000]")
-        self.verify_mode = options.get("verify", "finished")
-        if self.verify_mode not in ("finished", "step"):
-            raise ValueError(f"verify={self.verify_mode!r}: use 'finished' or 'step'")
+        self.limits, self.max_steps, self.screen_chars, self.verify_mode = parse_options(options)
 
     def resources(self, options: dict[str, str] | None = None) -> Resources:
         """The sandbox's process and memory limits (after a Reset with `options`: its limits merged over these)."""

@@ -9,6 +9,7 @@ to do instead; tars.cli prints it as one line and exits 2.
     device         learner.device on this machine (cuda without CUDA, a cuda:N beyond the devices there)
     inference_device  inference.device / inference.precision of the local engine on this machine (the same)
     env_ids        every env id has a backend and, where the backend lists its tasks, is one of them
+    env_options    every env id's backend takes the session options (names and values; envd.registry.check_options)
     demo_env_ids   every env id has scripted demonstrations (builtin tasks; MiniWoB++'s oracle tasks)
 """
 from __future__ import annotations
@@ -122,6 +123,22 @@ def env_ids(ids, what: str = "actor.env_ids") -> None:
         more = f", ... ({len(names)} in all)" if len(names) > 12 else ""
         raise ConfigError(f"{what}: unknown env id {e!r}: {prefix} has no task {name!r} (it has "
                           f"{', '.join(names[:12])}{more}; `tars config` lists the settings)")
+
+
+def env_options(ids, options, what: str = "actor.env_options") -> None:
+    """The options a session of each env id would be created with, checked by its backend's own parser (nothing is
+    started): an unknown name (a typo would leave the option unapplied for a whole run) or a bad value is a
+    ConfigError naming `what`, the env id and the backend's message. Run it after env_ids, which reports an id no
+    backend serves in its own words; a backend registered without a checker is not checked."""
+    from envd import registry
+
+    opts = {str(k): str(v) for k, v in (options or {}).items()}
+    for e in dict.fromkeys(str(x) for x in ids):
+        try:
+            registry.check_options(e, opts, remote=True)   # the options travel to envd in a CreateSession
+        except (KeyError, ValueError) as err:
+            msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+            raise ConfigError(f"{what} for {e}: {msg}") from None
 
 
 def demo_env_ids(ids, what: str = "actor.env_ids", demonstrator: str = "oracle") -> None:

@@ -236,6 +236,7 @@ def preflight(a, cfg) -> None:
         if cfg.model.path:
             checks.model_dir(cfg.model.path, "model.path")
         checks.env_ids(cfg.actor.env_ids)
+        checks.env_options(cfg.actor.env_ids, cfg.actor.env_options)
         if cfg.sft.steps > 0:
             _demos_possible(cfg, "actor.env_ids (the SFT warm start, sft.steps > 0)")
     elif a.cmd == "sft":

@@ -114,7 +114,9 @@ class ScriptedPolicy(Policy):
         t0 = time.monotonic()
         sid, steps, ret, info, outcome, error = "", 0, 0.0, {}, "truncated", ""
         try:
-            sid, run_id = await self.env.create(task.env_id, seed, {**task.options, OPTION: self.name})
+            # the session options a model's episode gets (ModelPolicy): actor.env_options under the task's own
+            opts = {**{k: str(v) for k, v in self.cfg.actor.env_options.items()}, **task.options, OPTION: self.name}
+            sid, run_id = await self.env.create(task.env_id, seed, opts)
             obs = await self.env.reset(sid, run_id, seed)
             info = _info(obs.info_json)
             while obs.outcome == "running" and steps < (task.max_turns or self.cfg.actor.max_turns):
@@ -392,7 +394,7 @@ def main(a, cfg: RunConfig) -> int:
     try:
         only = [x for x in (a.tasks or "").split(",") if x]
         suite = S.load_suite(a.suite, a.episodes, only or None)
-        S.check_env_ids(suite)
+        S.check_env_ids(suite, cfg.actor.env_options)
         policy = make_policy(a.model, cfg, a.tokenizer, a.envd)
     except (S.SuiteError, EvalError) as e:
         print(f"tars eval: {e}", file=sys.stderr)
