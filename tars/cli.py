@@ -253,6 +253,7 @@ def preflight(a, cfg) -> None:
             raise UserError(f"--steps {a.steps}: must be >= 1")
         if a.demos > 0:
             _demos_possible(cfg, "actor.env_ids (the tasks of --demos)")
+            checks.env_options(cfg.actor.env_ids, cfg.actor.env_options)
     elif a.cmd == "eval" and not a.compare:
         if a.out:
             checks.out_dir(a.out)
@@ -268,7 +269,7 @@ def preflight(a, cfg) -> None:
         checks.inference_device(cfg)
         checks.model_dir(a.model, need_tokenizer=False)
     elif a.cmd == "actor":
-        checks.tokenizer_dir(a.tokenizer)
+        checks.tokenizer_dir(a.tokenizer)  # env ids and options are envd's to judge: a remote one may serve more
 
 
 def _demos_possible(cfg, what: str) -> None:

@@ -184,3 +184,23 @@ def test_scripted_baselines_get_the_configs_env_options(tmp_path):
     suite = S.load_suite("builtin", episodes=2, only=["builtin/menu"])
     res = asyncio.run(E.evaluate(suite, E.ScriptedPolicy("oracle", cfg), tmp_path / "o", say=None))
     assert res["overall"]["episodes"] == 2 and res["overall"]["success_rate"] == 0.0
+
+
+
+def test_sft_demos_preflight_refuses_a_typo_in_env_options(tmp_path):
+    """`tars sft --demos N` plays the demonstrator in this process with actor.env_options: a typo there is refused
+    at pre-flight, as in tars up, not after the model is loaded."""
+    from hf_dirs import make_checkpoint
+    from tars import cli
+
+    make_checkpoint(tmp_path / "m")
+
+    def preflight(*sets):
+        a = cli.build_parser().parse_args(["sft", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "o"),
+                                           "--demos", "4", "--set", "actor.env_ids=[builtin/click]",
+                                           *[x for s in sets for x in ("--set", s)]])
+        cli.preflight(a, cli._load(a))
+
+    preflight()
+    with pytest.raises(ConfigError, match=r"unknown builtin option\(s\) \['bogus'\]"):
+        preflight("actor.env_options.bogus=1")
