@@ -13,7 +13,10 @@ import math
 import re
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, start_http_server
+import threading
+from http.server import ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, MetricsHandler
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -79,17 +82,59 @@ class OtelCollector(Collector):
         return list(families.values())
 
 
+CONN_TIMEOUT_S = 10.0  # an idle or half-sent connection is closed after this (its thread ends)
+MAX_CONNS = 32        # connections served at once; more are closed at once
+
+
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer (a thread per connection) whose connections time out and whose threads are bounded."""
+    daemon_threads = True
+
+    def __init__(self, addr, handler, max_conns: int = MAX_CONNS):
+        import socket
+
+        infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        self.address_family, _, _, _, sockaddr = infos[0]  # as prometheus_client picks it: IPv6 hosts work too
+        addr = (sockaddr[0], addr[1])
+        self._slots = threading.BoundedSemaphore(max_conns)
+        super().__init__(addr, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: refused, not queued behind idle ones
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsServer:
     """prometheus_client's HTTP server on host:port (telemetry.prometheus_host / prometheus_port; port 0 = any free
     port) in a daemon thread, over a registry of this process's own (`address` = host:actual port, an IPv6 host in
     brackets). It answers /metrics (and, as prometheus_client does, any other path) with the exposition of
-    `collect()`."""
+    `collect()`. Each connection's thread ends when its client is idle for conn_timeout_s, and at most max_conns are
+    served at once (more are closed on accept)."""
 
-    def __init__(self, collect: Callable[[], object], host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, collect: Callable[[], object], host: str = "127.0.0.1", port: int = 0,
+                 conn_timeout_s: float | None = None, max_conns: int | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(OtelCollector(collect))
-        self.httpd, self.thread = start_http_server(port, addr=host, registry=self.registry)
-        self.httpd.timeout = 5.0
+        conn_timeout_s = CONN_TIMEOUT_S if conn_timeout_s is None else conn_timeout_s
+        max_conns = MAX_CONNS if max_conns is None else max_conns
+        handler = type("Handler", (MetricsHandler.factory(self.registry),),
+                       {"timeout": conn_timeout_s, "log_message": lambda *a: None})
+        self.httpd = _Server((host, port), handler, max_conns)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
+                                       name="tars-metrics-http", daemon=True)
+        self.thread.start()
         port = self.httpd.server_address[1]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
 

@@ -50,6 +50,7 @@ class _State:
     meter: Any = None
     reader: Any = None          # InMemoryMetricReader behind the Prometheus endpoint
     http: Any = None            # core.metrics_http.MetricsServer
+    bsp: Any = None             # the BatchSpanProcessor
     span_file: str = ""
 
 
@@ -239,8 +240,9 @@ def setup(cfg, role: str, run_dir: str | None = None) -> dict:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         tp = TracerProvider(resource=res, sampler=_sampler(cfg.sample_ratio), shutdown_on_exit=True)
-        tp.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=cfg.max_queued_spans,
-                                                 schedule_delay_millis=1000, max_export_batch_size=512))
+        S.bsp = BatchSpanProcessor(exporter, max_queue_size=cfg.max_queued_spans, schedule_delay_millis=1000,
+                                   max_export_batch_size=min(512, cfg.max_queued_spans))
+        tp.add_span_processor(S.bsp)
         S.tracer_provider, S.tracer, S.tracing = tp, tp.get_tracer("tars"), True
     if cfg.prometheus_port >= 0:
         from opentelemetry.sdk.metrics import MeterProvider
@@ -276,23 +278,50 @@ BUCKETS = {
 }
 
 
-def shutdown() -> None:
-    """Flush and stop this process's providers (idempotent); helpers are no-ops afterwards."""
+SHUTDOWN_S = 3.0  # the final flush at exit: past it, spans still queued are dropped (a slow or down collector)
+
+
+def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> bool:
+    """fn() in a daemon thread, waited for at most timeout_s (an export to a hung collector may take the exporter's
+    own timeout per batch, 10 s by default): True when it finished in time."""
+    t = threading.Thread(target=fn, name=f"tars-telemetry-{what}", daemon=True)
+    t.start()
+    t.join(max(0.0, timeout_s))
+    return not t.is_alive()
+
+
+def shutdown(timeout_s: float = SHUTDOWN_S) -> None:
+    """Flush and stop this process's providers (idempotent), within about timeout_s in all: spans the exporter could
+    not take by then are dropped and counted in a warning. Helpers are no-ops afterwards."""
     if S.http is not None:
         S.http.close()
-    for p in (S.tracer_provider, S.meter_provider):
-        if p is not None:
-            try:
-                p.shutdown()
-            except Exception as e:  # a failing exporter must not fail the process's exit
-                log.warning("telemetry shutdown: %s", e)
+    tp, mp, bsp = S.tracer_provider, S.meter_provider, S.bsp
     S.tracing = S.metrics = False
     S.tracer, S.tracer_provider, S.meter_provider, S.meter, S.reader, S.http, S.span_file = _NOOP_TRACER, None, None, None, None, None, ""
+    if tp is not None:
+        bp = getattr(bsp, "_batch_processor", None)
+        if bp is not None and hasattr(bp, "shutdown"):  # the SDK's BatchSpanProcessor.shutdown() waits up to 30 s
+            stop = lambda: (bp.shutdown(timeout_millis=timeout_s * 1000), tp.shutdown())  # noqa: E731
+        else:
+            stop = tp.shutdown
+        if not _bounded(stop, timeout_s + 0.5, "shutdown"):
+            log.warning("telemetry shutdown: the span exporter did not finish within %.1f s (collector slow or down): "
+                        "%d queued spans dropped", timeout_s, len(getattr(bp, "_queue", ()) or ()))
+        else:
+            left = len(getattr(bp, "_queue", ()) or ())
+            if left:
+                log.warning("telemetry shutdown: %d queued spans dropped (not exported within %.1f s: collector slow "
+                            "or down)", left, timeout_s)
+    S.bsp = None
+    if mp is not None:
+        if not _bounded(mp.shutdown, 1.0, "metrics-shutdown"):
+            log.warning("telemetry shutdown: the meter provider did not stop within 1 s")
 
 
-def force_flush() -> None:
-    if S.tracer_provider is not None:
-        S.tracer_provider.force_flush(10_000)
+def force_flush(timeout_s: float = 10.0) -> bool:
+    """Export what is queued, waiting at most timeout_s (True when done)."""
+    tp = S.tracer_provider
+    return tp is None or _bounded(lambda: tp.force_flush(int(timeout_s * 1000)), timeout_s, "flush")
 
 
 def info() -> dict:

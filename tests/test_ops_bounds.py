@@ -1,0 +1,81 @@
+"""Operational bounds: telemetry.shutdown() with a hung or absent OTLP collector, idle /metrics connections, the
+learner.step link limit, telemetry config errors as one line."""
+import json
+import os
+import pathlib
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from core import telemetry
+from core.config import ConfigError, TelemetryConfig
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    telemetry.shutdown()
+
+
+def _wait(cond, timeout: float, step: float = 0.05) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+@pytest.mark.parametrize("kind,mode", [("otlp-http", "hung"), ("otlp-grpc", "hung"), ("otlp-grpc", "down")])
+def test_shutdown_is_bounded_when_the_collector_hangs_or_is_down(kind, mode, caplog):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    if mode == "hung":
+        s.listen(64)  # accepts (backlog), never answers
+    else:
+        s.close()
+    try:
+        telemetry.setup(TelemetryConfig(enabled=True, exporter=kind, otlp_endpoint=f"http://127.0.0.1:{port}",
+                                        sample_ratio=1.0), "actor")
+        for _ in range(3000):
+            with telemetry.span("episode"):
+                pass
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="core.telemetry"):
+            telemetry.shutdown()  # every role's exit path: bounded by telemetry.SHUTDOWN_S (3 s), not 30 s
+        took = time.monotonic() - t0
+    finally:
+        s.close()
+    assert took < 5.0, f"shutdown took {took:.1f}s"
+    if mode == "hung":
+        assert "queued spans dropped" in caplog.text
+    assert not telemetry.S.tracing
+
+
+def test_idle_metrics_connections_time_out_and_are_bounded(monkeypatch):
+    from core import metrics_http
+
+    monkeypatch.setattr(metrics_http, "CONN_TIMEOUT_S", 0.5, raising=False)
+    monkeypatch.setattr(metrics_http, "MAX_CONNS", 4, raising=False)
+    srv = metrics_http.MetricsServer(lambda: None, "127.0.0.1", 0)
+    socks = []
+    try:
+        base = threading.active_count()
+        host, port = srv.address.rsplit(":", 1)
+        for _ in range(20):  # half-sent requests, never finished
+            c = socket.create_connection((host, int(port)), timeout=5)
+            c.sendall(b"GET /metrics HTTP/1.1\r\n")
+            socks.append(c)
+        assert threading.active_count() <= base + 4 + 1
+        assert _wait(lambda: threading.active_count() <= base, 5.0), \
+            f"{threading.active_count() - base} connection threads still alive"
+        with urllib.request.urlopen(f"http://{srv.address}/metrics", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        for c in socks:
+            c.close()
+        srv.close()
