@@ -236,10 +236,11 @@ def setup(cfg, role: str, run_dir: str | None = None) -> dict:
     res = Resource.create({"service.name": role, "service.namespace": "tars", "process.pid": os.getpid()})
     exporter, what = _span_exporter(cfg, r, role)
     if exporter is not None:
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        tp = TracerProvider(resource=res, sampler=_sampler(cfg.sample_ratio), shutdown_on_exit=True)
+        tp = TracerProvider(resource=res, sampler=_sampler(cfg.sample_ratio), shutdown_on_exit=True,
+                            span_limits=SpanLimits(max_links=MAX_LINKS))  # SDK default 128: a learner.step's batch
         S.bsp = BatchSpanProcessor(exporter, max_queue_size=cfg.max_queued_spans, schedule_delay_millis=1000,
                                    max_export_batch_size=min(512, cfg.max_queued_spans))
         tp.add_span_processor(S.bsp)
@@ -278,12 +279,12 @@ BUCKETS = {
 }
 
 
+MAX_LINKS = 4096  # links kept on one span (learner.step: one per sampled episode of its batch; past it, counted)
 SHUTDOWN_S = 3.0  # the final flush at exit: past it, spans still queued are dropped (a slow or down collector)
 
 
 def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> bool:
-    """fn() in a daemon thread, waited for at most timeout_s (an export to a hung collector may take the exporter's
-    own timeout per batch, 10 s by default): True when it finished in time."""
+    """fn() in a daemon thread, waited for at most timeout_s: True when it finished in time."""
     t = threading.Thread(target=fn, name=f"tars-telemetry-{what}", daemon=True)
     t.start()
     t.join(max(0.0, timeout_s))
@@ -304,18 +305,14 @@ def shutdown(timeout_s: float = SHUTDOWN_S) -> None:
             stop = lambda: (bp.shutdown(timeout_millis=timeout_s * 1000), tp.shutdown())  # noqa: E731
         else:
             stop = tp.shutdown
-        if not _bounded(stop, timeout_s + 0.5, "shutdown"):
-            log.warning("telemetry shutdown: the span exporter did not finish within %.1f s (collector slow or down): "
-                        "%d queued spans dropped", timeout_s, len(getattr(bp, "_queue", ()) or ()))
-        else:
-            left = len(getattr(bp, "_queue", ()) or ())
-            if left:
-                log.warning("telemetry shutdown: %d queued spans dropped (not exported within %.1f s: collector slow "
-                            "or down)", left, timeout_s)
+        done = _bounded(stop, timeout_s + 0.5, "shutdown")
+        left = len(getattr(bp, "_queue", ()) or ())
+        if left or not done:
+            log.warning("telemetry shutdown: %d queued spans dropped (not exported within %.1f s: the collector is "
+                        "slow or down)", left, timeout_s)
     S.bsp = None
-    if mp is not None:
-        if not _bounded(mp.shutdown, 1.0, "metrics-shutdown"):
-            log.warning("telemetry shutdown: the meter provider did not stop within 1 s")
+    if mp is not None and not _bounded(mp.shutdown, 1.0, "metrics-shutdown"):
+        log.warning("telemetry shutdown: the meter provider did not stop within 1 s")
 
 
 def force_flush(timeout_s: float = 10.0) -> bool:
@@ -380,11 +377,18 @@ def grpc_metadata() -> list[tuple[str, str]]:
 
 
 def link_from(tp: str, attributes: dict | None = None):
-    """A span Link to the span a traceparent names, or None when it is empty or malformed."""
+    """A span Link to the span a traceparent names, or None when it is empty, malformed or not sampled (no such span
+    was exported)."""
     if not tp:
         return None
     sc = trace.get_current_span(_PROP.extract({"traceparent": tp})).get_span_context()
-    return trace.Link(sc, attributes) if sc.is_valid else None
+    return trace.Link(sc, attributes) if sc.is_valid and sc.trace_flags.sampled else None
+
+
+def links_from(tps: Iterable[str]) -> tuple[list, int]:
+    """(Links to the sampled spans among traceparents, at most MAX_LINKS; how many sampled ones were left out)."""
+    links = [lk for lk in map(link_from, tps) if lk is not None]
+    return links[:MAX_LINKS], max(0, len(links) - MAX_LINKS)
 
 
 def set_attrs(sp, **attrs) -> None:

@@ -170,8 +170,9 @@ class Learner:
             batch = self.admission.collect(self.lcfg.batch_size, self.version, self.stop, on_idle=self._idle)
             if batch is None:
                 break
-            links = [lk for lk in (telemetry.link_from(tr.traceparent) for tr in batch) if lk is not None]
-            with telemetry.span("learner.step", attributes={"tars.version": self.version, "tars.batch": len(batch)},
+            links, unlinked = telemetry.links_from(tr.traceparent for tr in batch)  # sampled episodes only
+            attrs = {"tars.version": self.version, "tars.batch": len(batch), "tars.links_dropped": unlinked or None}
+            with telemetry.span("learner.step", attributes={k: v for k, v in attrs.items() if v is not None},
                                 links=links) as step_span:
                 t0 = time.perf_counter()
                 m = self._update(self.dist.broadcast(batch))

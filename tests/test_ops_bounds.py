@@ -79,3 +79,23 @@ def test_idle_metrics_connections_time_out_and_are_bounded(monkeypatch):
         for c in socks:
             c.close()
         srv.close()
+
+
+def test_learner_step_links_every_sampled_episode_of_a_large_batch(tmp_path):
+    telemetry.setup(TelemetryConfig(exporter="file", dir=str(tmp_path), sample_ratio=1.0), "learner")
+    tps = []
+    for _ in range(300):  # > the SDK's default limit of 128 links per span
+        with telemetry.span("episode"):
+            tps.append(telemetry.traceparent())
+    unsampled = tps[0][:-2] + "00"  # an episode that was not sampled: no span to link to
+    links, unlinked = telemetry.links_from([*tps, unsampled, ""])
+    assert len(links) == 300 and unlinked == 0
+    with telemetry.span("learner.step", links=links):
+        pass
+    telemetry.shutdown()
+    spans = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in open(f)]
+    step = next(s for s in spans if s["name"] == "learner.step")
+    assert len(step["links"]) == 300
+    assert {lk["span_id"] for lk in step["links"]} == {s["span_id"] for s in spans if s["name"] == "episode"}
+    many = [tps[0]] * (telemetry.MAX_LINKS + 7)
+    assert [len(x) if isinstance(x, list) else x for x in telemetry.links_from(many)] == [telemetry.MAX_LINKS, 7]
