@@ -193,7 +193,8 @@ class TelemetryConfig:
     prometheus_port: int = f(-1, "serve Prometheus text (prometheus_client) at http://HOST:PORT/metrics (HOST = "
                                  "prometheus_host); 0 = any free port (named in the run file, shown by `tars ctl "
                                  "status`); -1 = off. Under `accelerate launch` the process with LOCAL_RANK n > 0 "
-                                 "serves PORT + n")
+                                 "serves PORT + n; under `tars up` each role gets its own, PORT, PORT+1, ... in the "
+                                 "order envd, inference, actor0.., learner")
     prometheus_host: str = f("127.0.0.1", "address the /metrics listener binds: 127.0.0.1 keeps it on this machine; "
                                           "0.0.0.0 (a pod) or a private address lets a Prometheus elsewhere scrape "
                                           "it. Metrics carry no secrets and need no token (docs/threat-model.md): "

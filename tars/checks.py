@@ -11,6 +11,7 @@ to do instead; tars.cli prints it as one line and exits 2.
     env_ids        every env id has a backend and, where the backend lists its tasks, is one of them
     env_options    every env id's backend takes the session options (names and values; envd.registry.check_options)
     demo_env_ids   every env id has scripted demonstrations (builtin tasks; MiniWoB++'s oracle tasks)
+    metrics_ports  a run's fixed /metrics ports (telemetry.prometheus_port N > 0: one per role) exist and are free
 """
 from __future__ import annotations
 
@@ -159,3 +160,22 @@ def demo_env_ids(ids, what: str = "actor.env_ids", demonstrator: str = "oracle")
             f"({', '.join('builtin/' + t for t in builtin.TASKS)}){mw}. For other tasks, record episodes first (`tars up "
             "--set learner.archive=true` writes RUN/trajectories.twl), then `tars data split RUN/trajectories.twl "
             "--out DATA` and `tars sft --data DATA/sft.twl`; or set sft.steps=0 / leave out --demos")
+
+
+def metrics_ports(cfg, ports: dict) -> None:
+    """Every role's /metrics port (topology.Plan.metrics_ports: N, N+1, ...) is a port and free on
+    telemetry.prometheus_host, so that no role fails after the model is built."""
+    import socket
+
+    host = cfg.telemetry.prometheus_host.strip()
+    for (role, i), port in ports.items():
+        what = (f"telemetry.prometheus_port={cfg.telemetry.prometheus_port} (ports {min(ports.values())}-"
+                f"{max(ports.values())}, one per role; 0 = a free port per role, named in run/ROLE.json)")
+        if port > 65535:
+            raise ConfigError(f"{what}: {role} {i} would get port {port} > 65535")
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            with socket.socket(family[0], socket.SOCK_STREAM) as s:
+                s.bind(family[4])
+        except OSError as e:
+            raise ConfigError(f"{what}: port {port} ({role} {i}) on {host}: {e}") from None

@@ -237,6 +237,12 @@ def preflight(a, cfg) -> None:
             checks.model_dir(cfg.model.path, "model.path")
         checks.env_ids(cfg.actor.env_ids)
         checks.env_options(cfg.actor.env_ids, cfg.actor.env_options)
+        if cfg.telemetry.enabled and cfg.telemetry.prometheus_port > 0:
+            from tars.topology import Plan
+
+            plan = Plan(pathlib.Path(a.out), pathlib.Path(a.out) / "config.yaml", None, n_actors=cfg.actors,
+                        metrics_port=cfg.telemetry.prometheus_port)  # what tars.up plans: one envd, every role
+            checks.metrics_ports(cfg, plan.metrics_ports())
         if cfg.sft.steps > 0:
             _demos_possible(cfg, "actor.env_ids (the SFT warm start, sft.steps > 0)")
     elif a.cmd == "sft":

@@ -207,6 +207,7 @@ class Plan:
     n_actors: int = 0
     envd_addrs: tuple[str, ...] = ()    # daemons already running elsewhere (then n_envd = 0)
     inference_addr: str = ""            # an inference server already running (then inference = False)
+    metrics_port: int = -1              # telemetry.prometheus_port > 0: the first of the roles' /metrics ports
 
     def count(self, role: str) -> int:
         return {"envd": self.n_envd, "inference": int(self.inference), "learner": int(self.learner),
@@ -214,6 +215,16 @@ class Plan:
 
     def name(self, role: str, i: int) -> str:
         return role if role != "actor" and self.count(role) == 1 else f"{role}{i}"
+
+    def metrics_ports(self) -> dict[tuple[str, int], int]:
+        """With a fixed telemetry.prometheus_port N > 0, each role's own /metrics port: N, N+1, ... in the order envd
+        0.., inference, actor 0.., learner (last, so an accelerate launch's ranks n > 0 take the ports above it).
+        Empty for 0 (a free port per role, in its run file) or -1 (off)."""
+        if self.metrics_port <= 0:
+            return {}
+        keys = [("envd", i) for i in range(self.n_envd)] + [("inference", 0)] * self.inference
+        keys += [("actor", i) for i in range(self.n_actors)] + [("learner", 0)] * self.learner
+        return {k: self.metrics_port + n for n, k in enumerate(keys)}
 
 
 def prepare(out: pathlib.Path) -> None:
@@ -240,7 +251,8 @@ def plan(cfg, out: str | os.PathLike, model: str | os.PathLike | None, *, n_envd
                  learner=learner)
     return Plan(out, out / "config.yaml", pathlib.Path(model).resolve() if model else None,
                 0 if envd_addrs else n_envd, inference and not inference_addr, learner,
-                cfg.actors if n_actors is None else n_actors, tuple(envd_addrs), inference_addr)
+                cfg.actors if n_actors is None else n_actors, tuple(envd_addrs), inference_addr,
+                cfg.telemetry.prometheus_port if cfg.telemetry.enabled else -1)
 
 
 class Topology:
@@ -298,6 +310,8 @@ class Topology:
                      "--spool-dir", str(self.spool(i))]
         else:
             raise ValueError(f"no role {role!r}")
+        mport = p.metrics_ports().get((role, i))
+        opts += ["--set", f"telemetry.prometheus_port={mport}"] if mport else []
         ready = p.out / "run" / f"{name}.json"
         return RoleSpec(role, i, name, [*role_argv(role, *opts), "--ready-file", str(ready)], ready,
                         p.out / "logs" / f"{name}.log", dict(RUN_ENV), None, READY_S[role], STOP_S[role])

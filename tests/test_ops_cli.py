@@ -1,0 +1,62 @@
+"""Operator-facing paths: `tars up` with a fixed /metrics port (a port per role, checked at pre-flight), `tars ctl
+sessions kill` across several envds, telemetry config errors as one line."""
+import socket
+
+import pytest
+
+from core.config import ConfigError
+
+
+def _free_run(n: int) -> int:
+    """A base port with n consecutive free ports above it (on 127.0.0.1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                c = socket.socket()
+                socks.append(c)
+                c.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for c in socks:
+                c.close()
+    pytest.skip("no run of free ports")
+
+
+def test_up_with_a_fixed_metrics_port_gives_each_role_its_own(tmp_path):
+    from tars import cli
+    from tars.topology import Plan, Topology
+
+    base = _free_run(5)
+
+    def preflight(port):
+        a = cli.build_parser().parse_args(["up", "--preset", "quickstart", "--out", str(tmp_path / "run"),
+                                           "--set", "actors=2", "--set", f"telemetry.prometheus_port={port}"])
+        cli.preflight(a, cli._load(a))
+
+    preflight(base)  # envd, inference, actor0, actor1, learner: base .. base+4, all free
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 3))
+        taken.listen(1)
+        with pytest.raises(ConfigError, match=rf"telemetry.prometheus_port={base}.*port {base + 3} \(actor 1\)"):
+            preflight(base)
+    with pytest.raises(ConfigError, match="> 65535"):
+        preflight(65533)
+
+    out = tmp_path / "topo"
+    topo = Topology(Plan(out, out / "config.yaml", None, n_actors=2, metrics_port=base))
+    topo.ready[("learner", 0)] = {"stream": "127.0.0.1:1", "address": "127.0.0.1:2"}
+    ports = []
+    for role, i in [("envd", 0), ("inference", 0), ("actor", 0), ("actor", 1), ("learner", 0)]:
+        argv = topo.spec(role, i).argv
+        ports.append([x for x in argv if x.startswith("telemetry.prometheus_port=")])
+    assert ports == [[f"telemetry.prometheus_port={base + n}"] for n in range(5)]
+    topo0 = Topology(Plan(out, out / "config.yaml", None, n_actors=1, metrics_port=0))  # 0: each picks a free one
+    assert not any("prometheus_port" in x for x in topo0.spec("envd").argv)
