@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "is visible to other local users in ps: prefer --token-file)")
     p.add_argument("--token-file", default="", help="read the control token from this file (e.g. a systemd "
                                                      "credential or a Kubernetes Secret volume)")
-    p.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds")
+    p.add_argument("--timeout", type=_seconds, default=5.0, help="deadline of each call, seconds (> 0)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("config", help="print every config field with its help")
@@ -185,6 +185,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
+
+
+def _seconds(v: str) -> float:
+    """A finite number of seconds > 0 (argparse: anything else is a usage error, exit 2)."""
+    import math
+
+    x = float(v)  # ValueError: argparse's "invalid _seconds value"
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"{v!r}: a number of seconds > 0")
+    return x
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -254,6 +254,21 @@ def summary(role: str, m: dict) -> str:
     return json.dumps(m)[:300]
 
 
+def _settle_kill(results: list[dict], sid: str) -> int:
+    """kill-session goes to every envd, and a session lives in one: the others' "unknown session" is no failure
+    once one closed it (exit 0); exit 1, with one line saying so, when none had it."""
+    closed = [r["target"] for r in results if r.get("ok") is True]
+    unknown = [r for r in results if r.get("ok") is False and str(r.get("message", "")).startswith("unknown session")]
+    if closed:
+        for r in unknown:
+            r.update(ok=True, message=f"not here (closed on {closed[0]})")
+        return 0
+    if unknown and len(unknown) == len(results):
+        results.append({"target": "-", "role": "envd",
+                        "error": f"no envd has session {sid!r} ({len(unknown)} asked): already closed, or a wrong id?"})
+    return 1
+
+
 def main(a) -> int:
     try:
         what, args = parse_command(a.what, list(a.rest or ()))
@@ -284,6 +299,8 @@ def main(a) -> int:
         want = COMMANDS[what][0]
         results.append({"target": "-", "role": want, "error": f"no reachable {want} among the targets for {what!r}"})
         rc = 1
+    if what == "kill-session":
+        rc = _settle_kill(results, args["id"])
     if a.json:
         print(json.dumps(results, indent=2, default=str))
         return rc

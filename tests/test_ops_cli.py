@@ -60,3 +60,35 @@ def test_up_with_a_fixed_metrics_port_gives_each_role_its_own(tmp_path):
     assert ports == [[f"telemetry.prometheus_port={base + n}"] for n in range(5)]
     topo0 = Topology(Plan(out, out / "config.yaml", None, n_actors=1, metrics_port=0))  # 0: each picks a free one
     assert not any("prometheus_port" in x for x in topo0.spec("envd").argv)
+
+
+def _ctl(monkeypatch, capsys, answers: dict, *argv):
+    from tars import cli, ctl
+
+    def fake_call(t, what, args, token, timeout):
+        ok, msg = answers[t["address"]]
+        return {"target": t["address"], "role": "envd", "ok": ok, "message": msg, "result": {}}
+
+    monkeypatch.setattr(ctl, "_call", fake_call)
+    targets = [x for addr in answers for x in ("--target", addr)]
+    rc = cli.main(["ctl", *argv, *targets])
+    return rc, capsys.readouterr().out
+
+
+def test_kill_session_across_envds_succeeds_when_one_closed_it(monkeypatch, capsys):
+    rc, out = _ctl(monkeypatch, capsys, {"h:1": (False, "unknown session 's1'"), "h:2": (True, "session s1 closed"),
+                                         "h:3": (False, "unknown session 's1'")}, "sessions", "kill", "s1")
+    assert rc == 0, out
+    assert "FAILED" not in out and out.count("not here (closed on h:2)") == 2
+    rc, out = _ctl(monkeypatch, capsys, {"h:1": (False, "unknown session 's1'"), "h:2": (False, "unknown session 's1'")},
+                   "kill-session", "s1")
+    assert rc == 1 and "no envd has session 's1' (2 asked)" in out
+
+
+@pytest.mark.parametrize("bad", ["-1", "0", "nan", "inf", "abc"])
+def test_ctl_timeout_must_be_positive_seconds(bad, capsys):
+    from tars import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["ctl", "status", "--timeout", bad, "--target", "127.0.0.1:1"])
+    assert e.value.code == 2 and "--timeout" in capsys.readouterr().err
