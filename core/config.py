@@ -188,7 +188,7 @@ class TelemetryConfig:
                                "$OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf")
     sample_ratio: float = f(0.1, lo=0, hi=1, help="share of episodes traced (their turns, env steps and generations follow the "
                                  "episode); learner steps are always traced")
-    max_queued_spans: int = f(8192, "spans waiting for export; past it new spans are dropped, never waited for", lo=1)
+    max_queued_spans: int = f(8192, "spans waiting for export; past it the oldest are dropped, never waited for", lo=1)
     max_file_mb: float = f(256.0, "a span file stops growing past this size (spans then counted as dropped)", lo=0)
     prometheus_port: int = f(-1, "serve Prometheus text (prometheus_client) at http://HOST:PORT/metrics (HOST = "
                                  "prometheus_host); 0 = any free port (named in the run file, shown by `tars ctl "

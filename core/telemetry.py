@@ -234,7 +234,14 @@ def setup(cfg, role: str, run_dir: str | None = None) -> dict:
     r = resolve(cfg, run_dir)
     S.role = role
     res = Resource.create({"service.name": role, "service.namespace": "tars", "process.pid": os.getpid()})
-    exporter, what = _span_exporter(cfg, r, role)
+    try:  # a bad OTEL_EXPORTER_OTLP_* value (timeout, compression, ...) or a span dir that cannot be made
+        exporter, what = _span_exporter(cfg, r, role)
+    except Exception as e:  # noqa: BLE001 - the exporters raise ValueError, OSError or their own exceptions
+        from core.config import ConfigError
+
+        where = (f"telemetry.dir={r['span_dir']!r}: cannot write span files there" if r["exporter"] == "file" else
+                 f"telemetry ({r['exporter']} exporter; telemetry.* or $OTEL_EXPORTER_OTLP_*)")
+        raise ConfigError(f"{where}: {type(e).__name__}: {e}") from None
     if exporter is not None:
         from opentelemetry.sdk.trace import SpanLimits, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -300,11 +307,8 @@ def shutdown(timeout_s: float = SHUTDOWN_S) -> None:
     S.tracing = S.metrics = False
     S.tracer, S.tracer_provider, S.meter_provider, S.meter, S.reader, S.http, S.span_file = _NOOP_TRACER, None, None, None, None, None, ""
     if tp is not None:
-        bp = getattr(bsp, "_batch_processor", None)
-        if bp is not None and hasattr(bp, "shutdown"):  # the SDK's BatchSpanProcessor.shutdown() waits up to 30 s
-            stop = lambda: (bp.shutdown(timeout_millis=timeout_s * 1000), tp.shutdown())  # noqa: E731
-        else:
-            stop = tp.shutdown
+        bp = getattr(bsp, "_batch_processor", None)  # its shutdown takes a deadline (BatchSpanProcessor's waits 30 s)
+        stop = (lambda: (bp.shutdown(timeout_millis=timeout_s * 1000), tp.shutdown())) if bp is not None else tp.shutdown
         done = _bounded(stop, timeout_s + 0.5, "shutdown")
         left = len(getattr(bp, "_queue", ()) or ())
         if left or not done:

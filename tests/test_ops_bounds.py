@@ -99,3 +99,27 @@ def test_learner_step_links_every_sampled_episode_of_a_large_batch(tmp_path):
     assert {lk["span_id"] for lk in step["links"]} == {s["span_id"] for s in spans if s["name"] == "episode"}
     many = [tps[0]] * (telemetry.MAX_LINKS + 7)
     assert [len(x) if isinstance(x, list) else x for x in telemetry.links_from(many)] == [telemetry.MAX_LINKS, 7]
+
+
+def test_a_small_span_queue_is_accepted(tmp_path):
+    """telemetry.max_queued_spans below the SDK's batch size (512): the batch size follows it."""
+    telemetry.setup(TelemetryConfig(exporter="file", dir=str(tmp_path), sample_ratio=1.0, max_queued_spans=100),
+                    "envd")
+    for _ in range(50):
+        with telemetry.span("envd.step"):
+            pass
+    telemetry.shutdown()
+    assert sum(1 for f in tmp_path.glob("*.jsonl") for _ in open(f)) == 50
+
+
+@pytest.mark.parametrize("env,cfg,match", [
+    ({"OTEL_EXPORTER_OTLP_TIMEOUT": "abc"}, {"exporter": "otlp-grpc"}, "otlp-grpc exporter.*'abc'"),
+    ({"OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"}, {"exporter": "otlp-grpc"}, "zstd"),
+    ({}, {"exporter": "file", "dir": "/proc/no-such-dir/x"}, "telemetry.dir='/proc/no-such-dir/x': cannot write"),
+])
+def test_telemetry_setup_errors_are_config_errors(monkeypatch, env, cfg, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=match):
+        telemetry.setup(TelemetryConfig(**cfg), "envd")
+    assert not telemetry.S.tracing
