@@ -92,3 +92,11 @@ def test_ctl_timeout_must_be_positive_seconds(bad, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["ctl", "status", "--timeout", bad, "--target", "127.0.0.1:1"])
     assert e.value.code == 2 and "--timeout" in capsys.readouterr().err
+
+
+def test_deploy_files_do_not_set_a_service_name_tars_ignores():
+    """service.name is the role (span files and the `role` label key on it): OTEL_SERVICE_NAME would be ignored."""
+    import pathlib
+
+    deploy = pathlib.Path(__file__).resolve().parent.parent / "deploy"
+    assert not [str(f) for f in deploy.rglob("*") if f.is_file() and "OTEL_SERVICE_NAME" in f.read_text()]
