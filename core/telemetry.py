@@ -25,15 +25,16 @@ on telemetry.prometheus_host (127.0.0.1 by default) when prometheus_port >= 0.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import pathlib
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from core.spanfile import JsonLinesSpanExporter, span_to_dict  # noqa: F401 - the span file (format, size cap)
 
 log = logging.getLogger("core.telemetry")
 _PROP = TraceContextTextMapPropagator()
@@ -58,77 +59,6 @@ S = _State()
 
 
 # ---- exporters --------------------------------------------------------------------------------------------------
-def _hex(n: int, width: int) -> str:
-    return f"{n:0{width}x}"
-
-
-def _attrs(a) -> dict:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in (a or {}).items()}
-
-
-def span_to_dict(s) -> dict:
-    """One finished span as a plain JSON object (the span file's line format)."""
-    p = s.parent
-    return {
-        "trace_id": _hex(s.context.trace_id, 32), "span_id": _hex(s.context.span_id, 16),
-        "parent_span_id": _hex(p.span_id, 16) if p is not None else None,
-        "name": s.name, "kind": s.kind.name, "service": s.resource.attributes.get("service.name", ""),
-        "pid": s.resource.attributes.get("process.pid"),
-        "start_ns": s.start_time, "end_ns": s.end_time,
-        "duration_ms": ((s.end_time or 0) - (s.start_time or 0)) / 1e6,
-        "attributes": _attrs(s.attributes),
-        "links": [{"trace_id": _hex(lk.context.trace_id, 32), "span_id": _hex(lk.context.span_id, 16),
-                   "attributes": _attrs(lk.attributes)} for lk in s.links],
-        "status": s.status.status_code.name, "status_message": s.status.description or "",
-        "events": [{"name": e.name, "t_ns": e.timestamp, "attributes": _attrs(e.attributes)} for e in s.events],
-    }
-
-
-def _exporter_base():
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    return SpanExporter, SpanExportResult
-
-
-SpanExporter, SpanExportResult = _exporter_base()
-
-
-class JsonLinesSpanExporter(SpanExporter):
-    """Appends one JSON object per span to `path`; stops writing (and counts drops) once the file passes max_bytes."""
-
-    def __init__(self, path: str | os.PathLike, max_bytes: int = 256 << 20):
-        self.path = pathlib.Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        self.f = open(self.path, "a", encoding="utf-8")
-        self.written = self.dropped = 0
-        self._lock = threading.Lock()
-
-    def export(self, spans: Sequence) -> "SpanExportResult":
-        with self._lock:
-            if self.f.closed:
-                return SpanExportResult.FAILURE
-            lines = [json.dumps(span_to_dict(s), default=str) + "\n" for s in spans]
-            for line in lines:
-                if self.f.tell() + len(line) > self.max_bytes:
-                    self.dropped += 1
-                    continue
-                self.f.write(line)
-                self.written += 1
-            self.f.flush()
-        return SpanExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        with self._lock:
-            if not self.f.closed:
-                self.f.flush()
-        return True
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self.f.close()
-
-
 def _sampler(ratio: float):
     """Episodes are sampled at `ratio` (everything under them follows the parent); learner steps always."""
     from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
@@ -275,6 +205,9 @@ def setup(cfg, role: str, run_dir: str | None = None) -> dict:
             shutdown()
             raise ConfigError(f"telemetry.prometheus_host={host!r}, telemetry.prometheus_port={port}: cannot serve "
                               f"/metrics there: {e}") from None
+    if isinstance(exporter, JsonLinesSpanExporter):  # the span file's size cap: drops counted (and logged once)
+        observe("tars.telemetry.spans_dropped", lambda: exporter.dropped, description="spans dropped at the span "
+                "file's size cap (telemetry.max_file_mb)", kind="counter")
     return {"traces": what, "metrics": S.http.address if S.http else "off"}
 
 

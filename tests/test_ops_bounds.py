@@ -123,3 +123,21 @@ def test_telemetry_setup_errors_are_config_errors(monkeypatch, env, cfg, match):
     with pytest.raises(ConfigError, match=match):
         telemetry.setup(TelemetryConfig(**cfg), "envd")
     assert not telemetry.S.tracing
+
+
+def test_span_file_cap_drops_are_logged_once_and_counted_in_metrics(tmp_path, caplog):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cfg = TelemetryConfig(exporter="file", dir=str(tmp_path), sample_ratio=1.0, max_file_mb=0.002,
+                          prometheus_port=0)
+    with caplog.at_level("WARNING", logger="core.telemetry"):
+        info = telemetry.setup(cfg, "envd")
+        for _ in range(60):
+            with telemetry.span("envd.step", attributes={"pad": "x" * 100}):
+                pass
+        assert telemetry.force_flush(5.0)
+    assert caplog.text.count("reached its cap") == 1
+    with urllib.request.urlopen(f"http://{info['metrics']}/metrics", timeout=5) as r:
+        fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    dropped = fams["tars_telemetry_spans_dropped"].samples[0].value
+    assert dropped > 0 and dropped + sum(1 for _ in open(telemetry.S.span_file)) == 60
