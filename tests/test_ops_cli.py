@@ -100,3 +100,18 @@ def test_deploy_files_do_not_set_a_service_name_tars_ignores():
 
     deploy = pathlib.Path(__file__).resolve().parent.parent / "deploy"
     assert not [str(f) for f in deploy.rglob("*") if f.is_file() and "OTEL_SERVICE_NAME" in f.read_text()]
+
+
+def test_multi_gpu_learner_recipe_ports_clear_of_the_other_roles():
+    """docs/deploy.md's accelerate recipe: rank n serves PORT + n; none may be a port of envd, inference, actors."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text()
+    line = next(x for x in text.splitlines() if "accelerate launch --num_processes" in x and "learner" in x)
+    n = int(re.search(r"--num_processes (\d+)", line).group(1))
+    port = re.search(r"telemetry\.prometheus_port=(\S+)", line).group(1)
+    assert port.isdigit(), f"the recipe must name its own base port, not {port}"
+    ranks = set(range(int(port), int(port) + n))
+    others = {9464, 9465, *range(9470, 9480)}  # envd, inference, actors 0-9 (deploy/systemd/env/*.env)
+    assert not ranks & others, sorted(ranks & others)
