@@ -47,6 +47,8 @@ class Dist:
         seen = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
         torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.SUM)
         params = [p for p, s in zip(params, seen.tolist()) if s]
+        if not params:  # no rank trained a token in this minibatch: nothing to sum (every rank sees the same `seen`)
+            return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
