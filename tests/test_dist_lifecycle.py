@@ -1,5 +1,5 @@
 """The learner under `accelerate launch` (2 gloo ranks): an idle stream longer than the process group's timeout, and
-SIGTERM to every rank mid-update, end as one process would: every version trained / final checkpoint and export."""
+SIGTERM to every process of the job (after its first update), end as one process would: every version trained / final checkpoint and export."""
 import asyncio
 import json
 import os
@@ -82,7 +82,7 @@ def test_idle_longer_than_the_process_group_timeout_keeps_the_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_every_rank_mid_update_checkpoints_and_exports(tmp_path):
+def test_sigterm_to_every_process_checkpoints_and_exports(tmp_path):
     p, port, run = _start(tmp_path, "max_versions=1000", "learner.checkpoint.every=1000")
     try:
         wait_for(lambda: (tmp_path / "ready").exists(), 120, "learner did not start")
