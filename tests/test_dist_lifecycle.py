@@ -1,5 +1,6 @@
 """The learner under `accelerate launch` (2 gloo ranks): an idle stream longer than the process group's timeout, and
-SIGTERM to every process of the job (after its first update), end as one process would: every version trained / final checkpoint and export."""
+SIGTERM to every process of the job (after its first update), end as one process would: every version trained /
+final checkpoint and export."""
 import asyncio
 import json
 import os
