@@ -187,6 +187,9 @@ class LearnerConfig:
     parallel: str = f("ddp", "several processes under accelerate launch: ddp (weights and optimizer replicated, gradients "
                              "all-reduced) | fsdp (FSDP2 fully_shard: parameters, gradients and optimizer state sharded "
                              "over the ranks); one process ignores it")
+    dist_timeout_s: float = f(7200.0, "several processes: how long a collective may wait for the other ranks (the process "
+                                      "group's timeout) while rank 0 works alone (a checkpoint, a publish, an export); "
+                                      "while it waits for a batch it keeps the ranks alive, however long", lo=5, hi=86400 * 7)
     archive: bool = f(False, "append every trajectory received to run_dir/trajectories.twl (for tars data split / tars sft)")
     ppo: PPOConfig = _section(PPOConfig, "the policy loss")
     correction: CorrectionConfig = _section(CorrectionConfig, "the off-policy correction of the loss")

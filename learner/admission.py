@@ -50,14 +50,16 @@ class Admission:
         masked, self.masked = self.masked, []
         return masked
 
-    def collect(self, n: int, version: int, stop: threading.Event, on_idle: Callable[[], None] = lambda: None):
+    def collect(self, n: int, version: int, stop: threading.Event, on_idle: Callable[[], None] = lambda: None,
+                on_tick: Callable[[], None] = lambda: None):
         """The next batch of at least n trajectories, in whole groups; None once `stop` is set.
 
         Group members finish at different times (successes are often shorter), so a batch cut by arrival would
         split groups and normalise partial ones (all-success or all-failure halves get advantage 0). A group is
         released once all `group.size` members have arrived (infra_error members count as arrived, never trained);
         a group incomplete after `group.timeout_s` is released as it is, so a lost actor cannot stall training.
-        `on_idle` runs whenever POLL_S passes with no arrival (the learner checkpoints then if asked to).
+        `on_idle` runs whenever POLL_S passes with no arrival (the learner checkpoints then if asked to); `on_tick`
+        at least every POLL_S, arrivals or not (the learner's keep-alive to the other ranks).
         """
         k = self.group_size
         batch: list = []
@@ -65,6 +67,7 @@ class Admission:
             if stop.is_set():
                 return None
             tr = self.receiver.get(timeout=POLL_S)
+            on_tick()
             now = time.monotonic()
             for g, (t0, arrived, members) in list(self.pending_groups.items()):
                 if now - t0 > self.group_timeout_s:

@@ -47,6 +47,8 @@ class Dist:
         seen = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
         torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.SUM)
         params = [p for p, s in zip(params, seen.tolist()) if s]
+        if not params:  # no rank trained a token in this minibatch: nothing to sum (every rank sees the same `seen`)
+            return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -83,11 +85,13 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def from_accelerate(cpu: bool | None = None, device: torch.device | None = None) -> Dist:
+def from_accelerate(cpu: bool | None = None, device: torch.device | None = None, timeout_s: float | None = None) -> Dist:
     """Initialise the process group through accelerate when launched by it: the backend follows the device.
 
     device: where this process trains (learner/device.py resolve_device: cuda:LOCAL_RANK under accelerate) ->
     NCCL for a CUDA device, gloo for the CPU. Without it, `cpu` decides (default: gloo unless CUDA is available).
+    timeout_s: the process group's timeout (learner.dist_timeout_s; accelerate's default otherwise: 30 min on gloo,
+    10 min on NCCL), the longest a collective waits for the other ranks.
     """
     if device is not None:
         cpu = device.type != "cuda"
@@ -95,11 +99,14 @@ def from_accelerate(cpu: bool | None = None, device: torch.device | None = None)
         cpu = not torch.cuda.is_available()
     if launched_world() == 1:
         return Dist(device=device if device is not None else torch.device("cpu"))
-    from accelerate import Accelerator
+    import datetime
+
+    from accelerate import Accelerator, InitProcessGroupKwargs
 
     if not cpu and device is not None:
         torch.cuda.set_device(device)  # before the NCCL group forms: each rank on its own GPU
-    acc = Accelerator(cpu=cpu)  # accelerate picks nccl for GPUs, gloo for cpu=True
+    kw = [] if timeout_s is None else [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))]
+    acc = Accelerator(cpu=cpu, kwargs_handlers=kw)  # accelerate picks nccl for GPUs, gloo for cpu=True
     return Dist(acc.process_index, acc.num_processes, acc, device=acc.device if not cpu else torch.device("cpu"))
 
 

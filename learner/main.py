@@ -15,6 +15,7 @@ import collections
 import contextlib
 import json
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -44,8 +45,10 @@ from learner.update import Updater, batch_figures, record_staleness
 log = logging.getLogger("tars.learner")
 
 # What rank 0 broadcasts besides a batch (and None: stop) under learner.parallel=fsdp: "gather the sharded state with
-# me now", before it publishes / exports the policy or writes a checkpoint (learner/fsdp.py).
-GATHER_POLICY, GATHER_CHECKPOINT, SET_VERSION = "gather:policy", "gather:checkpoint", "version:"
+# me now", before it publishes / exports the policy or writes a checkpoint (learner/fsdp.py). KEEPALIVE: no batch
+# yet, sent every few seconds while rank 0 waits for one, so the other ranks' broadcast never waits out the process
+# group's timeout however long the stream is idle (actors paused, servers restarting).
+GATHER_POLICY, GATHER_CHECKPOINT, SET_VERSION, KEEPALIVE = "gather:policy", "gather:checkpoint", "version:", "keepalive"
 
 
 class Learner:
@@ -167,7 +170,9 @@ class Learner:
         if not (done and served >= self.version):  # (served there: the last version, these weights)
             self._publish(self.version)  # after a resume: bring the servers to the checkpoint's weights
         while not self.stop.is_set() and self.version < self.cfg.max_versions:
-            batch = self.admission.collect(self.lcfg.batch_size, self.version, self.stop, on_idle=self._idle)
+            self._alive_t = time.monotonic()
+            batch = self.admission.collect(self.lcfg.batch_size, self.version, self.stop, on_idle=self._idle,
+                                           on_tick=self._keepalive)
             if batch is None:
                 break
             links, unlinked = telemetry.links_from(tr.traceparent for tr in batch)  # sampled episodes only
@@ -228,6 +233,12 @@ class Learner:
         if self.checkpoint_requested.is_set():
             self.checkpoint()
 
+    def _keepalive(self) -> None:
+        """Waiting for a batch with other ranks: tell them so every few seconds (well inside learner.dist_timeout_s)."""
+        if self.dist.world > 1 and time.monotonic() - self._alive_t >= min(5.0, self.lcfg.dist_timeout_s / 4):
+            self.dist.broadcast(KEEPALIVE)
+            self._alive_t = time.monotonic()
+
     def _update(self, batch) -> dict:
         return self.updater.update(batch, self.version)
 
@@ -237,6 +248,8 @@ class Learner:
             batch = self.dist.broadcast(None)
             if batch is None:
                 return
+            if batch == KEEPALIVE:  # rank 0 still waits for a batch
+                continue
             if batch == GATHER_POLICY:  # learner.parallel=fsdp: rank 0 publishes, exports or checkpoints
                 with gathered(self.policy):
                     pass
@@ -326,13 +339,25 @@ def main(cfg: RunConfig, run_dir: str, model_dir: str, inference: list[str], rea
         print(f"tars learner: {e}", file=sys.stderr)
         return 2
     # learner.device decides the backend: NCCL for CUDA (each rank on cuda:LOCAL_RANK), gloo on the CPU.
-    dist = from_accelerate(device=device)
+    dist = from_accelerate(device=device, timeout_s=cfg.learner.dist_timeout_s)
+    if dist.accelerator is not None and dist.is_main:  # accelerate's --mixed_precision is not what decides
+        want = "bf16" if resolve_precision(cfg.learner.precision, device) is not None else "no"
+        if str(dist.accelerator.mixed_precision) != want:
+            log.warning("accelerate --mixed_precision %s is ignored: learner.precision=%s decides (%s here)",
+                        dist.accelerator.mixed_precision, cfg.learner.precision, want)
     try:
         learner = Learner(cfg, run_dir, model_dir, inference, resume=resume, dist=dist, fresh_if_none=fresh_if_none)
     except CheckpointError as e:  # train_state.pt refused (not plain tensors), say
         print(f"tars learner: {e}", file=sys.stderr)
         return 2
     if not dist.is_main:
+        # SIGTERM / ctrl-c reach every rank (the launcher forwards them, a terminal signals the process group): rank 0
+        # alone decides to stop, finishes the update, checkpoints and exports with these ranks (fsdp gathers need
+        # them), then broadcasts None and they return. If rank 0 dies instead, their broadcast fails: they exit non-0.
+        # The SIGTERM of die_with_parent (the launcher is gone) still ends them.
+        parent = os.getppid()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(143) if os.getppid() != parent else None)
         learner.follow()
         return 0
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -277,11 +277,13 @@ class PPOTrainer:
                     stats.setdefault(k, []).append(v)
                 stats["grad_norm"].append(float(gn))
         run_tok = int(run_mask.sum())  # the first epoch's tokens
+        # No row trained (all skipped for zero advantage): an empty mean is 0, as masked_mean reports it, and as
+        # the ranks report it (the fused pass may still have run rows; their sums are not a mean over run_mask).
         if fused:
-            m["behav_prox_kl"] = kl_sum / max(1, run_tok)
+            m["behav_prox_kl"] = kl_sum / run_tok if run_tok else 0.0
         ratio_sum, weight_sum = self.dist.sum_floats(iw_sums)
-        m["is_ratio_mean"] = ratio_sum / max(1, run_tok)
-        m["is_weight_mean"] = weight_sum / max(1, run_tok)
+        m["is_ratio_mean"] = ratio_sum / run_tok if run_tok else 0.0
+        m["is_weight_mean"] = weight_sum / run_tok if run_tok else 0.0
         self.sched.step()
         self.updates += 1
         if cfg.ppo.target_entropy > 0 and stats["entropy"]:
