@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from core import telemetry
+from core.proc import wait_for
 from core.config import ConfigError, TelemetryConfig
 
 
@@ -18,15 +19,6 @@ from core.config import ConfigError, TelemetryConfig
 def _reset():
     yield
     telemetry.shutdown()
-
-
-def _wait(cond, timeout: float, step: float = 0.05) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
 
 
 @pytest.mark.parametrize("kind,mode", [("otlp-http", "hung"), ("otlp-grpc", "hung"), ("otlp-grpc", "down")])
@@ -50,7 +42,7 @@ def test_shutdown_is_bounded_when_the_collector_hangs_or_is_down(kind, mode, cap
         took = time.monotonic() - t0
     finally:
         s.close()
-    assert took < 5.0, f"shutdown took {took:.1f}s"
+    assert took < 15.0, f"shutdown took {took:.1f}s"  # SHUTDOWN_S (3 s) with room for a slow host; was 30 s
     if mode == "hung":
         assert "queued spans dropped" in caplog.text
     assert not telemetry.S.tracing
@@ -71,8 +63,7 @@ def test_idle_metrics_connections_time_out_and_are_bounded(monkeypatch):
             c.sendall(b"GET /metrics HTTP/1.1\r\n")
             socks.append(c)
         assert threading.active_count() <= base + 4 + 1
-        assert _wait(lambda: threading.active_count() <= base, 5.0), \
-            f"{threading.active_count() - base} connection threads still alive"
+        wait_for(lambda: threading.active_count() <= base, 10.0, "the idle connections' threads to end", every=0.05)
         with urllib.request.urlopen(f"http://{srv.address}/metrics", timeout=5) as r:
             assert r.status == 200
     finally:
