@@ -246,6 +246,9 @@ def lint() -> list[str]:
                 f = n.func
                 name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
                 kw = {k.arg for k in n.keywords}
+                if any(k.arg == "blocking" and isinstance(k.value, ast.Constant) and k.value.value is False
+                       for k in n.keywords):
+                    kw.add("timeout")  # acquire(blocking=False): returns at once, no wait
                 bad = (name in QUEUES and not n.args and "maxsize" not in kw) or name == "SimpleQueue" or (
                     isinstance(f, ast.Attribute) and name in WAITS and not n.args and not kw & {"timeout", "flags"})
                 if bad:
