@@ -57,34 +57,14 @@ def test_tars_learner_runs_under_accelerate_with_two_processes(tmp_path, paralle
     import asyncio
     import json
 
-    from core.model import CausalLM
-    from core.stream.sender import TrajectorySender
-    from test_learner_kill import V, free_port, traj, wait_for  # tests/ is on sys.path (rootless test dir)
+    from test_dist_lifecycle import _send, _start  # the same launch as the lifecycle tests
+    from test_learner_kill import wait_for  # tests/ is on sys.path (rootless test dir)
 
-    CausalLM(DecoderConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1)).init_weights(0) \
-        .save_hf(tmp_path / "model")
-    port, run = free_port(), tmp_path / "run"
-    run.mkdir()
-    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tars.cli", "learner",
-           "--run-dir", str(run), "--model", str(tmp_path / "model"), "--set", "learner.batch_size=8",
-           "--set", f"learner.stream.port={port}", "--set", "learner.staleness.max_lag=100000", "--set", "max_versions=4",
-           "--set", "learner.group.size=1", "--set", f"learner.parallel={parallel}", "--set", "learner.checkpoint.every=2",
-           "--ready-file", str(tmp_path / "ready")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, env=env, stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    p, port, run = _start(tmp_path, "max_versions=4", f"learner.parallel={parallel}", "learner.checkpoint.every=2")
     try:
         wait_for(lambda: (tmp_path / "ready").exists(), 120, "learner did not start")
 
-        async def send():
-            s = TrajectorySender(f"tcp://127.0.0.1:{port}", "a0", window=64)
-            await s.start()
-            for i in range(32):
-                await s.send(traj(i), timeout=60)
-            await s.flush(timeout=60)
-            await s.close()
-
-        asyncio.run(send())
+        asyncio.run(_send(port, 0, 32))
         assert p.wait(120) == 0
     finally:
         if p.poll() is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
-import secrets
 import shutil
 import signal
 import socket
@@ -21,6 +20,7 @@ from envd import proctree, scratch
 from envd.base import Action, ActionError
 from envd.sandbox import missing_tools
 from envd_compliance import EnvCompliance, envd_client, expect_code, run
+from test_desktop import host_dir, tag  # noqa: F401  (fixtures: the same host marker and sleep tag)
 from core.proc import wait_for
 from core.v1 import common_pb2, env_pb2
 
@@ -139,27 +139,6 @@ def test_task_solved_through_either_side(env):
     _poll(lambda: _read(env.workspace / "hello.txt") == "hi\n", what="the xterm to write hello.txt")
     r = env.step(Action("finished"))
     assert r.reward == 1.0 and r.info["success"] is True
-
-
-@pytest.fixture
-def tag():
-    """A unique argument for a `sleep` typed into a session; whatever still runs with it is killed at teardown (a
-    job that escaped the session, as it did before the apps were sandboxed, is never left behind)."""
-    t = f"{32000 + os.getpid() % 1000}.{secrets.randbelow(10 ** 6):06d}"
-    yield t
-    for pid in proctree.mentioning(t):
-        os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def host_dir():
-    """A host directory outside any workspace that every uid could read (so only the sandbox keeps it out)."""
-    d = pathlib.Path(tempfile.mkdtemp(prefix="tars-host-marker-"))
-    os.chmod(d, 0o755)
-    (d / "host_secret").write_text("HOST-SECRET\n")
-    os.chmod(d / "host_secret", 0o644)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_xterm_is_sandboxed_like_the_terminal_and_nothing_outlives_close(host_dir, tag):
