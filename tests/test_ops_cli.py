@@ -5,36 +5,14 @@ import socket
 import pytest
 
 from core.config import ConfigError
-
-
-def _free_run(n: int) -> int:
-    """A base port with n consecutive free ports above it (on 127.0.0.1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                c = socket.socket()
-                socks.append(c)
-                c.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for c in socks:
-                c.close()
-    pytest.skip("no run of free ports")
+from test_sglang_pool import _free_port_run  # a run of consecutive free ports, below the ephemeral range
 
 
 def test_up_with_a_fixed_metrics_port_gives_each_role_its_own(tmp_path):
     from tars import cli
     from tars.topology import Plan, Topology
 
-    base = _free_run(5)
+    base = _free_port_run(5)
 
     def preflight(port):
         a = cli.build_parser().parse_args(["up", "--preset", "quickstart", "--out", str(tmp_path / "run"),
