@@ -109,6 +109,13 @@ class _Server(ThreadingHTTPServer):
             self._slots.release()
             raise
 
+    def handle_error(self, request, client_address):
+        import sys
+
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            return  # the scraper went away mid-reply: its business, not a server error worth a traceback
+        super().handle_error(request, client_address)
+
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)

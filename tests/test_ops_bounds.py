@@ -63,6 +63,12 @@ def test_idle_metrics_connections_time_out_and_are_bounded(monkeypatch):
             c.sendall(b"GET /metrics HTTP/1.1\r\n")
             socks.append(c)
         assert threading.active_count() <= base + 4 + 1
+        for c in socks:  # every one is accepted and closed by the server: refused at once, or timed out when idle
+            c.settimeout(10.0)
+            try:
+                assert c.recv(1) == b""
+            except ConnectionResetError:
+                pass  # refused with its request unread: closed by a reset
         wait_for(lambda: threading.active_count() <= base, 10.0, "the idle connections' threads to end", every=0.05)
         with urllib.request.urlopen(f"http://{srv.address}/metrics", timeout=5) as r:
             assert r.status == 200
