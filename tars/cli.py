@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "in run-dir start fresh at version 0 (a learner's first start under a supervisor)")
     p.add_argument("--ready-file")
 
+    p = sub.add_parser("learner-stop", help="stop a learner gracefully (a single `tars learner` or an `accelerate "
+                       "launch` job: SIGTERM to its ranks) and wait until it has exited")
+    p.add_argument("pid", type=int, help="the learner's process, or its launcher's (systemd: $MAINPID)")
+    p.add_argument("--timeout", type=_seconds, default=280.0, help="seconds to wait for it to exit (default 280); "
+                   "past it, exit 1 and leave the rest to the service manager")
+
     p = sub.add_parser("sft", help="supervised fine-tuning on stored trajectories and/or scripted demonstrations")
     _config_args(p)
     p.add_argument("--model", required=True, help="HF-layout model directory to start from")
@@ -226,6 +232,10 @@ def _main(a) -> int:
         from tars import ctl
 
         return ctl.main(a)
+    if a.cmd == "learner-stop":
+        from tars import stop
+
+        return stop.main(a.pid, a.timeout)
     if a.cmd == "bench":
         return run_bench(a.which, a.args)
     if a.cmd in ("data", "merge"):

@@ -427,6 +427,15 @@ def test_gpu_overlay_sglang_and_accelerate():
     learner = _container(pods["learner"], "learner")
     assert learner["command"][0].endswith("/accelerate") and learner["args"][0] == "launch"
     assert learner["resources"]["limits"]["nvidia.com/gpu"]
+    # the stop: SIGTERM to the ranks by `tars learner-stop 1` (the launcher is PID 1), within the grace period, and
+    # the launcher's own SIGKILL deadline below it too
+    stop = learner["lifecycle"]["preStop"]["exec"]["command"]
+    assert stop[0] == TARS_BIN
+    a = build_parser().parse_args(stop[1:])
+    grace = pods["learner"]["terminationGracePeriodSeconds"]
+    assert a.cmd == "learner-stop" and a.pid == 1 and a.timeout < grace
+    env = {e["name"]: e.get("value") for e in learner["env"]}
+    assert a.timeout <= float(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < grace
     base = _pods(_render("cpu-dev"))
     assert [c["name"] for c in base["inference"]["containers"]] == ["tars"]
     assert "inference.engine=local" in _container(base["inference"], "tars")["args"]

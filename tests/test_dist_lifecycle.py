@@ -83,24 +83,35 @@ def test_idle_longer_than_the_process_group_timeout_keeps_the_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_every_process_checkpoints_and_exports(tmp_path):
+@pytest.mark.parametrize("how", ["every-process", "learner-stop"])
+def test_sigterm_checkpoints_and_exports(tmp_path, how):
     p, port, run = _start(tmp_path, "max_versions=1000", "learner.checkpoint.every=1000")
+    stopper = None
     try:
         wait_for(lambda: (tmp_path / "ready").exists(), 120, "learner did not start")
         asyncio.run(_send(port, 0, 16))
         wait_for(lambda: any(r.get("version") == 1 for r in _versions(run)), 60, "first version not trained")
-        # every process of the job: the launcher and both ranks (as systemd's / k8s's stop does)
-        pids = subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        if how == "learner-stop":  # what the deploy files' stop runs: SIGTERM to the ranks, then wait for the launcher
+            stopper = subprocess.run([sys.executable, "-m", "tars.cli", "learner-stop", str(p.pid), "--timeout", "90"],
+                                     capture_output=True, text=True, timeout=120,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        else:  # every process of the job: the launcher and both ranks (a stop that signals the whole group)
+            pids = subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
     finally:
         rc, log = _finish(p, tmp_path)
-    # The launcher itself re-raises the SIGTERM it got (torch elastic's SignalException: rc 1) after its ranks exit;
-    # what matters is that they did not die: rank 0 checkpointed and exported, no rank failed.
-    assert rc is not None and "ChildFailedError" not in log and "Connection closed by peer" not in log, log
+    if how == "learner-stop":
+        # the ranks return, so the launcher exits 0 as after a finished run (signalled itself it exits 1)
+        assert stopper.returncode == 0 and "its ranks" in stopper.stdout, (stopper.stdout, stopper.stderr)
+        assert rc == 0, log
+    else:
+        # The launcher re-raises the SIGTERM it got (torch elastic's SignalException: rc 1) after its ranks exit;
+        # what matters is that they did not die: rank 0 checkpointed and exported, no rank failed.
+        assert rc is not None and "ChildFailedError" not in log and "Connection closed by peer" not in log, log
     trained = max(r["version"] for r in _versions(run) if r.get("ids"))
     assert (run / "final").is_dir(), log
     assert json.loads((run / "ckpt" / "meta.json").read_text())["version"] == trained, log

@@ -1,0 +1,107 @@
+"""`tars learner-stop PID`: SIGTERM to a launcher's ranks (children with LOCAL_RANK), never to its other children,
+or to PID itself when it has no ranks; then it waits for PID to exit, with a deadline. (The real `accelerate launch`
+job: tests/test_dist_lifecycle.py, slow.)"""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+from core.proc import wait_for
+from tars.cli import main
+
+# A stand-in launcher: two "ranks" (LOCAL_RANK set) and one helper child without it (like a learner's WAL writer).
+# Each child records the SIGTERM it gets; the launcher exits 0 once both ranks have returned, like torch elastic.
+LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys, pathlib
+    d = pathlib.Path(sys.argv[1])
+    child = ("import signal, sys, pathlib, time\\n"
+             "def on(*_):\\n"
+             "    pathlib.Path(sys.argv[1]).write_text('term')\\n"
+             "    sys.exit(0)\\n"
+             "signal.signal(signal.SIGTERM, on)\\n"
+             "pathlib.Path(sys.argv[1] + '.up').write_text('up')\\n"
+             "time.sleep(120)\\n")
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    ranks = [subprocess.Popen([sys.executable, "-c", child, str(d / f"rank{i}")], env={**env, "LOCAL_RANK": str(i)})
+             for i in range(2)]
+    helper = subprocess.Popen([sys.executable, "-c", child, str(d / "helper")], env=env)
+    rcs = [r.wait() for r in ranks]
+    helper.kill()
+    sys.exit(max(rcs))
+""")
+
+
+def _start(tmp_path, code, *args):
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], start_new_session=True)
+
+
+def test_signals_the_ranks_only_and_waits_for_the_launcher(tmp_path, capsys):
+    p = _start(tmp_path, LAUNCHER, tmp_path)
+    try:
+        wait_for(lambda: all((tmp_path / f"{n}.up").exists() for n in ("rank0", "rank1", "helper")), 60,
+                 "the stand-in launcher's children to start", every=0.05)
+        assert main(["learner-stop", str(p.pid), "--timeout", "60"]) == 0
+        assert p.poll() == 0  # exited (not merely signalled) before learner-stop returned, and cleanly
+        assert (tmp_path / "rank0").read_text() == "term" and (tmp_path / "rank1").read_text() == "term"
+        assert not (tmp_path / "helper").exists()  # not a rank: left to its parent
+        assert "its ranks" in capsys.readouterr().out
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
+def test_a_process_without_ranks_is_signalled_itself(tmp_path):
+    code = ("import signal, sys, time, pathlib\n"
+            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+            "pathlib.Path(sys.argv[1]).write_text('up')\n"
+            "time.sleep(120)\n")
+    p = _start(tmp_path, code, tmp_path / "up")
+    try:
+        wait_for(lambda: (tmp_path / "up").exists(), 60, "the process to start", every=0.05)
+        assert main(["learner-stop", str(p.pid), "--timeout", "60"]) == 0
+        assert p.poll() == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def test_a_process_that_does_not_exit_is_an_error_at_the_deadline(tmp_path, capsys):
+    code = ("import signal, time, pathlib, sys\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "pathlib.Path(sys.argv[1]).write_text('up')\n"
+            "time.sleep(120)\n")
+    p = _start(tmp_path, code, tmp_path / "up")
+    try:
+        wait_for(lambda: (tmp_path / "up").exists(), 60, "the process to start", every=0.05)
+        assert main(["learner-stop", str(p.pid), "--timeout", "0.5"]) == 1
+        assert "still running" in capsys.readouterr().err
+        assert p.poll() is None  # not killed: that is the service manager's call
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+def test_no_such_process_and_a_bad_timeout(tmp_path, capsys):
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(30)  # reaped: its pid names no process now (reuse within the test is vanishingly unlikely)
+    assert main(["learner-stop", str(p.pid), "--timeout", "1"]) == 1
+    assert f"no process {p.pid}" in capsys.readouterr().err
+    try:
+        main(["learner-stop", "1", "--timeout", "-1"])
+        raise AssertionError("a negative timeout was accepted")
+    except SystemExit as e:
+        assert e.code == 2
+
+
+def test_a_zombie_counts_as_exited(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: pathlib.Path(f"/proc/{p.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z", 30,
+             "the child to exit (unreaped)", every=0.05)
+    from tars import stop
+
+    assert not stop._alive(p.pid)
+    p.wait(10)
