@@ -206,18 +206,22 @@ class ChatTokenizer:
         """(end-of-turn token text, template text of [new user message + generation prompt] after an assistant turn)
         with the user text as _PROBE_USER2."""
         base = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
-        a = self.render(base, False)
         b = self.render([*base, {"role": "user", "content": _PROBE_USER2}], True)
-        i = a.rfind(_PROBE_ASSISTANT)
-        if i < 0 or not b.startswith(a[: i + len(_PROBE_ASSISTANT)]):
+        i = b.find(_PROBE_ASSISTANT)
+        # The conversation only grows: the engine's output follows the first prompt. So the text before the
+        # assistant's words must be that prompt, or the template's rendering of a last assistant message (Qwen3's
+        # template adds an empty <think></think> to an assistant message after the last user message and not to one
+        # before it; the output, think block and all, stays as the policy wrote it).
+        heads = (self.render(base[:1], True), self.render(base, False).rpartition(_PROBE_ASSISTANT)[0])
+        if i < 0 or not any(h.startswith(b[:i]) for h in heads):
             raise TokenizerError(f"{self.path}: the chat template does not render a conversation as a growing text "
-                                 "(an assistant message changes when a user message follows it)")
-        rest = a[i + len(_PROBE_ASSISTANT):]
+                                 "(the prompt before an assistant message changes when a user message follows it)")
+        rest = b[i + len(_PROBE_ASSISTANT):]
         eot = next((t for t in self._specials if rest.startswith(t)), None)
         if eot is None:
             raise TokenizerError(f"{self.path}: the chat template ends an assistant message with {rest[:20]!r}, "
                                  "not with a special token; the turn rule needs an end-of-turn token")
-        turn = b[i + len(_PROBE_ASSISTANT) + len(eot):]
+        turn = rest[len(eot):]
         if _PROBE_USER2 not in turn:
             raise TokenizerError(f"{self.path}: the chat template drops a user message that follows an assistant one")
         return eot, turn

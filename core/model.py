@@ -1,15 +1,12 @@
-"""Hugging Face Qwen2 / Qwen2.5 and Llama causal LMs in plain torch: a checkpoint directory is the model.
+"""Hugging Face Qwen2 / Qwen2.5, Qwen3, Llama and Mistral causal LMs in plain torch: a checkpoint directory is the
+model. Qwen2-VL / Qwen2.5-VL (UI-TARS-1.5) run on the same decoder with M-RoPE (3-D positions, `mrope_cos_sin`; those
+of a prompt with images: core.vlm.rope_positions) and transformers' own vision tower (`visual`, from the config's
+vision_config, loaded with the checkpoint's `visual.*` weights); image features replace the `<|image_pad|>` embeddings.
 
-Qwen2-VL / Qwen2.5-VL (UI-TARS-1.5) checkpoints run on the same decoder with M-RoPE (3-D positions, `mrope_cos_sin`;
-the positions of a prompt with images: core.vlm.rope_positions) and transformers' own vision tower module
-(`visual`, built from the config's vision_config and loaded with the checkpoint's `visual.*` weights); the image
-features replace the input embeddings at the `<|image_pad|>` positions.
-
-One implementation serves the inference engine (batched decode with per-request KV caches) and the learner
-(full-sequence logprobs), so both compute the same numbers for the same weights. Parameter names, config.json and
-the safetensors files follow transformers' Qwen2ForCausalLM / LlamaForCausalLM, so a checkpoint loads in either
-direction. Which configs are accepted (and why others are refused): core/model_config.py; the weight files
-(single or sharded): core/model_files.py.
+One implementation serves the inference engine (batched decode, per-request KV caches) and the learner (full-sequence
+logprobs), so both compute the same numbers for the same weights. Parameter names, config.json and the safetensors
+files follow transformers' classes, so a checkpoint loads in either direction. Which configs are accepted (and why
+others are refused): core/model_config.py; the weight files (single or sharded): core/model_files.py.
 """
 from __future__ import annotations
 
@@ -39,10 +36,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -114,11 +109,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:  # qwen3: an RMSNorm over each head of q and k, before RoPE
+            self.q_norm, self.k_norm = RMSNorm(self.hd, c.rms_norm_eps), RMSNorm(self.hd, c.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, past=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, H, T, hd]
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = self.q_proj(x).view(B, T, self.nh, self.hd), self.k_proj(x).view(B, T, self.nkv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -181,7 +180,7 @@ def causal_mask(key_valid: torch.Tensor, T: int) -> torch.Tensor:
 
 
 class CausalLM(nn.Module):
-    """Qwen2ForCausalLM / LlamaForCausalLM-compatible decoder. `value_head=True` adds a scalar head (the critic)."""
+    """A Qwen2 / Qwen3 / Llama / Mistral (ForCausalLM) decoder. `value_head=True` adds a scalar head (the critic)."""
 
     def __init__(self, c: DecoderConfig, value_head: bool = False):
         super().__init__()

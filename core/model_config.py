@@ -1,7 +1,9 @@
-"""What a checkpoint's config.json may say for core.model's decoder: Hugging Face Qwen2 / Qwen2.5 and Llama causal LMs.
+"""What a checkpoint's config.json may say for core.model's decoder: Hugging Face Qwen2 / Qwen2.5, Qwen3, Llama and
+Mistral causal LMs.
 
 `DecoderConfig.from_hf(dict)` (and `load_config(dir)`) accepts a config only when the decoder computes exactly what
-transformers' Qwen2ForCausalLM / LlamaForCausalLM compute for it (or, for qwen2_vl / qwen2_5_vl, what their
+transformers' Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM /
+MistralForCausalLM compute for it (or, for qwen2_vl / qwen2_5_vl, what their
 ForConditionalGeneration computes: the same Qwen2 decoder with M-RoPE, plus transformers' own vision tower). Anything else is refused with `UnsupportedModel`
 naming the field: another model_type or architecture, a setting the decoder would silently ignore (a sliding window
 shorter than the context, a RoPE type other than default / linear / llama3, an activation other than SiLU, a
@@ -20,11 +22,18 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+# Which fields are read, ignored, accepted only at a default or refused, transformers' defaults, and the
+# vision-language model types (a Qwen2 decoder with M-RoPE plus transformers' own vision tower): core/model_fields.py
+from core.model_fields import (  # noqa: F401  (re-exported)
+    _HF_DEFAULTS, ACCEPTED_CONFIG_FIELDS, DEFAULT_ONLY_FIELDS, IGNORED_CONFIG_FIELDS, REFUSED_FIELDS, USED_CONFIG_FIELDS,
+    VL_MODEL_TYPES,
+)
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM",
                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
-# Vision-language checkpoints: a Qwen2 decoder with M-RoPE plus transformers' own vision tower (core/model.py).
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-SUPPORTED = ("model_type qwen2 (Qwen2ForCausalLM: Qwen2, Qwen2.5), llama (LlamaForCausalLM), qwen2_vl "
+SUPPORTED = ("model_type qwen2 (Qwen2ForCausalLM: Qwen2, Qwen2.5), qwen3 (Qwen3ForCausalLM), llama "
+             "(LlamaForCausalLM), mistral (MistralForCausalLM, without a sliding window), qwen2_vl "
              "(Qwen2VLForConditionalGeneration) or qwen2_5_vl (Qwen2_5_VLForConditionalGeneration: Qwen2.5-VL, UI-TARS-1.5)")
 # A VL config's own fields next to its decoder's: the vision tower's config (given to transformers' class as it is)
 # and the special token ids (core/vlm.py reads them); text_config holds the decoder's fields (transformers 5 layout;
@@ -32,55 +41,6 @@ SUPPORTED = ("model_type qwen2 (Qwen2ForCausalLM: Qwen2, Qwen2.5), llama (LlamaF
 VL_CONFIG_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 VL_IGNORED_FIELDS = ("vision_token_id", "text_config")
 ROPE_TYPES = ("default", "linear", "llama3")
-
-# Read by the decoder (each checked for the values it can honour).
-USED_CONFIG_FIELDS = (
-    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-    "hidden_act", "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-    "original_max_position_embeddings", "attention_bias", "mlp_bias", "pretraining_tp", "use_sliding_window",
-    "sliding_window", "max_window_layers", "layer_types", "bos_token_id", "eos_token_id", "pad_token_id",
-    "tars_vision",
-)
-# Accepted with any value: metadata, and training- or generation-time settings that do not change the logits
-# (attention_dropout only acts in training; the engine's sampling comes from each request, not from the config).
-IGNORED_CONFIG_FIELDS = (
-    "transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range", "attention_dropout",
-    "_name_or_path", "name_or_path", "output_hidden_states", "output_attentions", "return_dict", "torchscript",
-    "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "chunk_size_feed_forward",
-    "pruned_heads", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
-    "is_decoder", "use_bfloat16", "tf_legacy_loss", "_attn_implementation", "_commit_hash",
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
-    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
-    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
-    # what tools write beside the model: Unsloth's marks (transformers' own "_..." notes are ignored by their prefix)
-    "unsloth_version", "unsloth_fixed",
-)
-# Accepted only at these (transformers' default) values: anything else changes the model in a way not implemented.
-DEFAULT_ONLY_FIELDS = {"is_encoder_decoder": False, "add_cross_attention": False, "tie_encoder_decoder": False,
-                       "cross_attention_hidden_size": None}
-ACCEPTED_CONFIG_FIELDS = tuple(sorted(set(USED_CONFIG_FIELDS) | set(IGNORED_CONFIG_FIELDS) | set(DEFAULT_ONLY_FIELDS)))
-# Refused whatever their value (other than null), with the reason.
-REFUSED_FIELDS = {
-    "quantization_config": "quantized checkpoints are not supported (the decoder reads plain fp32/bf16/fp16 weights)",
-    "auto_map": "a checkpoint with its own modelling code (auto_map) is not the stock architecture",
-}
-
-# transformers' defaults for fields a config.json may leave out (Qwen2Config / LlamaConfig / Qwen2(.5)-VL text
-# configs, transformers 5).
-_HF_DEFAULTS = {
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, max_position_embeddings=32768, bos_token_id=None, eos_token_id=None),
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
-}
-for _mt in VL_MODEL_TYPES:
-    _HF_DEFAULTS[_mt] = dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
-                             num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32768,
-                             rms_norm_eps=1e-5, bos_token_id=151643, eos_token_id=151645)
-
 
 class UnsupportedModel(ValueError):
     """A checkpoint the decoder would not compute faithfully: another architecture, or a config setting it lacks."""
@@ -92,7 +52,7 @@ def _refuse(what: str) -> UnsupportedModel:
 
 @dataclass
 class DecoderConfig:
-    """A Qwen2 / Llama decoder's shape and options (names as in config.json)."""
+    """A Qwen2 / Qwen3 / Llama / Mistral decoder's shape and options (names as in config.json)."""
 
     vocab_size: int = 512
     hidden_size: int = 64
@@ -107,9 +67,9 @@ class DecoderConfig:
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 1
     pad_token_id: int = 0
-    model_type: str = "qwen2"              # qwen2 | llama: which HF architecture the weights and config.json follow
+    model_type: str = "qwen2"              # an ARCHITECTURES key: which HF architecture the weights and config follow
     head_dim: int | None = None            # None: hidden_size // num_attention_heads
-    attention_bias: bool = False           # llama: bias on q/k/v/o (qwen2 always has q/k/v biases and no o bias)
+    attention_bias: bool = False           # llama, qwen3: bias on q/k/v/o (qwen2: always q/k/v, no o; mistral: none)
     mlp_bias: bool = False                 # llama: bias on gate/up/down (qwen2: never)
     rope_scaling: dict | None = None       # None (plain RoPE) or {"rope_type": "linear" | "llama3", ...}
     mrope_section: list[int] | None = None  # qwen2_vl / qwen2_5_vl: M-RoPE's (temporal, height, width) split of head_dim/2
@@ -126,7 +86,9 @@ class DecoderConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
         if self.model_type != "llama" and self.mlp_bias:
-            raise _refuse("mlp_bias true: qwen2 has no MLP biases")
+            raise _refuse(f"mlp_bias true: {self.model_type} has no MLP biases")
+        if self.attention_bias and self.model_type not in ("llama", "qwen3"):
+            raise _refuse(f"attention_bias true: {self.model_type}'s attention biases are fixed by its architecture")
         if self.rope_scaling is not None:
             self.rope_scaling = _rope_scaling(self.rope_scaling, self.max_position_embeddings, "rope_scaling")
         if self.is_vl:
@@ -151,11 +113,16 @@ class DecoderConfig:
 
     @property
     def qkv_bias(self) -> bool:
-        return True if self.model_type != "llama" else self.attention_bias
+        return self.attention_bias if self.model_type in ("llama", "qwen3", "mistral") else True  # qwen2 (and VL)
 
     @property
     def o_bias(self) -> bool:
-        return False if self.model_type != "llama" else self.attention_bias
+        return self.attention_bias  # only llama and qwen3 may set it (__post_init__)
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over each head of q and k before RoPE (weights self_attn.q_norm / k_norm)."""
+        return self.model_type == "qwen3"
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -171,9 +138,13 @@ class DecoderConfig:
                  attention_dropout=0.0, initializer_range=0.02, use_cache=True)
         if self.is_vl:  # the flat layout (text fields at the top), which transformers 4 and 5 both read
             d["rope_scaling"] = {**(self.rope_scaling or {"type": "mrope"}), "mrope_section": list(self.mrope_section)}
-        if self.model_type != "llama":
+        if self.model_type == "mistral":
+            d.update(head_dim=self.head_dim, sliding_window=None)
+        elif self.model_type != "llama":
             d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
-            if self.head_dim != self.hidden_size // self.num_attention_heads:
+            if self.model_type == "qwen3":  # head_dim's default is 128 there, not hidden_size / heads
+                d.update(head_dim=self.head_dim, attention_bias=self.attention_bias)
+            elif self.head_dim != self.hidden_size // self.num_attention_heads:
                 d["head_dim"] = self.head_dim
         else:
             d.update(head_dim=self.head_dim, attention_bias=self.attention_bias, mlp_bias=self.mlp_bias, pretraining_tp=1)
@@ -206,9 +177,15 @@ class DecoderConfig:
             raise _refuse(f"config field 'pretraining_tp' = {d['pretraining_tp']!r}: only 1 is implemented")
         g = {**_HF_DEFAULTS[mt], **{k: v for k, v in d.items() if v is not None}}
         n_layers, heads, max_pos = int(g["num_hidden_layers"]), int(g["num_attention_heads"]), int(g["max_position_embeddings"])
-        family = "llama" if mt == "llama" else "qwen2"  # a VL model's decoder is Qwen2's
+        # a VL model's decoder is Qwen2's; Qwen3 slides (or not) as Qwen2 does
+        family = mt if mt in ("llama", "mistral") else "qwen2"
         _check_sliding(d, family, n_layers, max_pos)
-        if family == "qwen2":
+        if mt == "mistral" and (d.get("attention_bias") or d.get("mlp_bias")):
+            raise _refuse("config field 'attention_bias' / 'mlp_bias' = true on a mistral model: Mistral has no biases "
+                          "(transformers ignores the fields)")
+        if mt == "qwen3" and d.get("mlp_bias"):
+            raise _refuse("config field 'mlp_bias' = true on a qwen3 model: Qwen3 has no MLP biases")
+        if family == "qwen2" and mt != "qwen3":
             if d.get("attention_bias") is not None:
                 raise _refuse("config field 'attention_bias' on a qwen2 model: Qwen2 always has q/k/v biases and no o bias "
                               "(transformers ignores the field)")
@@ -226,7 +203,7 @@ class DecoderConfig:
             bos_token_id=d.get("bos_token_id", _HF_DEFAULTS[mt]["bos_token_id"]),
             eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else eos, pad_token_id=int(pad),
             model_type=mt, head_dim=int(g["head_dim"]) if g.get("head_dim") else None,
-            attention_bias=bool(d.get("attention_bias") or False) if mt == "llama" else False,
+            attention_bias=bool(d.get("attention_bias") or False) if mt in ("llama", "qwen3") else False,
             mlp_bias=bool(d.get("mlp_bias") or False), rope_scaling=scaling, mrope_section=mrope,
         )
         if vl:
@@ -338,8 +315,14 @@ def _model_type(d: dict) -> str:
 def _check_sliding(d: dict, mt: str, n_layers: int, max_pos: int) -> None:
     """Refuse sliding-window attention on any layer: the decoder always attends to the whole context."""
     window = d.get("sliding_window")
-    if mt == "qwen2":  # Qwen2Config: the window (default 4096) counts only with use_sliding_window
+    if mt == "qwen2":  # Qwen2Config / Qwen3Config: the window (default 4096) counts only with use_sliding_window
         window = (d["sliding_window"] if "sliding_window" in d else 4096) if d.get("use_sliding_window") else None
+    elif mt == "mistral":  # MistralConfig: the window (default 4096) applies to every layer unless it is null
+        window = d["sliding_window"] if "sliding_window" in d else 4096
+        if window is not None:
+            raise _refuse(f"config field 'sliding_window' = {window}: Mistral's sliding-window attention is not "
+                          "implemented (a checkpoint with sliding_window null, as Mistral-7B-v0.3 has, is fine)")
+        return
     elif mt == "llama" and d.get("use_sliding_window"):
         raise _refuse("config field 'use_sliding_window' = true: llama has no sliding-window attention")
     types = d.get("layer_types")

@@ -19,12 +19,19 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_laye
             pad_token_id=0)
 
 
+# What an architecture's tiny config sets beside TINY: Qwen3's head_dim defaults to 128 (here hidden / heads, as
+# the others), Mistral's sliding window to 4096 (null here, as Mistral-7B-v0.3 has it; the decoder refuses a window).
+ARCH_TINY = {"qwen3": dict(head_dim=8), "mistral": dict(sliding_window=None)}
+
+
 def hf_config(arch: str = "qwen2", **overrides):
-    """transformers.Qwen2Config / LlamaConfig of the tiny shape, with overrides (any config.json field)."""
+    """transformers' Qwen2Config / Qwen3Config / LlamaConfig / MistralConfig of the tiny shape, with overrides (any
+    config.json field)."""
     import transformers
 
-    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[arch]
-    return cls(**{**TINY, **overrides})
+    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+           "mistral": transformers.MistralConfig}[arch]
+    return cls(**{**TINY, **ARCH_TINY.get(arch, {}), **overrides})
 
 
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch.nn.Module:
@@ -39,7 +46,7 @@ def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch.
 
 def make_hf_model(dir: str | os.PathLike, arch: str = "qwen2", shard_bytes: int | str | None = 20_000, seed: int = 0,
                   **config_overrides):
-    """Build a random transformers model of `arch` (qwen2 | llama) and save_pretrained it into `dir`, sharded at
+    """Build a random transformers model of `arch` (qwen2 | qwen3 | llama | mistral) and save_pretrained it into `dir`, sharded at
     shard_bytes (None: one model.safetensors). Returns the model (fp32, eval)."""
     import transformers
 
@@ -62,7 +69,7 @@ def make_checkpoint(dir: str | os.PathLike, arch: str = "qwen2", shard_bytes: in
     from core.bpe import rendered_corpus, save_tokenizer, train_bpe
     from tars.fresh import task_corpus
 
-    template = {"qwen2": "chatml", "llama": "llama3"}[arch]
+    template = {"qwen2": "chatml", "qwen3": "chatml", "llama": "llama3", "mistral": "llama3"}[arch]
     tok = train_bpe(rendered_corpus(task_corpus(["builtin/mixed"], episodes=400, seed=seed), template),
                     vocab_size, template)
     d = pathlib.Path(dir)

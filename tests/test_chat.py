@@ -152,3 +152,54 @@ def test_sentencepiece_style_tokenizers_add_up_to_the_whole_conversation(tmp_pat
     assert ids == list(tok.hf.apply_chat_template(CONV[:4], add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
     assert tok.next_turn("x", closed=False)[1:] == tok.next_turn("x")
+
+
+# Written for this test, with the behaviour of Qwen3's own template: an assistant message after the last user message
+# gets an empty think block (and one before it loses its think block), and enable_thinking=false adds the empty block
+# to the generation prompt.
+QWEN3_STYLE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' %}"
+    "{%- set content = m['content'].split('</think>')[-1].lstrip('\\n') %}"
+    "{%- if loop.index0 > ns.last_user %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + content }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def _with_template(tmp_path, template):
+    hf = train_bpe(rendered_corpus([CONV] * 20, "chatml"), 400, "chatml")
+    hf.chat_template = template
+    save_tokenizer(hf, tmp_path)
+    return ChatTokenizer.load(tmp_path)
+
+
+def test_a_qwen3_style_template_is_followed_and_the_output_kept_as_written(tmp_path):
+    """Qwen3's template renders the last assistant message with an empty think block and an earlier one without:
+    the conversation still only grows (it was refused as not growing), the policy's output stays in it as generated
+    (think block and all), and with plain answers the ids are the template's over the whole conversation."""
+    t = _with_template(tmp_path, QWEN3_STYLE)
+    enc = lambda text: t.hf.encode(text, add_special_tokens=False)  # noqa: E731
+    first = t.first_prompt(CONV[0]["content"], CONV[1]["content"])
+    assert first == enc(t.render(CONV[:2], True))
+    assert t.decode(t.next_turn("obs"), skip_special=False) == "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n"
+    plain = first + t.answer(CONV[2]["content"]) + t.next_turn(CONV[3]["content"])
+    assert plain == enc(t.render(CONV[:4], add_generation_prompt=True))
+    thought = enc("<think>\nSave is on the screen\n</think>\n\n" + CONV[2]["content"]) + [t.eot_id]
+    ids = first + thought + t.next_turn(CONV[3]["content"])
+    assert t.decode(ids, skip_special=False).count("Save is on the screen") == 1  # not stripped from the history
+
+
+def test_a_template_that_rewrites_the_prompt_before_an_assistant_message_is_refused(tmp_path):
+    rewrites = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + ('\\n' if messages|length < 3 else ' (cont)\\n')"
+                " + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    with pytest.raises(TokenizerError, match="growing text"):
+        _with_template(tmp_path, rewrites)

@@ -13,6 +13,7 @@ import torch
 from core.config import InferenceConfig
 from core.model import (ACCEPTED_CONFIG_FIELDS, CausalLM, DecoderConfig, MissingWeights, UnsupportedModel,
                         WeightsMismatch, load_config)
+from core.model_config import ARCHITECTURES
 from hf_dirs import TINY, make_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -35,6 +36,11 @@ VARIANTS = {
     "llama-head_dim16": ("llama", {"head_dim": 16, "num_key_value_heads": 1}),
     "llama-rope-llama3": ("llama", {"rope_scaling": llama3_rope(), "rope_theta": 500000.0}),
     "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "qwen3-gqa-untied": ("qwen3", {}),
+    "qwen3-attention_bias-tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+    "qwen3-head_dim16-rope-llama3": ("qwen3", {"head_dim": 16, "num_key_value_heads": 1, "rope_scaling": llama3_rope()}),
+    "mistral-gqa": ("mistral", {"rope_theta": 1e6}),
+    "mistral-head_dim16-tied": ("mistral", {"head_dim": 16, "tie_word_embeddings": True}),
 }
 
 
@@ -68,8 +74,9 @@ def test_logits_match_transformers(tmp_path, variant):
             assert max_diff(plain(x)[0], ref) > 1e-2
 
 
-def test_kv_cache_decode_matches_full_forward_llama(tmp_path):
-    hf = make_hf_model(tmp_path, "llama", head_dim=16, rope_scaling=llama3_rope(), attention_bias=True)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q_norm / k_norm on the cached path too
+def test_kv_cache_decode_matches_full_forward(tmp_path, arch):
+    hf = make_hf_model(tmp_path, arch, head_dim=16, rope_scaling=llama3_rope(), attention_bias=True)
     m = CausalLM.load_hf(tmp_path).eval()
     x = ids(2, 40, seed=1)
     with torch.no_grad():
@@ -101,9 +108,10 @@ def test_engine_serves_a_transformers_checkpoint_directory(tmp_path):
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral"])
 def test_save_hf_sharded_loads_in_transformers(tmp_path, arch):
-    kw = {"attention_bias": True, "head_dim": 16, "rope_scaling": llama3_rope()} if arch == "llama" else {}
+    kw = ({"attention_bias": True, "head_dim": 16, "rope_scaling": llama3_rope()} if arch in ("llama", "qwen3")
+          else {"head_dim": 16} if arch == "mistral" else {})
     make_hf_model(tmp_path / "src", arch, **kw)
     m = CausalLM.load_hf(tmp_path / "src")
     m.save_hf(tmp_path / "out", max_shard_bytes=20_000, extra_files={"note.txt": "hi"})
@@ -114,7 +122,7 @@ def test_save_hf_sharded_loads_in_transformers(tmp_path, arch):
     assert not (out / "model.safetensors").exists() and (out / "note.txt").read_text() == "hi"
     assert not list(tmp_path.glob("out.tmp*"))
     conf = json.loads((out / "config.json").read_text())
-    assert conf["model_type"] == arch and conf["architectures"] == [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+    assert conf["model_type"] == arch and conf["architectures"] == [ARCHITECTURES[arch]]
     assert DecoderConfig.from_hf(conf) == m.config
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(hf).__name__ == conf["architectures"][0]
@@ -145,8 +153,16 @@ BASE = dict(TINY, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
 
 @pytest.mark.parametrize("fields,match", [
     (dict(BASE, model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2' is not supported"),
-    (dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"]), "model_type .mistral. is not supported"),
-    (dict(BASE, model_type=None, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
+    (dict(BASE, model_type="gemma", architectures=["GemmaForCausalLM"]), "model_type .gemma. is not supported"),
+    (dict(BASE, model_type=None, architectures=["GemmaForCausalLM"]), "GemmaForCausalLM"),
+    # Mistral's window applies to every layer, and defaults to 4096 when config.json leaves it out
+    (dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096), "sliding_window"),
+    (dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"]), "sliding_window' = 4096"),
+    (dict(BASE, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None, attention_bias=True),
+     "Mistral has no biases"),
+    (dict(BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=16,
+          max_window_layers=0), "sliding_window"),
+    (dict(BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], mlp_bias=True), "Qwen3 has no MLP biases"),
     (dict(BASE, model_type="qwen2_vl", architectures=None), "qwen2_vl config needs its vision_config"),
     (dict(BASE, architectures=["LlamaForCausalLM"]), "does not match model_type 'qwen2'"),
     (dict(BASE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding_window"),
@@ -179,6 +195,8 @@ def test_unsupported_configs_are_refused_by_name(tmp_path, fields, match):
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding_window"),
     ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic"),
     ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding_window"),
+    ("mistral", dict(sliding_window=64), "sliding_window"),
 ])
 def test_refusals_are_the_same_through_autoconfig(tmp_path, arch, kw, match):
     make_hf_model(tmp_path, arch, **kw)
@@ -263,14 +281,34 @@ LLAMA32_1B = {
     "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256}
 
 
-@pytest.mark.parametrize("conf", [QWEN25_05B, LLAMA32_1B], ids=["qwen2.5-0.5b", "llama3.2-1b"])
-def test_published_configs_are_accepted_with_transformers_rope(tmp_path, conf):
+# and of Qwen/Qwen3-4B and mistralai/Mistral-7B-Instruct-v0.3 (head_dim 128: their own, or hidden_size / heads)
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560, "initializer_range": 0.02,
+    "intermediate_size": 9728, "max_position_embeddings": 262144, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 5000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+MISTRAL_7B_V03 = {
+    "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0", "use_cache": True,
+    "vocab_size": 32768}
+
+
+@pytest.mark.parametrize("conf,head_dim,tied", [(QWEN25_05B, 64, True), (LLAMA32_1B, 64, True),
+                                                 (QWEN3_4B, 128, True), (MISTRAL_7B_V03, 128, False)],
+                         ids=["qwen2.5-0.5b", "llama3.2-1b", "qwen3-4b", "mistral-7b-v0.3"])
+def test_published_configs_are_accepted_with_transformers_rope(tmp_path, conf, head_dim, tied):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from core.model import rope_inv_freq
 
     c = DecoderConfig.from_hf(conf)
-    assert (c.model_type, c.tie_word_embeddings, c.head_dim) == (conf["model_type"], True, 64)
+    assert (c.model_type, c.tie_word_embeddings, c.head_dim) == (conf["model_type"], tied, head_dim)
     eos = conf["eos_token_id"]
     assert c.eos_ids == (tuple(eos) if isinstance(eos, list) else (eos,))
     assert load_config(write_config(tmp_path, **conf), via_transformers=True) == c
