@@ -259,7 +259,8 @@ async def serve(cfg: RunConfig, envd: list[str], inference: list[str], stream: s
                 spool_dir: str | None = None) -> None:
     actor_id = actor_id or f"actor-{uuid.uuid4().hex[:6]}"
     model_dir = tokenizer_path if os.path.isfile(os.path.join(tokenizer_path, "config.json")) else None
-    tok = open_tokenizer(tokenizer_path, model_dir)  # a checkpoint directory: also checked against its embedding
+    # a checkpoint directory: also checked against its embedding
+    tok = open_tokenizer(tokenizer_path, model_dir, cfg.actor.chat_template_kwargs)
     actor = Actor(cfg, actor_id, envd, inference, stream, tok, spool_dir)
     # The ControlService binds loopback only; control.auth_token (never a service token) guards it.
     auth.check_listener("actor", "the ControlService", "127.0.0.1", {"control.auth_token": cfg.control.auth_token})

@@ -73,9 +73,11 @@ class ChatTokenizer:
     """A Hugging Face tokenizer plus what an episode needs from it: the first prompt, the next-turn ids, the
     end-of-turn and stop ids, the image placeholder id."""
 
-    def __init__(self, hf, path: str = "", generation_eos: Sequence[int] = ()):
+    def __init__(self, hf, path: str = "", generation_eos: Sequence[int] = (), template_kwargs: dict | None = None):
         self.hf = hf
         self.path = path
+        # extra variables for the template (actor.chat_template_kwargs: e.g. Qwen3's enable_thinking), every render
+        self.template_kwargs = dict(template_kwargs or {})
         if not getattr(hf, "chat_template", None):
             raise TokenizerError(f"{path or 'tokenizer'}: no chat template (tokenizer_config.json 'chat_template' or "
                                  "chat_template.jinja); the conversation is built from it")
@@ -113,7 +115,7 @@ class ChatTokenizer:
 
     # ---- loading ---------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ChatTokenizer":
+    def load(cls, path: str | os.PathLike, template_kwargs: dict | None = None) -> "ChatTokenizer":
         p = pathlib.Path(path)
         if not p.is_dir():
             raise TokenizerError(f"tokenizer: {p} is not a directory (give the checkpoint or tokenizer directory)")
@@ -131,7 +133,7 @@ class ChatTokenizer:
         if gc.is_file():
             e = json.loads(gc.read_text()).get("eos_token_id")
             gen_eos = [e] if isinstance(e, int) else list(e or [])
-        return cls(hf, str(p), gen_eos)
+        return cls(hf, str(p), gen_eos, template_kwargs)
 
     def check_fits(self, model_vocab_size: int, where: str = "") -> None:
         """Every id the tokenizer can produce must have a row in the model's embedding."""
@@ -199,7 +201,14 @@ class ChatTokenizer:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **self.template_kwargs)
+        except Exception as e:  # jinja's TemplateError (raise_exception), or whatever a template raises on a variable
+            if not self.template_kwargs:
+                raise
+            raise TokenizerError(f"{self.path}: the chat template fails with chat_template_kwargs "
+                                 f"{self.template_kwargs}: {type(e).__name__}: {e}") from None
 
     # ---- the conversation ------------------------------------------------------------------------------------
     def _probe(self) -> tuple[str, str]:
@@ -257,9 +266,11 @@ class ChatTokenizer:
 
 
 
-def open_tokenizer(path: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> ChatTokenizer:
-    """The tokenizer in `path`; with a model directory, also checked against its config's vocabulary size."""
-    tok = ChatTokenizer.load(path)
+def open_tokenizer(path: str | os.PathLike, model_dir: str | os.PathLike | None = None,
+                   template_kwargs: dict | None = None) -> ChatTokenizer:
+    """The tokenizer in `path`; with a model directory, also checked against its config's vocabulary size.
+    template_kwargs: actor.chat_template_kwargs, given to every render of the chat template."""
+    tok = ChatTokenizer.load(path, template_kwargs)
     if model_dir is not None:
         cfg = pathlib.Path(model_dir) / "config.json"
         if not cfg.is_file():

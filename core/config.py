@@ -98,6 +98,9 @@ class ActorConfig:
     concurrency: int = f(64, lo=1, help="episodes run at once by one actor process")
     env_ids: list = f(["builtin/mixed"], "env ids to sample episodes from (uniformly)")
     env_options: dict = f({}, "options passed to CreateSession")
+    chat_template_kwargs: dict = f({}, "extra variables for the checkpoint's chat template, in every prompt the actor, "
+                                   "tars sft's demonstrations and tars eval build: e.g. {enable_thinking: false} for "
+                                   "Qwen3 (its generation prompt then closes an empty think block)")
     keep_sessions: int = f(0, lo=0, help="idle envd sessions one actor keeps for reuse: the next episode of the same env id "
                                   "and options resets one with its seed instead of creating a session (for a browser "
                                   "that saves its start, ~1 s of CPU for MiniWoB's Chromium); a session whose episode "

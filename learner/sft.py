@@ -144,7 +144,7 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
     n_traj = len(examples)
     pad_id = policy.config.pad_token_id
     if demos is not None:  # the model directory's tokenizer (a TokenizerError, a ValueError, when it has none)
-        tok = ChatTokenizer.load(src)
+        tok = ChatTokenizer.load(src, cfg.actor.chat_template_kwargs)  # the prompts the actor will build
         examples += demos(tok)
         pad_id = tok.pad_id
     if not examples:

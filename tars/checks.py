@@ -25,7 +25,8 @@ from core.config import ConfigError, UserError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what core.chat.ChatTokenizer.load reads
 
 
-def model_dir(path: str, what: str = "--model", need_tokenizer: bool = True) -> pathlib.Path:
+def model_dir(path: str, what: str = "--model", need_tokenizer: bool = True,
+              template_kwargs: dict | None = None) -> pathlib.Path:
     """An HF-layout checkpoint directory this code can load, with a tokenizer that fits it. need_tokenizer=False
     (the learner, the inference server: token ids in, token ids out): a tokenizer that is there must still fit."""
     from core.chat import TokenizerError, open_tokenizer
@@ -44,7 +45,8 @@ def model_dir(path: str, what: str = "--model", need_tokenizer: bool = True) -> 
     weights(p, f"{what} {path}")
     if need_tokenizer or any((p / n).is_file() for n in TOKENIZER_FILES):
         try:
-            open_tokenizer(p, p)  # a missing tokenizer, or one whose vocabulary does not fit the model
+            # a missing tokenizer, one whose vocabulary does not fit the model, a template failing on template_kwargs
+            open_tokenizer(p, p, template_kwargs)
         except TokenizerError as e:
             raise TokenizerError(f"{what} {path}: {e}") from None
     return p.resolve()
@@ -61,11 +63,12 @@ def weights(path: str | os.PathLike, what: str) -> None:
         raise UserError(f"{what}: {e}") from None
 
 
-def tokenizer_dir(path: str, model: str | os.PathLike | None = None, what: str = "--tokenizer") -> None:
+def tokenizer_dir(path: str, model: str | os.PathLike | None = None, what: str = "--tokenizer",
+                  template_kwargs: dict | None = None) -> None:
     from core.chat import TokenizerError, open_tokenizer
 
     try:
-        open_tokenizer(path, model)
+        open_tokenizer(path, model, template_kwargs)
     except TokenizerError as e:
         raise TokenizerError(f"{what} {path}: {e}") from None
 

@@ -254,7 +254,7 @@ def preflight(a, cfg) -> None:
         checks.inference_device(cfg)
         checks.out_dir(a.out)
         if cfg.model.path:
-            checks.model_dir(cfg.model.path, "model.path")
+            checks.model_dir(cfg.model.path, "model.path", template_kwargs=cfg.actor.chat_template_kwargs)
         checks.env_ids(cfg.actor.env_ids)
         checks.env_options(cfg.actor.env_ids, cfg.actor.env_options)
         if cfg.telemetry.enabled and cfg.telemetry.prometheus_port > 0:
@@ -267,7 +267,8 @@ def preflight(a, cfg) -> None:
             _demos_possible(cfg, "actor.env_ids (the SFT warm start, sft.steps > 0)")
     elif a.cmd == "sft":
         checks.device(cfg)
-        checks.model_dir(a.model, need_tokenizer=a.demos > 0)  # demonstrations are tokenized with the model's
+        # demonstrations are tokenized with the model's
+        checks.model_dir(a.model, need_tokenizer=a.demos > 0, template_kwargs=cfg.actor.chat_template_kwargs)
         checks.out_dir(a.out)
         missing = [d for d in a.data if not pathlib.Path(d).is_file()]
         if missing:
@@ -286,7 +287,7 @@ def preflight(a, cfg) -> None:
         if a.model and pathlib.Path(a.model).is_dir():
             checks.weights(a.model, f"--model {a.model}")
         if a.tokenizer:
-            checks.tokenizer_dir(a.tokenizer)
+            checks.tokenizer_dir(a.tokenizer, template_kwargs=cfg.actor.chat_template_kwargs)
     elif a.cmd == "learner":
         checks.device(cfg)
         checks.model_dir(a.model, need_tokenizer=False)
@@ -295,7 +296,8 @@ def preflight(a, cfg) -> None:
         checks.inference_device(cfg)
         checks.model_dir(a.model, need_tokenizer=False)
     elif a.cmd == "actor":
-        checks.tokenizer_dir(a.tokenizer)  # env ids and options are envd's to judge: a remote one may serve more
+        # env ids and options are envd's to judge: a remote one may serve more
+        checks.tokenizer_dir(a.tokenizer, template_kwargs=cfg.actor.chat_template_kwargs)
 
 
 def _demos_possible(cfg, what: str) -> None:

@@ -202,7 +202,7 @@ class ModelPolicy(Policy):
         from core.chat import open_tokenizer
 
         try:  # the tokenizer (and, for a directory, that it fits the model) before anything starts
-            self.tok = open_tokenizer(self.tokenizer, self.checkpoint)
+            self.tok = open_tokenizer(self.tokenizer, self.checkpoint, cfg.actor.chat_template_kwargs)
         except ValueError as e:
             raise EvalError(str(e)) from None
         self.name = str(self.checkpoint or model)

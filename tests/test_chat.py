@@ -203,3 +203,26 @@ def test_a_template_that_rewrites_the_prompt_before_an_assistant_message_is_refu
                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
     with pytest.raises(TokenizerError, match="growing text"):
         _with_template(tmp_path, rewrites)
+
+
+def test_chat_template_kwargs_reach_every_render(tmp_path):
+    """actor.chat_template_kwargs (here Qwen3's enable_thinking=false): the first prompt closes an empty think block,
+    the next turns' generation prompts too, and a template that fails on them is a TokenizerError at load (the
+    commands' pre-flight), naming them."""
+    from core import config as C
+    from tars import checks
+
+    _with_template(tmp_path / "t", QWEN3_STYLE)
+    t = ChatTokenizer.load(tmp_path / "t", {"enable_thinking": False})
+    enc = lambda text: t.hf.encode(text, add_special_tokens=False)  # noqa: E731
+    first = t.first_prompt(CONV[0]["content"], CONV[1]["content"])
+    assert first == enc(t.render(CONV[:2], True)) and t.decode(first, skip_special=False).endswith("<think>\n\n</think>\n\n")
+    assert t.decode(t.next_turn("obs"), skip_special=False).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert ChatTokenizer.load(tmp_path / "t").first_prompt("", "x") != ChatTokenizer.load(
+        tmp_path / "t", {"enable_thinking": False}).first_prompt("", "x")
+    strict = QWEN3_STYLE + "{%- if strict is defined %}{{ raise_exception('strict mode is not known') }}{%- endif %}"
+    _with_template(tmp_path / "s", strict)
+    with pytest.raises(TokenizerError, match="chat_template_kwargs .'strict': True.*strict mode is not known"):
+        checks.tokenizer_dir(str(tmp_path / "s"), template_kwargs={"strict": True})
+    cfg = C.load(None, None, ["actor.chat_template_kwargs={enable_thinking: false}"])
+    assert cfg.actor.chat_template_kwargs == {"enable_thinking": False}
