@@ -687,7 +687,25 @@ def test_k8s_pods_expose_metrics(rendered):
     pol = next(o for o in objs if o["kind"] == "NetworkPolicy")
     scrape = [r for r in pol["spec"]["ingress"]
               if any("namespaceSelector" in f for f in r.get("from", []))]
-    assert scrape and all(r.get("ports") == [{"protocol": "TCP", "port": "metrics"}] for r in scrape), scrape
+    ranks = [{"protocol": "TCP", "port": f"metrics-rank{n}"} for n in range(1, 8)]  # the GPU overlay's learner ranks
+    assert scrape and all(r.get("ports") == [{"protocol": "TCP", "port": "metrics"}, *ranks] for r in scrape), scrape
+
+
+def test_gpu_learner_ranks_metrics_are_named_scraped_and_admitted():
+    """Under `accelerate launch` rank n > 0 serves /metrics on 9464 + n (core/telemetry.py): the GPU overlay's learner
+    names each rank's port, the PodMonitor scrapes every name and the NetworkPolicy admits it."""
+    objs = _render("gpu")
+    spec = _pods(objs)["learner"]
+    c = _container(spec, "learner")
+    gpus = int(next(e["value"] for e in c["env"] if e["name"] == "LEARNER_GPUS"))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    want = {"metrics": METRICS_PORT, **{f"metrics-rank{n}": METRICS_PORT + n for n in range(1, gpus)}}
+    assert {k: v for k, v in ports.items() if k.startswith("metrics")} == want
+    pm = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
+    assert set(want) <= {e["port"] for e in pm["spec"]["podMetricsEndpoints"]}
+    pol = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    admitted = {p["port"] for r in pol["spec"]["ingress"] for p in r.get("ports", [])}
+    assert set(want) <= admitted
 
 
 def test_podmonitor_selects_the_metrics_ports():
