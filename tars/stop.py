@@ -63,7 +63,9 @@ def stop(pid: int, timeout_s: float, every: float = 0.2) -> list[int]:
     StopError when PID is not there, cannot be signalled, or is still running at the deadline."""
     if not _alive(pid):
         raise StopError(f"no process {pid}")
-    targets = ranks_of(pid) or [pid]
+    # A process that is itself a rank (or a learner started with LOCAL_RANK set) is no launcher: its children (the
+    # WAL writer) inherit the variable and are not ranks.
+    targets = (ranks_of(pid) if not _is_rank(pid) else []) or [pid]
     for t in targets:
         try:
             os.kill(t, signal.SIGTERM)

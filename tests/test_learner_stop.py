@@ -69,6 +69,29 @@ def test_a_process_without_ranks_is_signalled_itself(tmp_path):
         p.wait(10)
 
 
+def test_a_learner_with_local_rank_set_is_signalled_itself_not_its_children(tmp_path):
+    """A single learner started with LOCAL_RANK in its environment: its children (a WAL writer) inherit it, and must
+    not be taken for ranks."""
+    code = ("import signal, subprocess, sys, time, pathlib\n"
+            "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "def on(*_):\n"
+            "    kid.kill(); kid.wait(); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, on)\n"
+            "pathlib.Path(sys.argv[1]).write_text(str(kid.pid))\n"
+            "time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "up")], start_new_session=True,
+                         env={**os.environ, "LOCAL_RANK": "0"})
+    try:
+        wait_for(lambda: (tmp_path / "up").exists() and (tmp_path / "up").read_text(), 60, "the process to start",
+                 every=0.05)
+        assert main(["learner-stop", str(p.pid), "--timeout", "60"]) == 0
+        assert p.poll() == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
 def test_a_process_that_does_not_exit_is_an_error_at_the_deadline(tmp_path, capsys):
     code = ("import signal, time, pathlib, sys\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
