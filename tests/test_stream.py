@@ -96,13 +96,14 @@ def test_slow_consumer_blocks_the_sender_not_the_learner(tmp_path):
     async def main():
         s = TrajectorySender(addr, "slow", window=64, **FAST)
         await s.start()
-        sent = 0
+        # exactly the queue's slots: each of the 16 gets credit (a slow receiver may take a while to grant it),
+        # then credit runs out and nothing more is sent or buffered
+        for i in range(16):
+            await s.send(traj(f"t{i}"), timeout=10)
+        sent = 16
         with pytest.raises(TimeoutError):
-            for i in range(100):
-                await s.send(traj(f"t{i}"), timeout=0.5)
-                sent += 1
-        assert sent == 16                      # exactly the queue's slots: credit ran out, nothing was buffered
-        assert wait_until(lambda: rx.qsize() == 16, 2)
+            await s.send(traj("t16"), timeout=1.0)
+        assert wait_until(lambda: rx.qsize() == 16, 10)
         con = Consumer(rx, delay=0.002)
         con.start()
         for i in range(sent, 200):                 # t16 (timed out, never sent) is sent again here
