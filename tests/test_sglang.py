@@ -336,7 +336,7 @@ def test_launchable_as_a_process_that_prints_nothing(models):
                           "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy([url], 30)
+        wait_healthy([url], 120)  # a process start: ~20 s on a loaded 2-core host
         st, r = http_json(url, "/generate", gen_body(None, 3))
         assert st == 200 and r["output_ids"] == greedy(models["a"], PROMPT, 3)[0]
     finally:
