@@ -275,7 +275,7 @@ def test_an_actor_with_a_truncated_spool_starts_and_resends_the_good_records(tmp
         env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     got: set[str] = set()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not set(good) <= got and time.monotonic() < deadline and actor.poll() is None:
             tr = rx.get(timeout=0.2)
             if tr is not None:

@@ -105,7 +105,7 @@ def test_up_model_path_that_cannot_be_used(tmp_path, ckpts, which, needle):
 def test_model_that_cannot_be_used_every_command(tmp_path, ckpts, cmd, which, needle):
     args = {"sft": ["--out", tmp_path / "o", "--demos", "2"], "serve": [],
             "learner": ["--run-dir", tmp_path / "o"], "eval": ["--suite", "builtin", "--out", tmp_path / "o"]}[cmd]
-    r = tars(cmd, "--model", ckpts[which], *args, timeout=60)
+    r = tars(cmd, "--model", ckpts[which], *args)
     one_line(r, cmd, 2, needle)
     assert not (tmp_path / "o").exists()
 
@@ -114,7 +114,7 @@ def test_model_that_cannot_be_used_every_command(tmp_path, ckpts, cmd, which, ne
 def test_missing_tokenizer_is_one_line(tmp_path, ckpts, cmd):
     args = (["--envd", "127.0.0.1:1", "--inference", "127.0.0.1:2", "--stream", "tcp://127.0.0.1:3"] if cmd == "actor"
             else ["--suite", "builtin", "--model", "127.0.0.1:5", "--out", tmp_path / "o"])
-    one_line(tars(cmd, *args, "--tokenizer", ckpts["notok"], timeout=60), cmd, 2, "--tokenizer", "no tokenizer.json")
+    one_line(tars(cmd, *args, "--tokenizer", ckpts["notok"]), cmd, 2, "--tokenizer", "no tokenizer.json")
 
 
 @pytest.mark.parametrize("cmd", ["up", "eval", "sft"])
@@ -122,7 +122,7 @@ def test_out_that_cannot_be_written(tmp_path, ckpts, cmd):
     out = ckpts["file"] / "sub"  # under a regular file: no directory can be made there
     args = {"up": ["--quiet"], "eval": ["--suite", "builtin", "--model", "oracle", "--episodes", "1"],
             "sft": ["--model", ckpts["good"], "--demos", "2"]}[cmd]
-    one_line(tars(cmd, *args, "--out", out, timeout=60), cmd, 2, "--out", "is a file")
+    one_line(tars(cmd, *args, "--out", out), cmd, 2, "--out", "is a file")
 
 
 def test_missing_config_file_and_learner_resume_without_checkpoint(tmp_path, ckpts):
@@ -131,7 +131,7 @@ def test_missing_config_file_and_learner_resume_without_checkpoint(tmp_path, ckp
     one_line(tars("config", "--config", tmp_path / "bad.yaml"), "config", 2, "cannot be read as YAML")
     (tmp_path / "run").mkdir()
     r = tars("learner", "--run-dir", tmp_path / "run", "--model", ckpts["good"], "--resume", "--set",
-             "learner.device=cpu", timeout=60)
+             "learner.device=cpu")
     one_line(r, "learner", 2, "--resume: no checkpoint")
 
 
@@ -152,7 +152,7 @@ def test_missing_config_file_and_learner_resume_without_checkpoint(tmp_path, ckp
     (["--set", "actor.env_ids=[nosuch/x]"], "no backend serves it"),
 ])
 def test_bad_config_values_are_refused_before_the_run(tmp_path, args, needle):
-    r = tars("up", *args, "--out", tmp_path / "run", "--quiet", timeout=60)
+    r = tars("up", *args, "--out", tmp_path / "run", "--quiet")
     one_line(r, "up", 2, "config error", needle)
     assert not (tmp_path / "run").exists()
 
@@ -161,7 +161,7 @@ def test_bad_config_values_are_refused_before_the_run(tmp_path, args, needle):
                                   ["serve", "--model", "m", "--port", "70001"]])
 def test_a_port_option_out_of_range_is_refused_not_wrapped(args):
     """--port past 65535 (or below 0) bound port % 65536 before: now a config error, exit 2."""
-    one_line(tars(*args, timeout=60), args[0], 2, "config error", f"port = {args[args.index('--port') + 1]}: must be "
+    one_line(tars(*args), args[0], 2, "config error", f"port = {args[args.index('--port') + 1]}: must be "
              "in [0, 65535]")
 
 
@@ -169,7 +169,7 @@ def test_a_port_option_out_of_range_is_refused_not_wrapped(args):
                                                  ("envd", "learner.lr=*abc", "is not a valid YAML value")])
 def test_a_set_value_that_is_not_yaml_is_one_line(cmd, setting, needle):
     """A --set value its setting cannot read (a YAML syntax error) is a config error, exit 2, not a traceback."""
-    one_line(tars(cmd, "--set", setting, timeout=60), cmd, 2, "config error", needle)
+    one_line(tars(cmd, "--set", setting), cmd, 2, "config error", needle)
 
 
 def test_unknown_key_in_a_yaml_file(tmp_path):
@@ -183,23 +183,23 @@ def test_sft_demos_on_a_task_without_demonstrations_says_what_to_do(tmp_path, ck
     now have demonstrations (oracle, noisy:P); a task without an oracle, or confused:P off the builtin tasks, is
     refused in one line."""
     r = tars("sft", "--model", ckpts["good"], "--out", tmp_path / "o", "--demos", "5",
-             "--set", "actor.env_ids=[miniwob/click-shape]", "--set", "sft.demonstrator=oracle", timeout=60)
+             "--set", "actor.env_ids=[miniwob/click-shape]", "--set", "sft.demonstrator=oracle")
     line = one_line(r, "sft", 2, "'miniwob/click-shape'", "builtin/click", "miniwob/click-button", "tars data split",
                     "tars sft --data")
     assert "KeyError" not in line
     r = tars("up", "--set", "actor.env_ids=[miniwob/click-shape]", "--set", "sft.steps=5", "--out", tmp_path / "r",
-             "--quiet", timeout=60)
+             "--quiet")
     one_line(r, "up", 2, "scripted demonstrations exist only for the builtin tasks")
     assert not (tmp_path / "r").exists()
     r = tars("up", "--set", "actor.env_ids=[miniwob/click-button]", "--set", "sft.steps=5",
-             "--set", "sft.demonstrator=confused:0.5", "--out", tmp_path / "r", "--quiet", timeout=60)
+             "--set", "sft.demonstrator=confused:0.5", "--out", tmp_path / "r", "--quiet")
     one_line(r, "up", 2, "'miniwob/click-button'", "confused demonstrator")
     assert not (tmp_path / "r").exists()
 
 
 def test_eval_unknown_task_in_a_suite(tmp_path):
     (tmp_path / "s.yaml").write_text("tasks: [builtin/nope]\n")
-    r = tars("eval", "--suite", tmp_path / "s.yaml", "--model", "oracle", "--out", tmp_path / "o", timeout=60)
+    r = tars("eval", "--suite", tmp_path / "s.yaml", "--model", "oracle", "--out", tmp_path / "o")
     one_line(r, "eval", 2, "builtin has no task 'nope'")
     assert not (tmp_path / "o").exists()
 
@@ -212,9 +212,9 @@ def test_a_cuda_device_that_is_not_there_is_refused_at_the_start(tmp_path, ckpts
             "sft": ["--model", ckpts["good"], "--out", tmp_path / "o", "--demos", "50"],
             "learner": ["--model", ckpts["good"], "--run-dir", tmp_path / "o"]}[cmd]
     t0 = time.monotonic()
-    r = tars(cmd, *args, "--set", f"learner.device={dev}", timeout=60)
+    r = tars(cmd, *args, "--set", f"learner.device={dev}")
     one_line(r, cmd, 2, f"learner.device={dev!r}")
-    assert not (tmp_path / "o").exists() and time.monotonic() - t0 < 30  # before any demonstration or model
+    assert not (tmp_path / "o").exists() and time.monotonic() - t0 < 90  # before any demonstration or model (a start alone: ~40 s on a loaded 2-core host)
 
 
 # ---- Ctrl-C ------------------------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def test_a_port_in_use_is_one_line_naming_the_setting(tmp_path):
     held.listen()
     port = held.getsockname()[1]
     try:
-        one_line(tars("envd", "--port", port, timeout=60), "envd", 2, f"127.0.0.1:{port} (envd.port)", "in use")
+        one_line(tars("envd", "--port", port), "envd", 2, f"127.0.0.1:{port} (envd.port)", "in use")
         rx = TrajectoryReceiver(f"tcp://127.0.0.1:{port}", str(tmp_path / "wal"), StalenessManager(8, 2))
         with pytest.raises(UserError, match=r"learner\.stream\.host, \.port\): Address already in use"):
             rx.start()
@@ -346,11 +346,11 @@ def test_a_port_in_use_is_one_line_naming_the_setting(tmp_path):
 def test_arguments_refused_before_work_instead_of_after_it(tmp_path):
     """A soak too short for its samples fails at once with the minimum (it failed after the whole run), `tars data
     split` of a missing file leaves no empty output directory, and `tars ctl` with no command asks for status."""
-    r = tars("bench", "soak", "--minutes", "0.5", "--every", "5", timeout=60)
+    r = tars("bench", "soak", "--minutes", "0.5", "--every", "5")
     assert r.returncode == 2 and "use --minutes 0.83 or more" in r.stderr, r.stderr
     one_line(tars("data", "split", tmp_path / "missing.twl", "--out", tmp_path / "d0"), "data", 2, "does not exist")
     assert not (tmp_path / "d0").exists()
-    r = tars("ctl", "--target", "127.0.0.1:1", "--timeout", "2", timeout=60)
+    r = tars("ctl", "--target", "127.0.0.1:1", "--timeout", "2")
     assert r.returncode == 1 and "ERROR DOWN: cannot reach 127.0.0.1:1" in r.stdout, r.stdout + r.stderr
 
 

@@ -38,11 +38,11 @@ pytest.importorskip("mss", reason="mss is not installed")
 from envd import desktop  # noqa: E402
 
 
-def _poll(cond, timeout_s: float = 10.0, what: str = "condition"):
+def _poll(cond, timeout_s: float = 30.0, what: str = "condition"):  # X apps on a loaded 2-core host
     return wait_for(cond, timeout_s, what, every=0.05)
 
 
-def _gone(env, timeout_s: float = 10.0) -> set[int]:
+def _gone(env, timeout_s: float = 30.0) -> set[int]:
     x = env.x.pid
     deadline = time.monotonic() + timeout_s
     while True:
@@ -164,7 +164,7 @@ def test_shared_workspace_and_distinct_displays(tmp_path, shared_dir, monkeypatc
     assert not _gone(other) and shared_dir.exists()  # a workspace we were given is not ours to delete
 
 
-def _typed_lines(env, script: str, out: str, timeout_s: float = 20.0) -> list[str]:
+def _typed_lines(env, script: str, out: str, timeout_s: float = 30.0) -> list[str]:
     """Type `script` (one line) into the env's xterm with its output to `out` in the workspace; its lines."""
     env.step(Action("click", target="xterm"))
     env.step(Action("type", content=f"({script}; echo END) > {out} 2>&1\n"))

@@ -167,12 +167,12 @@ def test_eval_refuses_a_typo_in_env_options_before_starting_anything(tmp_path):
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "tars.cli", "eval", "--suite", "builtin", "--model", "random",
                         "--tasks", "builtin/click", "--episodes", "4", "--out", str(tmp_path / "o"),
-                        "--set", "actor.env_options.bogus=1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                        "--set", "actor.env_options.bogus=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tars eval: ") and "['bogus']" in lines[0], r.stderr
     assert "task 'builtin/click'" in lines[0] and "actor.env_options" in lines[0]
-    assert not (tmp_path / "o").exists() and time.monotonic() - t0 < 30
+    assert not (tmp_path / "o").exists() and time.monotonic() - t0 < 90  # a start alone: ~40 s on a loaded 2-core host
 
 
 def test_scripted_baselines_get_the_configs_env_options(tmp_path):

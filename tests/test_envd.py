@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -28,10 +29,12 @@ FRAGILE = ("wait", "crash", "hang", "slow")
 
 
 class FragileEnv(Env):
-    """Steps: wait (fine), crash (raises), hang (sleeps past the deadline), slow (checks steps never overlap); the
-    kind rides in the target of a wait() (envd passes only known action types to a backend)."""
+    """Steps: wait (fine), crash (raises), hang (blocks until the test sets `release`, past any deadline), slow
+    (checks steps never overlap); the kind rides in the target of a wait() (envd passes only known action types to
+    a backend)."""
 
     closed: list[str] = []          # class-level: the tests check that envd closes what it created
+    release = threading.Event()     # ends every "hang" step; a test that hangs a step sets it (in a finally)
     action_space = "wait | crash | hang | slow"
 
     def __init__(self, name: str, options: dict[str, str]):
@@ -51,7 +54,7 @@ class FragileEnv(Env):
             if kind == "crash":
                 raise RuntimeError("segfault in the emulator")
             if kind == "hang":
-                time.sleep(1.0)
+                FragileEnv.release.wait(60.0)  # stuck until the test lets go (a fixed sleep raced a slow host)
             if kind == "slow":
                 time.sleep(0.02)
                 if self.active != 1:
@@ -210,7 +213,9 @@ def test_backend_crash_is_infra_error_and_daemon_survives():
             assert await _health(c.channel) == health_pb2.HealthCheckResponse.SERVING
             await _started(c)
             assert (await _status(c))["infra_errors"] == 1
-            await asyncio.sleep(0.05)
+            deadline = time.monotonic() + 10  # closed by a worker thread after the answer (was: a 50 ms sleep)
+            while "crashy" not in FragileEnv.closed and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             assert "crashy" in FragileEnv.closed
             await expect_code(grpc.StatusCode.INVALID_ARGUMENT, _step(c, other, "teleport"))
             assert (await _step(c, other)).outcome == common_pb2.RUNNING
@@ -250,17 +255,21 @@ def test_nonblocking_backends_skip_the_worker_pool_and_keep_their_errors():
 
 def test_hanging_backend_times_out():
     async def body():
+        FragileEnv.release.clear()
         async with envd_client(step_timeout_s=0.2) as c:
-            sid = await _started(c, "test-fragile/hangs")
-            t0 = time.monotonic()
-            r = await _step(c, sid, "hang")
-            assert r.outcome == common_pb2.INFRA_ERROR and "took longer" in json.loads(r.info_json)["error"]
-            assert time.monotonic() - t0 < 0.9  # answered before the stuck call returned
-            await expect_code(grpc.StatusCode.NOT_FOUND, _step(c, sid))
+            try:
+                sid = await _started(c, "test-fragile/hangs")
+                env = c.server.servicer.sessions[sid].env
+                r = await _step(c, sid, "hang")
+                assert r.outcome == common_pb2.INFRA_ERROR and "took longer" in json.loads(r.info_json)["error"]
+                # answered before the stuck call returned: it is still in step() (it returns only once released)
+                assert env.active == 1 and "hangs" not in FragileEnv.closed
+                await expect_code(grpc.StatusCode.NOT_FOUND, _step(c, sid))
+            finally:
+                FragileEnv.release.set()
             # The stuck thread is not interrupted; the env is closed once its call returns.
-            for _ in range(150):
-                if "hangs" in FragileEnv.closed:
-                    break
+            deadline = time.monotonic() + 10
+            while "hangs" not in FragileEnv.closed and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             assert "hangs" in FragileEnv.closed
     run(body())
@@ -335,9 +344,8 @@ def test_serve_writes_ready_file_and_stops(tmp_path):
     async def body():
         stop = asyncio.Event()
         task = asyncio.create_task(serve(EnvdConfig(port=0), str(ready), stop))
-        for _ in range(200):
-            if ready.exists():
-                break
+        deadline = time.monotonic() + 15  # was 2 s
+        while not ready.exists() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         info = json.loads(ready.read_text())
         assert info["role"] == "envd" and info["pid"] == os.getpid()
@@ -463,16 +471,21 @@ def test_a_call_that_never_got_a_worker_is_aborted_and_its_session_kept():
     was answered INFRA_ERROR and closed for another backend's hang. A call still queued at its deadline is now
     dropped and answered ABORTED; its session stays and works once a worker is free."""
     async def body():
+        FragileEnv.release.clear()
         async with envd_client(workers=2, step_timeout_s=0.3) as c:
             stuck = [await _started(c, f"test-fragile/stuck{i}") for i in range(2)]
             healthy = await _started(c, "test-fragile/healthy")
-            hangs = [asyncio.ensure_future(_step(c, sid, "hang")) for sid in stuck]
-            deadline = time.monotonic() + 10
-            while c.server.servicer.workers.running < 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            e = await expect_code(grpc.StatusCode.ABORTED, _step(c, healthy))
-            assert "never started" in e.details() and healthy in c.server.servicer.sessions
-            assert all(r.outcome == common_pb2.INFRA_ERROR for r in await asyncio.gather(*hangs))  # they did hang
+            try:
+                hangs = [asyncio.ensure_future(_step(c, sid, "hang")) for sid in stuck]
+                deadline = time.monotonic() + 10
+                while c.server.servicer.workers.running < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                # both workers stay stuck until released, however long the healthy call takes to arrive
+                e = await expect_code(grpc.StatusCode.ABORTED, _step(c, healthy))
+                assert "never started" in e.details() and healthy in c.server.servicer.sessions
+                assert all(r.outcome == common_pb2.INFRA_ERROR for r in await asyncio.gather(*hangs))  # they did hang
+            finally:
+                FragileEnv.release.set()
             deadline = time.monotonic() + 10
             while c.server.servicer.workers.running and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)

@@ -14,6 +14,7 @@ import tempfile
 import grpc
 import pytest
 
+from envd import scratch
 from envd.sandbox import missing_tools
 from envd_compliance import envd_client, expect_code, run
 from core import rpc
@@ -52,6 +53,10 @@ def fast_tmp(monkeypatch, tmp_path):
         d = pathlib.Path(tempfile.mkdtemp(prefix="tars-test-", dir=shm))
         d.chmod(0o711)   # a root daemon's sandbox runs as a uid of its own, which must pass through
         monkeypatch.setattr(tempfile, "tempdir", str(d))
+        # This process's scratch root is made once, under the temp dir of its first use: made in here, it would
+        # outlive d's removal, and every later terminal session of the process would fail (FileNotFoundError) --
+        # as the rest of this file did when run on its own. One made here is forgotten with d.
+        monkeypatch.setattr(scratch, "_root", None)
         yield d
         shutil.rmtree(d, ignore_errors=True)
     else:

@@ -71,13 +71,14 @@ def test_delayed_session_through_envd_uses_the_pool_and_takes_its_time():
         async with envd_client(workers=4) as c:
             await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.CreateSession(env_pb2.CreateSessionRequest(
                 env_id="builtin/click", options={"step_delay": "lognormal:1"})))
+            # 1.5 s a call: the other session's step below must be answered within one slow step, on any host
             sid = (await c.CreateSession(env_pb2.CreateSessionRequest(
-                env_id="builtin/click", options={"step_delay": "fixed:0.2"}))).session_id
+                env_id="builtin/click", options={"step_delay": "fixed:1.5"}))).session_id
             t0 = time.perf_counter()
             await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=1))
             r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="wait")))
             assert r.outcome == common_pb2.RUNNING
-            assert time.perf_counter() - t0 >= 0.4 and r.step_ms >= 200
+            assert time.perf_counter() - t0 >= 3.0 and r.step_ms >= 1500
             # A session sleeping in a worker does not hold up another session's step.
             other = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/click"))).session_id
             await c.Reset(env_pb2.ResetRequest(session_id=other, seed=2))

@@ -82,18 +82,18 @@ def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path, du
         s = TrajectorySender(f"tcp://127.0.0.1:{port}", "a0", window=64, heartbeat_s=0.2, dead_after_s=2.0)
         await s.start()
         for i in range(N):
-            await s.send(traj(i), timeout=60)
+            await s.send(traj(i), timeout=120)  # through the second learner's start
             sender_state["sent"] = i + 1
             await asyncio.sleep(0.01)  # a steady stream, so the kill lands in the middle of it
-        await s.flush(timeout=60)
+        await s.flush(timeout=120)
         sender_state["stats"] = s.stats()
         await s.close()
 
     th = threading.Thread(target=lambda: asyncio.run(send_all()), daemon=True)
     try:
-        wait_for(lambda: (tmp_path / "r1").exists(), 60, "first learner did not start")
+        wait_for(lambda: (tmp_path / "r1").exists(), 120, "first learner did not start")
         th.start()
-        meta = wait_for(lambda: (m := read_meta(run)) and m["version"] >= 3 and m, 60, "no checkpoint at version 3")
+        meta = wait_for(lambda: (m := read_meta(run)) and m["version"] >= 3 and m, 120, "no checkpoint at version 3")
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(10)
         sent_at_kill = sender_state.get("sent", 0)
@@ -103,7 +103,7 @@ def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path, du
         second = subprocess.Popen(cmd + ["--resume", "--ready-file", str(tmp_path / "r2")], env=env, stdout=logs[1],
                                   stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(second)
-        assert second.wait(90) == 0, (tmp_path / "learner2.log").read_text()[-3000:]
+        assert second.wait(180) == 0, (tmp_path / "learner2.log").read_text()[-3000:]
         th.join(30)
         assert not th.is_alive() and "stats" in sender_state, "sender did not finish"
     finally:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from core import config as C
 from core import telemetry
 from core.config import ConfigError, TelemetryConfig
+from test_sglang_pool import _free_port_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,15 +85,9 @@ def test_prometheus_host_ipv6_loopback():
     assert "tars_test_bind" in _scrape(f"http://[::1]:{port}/metrics")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_accelerate_ranks_get_a_port_each(monkeypatch):
     """Under `accelerate launch` every rank reads the same config: LOCAL_RANK n > 0 serves PORT + n."""
-    base = _free_port()
+    base = _free_port_run(4)  # base and base + 3 both free (base + 3 was never checked), below the ephemeral range
     monkeypatch.setenv("LOCAL_RANK", "3")
     got = telemetry.setup(TelemetryConfig(prometheus_port=base), "learner")
     assert got["metrics"] == f"127.0.0.1:{base + 3}"

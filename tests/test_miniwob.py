@@ -27,7 +27,7 @@ from envd import miniwob_backend  # noqa: E402
 from envd.miniwob_actions import Element, Translator, miniwob_key, render, resolve_target  # noqa: E402
 
 
-def _session_gone(env, deadline_s: float = 10.0) -> set[int]:
+def _session_gone(env, deadline_s: float = 30.0) -> set[int]:  # Chromium exiting on a loaded host
     """Poll until nothing of `env`'s browser runs; returns what is left at the deadline."""
     pid, workdir = env.browser.pid, env._dir
     deadline = time.monotonic() + deadline_s

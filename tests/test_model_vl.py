@@ -239,7 +239,7 @@ def test_tars_serve_a_vl_checkpoint(vl, tmp_path):
     ids = _prompt(spec, tok, [_size(A), _size(B)])
     want, want_lp = _ref_greedy(ref, spec, ids, [A, B], n=4)
     with served(tmp_path, "--model", str(d), "--set", "inference.port=0", "--set", "inference.host=127.0.0.1",
-                ready_s=90) as addr:
+                ready_s=120) as addr:
 
         async def main():
             from core.v1 import common_pb2

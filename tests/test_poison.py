@@ -146,7 +146,7 @@ def test_the_learner_trains_past_out_of_vocabulary_and_nan_trajectories(tmp_path
     with open(tmp_path / "learner.log", "w") as log:
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        ready = wait_for(lambda: (tmp_path / "ready").exists() and json.loads((tmp_path / "ready").read_text()), 60,
+        ready = wait_for(lambda: (tmp_path / "ready").exists() and json.loads((tmp_path / "ready").read_text()), 120,
                          "learner did not start")
         d = raw_actor(ready["stream"], b"poisoner")
         d.send_multipart(P.Hello("poisoner", "i", 1).encode())
@@ -160,7 +160,7 @@ def test_the_learner_trains_past_out_of_vocabulary_and_nan_trajectories(tmp_path
         got = answers(d, [t for t, _ in bad + oks], timeout=20)
         d.close()
         assert all(got[t][0] == "nack" and got[t][1].startswith("invalid: ") for t, _ in bad), got
-        assert p.wait(90) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert p.wait(180) == 0, (tmp_path / "learner.log").read_text()[-3000:]
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

@@ -167,11 +167,12 @@ def test_pause_abort_holds_new_requests_until_continue(servers):
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_pause_retract_and_in_place_carry_requests_across_an_update(servers, models, mode):
-    s = servers(token_delay_s=0.01)
+    s = servers(token_delay_s=0.05)  # 2 s for the 40 tokens: the pause lands mid-request even on a slow host
     t, box = in_thread(http_json, s.url, "/generate", gen_body("q", 40))
     wait_for(lambda: s.tokens_in_flight() >= 5)
     http_json(s.url, "/pause_generation", {"mode": mode})
-    time.sleep(0.05)
+    if mode == "in_place":  # the engine thread adds the token it was making, then parks in on_token (the only
+        wait_for(lambda: s.cv._waiters)  # waiter on s.cv here) until continue_generation; a fixed sleep raced it
     k = s.tokens_in_flight()
     st, r = http_json(s.url, "/update_weights_from_disk", {"model_path": models["b"], "weight_version": "7"})
     assert st == 200 and r["success"], r
@@ -232,7 +233,7 @@ def test_engine_generates_like_the_local_engine(servers, models):
 
 @pytest.mark.parametrize("mode", ["abort", "retract"])
 def test_engine_resumes_across_a_weight_update(servers, models, mode):
-    s = servers(weight_version="0", token_delay_s=0.01)
+    s = servers(weight_version="0", token_delay_s=0.05)  # 2 s for the 40 tokens: the update lands mid-request
     e = engine([s.url], sglang_pause_mode=mode)
     try:
         fut = e.submit(PROMPT, SamplingParams(max_new_tokens=40, temperature=0.0), "traj")
@@ -252,7 +253,8 @@ def test_engine_resumes_across_a_weight_update(servers, models, mode):
 
 
 def test_engine_sticky_and_load_aware_routing(servers):
-    a, b = servers(weight_version="0", token_delay_s=0.01), servers(weight_version="0", token_delay_s=0.01)
+    # 50 ms a token: t1 (1.5 s) is still running on a slow host when t2 is routed
+    a, b = servers(weight_version="0", token_delay_s=0.05), servers(weight_version="0", token_delay_s=0.05)
     e = engine([a.url, b.url])
     try:
         # Two long trajectories at once land on different replicas (fewest in flight).
@@ -334,7 +336,7 @@ def test_launchable_as_a_process_that_prints_nothing(models):
                           "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy([url], 30)
+        wait_healthy([url], 120)  # a process start: ~20 s on a loaded 2-core host
         st, r = http_json(url, "/generate", gen_body(None, 3))
         assert st == 200 and r["output_ids"] == greedy(models["a"], PROMPT, 3)[0]
     finally:
@@ -366,7 +368,7 @@ def test_weights_every_replica_refuses_leave_the_pool_serving_the_old_ones(serve
 def test_a_cancelled_request_stops_on_the_server_even_when_paused_or_just_posted(servers):
     """One /abort_request can be lost (the rid not registered yet, or held by a paused server): the engine aborts
     until the request's /generate returns, so nothing runs on to max_new_tokens for a caller that is gone."""
-    s = servers(weight_version="0", token_delay_s=0.02)
+    s = servers(weight_version="0", token_delay_s=0.1)  # 230 tokens would take 23 s: far past every wait below
     aborts, real_abort = [], s.abort_request
     s.abort_request = lambda rid="", abort_all=False: aborts.append(rid) or real_abort(rid, abort_all)
     e = engine([s.url])
@@ -378,13 +380,13 @@ def test_a_cancelled_request_stops_on_the_server_even_when_paused_or_just_posted
         assert f.cancel()
         wait_for(lambda: aborts)                            # an abort reached the paused server (which drops it)
         http_json(s.url, "/continue_generation", {})
-        wait_for(lambda: not s.reqs and e.replicas[0].in_flight == 0, timeout=3.0)
+        wait_for(lambda: not s.reqs and e.replicas[0].in_flight == 0, timeout=10.0)
         # Cancelled at once, while its /generate is being posted, and once the server runs it.
         for when in (lambda: True, lambda: e.replicas[0].in_flight > 0, lambda: s.reqs):
             f = e.submit(PROMPT, params, "early")
             wait_for(when)
             f.cancel()
-            wait_for(lambda: not s.reqs and e.replicas[0].in_flight == 0, timeout=3.0)  # 230 x 20 ms would be 4.6 s
+            wait_for(lambda: not s.reqs and e.replicas[0].in_flight == 0, timeout=10.0)  # 230 x 100 ms would be 23 s
     finally:
         e.close()
 
@@ -409,14 +411,14 @@ def test_an_unpaused_update_never_lands_under_a_running_request(servers, models)
     requests still run at update_timeout_s the update fails with nothing installed (it used to install the new
     weights under them, so their later tokens were not the labelled version's)."""
     s = ConformanceServer(models["a"], cfg=InferenceConfig(max_context=256, max_stale_versions=1 << 30,
-                                                           update_timeout_s=0.3), token_delay_s=0.02, weight_version="0")
+                                                           update_timeout_s=0.3), token_delay_s=0.05, weight_version="0")
     s.start()
     try:
-        t, box = in_thread(http_json, s.url, "/generate", gen_body("long", 60))  # ~1.2 s of tokens
+        t, box = in_thread(http_json, s.url, "/generate", gen_body("long", 60))  # ~3 s of tokens: running at 0.3 s on any host
         wait_for(lambda: s.reqs)
         st, r = http_json(s.url, "/update_weights_from_disk", {"model_path": models["b"], "weight_version": "1"})
         assert st == 400 and r["success"] is False and "still in flight" in r["message"], (st, r)
-        t.join(10)
+        t.join(30)
         out = box["r"][1]
         assert out["meta_info"]["weight_version"] == "0"
         assert out["output_ids"] == greedy(models["a"], PROMPT, 60)[0]          # every token from the old weights

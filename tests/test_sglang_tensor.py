@@ -167,7 +167,7 @@ def test_learner_publishes_in_memory_through_tars_serve_to_sglang(servers, model
         pytest.skip("no writable /dev/shm")
     s = servers(weight_version="0")
     with served(tmp_path, "--model", str(models["a"]), "--port", "0", "--engine", "sglang", "--sglang-url", s.url,
-                "--set", "inference.auth_token=t", "--set", "control.auth_token=t", ready_s=60) as addr:
+                "--set", "inference.auth_token=t", "--set", "control.auth_token=t") as addr:
         (tmp_path / "run").mkdir()
         counters = collections.Counter()
         pub = Publisher(TrainPolicy.load(models["b"]), tmp_path / "run", [addr], "t", PublishConfig(mode="auto"), counters)

@@ -395,7 +395,7 @@ def test_a_job_started_after_the_prompts_kill_still_ends_with_its_command_line(e
     daemon now kills every process but the shell and the init from the host when the prompt comes."""
     sh(env, start)
     sh(env, "true")
-    wait_for(lambda: _no_strays(env), 5, "the job started after the prompt's kill to be killed", every=0.05)
+    wait_for(lambda: _no_strays(env), 20, "the job started after the prompt's kill to be killed", every=0.05)
     out, status, _ = sh(env, "trap - DEBUG; set +x; echo still-here")
     assert "still-here" in out and status == 0
 

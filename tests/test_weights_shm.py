@@ -41,7 +41,7 @@ def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("shm")
     tiny().save_hf(d / "model")
     with tars_serve(d, "--model", str(d / "model"), "--set", "inference.port=0", "--set",
-                    f"inference.auth_token={TOKEN}", "--set", f"control.auth_token={TOKEN}", ready_s=90) as addr:
+                    f"inference.auth_token={TOKEN}", "--set", f"control.auth_token={TOKEN}", ready_s=120) as addr:
         yield addr, d / "model", d / "run"
 
 
