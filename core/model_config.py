@@ -2,10 +2,9 @@
 Mistral causal LMs.
 
 `DecoderConfig.from_hf(dict)` (and `load_config(dir)`) accepts a config only when the decoder computes exactly what
-transformers' Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM /
-MistralForCausalLM compute for it (or, for qwen2_vl / qwen2_5_vl, what their
-ForConditionalGeneration computes: the same Qwen2 decoder with M-RoPE, plus transformers' own vision tower). Anything else is refused with `UnsupportedModel`
-naming the field: another model_type or architecture, a setting the decoder would silently ignore (a sliding window
+transformers' Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM / MistralForCausalLM compute for it (or, for
+qwen2_vl / qwen2_5_vl, what their ForConditionalGeneration computes: the same Qwen2 decoder with M-RoPE, plus
+transformers' own vision tower). Anything else is refused with `UnsupportedModel` naming the field: another model_type or architecture, a setting the decoder would silently ignore (a sliding window
 shorter than the context, a RoPE type other than default / linear / llama3, an activation other than SiLU, a
 quantization config, ...), and any field not classified below (ACCEPTED_CONFIG_FIELDS lists every accepted name).
 
