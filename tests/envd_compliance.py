@@ -22,6 +22,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, Callable
 
 import grpc
@@ -62,6 +63,14 @@ def dir_left_by_a_killed_daemon(setup: str, timeout_s: float = 120.0) -> pathlib
     wait_for(lambda: not proctree.mentioning(str(path)), 20, f"the killed daemon's programs naming {path} to end",
              every=0.05)
     return path
+
+
+async def until(pred, what: str, timeout: float = 10.0, every: float = 0.02) -> None:
+    """core.proc.wait_for inside a coroutine: poll pred() without blocking the loop; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(every)
 
 
 async def expect_code(code: grpc.StatusCode, awaitable) -> grpc.aio.AioRpcError:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from envd import registry
 from envd.base import Action, ActionError, Env, Outcome, StepResult
 from envd.server import ENV_SERVICE, serve
-from envd_compliance import envd_client, expect_code, run
+from envd_compliance import envd_client, expect_code, run, until
 from core import rpc
 from core.config import EnvdConfig
 from core.v1 import common_pb2, control_pb2, control_pb2_grpc, env_pb2, env_pb2_grpc
@@ -213,10 +213,8 @@ def test_backend_crash_is_infra_error_and_daemon_survives():
             assert await _health(c.channel) == health_pb2.HealthCheckResponse.SERVING
             await _started(c)
             assert (await _status(c))["infra_errors"] == 1
-            deadline = time.monotonic() + 10  # closed by a worker thread after the answer (was: a 50 ms sleep)
-            while "crashy" not in FragileEnv.closed and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            assert "crashy" in FragileEnv.closed
+            # closed by a worker thread after the answer (was: a 50 ms sleep)
+            await until(lambda: "crashy" in FragileEnv.closed, "the crashed env to be closed", every=0.01)
             await expect_code(grpc.StatusCode.INVALID_ARGUMENT, _step(c, other, "teleport"))
             assert (await _step(c, other)).outcome == common_pb2.RUNNING
     run(body())
@@ -268,10 +266,7 @@ def test_hanging_backend_times_out():
             finally:
                 FragileEnv.release.set()
             # The stuck thread is not interrupted; the env is closed once its call returns.
-            deadline = time.monotonic() + 10
-            while "hangs" not in FragileEnv.closed and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            assert "hangs" in FragileEnv.closed
+            await until(lambda: "hangs" in FragileEnv.closed, "the hung env to be closed once released")
     run(body())
 
 
@@ -344,9 +339,7 @@ def test_serve_writes_ready_file_and_stops(tmp_path):
     async def body():
         stop = asyncio.Event()
         task = asyncio.create_task(serve(EnvdConfig(port=0), str(ready), stop))
-        deadline = time.monotonic() + 15  # was 2 s
-        while not ready.exists() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await until(ready.exists, "the ready file", 15, every=0.01)  # was 2 s
         info = json.loads(ready.read_text())
         assert info["role"] == "envd" and info["pid"] == os.getpid()
         ch = rpc.channel(info["address"])
@@ -477,18 +470,14 @@ def test_a_call_that_never_got_a_worker_is_aborted_and_its_session_kept():
             healthy = await _started(c, "test-fragile/healthy")
             try:
                 hangs = [asyncio.ensure_future(_step(c, sid, "hang")) for sid in stuck]
-                deadline = time.monotonic() + 10
-                while c.server.servicer.workers.running < 2 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
+                await until(lambda: c.server.servicer.workers.running >= 2, "both workers stuck", every=0.01)
                 # both workers stay stuck until released, however long the healthy call takes to arrive
                 e = await expect_code(grpc.StatusCode.ABORTED, _step(c, healthy))
                 assert "never started" in e.details() and healthy in c.server.servicer.sessions
                 assert all(r.outcome == common_pb2.INFRA_ERROR for r in await asyncio.gather(*hangs))  # they did hang
             finally:
                 FragileEnv.release.set()
-            deadline = time.monotonic() + 10
-            while c.server.servicer.workers.running and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await until(lambda: not c.server.servicer.workers.running, "the released workers to finish", every=0.01)
             assert (await _step(c, healthy)).outcome == common_pb2.RUNNING
             assert "healthy" not in FragileEnv.closed
     run(body())

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import grpc
 import pytest
@@ -17,7 +16,7 @@ from core.v1 import common_pb2, env_pb2
 from envd import registry
 from envd.base import Env, Resources, StepResult
 from envd.snapshots import MAGIC, SnapshotSeal
-from envd_compliance import envd_client
+from envd_compliance import envd_client, until
 
 HEAD = len(MAGIC) + 32
 
@@ -112,13 +111,6 @@ class StuckEnv(Env):
 registry.register("test-stuck", StuckEnv)
 
 
-async def _until(pred, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 def test_a_snapshot_that_hangs_retires_its_session():
     """A Snapshot past step_timeout_s answered INTERNAL but left the session registered with its call in flight:
     busy for as long as the backend hung, so the lease GC never collected it and its cap slot and budget were held
@@ -134,7 +126,7 @@ def test_a_snapshot_that_hangs_retires_its_session():
             assert sid not in c.server.servicer.sessions
             assert (await c.Heartbeat(env_pb2.HeartbeatRequest(session_ids=[sid]))).unknown == [sid]
             env.release.set()   # the stuck call returns: the env is closed then, and its budget given back
-            await _until(lambda: env.closed.is_set() and not c.server.servicer.budget.used.pids,
+            await until(lambda: env.closed.is_set() and not c.server.servicer.budget.used.pids,
                          "the env closed and its budget given back")
 
     asyncio.run(main())
@@ -154,11 +146,11 @@ def test_a_cancelled_fork_leaves_no_session_behind():
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await c.Fork(env_pb2.SessionRef(session_id=src), timeout=0.5)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await _until(lambda: list(sv.sessions) == [src], "the fork nobody got to be retired")
+            await until(lambda: list(sv.sessions) == [src], "the fork nobody got to be retired")
             for env in StuckEnv.made:
                 env.release.set()
             fork = StuckEnv.made[-1]
-            await _until(lambda: fork.closed.is_set(), "the fork's env to be closed")
+            await until(lambda: fork.closed.is_set(), "the fork's env to be closed")
             assert (await c.Observe(env_pb2.SessionRef(session_id=src))).observation.text == "ok"
 
     asyncio.run(main())
