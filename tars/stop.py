@@ -23,15 +23,14 @@ class StopError(Exception):
     """The process could not be signalled or did not exit in time (one line for the CLI)."""
 
 
-def _ppid(pid: int) -> int | None:
+def _stat(pid: int) -> list[bytes]:
+    """/proc/PID/stat's fields after the command name (state, ppid, ...); [] when there is no such process. The name
+    may hold spaces and parentheses, so the split is after its last ')'."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            return f.read().rsplit(b")", 1)[-1].split()
     except OSError:
-        return None
-    # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after its last ')'
-    rest = stat.rsplit(b")", 1)[-1].split()
-    return int(rest[1]) if len(rest) > 1 else None
+        return []
 
 
 def _is_rank(pid: int) -> bool:
@@ -45,17 +44,13 @@ def _is_rank(pid: int) -> bool:
 
 def ranks_of(pid: int) -> list[int]:
     """PID's child processes that are ranks of a distributed launch (LOCAL_RANK in their environment)."""
-    kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == pid]
+    parent = [str(pid).encode()]
+    kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _stat(int(p))[1:2] == parent]  # field 2: ppid
     return sorted(k for k in kids if _is_rank(k))
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[-1].split()[0]
-    except OSError:
-        return False
-    return state != b"Z"  # a zombie has exited; its parent has not reaped it yet
+    return _stat(pid)[:1] not in ([], [b"Z"])  # a zombie has exited; its parent has not reaped it yet
 
 
 def stop(pid: int, timeout_s: float, every: float = 0.2) -> list[int]:

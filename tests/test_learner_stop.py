@@ -1,6 +1,7 @@
 """`tars learner-stop PID`: SIGTERM to a launcher's ranks (children with LOCAL_RANK), never to its other children,
 or to PID itself when it has no ranks; then it waits for PID to exit, with a deadline. (The real `accelerate launch`
 job: tests/test_dist_lifecycle.py, slow.)"""
+import contextlib
 import os
 import pathlib
 import signal
@@ -33,79 +34,65 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
-def _start(tmp_path, code, *args):
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], start_new_session=True)
+# A stand-in learner: `setup` is its SIGTERM handling; it writes sys.argv[1] once set up, then lives at most 120 s (a
+# bounded life for a process the test stops or kills, not a wait of the test's).
+STAND_IN = ("import signal, subprocess, sys, time, pathlib\n"
+            "SETUP\n"
+            "pathlib.Path(sys.argv[1]).write_text('up')\n"
+            "time.sleep(120)\n")
+
+
+@contextlib.contextmanager
+def _running(code, arg, up, env=None):
+    """Start `code` with argv[1] = arg in its own session; wait until up() says it is ready; kill its whole group
+    afterwards."""
+    p = subprocess.Popen([sys.executable, "-c", code, str(arg)], start_new_session=True, env=env)
+    try:
+        wait_for(up, 60, "the stand-in to start", every=0.05)
+        yield p
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
+def _stand_in(tmp_path, setup, env=None):
+    return _running(STAND_IN.replace("SETUP", setup), tmp_path / "up", (tmp_path / "up").exists, env)
 
 
 def test_signals_the_ranks_only_and_waits_for_the_launcher(tmp_path, capsys):
-    p = _start(tmp_path, LAUNCHER, tmp_path)
-    try:
-        wait_for(lambda: all((tmp_path / f"{n}.up").exists() for n in ("rank0", "rank1", "helper")), 60,
-                 "the stand-in launcher's children to start", every=0.05)
+    up = lambda: all((tmp_path / f"{n}.up").exists() for n in ("rank0", "rank1", "helper"))  # noqa: E731
+    with _running(LAUNCHER, tmp_path, up) as p:
         assert main(["learner-stop", str(p.pid), "--timeout", "60"]) == 0
         assert p.poll() == 0  # exited (not merely signalled) before learner-stop returned, and cleanly
         assert (tmp_path / "rank0").read_text() == "term" and (tmp_path / "rank1").read_text() == "term"
         assert not (tmp_path / "helper").exists()  # not a rank: left to its parent
         assert "its ranks" in capsys.readouterr().out
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait(10)
 
 
 def test_a_process_without_ranks_is_signalled_itself(tmp_path):
-    code = ("import signal, sys, time, pathlib\n"
-            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
-            "pathlib.Path(sys.argv[1]).write_text('up')\n"
-            "time.sleep(120)\n")
-    p = _start(tmp_path, code, tmp_path / "up")
-    try:
-        wait_for(lambda: (tmp_path / "up").exists(), 60, "the process to start", every=0.05)
+    with _stand_in(tmp_path, "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))") as p:
         assert main(["learner-stop", str(p.pid), "--timeout", "60"]) == 0
         assert p.poll() == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
 
 
 def test_a_learner_with_local_rank_set_is_signalled_itself_not_its_children(tmp_path):
     """A single learner started with LOCAL_RANK in its environment: its children (a WAL writer) inherit it, and must
     not be taken for ranks."""
-    code = ("import signal, subprocess, sys, time, pathlib\n"
-            "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-            "def on(*_):\n"
-            "    kid.kill(); kid.wait(); sys.exit(0)\n"
-            "signal.signal(signal.SIGTERM, on)\n"
-            "pathlib.Path(sys.argv[1]).write_text(str(kid.pid))\n"
-            "time.sleep(120)\n")
-    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "up")], start_new_session=True,
-                         env={**os.environ, "LOCAL_RANK": "0"})
-    try:
-        wait_for(lambda: (tmp_path / "up").exists() and (tmp_path / "up").read_text(), 60, "the process to start",
-                 every=0.05)
+    setup = ("kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+             "def on(*_):\n"
+             "    kid.kill(); kid.wait(); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, on)")
+    with _stand_in(tmp_path, setup, env={**os.environ, "LOCAL_RANK": "0"}) as p:
         assert main(["learner-stop", str(p.pid), "--timeout", "60"]) == 0
         assert p.poll() == 0
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait(10)
 
 
 def test_a_process_that_does_not_exit_is_an_error_at_the_deadline(tmp_path, capsys):
-    code = ("import signal, time, pathlib, sys\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "pathlib.Path(sys.argv[1]).write_text('up')\n"
-            "time.sleep(120)\n")
-    p = _start(tmp_path, code, tmp_path / "up")
-    try:
-        wait_for(lambda: (tmp_path / "up").exists(), 60, "the process to start", every=0.05)
+    with _stand_in(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)") as p:
         assert main(["learner-stop", str(p.pid), "--timeout", "0.5"]) == 1
         assert "still running" in capsys.readouterr().err
         assert p.poll() is None  # not killed: that is the service manager's call
-    finally:
-        p.kill()
-        p.wait(10)
 
 
 def test_no_such_process_and_a_bad_timeout(tmp_path, capsys):
