@@ -88,6 +88,14 @@ def test_unusable_tokenizer_directories_get_clear_errors(tmp_path):
         ChatTokenizer.load(tmp_path / "u")
 
 
+def _with_template(tmp_path, template):
+    """A ChatTokenizer of a BPE trained on CONV (ChatML) with `template` as its chat template, saved in tmp_path."""
+    hf = train_bpe(rendered_corpus([CONV] * 20, "chatml"), 400, "chatml")
+    hf.chat_template = template
+    save_tokenizer(hf, tmp_path)
+    return ChatTokenizer.load(tmp_path)
+
+
 @pytest.mark.parametrize("guard", [
     "{%- if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{%- endif %}",  # Gemma
     "{%- set messages = messages | rejectattr('role', 'equalto', 'system') | list %}",  # drops it silently
@@ -97,10 +105,7 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user
     drop it: the system text then heads the first user message, as their own templates fold it."""
     from core.bpe import CHATML
 
-    hf = train_bpe(rendered_corpus([CONV] * 20, "chatml"), 400, "chatml")
-    hf.chat_template = guard + CHATML
-    save_tokenizer(hf, tmp_path / "t")
-    t = ChatTokenizer.load(tmp_path / "t")
+    t = _with_template(tmp_path / "t", guard + CHATML)
     assert not t.system_role
     sys_text, user = CONV[0]["content"], CONV[1]["content"]
     want = t.hf.encode(t.render([{"role": "user", "content": sys_text + "\n\n" + user}], True), add_special_tokens=False)
@@ -172,13 +177,6 @@ QWEN3_STYLE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
-
-
-def _with_template(tmp_path, template):
-    hf = train_bpe(rendered_corpus([CONV] * 20, "chatml"), 400, "chatml")
-    hf.chat_template = template
-    save_tokenizer(hf, tmp_path)
-    return ChatTokenizer.load(tmp_path)
 
 
 def test_a_qwen3_style_template_is_followed_and_the_output_kept_as_written(tmp_path):
