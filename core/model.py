@@ -109,13 +109,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.o_bias)
-        if c.qk_norm:  # qwen3: an RMSNorm over each head of q and k, before RoPE
-            self.q_norm, self.k_norm = RMSNorm(self.hd, c.rms_norm_eps), RMSNorm(self.hd, c.rms_norm_eps)
+        # qwen3: an RMSNorm over each head of q and k, before RoPE (None elsewhere: no failed lookup per call)
+        self.q_norm, self.k_norm = ((RMSNorm(self.hd, c.rms_norm_eps), RMSNorm(self.hd, c.rms_norm_eps)) if c.qk_norm
+                                    else (None, None))
 
     def forward(self, x, cos, sin, mask, past=None):
         B, T, _ = x.shape
         q, k = self.q_proj(x).view(B, T, self.nh, self.hd), self.k_proj(x).view(B, T, self.nkv, self.hd)
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)

@@ -34,7 +34,7 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
     if cfg.model.path:
         src = pathlib.Path(cfg.model.path).resolve()
         load_config(src)                      # an unsupported model: one clear error before anything starts
-        open_tokenizer(src, src)              # a missing tokenizer, or one that does not fit the model
+        open_tokenizer(src, src, cfg.actor.chat_template_kwargs)  # missing, not fitting the model, failing template
     else:
         from tars.fresh import build_model as fresh
 
