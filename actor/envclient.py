@@ -27,6 +27,10 @@ class EnvInfraError(RuntimeError):
     """The environment broke (daemon down, restarted, session lost): the episode is infra_error."""
 
 
+class EnvBackendError(EnvInfraError):
+    """envd answered a Reset INFRA_ERROR: the session's backend broke (envd closed the session), not the daemon."""
+
+
 class EnvActionError(ValueError):
     """envd rejected the action (INVALID_ARGUMENT); the session still works."""
 
@@ -42,6 +46,14 @@ class Obs:
     step_ms: float
     width: int = 0        # the screen size coordinates refer to (0 = the env did not say)
     height: int = 0
+
+
+def _started(obs: Obs) -> Obs:
+    """A Reset's observation, or EnvBackendError when envd reports that the backend broke during it (its answer
+    then has no observation, and the session is gone): no episode may run on it."""
+    if obs.outcome == Outcome.INFRA_ERROR:
+        raise EnvBackendError(f"reset: the environment broke: {obs.info_json[:400]}")
+    return obs
 
 
 def _obs(r: env_pb2.StepResponse) -> Obs:
@@ -114,10 +126,11 @@ class EnvClient:
                 continue
             del self._idle[k]
             try:
-                obs = await self.reset(sid, run_id, seed)
+                obs = _started(await self.reset(sid, run_id, seed))
                 self.reused += 1
                 return sid, run_id, obs
-            except (EnvInfraError, EnvActionError):   # its lease ran out, the daemon restarted: start a new one
+            except (EnvInfraError, EnvActionError):   # its lease ran out, the daemon restarted, its backend broke
+                # while it was idle: start a new one
                 await self.close_session(sid)
             except BaseException:   # cancelled (an actor stopping): taken from the pool, so closed here or leaked
                 await self.close_session(sid)
@@ -127,7 +140,7 @@ class EnvClient:
         sid, run_id = await self.create(env_id, seed, options)
         self.created += 1
         try:
-            return sid, run_id, await self.reset(sid, run_id, seed)
+            return sid, run_id, _started(await self.reset(sid, run_id, seed))
         except BaseException:
             await self.close_session(sid)
             raise

@@ -54,7 +54,7 @@ import grpc
 import numpy as np
 
 from actor import judge as J
-from actor.envclient import EnvActionError, EnvClient, EnvInfraError, Obs
+from actor.envclient import EnvActionError, EnvBackendError, EnvClient, EnvInfraError, Obs
 from actor import uitars
 from actor.parsing import ParseError, parse_response
 from actor.tiny import INVALID_NOTE, clip_observation, turn_ids
@@ -358,8 +358,9 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
         else:
             cut = "max_turns"
         clean = outcome != Outcome.INFRA_ERROR
-    except EnvInfraError as e:
-        outcome, fault, error = Outcome.INFRA_ERROR, Fault.ENVD, str(e)[:500]
+    except EnvInfraError as e:   # the daemon failed us, or (EnvBackendError: a Reset answered INFRA_ERROR) its backend
+        fault = Fault.ENV if isinstance(e, EnvBackendError) else Fault.ENVD
+        outcome, error = Outcome.INFRA_ERROR, str(e)[:500]
     except grpc.aio.AioRpcError as e:  # inference failed after the client's retries
         outcome, fault, error = Outcome.INFRA_ERROR, Fault.INFERENCE, f"inference: {e.code().name}: {e.details()}"[:500]
     finally:

@@ -549,3 +549,55 @@ def test_sft_on_a_windowed_text_trajectory_trains_each_segment_alone():
     l1, g1 = grads([ex])
     l2, g2 = grads(parts)
     assert l1 == pytest.approx(l2, rel=1e-5) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
+
+
+class ResetBreaksEnv(StripesEnv):
+    """Stripes whose `breaks_at`-th reset (per instance, 1-based) raises: envd answers that Reset INFRA_ERROR."""
+
+    breaks_at = 1
+
+    def reset(self, *, seed=None, options=None):
+        self.resets = getattr(self, "resets", 0) + 1
+        if self.resets == self.breaks_at:
+            raise RuntimeError("the backend died during reset")
+        return super().reset(seed=seed, options=options)
+
+
+gymnasium.register("TarsEpisodeResetBreaks-v0", entry_point=ResetBreaksEnv, max_episode_steps=50)
+
+
+def test_an_episode_whose_reset_broke_the_backend_is_infra_error_of_the_env():
+    """envd answers a Reset whose backend crashed INFRA_ERROR with no observation, and closes the session: no
+    episode runs on that (the model was asked on an empty screen, and an unparseable answer then made it a trained
+    truncated episode; a parseable one stepped a closed session and blamed the daemon, fault envd)."""
+    eng = ScriptedEngine(answer("garbage"), TOK.vocab_size)
+    asked = []
+    respond = eng.respond
+    eng.respond = lambda ids, imgs: (asked.append(1), respond(ids, imgs))[1]
+
+    async def main():
+        async with stack(eng, max_turns=3, on_parse_error="stop") as (ctx, env):
+            return await run_episode(ctx, env, "reset-broke", "gym/TarsEpisodeResetBreaks-v0", 1, 0)
+
+    tr = asyncio.run(main())
+    assert tr.outcome == "infra_error" and tr.fault == Fault.ENV and "died during reset" in tr.error
+    assert not tr.turns and not asked and not learner_admits(tr)
+
+
+def test_a_kept_session_whose_reset_broke_is_replaced():
+    """actor.keep_sessions: a kept session whose Reset answers INFRA_ERROR (its backend died while idle) is dropped
+    and a new session started, as for a kept session whose lease ran out."""
+    async def main():
+        ResetBreaksEnv.breaks_at = 2   # each instance: its first reset works, its second breaks
+        try:
+            async with stack(ScriptedEngine(answer("type(content='1')"), TOK.vocab_size), max_turns=8) as (ctx, env):
+                env.keep_sessions = 1
+                trs = [await run_episode(ctx, env, f"kept-{i}", "gym/TarsEpisodeResetBreaks-v0", 1, 0)
+                       for i in range(2)]
+                return trs, env.created, env.reused
+        finally:
+            ResetBreaksEnv.breaks_at = 1
+
+    trs, created, reused = asyncio.run(main())
+    assert [t.outcome for t in trs] == ["terminated", "terminated"] and trs[1].ret == trs[0].ret == 4.0
+    assert created == 2 and reused == 0
