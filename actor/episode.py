@@ -434,11 +434,10 @@ async def _judge(ctx: EpisodeContext, tid: str, instruction: str, steps: list, o
     if turns:
         last = turns[-1]
         if cfg.judge_mode == "replace":
-            # Env rewards out, format penalties (turns with a parse error) kept, the verdict on the last turn.
+            # Env rewards out, format penalties kept (a turn whose action was rejected keeps its penalty, not the
+            # rewards of the actions before it that ran), the verdict on the last turn.
             for t in turns:
-                if not t.parse_error:
-                    ret -= t.reward
-                    t.reward = 0.0
+                t.reward = cfg.format_penalty if t.parse_error else 0.0
         last.reward += reward
-        ret += reward
+        ret = sum(t.reward for t in turns) if cfg.judge_mode == "replace" else ret + reward
     return outcome, ret, error, {**v.to_dict(), "reward": reward, "mode": cfg.judge_mode}

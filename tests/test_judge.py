@@ -82,6 +82,21 @@ def test_no_verdict_adds_nothing_and_format_penalties_stay():
     assert tr.judge["verdict"] == "no" and tr.ret == pytest.approx(-0.3)
 
 
+def test_replace_drops_the_env_rewards_of_a_turn_whose_later_action_was_rejected():
+    """Each answer: an action that runs (reward 1) and one the env rejects (9 is outside its action space). With
+    judge_mode=replace and a NO verdict such a turn keeps only its format penalty; it kept the 1 of the action that
+    ran (return 2.7 for a NO)."""
+    async def main():
+        async with stack(TwoVoices("type(content='1')\ntype(content='9')", "NO"), max_turns=6, max_new_tokens=64,
+                         judge_mode="replace", format_penalty=-0.1) as (ctx, env):
+            return await run_episode(ctx, env, "judged-rejected", "gym/TarsEpisodeStripes-v0", 1, 0)
+
+    tr = asyncio.run(main())
+    assert tr.outcome == "terminated" and tr.judge["verdict"] == "no" and len(tr.turns) == 4
+    assert all(t.parse_error for t in tr.turns[:3]) and [t.action["ran"] for t in tr.turns] == [1, 1, 1, 1]
+    assert [t.reward for t in tr.turns] == [-0.1, -0.1, -0.1, 0.0] and tr.ret == pytest.approx(-0.3)
+
+
 @pytest.mark.parametrize("on_error,outcome", [("infra_error", "infra_error"), ("env", "truncated")])
 def test_unparseable_verdict_is_infra_error_or_falls_back(on_error, outcome):
     tr = run(TwoVoices("wait()", "hmm"), judge_mode="replace", judge_on_error=on_error)
