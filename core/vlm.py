@@ -67,7 +67,7 @@ def png_size(png: bytes) -> tuple[int, int]:
     try:
         with Image.open(io.BytesIO(png)) as im:
             return int(im.width), int(im.height)
-    except (UnidentifiedImageError, OSError) as e:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:   # the last: a header of >179M pixels
         raise ValueError(f"image is not a readable PNG/JPEG: {e}") from None
 
 

@@ -27,6 +27,21 @@ def vl_dir(tmp_path_factory):
     return d
 
 
+def test_an_image_too_large_to_open_is_unreadable_not_a_crash():
+    """png_size's contract is ValueError for what it cannot read; a PNG header of 20000x20000 made PIL raise its
+    DecompressionBombError (not an OSError), which crashed an episode's prompt (actor/uitars.py Vision.tokens)
+    instead of ending it infra_error."""
+    import struct
+    import zlib
+
+    def chunk(t: bytes, d: bytes) -> bytes:
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+
+    head = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0))
+    with pytest.raises(ValueError, match="not a readable"):
+        png_size(head + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
 def test_spec_reads_the_checkpoint(vl_dir):
     spec = VLSpec.load(vl_dir)
     cfg = json.loads((vl_dir / "config.json").read_text())
