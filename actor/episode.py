@@ -19,10 +19,12 @@ each run's image hash in token order. Coordinates are mapped to the screen (acto
 A turn's answer may hold several actions: each a Step, in order, until one ends the episode or envd rejects one (the
 format penalty; those before it stay done); the turn's reward sums theirs.
 
-A VL checkpoint may sample a vision token (<|image_pad|>, <|vision_start|>, ...: core.vlm.VLSpec.special_ids); its
-requests stop on them, and an answer that ends with one is a parse error (the format penalty) that ends the episode
-as truncated_by "parse_error": the conversation cannot be extended past an unframed vision token. Its tokens stay
-in the trajectory and are trained on; the learner embeds that last sampled token as padding (learner/batch.py).
+A VL checkpoint may sample a vision token (<|image_pad|>, <|vision_start|>, ...: core.vlm.VLSpec.special_ids), and
+with screenshots shown (image_history > 0) a tars_vision one its <|image|> placeholder; its requests stop on them,
+and an answer that ends with one is a parse error (the format penalty) that ends the episode as truncated_by
+"parse_error": the conversation cannot be extended past an unframed vision token, nor past a placeholder the engine
+would bind a screenshot to (or refuse: a run not grid**2 long). Its tokens stay in the trajectory and are trained
+on; the learner embeds a VL answer's last sampled token as padding (learner/batch.py).
 
 A truncated episode (actor.max_turns, the env's own step or time limit, on_parse_error=stop, or a vision token the
 model wrote) ends with the prompt its next turn would have had, with mask 0, and `boot_at` pointing past it: the
@@ -146,7 +148,7 @@ def _prompt(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, c
 
 
 def _stray(ids: list[int], vision: frozenset) -> int:
-    """Index of the first vision token in a VL answer, or -1."""
+    """Index of the first image token (VL vision token, tars_vision placeholder) in an answer, or -1."""
     return next((i for i, t in enumerate(ids) if t in vision), -1) if vision else -1
 
 
@@ -201,8 +203,10 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     clean = False                    # the episode ran to its end without an error: its session may be reused
     closed = True                    # the last output ended with the end-of-turn token
     obs = None
-    # VL: the vision tokens are input-only; generation stops on one (_stray cuts an engine that did not)
-    stray_ids = frozenset(vis.spec.special_ids) if vis.vl else frozenset()
+    # Image tokens are input-only (VL: the vision tokens; tars_vision: the placeholder, while screenshots are shown);
+    # generation stops on one (_stray cuts an engine that did not)
+    stray_ids = frozenset(vis.spec.special_ids) if vis.vl else \
+        frozenset({tok.image_id}) if vis.image_history > 0 and tok.image_id >= 0 else frozenset()
     stop_ids = sorted({*tok.stop_ids, *stray_ids})
 
     def append(p: _Prompt) -> None:
@@ -308,7 +312,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     try:
                         if wrote >= 0:
                             raise ParseError(f"the model wrote a vision token ({tok.decode(out_ids[-1:], False)}), "
-                                             "which only a framed screenshot may hold; the episode cannot go on")
+                                             "which only a screenshot's image run may hold; the episode cannot go on")
                         thought, actions = parse_response(text)
                     except ParseError as e:
                         history.append(uitars.step_text("", None, text))

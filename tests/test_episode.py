@@ -601,3 +601,37 @@ def test_a_kept_session_whose_reset_broke_is_replaced():
     trs, created, reused = asyncio.run(main())
     assert [t.outcome for t in trs] == ["terminated", "terminated"] and trs[1].ret == trs[0].ret == 4.0
     assert created == 2 and reused == 0
+
+
+def test_a_tars_vision_answer_that_samples_the_image_placeholder_ends_the_episode_as_a_parse_error():
+    """With screenshots shown, a sampled <|image|> placeholder is a run the engine binds a screenshot to, or refuses
+    (a run that is not grid**2 long: INVALID_ARGUMENT on every later request). It made the next turn's request fail,
+    and the episode infra_error (fault inference, never trained on, so never discouraged); now generation stops on it
+    and it is a parse error that ends the episode, as a VL vision token is."""
+    from core.vision import VisionConfig, bind
+
+    v = VisionConfig(grid=2, patch=4, image_token_id=TOK.image_id)
+
+    class Binding(ScriptedEngine):   # the local engine's binding rule in front of the scripted answers
+        def submit(self, input_ids, params=None, trajectory_id="", max_stale_versions=None, on_token=None, images=()):
+            bind(list(input_ids), list(images), v)
+            self.stops = list(params.stop_token_ids)
+            return super().submit(input_ids, params, trajectory_id, max_stale_versions, on_token, images)
+
+    ok = TOK.answer("type(content='0')")
+    stray = ok[:2] + [TOK.image_id] + ok[2:]
+    asked = []
+    eng = Binding(lambda ids, imgs: (asked.append(1), stray if len(asked) == 2 else ok)[1], TOK.vocab_size)
+
+    async def main():
+        async with stack(eng, env_options={"render": "1"}, image_history=2, image_tokens=v.tokens, max_turns=4,
+                         max_new_tokens=32) as (ctx, env):
+            return await run_episode(ctx, env, "stray-placeholder", "gym/TarsEpisodeStripes-v0", 1, 0)
+
+    tr = asyncio.run(main())
+    assert TOK.image_id in eng.stops and len(asked) == 2
+    assert tr.outcome == "truncated" and tr.truncated_by == "parse_error" and tr.fault == Fault.NONE
+    last = tr.turns[-1]
+    assert last.parse_error.startswith("the model wrote a vision token")
+    assert tr.tokens[last.start:last.end].tolist() == stray[:3] and tr.boot_at == len(tr.tokens)
+    assert learner_admits(Trajectory.decode(tr.encode()))
