@@ -18,7 +18,7 @@ The typed text of type(content='...') / finished(content='...') runs, as in ui-t
 (the call ends where a line starts another action or an "Action:" label, or at the end of the text), so quotes the
 model forgot to escape are recovered: type(content='Students', parents' and teachers' survey 2024\n'). It ends
 earlier at a "', target='...'" written after the text (type(content='ls\n', target='terminal')) and at a "')"
-followed on the same line by another call. A typed text ending in a written-out backslash-n submits, as a real
+followed on the same line by another call (never at an escaped \'). A typed text ending in a written-out backslash-n submits, as a real
 newline does (UI-TARS' executors treat both as Enter).
 Coordinates: '<point>x y</point>', '(x,y)', '<|box_start|>(x,y)<|box_end|>', '<bbox>x1 y1 x2 y2</bbox>' and
 4-number boxes '(x1,y1,x2,y2)' or '(x1,y1),(x2,y2)' (-> their centre). Points stay in the model's coordinate space; `to_screen` maps them.
@@ -240,15 +240,25 @@ def _free_text(s: str, i: int) -> tuple[str, int] | None:
     ends = [m.start() for m in (_CALL_AT_LINE.search(s, i), _ACTION_AT_LINE.search(s, i)) if m]
     limit = min(ends, default=len(s))
     m = _CALL_AFTER.search(s, i, limit)   # type(content='a') click(...) on one line: the text ends before the click
+    while m and _escaped(s, i, m.start()):   # ... unless that quote is escaped (\') click(...): text, as written
+        m = _CALL_AFTER.search(s, m.start() + 1, limit)
     j = s.rfind("')", i, m.start() + 2 if m else limit)
     if j < 0:
         return None
     q = s.rfind("'", i, j)   # type(content='ls\n', target='terminal'): the text ends before ", target='"
     if q >= 0:
         t = _TARGET_AFTER.search(s[i:q])
-        if t:
+        if t and not _escaped(s, i, i + t.start()):
             j = i + t.start()
     return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(0)), s[i:j]), j + 1
+
+
+def _escaped(s: str, lo: int, k: int) -> bool:
+    """Whether the character at k is escaped: an odd run of backslashes (at or after lo) right before it."""
+    n = k
+    while n > lo and s[n - 1] == "\\":
+        n -= 1
+    return (k - n) % 2 == 1
 
 
 def _string(s: str, i: int, q: str) -> tuple[str, int]:

@@ -477,6 +477,23 @@ def test_type_into_a_target_round_trips_with_free_text_content():
         parse_response("type(target='[5]')")                                      # still needs content
 
 
+@pytest.mark.parametrize("content", ["a') type(b", "run f(x') wait(", "\\') click(", "it', target='x"])
+def test_an_escaped_quote_never_ends_the_typed_text(content):
+    """format_action escapes the typed text's quotes, and the parser reads them back whatever follows: an escaped
+    "\\')" followed by a call on the same line, or "\\', target='", ended the text there (a ParseError, or the
+    rest taken as a target)."""
+    from actor.tiny import format_action
+    from core.action import Action
+
+    for target in ("", "[5]"):
+        text = format_action(Action("type", content=content, target=target))
+        (b,) = parse_response(text)[1]
+        assert (b.content, b.target) == (content, target), text
+    assert one("type(content='f(\\') wait(\\'x')").content == "f(') wait('x"
+    a, w = parse_response("type(content='a\\\\') wait()")[1]     # an escaped backslash: the quote is real
+    assert (a.content, w.type) == ("a\\", "wait")
+
+
 @pytest.mark.parametrize("src, content, target", [
     ("type(content='ls\\n', target='terminal')", "ls\n", "terminal"),          # the order envd/hybrid.py documents
     ("type(content='alice', target='Name')", "alice", "Name"),
