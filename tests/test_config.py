@@ -243,6 +243,16 @@ def test_documented_special_values_stay_legal():
     assert (cfg.actor.image_history, cfg.inference.cache_max_bytes, cfg.seed) == (-1, 0, -3)
 
 
+def test_an_actor_can_run_a_whole_group():
+    """An actor starts GRPO groups whole (actor/main.py Actor.run: free slots >= group size); with fewer slots than
+    members it never started an episode and the run stalled without a word."""
+    with pytest.raises(C.ConfigError, match="actor.concurrency=4 is below learner.group.size=8"):
+        C.load(None, None, ["actor.concurrency=4", "learner.group.size=8"])
+    assert C.load(None, None, ["actor.concurrency=8", "learner.group.size=8"]).learner.group.size == 8
+    for preset in ("quickstart", "miniwob"):
+        C.load(preset)
+
+
 def test_the_outbox_holds_the_send_window():
     with pytest.raises(C.ConfigError, match="actor.max_outbox=8 is below actor.send_window=256"):
         C.load(None, None, ["actor.max_outbox=8"])
