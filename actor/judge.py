@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from actor.uitars import Vision
 
 _VERDICT = re.compile(r"\b(YES|NO)\b", re.IGNORECASE)
-_SCORE = re.compile(r"(?:score|reward)\s*[:=]\s*([01](?:\.\d+)?|\.\d+)", re.IGNORECASE)
+# the whole number: "Score: 10" is not a score of 1 (a number outside [0, 1] is no score; the YES/NO reading decides)
+_SCORE = re.compile(r"(?:score|reward)\s*[:=]\s*([01](?:\.\d+)?|\.\d+)(?!\.?\d)", re.IGNORECASE)
 QUESTION = "Did the agent complete the task? Answer YES or NO."
 
 

@@ -23,6 +23,8 @@ from test_episode import TOK, answer, stack
 @pytest.mark.parametrize("text,want", [
     ("YES", ("yes", 1.0)), ("no.", ("no", 0.0)), ("Thought: done. Answer: Yes, it did; not NO", ("yes", 1.0)),
     ("Score: 0.75", ("score=0.75", 0.75)), ("reward=1", ("score=1", 1.0)), ("score: 1.5 so NO", ("no", 0.0)),
+    ("Score: 10/10, NO", ("no", 0.0)), ("Score: 15. NO", ("no", 0.0)), ("score: 1. done", ("score=1", 1.0)),
+    ("Score: 0.", ("score=0", 0.0)),
 ])
 def test_parse_verdict(text, want):
     assert J.parse_verdict(text) == want
