@@ -18,8 +18,8 @@ The typed text of type(content='...') / finished(content='...') runs, as in ui-t
 (the call ends where a line starts another action or an "Action:" label, or at the end of the text), so quotes the
 model forgot to escape are recovered: type(content='Students', parents' and teachers' survey 2024\n'). It ends
 earlier at a "', target='...'" written after the text (type(content='ls\n', target='terminal')) and at a "')"
-followed on the same line by another call (never at an escaped \'). A typed text ending in a written-out backslash-n submits, as a real
-newline does (UI-TARS' executors treat both as Enter).
+followed on the same line by another call (never at an escaped \'). A typed text ending in a written-out backslash-n
+submits, as a real newline does (UI-TARS' executors treat both as Enter).
 Coordinates: '<point>x y</point>', '(x,y)', '<|box_start|>(x,y)<|box_end|>', '<bbox>x1 y1 x2 y2</bbox>' and
 4-number boxes '(x1,y1,x2,y2)' or '(x1,y1),(x2,y2)' (-> their centre). Points stay in the model's coordinate space; `to_screen` maps them.
 """

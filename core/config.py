@@ -315,7 +315,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.actor.max_outbox < cfg.actor.send_window:  # the sender refuses it when the actor starts (ValueError)
         raise ConfigError(f"actor.max_outbox={cfg.actor.max_outbox} is below actor.send_window={cfg.actor.send_window}: "
                           "the outbox holds every trajectory in the send window")
-    if cfg.actor.concurrency < cfg.learner.group.size:  # actor/main.py starts whole groups only: it would never start one
+    if cfg.actor.concurrency < cfg.learner.group.size:  # actor/main.py starts whole groups: it would never start one
         raise ConfigError(f"actor.concurrency={cfg.actor.concurrency} is below learner.group.size="
                           f"{cfg.learner.group.size}: an actor runs whole GRPO groups at once, so it would never start "
                           "an episode")
