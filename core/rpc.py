@@ -43,11 +43,13 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         self._want = f"Bearer {token}" if token else None
         self._want_control = self._want if control_token is None else (f"Bearer {control_token}" if control_token else None)
 
-        async def deny(request, context):
+        async def deny(request_iterator, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        # Request-streaming handlers that never read: the call is refused on its headers, before any of its body
+        # (up to max_message_bytes, 512 MiB on the inference server) is received and buffered.
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method

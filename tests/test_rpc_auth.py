@@ -1,0 +1,78 @@
+"""TokenAuthInterceptor as an attacker sees it: a call without the token (or with another role's) is refused on its
+headers, before the server receives its body."""
+import asyncio
+
+import grpc
+from grpc import aio
+
+from core import rpc
+from core.v1 import inference_pb2 as ipb, inference_pb2_grpc as ig
+
+U = grpc.StatusCode.UNAUTHENTICATED
+
+
+class _Svc(ig.InferenceServiceServicer):
+    async def Generate(self, req, ctx):
+        return ipb.GenerateResponse(output_ids=[7])
+
+    async def GenerateStream(self, req, ctx):
+        yield ipb.GenerateChunk()
+
+    async def UpdateWeightsStream(self, it, ctx):
+        async for _ in it:
+            pass
+        return ipb.UpdateWeightsResponse()
+
+
+async def _with_server(fn, max_message_bytes=1 << 20):
+    s = rpc.make_server(max_message_bytes, auth_token="svc-token", control_token="ctl-token")
+    ig.add_InferenceServiceServicer_to_server(_Svc(), s)
+    port = rpc.bind(s, "127.0.0.1", 0)
+    await s.start()
+    try:
+        return await fn(f"127.0.0.1:{port}")
+    finally:
+        await s.stop(0)
+
+
+async def _code(coro) -> grpc.StatusCode:
+    try:
+        await coro
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+
+
+def test_a_call_without_the_token_is_refused_before_its_body_is_read():
+    # A 2 MiB request to a server that accepts 1 MiB: read first, it would be RESOURCE_EXHAUSTED (the server
+    # buffered the body of a caller it was going to refuse: up to 512 MiB a call on the inference server).
+    async def go(addr):
+        big = ipb.GenerateRequest(trajectory_id="x" * (2 << 20))
+        codes = []
+        for token in ("", "wrong", "ctl-token"):  # none, a wrong one, another role's
+            async with rpc.channel(addr, token, 64 << 20) as ch:
+                codes.append(await _code(ig.InferenceServiceStub(ch).Generate(big, timeout=10)))
+        return codes
+    assert asyncio.run(_with_server(go)) == [U, U, U]
+
+
+def test_every_kind_of_call_is_refused_without_the_token_and_served_with_it():
+    async def go(addr):
+        async def chunks():
+            for _ in range(3):
+                yield ipb.WeightsChunk()
+
+        async def stream(stub):
+            async for _ in stub.GenerateStream(ipb.GenerateRequest(), timeout=10):
+                pass
+        out = {}
+        for token in ("", "svc-token"):
+            async with rpc.channel(addr, token) as ch:
+                stub = ig.InferenceServiceStub(ch)
+                out[token] = [await _code(stub.Generate(ipb.GenerateRequest(), timeout=10)),
+                              await _code(stream(stub)),
+                              await _code(stub.UpdateWeightsStream(chunks(), timeout=10))]
+        return out
+    out = asyncio.run(_with_server(go))
+    assert out[""] == [U, U, U]
+    assert out["svc-token"] == [grpc.StatusCode.OK] * 3
