@@ -8,6 +8,9 @@ import grpc
 from grpc import aio
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# The health methods that need no token: one-shot answers. Watch is not among them: a stream held open for as long as
+# the caller likes, one per service name it makes up, is a way for anyone who can reach the port to hold its memory.
+OPEN_HEALTH = frozenset({HEALTH_PREFIX + "Check", HEALTH_PREFIX + "List"})
 CONTROL_PREFIX = "/tars.v1.ControlService/"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 MAX_DETAILS = 1024   # bytes of a status message a server sends (they travel in a header: see clip_details)
@@ -33,7 +36,7 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):
-    """Rejects every RPC that lacks `authorization: Bearer <token>`, except grpc.health.v1 health checks.
+    """Rejects every RPC that lacks `authorization: Bearer <token>`, except grpc.health.v1 Check and List.
 
     control_token, when not None, is the token of the ControlService methods on this listener instead ("" = they
     need none): control.auth_token guards every process's ControlService, whatever service shares its port.
@@ -56,7 +59,7 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         want = self._want_control if method.startswith(CONTROL_PREFIX) else self._want
         md = dict(handler_call_details.invocation_metadata or ())
         # Health checks carry no secrets and orchestrators' probes (Kubernetes gRPC probes) cannot send a token.
-        if want is None or _same(md.get("authorization"), want) or method.startswith(HEALTH_PREFIX):
+        if want is None or _same(md.get("authorization"), want) or method in OPEN_HEALTH:
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:

@@ -76,3 +76,39 @@ def test_every_kind_of_call_is_refused_without_the_token_and_served_with_it():
     out = asyncio.run(_with_server(go))
     assert out[""] == [U, U, U]
     assert out["svc-token"] == [grpc.StatusCode.OK] * 3
+
+
+def test_health_check_needs_no_token_but_a_health_watch_does():
+    """Kubernetes probes call Check without metadata; Watch holds a stream open (one per made-up service name), so
+    without the token it was a way to hold the server's memory: 3,000 such streams took 70 MB of a server."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def go(addr):
+        out = {}
+        for token in ("", "svc-token"):
+            async with rpc.channel(addr, token) as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                check = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                call = stub.Watch(health_pb2.HealthCheckRequest(service="made-up"), timeout=10)
+                try:
+                    first = (await call.read()).status
+                except grpc.RpcError as e:
+                    first = e.code()
+                call.cancel()
+                out[token] = (check.status, first)
+        return out
+
+    async def with_health(addr_fn):
+        s = rpc.make_server(1 << 20, auth_token="svc-token", control_token="ctl-token")
+        hs, hp = rpc.add_health_and_reflection(s, ["tars.v1.InferenceService"])
+        port = rpc.bind(s, "127.0.0.1", 0)
+        await s.start()
+        await rpc.set_serving(hs, hp, ["tars.v1.InferenceService"])
+        try:
+            return await addr_fn(f"127.0.0.1:{port}")
+        finally:
+            await s.stop(0)
+    out = asyncio.run(with_health(go))
+    serving, unknown = 1, 3  # HealthCheckResponse.SERVING, SERVICE_UNKNOWN
+    assert out[""] == (serving, U)
+    assert out["svc-token"] == (serving, unknown)
