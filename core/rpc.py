@@ -14,6 +14,12 @@ OPEN_HEALTH = frozenset({HEALTH_PREFIX + "Check", HEALTH_PREFIX + "List"})
 CONTROL_PREFIX = "/tars.v1.ControlService/"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 MAX_DETAILS = 1024   # bytes of a status message a server sends (they travel in a header: see clip_details)
+# A server closes a connection that has carried no call for CONN_IDLE_S (a GOAWAY: a client's channel reconnects on its
+# next call), and one that has not finished the HTTP/2 handshake in HANDSHAKE_S. Without them a peer that connects and
+# never sends (no token needed) held its connection, and a file descriptor, for ever: enough of them and the server
+# could accept nobody.
+CONN_IDLE_S = 120.0
+HANDSHAKE_S = 10.0
 
 
 def clip_details(text: str, limit: int = MAX_DETAILS) -> str:
@@ -127,7 +133,9 @@ def make_server(max_message_bytes: int = 16 << 20, auth_token: str = "", control
     """auth_token guards every RPC; control_token (when not None) the ControlService's instead (TokenAuthInterceptor)."""
     auth = auth_token or control_token
     interceptors = ([TokenAuthInterceptor(auth_token, control_token)] if auth else []) + [RequestDecodeInterceptor()]
-    return aio.server(interceptors=interceptors, options=_options(max_message_bytes))
+    return aio.server(interceptors=interceptors, options=_options(max_message_bytes) + [
+        ("grpc.max_connection_idle_ms", max(1, int(CONN_IDLE_S * 1000))),
+        ("grpc.server_handshake_timeout_ms", max(1, int(HANDSHAKE_S * 1000)))])
 
 
 def add_health_and_reflection(server: aio.Server, service_names: list[str]):
