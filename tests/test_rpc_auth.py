@@ -142,3 +142,29 @@ def test_a_connection_that_never_calls_is_closed(monkeypatch):
     async def go(addr):
         return await asyncio.gather(closed_by_server(addr, b""), closed_by_server(addr, PREFACE))
     assert asyncio.run(_with_server(go)) == [True, True]
+
+
+def test_secrets_that_cannot_work_are_config_errors():
+    """A token gRPC cannot send and CURVE keys libzmq refuses (or that are not a pair) stop the config load with one
+    line naming the setting, instead of failing every client call (ExecuteBatchError) or the stream (ZMQError)."""
+    import pytest
+    import zmq
+
+    from core import config as C
+
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    other_public = zmq.curve_keypair()[0].decode()
+    ctl = "control.auth_token=ctl-token"
+    bad = {("envd.auth_token=tökén", ctl): "envd.auth_token: a token must be visible ASCII",
+           ("inference.auth_token=a\x01b", ctl): "inference.auth_token: a token must be visible ASCII",
+           ("control.auth_token=naïve",): "control.auth_token: a token must be visible ASCII",
+           ("learner.stream.curve_secret_key=notakey",): "learner.stream.curve_secret_key: not a CURVE key",
+           ("learner.stream.curve_public_key=" + public[:-1] + " ",): "learner.stream.curve_public_key: not a CURVE key",
+           ("learner.stream.curve_secret_key=" + secret, "learner.stream.curve_public_key=" + other_public):
+               "learner.stream.curve_public_key is not the public key of learner.stream.curve_secret_key"}
+    for sets, why in bad.items():
+        with pytest.raises(C.ConfigError, match="^" + why.replace(".", r"\.")):
+            C.load("quickstart", None, list(sets))
+    cfg = C.load("quickstart", None, ["envd.auth_token=" + "A-z_0~9!" * 4, ctl, "learner.stream.curve_secret_key=" + secret,
+                                      "learner.stream.curve_public_key=" + public])
+    assert cfg.learner.stream.curve_public_key == public
