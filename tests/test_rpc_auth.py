@@ -139,9 +139,21 @@ def test_a_connection_that_never_calls_is_closed(monkeypatch):
         finally:
             writer.close()
 
+    async def idle_client_calls_again(addr) -> bool:
+        """A client's channel whose connection the server closed while idle reconnects on its next call."""
+        async with rpc.channel(addr, "svc-token") as ch:
+            stub = ig.InferenceServiceStub(ch)
+            await stub.Generate(ipb.GenerateRequest(), timeout=10)
+            for _ in range(3):
+                await asyncio.sleep(1.0)  # idle past CONN_IDLE_S: the server closes the connection
+                if (await stub.Generate(ipb.GenerateRequest(), timeout=10)).output_ids != [7]:
+                    return False
+        return True
+
     async def go(addr):
-        return await asyncio.gather(closed_by_server(addr, b""), closed_by_server(addr, PREFACE))
-    assert asyncio.run(_with_server(go)) == [True, True]
+        return await asyncio.gather(closed_by_server(addr, b""), closed_by_server(addr, PREFACE),
+                                    idle_client_calls_again(addr))
+    assert asyncio.run(_with_server(go)) == [True, True, True]
 
 
 def test_secrets_that_cannot_work_are_config_errors():
