@@ -64,6 +64,37 @@ def check_listener(role: str, what: str, host: str, needs: dict[str, str]) -> No
         f"(or the matching *_file setting; docs/deploy.md) or bind 127.0.0.1")
 
 
+Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+def secrets_error(cfg) -> str | None:
+    """Why a RunConfig's secrets cannot work, or None. A bearer token travels in a gRPC header, which takes visible
+    ASCII only (any other character failed every call of every client with gRPC's own ExecuteBatchError, not even
+    an RpcError); a CURVE key is 40 Z85 characters (anything else stopped the learner or actor with ZMQError
+    "Invalid argument"), and a learner's public key must be the one of its secret key (actors given it could never
+    connect)."""
+    for setting, token in (("envd.auth_token", cfg.envd.auth_token), ("inference.auth_token", cfg.inference.auth_token),
+                           ("control.auth_token", cfg.control.auth_token)):
+        if token and not all("!" <= c <= "~" for c in token):
+            return f"{setting}: a token must be visible ASCII characters only (it travels in a gRPC header)"
+    s = cfg.learner.stream
+    for setting, key in (("curve_secret_key", s.curve_secret_key), ("curve_public_key", s.curve_public_key)):
+        if key and (len(key) != 40 or not set(key) <= Z85):
+            return (f"learner.stream.{setting}: not a CURVE key (40 Z85 characters, as zmq.curve_keypair() makes; "
+                    f"this one has {len(key)} characters)")
+    if s.curve_secret_key and s.curve_public_key:
+        import zmq
+
+        try:
+            public = zmq.curve_public(s.curve_secret_key.encode()).decode()
+        except (zmq.ZMQError, AttributeError):
+            return None  # libzmq without CURVE: the learner says so when it starts the stream
+        if public != s.curve_public_key:
+            return ("learner.stream.curve_public_key is not the public key of learner.stream.curve_secret_key: "
+                    "actors given it could not connect")
+    return None
+
+
 def read_secret(path: str, setting: str) -> str:
     """The stripped contents of a secret file (one line: a token or a Z85 key)."""
     try:

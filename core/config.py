@@ -312,6 +312,10 @@ def validate(cfg: RunConfig) -> None:
         # a service token alone would leave those commands open.
         raise ConfigError("envd.auth_token / inference.auth_token is set but control.auth_token is empty: the "
                           "ControlService on the same listeners would take unauthenticated calls; set control.auth_token")
+    from core.auth import secrets_error
+
+    if err := secrets_error(cfg):
+        raise ConfigError(err)
     if cfg.actor.max_outbox < cfg.actor.send_window:  # the sender refuses it when the actor starts (ValueError)
         raise ConfigError(f"actor.max_outbox={cfg.actor.max_outbox} is below actor.send_window={cfg.actor.send_window}: "
                           "the outbox holds every trajectory in the send window")

@@ -84,20 +84,44 @@ class OtelCollector(Collector):
 
 CONN_TIMEOUT_S = 10.0  # an idle or half-sent connection is closed after this (its thread ends)
 MAX_CONNS = 32        # connections served at once; more are closed at once
+CONN_DEADLINE_S = 30.0  # a connection's whole life, however it trickles (one request each: HTTP/1.0)
 
 
 class _Server(ThreadingHTTPServer):
     """ThreadingHTTPServer (a thread per connection) whose connections time out and whose threads are bounded."""
     daemon_threads = True
 
-    def __init__(self, addr, handler, max_conns: int = MAX_CONNS):
+    def __init__(self, addr, handler, max_conns: int = MAX_CONNS, deadline_s: float = CONN_DEADLINE_S):
         import socket
 
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         self.address_family, _, _, _, sockaddr = infos[0]  # as prometheus_client picks it: IPv6 hosts work too
         addr = (sockaddr[0], addr[1])
         self._slots = threading.BoundedSemaphore(max_conns)
+        # The handler's timeout bounds each read, so a client sending a byte now and then kept its slot for ever
+        # (MAX_CONNS of them and no scrape got through): the watchdog cuts every connection at its deadline.
+        self.deadline_s, self._open, self._open_lock, self._stop = deadline_s, {}, threading.Lock(), threading.Event()
         super().__init__(addr, handler)
+        self.watchdog = threading.Thread(target=self._watch, name="tars-metrics-deadline", daemon=True)
+        self.watchdog.start()
+
+    def _watch(self) -> None:
+        import socket
+        import time
+
+        while not self._stop.wait(min(0.25, self.deadline_s / 4)):
+            now = time.monotonic()
+            with self._open_lock:
+                late = [r for r, t in self._open.items() if t < now]
+            for r in late:
+                try:
+                    r.shutdown(socket.SHUT_RDWR)  # the handler's next read sees EOF and its thread ends
+                except OSError:
+                    pass
+
+    def server_close(self) -> None:
+        self._stop.set()
+        super().server_close()
 
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
@@ -117,9 +141,15 @@ class _Server(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
     def process_request_thread(self, request, client_address):
+        import time
+
+        with self._open_lock:
+            self._open[request] = time.monotonic() + self.deadline_s
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._open_lock:
+                self._open.pop(request, None)
             self._slots.release()
 
 
@@ -128,7 +158,7 @@ class MetricsServer:
     port) in a daemon thread, over a registry of this process's own (`address` = host:actual port, an IPv6 host in
     brackets). It answers /metrics (and, as prometheus_client does, any other path) with the exposition of
     `collect()`. Each connection's thread ends when its client is idle for conn_timeout_s, and at most max_conns are
-    served at once (more are closed on accept)."""
+    served at once (more are closed on accept); one still open CONN_DEADLINE_S after it was accepted is cut."""
 
     def __init__(self, collect: Callable[[], object], host: str = "127.0.0.1", port: int = 0,
                  conn_timeout_s: float | None = None, max_conns: int | None = None):
@@ -138,7 +168,7 @@ class MetricsServer:
         max_conns = MAX_CONNS if max_conns is None else max_conns
         handler = type("Handler", (MetricsHandler.factory(self.registry),),
                        {"timeout": conn_timeout_s, "log_message": lambda *a: None})
-        self.httpd = _Server((host, port), handler, max_conns)
+        self.httpd = _Server((host, port), handler, max_conns, CONN_DEADLINE_S)
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
                                        name="tars-metrics-http", daemon=True)
         self.thread.start()
@@ -149,3 +179,4 @@ class MetricsServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(timeout=5.0)
+        self.httpd.watchdog.join(timeout=5.0)

@@ -8,9 +8,18 @@ import grpc
 from grpc import aio
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# The health methods that need no token: one-shot answers. Watch is not among them: a stream held open for as long as
+# the caller likes, one per service name it makes up, is a way for anyone who can reach the port to hold its memory.
+OPEN_HEALTH = frozenset({HEALTH_PREFIX + "Check", HEALTH_PREFIX + "List"})
 CONTROL_PREFIX = "/tars.v1.ControlService/"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 MAX_DETAILS = 1024   # bytes of a status message a server sends (they travel in a header: see clip_details)
+# A server closes a connection that has carried no call for CONN_IDLE_S (a GOAWAY: a client's channel reconnects on its
+# next call), and one that has not finished the HTTP/2 handshake in HANDSHAKE_S. Without them a peer that connects and
+# never sends (no token needed) held its connection, and a file descriptor, for ever: enough of them and the server
+# could accept nobody.
+CONN_IDLE_S = 120.0
+HANDSHAKE_S = 10.0
 
 
 def clip_details(text: str, limit: int = MAX_DETAILS) -> str:
@@ -33,7 +42,7 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class TokenAuthInterceptor(aio.ServerInterceptor):
-    """Rejects every RPC that lacks `authorization: Bearer <token>`, except grpc.health.v1 health checks.
+    """Rejects every RPC that lacks `authorization: Bearer <token>`, except grpc.health.v1 Check and List.
 
     control_token, when not None, is the token of the ControlService methods on this listener instead ("" = they
     need none): control.auth_token guards every process's ControlService, whatever service shares its port.
@@ -43,18 +52,20 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         self._want = f"Bearer {token}" if token else None
         self._want_control = self._want if control_token is None else (f"Bearer {control_token}" if control_token else None)
 
-        async def deny(request, context):
+        async def deny(request_iterator, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        # Request-streaming handlers that never read: the call is refused on its headers, before any of its body
+        # (up to max_message_bytes, 512 MiB on the inference server) is received and buffered.
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         want = self._want_control if method.startswith(CONTROL_PREFIX) else self._want
         md = dict(handler_call_details.invocation_metadata or ())
         # Health checks carry no secrets and orchestrators' probes (Kubernetes gRPC probes) cannot send a token.
-        if want is None or _same(md.get("authorization"), want) or method.startswith(HEALTH_PREFIX):
+        if want is None or _same(md.get("authorization"), want) or method in OPEN_HEALTH:
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
@@ -122,7 +133,9 @@ def make_server(max_message_bytes: int = 16 << 20, auth_token: str = "", control
     """auth_token guards every RPC; control_token (when not None) the ControlService's instead (TokenAuthInterceptor)."""
     auth = auth_token or control_token
     interceptors = ([TokenAuthInterceptor(auth_token, control_token)] if auth else []) + [RequestDecodeInterceptor()]
-    return aio.server(interceptors=interceptors, options=_options(max_message_bytes))
+    return aio.server(interceptors=interceptors, options=_options(max_message_bytes) + [
+        ("grpc.max_connection_idle_ms", max(1, int(CONN_IDLE_S * 1000))),
+        ("grpc.server_handshake_timeout_ms", max(1, int(HANDSHAKE_S * 1000)))])
 
 
 def add_health_and_reflection(server: aio.Server, service_names: list[str]):

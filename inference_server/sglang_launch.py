@@ -52,8 +52,15 @@ def server_command(model_path: str, host: str, port: int, weight_version: int = 
             *[str(a) for a in extra_args or ()]]
 
 
-def check_host(host: str) -> None:
-    """InsecureBind (a ValueError: `tars serve` prints it and exits 2) for a launch address that is not loopback."""
+def check_host(host: str, extra_args: list | None = None) -> None:
+    """InsecureBind (a ValueError: `tars serve` prints it and exits 2) for a launch address that is not loopback, or
+    for extra server flags that set the address themselves (`--host 0.0.0.0` in sglang_args comes after the launcher's
+    --host, so SGLang's parser would bind it; argparse also takes an unambiguous prefix such as `--hos`)."""
+    for a in extra_args or ():
+        flag = str(a).split("=", 1)[0]
+        if len(flag) > 2 and "--host".startswith(flag):
+            raise InsecureBind(f"inference.sglang_args sets the launched servers' address ({str(a)!r}): set "
+                               "inference.sglang_host instead, a loopback address (their HTTP API takes no token)")
     if not is_loopback(host):
         raise InsecureBind(f"inference.sglang_host={host!r}: refusing to launch SGLang servers off loopback: their HTTP "
                            "API (update_weights_from_disk, pause_generation, generate) takes no token, so anyone who "
@@ -103,7 +110,7 @@ class SGLangFleet:
         n = int(cfg.sglang_launch)
         if n < 1:
             raise ValueError(f"inference.sglang_launch must be >= 1 to launch servers, got {n}")
-        check_host(cfg.sglang_host)  # before anything starts
+        check_host(cfg.sglang_host, list(cfg.sglang_args))  # before anything starts
         self.cfg, self.n = cfg, n
         ports = [int(cfg.sglang_base_port) + i for i in range(n)]
         self.urls = [f"http://{cfg.sglang_host}:{p}" for p in ports]
@@ -222,7 +229,7 @@ def launch_sglang_servers(model_path: str, n: int = 1, host: str = "127.0.0.1", 
                           wait_s: float = 900.0, module: str = "sglang.launch_server") -> tuple[list[subprocess.Popen], list[str]]:
     """Start n servers (server_command; one GPU each through CUDA_VISIBLE_DEVICES) and wait until every one answers
     /health_generate. Unsupervised: the caller stops them with stop_sglang_servers."""
-    check_host(host)
+    check_host(host, extra_args)
     procs, urls = [], []
     try:
         for i in range(n):

@@ -234,13 +234,19 @@ def test_check_listener_rules():
     with pytest.raises(auth.InsecureBind):
         envd_bind(C.EnvdConfig(host="0.0.0.0", auth_token="t"), "")  # the ControlService on it would be open
     inference_bind(C.InferenceConfig(host="0.0.0.0", auth_token="t"), "c")
-    cfg = C.load(None, None, ["learner.stream.host=0.0.0.0", "learner.stream.curve_secret_key=k"])
+    import zmq
+
+    key = zmq.curve_keypair()[1].decode()  # a real key: the config refuses one that is not (tests/test_rpc_auth.py)
+    cfg = C.load(None, None, ["learner.stream.host=0.0.0.0", f"learner.stream.curve_secret_key={key}"])
     learner_bind(cfg)
 
 
 def test_secrets_come_from_files(tmp_path):
+    import zmq
+
+    curve = zmq.curve_keypair()[1].decode()
     for name, value in (("envd", "envd-secret"), ("inference", "inf-secret"), ("control", "ctl-secret"),
-                        ("curve", "curve-secret-key")):
+                        ("curve", curve)):
         (tmp_path / name).write_text(value + "\n")
         (tmp_path / name).chmod(0o600)
     cfg = C.load(None, None, [f"envd.auth_token_file={tmp_path / 'envd'}",
@@ -248,7 +254,7 @@ def test_secrets_come_from_files(tmp_path):
                               f"control.auth_token_file={tmp_path / 'control'}",
                               f"learner.stream.curve_secret_key_file={tmp_path / 'curve'}"])
     assert (cfg.envd.auth_token, cfg.inference.auth_token, cfg.control.auth_token,
-            cfg.learner.stream.curve_secret_key) == ("envd-secret", "inf-secret", "ctl-secret", "curve-secret-key")
+            cfg.learner.stream.curve_secret_key) == ("envd-secret", "inf-secret", "ctl-secret", curve)
     # the same value given both ways (a config saved after reading the file) is fine; two values are not
     C.load(None, None, ["envd.auth_token=envd-secret", f"envd.auth_token_file={tmp_path / 'envd'}",
                         "control.auth_token=c"])

@@ -356,7 +356,7 @@ def test_arguments_refused_before_work_instead_of_after_it(tmp_path):
 
 def test_tars_config_does_not_print_secrets(tmp_path):
     (tmp_path / "c.yaml").write_text("envd:\n  auth_token: sekrit-envd-123\ncontrol:\n  auth_token: sekrit-ctl-456\n"
-                                     "learner:\n  stream:\n    curve_secret_key: sekrit-curve-789\n")
+                                     "learner:\n  stream:\n    curve_secret_key: sekrit-curve-789000000000000000000000000\n")
     r = tars("config", "--config", tmp_path / "c.yaml")
     assert r.returncode == 0 and "sekrit" not in r.stdout + r.stderr and '"auth_token": "<set>"' in r.stdout
     assert '"auth_token": ""' in r.stdout                          # inference's, unset, shows as it is

@@ -138,3 +138,40 @@ def test_span_file_cap_drops_are_logged_once_and_counted_in_metrics(tmp_path, ca
         fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     dropped = fams["tars_telemetry_spans_dropped"].samples[0].value
     assert dropped > 0 and dropped + sum(1 for _ in open(telemetry.S.span_file)) == 60
+
+
+def test_a_trickling_metrics_client_is_cut_at_its_deadline(monkeypatch):
+    """Slowloris: the per-read timeout never fires for a client that sends a byte now and then, so MAX_CONNS of them
+    held every slot for ever and no scrape got through. Each connection now has a deadline."""
+    from core import metrics_http
+
+    monkeypatch.setattr(metrics_http, "CONN_TIMEOUT_S", 1.0, raising=False)
+    monkeypatch.setattr(metrics_http, "MAX_CONNS", 1, raising=False)
+    monkeypatch.setattr(metrics_http, "CONN_DEADLINE_S", 1.0, raising=False)
+    srv = metrics_http.MetricsServer(lambda: None, "127.0.0.1", 0)
+    host, port = srv.address.rsplit(":", 1)
+    c = socket.create_connection((host, int(port)), timeout=5)
+    stop = threading.Event()
+
+    def trickle():  # one byte of a never-ending header every 0.2 s: each read finishes well within CONN_TIMEOUT_S
+        c.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+        while not stop.wait(0.2):
+            try:
+                c.sendall(b"a")
+            except OSError:
+                return  # cut
+    t = threading.Thread(target=trickle, daemon=True)
+    try:
+        t.start()
+        c.settimeout(15.0)
+        try:
+            assert c.recv(1) == b""  # the server closed it
+        except ConnectionResetError:
+            pass
+        with urllib.request.urlopen(f"http://{srv.address}/metrics", timeout=5) as r:  # its one slot is free again
+            assert r.status == 200
+    finally:
+        stop.set()
+        t.join(5.0)
+        c.close()
+        srv.close()

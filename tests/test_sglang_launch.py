@@ -79,6 +79,22 @@ def test_launching_sglang_off_loopback_is_refused_before_launch(models, host):  
     SGLangFleet(InferenceConfig(engine="sglang", sglang_launch=1, sglang_host="localhost"), models["a"])  # loopback
 
 
+@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--host=::"], ["--hos", "0.0.0.0"]])
+def test_sglang_args_cannot_move_a_launched_server_off_loopback(args):
+    """The launcher's --host comes before sglang_args, and SGLang's parser keeps the last one (or an unambiguous
+    prefix of it): a --host there bound the tokenless HTTP API to every address, past check_host's refusal."""
+    from core.auth import InsecureBind
+    from inference_server.sglang_launch import SGLangFleet, launch_sglang_servers
+
+    cfg = InferenceConfig(engine="sglang", sglang_launch=1, sglang_host="127.0.0.1", sglang_args=args)
+    with pytest.raises(InsecureBind, match="sglang_args"):
+        SGLangFleet(cfg, "/nonexistent-model")
+    with pytest.raises(InsecureBind, match="sglang_args"):
+        launch_sglang_servers("/nonexistent-model", extra_args=args, module=CONFORMANCE, wait_s=1)
+    SGLangFleet(InferenceConfig(engine="sglang", sglang_launch=1, sglang_args=["--mem-fraction-static", "0.8"]),
+                "/nonexistent-model")  # other flags pass
+
+
 def test_serve_exits_2_at_once_when_a_launched_server_dies_before_it_is_healthy(models):  # noqa: F811
     # the checkpoint is fine (tars serve checks it first); the server's Python fails at once, exit status 1
     t0 = time.monotonic()
