@@ -59,7 +59,7 @@ from actor import judge as J
 from actor.envclient import EnvActionError, EnvBackendError, EnvClient, EnvInfraError, Obs
 from actor import uitars
 from actor.parsing import ParseError, parse_response
-from actor.tiny import INVALID_NOTE, clip_observation, turn_ids
+from actor.tiny import INVALID_NOTE, clip_observation, first_prompt, turn_ids
 from core.inference_client import InferenceClient
 from core import telemetry
 from core.config import ActorConfig
@@ -139,7 +139,7 @@ def _prompt(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, c
     if style in uitars.UITARS_STYLES:
         seen = [n_img] if n_img else [clip_observation(tok, obs.text, cfg.max_obs_tokens)]
         user = [t for t in (past + note,) if t] + seen
-        ids = (tok.first_prompt(uitars.system_text(style, obs.instruction, vis.point_form()), user)
+        ids = (first_prompt(tok, style, uitars.system_text(style, obs.instruction, vis.point_form()), user)
                if first or new else tok.next_turn(user, closed))
     else:
         ids = turn_ids(tok, style, obs.text, obs.instruction, past + note, first=first or new, closed=closed,

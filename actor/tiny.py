@@ -24,13 +24,16 @@ TINY_SYSTEM = "Act on the screen to reach the goal. Answer with one action."
 SYSTEM_PROMPTS = ("auto", "tiny", "none", "computer", "browser", "mobile")
 
 
+UITARS_PROMPTS = ("computer", "browser", "mobile")  # the UI-TARS prompts (actor/prompts.py)
+
+
 def system_prompt(style: str, instruction: str) -> str:
     # "auto" is tiny here; a vision-language checkpoint's episodes resolve it first (actor/uitars.py).
     if style in ("tiny", "auto"):
         return TINY_SYSTEM
     if style == "none":
         return ""
-    if style in ("computer", "browser", "mobile"):
+    if style in UITARS_PROMPTS:
         from actor.prompts import build_system_prompt
 
         return build_system_prompt(style, instruction)
@@ -67,8 +70,17 @@ def turn_ids(tok: ChatTokenizer, style: str, text: str, instruction: str, note: 
     text = clip_observation(tok, text, obs_budget)
     user = [images, observation_text(text, instruction, note)] if images else observation_text(text, instruction, note)
     if first:
-        return tok.first_prompt(system_prompt(style, instruction), user)
+        return first_prompt(tok, style, system_prompt(style, instruction), user)
     return tok.next_turn(user, closed)
+
+
+def first_prompt(tok: ChatTokenizer, style: str, prompt: str, user) -> list[int]:
+    """A first prompt: a UI-TARS style's prompt (computer, browser, mobile) opens the first user message, where
+    UI-TARS's own inference code puts it (the template's default system message stays, e.g. Qwen2-VL's "You are a
+    helpful assistant."); the other styles' text is the system message."""
+    if style in UITARS_PROMPTS and prompt:
+        return tok.first_prompt("", prompt + user if isinstance(user, str) else [prompt, *user])
+    return tok.first_prompt(prompt, user)
 
 
 def format_action(a: Action) -> str:

@@ -23,13 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actor.parsing import on_screen
+from actor.tiny import UITARS_PROMPTS
 from core.action import Action
 from core.chat import ChatTokenizer
 from core.vlm import IMAGE_FACTOR, MAX_PIXELS, MIN_PIXELS, VLSpec, is_vl_dir, png_size
 
 # Env id prefixes whose tasks are a screen to act on: a VL checkpoint gets the UI-TARS prompt there by default.
 GUI_PREFIXES = ("builtin", "miniwob", "browser", "desktop", "hybrid")
-UITARS_STYLES = ("computer", "browser", "mobile")
+UITARS_STYLES = UITARS_PROMPTS
 COORDINATES = ("auto", "absolute", "relative", "screen")
 VL_IMAGE_HISTORY = 5      # actor.image_history -1 (auto) for a VL checkpoint: UI-TARS keeps about 5 screenshots
 

@@ -193,6 +193,10 @@ def test_every_action_of_a_turn_reaches_envd_in_order_with_screen_coordinates(to
     text = tok.decode(first_ids, skip_special=False)
     assert "You are a GUI agent" in text and "point='<point>x1 y1</point>'" in text and "click the stripe" in text
     assert "step 0" not in text   # UI-TARS reads the pixels, not the env's text
+    # where UI-TARS's own inference code puts it: the first user message opens with the prompt (after the template's
+    # default system message, if it has one: this one has none); the screenshot follows the prompt in that message
+    assert text.startswith("<|im_start|>user\nYou are a GUI agent") and "<|im_start|>system" not in text
+    assert text.index("## User Instruction") < text.index("<|vision_start|>") < text.index("<|im_start|>assistant")
     assert [n for _, n in runs(tok, first_ids)] == [spec.image_tokens(SCREEN_W, SCREEN_H)] and len(first_imgs) == 1
     assert tr.segments == [] and len(tr.image_refs) == 2
     tr.validate(tok.vocab_size)
@@ -258,6 +262,7 @@ def test_text_observations_without_a_screenshot_are_shown_as_text(tok):
     ctx, tr, rec = episode(tok, ["Action: wait()"], env_id="builtin/click", max_turns=2)
     ids, imgs = rec.requests[0]
     assert imgs == [] and runs(tok, ids) == [] and "You are a GUI agent" in tok.decode(ids)
+    assert tok.decode(ids, skip_special=False).startswith("<|im_start|>user\nYou are a GUI agent")
     assert tr.image_refs == [] and tr.segments == []
 
 
