@@ -48,6 +48,22 @@ def _alone_after(hf, prefix: str) -> bool:
         list(hf.encode("a", add_special_tokens=False))
 
 
+def _text_only(hf):
+    """A copy of hf's backend tokenizer that extracts no added token from text (every one marked special, special
+    ones left unmatched): what content with a non-special added token's text encodes with; None without a backend."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    spec = json.loads(backend.to_str())
+    for t in spec.get("added_tokens") or ():
+        t["special"] = True
+    out = Tokenizer.from_str(json.dumps(spec))
+    out.encode_special_tokens = True
+    return out
+
+
 class TokenizerError(ValueError):
     """A tokenizer directory that cannot be used: missing files, no chat template, a template the turn rule cannot
     follow, or a vocabulary that does not fit the model."""
@@ -91,6 +107,12 @@ class ChatTokenizer:
         self._mid_text = not _alone_after(hf, _ANCHOR)
         self._specials = sorted((t for t in hf.all_special_tokens + list(hf.get_added_vocab()) if t), key=len,
                                 reverse=True)
+        # Added tokens that are not "special" (ChatML markers added to a base model with add_tokens, Qwen's <think>
+        # and <tool_call>) are matched in text even with special-token parsing off: content holding one is encoded
+        # by a copy of the tokenizer that matches no added token at all (_text_only).
+        self._added_text = [t.content for t in getattr(hf, "added_tokens_decoder", {}).values()
+                            if not t.special and t.content]
+        self._text_only = _text_only(hf) if self._added_text else None
         self._eot_text, self._turn_text = self._probe()
         # After a special token a legacy normaliser starts a new segment (the marker comes back), Metaspace's
         # prepend_scheme "first" does not: which one this is, from the end-of-turn token.
@@ -148,9 +170,17 @@ class ChatTokenizer:
         content from an environment must not be able to open a new message."""
         return self._encode(text, True, after)
 
-    def _encode(self, text: str, plain: bool, after: str = "text") -> list[int]:
+    def _encode(self, text: str, plain: bool, after: str = "text", added: bool = False) -> list[int]:
         """plain: special-token strings stay text (content); else the template's own text, whose special tokens are
-        meant. Without a space-marker tokenizer (byte-level BPE) the piece is encoded alone, as it is whole."""
+        meant. Without a space-marker tokenizer (byte-level BPE) the piece is encoded alone, as it is whole. added: plain
+        text whose non-special added tokens are meant (an answer: the policy generates them as tokens)."""
+        if plain and not added and self._text_only is not None and any(t in text for t in self._added_text):
+            enc = self._text_only.encode
+            if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
+                return list(enc(text, add_special_tokens=False).ids)
+            ids = list(enc(_ANCHOR + text, add_special_tokens=False).ids)
+            n = len(self._anchor)
+            return ids[n:] if ids[:n] == self._anchor else list(enc(text, add_special_tokens=False).ids)
         if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
             return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=plain))
         ids = list(self.hf.encode(_ANCHOR + text, add_special_tokens=False, split_special_tokens=plain))
@@ -262,7 +292,7 @@ class ChatTokenizer:
 
     def answer(self, text: str) -> list[int]:
         """What the policy should generate for an answer text: its ids and the end-of-turn token."""
-        return [*self.encode(text, self._after_prompt), self.eot_id]
+        return [*self._encode(text, True, self._after_prompt, added=True), self.eot_id]
 
 
 
