@@ -153,8 +153,13 @@ class ChatTokenizer:
         gen_eos: list[int] = []
         gc = p / "generation_config.json"
         if gc.is_file():
-            e = json.loads(gc.read_text()).get("eos_token_id")
-            gen_eos = [e] if isinstance(e, int) else list(e or [])
+            try:
+                e = json.loads(gc.read_text()).get("eos_token_id")
+                gen_eos = [e] if isinstance(e, int) else list(e or [])
+                assert all(isinstance(i, int) and not isinstance(i, bool) for i in gen_eos)
+            except (ValueError, AttributeError, TypeError, AssertionError):
+                raise TokenizerError(f"tokenizer: {gc}: not a generation config whose eos_token_id is a token id "
+                                     "or a list of them") from None
         return cls(hf, str(p), gen_eos, template_kwargs)
 
     def check_fits(self, model_vocab_size: int, where: str = "") -> None:
