@@ -110,9 +110,9 @@ class ChatTokenizer:
         # Added tokens that are not "special" (ChatML markers added to a base model with add_tokens, Qwen's <think>
         # and <tool_call>) are matched in text even with special-token parsing off: content holding one is encoded
         # by a copy of the tokenizer that matches no added token at all (_text_only).
-        self._added_text = [t.content for t in getattr(hf, "added_tokens_decoder", {}).values()
-                            if not t.special and t.content]
-        self._text_only = _text_only(hf) if self._added_text else None
+        added = [t.content for t in getattr(hf, "added_tokens_decoder", {}).values() if not t.special and t.content]
+        self._added_text = re.compile("|".join(map(re.escape, added))) if added else None  # one pass over content
+        self._text_only = _text_only(hf) if added else None
         self._eot_text, self._turn_text = self._probe()
         # After a special token a legacy normaliser starts a new segment (the marker comes back), Metaspace's
         # prepend_scheme "first" does not: which one this is, from the end-of-turn token.
@@ -179,7 +179,7 @@ class ChatTokenizer:
         """plain: special-token strings stay text (content); else the template's own text, whose special tokens are
         meant. Without a space-marker tokenizer (byte-level BPE) the piece is encoded alone, as it is whole. added: plain
         text whose non-special added tokens are meant (an answer: the policy generates them as tokens)."""
-        if plain and not added and self._text_only is not None and any(t in text for t in self._added_text):
+        if plain and not added and self._text_only is not None and self._added_text.search(text):
             enc = self._text_only.encode
             if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
                 return list(enc(text, add_special_tokens=False).ids)
