@@ -98,6 +98,8 @@ class ChatTokenizer:
             raise TokenizerError(f"{path or 'tokenizer'}: no chat template (tokenizer_config.json 'chat_template' or "
                                  "chat_template.jinja); the conversation is built from it")
         self.vocab_size = len(hf)
+        # one past the largest id it can produce: len(hf) unless its ids have a hole (an added token placed past it)
+        self.id_bound = max(self.vocab_size, max(hf.get_vocab().values(), default=-1) + 1)
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else (hf.eos_token_id or 0)
         # SentencePiece-style tokenizers (Llama-2, Mistral v0.1, TinyLlama: a "▁" prepended by the normalizer or a
         # Metaspace pre-tokenizer) put a space marker at the start of every text encoded alone, which the whole
@@ -163,10 +165,14 @@ class ChatTokenizer:
         return cls(hf, str(p), gen_eos, template_kwargs)
 
     def check_fits(self, model_vocab_size: int, where: str = "") -> None:
-        """Every id the tokenizer can produce must have a row in the model's embedding."""
+        """Every id the tokenizer can produce must have a row in the model's embedding (its largest id too, which a
+        tokenizer with a hole in its ids has past len(tokenizer))."""
         if self.vocab_size > int(model_vocab_size):
             raise TokenizerError(f"{where or self.path}: the tokenizer has {self.vocab_size} tokens but the model's "
                                  f"embedding has {model_vocab_size} rows; they are not a pair")
+        if self.id_bound > int(model_vocab_size):
+            raise TokenizerError(f"{where or self.path}: the tokenizer has token id {self.id_bound - 1} but the "
+                                 f"model's embedding has {model_vocab_size} rows; they are not a pair")
 
     # ---- text <-> ids ----------------------------------------------------------------------------------------
     def encode(self, text: str, after: str = "text") -> list[int]:

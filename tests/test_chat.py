@@ -103,6 +103,33 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tok, tmp_path):
     assert open_tokenizer(tmp_path, tmp_path).vocab_size == tok.vocab_size   # padded embeddings are fine
 
 
+def test_a_tokenizer_whose_ids_have_a_hole_is_checked_by_its_largest_id(tok, tmp_path):
+    """len(tokenizer) counts tokens, not ids: with the end-of-turn token moved to id len + 500 (a hole in the ids)
+    the check passed a model whose embedding has len + 64 rows, and the first prompt's end-of-turn id was past it."""
+    copy_tokenizer_files(tok.path, tmp_path)
+    eot_text, bound = tok.hf.convert_ids_to_tokens(tok.eot_id), tok.vocab_size + 500
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    for a in spec["added_tokens"]:
+        if a["content"] == eot_text:
+            a["id"] = bound
+    if eot_text in spec["model"]["vocab"]:  # a BPE trainer's special tokens are in the model's vocabulary too
+        spec["model"]["vocab"][eot_text] = bound
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    conf = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    dec = conf.get("added_tokens_decoder", {})
+    if str(tok.eot_id) in dec:
+        dec[str(bound)] = dec.pop(str(tok.eot_id))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    mt = "llama" if "<|eot_id|>" in tok.hf.get_vocab() else "qwen2"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": mt, "vocab_size": tok.vocab_size + 64}))
+    t = ChatTokenizer.load(tmp_path)
+    assert t.eot_id == bound and len(t.hf) <= tok.vocab_size + 64
+    with pytest.raises(TokenizerError, match=f"token id {bound} but the model's embedding has {tok.vocab_size + 64}"):
+        open_tokenizer(tmp_path, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": mt, "vocab_size": bound + 1}))
+    assert open_tokenizer(tmp_path, tmp_path).eot_id == bound
+
+
 def test_unusable_tokenizer_directories_get_clear_errors(tmp_path):
     with pytest.raises(TokenizerError, match="not a directory"):
         ChatTokenizer.load(tmp_path / "nope")
