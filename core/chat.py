@@ -114,7 +114,7 @@ class ChatTokenizer:
         # by a copy of the tokenizer that matches no added token at all (_text_only).
         added = [t.content for t in getattr(hf, "added_tokens_decoder", {}).values() if not t.special and t.content]
         self._added_text = re.compile("|".join(map(re.escape, added))) if added else None  # one pass over content
-        self._text_only = _text_only(hf) if added else None
+        self._text_only = False  # built on first need (a copy of a 150k-token vocabulary costs a moment)
         self._eot_text, self._turn_text = self._probe()
         # After a special token a legacy normaliser starts a new segment (the marker comes back), Metaspace's
         # prepend_scheme "first" does not: which one this is, from the end-of-turn token.
@@ -185,13 +185,16 @@ class ChatTokenizer:
         """plain: special-token strings stay text (content); else the template's own text, whose special tokens are
         meant. Without a space-marker tokenizer (byte-level BPE) the piece is encoded alone, as it is whole. added: plain
         text whose non-special added tokens are meant (an answer: the policy generates them as tokens)."""
-        if plain and not added and self._text_only is not None and self._added_text.search(text):
-            enc = self._text_only.encode
-            if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
-                return list(enc(text, add_special_tokens=False).ids)
-            ids = list(enc(_ANCHOR + text, add_special_tokens=False).ids)
-            n = len(self._anchor)
-            return ids[n:] if ids[:n] == self._anchor else list(enc(text, add_special_tokens=False).ids)
+        if plain and not added and self._added_text is not None and self._added_text.search(text):
+            if self._text_only is False:
+                self._text_only = _text_only(self.hf)  # None without a backend tokenizer: encoded as below
+            if self._text_only is not None:
+                enc = self._text_only.encode
+                if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
+                    return list(enc(text, add_special_tokens=False).ids)
+                ids = list(enc(_ANCHOR + text, add_special_tokens=False).ids)
+                n = len(self._anchor)
+                return ids[n:] if ids[:n] == self._anchor else list(enc(text, add_special_tokens=False).ids)
         if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
             return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=plain))
         ids = list(self.hf.encode(_ANCHOR + text, add_special_tokens=False, split_special_tokens=plain))
