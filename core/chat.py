@@ -98,8 +98,6 @@ class ChatTokenizer:
             raise TokenizerError(f"{path or 'tokenizer'}: no chat template (tokenizer_config.json 'chat_template' or "
                                  "chat_template.jinja); the conversation is built from it")
         self.vocab_size = len(hf)
-        # one past the largest id it can produce: len(hf) unless its ids have a hole (an added token placed past it)
-        self.id_bound = max(self.vocab_size, max(hf.get_vocab().values(), default=-1) + 1)
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else (hf.eos_token_id or 0)
         # SentencePiece-style tokenizers (Llama-2, Mistral v0.1, TinyLlama: a "▁" prepended by the normalizer or a
         # Metaspace pre-tokenizer) put a space marker at the start of every text encoded alone, which the whole
@@ -140,39 +138,13 @@ class ChatTokenizer:
     # ---- loading ---------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, template_kwargs: dict | None = None) -> "ChatTokenizer":
-        p = pathlib.Path(path)
-        if not p.is_dir():
-            raise TokenizerError(f"tokenizer: {p} is not a directory (give the checkpoint or tokenizer directory)")
-        if not has_tokenizer(p):
-            raise TokenizerError(f"tokenizer: {p} has no tokenizer.json (or tokenizer.model / vocab.json)")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from transformers import AutoTokenizer
-
-        try:
-            hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        except Exception as e:  # transformers raises many kinds here; the message is what matters
-            raise TokenizerError(f"tokenizer: cannot load {p}: {type(e).__name__}: {e}") from None
-        gen_eos: list[int] = []
-        gc = p / "generation_config.json"
-        if gc.is_file():
-            try:
-                e = json.loads(gc.read_text()).get("eos_token_id")
-                gen_eos = [e] if isinstance(e, int) else list(e or [])
-                assert all(isinstance(i, int) and not isinstance(i, bool) for i in gen_eos)
-            except (ValueError, AttributeError, TypeError, AssertionError):
-                raise TokenizerError(f"tokenizer: {gc}: not a generation config whose eos_token_id is a token id "
-                                     "or a list of them") from None
-        return cls(hf, str(p), gen_eos, template_kwargs)
+        hf, gen_eos = _load_hf(path)
+        return cls(hf, str(pathlib.Path(path)), gen_eos, template_kwargs)
 
     def check_fits(self, model_vocab_size: int, where: str = "") -> None:
         """Every id the tokenizer can produce must have a row in the model's embedding (its largest id too, which a
         tokenizer with a hole in its ids has past len(tokenizer))."""
-        if self.vocab_size > int(model_vocab_size):
-            raise TokenizerError(f"{where or self.path}: the tokenizer has {self.vocab_size} tokens but the model's "
-                                 f"embedding has {model_vocab_size} rows; they are not a pair")
-        if self.id_bound > int(model_vocab_size):
-            raise TokenizerError(f"{where or self.path}: the tokenizer has token id {self.id_bound - 1} but the "
-                                 f"model's embedding has {model_vocab_size} rows; they are not a pair")
+        _check_fits(self.hf, model_vocab_size, where or self.path)
 
     # ---- text <-> ids ----------------------------------------------------------------------------------------
     def encode(self, text: str, after: str = "text") -> list[int]:
@@ -310,17 +282,58 @@ class ChatTokenizer:
 
 
 
+def _load_hf(path: str | os.PathLike):
+    """(transformers' tokenizer of directory path, the eos ids of its generation_config.json); TokenizerError."""
+    p = pathlib.Path(path)
+    if not p.is_dir():
+        raise TokenizerError(f"tokenizer: {p} is not a directory (give the checkpoint or tokenizer directory)")
+    if not has_tokenizer(p):
+        raise TokenizerError(f"tokenizer: {p} has no tokenizer.json (or tokenizer.model / vocab.json)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds here; the message is what matters
+        raise TokenizerError(f"tokenizer: cannot load {p}: {type(e).__name__}: {e}") from None
+    gen_eos: list[int] = []
+    gc = p / "generation_config.json"
+    if gc.is_file():
+        try:
+            e = json.loads(gc.read_text()).get("eos_token_id")
+            gen_eos = [e] if isinstance(e, int) else list(e or [])
+            assert all(isinstance(i, int) and not isinstance(i, bool) for i in gen_eos)
+        except (ValueError, AttributeError, TypeError, AssertionError):
+            raise TokenizerError(f"tokenizer: {gc}: not a generation config whose eos_token_id is a token id "
+                                 "or a list of them") from None
+    return hf, gen_eos
+
+
+def _check_fits(hf, model_vocab_size: int, where: str) -> None:
+    """TokenizerError unless every id of hf (len(hf) of them, and its largest id) has a row in the embedding."""
+    n = len(hf)
+    bound = max(n, max(hf.get_vocab().values(), default=-1) + 1)  # past len when its ids have a hole
+    if n > int(model_vocab_size):
+        raise TokenizerError(f"{where}: the tokenizer has {n} tokens but the model's embedding has "
+                             f"{model_vocab_size} rows; they are not a pair")
+    if bound > int(model_vocab_size):
+        raise TokenizerError(f"{where}: the tokenizer has token id {bound - 1} but the model's embedding has "
+                             f"{model_vocab_size} rows; they are not a pair")
+
+
 def open_tokenizer(path: str | os.PathLike, model_dir: str | os.PathLike | None = None,
-                   template_kwargs: dict | None = None) -> ChatTokenizer:
+                   template_kwargs: dict | None = None, chat: bool = True) -> ChatTokenizer | None:
     """The tokenizer in `path`; with a model directory, also checked against its config's vocabulary size.
-    template_kwargs: actor.chat_template_kwargs, given to every render of the chat template."""
-    tok = ChatTokenizer.load(path, template_kwargs)
+    template_kwargs: actor.chat_template_kwargs, given to every render of the chat template. chat=False (a server or
+    a learner: token ids in and out): only the vocabulary is checked, no chat template needed; returns None."""
+    tok = ChatTokenizer.load(path, template_kwargs) if chat else None
+    hf = tok.hf if tok is not None else _load_hf(path)[0]
     if model_dir is not None:
         cfg = pathlib.Path(model_dir) / "config.json"
         if not cfg.is_file():
             raise TokenizerError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
         d = json.loads(cfg.read_text())
-        vocab = d.get("vocab_size", d.get("text_config", {}).get("vocab_size"))
+        vocab = d.get("vocab_size", (d.get("text_config") or {}).get("vocab_size"))
         if vocab is not None:
-            tok.check_fits(int(vocab), str(model_dir))
+            _check_fits(hf, int(vocab), str(model_dir))
     return tok

@@ -130,6 +130,26 @@ def test_a_tokenizer_whose_ids_have_a_hole_is_checked_by_its_largest_id(tok, tmp
     assert open_tokenizer(tmp_path, tmp_path).eot_id == bound
 
 
+def test_a_server_or_learner_takes_a_base_models_tokenizer_without_a_chat_template(tmp_path):
+    """tars serve / learner / sft --data (token ids in and out) checked the tokenizer of --model with the chat
+    template the actor needs, so a base model (no template) was refused; only its fit matters to them."""
+    from core.model import CausalLM, DecoderConfig
+    from tars import checks
+
+    hf = train_bpe(rendered_corpus([CONV] * 20, "chatml"), 400, "chatml")
+    hf.chat_template = None
+    CausalLM(DecoderConfig(vocab_size=len(hf), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2)).save_hf(tmp_path / "m")
+    save_tokenizer(hf, tmp_path / "m")
+    checks.model_dir(str(tmp_path / "m"), need_tokenizer=False)
+    with pytest.raises(TokenizerError, match="no chat template"):
+        checks.model_dir(str(tmp_path / "m"))
+    conf = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**conf, "vocab_size": len(hf) - 1}))
+    with pytest.raises(TokenizerError, match="not a pair"):  # the fit is still checked
+        checks.model_dir(str(tmp_path / "m"), need_tokenizer=False)
+
+
 def test_unusable_tokenizer_directories_get_clear_errors(tmp_path):
     with pytest.raises(TokenizerError, match="not a directory"):
         ChatTokenizer.load(tmp_path / "nope")
