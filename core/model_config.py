@@ -320,8 +320,10 @@ def _check_sliding(d: dict, mt: str, n_layers: int, max_pos: int) -> None:
             raise _refuse(f"config field 'sliding_window' = {window}: Mistral's sliding-window attention is not "
                           "implemented (a checkpoint with sliding_window null, as Mistral-7B-v0.3 has, is fine)")
         return
-    elif mt == "llama" and d.get("use_sliding_window"):
-        raise _refuse("config field 'use_sliding_window' = true: llama has no sliding-window attention")
+    elif mt == "llama":  # LlamaModel attends to the whole context whatever sliding_window / layer_types say
+        if d.get("use_sliding_window"):
+            raise _refuse("config field 'use_sliding_window' = true: llama has no sliding-window attention")
+        return
     types = d.get("layer_types")
     if types is not None:
         bad = set(types) - {"full_attention", "sliding_attention"}
@@ -330,7 +332,7 @@ def _check_sliding(d: dict, mt: str, n_layers: int, max_pos: int) -> None:
         sliding = "sliding_attention" in types
     else:
         mwl = d.get("max_window_layers")  # qwen2: layers from max_window_layers on (default 28) slide
-        sliding = mt == "llama" or (28 if mwl is None else int(mwl)) < n_layers
+        sliding = (28 if mwl is None else int(mwl)) < n_layers
     if sliding and window is not None:  # even one >= max_position_embeddings: nothing keeps sequences within that
         raise _refuse(f"config field 'sliding_window' = {window} (use_sliding_window): sliding-window attention is not "
                       "implemented (transformers applies the window to any longer sequence, and contexts are not "

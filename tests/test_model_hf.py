@@ -219,6 +219,19 @@ def test_refusals_are_the_same_through_autoconfig(tmp_path, arch, kw, match):
         DecoderConfig.from_hf(transformers.AutoConfig.from_pretrained(tmp_path, local_files_only=True).to_dict())
 
 
+def test_a_llama_config_with_a_sliding_window_is_accepted_as_transformers_ignores_it(tmp_path):
+    """LlamaModel never slides (transformers ignores sliding_window on llama: the same logits with 8 and without);
+    such a config was refused as 'sliding-window attention is not implemented'."""
+    hf = make_hf_model(tmp_path, "llama", shard_bytes=None)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**conf, "sliding_window": 8}))
+    m = CausalLM.load_hf(tmp_path).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    x = ids()
+    with torch.no_grad():
+        assert max_diff(m(x)[0], ref(x).logits) <= TOL and max_diff(ref(x).logits, hf(x).logits) == 0.0
+
+
 def test_harmless_fields_are_accepted(tmp_path):
     # sliding window configured but on no layer: off, or above the last layer
     for kw in (dict(use_sliding_window=False, sliding_window=16), dict(use_sliding_window=False, sliding_window=None),
