@@ -48,6 +48,22 @@ def _alone_after(hf, prefix: str) -> bool:
         list(hf.encode("a", add_special_tokens=False))
 
 
+def _text_only(hf):
+    """A copy of hf's backend tokenizer that extracts no added token from text (every one marked special, special
+    ones left unmatched): what content with a non-special added token's text encodes with; None without a backend."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    spec = json.loads(backend.to_str())
+    for t in spec.get("added_tokens") or ():
+        t["special"] = True
+    out = Tokenizer.from_str(json.dumps(spec))
+    out.encode_special_tokens = True
+    return out
+
+
 class TokenizerError(ValueError):
     """A tokenizer directory that cannot be used: missing files, no chat template, a template the turn rule cannot
     follow, or a vocabulary that does not fit the model."""
@@ -91,6 +107,12 @@ class ChatTokenizer:
         self._mid_text = not _alone_after(hf, _ANCHOR)
         self._specials = sorted((t for t in hf.all_special_tokens + list(hf.get_added_vocab()) if t), key=len,
                                 reverse=True)
+        # Added tokens that are not "special" (ChatML markers added to a base model with add_tokens, Qwen's <think>
+        # and <tool_call>) are matched in text even with special-token parsing off: content holding one is encoded
+        # by a copy of the tokenizer that matches no added token at all (_text_only).
+        added = [t.content for t in getattr(hf, "added_tokens_decoder", {}).values() if not t.special and t.content]
+        self._added_text = re.compile("|".join(map(re.escape, added))) if added else None  # one pass over content
+        self._text_only = False  # built on first need (a copy of a 150k-token vocabulary costs a moment)
         self._eot_text, self._turn_text = self._probe()
         # After a special token a legacy normaliser starts a new segment (the marker comes back), Metaspace's
         # prepend_scheme "first" does not: which one this is, from the end-of-turn token.
@@ -116,30 +138,13 @@ class ChatTokenizer:
     # ---- loading ---------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, template_kwargs: dict | None = None) -> "ChatTokenizer":
-        p = pathlib.Path(path)
-        if not p.is_dir():
-            raise TokenizerError(f"tokenizer: {p} is not a directory (give the checkpoint or tokenizer directory)")
-        if not has_tokenizer(p):
-            raise TokenizerError(f"tokenizer: {p} has no tokenizer.json (or tokenizer.model / vocab.json)")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from transformers import AutoTokenizer
-
-        try:
-            hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        except Exception as e:  # transformers raises many kinds here; the message is what matters
-            raise TokenizerError(f"tokenizer: cannot load {p}: {type(e).__name__}: {e}") from None
-        gen_eos: list[int] = []
-        gc = p / "generation_config.json"
-        if gc.is_file():
-            e = json.loads(gc.read_text()).get("eos_token_id")
-            gen_eos = [e] if isinstance(e, int) else list(e or [])
-        return cls(hf, str(p), gen_eos, template_kwargs)
+        hf, gen_eos = _load_hf(path)
+        return cls(hf, str(pathlib.Path(path)), gen_eos, template_kwargs)
 
     def check_fits(self, model_vocab_size: int, where: str = "") -> None:
-        """Every id the tokenizer can produce must have a row in the model's embedding."""
-        if self.vocab_size > int(model_vocab_size):
-            raise TokenizerError(f"{where or self.path}: the tokenizer has {self.vocab_size} tokens but the model's "
-                                 f"embedding has {model_vocab_size} rows; they are not a pair")
+        """Every id the tokenizer can produce must have a row in the model's embedding (its largest id too, which a
+        tokenizer with a hole in its ids has past len(tokenizer))."""
+        _check_fits(self.hf, model_vocab_size, where or self.path)
 
     # ---- text <-> ids ----------------------------------------------------------------------------------------
     def encode(self, text: str, after: str = "text") -> list[int]:
@@ -148,9 +153,20 @@ class ChatTokenizer:
         content from an environment must not be able to open a new message."""
         return self._encode(text, True, after)
 
-    def _encode(self, text: str, plain: bool, after: str = "text") -> list[int]:
+    def _encode(self, text: str, plain: bool, after: str = "text", added: bool = False) -> list[int]:
         """plain: special-token strings stay text (content); else the template's own text, whose special tokens are
-        meant. Without a space-marker tokenizer (byte-level BPE) the piece is encoded alone, as it is whole."""
+        meant. Without a space-marker tokenizer (byte-level BPE) the piece is encoded alone, as it is whole. added: plain
+        text whose non-special added tokens are meant (an answer: the policy generates them as tokens)."""
+        if plain and not added and self._added_text is not None and self._added_text.search(text):
+            if self._text_only is False:
+                self._text_only = _text_only(self.hf)  # None without a backend tokenizer: encoded as below
+            if self._text_only is not None:
+                enc = self._text_only.encode
+                if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
+                    return list(enc(text, add_special_tokens=False).ids)
+                ids = list(enc(_ANCHOR + text, add_special_tokens=False).ids)
+                n = len(self._anchor)
+                return ids[n:] if ids[:n] == self._anchor else list(enc(text, add_special_tokens=False).ids)
         if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
             return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=plain))
         ids = list(self.hf.encode(_ANCHOR + text, add_special_tokens=False, split_special_tokens=plain))
@@ -262,21 +278,62 @@ class ChatTokenizer:
 
     def answer(self, text: str) -> list[int]:
         """What the policy should generate for an answer text: its ids and the end-of-turn token."""
-        return [*self.encode(text, self._after_prompt), self.eot_id]
+        return [*self._encode(text, True, self._after_prompt, added=True), self.eot_id]
 
+
+
+def _load_hf(path: str | os.PathLike):
+    """(transformers' tokenizer of directory path, the eos ids of its generation_config.json); TokenizerError."""
+    p = pathlib.Path(path)
+    if not p.is_dir():
+        raise TokenizerError(f"tokenizer: {p} is not a directory (give the checkpoint or tokenizer directory)")
+    if not has_tokenizer(p):
+        raise TokenizerError(f"tokenizer: {p} has no tokenizer.json (or tokenizer.model / vocab.json)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds here; the message is what matters
+        raise TokenizerError(f"tokenizer: cannot load {p}: {type(e).__name__}: {e}") from None
+    gen_eos: list[int] = []
+    gc = p / "generation_config.json"
+    if gc.is_file():
+        try:
+            e = json.loads(gc.read_text()).get("eos_token_id")
+            gen_eos = [e] if isinstance(e, int) else list(e or [])
+            assert all(isinstance(i, int) and not isinstance(i, bool) for i in gen_eos)
+        except (ValueError, AttributeError, TypeError, AssertionError):
+            raise TokenizerError(f"tokenizer: {gc}: not a generation config whose eos_token_id is a token id "
+                                 "or a list of them") from None
+    return hf, gen_eos
+
+
+def _check_fits(hf, model_vocab_size: int, where: str) -> None:
+    """TokenizerError unless every id of hf (len(hf) of them, and its largest id) has a row in the embedding."""
+    n = len(hf)
+    bound = max(n, max(hf.get_vocab().values(), default=-1) + 1)  # past len when its ids have a hole
+    if n > int(model_vocab_size):
+        raise TokenizerError(f"{where}: the tokenizer has {n} tokens but the model's embedding has "
+                             f"{model_vocab_size} rows; they are not a pair")
+    if bound > int(model_vocab_size):
+        raise TokenizerError(f"{where}: the tokenizer has token id {bound - 1} but the model's embedding has "
+                             f"{model_vocab_size} rows; they are not a pair")
 
 
 def open_tokenizer(path: str | os.PathLike, model_dir: str | os.PathLike | None = None,
-                   template_kwargs: dict | None = None) -> ChatTokenizer:
+                   template_kwargs: dict | None = None, chat: bool = True) -> ChatTokenizer | None:
     """The tokenizer in `path`; with a model directory, also checked against its config's vocabulary size.
-    template_kwargs: actor.chat_template_kwargs, given to every render of the chat template."""
-    tok = ChatTokenizer.load(path, template_kwargs)
+    template_kwargs: actor.chat_template_kwargs, given to every render of the chat template. chat=False (a server or
+    a learner: token ids in and out): only the vocabulary is checked, no chat template needed; returns None."""
+    tok = ChatTokenizer.load(path, template_kwargs) if chat else None
+    hf = tok.hf if tok is not None else _load_hf(path)[0]
     if model_dir is not None:
         cfg = pathlib.Path(model_dir) / "config.json"
         if not cfg.is_file():
             raise TokenizerError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
         d = json.loads(cfg.read_text())
-        vocab = d.get("vocab_size", d.get("text_config", {}).get("vocab_size"))
+        vocab = d.get("vocab_size", (d.get("text_config") or {}).get("vocab_size"))
         if vocab is not None:
-            tok.check_fits(int(vocab), str(model_dir))
+            _check_fits(hf, int(vocab), str(model_dir))
     return tok

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.model_config import (  # noqa: F401  (re-exported: core.model is where callers look for them)
-    ACCEPTED_CONFIG_FIELDS, DecoderConfig, UnsupportedModel, load_config, rope_inv_freq,
+    ACCEPTED_CONFIG_FIELDS, DecoderConfig, UnsupportedModel, load_config, rope_attention_scaling, rope_inv_freq,
 )
 from core import vision_attention
 from core.model_files import MissingWeights, read_weights, untied_head, write_weights  # noqa: F401
@@ -40,21 +40,21 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """positions [B, T], inv_freq [hd/2] float32 -> cos, sin [B, 1, T, head_dim] (HF's rotate-half convention)."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """positions [B, T], inv_freq [hd/2] fp32 -> cos, sin [B, 1, T, head_dim] (HF's rotate-half), x scale: YaRN's."""
     freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
 
-def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: list[int], dtype: torch.dtype):
+def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: list[int], dtype: torch.dtype, scale=1.0):
     """M-RoPE: positions [3, B, T] (temporal, height, width), inv_freq [hd/2] -> cos, sin [B, 1, T, head_dim]: the
     i-th chunk of `section` over the frequencies takes its angles from positions[i % 3], as transformers'
     Qwen2-VL / Qwen2.5-VL rotary embedding (apply_multimodal_rotary_pos_emb) assembles them."""
     freqs = positions.float()[..., None] * inv_freq  # [3, B, T, hd/2]
     freqs = torch.cat([m[i % 3] for i, m in enumerate(freqs.split(section, dim=-1))], dim=-1)  # [B, T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
 
 def vision_tower(c: DecoderConfig) -> nn.Module:
@@ -189,7 +189,7 @@ class CausalLM(nn.Module):
         # RoPE frequencies, computed once. A plain float32 tensor, not a buffer: model.to(bfloat16) must not round
         # them (transformers keeps them in float32 too); _inv_freq_on keeps one copy per device.
         with torch.device("cpu"):   # real numbers even when the modules are built on the meta device (load_hf)
-            self.inv_freq = rope_inv_freq(c)
+            self.inv_freq, self.rope_scale = rope_inv_freq(c), rope_attention_scaling(c)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
         self.model = Trunk(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -265,9 +265,9 @@ class CausalLM(nn.Module):
         if self.mrope_section is not None:
             if positions.dim() == 2:  # text only: the three components are the same position
                 positions = positions[None].expand(3, B, T)
-            cos, sin = mrope_cos_sin(positions.to(x.device), inv, self.mrope_section, x.dtype)
+            cos, sin = mrope_cos_sin(positions.to(x.device), inv, self.mrope_section, x.dtype, self.rope_scale)
         else:
-            cos, sin = rope_cos_sin(positions, inv, x.dtype)
+            cos, sin = rope_cos_sin(positions, inv, x.dtype, self.rope_scale)
         mask = causal_mask(key_valid, T)
         new = []
         for i, layer in enumerate(self.model.layers):

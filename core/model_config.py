@@ -5,7 +5,7 @@ Mistral causal LMs.
 transformers' Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM / MistralForCausalLM compute for it (or, for
 qwen2_vl / qwen2_5_vl, what their ForConditionalGeneration computes: the same Qwen2 decoder with M-RoPE, plus
 transformers' own vision tower). Anything else is refused with `UnsupportedModel` naming the field: another model_type or architecture, a setting the decoder would silently ignore (a sliding window
-shorter than the context, a RoPE type other than default / linear / llama3, an activation other than SiLU, a
+shorter than the context, a RoPE type other than default / linear / llama3 / yarn, an activation other than SiLU, a
 quantization config, ...), and any field not classified below (ACCEPTED_CONFIG_FIELDS lists every accepted name).
 
 The same checks run whether the dict comes straight from config.json or from transformers' AutoConfig.to_dict()
@@ -14,13 +14,11 @@ The same checks run whether the dict comes straight from config.json or from tra
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 from dataclasses import asdict, dataclass, field
 
-import torch
-
+from core.rope import rope_attention_scaling, rope_inv_freq  # noqa: F401  (re-exported: RoPE's numbers)
 # Which fields are read, ignored, accepted only at a default or refused, transformers' defaults, and the
 # vision-language model types (a Qwen2 decoder with M-RoPE plus transformers' own vision tower): core/model_fields.py
 from core.model_fields import (  # noqa: F401  (re-exported)
@@ -39,7 +37,7 @@ SUPPORTED = ("model_type qwen2 (Qwen2ForCausalLM: Qwen2, Qwen2.5), qwen3 (Qwen3F
 # the older flat layout has them at the top level).
 VL_CONFIG_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 VL_IGNORED_FIELDS = ("vision_token_id", "text_config")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 class UnsupportedModel(ValueError):
     """A checkpoint the decoder would not compute faithfully: another architecture, or a config setting it lacks."""
@@ -70,7 +68,7 @@ class DecoderConfig:
     head_dim: int | None = None            # None: hidden_size // num_attention_heads
     attention_bias: bool = False           # llama, qwen3: bias on q/k/v/o (qwen2: always q/k/v, no o; mistral: none)
     mlp_bias: bool = False                 # llama: bias on gate/up/down (qwen2: never)
-    rope_scaling: dict | None = None       # None (plain RoPE) or {"rope_type": "linear" | "llama3", ...}
+    rope_scaling: dict | None = None       # None (plain RoPE) or {"rope_type": "linear" | "llama3" | "yarn", ...}
     mrope_section: list[int] | None = None  # qwen2_vl / qwen2_5_vl: M-RoPE's (temporal, height, width) split of head_dim/2
     extra: dict = field(default_factory=dict)  # tars_vision, or a VL model's VL_CONFIG_FIELDS
 
@@ -322,8 +320,10 @@ def _check_sliding(d: dict, mt: str, n_layers: int, max_pos: int) -> None:
             raise _refuse(f"config field 'sliding_window' = {window}: Mistral's sliding-window attention is not "
                           "implemented (a checkpoint with sliding_window null, as Mistral-7B-v0.3 has, is fine)")
         return
-    elif mt == "llama" and d.get("use_sliding_window"):
-        raise _refuse("config field 'use_sliding_window' = true: llama has no sliding-window attention")
+    elif mt == "llama":  # LlamaModel attends to the whole context whatever sliding_window / layer_types say
+        if d.get("use_sliding_window"):
+            raise _refuse("config field 'use_sliding_window' = true: llama has no sliding-window attention")
+        return
     types = d.get("layer_types")
     if types is not None:
         bad = set(types) - {"full_attention", "sliding_attention"}
@@ -332,16 +332,20 @@ def _check_sliding(d: dict, mt: str, n_layers: int, max_pos: int) -> None:
         sliding = "sliding_attention" in types
     else:
         mwl = d.get("max_window_layers")  # qwen2: layers from max_window_layers on (default 28) slide
-        sliding = mt == "llama" or (28 if mwl is None else int(mwl)) < n_layers
+        sliding = (28 if mwl is None else int(mwl)) < n_layers
     if sliding and window is not None:  # even one >= max_position_embeddings: nothing keeps sequences within that
         raise _refuse(f"config field 'sliding_window' = {window} (use_sliding_window): sliding-window attention is not "
                       "implemented (transformers applies the window to any longer sequence, and contexts are not "
                       f"bounded by max_position_embeddings {max_pos})")
 
 
-_ROPE_KEYS = {"default": set(), "linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor"}}
+_ROPE_KEYS = {"default": set(), "linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
+              "yarn": {"factor"}}
 _ROPE_OPTIONAL = {"default": set(), "linear": {"original_max_position_embeddings"},  # transformers ignores it for linear
-                  "llama3": {"original_max_position_embeddings"}}
+                  "llama3": {"original_max_position_embeddings"},
+                  "yarn": {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                           "mscale_all_dim", "truncate"}}
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")  # numbers, or absent
 
 
 def _rope_from_hf(d: dict, max_pos: int) -> tuple[float, dict | None]:
@@ -365,7 +369,7 @@ def _rope_from_hf(d: dict, max_pos: int) -> tuple[float, dict | None]:
         return theta, None
     omp = d.get("original_max_position_embeddings")
     out = _rope_scaling(src, max_pos, "rope_parameters" if "rope_parameters" in d and not d.get("rope_scaling") else "rope_scaling")
-    if out is not None and out["rope_type"] == "llama3" and omp is not None:  # a top-level value wins, as in transformers
+    if out is not None and out["rope_type"] in ("llama3", "yarn") and omp is not None:  # a top-level value wins
         out["original_max_position_embeddings"] = int(omp)
     return theta, out
 
@@ -391,27 +395,10 @@ def _rope_scaling(src: dict, max_pos: int, name: str) -> dict | None:
     out = {"rope_type": kind, **{k: float(src[k]) for k in sorted(need)}}
     if not out["factor"] > 0:
         raise _refuse(f"config field {name!r}: factor must be > 0, got {out['factor']}")
-    if kind == "llama3":
+    if kind in ("llama3", "yarn"):  # transformers' default: max_position_embeddings
         out["original_max_position_embeddings"] = int(src.get("original_max_position_embeddings") or max_pos)
+    if kind == "yarn":
+        out.update({k: float(src[k]) for k in _YARN_OPTIONAL if src.get(k) is not None})
+        if src.get("truncate") is not None:
+            out["truncate"] = bool(src["truncate"])
     return out
-
-
-def rope_inv_freq(c: DecoderConfig) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim / 2], float32, computed as transformers' modeling_rope_utils does."""
-    dim, base, s = c.head_dim, c.rope_theta, c.rope_scaling
-    if s is None:  # the models' compute_default_rope_parameters
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
-    factor = s["factor"]
-    if s["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3 (_compute_llama3_parameters), step for step
-    low, high, old_context_len = s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low
-    high_freq_wavelen = old_context_len / high
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low) / (high - low)
-    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)

@@ -17,7 +17,6 @@ k images". Earlier runs get no image.
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import torch
@@ -64,13 +63,13 @@ class PatchEmbed(nn.Module):
 
 
 def image_patches(png: bytes, v: VisionConfig) -> torch.Tensor:
-    """PNG (or any PIL-readable) bytes -> [grid**2, patch_dim] float32 in [0, 1]; ValueError if unreadable."""
-    from PIL import Image, UnidentifiedImageError
+    """PNG (or any PIL-readable) bytes -> [grid**2, patch_dim] float32 in [0, 1]; ValueError if unreadable or too large
+    (core.vlm.MAX_IMAGE_PIXELS)."""
+    from PIL import Image
 
-    try:
-        im = Image.open(io.BytesIO(png)).convert("RGB")
-    except (UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"image is not a readable PNG/JPEG: {e}") from None
+    from core.vlm import open_rgb
+
+    im = open_rgb(png)  # ValueError if unreadable or too large to decode
     side = v.grid * v.patch
     im = im.resize((side, side), Image.BILINEAR)
     x = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(side, side, 3).float() / 255.0

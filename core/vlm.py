@@ -60,15 +60,38 @@ def smart_resize(height: int, width: int, factor: int = IMAGE_FACTOR, min_pixels
     return h, w
 
 
-def png_size(png: bytes) -> tuple[int, int]:
-    """(width, height) of PNG/JPEG bytes; ValueError if unreadable."""
+# The most pixels an image may have (an 8K screen has 33 M): checked from its header before it is decoded, so a
+# small file that decodes to gigabytes (PIL's own limit is a warning up to 179 M pixels) is refused, not decoded.
+MAX_IMAGE_PIXELS = 40_000_000
+
+
+def _open(png: bytes):
+    """The PIL image of PNG/JPEG bytes, not yet decoded; ValueError if unreadable or over MAX_IMAGE_PIXELS."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(png)) as im:
-            return int(im.width), int(im.height)
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:   # the last: a header of >179M pixels
+        im = Image.open(io.BytesIO(png))
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"image is not a readable PNG/JPEG: {e}") from None
+    if im.width * im.height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"image of {im.width}x{im.height} pixels: more than {MAX_IMAGE_PIXELS} (core.vlm.MAX_IMAGE_PIXELS)")
+    return im
+
+
+def open_rgb(png: bytes):
+    """PNG/JPEG bytes -> a decoded RGB PIL image; ValueError if unreadable, cut short or too large (_open)."""
+    from PIL import Image
+
+    try:
+        return _open(png).convert("RGB")
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:  # a file cut short, a broken stream
+        raise ValueError(f"image is not a readable PNG/JPEG: {e}") from None
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) of PNG/JPEG bytes, from the header; ValueError if unreadable or too large (_open)."""
+    im = _open(png)
+    return int(im.width), int(im.height)
 
 
 def is_vl_dir(path: str | os.PathLike) -> bool:
@@ -183,16 +206,10 @@ class VLSpec:
         """PNG/JPEG bytes -> (pixel_values float32 [sum of patches, C*T*P*P], image_grid_thw int64 [n, 3]);
         ValueError if an image is unreadable."""
         import torch
-        from PIL import Image, UnidentifiedImageError
 
         if not pngs:
             return torch.zeros(0, 3 * self.temporal_patch_size * self.patch_size ** 2), torch.zeros(0, 3, dtype=torch.long)
-        ims = []
-        for b in pngs:
-            try:
-                ims.append(Image.open(io.BytesIO(b)).convert("RGB"))
-            except (UnidentifiedImageError, OSError) as e:
-                raise ValueError(f"image is not a readable PNG/JPEG: {e}") from None
+        ims = [open_rgb(b) for b in pngs]
         out = self.processor()(images=ims, return_tensors="pt")
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 

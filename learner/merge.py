@@ -75,9 +75,14 @@ def _arch(d: pathlib.Path) -> dict:
         norm = dict(c)
     if "rope_parameters" not in norm and "rope_theta" in norm:
         norm["rope_parameters"] = {"rope_theta": norm["rope_theta"]}
-    for k in _NOT_ARCH:
-        norm.pop(k, None)
-    return norm
+    return _without_notes(norm)
+
+
+def _without_notes(c: dict) -> dict:
+    """c without the _NOT_ARCH fields, in the nested configs too (a VL model's text_config and vision_config carry
+    their own dtype: the learner's fp32 copy says float32 where the source says nothing)."""
+    return {k: _without_notes(v) if isinstance(v, dict) and k.endswith("_config") else v for k, v in c.items()
+            if k not in _NOT_ARCH}
 
 
 def merge(ckpts: list, weights: list[float], out) -> dict:

@@ -28,9 +28,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what co
 def model_dir(path: str, what: str = "--model", need_tokenizer: bool = True,
               template_kwargs: dict | None = None) -> pathlib.Path:
     """An HF-layout checkpoint directory this code can load, with a tokenizer that fits it. need_tokenizer=False
-    (the learner, the inference server: token ids in, token ids out): a tokenizer that is there must still fit."""
+    (the learner, the inference server: token ids in, token ids out): a tokenizer that is there must still fit; it
+    needs no chat template (a base model's has none)."""
     from core.chat import TokenizerError, open_tokenizer
-    from core.model import load_config
+    from core.model import UnsupportedModel, load_config
 
     p = pathlib.Path(path).expanduser()
     if not p.exists():
@@ -41,12 +42,20 @@ def model_dir(path: str, what: str = "--model", need_tokenizer: bool = True,
     if not (p / "config.json").is_file():
         raise UserError(f"{what} {path}: no config.json here (a checkpoint directory holds config.json + "
                         "model.safetensors + the tokenizer files)")
-    load_config(p)  # UnsupportedModel (a user error) for an architecture this code cannot run
+    try:
+        load_config(p)  # UnsupportedModel (a user error) for an architecture this code cannot run
+    except UnsupportedModel:
+        raise
+    except Exception as e:  # noqa: BLE001 - a config.json that is no model's: bad JSON, wrong types, zero heads, ...
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise UserError(f"{what} {path}: config.json cannot be read as a model config ({type(e).__name__}: "
+                        f"{msg[:300]})") from None
     weights(p, f"{what} {path}")
     if need_tokenizer or any((p / n).is_file() for n in TOKENIZER_FILES):
         try:
-            # a missing tokenizer, one whose vocabulary does not fit the model, a template failing on template_kwargs
-            open_tokenizer(p, p, template_kwargs)
+            # a missing tokenizer, one whose vocabulary does not fit the model, a template failing on template_kwargs;
+            # without need_tokenizer (token ids in and out) only the fit: a base model's needs no chat template
+            open_tokenizer(p, p, template_kwargs, chat=need_tokenizer)
         except TokenizerError as e:
             raise TokenizerError(f"{what} {path}: {e}") from None
     return p.resolve()

@@ -81,7 +81,22 @@ def ckpts(tmp_path_factory):
     good = _checkpoint(d / "good")
     return {"good": good, "notok": _checkpoint(d / "notok", tokenizer=False),
             "small": _checkpoint(d / "small", vocab=64), "file": d / "a-file", "missing": d / "missing",
-            **{how: _damaged(good, d / how, how) for how in ("truncated", "shard", "noweights")}}
+            **{how: _damaged(good, d / how, how) for how in ("truncated", "shard", "noweights")},
+            **{name: _edited(good, d / name, file, text) for name, file, text in (
+                ("badconfig", "config.json", '{"model_type": "qwen2",'),      # a config.json cut short
+                ("zeroheads", "config.json", None),                             # num_attention_heads 0
+                ("badgen", "generation_config.json", '{"eos_token_id": '))}}  # cut short
+
+
+def _edited(good: pathlib.Path, path: pathlib.Path, name: str, text: str | None) -> pathlib.Path:
+    """A copy of the good checkpoint with file `name` replaced by text (None: config.json with 0 attention heads)."""
+    import shutil
+
+    shutil.copytree(good, path)
+    if text is None:
+        text = json.dumps({**json.loads((good / name).read_text()), "num_attention_heads": 0})
+    (path / name).write_text(text)
+    return path
 
 
 # ---- bad paths ---------------------------------------------------------------------------------------------------
@@ -101,7 +116,11 @@ def test_up_model_path_that_cannot_be_used(tmp_path, ckpts, which, needle):
     ("eval", "missing", "not a checkpoint directory"),
     # weights that cannot be read: exit 1 (sft, eval) or a traceback (serve, learner) once loading, before
     *((c, "truncated", "model.safetensors: its header describes") for c in ("sft", "serve", "learner", "eval")),
-    ("serve", "shard", "its header describes"), ("learner", "noweights", "no weights")])
+    ("serve", "shard", "its header describes"), ("learner", "noweights", "no weights"),
+    # a config.json or generation_config.json that is not one: a traceback (serve, learner) or exit 1 before
+    ("serve", "badconfig", "config.json cannot be read as a model config"),
+    ("learner", "zeroheads", "config.json cannot be read as a model config"),
+    ("sft", "badgen", "generation_config.json: not a generation config")])
 def test_model_that_cannot_be_used_every_command(tmp_path, ckpts, cmd, which, needle):
     args = {"sft": ["--out", tmp_path / "o", "--demos", "2"], "serve": [],
             "learner": ["--run-dir", tmp_path / "o"], "eval": ["--suite", "builtin", "--out", tmp_path / "o"]}[cmd]

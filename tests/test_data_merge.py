@@ -323,6 +323,26 @@ def test_merge_reads_sharded_checkpoints(tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "m").chat_template
 
 
+def test_merge_of_a_vl_checkpoint_and_the_learners_publish_of_it(tmp_path):
+    """The usual merge (a base Qwen2.5-VL directory and what the learner published from it) was refused: the
+    learner's config says dtype float32 inside text_config and vision_config, the source says nothing there, and
+    only the top-level dtype was left out of the comparison. Now it merges, and the result is the mean, loading in
+    the engine."""
+    from hf_dirs import make_vl_checkpoint
+    from learner.merge import merge
+
+    make_vl_checkpoint(tmp_path / "base", max_pixels=64 * 28 * 28, min_pixels=4 * 28 * 28)
+    pol = TrainPolicy.load(tmp_path / "base")
+    with torch.no_grad():
+        for p in pol.lm.parameters():
+            p.add_(0.5)
+    pol.save_hf(tmp_path / "pub")
+    merge([tmp_path / "base", tmp_path / "pub"], [0.5, 0.5], tmp_path / "m")
+    a, b = (CausalLM.load_hf(tmp_path / d).state_dict() for d in ("base", "pub"))
+    for k, v in CausalLM.load_hf(tmp_path / "m").state_dict().items():
+        assert torch.allclose(v, 0.5 * a[k] + 0.5 * b[k], atol=1e-6), k
+
+
 def test_demonstrations_clip_observations_as_the_actor_does():
     """SFT prompts are the RL prompts: a demonstration's observation is clipped to the actor's max_obs_tokens."""
     from envd import builtin

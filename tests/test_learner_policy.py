@@ -211,7 +211,7 @@ def test_right_padded_batches_skip_the_padding_mask_and_keep_every_valid_state()
     assert maxdiff(h_holey[holey], pol.hidden(ids, valid)[holey]) > 1e-4   # the hole changed what others attend to
 
 
-@pytest.mark.parametrize("kind", ["llama3", "linear", "mrope"])
+@pytest.mark.parametrize("kind", ["llama3", "linear", "yarn", "mrope"])
 def test_published_configs_carry_the_rope_in_both_transformers_spellings(tmp_path, kind):
     """transformers 5 writes a scaled or multimodal RoPE only as `rope_parameters`; transformers 4 (what SGLang and
     vLLM load a relaunched or exported checkpoint with) reads only `rope_scaling` and `rope_theta`, and without them
@@ -224,8 +224,9 @@ def test_published_configs_carry_the_rope_in_both_transformers_spellings(tmp_pat
     if kind == "mrope":
         make_vl_checkpoint(src)
     else:
-        rope = ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 64} if kind == "llama3" else {"rope_type": "linear", "factor": 2.0})
+        rope = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64}, "linear": {"rope_type": "linear", "factor": 2.0},
+                "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}[kind]
         make_hf_model(src, "llama", rope_scaling=rope, rope_theta=50000.0)
     TrainPolicy.load(src).save_hf(tmp_path / "out")
     d = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -39,6 +39,16 @@ VARIANTS = {
     "qwen3-gqa-untied": ("qwen3", {}),
     "qwen3-attention_bias-tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
     "qwen3-head_dim16-rope-llama3": ("qwen3", {"head_dim": 16, "num_key_value_heads": 1, "rope_scaling": llama3_rope()}),
+    # YaRN as Qwen2.5's and Qwen3's model cards tell users to add it (factor, original_max_position_embeddings), and
+    # with every option transformers reads (attention_factor given, or from mscale / mscale_all_dim; betas; truncate)
+    "qwen2-rope-yarn": ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+                                  "rope_theta": 1e6}),
+    "qwen3-rope-yarn-options": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.7,
+                                                          "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False,
+                                                          "original_max_position_embeddings": 32}, "head_dim": 16}),
+    "llama-rope-yarn-mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.707,
+                                                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 16}}),
+    "mistral-rope-yarn": ("mistral", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}),
     "mistral-gqa": ("mistral", {"rope_theta": 1e6}),
     "mistral-head_dim16-tied": ("mistral", {"head_dim": 16, "tie_word_embeddings": True}),
 }
@@ -171,7 +181,8 @@ BASE = dict(TINY, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
      "sliding_window"),
     (dict(BASE, model_type="llama", architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "foo", "factor": 2.0}),
      "rope type 'foo' is not supported"),
-    (dict(BASE, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), "rope type 'yarn'"),
+    (dict(BASE, rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}), "rope type 'longrope'"),
+    (dict(BASE, rope_scaling={"type": "yarn", "factor": 4.0, "extrapolation": 2}), r"keys \['extrapolation'\]"),
     (dict(BASE, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "'dynamic' is not supported"),
     (dict(BASE, rope_parameters={"rope_type": "linear", "factor": 2.0, "mrope_section": [1, 1]}), "mrope_section"),
     (dict(BASE, hidden_act="gelu"), "hidden_act"),
@@ -194,7 +205,8 @@ def test_unsupported_configs_are_refused_by_name(tmp_path, fields, match):
 @pytest.mark.parametrize("arch,kw,match", [
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding_window"),
     ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic"),
-    ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
+    ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                 "original_max_position_embeddings": 64}), "longrope"),
     ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding_window"),
     ("mistral", dict(sliding_window=64), "sliding_window"),
 ])
@@ -205,6 +217,19 @@ def test_refusals_are_the_same_through_autoconfig(tmp_path, arch, kw, match):
             load_config(tmp_path, via_transformers=via)
     with pytest.raises(UnsupportedModel, match=match):  # transformers' normalised dict is refused the same way
         DecoderConfig.from_hf(transformers.AutoConfig.from_pretrained(tmp_path, local_files_only=True).to_dict())
+
+
+def test_a_llama_config_with_a_sliding_window_is_accepted_as_transformers_ignores_it(tmp_path):
+    """LlamaModel never slides (transformers ignores sliding_window on llama: the same logits with 8 and without);
+    such a config was refused as 'sliding-window attention is not implemented'."""
+    hf = make_hf_model(tmp_path, "llama", shard_bytes=None)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**conf, "sliding_window": 8}))
+    m = CausalLM.load_hf(tmp_path).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    x = ids()
+    with torch.no_grad():
+        assert max_diff(m(x)[0], ref(x).logits) <= TOL and max_diff(ref(x).logits, hf(x).logits) == 0.0
 
 
 def test_harmless_fields_are_accepted(tmp_path):
@@ -299,9 +324,16 @@ MISTRAL_7B_V03 = {
     "vocab_size": 32768}
 
 
+# the long-context settings Qwen2.5's and Qwen3's model cards tell users to add to config.json, verbatim
+QWEN25_YARN = {**QWEN25_05B, "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}}
+QWEN3_YARN = {**QWEN3_4B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+
+
 @pytest.mark.parametrize("conf,head_dim,tied", [(QWEN25_05B, 64, True), (LLAMA32_1B, 64, True),
-                                                 (QWEN3_4B, 128, True), (MISTRAL_7B_V03, 128, False)],
-                         ids=["qwen2.5-0.5b", "llama3.2-1b", "qwen3-4b", "mistral-7b-v0.3"])
+                                                 (QWEN3_4B, 128, True), (MISTRAL_7B_V03, 128, False),
+                                                 (QWEN25_YARN, 64, True), (QWEN3_YARN, 128, True)],
+                         ids=["qwen2.5-0.5b", "llama3.2-1b", "qwen3-4b", "mistral-7b-v0.3", "qwen2.5-yarn",
+                              "qwen3-yarn"])
 def test_published_configs_are_accepted_with_transformers_rope(tmp_path, conf, head_dim, tied):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -319,6 +351,10 @@ def test_published_configs_are_accepted_with_transformers_rope(tmp_path, conf, h
     else:
         ref = ROPE_INIT_FUNCTIONS[kind](hc)[0]
     assert torch.equal(rope_inv_freq(c), ref)  # bit for bit
+    from core.model import rope_attention_scaling
+
+    want = ROPE_INIT_FUNCTIONS[kind](hc)[1] if kind != "default" else 1.0
+    assert rope_attention_scaling(c) == want and (kind == "yarn") == (want != 1.0)  # YaRN's attention factor
 
 
 def test_load_hf_builds_on_meta_and_keeps_ties_and_the_value_head(tmp_path):

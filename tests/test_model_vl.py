@@ -309,3 +309,19 @@ def test_loading_draws_no_random_numbers_and_computes_the_vision_buffers(vl):
         assert want is not None and torch.equal(b, want), k
     want = {k.replace("model.language_model.", "model."): v for k, v in ref.named_parameters()}
     assert torch.equal(m.model.layers[0].mlp.up_proj.weight, want["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_yarn_with_mrope_equals_transformers(tmp_path):
+    """Qwen2.5-VL's long-context setting (rope_scaling {"type": "yarn", "mrope_section", "factor",
+    "original_max_position_embeddings"}): YaRN's frequencies and attention factor on M-RoPE, as transformers."""
+    d = tmp_path / "ckpt"
+    rope = {"type": "yarn", "mrope_section": [2, 1, 1], "factor": 4.0, "original_max_position_embeddings": 32}
+    ref = make_vl_checkpoint(d, max_pixels=64 * 28 * 28, min_pixels=4 * 28 * 28, rope_scaling=rope)
+    spec, tok = VLSpec.load(d), ChatTokenizer.load(d)
+    ids = _prompt(spec, tok, [_size(A), _size(B)])
+    m = CausalLM.load_hf(d).eval()
+    assert m.config.rope_scaling["rope_type"] == "yarn" and m.config.mrope_section == [2, 1, 1] and m.rope_scale > 1
+    pv, thw = spec.pixels([A, B])
+    with torch.no_grad():
+        got, _ = m(torch.tensor([ids]), pixel_values=pv, image_grid_thw=thw)
+    assert (got[0] - _ref_logits(ref, spec, ids, [A, B])).abs().max().item() < 1e-4

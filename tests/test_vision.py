@@ -132,3 +132,37 @@ def test_images_travel_through_the_grpc_front():
 
     r, b, n = asyncio.run(main())
     assert n == 2 and r.logprobs[0] != pytest.approx(b.logprobs[0], abs=1e-6)
+
+
+def _blank_png(w: int, h: int) -> bytes:
+    """A 1-bit grey PNG of w x h pixels: a few kilobytes that decode to w * h pixels (RGB: 3 bytes each)."""
+    import struct
+    import zlib
+
+    def chunk(t: bytes, d: bytes) -> bytes:
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+
+    z = zlib.compressobj(9)
+    row = b"\0" * (1 + (w + 7) // 8)
+    data = b"".join(z.compress(row) for _ in range(h)) + z.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+
+
+def test_an_image_too_large_to_decode_is_a_value_error_before_decoding(engine):
+    """A small PNG whose header says 49 M pixels was decoded whole (150 MB of RGB, then the processor's float copies);
+    one of 196 M raised PIL's DecompressionBombError, which is no ValueError (an UNKNOWN gRPC error, not
+    INVALID_ARGUMENT). Both are ValueErrors now, from the header; a screen-sized image still reads."""
+    from core.vlm import MAX_IMAGE_PIXELS, open_rgb, png_size
+
+    assert png_size(_blank_png(1920, 1080)) == (1920, 1080) and open_rgb(_blank_png(64, 48)).size == (64, 48)
+    for w, h in ((7000, 7000), (14000, 14000)):
+        big = _blank_png(w, h)
+        assert len(big) < 200_000 and w * h > MAX_IMAGE_PIXELS
+        for f in (png_size, open_rgb, lambda b: image_patches(b, V)):
+            with pytest.raises(ValueError, match="more than|readable"):
+                f(big)
+        with pytest.raises(ValueError):
+            engine().submit(PROMPT, GREEDY, images=[big])
+    with pytest.raises(ValueError, match="readable"):
+        open_rgb(_blank_png(640, 480)[:-40])  # cut short inside its data
