@@ -388,7 +388,7 @@ class CausalLM(nn.Module):
         with torch.device("meta"):
             m = cls(config, value_head=value_head)
         try:
-            m.load_weights(sd)
+            m.load_weights(sd, dtype)   # each tensor straight to dtype: a bf16 model never holds an fp32 copy
             del sd
             m._materialise_rest()
         except WeightsMismatch as e:
@@ -421,9 +421,9 @@ class CausalLM(nn.Module):
         if left:
             raise WeightsMismatch(f"{len(left)} tensors neither in the weights nor computed: {left[:5]}")
 
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, sd: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
         """Copy an HF-named state dict in; WeightsMismatch lists missing, unexpected and wrongly shaped tensors.
-        A VL model's tensors may also come with transformers 5's module names (canonical_names)."""
+        VL tensors may carry transformers 5's module names (canonical_names); dtype: a meta-built model's (load_hf)."""
         sd = canonical_names(sd)
         # Old Llama checkpoints carry rotary_emb.inv_freq buffers; transformers ignores them, and so do we.
         sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -443,7 +443,7 @@ class CausalLM(nn.Module):
             for k, v in sd.items():
                 p = params[k]
                 if p.is_meta:   # built on the meta device (load_hf): the tensor becomes the checkpoint's, a copy
-                    new = v.to(p.dtype, copy=True)   # of its own (never a view of a mapped file)
+                    new = v.to(dtype or p.dtype, copy=True)   # of its own (never a view of a mapped file)
                     torch.utils.swap_tensors(p, nn.Parameter(new, requires_grad=p.requires_grad)
                                              if isinstance(p, nn.Parameter) else new)
                 else:
