@@ -187,13 +187,17 @@ class SGLangEngine:
         would run to max_new_tokens on the server. Bounded by the request timeout."""
         deadline = time.monotonic() + self.cfg.sglang_request_timeout_s
         while not self._closed.is_set() and time.monotonic() < deadline:
-            try:
-                http_json(rep.url, "/abort_request", {"rid": rid}, timeout=5.0)
-            except OSError:
-                pass
+            self._send_abort(rep, rid)
             if call.posting != rid:
                 return
             time.sleep(0.2)
+
+    @staticmethod
+    def _send_abort(rep: Replica, rid: str) -> None:
+        try:
+            http_json(rep.url, "/abort_request", {"rid": rid}, timeout=5.0)
+        except OSError:
+            pass
 
     def _rid(self, call: _Call) -> str:
         h = hashlib.sha1(call.trajectory_id.encode()).hexdigest()[:10]
@@ -380,8 +384,8 @@ class SGLangEngine:
         with self._lock:
             calls = list(self._calls.values())
         for c in calls:
-            if c.replica is not None and c.rid:
-                self._abort_rid(c.replica, c.rid)
+            if c.replica is not None and c.rid and c.posting == c.rid:  # one abort each: the engine is going
+                self._send_abort(c.replica, c.rid)
             if not c.future.done():
                 try:
                     c.future.set_exception(EngineClosed("engine closed"))

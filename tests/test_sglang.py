@@ -427,3 +427,17 @@ def test_an_unpaused_update_never_lands_under_a_running_request(servers, models)
         assert st == 200 and r["success"]                                      # nothing running: it lands
     finally:
         s.stop()
+
+
+def test_close_with_a_request_in_flight_aborts_it_and_fails_its_future(servers):
+    """close() used to call _abort_rid with the wrong arguments: a TypeError out of close, the caller's Future never
+    resolved, and the request ran on to max_new_tokens on the server."""
+    from inference_server.engine_types import EngineClosed
+
+    s = servers(weight_version="0", token_delay_s=0.1)  # 200 tokens would take 20 s
+    e = engine([s.url])
+    f = e.submit(PROMPT, SamplingParams(max_new_tokens=200, temperature=1.0), "going")
+    wait_for(lambda: s.reqs)
+    e.close()
+    assert isinstance(f.exception(5), EngineClosed)
+    wait_for(lambda: not s.reqs, timeout=10.0)  # aborted on the server, not 20 s of tokens for nobody
