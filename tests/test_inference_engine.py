@@ -229,6 +229,21 @@ def test_queue_full(engines):
     assert e.metrics()["requests_rejected_queue_full"] == 1
 
 
+def test_requests_cancelled_while_waiting_do_not_fill_the_queue(engines):
+    """A waiting request whose caller gave up (deadline, client gone) used to keep its place until the scheduler had
+    room to take it: with the batch busy, max_queue cancelled requests refused every live one (QueueFull)."""
+    e = engines(make_model(0), start=False, max_queue=2)  # not started: nothing leaves the queue meanwhile
+    p = SamplingParams(max_new_tokens=3, **GREEDY)
+    for f in [e.submit([5, 6], p), e.submit([7], p)]:
+        f.cancel()
+    live = e.submit([8], p)
+    with pytest.raises(QueueFull):  # the queue still holds max_queue live requests at most
+        e.submit([9], p), e.submit([10], p)
+    e.start()
+    assert len(live.result(10).output_ids) == 3
+    assert e.metrics()["requests_cancelled"] == 2
+
+
 @pytest.mark.parametrize("ids,kw,match", [
     ([], {}, "empty"),
     ([1, 300], {}, "outside the vocabulary"),
