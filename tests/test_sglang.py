@@ -441,3 +441,23 @@ def test_close_with_a_request_in_flight_aborts_it_and_fails_its_future(servers):
     e.close()
     assert isinstance(f.exception(5), EngineClosed)
     wait_for(lambda: not s.reqs, timeout=10.0)  # aborted on the server, not 20 s of tokens for nobody
+
+
+def test_requests_cancelled_before_they_start_are_not_kept(servers):
+    """Every submit used to put its call (input_ids and all) on the worker pool's unbounded queue; a caller that gave
+    up (a deadline) left it there until a worker freed up, so with the workers busy, submit-and-cancel grew memory
+    without bound past max_queue. Calls now wait in the engine's own deque and leave it when cancelled."""
+    s = servers(weight_version="0", token_delay_s=0.05)
+    e = engine([s.url], sglang_max_concurrency=2, max_queue=4)
+    try:
+        busy = [e.submit(PROMPT, SamplingParams(max_new_tokens=100, temperature=1.0), f"b{i}") for i in range(2)]
+        wait_for(lambda: len(s.reqs) == 2)
+        for i in range(50):
+            e.submit(PROMPT * 10, SamplingParams(max_new_tokens=4), f"x{i}").cancel()
+        assert e.in_flight() == 2 and e._workers._work_queue.qsize() <= 2
+        live = e.submit(PROMPT, SamplingParams(max_new_tokens=3, temperature=0.0), "live")
+        for f in busy:
+            f.cancel()
+        assert len(live.result(30).output_ids) == 3
+    finally:
+        e.close()
