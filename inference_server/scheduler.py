@@ -105,7 +105,11 @@ class Scheduler:
                 except Exception as e:  # a bug or OOM in one step fails the requests in it, not the engine
                     log.exception("engine step failed")
                     self.stats["step_errors"] += 1
-                    self._fail_active(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
+                    err = RuntimeError(f"engine step failed: {type(e).__name__}: {e}")
+                    self._fail_active(err)
+                    # What this step took and had not admitted or applied yet (resolved ones stay as they are).
+                    for f in [*(r.future for r in work.requests), *(u.future for u in work.updates)]:
+                        _resolve(f, exc=err)
         self.fail_all(EngineClosed("engine closed"))
 
     def apply_pending(self) -> None:

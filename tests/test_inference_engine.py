@@ -244,6 +244,23 @@ def test_requests_cancelled_while_waiting_do_not_fill_the_queue(engines):
     assert e.metrics()["requests_cancelled"] == 2
 
 
+def test_a_failed_step_fails_the_requests_it_took_instead_of_losing_them(engines):
+    """A failure while the scheduler admitted what it took (an OOM copying a cached prefix) failed only the requests
+    already running or admitted: the one being admitted and those after it were never resolved, so their callers
+    waited forever (a Generate without a deadline hung)."""
+    e = engines(make_model(0), start=False)
+    real = e._sched.cache.get
+    e._sched.cache.get = lambda key: (_ for _ in ()).throw(RuntimeError("out of memory")) if key == "bad" else real(key)
+    p = SamplingParams(max_new_tokens=3, **GREEDY)
+    futs = [e.submit([5, 6, 7], p, t) for t in ("bad", "next")]
+    e.start()
+    for f in futs:
+        with pytest.raises(RuntimeError, match="engine step failed: RuntimeError: out of memory"):
+            f.result(10)
+    assert len(e.generate([5, 6, 7], p, "fine").output_ids) == 3  # the engine goes on
+    assert e.metrics()["step_errors"] == 1
+
+
 @pytest.mark.parametrize("ids,kw,match", [
     ([], {}, "empty"),
     ([1, 300], {}, "outside the vocabulary"),
