@@ -3,8 +3,8 @@
 Standard library only (http.client, through inference_server.sglang_http, in a bounded thread pool), importable
 without the `sglang` package.
 
-- Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true, logprob_start_len: -1} with
-  ignore_eos (tars passes its stop ids explicitly, as LocalEngine does) and top_k -1 for "off".
+- Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true, logprob_start_len: -1}, top_k
+  -1 for "off"; never ignore_eos, which turns stop_token_ids off too (so the model's EOS ids also end a generation).
 - Partial rollouts: a weight update is pause_generation(mode) -> update_weights_from_disk(weight_version) ->
   continue_generation on every replica. A request that comes back with finish_reason "abort" (pause mode "abort",
   an operator's abort, or a replica that died mid-request) is resumed: re-submitted with input_ids + the tokens it
@@ -251,7 +251,7 @@ class SGLangEngine:
                 "rid": call.rid, "input_ids": call.input_ids + call.out, "return_logprob": True, "logprob_start_len": -1,
                 "sampling_params": {"max_new_tokens": remaining, "temperature": p.temperature,
                                     "top_p": p.top_p if p.top_p > 0 else 1.0, "top_k": p.top_k if p.top_k > 0 else -1,
-                                    "stop_token_ids": list(p.stop_token_ids), "ignore_eos": True, "no_stop_trim": True,
+                                    "stop_token_ids": list(p.stop_token_ids), "ignore_eos": False, "no_stop_trim": True,
                                     **({"sampling_seed": p.seed} if p.seed else {})},
             }
             call.posting = call.rid

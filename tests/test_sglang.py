@@ -89,9 +89,13 @@ def test_generate_shapes_logprobs_and_finish_reasons(servers, models):
     assert m["id"] == "r1" and m["finish_reason"] == {"type": "length", "length": 10}
     assert (m["prompt_tokens"], m["completion_tokens"], m["weight_version"]) == (20, 10, "default")
     assert m["weight_versions"] == [{"version": "default", "start": 0, "end": 10}]
-    # A stop token ends the output (kept in it) with {"type": "stop", "matched": id}; top_k 0 is rejected (400).
-    st, r = http_json(s.url, "/generate", gen_body(None, 10, stop_token_ids=[ref_ids[2]]))
+    # A stop token ends the output (kept in it) with {"type": "stop", "matched": id}; ignore_eos turns stop_token_ids
+    # off too, as SGLang's Req._check_token_based_finish does; top_k 0 is rejected (400).
+    assert 1 not in ref_ids[:3]  # the model's EOS (config eos_token_id 1) would end it first
+    st, r = http_json(s.url, "/generate", gen_body(None, 10, stop_token_ids=[ref_ids[2]], ignore_eos=False))
     assert r["output_ids"] == ref_ids[:3] and r["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref_ids[2]}
+    st, r = http_json(s.url, "/generate", gen_body(None, 10, stop_token_ids=[ref_ids[2]]))
+    assert r["output_ids"] == ref_ids and r["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
     assert http_json(s.url, "/generate", gen_body(None, 4, top_k=0))[0] == 400
     st, info = http_json(s.url, "/get_model_info")
     assert st == 200 and info["weight_version"] == "default"
