@@ -259,7 +259,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def UpdateWeightsStream(self, request_iterator, context):
         shapes = getattr(self.engine, "weight_shapes", None)
         if shapes is None:
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "this engine loads weights from disk only: use UpdateWeights with a path")
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "this engine takes no streamed weights: use UpdateWeights with a path (or a shm segment)")
         asm = Assembler(shapes)
         remaining = context.time_remaining()
 
