@@ -465,3 +465,26 @@ def test_requests_cancelled_before_they_start_are_not_kept(servers):
         assert len(live.result(30).output_ids) == 3
     finally:
         e.close()
+
+
+def test_a_pause_that_fails_is_continued_all_the_same(servers, models):
+    """A /pause_generation that timed out (SGLang's abort-mode pause waits for in-flight requests to clear) or failed
+    returned before continue_generation was sent: the server stayed paused, answered no /health_generate, so no
+    health round let it back in: the replica was lost for good (every replica, with one)."""
+    from inference_server.engine_types import WeightLoadError
+
+    s = servers(weight_version="0", health_timeout_s=1.0)
+    real, release = s.pause, threading.Event()
+    s.pause = lambda mode: real(mode) or release.wait(10)
+    e = engine([s.url])
+    try:
+        with pytest.raises(WeightLoadError, match="TimeoutError|timed out"):
+            e.update_weights(1, models["b"], timeout=0.5)
+        wait_for(lambda: s.paused is None, timeout=10.0)
+        release.set()
+        e.check_health()
+        assert e.healthy() and e.version == 0
+        assert len(e.generate(PROMPT, SamplingParams(max_new_tokens=3, temperature=0.0), "after").output_ids) == 3
+    finally:
+        release.set()
+        e.close()
