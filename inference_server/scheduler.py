@@ -136,8 +136,11 @@ class Scheduler:
     # ---- weights -------------------------------------------------------------------------------------
     def _apply(self, u: WeightUpdate) -> None:
         t0 = time.monotonic()
+        # The update's own reference to its weights goes now: the loop keeps `work` (this update in it) until its next
+        # take, which an idle engine may not do for hours, and the copy (or a mapped shm segment) would stay in memory.
+        sd, u.state_dict = u.state_dict, {}
         try:
-            self.model.load_weights(u.state_dict)
+            self.model.load_weights(sd)
         except Exception as e:  # checked by the caller already; a failure here leaves the old weights' version
             _resolve(u.future, exc=e)
             return

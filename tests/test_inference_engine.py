@@ -203,6 +203,22 @@ def test_prefix_cache_respects_versions(engines):
     assert a2.output_ids == ref_greedy(new, pa + a1.output_ids + [5], 6)[0]
 
 
+def test_installed_weights_are_not_kept_by_an_idle_engine(engines):
+    """The scheduler loop held the last update (its whole state dict, or the mapping of a shm segment) until its next
+    take, which an idle engine does only when a request comes: one extra copy of the weights for as long as it idles."""
+    import gc
+    import weakref
+
+    from core.proc import wait_for
+
+    e = engines(make_model(0))
+    sd = make_model(1).hf_state_dict()
+    ref = weakref.ref(next(iter(sd.values())))
+    assert e.update_weights(1, state_dict=sd)["version"] == 1
+    del sd
+    wait_for(lambda: gc.collect() >= 0 and ref() is None, 10, "the update's tensors freed", every=0.05)
+
+
 def test_update_weights_errors(engines, tmp_path):
     e = engines(make_model(0), version=3)
     with pytest.raises(ValueError, match="not newer"):
