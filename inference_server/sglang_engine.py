@@ -154,9 +154,9 @@ class SGLangEngine:
         params = params or SamplingParams()
         input_ids = [int(t) for t in input_ids]
         self.validate(input_ids, params)
-        if self._closed.is_set():
-            raise EngineClosed("engine closed")
-        with self._lock:
+        with self._lock:  # closed is looked at under the lock close() takes its snapshot of the calls under
+            if self._closed.is_set():
+                raise EngineClosed("engine closed")
             if len(self._calls) >= self.cfg.max_queue:
                 self.stats["rejected_queue_full"] += 1
                 raise QueueFull(f"{len(self._calls)} requests in flight (max_queue={self.cfg.max_queue})")
