@@ -179,6 +179,13 @@ class _Handler(BaseHTTPRequestHandler):
             while not r.done.wait(0.5):
                 if s.closed:
                     return self._error(503, "server closed")
+            fr = r.finish or {}
+            # An abort the scheduler gave a status is no 200 (tokenizer_manager._wait_one_response): 400 raises the
+            # ValueError /generate answers {"error": {"message"}} for, 500 / 503 an HTTPException {"detail"}.
+            if fr.get("type") == "abort" and fr.get("status_code") == 400:
+                return self._send(400, {"error": {"message": fr.get("message")}})
+            if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
+                return self._send(fr["status_code"], {"detail": fr.get("message")})
             return self._send(200, s.response(r))
         # Server-sent events, each chunk cumulative (SGLang's default, non-incremental streaming), then [DONE].
         self.send_response(200)

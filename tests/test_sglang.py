@@ -488,3 +488,17 @@ def test_a_pause_that_fails_is_continued_all_the_same(servers, models):
     finally:
         release.set()
         e.close()
+
+
+def test_a_generation_the_server_fails_is_a_5xx_as_in_sglang(servers):
+    """SGLang's tokenizer manager turns a scheduler abort with status 500/503 into an HTTPException (the client takes
+    the replica out and resumes elsewhere); the stand-in answered 200 with that abort as the finish reason, so the
+    client resumed on the same replica, and tests never took the real path."""
+    s = servers(weight_version="0")
+
+    def broken(key):
+        raise RuntimeError("device lost")
+
+    s.engine._sched.cache.get = broken
+    st, r = http_json(s.url, "/generate", gen_body("dies", 4))
+    assert st == 500 and "device lost" in r["detail"], (st, r)
