@@ -5,7 +5,8 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   meta_info{id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, weight_versions,
   output_token_logprobs [[lp, id, None]]}}. finish_reason is {"type": "stop", "matched": id} | {"type": "length",
   "length": n} | {"type": "abort", "message", "status_code", "err_type"}; an aborted request answers 200 with its
-  partial output (one the server failed, abort status 500 / 503, answers that status {"detail": message}). EOS and stop_token_ids stop generation unless sampling_params.ignore_eos (which turns both off);
+  partial output (one the server failed, abort status 500 / 503, answers that status {"detail": message}); a
+  request whose client disconnected is aborted. EOS and stop_token_ids stop generation unless sampling_params.ignore_eos (which turns both off);
   top_k -1 = off (0 is rejected); temperature 0 = greedy. weight_versions are run-length spans {version, start, end} (end exclusive) over the output tokens.
 - POST /abort_request {rid | abort_all}: the scheduler aborts every request whose rid STARTS WITH the given rid. With
   one tokenizer worker (SGLang's default) the tokenizer manager first drops the abort unless the rid itself is in

@@ -502,3 +502,20 @@ def test_a_generation_the_server_fails_is_a_5xx_as_in_sglang(servers):
     s.engine._sched.cache.get = broken
     st, r = http_json(s.url, "/generate", gen_body("dies", 4))
     assert st == 500 and "device lost" in r["detail"], (st, r)
+
+
+def test_a_request_whose_client_went_away_is_aborted_as_in_sglang(servers):
+    """SGLang aborts a /generate whose HTTP client disconnected; the stand-in generated on to max_new_tokens for
+    nobody (the client's own timeout, resumed elsewhere, left its old request running here)."""
+    import json
+    import socket
+
+    s = servers(weight_version="0", token_delay_s=0.1)  # 200 tokens would take 20 s
+    host, port = s.url.split("//")[1].split(":")
+    data = json.dumps(gen_body("gone", 200)).encode()
+    c = socket.create_connection((host, int(port)), timeout=5)
+    c.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(data)).encode() + b"\r\n\r\n" + data)
+    wait_for(lambda: s.reqs)
+    c.close()
+    wait_for(lambda: not s.reqs, timeout=10.0)
