@@ -105,7 +105,11 @@ class Scheduler:
                 except Exception as e:  # a bug or OOM in one step fails the requests in it, not the engine
                     log.exception("engine step failed")
                     self.stats["step_errors"] += 1
-                    self._fail_active(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
+                    err = RuntimeError(f"engine step failed: {type(e).__name__}: {e}")
+                    self._fail_active(err)
+                    # What this step took and had not admitted or applied yet (resolved ones stay as they are).
+                    for f in [*(r.future for r in work.requests), *(u.future for u in work.updates)]:
+                        _resolve(f, exc=err)
         self.fail_all(EngineClosed("engine closed"))
 
     def apply_pending(self) -> None:
@@ -132,8 +136,11 @@ class Scheduler:
     # ---- weights -------------------------------------------------------------------------------------
     def _apply(self, u: WeightUpdate) -> None:
         t0 = time.monotonic()
+        # The update's own reference to its weights goes now: the loop keeps `work` (this update in it) until its next
+        # take, which an idle engine may not do for hours, and the copy (or a mapped shm segment) would stay in memory.
+        sd, u.state_dict = u.state_dict, {}
         try:
-            self.model.load_weights(u.state_dict)
+            self.model.load_weights(sd)
         except Exception as e:  # checked by the caller already; a failure here leaves the old weights' version
             _resolve(u.future, exc=e)
             return

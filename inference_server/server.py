@@ -65,6 +65,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def _engine_submit(self, request, on_token=None):
         """engine.submit for one GenerateRequest -> its concurrent Future; raises what submit raises (ValueError,
         QueueFull, EngineClosed: answers.SUBMIT_ERRORS)."""
+        # Sizes first, before anything walks the ids on this event loop: a prompt of millions of ids (the message
+        # limit is sized for inline weights) took seconds to list and validate, with every other call waiting.
+        n, k, vocab = len(request.input_ids), len(request.sampling.stop_token_ids), getattr(self.engine, "vocab_size", None)
+        if n > self.cfg.max_context:
+            raise ValueError(f"prompt ({n} tokens) exceeds max_context {self.cfg.max_context}")
+        if vocab and k > vocab:
+            raise ValueError(f"{k} stop_token_ids: more than the vocabulary's {vocab} tokens")
         kw = {}
         if request.images:
             if getattr(self.engine, "accepts_images", False):
@@ -252,7 +259,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def UpdateWeightsStream(self, request_iterator, context):
         shapes = getattr(self.engine, "weight_shapes", None)
         if shapes is None:
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "this engine loads weights from disk only: use UpdateWeights with a path")
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "this engine takes no streamed weights: use UpdateWeights with a path (or a shm segment)")
         asm = Assembler(shapes)
         remaining = context.time_remaining()
 

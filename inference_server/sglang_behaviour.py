@@ -5,8 +5,9 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   meta_info{id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, weight_versions,
   output_token_logprobs [[lp, id, None]]}}. finish_reason is {"type": "stop", "matched": id} | {"type": "length",
   "length": n} | {"type": "abort", "message", "status_code", "err_type"}; an aborted request answers 200 with its
-  partial output. EOS stops generation unless sampling_params.ignore_eos; top_k -1 = off (0 is rejected); temperature
-  0 = greedy. weight_versions are run-length spans {version, start, end} (end exclusive) over the output tokens.
+  partial output (one the server failed, abort status 500 / 503, answers that status {"detail": message}); a
+  request whose client disconnected is aborted. EOS and stop_token_ids stop generation unless sampling_params.ignore_eos (which turns both off);
+  top_k -1 = off (0 is rejected); temperature 0 = greedy. weight_versions are run-length spans {version, start, end} (end exclusive) over the output tokens.
 - POST /abort_request {rid | abort_all}: the scheduler aborts every request whose rid STARTS WITH the given rid. With
   one tokenizer worker (SGLang's default) the tokenizer manager first drops the abort unless the rid itself is in
   flight; `tokenizer_workers > 1` skips that guard, as SGLang does.
@@ -139,9 +140,8 @@ class SGLangBehaviour:
         stop_ids = sp.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
             raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids, got {stop_ids!r:.80}")
-        stops = set(stop_ids)
-        if not sp.get("ignore_eos", False):
-            stops.update(self.eos)
+        # SGLang (Req._check_token_based_finish) checks stop_token_ids and EOS together, and not at all with ignore_eos.
+        stops = set() if sp.get("ignore_eos", False) else {*stop_ids, *self.eos}
         # max_new_tokens null (not absent: 128): up to the context, as SGLang's scheduler takes it
         null_budget = "max_new_tokens" in (raw or {}) and "max_new_tokens" not in sp
         budget = self.engine.cfg.max_context - len(ids) if null_budget else num("max_new_tokens", int, 128)

@@ -95,6 +95,18 @@ class _Handler(BaseHTTPRequestHandler):
             raise ValueError("the body must be a JSON object")
         return body
 
+    def _client_gone(self) -> bool:
+        """The client closed its end: the socket reads as end-of-file (a request body is read whole before)."""
+        import select
+        import socket
+
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def _error(self, code: int, msg: str) -> None:
         self._send(code, {"object": "error", "message": msg, "type": "BadRequestError" if code < 500 else "InternalServerError", "param": None, "code": code})
 
@@ -179,6 +191,18 @@ class _Handler(BaseHTTPRequestHandler):
             while not r.done.wait(0.5):
                 if s.closed:
                     return self._error(503, "server closed")
+                if self._client_gone():  # SGLang aborts a request whose client disconnected (_wait_one_response)
+                    with s.cv:
+                        if r.finish is None:
+                            s._abort(r, "Request is disconnected from the client side")
+                    return
+            fr = r.finish or {}
+            # An abort the scheduler gave a status is no 200 (tokenizer_manager._wait_one_response): 400 raises the
+            # ValueError /generate answers {"error": {"message"}} for, 500 / 503 an HTTPException {"detail"}.
+            if fr.get("type") == "abort" and fr.get("status_code") == 400:
+                return self._send(400, {"error": {"message": fr.get("message")}})
+            if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
+                return self._send(fr["status_code"], {"detail": fr.get("message")})
             return self._send(200, s.response(r))
         # Server-sent events, each chunk cumulative (SGLang's default, non-incremental streaming), then [DONE].
         self.send_response(200)

@@ -3,8 +3,8 @@
 Standard library only (http.client, through inference_server.sglang_http, in a bounded thread pool), importable
 without the `sglang` package.
 
-- Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true, logprob_start_len: -1} with
-  ignore_eos (tars passes its stop ids explicitly, as LocalEngine does) and top_k -1 for "off".
+- Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true, logprob_start_len: -1}, top_k
+  -1 for "off"; never ignore_eos, which turns stop_token_ids off too (so the model's EOS ids also end a generation).
 - Partial rollouts: a weight update is pause_generation(mode) -> update_weights_from_disk(weight_version) ->
   continue_generation on every replica. A request that comes back with finish_reason "abort" (pause mode "abort",
   an operator's abort, or a replica that died mid-request) is resumed: re-submitted with input_ids + the tokens it
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from core.config import InferenceConfig
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
                                            check_finite)
-from inference_server.sglang_http import http_json, token_versions
+from inference_server.sglang_http import http_json, post_abort, token_versions
 from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool
 
 log = logging.getLogger("tars.inference.sglang")
@@ -86,7 +86,12 @@ class SGLangEngine:
         self._calls: dict[int, _Call] = {}
         self._closed = threading.Event()
         self.started = time.monotonic()
-        self._workers = ThreadPoolExecutor(max_workers=max(2, cfg.sglang_max_concurrency), thread_name_prefix="tars-sglang")
+        self._max_runners = max(2, cfg.sglang_max_concurrency)
+        self._workers = ThreadPoolExecutor(max_workers=self._max_runners, thread_name_prefix="tars-sglang")
+        # Calls not started, taken in order by at most _max_runners runners (_runner); one cancelled while waiting
+        # leaves at once: waiting calls are bounded by max_queue, the executor's queue by _max_runners.
+        self._waiting: collections.deque[_Call] = collections.deque()
+        self._runners = 0
         if health_thread:
             self.pool.start_health_thread()
 
@@ -149,9 +154,9 @@ class SGLangEngine:
         params = params or SamplingParams()
         input_ids = [int(t) for t in input_ids]
         self.validate(input_ids, params)
-        if self._closed.is_set():
-            raise EngineClosed("engine closed")
-        with self._lock:
+        with self._lock:  # closed is looked at under the lock close() takes its snapshot of the calls under
+            if self._closed.is_set():
+                raise EngineClosed("engine closed")
             if len(self._calls) >= self.cfg.max_queue:
                 self.stats["rejected_queue_full"] += 1
                 raise QueueFull(f"{len(self._calls)} requests in flight (max_queue={self.cfg.max_queue})")
@@ -159,8 +164,12 @@ class SGLangEngine:
             call = _Call(self._seq, input_ids, params, trajectory_id, Future(), on_token, prompt_tokens=len(input_ids))
             self._calls[call.seq] = call
             self.stats["requests"] += 1
+            self._waiting.append(call)
+            start = self._runners < self._max_runners
+            self._runners += start
         call.future.add_done_callback(lambda f, c=call: self._on_done(c, f))
-        self._workers.submit(self._run, call)
+        if start:
+            self._workers.submit(self._runner)
         return call.future
 
     def generate(self, input_ids, params=None, trajectory_id="", max_stale_versions=None, timeout: float | None = 60.0) -> GenerateOutput:
@@ -174,12 +183,13 @@ class SGLangEngine:
     def _on_done(self, call: _Call, f: Future) -> None:
         with self._lock:
             self._calls.pop(call.seq, None)
+            if f.cancelled() and call in self._waiting:  # not started: it goes now, with its tokens
+                self._waiting.remove(call)
         if f.cancelled():
             self.stats["cancelled"] += 1
             rep, rid = call.replica, call.rid
             if rep is not None and rid and not self._closed.is_set():
-                threading.Thread(target=self._abort_rid, args=(call, rep, rid), name="tars-sglang-abort",
-                                 daemon=True).start()
+                threading.Thread(target=self._abort_rid, args=(call, rep, rid), name="tars-sglang-abort", daemon=True).start()
 
     def _abort_rid(self, call: _Call, rep: Replica, rid: str) -> None:
         """Abort `rid` until its /generate returns: one abort can be lost (SGLang drops an abort for a rid its
@@ -187,10 +197,7 @@ class SGLangEngine:
         would run to max_new_tokens on the server. Bounded by the request timeout."""
         deadline = time.monotonic() + self.cfg.sglang_request_timeout_s
         while not self._closed.is_set() and time.monotonic() < deadline:
-            try:
-                http_json(rep.url, "/abort_request", {"rid": rid}, timeout=5.0)
-            except OSError:
-                pass
+            post_abort(rep.url, rid)
             if call.posting != rid:
                 return
             time.sleep(0.2)
@@ -200,6 +207,15 @@ class SGLangEngine:
         return f"{self.uid}-{h}-{call.seq:012d}-{call.segment:04d}"
 
     # ---- the per-request loop (a worker thread) ------------------------------------------------------
+    def _runner(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting or self._closed.is_set():
+                    self._runners -= 1
+                    return
+                call = self._waiting.popleft()
+            self._run(call)
+
     def _run(self, call: _Call) -> None:
         try:
             out = self._generate(call)
@@ -235,7 +251,7 @@ class SGLangEngine:
                 "rid": call.rid, "input_ids": call.input_ids + call.out, "return_logprob": True, "logprob_start_len": -1,
                 "sampling_params": {"max_new_tokens": remaining, "temperature": p.temperature,
                                     "top_p": p.top_p if p.top_p > 0 else 1.0, "top_k": p.top_k if p.top_k > 0 else -1,
-                                    "stop_token_ids": list(p.stop_token_ids), "ignore_eos": True, "no_stop_trim": True,
+                                    "stop_token_ids": list(p.stop_token_ids), "ignore_eos": False, "no_stop_trim": True,
                                     **({"sampling_seed": p.seed} if p.seed else {})},
             }
             call.posting = call.rid
@@ -380,8 +396,8 @@ class SGLangEngine:
         with self._lock:
             calls = list(self._calls.values())
         for c in calls:
-            if c.replica is not None and c.rid:
-                self._abort_rid(c.replica, c.rid)
+            if c.replica is not None and c.rid and c.posting == c.rid:  # one abort each: the engine is going
+                post_abort(c.replica.url, c.rid)
             if not c.future.done():
                 try:
                     c.future.set_exception(EngineClosed("engine closed"))

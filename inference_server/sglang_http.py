@@ -30,6 +30,14 @@ def http_json(url: str, path: str, body: dict | None = None, timeout: float = 30
         conn.close()
 
 
+def post_abort(url: str, rid: str) -> None:
+    """POST /abort_request {rid}; a server that does not answer is left alone (it has no request to stop then)."""
+    try:
+        http_json(url, "/abort_request", {"rid": rid}, timeout=5.0)
+    except OSError:
+        pass
+
+
 def parse_version(v, default: int) -> int:
     """A server's weight_version string as a tars version; `default` for a non-integer one ("default")."""
     try:

@@ -166,13 +166,16 @@ class ReplicaPool:
 
     def _update_one(self, rep: Replica, version: int, path: str | None, timeout: float,
                     tensors: tuple[list[str], object] | None = None) -> str:
-        """'' on success, else the reason. Always tries to continue generation, even after a failed load."""
+        """'' on success, else the reason. Always tries to continue generation, even after a failed load or a pause
+        that failed or timed out (the server may be paused all the same: it would answer no /health_generate, so no
+        health round would ever let it back in)."""
         err = ""
         try:
-            s, r = http_json(rep.url, "/pause_generation", {"mode": self.cfg.sglang_pause_mode}, timeout=timeout)
-            if s != 200:
-                return f"pause_generation: HTTP {s}: {r}"
             try:
+                s, r = http_json(rep.url, "/pause_generation", {"mode": self.cfg.sglang_pause_mode}, timeout=timeout)
+                if s != 200:
+                    err = f"pause_generation: HTTP {s}: {r}"
+                    return err
                 common = {"weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
                 if tensors is not None:
                     route, body = "/update_weights_from_tensor", {"serialized_named_tensors": tensors[0], "load_format": None, **common}

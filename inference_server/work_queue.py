@@ -3,7 +3,8 @@
 Callers (any thread) put requests and weight updates in; the one scheduler thread waits for work and takes it out
 between two steps. Everything here happens under one condition variable, so a take sees the requests and updates
 that arrived before it together, in one consistent snapshot. The request side is bounded (max_requests, then
-QueueFull); weight updates are few by construction (update_weights serialises them) and always accepted.
+QueueFull; requests cancelled while waiting give their places up first); weight updates are few by construction
+(update_weights serialises them) and always accepted.
 Accepted and refused requests are counted into the engine's stats under the same lock, so the counts never lag
 behind what the scheduler has already seen (and concurrent submitters never lose a count).
 """
@@ -39,6 +40,12 @@ class WorkQueue:
         with self._cv:
             if self._closed:
                 raise EngineClosed("engine closed")
+            if len(self._requests) >= self.max_requests:
+                # Requests their callers cancelled while waiting (a deadline passed, the client went away) would
+                # hold their places until the scheduler has room to take them: they go now, not a live request.
+                live = collections.deque(r for r in self._requests if not r.future.cancelled())
+                self.stats["cancelled"] += len(self._requests) - len(live)
+                self._requests = live
             if len(self._requests) >= self.max_requests:
                 self.stats["rejected_queue_full"] += 1
                 raise QueueFull(f"{len(self._requests)} requests waiting (max_queue={self.max_requests})")

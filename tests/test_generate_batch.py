@@ -15,6 +15,7 @@ from core import rpc
 from core.inference_client import InferenceClient
 from core.v1 import inference_pb2, inference_pb2_grpc
 from inference_server.server import InferenceServicer
+from envd_compliance import until
 from test_inference_engine import rand_prompt
 from test_inference_server import Servers, run
 
@@ -102,11 +103,21 @@ def test_each_request_keeps_its_own_status_and_deadline():
 def test_results_that_finish_together_share_a_message():
     async def main():
         async with Servers() as s:
-            _, _, addr = await s.start()
+            # The engine starts once the whole batch waits in its queue: started at once, it took the first requests
+            # before the others were submitted, their prefills fell on different steps, and on a loaded host each
+            # result could finish on its own step (33 messages).
+            _, eng, addr = await s.start(start_engine=False)
             ch = rpc.channel(addr)
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
             reqs = [_req([1 + i % 7, 2, 3], n=16) for i in range(32)] + [_req([9, 9], n=48)]
-            msgs = [m async for m in stub.GenerateBatch(inference_pb2.GenerateBatchRequest(requests=reqs), timeout=30)]
+
+            async def read():
+                return [m async for m in stub.GenerateBatch(inference_pb2.GenerateBatchRequest(requests=reqs), timeout=30)]
+
+            reading = asyncio.create_task(read())
+            await until(lambda: eng.metrics()["waiting"] == 33, "the batch queued")
+            eng.start()
+            msgs = await reading
             seen = [it.index for m in msgs for it in m.items]
             assert sorted(seen) == list(range(33))
             assert len(msgs) < 16  # the 32 short ones finish on a few decode steps, not one message each

@@ -203,6 +203,22 @@ def test_prefix_cache_respects_versions(engines):
     assert a2.output_ids == ref_greedy(new, pa + a1.output_ids + [5], 6)[0]
 
 
+def test_installed_weights_are_not_kept_by_an_idle_engine(engines):
+    """The scheduler loop held the last update (its whole state dict, or the mapping of a shm segment) until its next
+    take, which an idle engine does only when a request comes: one extra copy of the weights for as long as it idles."""
+    import gc
+    import weakref
+
+    from core.proc import wait_for
+
+    e = engines(make_model(0))
+    sd = make_model(1).hf_state_dict()
+    ref = weakref.ref(next(iter(sd.values())))
+    assert e.update_weights(1, state_dict=sd)["version"] == 1
+    del sd
+    wait_for(lambda: gc.collect() >= 0 and ref() is None, 10, "the update's tensors freed", every=0.05)
+
+
 def test_update_weights_errors(engines, tmp_path):
     e = engines(make_model(0), version=3)
     with pytest.raises(ValueError, match="not newer"):
@@ -227,6 +243,38 @@ def test_queue_full(engines):
     e.start()
     assert all(len(f.result(10).output_ids) == 3 for f in futs)
     assert e.metrics()["requests_rejected_queue_full"] == 1
+
+
+def test_requests_cancelled_while_waiting_do_not_fill_the_queue(engines):
+    """A waiting request whose caller gave up (deadline, client gone) used to keep its place until the scheduler had
+    room to take it: with the batch busy, max_queue cancelled requests refused every live one (QueueFull)."""
+    e = engines(make_model(0), start=False, max_queue=2)  # not started: nothing leaves the queue meanwhile
+    p = SamplingParams(max_new_tokens=3, **GREEDY)
+    for f in [e.submit([5, 6], p), e.submit([7], p)]:
+        f.cancel()
+    live = e.submit([8], p)
+    with pytest.raises(QueueFull):  # the queue still holds max_queue live requests at most
+        e.submit([9], p), e.submit([10], p)
+    e.start()
+    assert len(live.result(10).output_ids) == 3
+    assert e.metrics()["requests_cancelled"] == 2
+
+
+def test_a_failed_step_fails_the_requests_it_took_instead_of_losing_them(engines):
+    """A failure while the scheduler admitted what it took (an OOM copying a cached prefix) failed only the requests
+    already running or admitted: the one being admitted and those after it were never resolved, so their callers
+    waited forever (a Generate without a deadline hung)."""
+    e = engines(make_model(0), start=False)
+    real = e._sched.cache.get
+    e._sched.cache.get = lambda key: (_ for _ in ()).throw(RuntimeError("out of memory")) if key == "bad" else real(key)
+    p = SamplingParams(max_new_tokens=3, **GREEDY)
+    futs = [e.submit([5, 6, 7], p, t) for t in ("bad", "next")]
+    e.start()
+    for f in futs:
+        with pytest.raises(RuntimeError, match="engine step failed: RuntimeError: out of memory"):
+            f.result(10)
+    assert len(e.generate([5, 6, 7], p, "fine").output_ids) == 3  # the engine goes on
+    assert e.metrics()["step_errors"] == 1
 
 
 @pytest.mark.parametrize("ids,kw,match", [

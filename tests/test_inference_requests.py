@@ -131,3 +131,27 @@ def test_long_refusals_keep_their_code(monkeypatch):
 async def _drain(stream):
     async for _ in stream:
         pass
+
+
+def test_oversized_prompts_and_stop_lists_are_refused_by_their_sizes_alone():
+    """The front used to list and validate every id of a prompt (on its event loop) before the engine refused one
+    past max_context: 20 M ids held every other call for seconds. Sizes are checked first now; the engine never sees
+    the request."""
+    from core.config import InferenceConfig
+    from inference_server.scripted import ScriptedEngine
+    from inference_server.server import InferenceServicer
+
+    seen = []
+    eng = ScriptedEngine(lambda ids, _images: seen.append(len(ids)) or [1], vocab_size=300)
+    front = InferenceServicer(InferenceConfig(max_context=256), eng)
+
+    def req(n, k=0):
+        return inference_pb2.GenerateRequest(input_ids=[5] * n, sampling=inference_pb2.SamplingParams(
+            max_new_tokens=4, stop_token_ids=[7] * k))
+
+    with pytest.raises(ValueError, match="max_context"):
+        front._engine_submit(req(257))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        front._engine_submit(req(3, 301))
+    assert seen == []
+    assert front._engine_submit(req(3, 300)).result(1).output_ids == [1] and seen == [3]

@@ -89,9 +89,13 @@ def test_generate_shapes_logprobs_and_finish_reasons(servers, models):
     assert m["id"] == "r1" and m["finish_reason"] == {"type": "length", "length": 10}
     assert (m["prompt_tokens"], m["completion_tokens"], m["weight_version"]) == (20, 10, "default")
     assert m["weight_versions"] == [{"version": "default", "start": 0, "end": 10}]
-    # A stop token ends the output (kept in it) with {"type": "stop", "matched": id}; top_k 0 is rejected (400).
-    st, r = http_json(s.url, "/generate", gen_body(None, 10, stop_token_ids=[ref_ids[2]]))
+    # A stop token ends the output (kept in it) with {"type": "stop", "matched": id}; ignore_eos turns stop_token_ids
+    # off too, as SGLang's Req._check_token_based_finish does; top_k 0 is rejected (400).
+    assert 1 not in ref_ids[:3]  # the model's EOS (config eos_token_id 1) would end it first
+    st, r = http_json(s.url, "/generate", gen_body(None, 10, stop_token_ids=[ref_ids[2]], ignore_eos=False))
     assert r["output_ids"] == ref_ids[:3] and r["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref_ids[2]}
+    st, r = http_json(s.url, "/generate", gen_body(None, 10, stop_token_ids=[ref_ids[2]]))
+    assert r["output_ids"] == ref_ids and r["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
     assert http_json(s.url, "/generate", gen_body(None, 4, top_k=0))[0] == 400
     st, info = http_json(s.url, "/get_model_info")
     assert st == 200 and info["weight_version"] == "default"
@@ -427,3 +431,91 @@ def test_an_unpaused_update_never_lands_under_a_running_request(servers, models)
         assert st == 200 and r["success"]                                      # nothing running: it lands
     finally:
         s.stop()
+
+
+def test_close_with_a_request_in_flight_aborts_it_and_fails_its_future(servers):
+    """close() used to call _abort_rid with the wrong arguments: a TypeError out of close, the caller's Future never
+    resolved, and the request ran on to max_new_tokens on the server."""
+    from inference_server.engine_types import EngineClosed
+
+    s = servers(weight_version="0", token_delay_s=0.1)  # 200 tokens would take 20 s
+    e = engine([s.url])
+    f = e.submit(PROMPT, SamplingParams(max_new_tokens=200, temperature=1.0), "going")
+    wait_for(lambda: s.reqs)
+    e.close()
+    assert isinstance(f.exception(5), EngineClosed)
+    wait_for(lambda: not s.reqs, timeout=10.0)  # aborted on the server, not 20 s of tokens for nobody
+
+
+def test_requests_cancelled_before_they_start_are_not_kept(servers):
+    """Every submit used to put its call (input_ids and all) on the worker pool's unbounded queue; a caller that gave
+    up (a deadline) left it there until a worker freed up, so with the workers busy, submit-and-cancel grew memory
+    without bound past max_queue. Calls now wait in the engine's own deque and leave it when cancelled."""
+    s = servers(weight_version="0", token_delay_s=0.05)
+    e = engine([s.url], sglang_max_concurrency=2, max_queue=4)
+    try:
+        busy = [e.submit(PROMPT, SamplingParams(max_new_tokens=100, temperature=1.0), f"b{i}") for i in range(2)]
+        wait_for(lambda: len(s.reqs) == 2)
+        for i in range(50):
+            e.submit(PROMPT * 10, SamplingParams(max_new_tokens=4), f"x{i}").cancel()
+        assert e.in_flight() == 2 and e._workers._work_queue.qsize() <= 2
+        live = e.submit(PROMPT, SamplingParams(max_new_tokens=3, temperature=0.0), "live")
+        for f in busy:
+            f.cancel()
+        assert len(live.result(30).output_ids) == 3
+    finally:
+        e.close()
+
+
+def test_a_pause_that_fails_is_continued_all_the_same(servers, models):
+    """A /pause_generation that timed out (SGLang's abort-mode pause waits for in-flight requests to clear) or failed
+    returned before continue_generation was sent: the server stayed paused, answered no /health_generate, so no
+    health round let it back in: the replica was lost for good (every replica, with one)."""
+    from inference_server.engine_types import WeightLoadError
+
+    s = servers(weight_version="0", health_timeout_s=1.0)
+    real, release = s.pause, threading.Event()
+    s.pause = lambda mode: real(mode) or release.wait(10)
+    e = engine([s.url])
+    try:
+        with pytest.raises(WeightLoadError, match="TimeoutError|timed out"):
+            e.update_weights(1, models["b"], timeout=0.5)
+        wait_for(lambda: s.paused is None, timeout=10.0)
+        release.set()
+        e.check_health()
+        assert e.healthy() and e.version == 0
+        assert len(e.generate(PROMPT, SamplingParams(max_new_tokens=3, temperature=0.0), "after").output_ids) == 3
+    finally:
+        release.set()
+        e.close()
+
+
+def test_a_generation_the_server_fails_is_a_5xx_as_in_sglang(servers):
+    """SGLang's tokenizer manager turns a scheduler abort with status 500/503 into an HTTPException (the client takes
+    the replica out and resumes elsewhere); the stand-in answered 200 with that abort as the finish reason, so the
+    client resumed on the same replica, and tests never took the real path."""
+    s = servers(weight_version="0")
+
+    def broken(key):
+        raise RuntimeError("device lost")
+
+    s.engine._sched.cache.get = broken
+    st, r = http_json(s.url, "/generate", gen_body("dies", 4))
+    assert st == 500 and "device lost" in r["detail"], (st, r)
+
+
+def test_a_request_whose_client_went_away_is_aborted_as_in_sglang(servers):
+    """SGLang aborts a /generate whose HTTP client disconnected; the stand-in generated on to max_new_tokens for
+    nobody (the client's own timeout, resumed elsewhere, left its old request running here)."""
+    import json
+    import socket
+
+    s = servers(weight_version="0", token_delay_s=0.1)  # 200 tokens would take 20 s
+    host, port = s.url.split("//")[1].split(":")
+    data = json.dumps(gen_body("gone", 200)).encode()
+    c = socket.create_connection((host, int(port)), timeout=5)
+    c.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(data)).encode() + b"\r\n\r\n" + data)
+    wait_for(lambda: s.reqs)
+    c.close()
+    wait_for(lambda: not s.reqs, timeout=10.0)
