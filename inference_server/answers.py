@@ -8,8 +8,8 @@ import grpc
 
 from core.rpc import clip_details
 from core.v1 import inference_pb2
-from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, WeightLoadError,
-                                          WeightsRefused)
+from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, UpdateBusy,
+                                          WeightLoadError, WeightsRefused)
 
 FINISH = {"stop": inference_pb2.STOP, "length": inference_pb2.LENGTH}
 # What a failed submit or generation answers (anything else: INTERNAL).
@@ -77,6 +77,8 @@ def update_refusal(e: BaseException, path: str | None, timeout: float) -> tuple[
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, (ValueError, WeightLoadError)):
         return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    if isinstance(e, UpdateBusy):  # it waited for another update and gave up: never installed
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
     if isinstance(e, TimeoutError):  # before OSError, its base class
         return grpc.StatusCode.DEADLINE_EXCEEDED, f"update not applied within {timeout:.1f}s (it still will be)"
     if isinstance(e, OSError):  # a path that cannot even be looked at (name too long, ...)

@@ -21,8 +21,9 @@ from core.device import resolve_device, resolve_precision
 from core.model import CausalLM
 # The shared types are re-exported here: callers import the engine's vocabulary from the engine.
 from inference_server.engine_types import (GREEDY_BELOW, LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
-                                           Request, SamplingParams, TokenCallback, VLInputs, WeightLoadError,
-                                           WeightsRefused, WeightUpdate, check_finite, check_version_step)
+                                           Request, SamplingParams, TokenCallback, UpdateBusy, VLInputs,
+                                           WeightLoadError, WeightsRefused, WeightUpdate, check_finite,
+                                           check_version_step)
 from inference_server.scheduler import Scheduler
 from inference_server.work_queue import WorkQueue
 
@@ -206,7 +207,11 @@ class LocalEngine:
         """
         t0 = time.monotonic()
         version = int(version)
-        with self._update_lock:
+        # One update reads and checks its weights at a time; the next waits at most its own deadline, and one that
+        # gives up is never installed (UpdateBusy), rather than landing after its caller was told it failed.
+        if not self._update_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise UpdateBusy(f"version {version} not installed: another weight update held the engine for {timeout}s")
+        try:
             check_version_step(self._target_version, version, self.cfg.max_version_jump)
             if state_dict is None:
                 if not path:
@@ -216,6 +221,8 @@ class LocalEngine:
             upd = WeightUpdate(version, state_dict, Future(), t0)
             self._queue.put_update(upd)  # EngineClosed
             self._target_version = version
+        finally:
+            self._update_lock.release()
         if self._thread is None:  # not started (tests): apply inline so the caller is not stuck
             self._sched.apply_pending()
         if not wait:

@@ -25,6 +25,11 @@ class WeightLoadError(RuntimeError):
     """New weights could not be read or do not fit the model (FAILED_PRECONDITION)."""
 
 
+class UpdateBusy(TimeoutError):
+    """Another weight update held the engine past this one's deadline: this one is not installed, now or later
+    (DEADLINE_EXCEEDED)."""
+
+
 class WeightsRefused(ValueError):
     """An update no server state makes acceptable: non-finite weights, or a version jump past
     inference.max_version_jump (INVALID_ARGUMENT). The weights served before stay."""

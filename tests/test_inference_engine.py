@@ -1,6 +1,7 @@
 """LocalEngine against a slow reference (full-sequence forward, no cache): batching, prefix cache, weight updates."""
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import random
 import threading
@@ -217,6 +218,25 @@ def test_installed_weights_are_not_kept_by_an_idle_engine(engines):
     assert e.update_weights(1, state_dict=sd)["version"] == 1
     del sd
     wait_for(lambda: gc.collect() >= 0 and ref() is None, 10, "the update's tensors freed", every=0.05)
+
+
+def test_an_update_waiting_for_another_gives_up_at_its_deadline_and_is_never_installed(engines):
+    """A second update waited for the first (reading its weights) with no deadline: its RPC timed out, and it was
+    installed later all the same. It now waits at most its timeout and is then refused for good (UpdateBusy)."""
+    from inference_server.engine_types import UpdateBusy
+
+    e = engines(make_model(0), version=1)
+    sd = make_model(1).hf_state_dict()
+    assert e._update_lock.acquire(timeout=5)   # an update in progress (reading a large checkpoint)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            second = pool.submit(e.update_weights, 2, state_dict=sd, timeout=0.2)
+            with pytest.raises(UpdateBusy, match="version 2 not installed"):
+                second.result(timeout=30)
+        finally:
+            e._update_lock.release()
+    assert e.version == 1
+    assert e.update_weights(2, state_dict=sd)["version"] == 2 and e.version == 2   # the same version goes in now
 
 
 def test_update_weights_errors(engines, tmp_path):
