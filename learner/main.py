@@ -271,6 +271,7 @@ class Learner:
         ledger = self.staleness.state_dict()
         ledger.update(accepted=ledger["accepted"] - self.admission.held(), eta_config=self.lcfg.staleness.eta)
         meta = {"version": self.version, "value_pretrain_left": self.updater.value_pretrain_left,
+                "value_pretrain_evs": list(self.updater.evs),  # the early stop's window goes on after a resume
                 "staleness": ledger, **self.receiver.checkpoint_state(), "t": time.time()}
         state = None
         if self.trainer.fsdp:  # the other ranks gather the sharded models and optimizers with rank 0
@@ -285,6 +286,7 @@ class Learner:
         meta = self.checkpointer.load(src)
         self.version = int(meta["version"])
         self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
+        self.updater.evs.extend(float(x) for x in meta.get("value_pretrain_evs", []))
         if "staleness" in meta:  # the admission bound stays where it was (accepted counts what was trained)
             ledger = dict(meta["staleness"], version=self.version)
             if ledger.get("eta_config", self.lcfg.staleness.eta) != self.lcfg.staleness.eta:

@@ -282,3 +282,22 @@ def test_sft_on_cuda_in_bf16(tmp_path):
     assert np.isfinite(m["sft_loss"]) and next(pol.parameters()).dtype == torch.float32
     pol.save_hf(tmp_path / "m")
     assert {t.device.type for t in load_file(str(tmp_path / "m" / "model.safetensors")).values()} == {"cpu"}
+
+
+def test_value_pretraining_stops_at_the_same_update_across_a_resume(tmp_path):
+    """The early stop reads the explained variance of the last 10 batches: a resume keeps that window, so value
+    pretraining ends at the same update as in a run that was never stopped."""
+    (tmp_path / "a").mkdir()
+    over = ["learner.value_pretrain.steps=30", "learner.value_pretrain.target_ev=-1e9"]  # stops on the window alone
+    a = _learner(tmp_path, "a", over)
+    for v in range(6):
+        assert a._update(batch(v))["phase"] == "value_pretrain"
+    a.checkpoint()
+    b = _learner(tmp_path, "a", over, resume=True)
+    assert list(b.updater.evs) == list(a.updater.evs)
+    for v in range(6, 10):
+        ma, mb = a._update(batch(v)), b._update(batch(v))
+        assert ma["phase"] == mb["phase"] == "value_pretrain"
+    assert a.updater.value_pretrain_left == b.updater.value_pretrain_left == 0  # 10 batches: the window is full
+    _close(a)
+    _close(b)
