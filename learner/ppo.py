@@ -186,7 +186,8 @@ class PPOTrainer:
             adv = A.masked_scale(adv, b.mask)
         if cfg.ppo.neg_adv_weight != 1.0:
             adv = A.asymmetric_advantages(adv, cfg.ppo.neg_adv_weight)
-        has_signal = bool((adv * b.mask).abs().max() > 0) or self.entropy_coef > 0  # the bonus is a loss term too
+        # The entropy bonus and the KL anchor are loss terms too: their gradient is not 0 on a batch without advantage.
+        has_signal = bool((adv * b.mask).abs().max() > 0) or self.entropy_coef > 0 or self.ref is not None
         live = self._rows_with_signal(adv, b.mask)
         run_mask = b.mask if live is None else b.mask * live.to(b.mask.device)[:, None]  # the rows trained
         stale = (version - b.versions).clamp(min=0).float()

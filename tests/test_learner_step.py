@@ -517,3 +517,32 @@ def test_the_reward_of_a_turn_that_generated_nothing_is_still_in_the_critics_tar
     np.testing.assert_allclose(targets[0, [3, 8]].numpy(), [0.9, 1.0], atol=1e-6)
     only = Trajectory(**{**t.__dict__, "turns": [Turn("", "", {}, -0.1, 2, 2), *t.turns[:1]], "ret": -0.1})
     assert turn_rewards(only)[3] == np.float32(-0.1)  # nothing generated before it: the first generated token after
+
+
+def test_the_kl_anchor_still_pulls_on_a_batch_without_advantage_signal():
+    """kl_coef > 0: a batch whose advantages are all 0 still has the KL term's gradient, so the policy steps back
+    towards its start instead of skipping the step (the entropy bonus is treated the same way)."""
+    torch.manual_seed(0)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    start = copy.deepcopy(pol)
+    tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=1e-2, warmup_steps=1, ppo=PPOConfig(kl_coef=1.0)), 0)
+    tr.opt = torch.optim.SGD(pol.parameters(), lr=1.0)  # no momentum: the step is the gradient's alone
+    tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+    batch, _ = sample(pol, 32)
+    for i, t in enumerate(batch):
+        t.group, t.ret = "g", float(t.tokens[-1] % 2)
+        t.turns[0].reward = t.ret
+    tr.step(batch, 0)  # a real update: the policy moves away from its start
+
+    def kl():
+        with torch.no_grad():
+            p = torch.log_softmax(pol(torch.tensor([PROMPT]))[0, -1], -1)
+            q = torch.log_softmax(start(torch.tensor([PROMPT]))[0, -1], -1)
+        return float((p.exp() * (p - q)).sum())
+
+    before = kl()
+    assert before > 1e-6
+    for t in batch:
+        t.ret = t.turns[0].reward = 0.0
+    m = tr.step(batch, 1)
+    assert not m["policy_step_skipped"] and kl() < before
