@@ -81,7 +81,7 @@ class Learner:
             self.critic.to(self.device)
         log.info("learner trains on %s", describe(self.device, self.amp_dtype))
         self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id, dist=self.dist,
-                                  amp_dtype=self.amp_dtype)
+                                  amp_dtype=self.amp_dtype, temperature=cfg.actor.temperature)
         if self.trainer.fsdp:
             log.info("learner.parallel=fsdp: policy%s sharded over %d ranks (FSDP2)",
                      " and critic" if self.critic is not None else "", self.dist.world)

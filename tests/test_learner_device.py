@@ -301,3 +301,21 @@ def test_value_pretraining_stops_at_the_same_update_across_a_resume(tmp_path):
     assert a.updater.value_pretrain_left == b.updater.value_pretrain_left == 0  # 10 batches: the window is full
     _close(a)
     _close(b)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_the_learner_recomputes_the_actors_tempered_policy(tmp_path, temperature):
+    """The engine reports behaviour logprobs as log_softmax(logits / T) at actor.temperature T
+    (inference_server/sampling.py): the learner's pi_prox is that same tempered policy, so an on-policy batch has
+    importance ratios of 1 and no behaviour-proximal KL, whatever T."""
+    (tmp_path / "a").mkdir()
+    ln = _learner(tmp_path, "a", [f"actor.temperature={temperature}"])
+    trajs = batch(3)
+    with torch.no_grad():  # the engine's formula, from the logits
+        for t in trajs:
+            ids = torch.from_numpy(t.tokens.astype(np.int64))[None]
+            lp = torch.log_softmax(ln.policy(ids)[0, :-1].float() / temperature, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            t.logprobs = np.where(t.mask > 0, np.concatenate([[0.0], lp.numpy()]), 0.0).astype(np.float32)
+    m = ln._update(trajs)
+    assert m["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(m["behav_prox_kl"]) < 1e-5, m
+    _close(ln)
