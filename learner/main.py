@@ -285,7 +285,7 @@ class Learner:
     def _load_checkpoint(self, src: pathlib.Path) -> set[str]:
         meta = self.checkpointer.load(src)
         self.version = int(meta["version"])
-        self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
+        self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0)) if self.critic is not None else 0
         self.updater.evs.extend(float(x) for x in meta.get("value_pretrain_evs", []))
         if "staleness" in meta:  # the admission bound stays where it was (accepted counts what was trained)
             ledger = dict(meta["staleness"], version=self.version)

@@ -546,3 +546,18 @@ def test_the_kl_anchor_still_pulls_on_a_batch_without_advantage_signal():
         t.ret = t.turns[0].reward = 0.0
     m = tr.step(batch, 1)
     assert not m["policy_step_skipped"] and kl() < before
+
+
+def test_value_pretraining_steps_without_a_critic_are_no_updates_of_a_missing_critic():
+    """algo=grpo has no critic: learner.value_pretrain.steps (a preset's, say, under --set learner.algo=grpo) does not
+    send the first updates to a critic that is not there (a TypeError before); GRPO trains from the first batch."""
+    from core.config import ValuePretrainConfig
+    from learner.dist_check import batch
+    from learner.update import Updater
+
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    cfg = LearnerConfig(algo="grpo", value_pretrain=ValuePretrainConfig(steps=3))
+    before = [p.detach().clone() for p in pol.parameters()]
+    m = Updater(PPOTrainer(pol, None, cfg, 0), cfg).update(batch(0, 8, max_len=20), 0)
+    assert m["phase"] == "grpo" and not m["policy_step_skipped"]
+    assert any(not torch.equal(a, b) for a, b in zip(before, pol.parameters()))
