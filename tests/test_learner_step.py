@@ -561,3 +561,23 @@ def test_value_pretraining_steps_without_a_critic_are_no_updates_of_a_missing_cr
     m = Updater(PPOTrainer(pol, None, cfg, 0), cfg).update(batch(0, 8, max_len=20), 0)
     assert m["phase"] == "grpo" and not m["policy_step_skipped"]
     assert any(not torch.equal(a, b) for a, b in zip(before, pol.parameters()))
+
+
+def test_groups_of_equal_returns_that_do_not_average_exactly_leave_the_policy_alone():
+    """GRPO groups of 8 that all scored the same -0.1 (a format penalty): the float mean is off by a rounding, and
+    those +-7e-9 advantages used to count as signal; scaled to the batch and through Adam they moved the weights a
+    full step (0.0099 at lr 1e-2). Now the rows are skipped and the policy is unchanged."""
+    from learner.dist_check import batch
+
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=1e-2, warmup_steps=1), 0)
+    trajs = batch(0, 16, max_len=20)
+    for i, t in enumerate(trajs):
+        t.group, t.ret = f"g{i // 8}", -0.1
+        for u in t.turns:
+            u.reward = 0.0
+        t.turns[-1].reward = -0.1
+    before = [p.detach().clone() for p in pol.parameters()]
+    m = tr.step(trajs, 0)
+    assert m["policy_step_skipped"] and m["rows_skipped"] == 16
+    assert all(torch.equal(a, b) for a, b in zip(before, pol.parameters()))
