@@ -345,9 +345,12 @@ def grouped_advantages(returns: Tensor, groups: list, std_norm: bool = False) ->
     members: dict = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
+    # The batch baseline of a group of one; a batch of equal returns is its own mean exactly (a float mean of equal
+    # values can be off by a rounding, which would pass for signal: see grpo_advantages).
+    base = returns[0] if len(returns) and bool(returns.amax() == returns.amin()) else returns.mean()
     for idx in members.values():
         r = returns[idx]
-        out[idx] = grpo_advantages(r, std_norm) if len(idx) > 1 else r - returns.mean()
+        out[idx] = grpo_advantages(r, std_norm) if len(idx) > 1 else r - base
     return out
 
 
