@@ -51,8 +51,9 @@ class PPOTrainer:
             raise ValueError(err)
         self.policy, self.critic, self.cfg, self.pad_id = policy, critic, cfg, pad_id
         # The actors' sampling temperature (actor.temperature): the engine's behaviour logprobs are
-        # log_softmax(logits / T), so pi_prox, pi_theta and pi_ref are the same tempered policy (0, greedy: T = 1).
-        self.temperature = float(temperature) if temperature and temperature > 0 else 1.0
+        # log_softmax(logits / T), so pi_prox, pi_theta and pi_ref are the same tempered policy. Greedy (T under
+        # 1e-6, the engine's and SGLang's rule) reports T = 1 logprobs.
+        self.temperature = float(temperature) if temperature >= 1e-6 else 1.0
         self.device = next(policy.parameters()).device
         self.amp_dtype = amp_dtype
         # Data parallel (learner/distributed.py): each rank backprops its share of the chunks, gradients summed.

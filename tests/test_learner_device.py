@@ -303,7 +303,7 @@ def test_value_pretraining_stops_at_the_same_update_across_a_resume(tmp_path):
     _close(b)
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1e-7])
 def test_the_learner_recomputes_the_actors_tempered_policy(tmp_path, temperature):
     """The engine reports behaviour logprobs as log_softmax(logits / T) at actor.temperature T
     (inference_server/sampling.py): the learner's pi_prox is that same tempered policy, so an on-policy batch has
@@ -314,7 +314,8 @@ def test_the_learner_recomputes_the_actors_tempered_policy(tmp_path, temperature
     with torch.no_grad():  # the engine's formula, from the logits
         for t in trajs:
             ids = torch.from_numpy(t.tokens.astype(np.int64))[None]
-            lp = torch.log_softmax(ln.policy(ids)[0, :-1].float() / temperature, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            T = temperature if temperature >= 1e-6 else 1.0  # the engine samples greedily below 1e-6, reports T = 1
+            lp = torch.log_softmax(ln.policy(ids)[0, :-1].float() / T, -1).gather(-1, ids[0, 1:, None])[:, 0]
             t.logprobs = np.where(t.mask > 0, np.concatenate([[0.0], lp.numpy()]), 0.0).astype(np.float32)
     m = ln._update(trajs)
     assert m["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(m["behav_prox_kl"]) < 1e-5, m
