@@ -134,7 +134,8 @@ class PPOTrainer:
                 c = c.to(self.device)  # a no-op on the CPU
                 tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
                 if prox is not None:
-                    prox[c, :T] = put(self.policy.logprobs_at(tok, val, msk, vl=b.vl(c), temperature=self.temperature), msk, msk)  # fp32: logits are upcast
+                    lp = self.policy.logprobs_at(tok, val, msk, vl=b.vl(c), temperature=self.temperature)
+                    prox[c, :T] = put(lp, msk, msk)  # fp32: logits are upcast
                 if values is not None:
                     vm = msk + b.boot[c, :T]  # the generated positions and the bootstrap position
                     values[c, :T] = put(self.critic.values_at(tok, val, vm, vl=b.vl(c)).float(), vm, vm)
