@@ -42,6 +42,8 @@ class Admission:
         # Kept (on_accepted) but not yet handed out in a batch: in a pending group or a batch being collected. A
         # checkpoint counts them as not accepted (held()): they are not consumed, so a restart receives them again.
         self._held = 0
+        # When collect last returned: a group's timeout counts only the time spent collecting (below).
+        self._returned: float | None = None
 
     def held(self) -> int:
         return self._held
@@ -58,11 +60,17 @@ class Admission:
         split groups and normalise partial ones (all-success or all-failure halves get advantage 0). A group is
         released once all `group.size` members have arrived (infra_error members count as arrived, never trained);
         a group incomplete after `group.timeout_s` is released as it is, so a lost actor cannot stall training.
+        That time counts only while the learner collects: members that arrived during an update (or a checkpoint
+        in `on_idle`) wait in the receiver's queue, so a group's clock stops meanwhile, or an update longer than
+        the timeout would release every pending group without its queued members (each then trained as a group of
+        its own).
         `on_idle` runs whenever POLL_S passes with no arrival (the learner checkpoints then if asked to); `on_tick`
         at least every POLL_S, arrivals or not (the learner's keep-alive to the other ranks).
         """
         k = self.group_size
         batch: list = []
+        if self._returned is not None:  # the time away (an update) does not count against a pending group
+            self._pause(time.monotonic() - self._returned)
         while len(batch) < n:
             if stop.is_set():
                 return None
@@ -75,7 +83,9 @@ class Admission:
                     self.counters["groups_timed_out"] += 1
                     batch += members
             if tr is None:
-                on_idle()
+                t_idle = time.monotonic()
+                on_idle()  # a checkpoint taken there is time away too
+                self._pause(time.monotonic() - t_idle)
                 continue
             keep = self.admit(tr, version)
             self._held += keep
@@ -91,7 +101,13 @@ class Admission:
             else:
                 self.pending_groups[tr.group] = (t0, arrived, members)
         self._held -= len(batch)
+        self._returned = time.monotonic()
         return batch
+
+    def _pause(self, seconds: float) -> None:
+        """Stop the pending groups' clocks for `seconds` (time the learner spent elsewhere)."""
+        self.pending_groups = {g: (t0 + seconds, arrived, members)
+                               for g, (t0, arrived, members) in self.pending_groups.items()}
 
     def admit(self, tr, version: int) -> bool:
         """Log one arrival; count and drop it (False) if it is an infra_error or too stale to train on."""

@@ -319,9 +319,13 @@ def grpo_advantages(group_returns: Tensor, std_norm: bool = True) -> Tensor:
     [K] -> [K] or [G, K] -> [G, K]. All-equal returns give exactly 0 (as does K == 1).
     """
     r = group_returns.to(_fdtype(group_returns))
-    centred = r - r.mean(dim=-1, keepdim=True)
     if r.shape[-1] < 2:
         return torch.zeros_like(r)
+    centred = r - r.mean(dim=-1, keepdim=True)
+    # A group of equal returns is exactly 0: its float mean can differ from the value by a rounding (8 x -0.1 in fp32:
+    # +-7e-9), which would count as signal, and the batch scaling and Adam would turn it into a full step.
+    equal = r.amax(dim=-1, keepdim=True) == r.amin(dim=-1, keepdim=True)
+    centred = torch.where(equal, torch.zeros_like(centred), centred)
     if not std_norm:
         return centred
     std = r.std(dim=-1, keepdim=True)
@@ -341,9 +345,12 @@ def grouped_advantages(returns: Tensor, groups: list, std_norm: bool = False) ->
     members: dict = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
+    # The batch baseline of a group of one; a batch of equal returns is its own mean exactly (a float mean of equal
+    # values can be off by a rounding, which would pass for signal: see grpo_advantages).
+    base = returns[0] if len(returns) and bool(returns.amax() == returns.amin()) else returns.mean()
     for idx in members.values():
         r = returns[idx]
-        out[idx] = grpo_advantages(r, std_norm) if len(idx) > 1 else r - returns.mean()
+        out[idx] = grpo_advantages(r, std_norm) if len(idx) > 1 else r - base
     return out
 
 

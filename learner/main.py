@@ -81,7 +81,7 @@ class Learner:
             self.critic.to(self.device)
         log.info("learner trains on %s", describe(self.device, self.amp_dtype))
         self.trainer = PPOTrainer(self.policy, self.critic, self.lcfg, self.policy.config.pad_token_id, dist=self.dist,
-                                  amp_dtype=self.amp_dtype)
+                                  amp_dtype=self.amp_dtype, temperature=cfg.actor.temperature)
         if self.trainer.fsdp:
             log.info("learner.parallel=fsdp: policy%s sharded over %d ranks (FSDP2)",
                      " and critic" if self.critic is not None else "", self.dist.world)
@@ -271,6 +271,7 @@ class Learner:
         ledger = self.staleness.state_dict()
         ledger.update(accepted=ledger["accepted"] - self.admission.held(), eta_config=self.lcfg.staleness.eta)
         meta = {"version": self.version, "value_pretrain_left": self.updater.value_pretrain_left,
+                "value_pretrain_evs": list(self.updater.evs),  # the early stop's window goes on after a resume
                 "staleness": ledger, **self.receiver.checkpoint_state(), "t": time.time()}
         state = None
         if self.trainer.fsdp:  # the other ranks gather the sharded models and optimizers with rank 0
@@ -284,7 +285,8 @@ class Learner:
     def _load_checkpoint(self, src: pathlib.Path) -> set[str]:
         meta = self.checkpointer.load(src)
         self.version = int(meta["version"])
-        self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
+        self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0)) if self.critic is not None else 0
+        self.updater.evs.extend(float(x) for x in meta.get("value_pretrain_evs", []))
         if "staleness" in meta:  # the admission bound stays where it was (accepted counts what was trained)
             ledger = dict(meta["staleness"], version=self.version)
             if ledger.get("eta_config", self.lcfg.staleness.eta) != self.lcfg.staleness.eta:

@@ -325,15 +325,18 @@ class TrainPolicy(nn.Module):
         lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         return nn.functional.pad(lp, (1, 0))
 
-    def logprobs_at(self, input_ids, key_valid, mask, with_entropy: bool = False, vl=None):
+    def logprobs_at(self, input_ids, key_valid, mask, with_entropy: bool = False, vl=None, temperature: float = 1.0):
         """Logprobs of input_ids[:, t] for the positions where mask[:, t] > 0 only -> [N] (row-major order), and
         their entropies with with_entropy.
 
         The vocabulary projection runs only where it is needed (generated tokens are a small share of a multi-turn
-        conversation); log_softmax in fp32. vl: a VL model's images per row (hidden)."""
+        conversation); log_softmax in fp32. vl: a VL model's images per row (hidden). temperature: of the policy
+        that samples, log_softmax(logits / T) as the engine reports its behaviour logprobs (0 = greedy: T = 1)."""
         h = self.hidden(input_ids, key_valid, vl=vl)
         sel = mask[:, 1:] > 0                                   # [B, T-1]: token t predicted from position t-1
         logits = self.lm.lm_head(h[:, :-1][sel]).float()        # [N, V]
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
         lp_all = torch.log_softmax(logits, dim=-1)
         lp = lp_all.gather(-1, input_ids[:, 1:][sel][:, None]).squeeze(-1)
         if not with_entropy:

@@ -46,10 +46,14 @@ class PPOTrainer:
     """
 
     def __init__(self, policy: TrainPolicy, critic: TrainPolicy | None, cfg: LearnerConfig, pad_id: int = 0, dist=None,
-                 amp_dtype: torch.dtype | None = None):
+                 amp_dtype: torch.dtype | None = None, temperature: float = 1.0):
         if err := cfg.config_error():
             raise ValueError(err)
         self.policy, self.critic, self.cfg, self.pad_id = policy, critic, cfg, pad_id
+        # The actors' sampling temperature (actor.temperature): the engine's behaviour logprobs are
+        # log_softmax(logits / T), so pi_prox, pi_theta and pi_ref are the same tempered policy. Greedy (T under
+        # 1e-6, the engine's and SGLang's rule) reports T = 1 logprobs.
+        self.temperature = float(temperature) if temperature >= 1e-6 else 1.0
         self.device = next(policy.parameters()).device
         self.amp_dtype = amp_dtype
         # Data parallel (learner/distributed.py): each rank backprops its share of the chunks, gradients summed.
@@ -130,7 +134,8 @@ class PPOTrainer:
                 c = c.to(self.device)  # a no-op on the CPU
                 tok, val, msk = b.tokens[c, :T], b.valid[c, :T], b.mask[c, :T]
                 if prox is not None:
-                    prox[c, :T] = put(self.policy.logprobs_at(tok, val, msk, vl=b.vl(c)), msk, msk)  # fp32: logits are upcast
+                    lp = self.policy.logprobs_at(tok, val, msk, vl=b.vl(c), temperature=self.temperature)
+                    prox[c, :T] = put(lp, msk, msk)  # fp32: logits are upcast
                 if values is not None:
                     vm = msk + b.boot[c, :T]  # the generated positions and the bootstrap position
                     values[c, :T] = put(self.critic.values_at(tok, val, vm, vl=b.vl(c)).float(), vm, vm)
@@ -186,7 +191,8 @@ class PPOTrainer:
             adv = A.masked_scale(adv, b.mask)
         if cfg.ppo.neg_adv_weight != 1.0:
             adv = A.asymmetric_advantages(adv, cfg.ppo.neg_adv_weight)
-        has_signal = bool((adv * b.mask).abs().max() > 0) or self.entropy_coef > 0  # the bonus is a loss term too
+        # The entropy bonus and the KL anchor are loss terms too: their gradient is not 0 on a batch without advantage.
+        has_signal = bool((adv * b.mask).abs().max() > 0) or self.entropy_coef > 0 or self.ref is not None
         live = self._rows_with_signal(adv, b.mask)
         run_mask = b.mask if live is None else b.mask * live.to(b.mask.device)[:, None]  # the rows trained
         stale = (version - b.versions).clamp(min=0).float()
@@ -224,7 +230,8 @@ class PPOTrainer:
                     wm = float(msk.sum()) / n_run if counts else 0.0  # the figures: means over the rows run
                     # Forward passes under autocast (bf16 when asked); the loss below is fp32 math on fp32 logprobs.
                     with autocast(dev, amp):
-                        logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True, vl=b.vl(c))
+                        logp, ent = self.policy.logprobs_at(tok, val, msk, with_entropy=True, vl=b.vl(c),
+                                                            temperature=self.temperature)
                     ones = torch.ones_like(logp)
                     behav = at(b.behav_logp[c, :T], msk)
                     p_prox = None  # tis and none use no proximal policy
@@ -242,7 +249,7 @@ class PPOTrainer:
                         loss = loss - self.entropy_coef * ent.mean()
                     if self.ref is not None:
                         with torch.no_grad(), autocast(dev, amp):
-                            ref = self.ref.logprobs_at(tok, val, msk, vl=b.vl(c))
+                            ref = self.ref.logprobs_at(tok, val, msk, vl=b.vl(c), temperature=self.temperature)
                         kl = A.kl_k3(logp, ref)
                         loss = loss + cfg.ppo.kl_coef * kl.mean()
                         if counts:

@@ -15,6 +15,7 @@ import torch
 
 from learner.device import autocast, describe, resolve_device, resolve_precision
 from core.chat import ChatTokenizer
+from core.schema import SchemaError
 from learner.batch import row_images
 from learner.policy import TrainPolicy
 
@@ -140,13 +141,24 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
     policy = TrainPolicy.load(src)
     if cfg.model.freeze_vision:
         policy.freeze_vision()
-    examples = sft_examples(read_trajectories(data)) if data else []
+    vocab = policy.config.vocab_size
+    trajs = list(read_trajectories(data)) if data else []
+    for tr in trajs:  # as the learner's stream does: a bad one is refused before any training, not an IndexError later
+        try:
+            tr.validate(vocab)
+        except SchemaError as e:
+            raise ValueError(f"trajectory {tr.id} cannot be trained on by {src}: {e}") from None
+    examples = sft_examples(trajs)
     n_traj = len(examples)
     pad_id = policy.config.pad_token_id
     if demos is not None:  # the model directory's tokenizer (a TokenizerError, a ValueError, when it has none)
         tok = ChatTokenizer.load(src, cfg.actor.chat_template_kwargs)  # the prompts the actor will build
         examples += demos(tok)
         pad_id = tok.pad_id
+        bad = next((max(e[0]) for e in examples[n_traj:] if e[0] and not 0 <= min(e[0]) <= max(e[0]) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"a demonstration has token id {bad}, outside the model's vocabulary of {vocab}: the "
+                             f"tokenizer of {src} does not match its model")
     if not examples:
         raise ValueError("the trajectory files hold no trajectory with generated tokens")
     steps = cfg.sft.steps if steps is None else steps

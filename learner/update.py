@@ -26,7 +26,9 @@ class Updater:
     def __init__(self, trainer, cfg: LearnerConfig):
         self.trainer = trainer
         self.phase = "ppo" if trainer.critic is not None else "grpo"  # a critic exists with algo=ppo only
-        self.value_pretrain_left = cfg.value_pretrain.steps  # restored from a checkpoint on resume
+        # Restored from a checkpoint on resume. Without a critic (algo=grpo) there is nothing to pretrain: a preset's
+        # value_pretrain.steps under --set learner.algo=grpo would otherwise fail the first update.
+        self.value_pretrain_left = cfg.value_pretrain.steps if trainer.critic is not None else 0
         self.target_ev = cfg.value_pretrain.target_ev
         self.evs: collections.deque[float] = collections.deque(maxlen=EV_WINDOW)
 

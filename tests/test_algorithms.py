@@ -341,6 +341,28 @@ def test_grpo_advantages(seed):
 
 
 
+@pytest.mark.parametrize("std_norm", [True, False])
+def test_grpo_advantages_of_equal_returns_are_exactly_zero_whatever_the_rounding(std_norm):
+    """Equal returns whose float mean is not the value itself (8 x -0.1, 7 x 0.3 in fp32) still give exactly 0."""
+    for v in (-0.1, 0.1, 0.3, -0.3, 0.7, 1 / 3):
+        for k in (2, 3, 6, 7, 8, 16, 64):
+            assert torch.all(grpo_advantages(torch.full((k,), v), std_norm) == 0), (v, k)
+    X = torch.full((3, 8), -0.1)
+    X[1, 0] = 0.9
+    out = grpo_advantages(X, std_norm)
+    assert torch.all(out[0] == 0) and torch.all(out[2] == 0) and torch.all(out[1] != 0)
+
+
+def test_groups_of_one_in_a_batch_of_equal_returns_are_exactly_zero():
+    """learner.group.size = 1 (the default): each trajectory is centred on the batch mean, and a batch whose returns
+    are all equal (64 x -0.1: a float mean off by 7e-9) gives exactly 0, not rounding noise."""
+    for v in (-0.1, 0.3, 1 / 3):
+        r = torch.full((64,), v)
+        assert torch.all(grouped_advantages(r, [str(i) for i in range(64)]) == 0)
+    r = torch.tensor([-0.1, -0.1, 0.9])
+    close(grouped_advantages(r, ["a", "b", "c"]), (r - r.mean()).numpy())
+
+
 def test_grpo_advantages_centred_only():
     """std_norm=False (Dr. GRPO): centred, not divided by the std."""
     g = np.random.default_rng(7)

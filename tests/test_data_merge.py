@@ -360,3 +360,16 @@ def test_demonstrations_clip_observations_as_the_actor_does():
     assert first == turn_ids(tok, "tiny", r.text, r.instruction, first=True, obs_budget=8)
     (unclipped, m2), = demonstrations(tok, ["builtin/mixed"], 1, "oracle", 0, 1)
     assert "[observation clipped:" not in tok.decode(unclipped, skip_special=False)
+
+
+def test_sft_refuses_a_trajectory_its_model_cannot_train_on_before_training(tmp_path, capsys):
+    """A stored trajectory with a token id past the model's vocabulary (another model's data) is a clear error,
+    exit 2, before any training and with nothing written; it was an IndexError from the embedding mid-training."""
+    model().save_hf(tmp_path / "m0")
+    bad = traj("other-model", success=True, ret=1.0, answer=900)  # V = 40
+    write_trajectories(tmp_path / "sft.twl", [traj(f"w{i}", success=True, ret=1.0) for i in range(4)] + [bad])
+    rc = cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
+                   str(tmp_path / "sft.twl"), "--steps", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "trajectory other-model cannot be trained on" in err and "token id 900" in err, err
+    assert not (tmp_path / "m1").exists()

@@ -282,3 +282,41 @@ def test_sft_on_cuda_in_bf16(tmp_path):
     assert np.isfinite(m["sft_loss"]) and next(pol.parameters()).dtype == torch.float32
     pol.save_hf(tmp_path / "m")
     assert {t.device.type for t in load_file(str(tmp_path / "m" / "model.safetensors")).values()} == {"cpu"}
+
+
+def test_value_pretraining_stops_at_the_same_update_across_a_resume(tmp_path):
+    """The early stop reads the explained variance of the last 10 batches: a resume keeps that window, so value
+    pretraining ends at the same update as in a run that was never stopped."""
+    (tmp_path / "a").mkdir()
+    over = ["learner.value_pretrain.steps=30", "learner.value_pretrain.target_ev=-1e9"]  # stops on the window alone
+    a = _learner(tmp_path, "a", over)
+    for v in range(6):
+        assert a._update(batch(v))["phase"] == "value_pretrain"
+    a.checkpoint()
+    b = _learner(tmp_path, "a", over, resume=True)
+    assert list(b.updater.evs) == list(a.updater.evs)
+    for v in range(6, 10):
+        ma, mb = a._update(batch(v)), b._update(batch(v))
+        assert ma["phase"] == mb["phase"] == "value_pretrain"
+    assert a.updater.value_pretrain_left == b.updater.value_pretrain_left == 0  # 10 batches: the window is full
+    _close(a)
+    _close(b)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1e-7])
+def test_the_learner_recomputes_the_actors_tempered_policy(tmp_path, temperature):
+    """The engine reports behaviour logprobs as log_softmax(logits / T) at actor.temperature T
+    (inference_server/sampling.py): the learner's pi_prox is that same tempered policy, so an on-policy batch has
+    importance ratios of 1 and no behaviour-proximal KL, whatever T."""
+    (tmp_path / "a").mkdir()
+    ln = _learner(tmp_path, "a", [f"actor.temperature={temperature}"])
+    trajs = batch(3)
+    with torch.no_grad():  # the engine's formula, from the logits
+        for t in trajs:
+            ids = torch.from_numpy(t.tokens.astype(np.int64))[None]
+            T = temperature if temperature >= 1e-6 else 1.0  # the engine samples greedily below 1e-6, reports T = 1
+            lp = torch.log_softmax(ln.policy(ids)[0, :-1].float() / T, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            t.logprobs = np.where(t.mask > 0, np.concatenate([[0.0], lp.numpy()]), 0.0).astype(np.float32)
+    m = ln._update(trajs)
+    assert m["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(m["behav_prox_kl"]) < 1e-5, m
+    _close(ln)

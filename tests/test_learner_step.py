@@ -517,3 +517,67 @@ def test_the_reward_of_a_turn_that_generated_nothing_is_still_in_the_critics_tar
     np.testing.assert_allclose(targets[0, [3, 8]].numpy(), [0.9, 1.0], atol=1e-6)
     only = Trajectory(**{**t.__dict__, "turns": [Turn("", "", {}, -0.1, 2, 2), *t.turns[:1]], "ret": -0.1})
     assert turn_rewards(only)[3] == np.float32(-0.1)  # nothing generated before it: the first generated token after
+
+
+def test_the_kl_anchor_still_pulls_on_a_batch_without_advantage_signal():
+    """kl_coef > 0: a batch whose advantages are all 0 still has the KL term's gradient, so the policy steps back
+    towards its start instead of skipping the step (the entropy bonus is treated the same way)."""
+    torch.manual_seed(0)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    start = copy.deepcopy(pol)
+    tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=1e-2, warmup_steps=1, ppo=PPOConfig(kl_coef=1.0)), 0)
+    tr.opt = torch.optim.SGD(pol.parameters(), lr=1.0)  # no momentum: the step is the gradient's alone
+    tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+    batch, _ = sample(pol, 32)
+    for i, t in enumerate(batch):
+        t.group, t.ret = "g", float(t.tokens[-1] % 2)
+        t.turns[0].reward = t.ret
+    tr.step(batch, 0)  # a real update: the policy moves away from its start
+
+    def kl():
+        with torch.no_grad():
+            p = torch.log_softmax(pol(torch.tensor([PROMPT]))[0, -1], -1)
+            q = torch.log_softmax(start(torch.tensor([PROMPT]))[0, -1], -1)
+        return float((p.exp() * (p - q)).sum())
+
+    before = kl()
+    assert before > 1e-6
+    for t in batch:
+        t.ret = t.turns[0].reward = 0.0
+    m = tr.step(batch, 1)
+    assert not m["policy_step_skipped"] and kl() < before
+
+
+def test_value_pretraining_steps_without_a_critic_are_no_updates_of_a_missing_critic():
+    """algo=grpo has no critic: learner.value_pretrain.steps (a preset's, say, under --set learner.algo=grpo) does not
+    send the first updates to a critic that is not there (a TypeError before); GRPO trains from the first batch."""
+    from core.config import ValuePretrainConfig
+    from learner.dist_check import batch
+    from learner.update import Updater
+
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    cfg = LearnerConfig(algo="grpo", value_pretrain=ValuePretrainConfig(steps=3))
+    before = [p.detach().clone() for p in pol.parameters()]
+    m = Updater(PPOTrainer(pol, None, cfg, 0), cfg).update(batch(0, 8, max_len=20), 0)
+    assert m["phase"] == "grpo" and not m["policy_step_skipped"]
+    assert any(not torch.equal(a, b) for a, b in zip(before, pol.parameters()))
+
+
+def test_groups_of_equal_returns_that_do_not_average_exactly_leave_the_policy_alone():
+    """GRPO groups of 8 that all scored the same -0.1 (a format penalty): the float mean is off by a rounding, and
+    those +-7e-9 advantages used to count as signal; scaled to the batch and through Adam they moved the weights a
+    full step (0.0099 at lr 1e-2). Now the rows are skipped and the policy is unchanged."""
+    from learner.dist_check import batch
+
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    tr = PPOTrainer(pol, None, LearnerConfig(algo="grpo", lr=1e-2, warmup_steps=1), 0)
+    trajs = batch(0, 16, max_len=20)
+    for i, t in enumerate(trajs):
+        t.group, t.ret = f"g{i // 8}", -0.1
+        for u in t.turns:
+            u.reward = 0.0
+        t.turns[-1].reward = -0.1
+    before = [p.detach().clone() for p in pol.parameters()]
+    m = tr.step(trajs, 0)
+    assert m["policy_step_skipped"] and m["rows_skipped"] == 16
+    assert all(torch.equal(a, b) for a, b in zip(before, pol.parameters()))

@@ -183,3 +183,44 @@ def test_admission_releases_an_incomplete_group_after_the_configured_timeout():
     stop = threading.Event()
     stop.set()
     assert _admission([], size=4, timeout_s=0.0).collect(1, version=0, stop=stop) is None
+
+
+def test_a_long_update_does_not_time_out_a_group_whose_members_wait_in_the_queue(monkeypatch):
+    """The group timeout counts the time spent collecting, not an update: members that arrived while the learner
+    trained (queued in the receiver) still join their group, which is released whole."""
+    import types
+
+    import learner.admission as admission
+    from learner.dist_check import batch
+
+    clock = types.SimpleNamespace(now=0.0, time=lambda: 0.0)
+
+    def monotonic():  # a second per reading: a group left incomplete times out after a bounded number of polls
+        clock.now += 1.0
+        return clock.now
+
+    clock.monotonic = monotonic
+    monkeypatch.setattr(admission, "time", clock)
+    trs = batch(0, n=12)  # groups g0, g1, g2 of 4
+    adm = _admission([trs[0], *trs[4:8]], size=4, timeout_s=120.0)  # g0's first member, then all of g1
+    adm.staleness.try_admit(3)  # g0's other members, admitted too
+    got = adm.collect(4, version=0, stop=threading.Event())
+    assert [t.group for t in got] == ["g1"] * 4 and set(adm.pending_groups) == {"g0"}
+    clock.now += 600.0  # an update 5x the group timeout, while g0's other members arrive and wait in the queue
+    adm.receiver.trs += trs[1:4]
+    got = adm.collect(4, version=1, stop=threading.Event())
+    assert [t.id for t in got] == [t.id for t in trs[:4]] and adm.counters["groups_timed_out"] == 0
+
+    # A checkpoint taken while collecting (on_idle) is time away too.
+    adm.receiver.trs += [trs[8]]  # g2's first member; the rest arrive during the checkpoint
+    adm.staleness.try_admit(4)
+
+    late = [trs[9:12]]
+
+    def checkpoint():  # the first idle poll: a checkpoint 5x the group timeout, g2's other members queued meanwhile
+        if late:
+            clock.now += 600.0
+            adm.receiver.trs += late.pop()
+
+    got = adm.collect(4, version=2, stop=threading.Event(), on_idle=checkpoint)
+    assert [t.id for t in got] == [t.id for t in trs[8:12]] and adm.counters["groups_timed_out"] == 0
