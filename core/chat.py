@@ -302,10 +302,11 @@ def _load_hf(path: str | os.PathLike):
         try:
             e = json.loads(gc.read_text()).get("eos_token_id")
             gen_eos = [e] if isinstance(e, int) else list(e or [])
-            assert all(isinstance(i, int) and not isinstance(i, bool) for i in gen_eos)
-        except (ValueError, AttributeError, TypeError, AssertionError):
+        except (ValueError, AttributeError, TypeError):
+            gen_eos = [None]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in gen_eos):  # (not an assert: -O drops it)
             raise TokenizerError(f"tokenizer: {gc}: not a generation config whose eos_token_id is a token id "
-                                 "or a list of them") from None
+                                 "or a list of them")
     return hf, gen_eos
 
 

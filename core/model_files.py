@@ -38,7 +38,8 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise MissingWeights(f"{path}: no weights: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there{hint}")
     try:
         weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
-        assert isinstance(weight_map, dict) and weight_map
+        if not (isinstance(weight_map, dict) and weight_map):
+            raise ValueError("weight_map is not a non-empty mapping")
     except Exception as e:
         raise ValueError(f"{path / INDEX_NAME}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
     shards = sorted(set(weight_map.values()))
@@ -73,8 +74,9 @@ def check_file(path: pathlib.Path) -> set[str]:
                              f"{'unreadable' if n < 0 else n}): truncated or corrupt; copy it again")
         try:
             header = json.loads(fh.read(n))
-            assert isinstance(header, dict)
-        except (ValueError, AssertionError, UnicodeDecodeError):
+            if not isinstance(header, dict):
+                raise ValueError("not a mapping")
+        except (ValueError, UnicodeDecodeError):
             raise ValueError(f"{path}: its safetensors header is not a JSON mapping: corrupt; copy it again") from None
     end = 0
     for name, t in header.items():
@@ -82,8 +84,9 @@ def check_file(path: pathlib.Path) -> set[str]:
             continue
         try:
             begin, stop = (int(x) for x in t["data_offsets"])
-            assert 0 <= begin <= stop
-        except (TypeError, KeyError, ValueError, AssertionError):
+            if not 0 <= begin <= stop:
+                raise ValueError("offsets out of order")
+        except (TypeError, KeyError, ValueError):
             raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets in its header: corrupt") from None
         end = max(end, stop)
     if end != size - 8 - n:
@@ -103,7 +106,8 @@ def check_weights(path: str | os.PathLike) -> None:
         read_weights(path)  # raises MissingWeights, naming what is there instead
     try:
         weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
-        assert isinstance(weight_map, dict) and weight_map and all(isinstance(s, str) for s in weight_map.values())
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(s, str) for s in weight_map.values())):
+            raise ValueError("weight_map is not a non-empty mapping of names to shard files")
     except Exception as e:
         raise ValueError(f"{path / INDEX_NAME}: not a safetensors index with a weight_map ({type(e).__name__})") from None
     shards = sorted(set(weight_map.values()))
