@@ -176,7 +176,7 @@ class LearnerConfig:
     batch_size: int = f(64, lo=1, help="trajectories per policy update (B in the staleness rule)")
     lr: float = f(1e-3, lo=0, help="policy learning rate (AdamW)")
     critic_lr: float = f(2e-3, lo=0, help="critic learning rate")
-    weight_decay: float = f(0.0, "AdamW weight decay", lo=0)
+    weight_decay: float = f(0.0, "AdamW weight decay of the policy and the critic", lo=0)
     warmup_steps: int = f(20, "linear learning-rate warm-up, in updates", lo=0)
     grad_clip: float = f(1.0, "gradient norm clip", gt=0)
     threads: int = f(1, "torch intra-op threads", lo=1)

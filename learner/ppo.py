@@ -73,7 +73,8 @@ class PPOTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps))
         self.critic_opt = None
         if critic is not None:
-            self.critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic_lr, betas=(0.9, 0.99))
+            self.critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic_lr,
+                                                weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
         self.updates = 0
         self.entropy_coef = cfg.ppo.entropy_coef  # adapted after each update when cfg.ppo.target_entropy > 0
         self.chunk_tokens = 4096  # padded tokens per forward chunk

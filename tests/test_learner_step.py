@@ -32,6 +32,23 @@ def sample(policy, n, version=0, gen=None):
     return out, float(lp[GOOD].exp())
 
 
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_weight_decay_applies_to_the_policy_and_the_critic(wd):
+    """learner.weight_decay reached the policy's AdamW only: the critic's used AdamW's default (0.01) whatever it said.
+    A step with zero gradients moves each optimiser's weights by exactly lr * weight_decay * w."""
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1)
+    tr = PPOTrainer(pol, critic, LearnerConfig(algo="ppo", lr=1e-2, critic_lr=1e-2, weight_decay=wd), 0)
+    for opt, model in ((tr.opt, pol), (tr.critic_opt, critic)):
+        w = next(p for p in model.parameters() if p.requires_grad)
+        before = w.detach().clone()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        torch.testing.assert_close(w.detach(), before * (1 - lr * wd), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_policy_learns_a_bandit(algo):
     torch.manual_seed(0)
