@@ -111,7 +111,8 @@ class Recorder:
 async def stack(tok, engine, **actor_kw):
     env_srv = EnvServer(dataclasses.replace(EnvdConfig(), host="127.0.0.1", port=0))
     await env_srv.start()
-    inf = InferenceServer(InferenceConfig(host="127.0.0.1", port=0), engine)
+    # the context of the tiny VL checkpoint (4096): the front refuses longer prompts by their length (server.py)
+    inf = InferenceServer(InferenceConfig(host="127.0.0.1", port=0, max_context=4096), engine)
     await inf.start()
     cfg = ActorConfig(**{"rpc_timeout_s": 10.0, "retries": 1, "max_new_tokens": 200, **actor_kw})
     infer = InferenceClient([inf.address], timeout_s=10.0, retries=1)
