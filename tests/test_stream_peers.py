@@ -41,7 +41,9 @@ def test_credit_idle_actors_hold_is_taken_back_for_an_actor_that_came_later(tmp_
 
     try:
         held = asyncio.run(main())
-        assert all(0 <= c <= 16 for c in held) and min(held) == peers.KEEP_CREDIT, held  # taken back as needed
+        # Taken back to KEEP_CREDIT, never below (the idle ones sent nothing); the queue's slots freed since may
+        # have been granted back to them (fair regrant), so their credit now reads KEEP_CREDIT..16.
+        assert all(peers.KEEP_CREDIT <= c <= 16 for c in held), held
         assert wait_until(lambda: len(con.ids) == 42)
         assert rx.stats()["credits_reclaimed"] >= 16 - peers.KEEP_CREDIT
     finally:
