@@ -157,21 +157,17 @@ class ChatTokenizer:
         """plain: special-token strings stay text (content); else the template's own text, whose special tokens are
         meant. Without a space-marker tokenizer (byte-level BPE) the piece is encoded alone, as it is whole. added: plain
         text whose non-special added tokens are meant (an answer: the policy generates them as tokens)."""
+        enc = lambda t: self.hf.encode(t, add_special_tokens=False, split_special_tokens=plain)  # noqa: E731
         if plain and not added and self._added_text is not None and self._added_text.search(text):
             if self._text_only is False:
                 self._text_only = _text_only(self.hf)  # None without a backend tokenizer: encoded as below
             if self._text_only is not None:
-                enc = self._text_only.encode
-                if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
-                    return list(enc(text, add_special_tokens=False).ids)
-                ids = list(enc(_ANCHOR + text, add_special_tokens=False).ids)
-                n = len(self._anchor)
-                return ids[n:] if ids[:n] == self._anchor else list(enc(text, add_special_tokens=False).ids)
+                enc = lambda t: self._text_only.encode(t, add_special_tokens=False).ids  # noqa: E731
         if not (self._mid_text and text and after != "start" and not (after == "special" and self._restarts)):
-            return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=plain))
-        ids = list(self.hf.encode(_ANCHOR + text, add_special_tokens=False, split_special_tokens=plain))
+            return list(enc(text))
+        ids = list(enc(_ANCHOR + text))
         if ids[:len(self._anchor)] != self._anchor:  # the anchor merged with the text: it stands alone then
-            return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=plain))
+            return list(enc(text))
         return ids[len(self._anchor):]
 
     def _fill(self, text: str, contents: dict[str, "Content"], after: str) -> list[int]:
