@@ -91,6 +91,11 @@ class EnvdConfig:
                                       "always served now, since their GUI apps run in the terminal's sandbox")
 
 
+# SGLang's rule (_SAMPLING_EPS): a sampling temperature under it is greedy, as 0 is. The engines sample so, and the
+# learner reads such a policy's logprobs at temperature 1 (learner/ppo.py).
+GREEDY_BELOW = 1e-6
+
+
 @dataclass
 class ActorConfig:
     """actor: asyncio episode runners."""

@@ -2,7 +2,8 @@
 
 LocalEngine (inference_server.engine), its scheduler thread (inference_server.scheduler), the queue between them
 (inference_server.work_queue), the SGLang pool (inference_server.sglang_engine) and the scripted engine all speak
-these types; this module imports nothing of the package, so any of them can depend on it without a circle.
+these types; this module imports nothing of this package (only core's GREEDY_BELOW), so any of them can depend
+on it without a circle.
 The gRPC front maps the errors to status codes (named in each docstring).
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from core.config import GREEDY_BELOW  # noqa: F401  (re-exported: the engines' greedy rule, defined once)
 
 # GenerateOutput.finish_reason
 STOP, LENGTH = "stop", "length"
@@ -70,9 +73,6 @@ def check_finite(state_dict: dict, dtype: torch.dtype | None = None) -> None:
 
 class EngineClosed(RuntimeError):
     """The engine was closed while the request was pending (UNAVAILABLE)."""
-
-
-GREEDY_BELOW = 1e-6  # SGLang's rule (_SAMPLING_EPS): a temperature under it samples greedily, as 0 does
 
 
 @dataclass

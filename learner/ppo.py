@@ -25,7 +25,7 @@ from learner.device import autocast
 from learner.distributed import Dist
 from learner import fsdp as F
 from learner.policy import TrainPolicy
-from core.config import LearnerConfig
+from core.config import GREEDY_BELOW, LearnerConfig
 from core.schema import Trajectory
 
 
@@ -52,8 +52,8 @@ class PPOTrainer:
         self.policy, self.critic, self.cfg, self.pad_id = policy, critic, cfg, pad_id
         # The actors' sampling temperature (actor.temperature): the engine's behaviour logprobs are
         # log_softmax(logits / T), so pi_prox, pi_theta and pi_ref are the same tempered policy. Greedy (T under
-        # 1e-6, the engine's and SGLang's rule) reports T = 1 logprobs.
-        self.temperature = float(temperature) if temperature >= 1e-6 else 1.0
+        # GREEDY_BELOW, the engine's and SGLang's rule) reports T = 1 logprobs.
+        self.temperature = float(temperature) if temperature >= GREEDY_BELOW else 1.0
         self.device = next(policy.parameters()).device
         self.amp_dtype = amp_dtype
         # Data parallel (learner/distributed.py): each rank backprops its share of the chunks, gradients summed.
