@@ -9,11 +9,15 @@ actor.parsing rejects them as unknown actions.
 Coordinates: the default "box" form, start_box='<|box_start|>(x1,y1)<|box_end|>', is UI-TARS 1.0's (relative
 0..1000); the "point" form, point='<point>x1 y1</point>', is UI-TARS 1.5's (absolute pixels of the resized image).
 The parser accepts both either way; pick the one the checkpoint was trained with, and the matching to_screen mode.
+The prompt's own text is core.chat.Trusted (system_parts): `<|box_start|>` is a special token of Qwen2-VL's tokenizer,
+and the model was trained on its id; the task's instruction inside the prompt stays plain text.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from core.chat import Trusted
 
 _INTRO = ("You are a GUI agent. You are given a task and your action history, with screenshots. "
           "You need to perform the next action to complete the task.")
@@ -121,9 +125,17 @@ MOBILE_USE = _template("mobile")
 BROWSER = _template("browser")
 
 
+def system_parts(style: str, instruction: str, language: str = "English", point_form: str = "box") -> list[str]:
+    """The full system prompt for one task as [its text before the instruction, the instruction, its text after]:
+    the prompt's own text is Trusted (the special tokens in it, UI-TARS-1.0's <|box_start|>, are meant as tokens,
+    as UI-TARS's inference code tokenizes them), the task's instruction (the environment's words) stays plain."""
+    head, _, tail = _template(style, point_form).replace("{language}", language).partition("{instruction}")
+    return [Trusted(head), instruction, Trusted(tail)]
+
+
 def build_system_prompt(style: str, instruction: str, language: str = "English", point_form: str = "box") -> str:
-    """The full system prompt for one task."""
-    return _template(style, point_form).replace("{language}", language).replace("{instruction}", instruction)
+    """The full system prompt for one task, as one text."""
+    return "".join(system_parts(style, instruction, language, point_form))
 
 
 def history_window(turns: Sequence[Any], k: int = 5) -> list[bool]:

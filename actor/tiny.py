@@ -16,7 +16,7 @@ accepted by the parser as well.
 from __future__ import annotations
 
 from core.action import CLICKS, Action
-from core.chat import ChatTokenizer
+from core.chat import ChatTokenizer, Content
 
 # The note the actor puts before the next observation after an invalid action.
 INVALID_NOTE = "Invalid action. "
@@ -27,16 +27,18 @@ SYSTEM_PROMPTS = ("auto", "tiny", "none", "computer", "browser", "mobile")
 UITARS_PROMPTS = ("computer", "browser", "mobile")  # the UI-TARS prompts (actor/prompts.py)
 
 
-def system_prompt(style: str, instruction: str) -> str:
+def system_prompt(style: str, instruction: str) -> Content:
+    """A style's system prompt: a text, or a UI-TARS prompt's parts (actor.prompts.system_parts: its own text
+    Trusted, the instruction plain)."""
     # "auto" is tiny here; a vision-language checkpoint's episodes resolve it first (actor/uitars.py).
     if style in ("tiny", "auto"):
         return TINY_SYSTEM
     if style == "none":
         return ""
     if style in UITARS_PROMPTS:
-        from actor.prompts import build_system_prompt
+        from actor.prompts import system_parts
 
-        return build_system_prompt(style, instruction)
+        return system_parts(style, instruction)
     raise ValueError(f"actor.system_prompt must be one of {SYSTEM_PROMPTS}, got {style!r}")
 
 
@@ -74,13 +76,14 @@ def turn_ids(tok: ChatTokenizer, style: str, text: str, instruction: str, note: 
     return tok.next_turn(user, closed)
 
 
-def first_prompt(tok: ChatTokenizer, style: str, prompt: str, user) -> list[int]:
-    """A first prompt: a UI-TARS style's prompt (computer, browser, mobile) opens the first user message, where
-    UI-TARS's own inference code puts it (the template's default system message stays, e.g. Qwen2-VL's "You are a
-    helpful assistant."); the other styles' text is the system message."""
+def first_prompt(tok: ChatTokenizer, style: str, prompt: Content, user: Content) -> list[int]:
+    """A first prompt: a UI-TARS style's prompt (computer, browser, mobile; its parts, system_prompt) opens the first
+    user message, where UI-TARS's own inference code puts it (the template's default system message stays, e.g.
+    Qwen2-VL's "You are a helpful assistant."); the other styles' text is the system message."""
+    parts = lambda c: [c] if isinstance(c, str) else list(c)  # noqa: E731
     if style in UITARS_PROMPTS and prompt:
-        return tok.first_prompt("", prompt + user if isinstance(user, str) else [prompt, *user])
-    return tok.first_prompt(prompt, user)
+        return tok.first_prompt("", [*parts(prompt), *parts(user)])
+    return tok.first_prompt("".join(parts(prompt)), user)
 
 
 def format_action(a: Action) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from actor.parsing import on_screen
 from actor.tiny import UITARS_PROMPTS
 from core.action import Action
-from core.chat import ChatTokenizer
+from core.chat import ChatTokenizer, Content
 from core.vlm import IMAGE_FACTOR, MAX_PIXELS, MIN_PIXELS, VLSpec, is_vl_dir, png_size
 
 # Env id prefixes whose tasks are a screen to act on: a VL checkpoint gets the UI-TARS prompt there by default.
@@ -102,12 +102,13 @@ def resolve(cfg, tok: ChatTokenizer, spec: VLSpec | None = None) -> Vision:
     return Vision(spec, k, coords)
 
 
-def system_text(style: str, instruction: str, point_form: str) -> str:
-    """The system prompt of a style (actor.tiny.system_prompt for the non-UI-TARS ones)."""
+def system_text(style: str, instruction: str, point_form: str) -> Content:
+    """The system prompt of a style: a UI-TARS prompt's parts (actor.prompts.system_parts), or actor.tiny.system_prompt
+    for the non-UI-TARS ones."""
     if style in UITARS_STYLES:
-        from actor.prompts import build_system_prompt
+        from actor.prompts import system_parts
 
-        return build_system_prompt(style, instruction, point_form=point_form)
+        return system_parts(style, instruction, point_form=point_form)
     from actor.tiny import system_prompt
 
     return system_prompt(style, instruction)

@@ -27,7 +27,19 @@ import shutil
 from collections.abc import Iterable, Sequence
 from typing import Union
 
-# A message's content: a text, or texts and image runs (int n: n image placeholders) in order.
+
+
+class Trusted(str):
+    """Text the project wrote itself (a UI-TARS prompt's action space), whose special-token strings are meant as those
+    tokens, as the model's own inference code tokenizes them (`<|box_start|>` of UI-TARS-1.0's prompt is a special
+    token of Qwen2-VL's tokenizer). Every other text of a message is content that can produce no special or added
+    token. A Trusted joined with another text (+, format, join) is a plain str again: it fails safe."""
+
+    __slots__ = ()
+
+
+# A message's content: a text, or texts and image runs (int n: n image placeholders) in order; a Trusted text keeps
+# its special tokens.
 Content = Union[str, Sequence[Union[str, int]]]
 
 # The files a tokenizer may consist of; they travel with every checkpoint the project writes.
@@ -192,12 +204,14 @@ class ChatTokenizer:
 
     def content_ids(self, content: "Content", after: str = "text") -> list[int]:
         """A message's content: a text, or a sequence of texts and image runs (an int n = n placeholders, framed
-        by <|vision_start|> ... <|vision_end|> where the tokenizer is Qwen2-VL's)."""
-        if isinstance(content, str):
-            return self.encode(content, after)
+        by <|vision_start|> ... <|vision_end|> where the tokenizer is Qwen2-VL's). Texts are plain (encode), a Trusted
+        one keeps its special tokens."""
         ids: list[int] = []
-        for c in content:
-            if isinstance(c, str):
+        for c in ([content] if isinstance(content, str) else content):
+            if isinstance(c, Trusted):
+                ids += self._encode(c, False, after) if c else []
+                after = self._after(c, after)
+            elif isinstance(c, str):
                 ids += self.encode(c, after)
                 after = "text"
             elif c > 0:
