@@ -125,7 +125,7 @@ class ChatTokenizer:
         added = [t.content for t in getattr(hf, "added_tokens_decoder", {}).values() if not t.special and t.content]
         self._added_text = re.compile("|".join(map(re.escape, added))) if added else None  # one pass over content
         self._text_only = False  # built on first need (a copy of a 150k-token vocabulary costs a moment)
-        self._eot_text, self._turn_text = self._probe()
+        self._eot_text, self._turn_text, self._answer_lead = self._probe()
         # After a special token a legacy normaliser starts a new segment (the marker comes back), Metaspace's
         # prepend_scheme "first" does not: which one this is, from the end-of-turn token.
         self._restarts = _alone_after(hf, self._eot_text)
@@ -186,13 +186,18 @@ class ChatTokenizer:
         """A rendered template with probe strings -> ids: the template's text with its special tokens, each probe's
         content as plain text, image runs as placeholder ids. after: what comes before it ("start", "special")."""
         pat = "(" + "|".join(map(re.escape, contents)) + ")"
+        parts = re.split(pat, text)
         ids: list[int] = []
-        for i, part in enumerate(re.split(pat, text)):
+        lead = ""
+        for i, part in enumerate(parts):
             if i % 2 == 0:
+                if i + 1 < len(parts):  # spaces before content go with it: the whole text merges them ("[INST] " + "Act"
+                    lead = part[len(part.rstrip(" ")):]  # is "▁Act", not "▁" "Act")
+                    part = part[:len(part) - len(lead)]
                 ids += self._encode(part, False, after) if part else []
                 after = self._after(part, after)
             else:
-                ids += self.content_ids(contents[part], after)
+                ids += self.content_ids(_lead(lead, contents[part]), after)
                 after = "text"
         return ids
 
@@ -237,9 +242,10 @@ class ChatTokenizer:
                                  f"{self.template_kwargs}: {type(e).__name__}: {e}") from None
 
     # ---- the conversation ------------------------------------------------------------------------------------
-    def _probe(self) -> tuple[str, str]:
-        """(end-of-turn token text, template text of [new user message + generation prompt] after an assistant turn)
-        with the user text as _PROBE_USER2."""
+    def _probe(self) -> tuple[str, str, str]:
+        """(end-of-turn token text, template text of [new user message + generation prompt] after an assistant turn
+        with the user text as _PROBE_USER2, the spaces the template puts between the generation prompt and an
+        assistant message's text: Mistral's " ")."""
         base = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
         b = self.render([*base, {"role": "user", "content": _PROBE_USER2}], True)
         i = b.find(_PROBE_ASSISTANT)
@@ -259,7 +265,8 @@ class ChatTokenizer:
         turn = rest[len(eot):]
         if _PROBE_USER2 not in turn:
             raise TokenizerError(f"{self.path}: the chat template drops a user message that follows an assistant one")
-        return eot, turn
+        lead = b[len(heads[0]):i] if b[:i].startswith(heads[0]) else ""
+        return eot, turn, lead if not lead.strip(" ") else ""
 
     def _takes_system(self) -> bool:
         """Whether the template renders a system message (Mistral's and Gemma's raise "System role not supported";
@@ -288,8 +295,20 @@ class ChatTokenizer:
 
     def answer(self, text: str) -> list[int]:
         """What the policy should generate for an answer text: its ids and the end-of-turn token."""
-        return [*self._encode(text, True, self._after_prompt, added=True), self.eot_id]
+        return [*self._encode(self._answer_lead + text, True, self._after_prompt, added=True), self.eot_id]
 
+
+
+def _lead(spaces: str, content: "Content") -> "Content":
+    """content with `spaces` (a template's, before it) at its head; a Trusted text stays Trusted."""
+    if not spaces:
+        return content
+    if isinstance(content, str):
+        return (Trusted if isinstance(content, Trusted) else str)(spaces + content)
+    first = content[0] if len(content) else 0
+    if isinstance(first, str):
+        return [_lead(spaces, first), *content[1:]]
+    return [spaces, *content]
 
 
 def _load_hf(path: str | os.PathLike):

@@ -207,11 +207,9 @@ ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{
           "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
 
 
-@pytest.mark.parametrize("kind", ["legacy", "metaspace-first"])
-def test_sentencepiece_style_tokenizers_add_up_to_the_whole_conversation(tmp_path, kind):
-    """Llama-2 / TinyLlama / Mistral-v0.1 style tokenizer.json (a "▁" prepended by the normaliser, or Metaspace with
-    prepend_scheme "first") under TinyLlama-Chat's Zephyr template: a piece encoded alone would start with a space
-    marker the whole conversation does not have; the turn-by-turn ids still equal the template's."""
+def _sentencepiece(path, kind: str, template: str, specials: tuple = ()) -> ChatTokenizer:
+    """A Llama-2 / Mistral style tokenizer.json (kind "legacy": a "▁" prepended by the normaliser; "metaspace-first":
+    Metaspace with prepend_scheme "first") trained on CONV, with `template` and extra special tokens, saved in path."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -224,12 +222,21 @@ def test_sentencepiece_style_tokenizers_add_up_to_the_whole_conversation(tmp_pat
         t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
         t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     corpus = [m["content"] for m in CONV] * 50 + ["<|user|>\n hello world <|assistant|>\n the quick brown fox"] * 50
-    t.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+    t.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", *specials],
                                                       min_frequency=2))
-    hf = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    hf.chat_template = ZEPHYR
-    hf.save_pretrained(str(tmp_path))
-    tok = ChatTokenizer.load(tmp_path)
+    hf = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                 additional_special_tokens=list(specials))
+    hf.chat_template = template
+    hf.save_pretrained(str(path))
+    return ChatTokenizer.load(path)
+
+
+@pytest.mark.parametrize("kind", ["legacy", "metaspace-first"])
+def test_sentencepiece_style_tokenizers_add_up_to_the_whole_conversation(tmp_path, kind):
+    """Llama-2 / TinyLlama / Mistral-v0.1 style tokenizer.json (a "▁" prepended by the normaliser, or Metaspace with
+    prepend_scheme "first") under TinyLlama-Chat's Zephyr template: a piece encoded alone would start with a space
+    marker the whole conversation does not have; the turn-by-turn ids still equal the template's."""
+    tok = _sentencepiece(tmp_path, kind, ZEPHYR)
     ids = tok.first_prompt(CONV[0]["content"], CONV[1]["content"]) + tok.answer(CONV[2]["content"])
     ids += tok.next_turn(CONV[3]["content"])
     text = tok.render(CONV[:4], add_generation_prompt=True)
@@ -335,3 +342,44 @@ def test_a_uitars_prompts_special_tokens_stay_tokens_and_the_instruction_stays_t
     assert t.content_ids(["<|box_start|>", Trusted("<|box_start|>")]) == t.encode("<|box_start|>") + [box]
     assert box not in t.encode("<|box_start|>")
     assert not isinstance(Trusted("a") + "b", Trusted)  # joined with other text it is plain again
+
+
+# Written after Mistral-7B-Instruct-v0.3's chat template (its tool branches left out): "[INST] " + content, the system
+# message in the *last* user message, an assistant message as " " + its trimmed text + eos.
+MISTRAL_V3 = (
+    '{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}'
+    '{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}'
+    '{%- set ns = namespace() %}{%- set ns.index = 0 %}'
+    '{%- for message in loop_messages %}{%- if (message["role"] == "user") != (ns.index % 2 == 0) %}'
+    '{{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/...") }}'
+    '{%- endif %}{%- set ns.index = ns.index + 1 %}{%- endfor %}'
+    '{{- bos_token }}'
+    '{%- for message in loop_messages %}'
+    '{%- if message["role"] == "user" %}'
+    '{%- if loop.last and system_message is defined %}'
+    '{{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}'
+    '{%- else %}{{- "[INST] " + message["content"] + "[/INST]" }}{%- endif %}'
+    '{%- elif message["role"] == "assistant" %}{{- " " + message["content"]|trim + eos_token }}'
+    '{%- else %}{{- raise_exception("Only user and assistant roles are supported!") }}{%- endif %}'
+    '{%- endfor %}')
+
+
+@pytest.mark.parametrize("kind", ["legacy", "metaspace-first"])
+def test_a_mistral_v3_template_first_turn_is_the_templates_own(tmp_path, kind):
+    """Mistral v0.3's template writes "[INST] " + content: the whole text merges the space into the content's first
+    piece ("▁Act"), the pieces encoded apart gave "▁" "Ac" "t", so the first prompt differed from the template's ids,
+    and an answer (what the template writes as " " + text) lacked its space. Its system message goes in the last user
+    message: the first turn is the template's own, later turns keep it in the first user message (the conversation
+    only grows), which is the template's rendering of the conversation with the system text folded into that message."""
+    t = _sentencepiece(tmp_path, kind, MISTRAL_V3, ("[INST]", "[/INST]"))
+    chat = lambda msgs: list(t.hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,  # noqa: E731
+                                                       return_dict=False))
+    sys_text, user = CONV[0]["content"], CONV[1]["content"]
+    assert t.system_role
+    assert t.first_prompt(sys_text, user) == chat(CONV[:2])
+    assert t.first_prompt("", user) == chat(CONV[1:2])
+    ids = t.first_prompt("", user) + t.answer(CONV[2]["content"]) + t.next_turn(CONV[3]["content"])
+    assert ids == chat(CONV[1:4])
+    ids = t.first_prompt(sys_text, user) + t.answer(CONV[2]["content"]) + t.next_turn(CONV[3]["content"])
+    assert ids == chat([{"role": "user", "content": sys_text + "\n\n" + user}, *CONV[2:4]])
+    assert t.decode(ids, skip_special=False).count(sys_text) == 1
