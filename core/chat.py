@@ -28,7 +28,6 @@ from collections.abc import Iterable, Sequence
 from typing import Union
 
 
-
 class Trusted(str):
     """Text the project wrote itself (a UI-TARS prompt's action space), whose special-token strings are meant as those
     tokens, as the model's own inference code tokenizes them (`<|box_start|>` of UI-TARS-1.0's prompt is a special
@@ -131,6 +130,7 @@ class ChatTokenizer:
         self._restarts = _alone_after(hf, self._eot_text)
         self._after_prompt = self._after(self._turn_text, "text")  # what an answer follows: the generation prompt
         self.system_role = self._takes_system()
+        self._trims = self._trimmed()
         eot = self.hf.convert_tokens_to_ids(self._eot_text)
         if eot is None or eot == hf.unk_token_id:
             raise TokenizerError(f"{path}: the end-of-turn marker {self._eot_text!r} is not a token")
@@ -197,7 +197,8 @@ class ChatTokenizer:
                 ids += self._encode(part, False, after) if part else []
                 after = self._after(part, after)
             else:
-                ids += self.content_ids(_lead(lead, contents[part]), after)
+                ids += self.content_ids(_lead(lead, _trim(contents[part], *self._trims.get(part, (False, False)))),
+                                        after)
                 after = "text"
         return ids
 
@@ -278,6 +279,23 @@ class ChatTokenizer:
             return False
         return _PROBE_SYSTEM in text
 
+    def _trimmed(self) -> dict[str, tuple[bool, bool]]:
+        """probe -> (leading, trailing) whitespace the template strips from that message's content (Llama 3's
+        `message['content'] | trim`), as _fill strips it too; probes whose content is kept as it is are left out."""
+        pad = lambda p: "\t" + p + "\t"  # noqa: E731  (a tab: no template writes one beside a message's text)
+        msgs = [{"role": "user", "content": pad(_PROBE_USER)}, {"role": "assistant", "content": _PROBE_ASSISTANT},
+                {"role": "user", "content": pad(_PROBE_USER2)}]
+        texts = [self.render(msgs, True)]
+        if self.system_role:
+            texts.append(self.render([{"role": "system", "content": pad(_PROBE_SYSTEM)}, msgs[0]], True))
+        out = {}
+        for p in (_PROBE_SYSTEM, _PROBE_USER, _PROBE_USER2):
+            text = next((t for t in texts if p in t), "")
+            cut = (bool(text) and "\t" + p not in text, bool(text) and p + "\t" not in text)
+            if any(cut):
+                out[p] = cut
+        return out
+
     def first_prompt(self, system: str, user: "Content") -> list[int]:
         """The template over [system (if any), user] with the generation prompt. A template without a system role
         gets the system text at the head of the user message, as those models' own templates fold it."""
@@ -298,7 +316,6 @@ class ChatTokenizer:
         return [*self._encode(self._answer_lead + text, True, self._after_prompt, added=True), self.eot_id]
 
 
-
 def _lead(spaces: str, content: "Content") -> "Content":
     """content with `spaces` (a template's, before it) at its head; a Trusted text stays Trusted."""
     if not spaces:
@@ -309,6 +326,22 @@ def _lead(spaces: str, content: "Content") -> "Content":
     if isinstance(first, str):
         return [_lead(spaces, first), *content[1:]]
     return [spaces, *content]
+
+
+def _trim(content: "Content", left: bool, right: bool) -> "Content":
+    """content with its leading (left) / trailing (right) whitespace stripped, as a template's `| trim` strips a
+    message's text; a Trusted text stays Trusted."""
+    if not (left or right):
+        return content
+    parts = [content] if isinstance(content, str) else list(content)
+    for end in ((0,) if left else ()) + ((-1,) if right else ()):
+        while parts and isinstance(parts[end], str):
+            t = parts[end].lstrip() if end == 0 else parts[end].rstrip()
+            if t:
+                parts[end] = Trusted(t) if isinstance(parts[end], Trusted) else t
+                break
+            parts.pop(end)
+    return (parts[0] if parts else "") if isinstance(content, str) else parts
 
 
 def _load_hf(path: str | os.PathLike):

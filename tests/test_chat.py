@@ -383,3 +383,39 @@ def test_a_mistral_v3_template_first_turn_is_the_templates_own(tmp_path, kind):
     ids = t.first_prompt(sys_text, user) + t.answer(CONV[2]["content"]) + t.next_turn(CONV[3]["content"])
     assert ids == chat([{"role": "user", "content": sys_text + "\n\n" + user}, *CONV[2:4]])
     assert t.decode(ids, skip_special=False).count(sys_text) == 1
+
+
+# Meta-Llama-3-8B-Instruct's chat template: every message's content goes through `| trim`.
+LLAMA3_META = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+               "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+               "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def test_a_template_that_trims_message_content_gets_it_trimmed(tmp_path):
+    """Llama 3's template strips each message's text; the pieces kept an observation's trailing newline (or a
+    leading space) that the template drops: 38 ids for the first prompt where the template gives 35. Content is
+    stripped as the template strips it now, at the message's ends only (a Trusted text stays Trusted; a middle piece
+    keeps its spaces)."""
+    from core.chat import Trusted
+
+    hf = train_bpe(rendered_corpus([CONV] * 20, "llama3"), 400, "llama3")
+    hf.chat_template = LLAMA3_META
+    save_tokenizer(hf, tmp_path)
+    t = ChatTokenizer.load(tmp_path)
+    chat = lambda msgs: list(t.hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,  # noqa: E731
+                                                       return_dict=False))
+    padded = [{"role": "system", "content": CONV[0]["content"] + "\n"},
+              {"role": "user", "content": " " + CONV[1]["content"] + "\n"}, CONV[2],
+              {"role": "user", "content": "\n" + CONV[3]["content"] + " \n\n"}]
+    ids = t.first_prompt(padded[0]["content"], padded[1]["content"])
+    assert ids == chat(padded[:2])
+    ids += t.answer(padded[2]["content"]) + t.next_turn(padded[3]["content"])
+    assert ids == chat(padded)
+    # a content sequence: its first and last texts are trimmed (pieces that are only spaces go), not the middle
+    box = t.hf.convert_tokens_to_ids("<|start_header_id|>")
+    parts = ["  ", Trusted(" <|start_header_id|> a "), " b ", "c \n", "\n"]
+    got = t.first_prompt("", parts)
+    assert got.count(box) == 3  # the template's two (user, assistant) and the Trusted one
+    assert t.decode(got, skip_special=False).endswith("<|start_header_id|> a  b c<|eot_id|><|start_header_id|>"
+                                                      "assistant<|end_header_id|>\n\n")
