@@ -188,6 +188,22 @@ def test_optimizer_state_dicts_load_with_weights_only(tmp_path, model):
     close(ln)
 
 
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, model):
+    """--resume with a --model other than the run's (another width) is a CheckpointError naming the checkpoint, and a
+    real `tars learner --resume` exits 2 with one line, not a traceback from the middle of loading the weights."""
+    run, other = tmp_path / "run", tmp_path / "wider"
+    close(saved_at(run, model, 1))
+    TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1),
+                            seed=0).save_hf(other)
+    with pytest.raises(CheckpointError, match=r"ckpt does not fit this learner's model: .*size of tensor"):
+        learner(run, other, resume=True)
+    p = subprocess.run([sys.executable, "-m", "tars.cli", "learner", "--resume", "--run-dir", str(run), "--model",
+                        str(other), "--set", "learner.device=cpu", "--set", "max_versions=0"], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert "Traceback" not in p.stderr and "does not fit this learner's model" in p.stderr.splitlines()[-1]
+
+
 # ---- --resume with nothing to resume -----------------------------------------------------------------------------
 def test_resume_without_a_checkpoint_fails_and_resume_or_fresh_starts(tmp_path, model):
     cmd = [sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(tmp_path / "run"), "--model", str(model),
