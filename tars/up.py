@@ -22,7 +22,7 @@ import torch
 from core import config as C
 from tars import ctl, report
 from tars.supervisor import Supervisor
-from tars.topology import LaunchError, Topology, plan, prepare
+from tars.topology import LaunchError, StartCancelled, Topology, plan, prepare
 
 
 def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path, float | None]:
@@ -84,11 +84,11 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
 
     old = signal.signal(signal.SIGINT, on_sigint)
     old_term = signal.signal(signal.SIGTERM, on_sigint)
-    status = "done"
+    status, cancelled = "done", False
     sup = None
     live = report.Monitor(out_p).at_end()  # this run's records only: a rerun in the same --out appends to the logs
     try:
-        topo.start()
+        topo.start(cancel=lambda: interrupted)  # Ctrl-C while starting: nothing more is started
         say(f"running: envd {topo.envd}, inference {topo.inference}, learner {topo.stream}, {cfg.actors} actor(s); "
             "Ctrl-C stops")
         sup = Supervisor(topo, cfg.supervisor.max_restarts, cfg.supervisor.backoff_s, hang_s=cfg.supervisor.hang_s,
@@ -98,6 +98,9 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         if tty:
             print()
         say(f"stopping ({status})")
+    except StartCancelled as e:
+        status, cancelled = "interrupted", True
+        say(f"interrupted while starting ({e}): stopping what was started")
     except LaunchError as e:
         status = f"failed: {e}"
         print(f"[tars up] {status}", file=sys.stderr if quiet else sys.stdout, flush=True)  # --quiet too: why it ended
@@ -117,10 +120,13 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         print(f"[tars up] warning: {w}", file=sys.stderr if quiet else sys.stdout, flush=True)
     if rep["written"]:  # only what is there: a failed write is an error line instead
         say(f"wrote {', '.join(rep['written'])}")
-    for path, why in rep["not_written"].items():
+    missing = dict(rep["not_written"])
+    if cancelled and missing.pop(str(out_p / "final"), None):  # stopped while starting: no export is expected
+        say("no final policy: interrupted before training started")
+    for path, why in missing.items():
         print(f"[tars up] error: {path} not written: {why}", file=sys.stderr, flush=True)
     ok = ("done", "wall budget reached", "target success reached", "interrupted")
-    if status not in ok or rep["not_written"]:
+    if status not in ok or missing:
         return 1
     if status == "interrupted":  # Ctrl-C: stopped in order, report written; the exit status says it was cut short
         print(f"tars up: interrupted: stopped in order; report in {out_p / 'report.json'}", file=sys.stderr, flush=True)

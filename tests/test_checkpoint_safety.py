@@ -349,7 +349,7 @@ def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypat
             self.procs = {}  # nothing for the supervisor to watch
             self.plan = types.SimpleNamespace(out=out)
 
-        def start(self):
+        def start(self, cancel=None):
             return self
 
         def stop(self):
