@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import signal
 import sys
 import time
@@ -69,6 +70,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         if not quiet:
             print(("\r\033[K" if tty else "") + f"[tars up] {msg}", flush=True)
 
+    _forget_published(out_p, say)
     t_start = time.time()
     try:
         model_dir, sft_s = build_model(cfg, out_p, say)
@@ -132,6 +134,24 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         print(f"tars up: interrupted: stopped in order; report in {out_p / 'report.json'}", file=sys.stderr, flush=True)
         return 130
     return 0
+
+
+def _forget_published(out_p: pathlib.Path, say) -> None:
+    """An earlier run's published weights (weights/vN, copies the servers loaded; final/ and ckpt/ are its results)
+    go before this run starts at version 0: the learner numbers its first publish after the newest vN there (what a
+    server restarted beside a restarted learner loads), so they made a rerun continue at N+1, and at max_versions
+    end at once without training, its untrained policy exported over final/."""
+    from core.model_files import newest_published
+
+    old = newest_published(out_p / "weights")
+    if old is not None:
+        try:
+            shutil.rmtree(out_p / "weights")
+        except OSError as e:
+            raise C.UserError(f"--out {out_p}: cannot remove the earlier run's weights/ ({e}); remove it, or give "
+                              "another --out") from None
+        say(f"removed the published weights of an earlier run in {out_p} (up to version {old[1]}): this run "
+            "starts at version 0")
 
 
 def _held_out(cfg: C.RunConfig, out_p: pathlib.Path, start: pathlib.Path, sft: bool, status: str, t_start: float,

@@ -379,6 +379,49 @@ def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypat
         assert rep["status"] == f"{status}; not written: final" and list(rep["not_written"]) == [str(out / "final")]
 
 
+def test_a_rerun_of_tars_up_in_the_same_out_starts_without_the_earlier_runs_published_weights(tmp_path, model,
+                                                                                                 monkeypatch, capsys):
+    """The learner numbers its first publish after the newest weights/vN of its run directory (what a server
+    restarted beside a restarted learner loads). An earlier run's weights/v3 left there made a rerun with the same
+    max_versions=3 start at version 4 and end at once: no update, its untrained policy exported over final/. tars up
+    removes them before any process starts (final/ and ckpt/ stay)."""
+    from core.model_files import newest_published
+    from tars import up
+
+    out = tmp_path / "out"
+    shutil.copytree(model, out / "weights" / "v3")  # the earlier run: published up to version 3, exported final/
+    shutil.copytree(model, out / "final")
+    seen = {}
+
+    class Started:
+        envd = inference = stream = "-"
+
+        def __init__(self, plan):
+            self.procs = {}
+            self.plan = types.SimpleNamespace(out=out)
+
+        def start(self, cancel=None):
+            seen["published"] = newest_published(out / "weights")  # what a learner started now would number after
+            return self
+
+        def stop(self):
+            pass
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(up, "build_model", lambda cfg, out, say: (model, None))
+    monkeypatch.setattr(up, "plan", lambda *a, **k: None)
+    monkeypatch.setattr(up, "Topology", Started)
+    monkeypatch.setattr(up, "_watch", lambda *a: "done")
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        up.up(C.load(overrides=["sft.steps=0", "max_versions=3"]), str(out))
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert seen["published"] is None
+    assert "removed the published weights of an earlier run" in capsys.readouterr().out
+    assert (out / "final" / "config.json").is_file()  # the earlier run's results are left alone
+
+
 # ---- what a resume keeps besides the weights -----------------------------------------------------------------------
 def _kept(tid: str, group: str, version: int) -> Trajectory:
     return Trajectory(id=tid, env_id="test", outcome="terminated", tokens=np.array([1, 2, 3], np.int32),
