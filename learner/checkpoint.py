@@ -163,15 +163,20 @@ class Checkpointer:
                                   f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
         if not isinstance(state, dict) or "opt" not in state or "torch_rng" not in state:
             raise CheckpointError(f"{src / 'train_state.pt'} refused: not a tars training state")
-        self.policy.load_weights(read_weights(src / "policy"))
-        F.load_optim_state(self.trainer.opt, state["opt"])  # sharded again under learner.parallel=fsdp
+        try:  # a checkpoint of another model (--model, model.*) or optimiser layout: refused, not a traceback
+            self.policy.load_weights(read_weights(src / "policy"))
+            F.load_optim_state(self.trainer.opt, state["opt"])  # sharded again under learner.parallel=fsdp
+            if self.critic is not None and "critic" in state:
+                F.load_state(self.critic, critic_state(state["critic"]))
+                F.load_optim_state(self.trainer.critic_opt, state["critic_opt"])
+        except (ValueError, RuntimeError, KeyError, IndexError) as e:
+            msg = " ".join(str(e).split())[:300] or type(e).__name__
+            raise CheckpointError(f"{src} does not fit this learner's model: {msg}; resume with the --model and "
+                                  "settings the run was started with") from e
         self.trainer.sched.load_state_dict(meta["sched"])
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        if self.critic is not None and "critic" in state:
-            F.load_state(self.critic, critic_state(state["critic"]))
-            F.load_optim_state(self.trainer.critic_opt, state["critic_opt"])
         self.trainer.updates = int(meta["updates"])
         self.trainer.entropy_coef = float(meta.get("entropy_coef", self.trainer.cfg.ppo.entropy_coef))
         return meta

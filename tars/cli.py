@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import pathlib
 import sys
@@ -44,6 +45,11 @@ def _split(s: str) -> list[str]:
 
 
 def _data_or_merge(a) -> int:
+    from tars import checks
+
+    checks.out_dir(a.out)  # a file there, or a parent that is one: one line before any input is read (UserError)
+    if a.cmd == "data" and a.min_return is not None and not math.isfinite(a.min_return):
+        raise UserError(f"--min-return {a.min_return}: must be a finite number")
     try:
         if a.cmd == "data":
             from learner.data import split

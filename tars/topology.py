@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from tars import tokens
 
@@ -45,6 +46,10 @@ class LaunchError(RuntimeError):
     def __init__(self, msg: str, log: pathlib.Path):
         super().__init__(msg)
         self.log = log
+
+
+class StartCancelled(Exception):
+    """Topology.start() gave up because its `cancel` said so (Ctrl-C / SIGTERM while the run was starting)."""
 
 
 def last_line(log: pathlib.Path, limit: int = 300) -> str:
@@ -135,14 +140,17 @@ class Process:
                               f"{last_line(self.spec.log)}; see {self.spec.log}", self.spec.log)
         return None
 
-    def wait_ready(self, timeout: float | None = None) -> dict:
-        """poll_ready() until the process has announced itself; LaunchError after `timeout` (default spec.ready_s)."""
+    def wait_ready(self, timeout: float | None = None, cancel: Callable[[], bool] | None = None) -> dict:
+        """poll_ready() until the process has announced itself; LaunchError after `timeout` (default spec.ready_s),
+        StartCancelled as soon as `cancel()` is true."""
         timeout = self.spec.ready_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             info = self.poll_ready()
             if info is not None:
                 return info
+            if cancel is not None and cancel():
+                raise StartCancelled(f"{self.spec.role} was starting")
             time.sleep(0.05)
         raise LaunchError(f"{self.spec.role} not ready after {timeout:.0f} s; see {self.spec.log}", self.spec.log)
 
@@ -328,24 +336,27 @@ class Topology:
         proc = self.procs[(role, i)] = Process(spec)
         return proc
 
-    def await_ready(self, role: str, i: int = 0, timeout: float | None = None) -> dict:
-        info = self.ready[(role, i)] = self.procs[(role, i)].wait_ready(timeout)
+    def await_ready(self, role: str, i: int = 0, timeout: float | None = None,
+                    cancel: Callable[[], bool] | None = None) -> dict:
+        info = self.ready[(role, i)] = self.procs[(role, i)].wait_ready(timeout, cancel)
         return info
 
-    def start(self) -> Topology:
-        """Everything the plan holds, in dependency order; raises LaunchError (call stop() after it)."""
+    def start(self, cancel: Callable[[], bool] | None = None) -> Topology:
+        """Everything the plan holds, in dependency order; raises LaunchError, or StartCancelled once `cancel()` is
+        true (checked while waiting for each process, and before each launch: nothing more is started). Call stop()
+        after either."""
         p = self.plan
         first = [("envd", i) for i in range(p.n_envd)] + ([("inference", 0)] if p.inference else [])
+        rest = [("learner", 0)] * p.learner + [("actor", i) for i in range(p.n_actors)]
         for key in first:  # the daemons start side by side: neither needs the other
             self.launch(*key)
         for key in first:
-            self.await_ready(*key)
-        if p.learner:
-            self.launch("learner")
-            self.await_ready("learner")
-        for i in range(p.n_actors):
-            self.launch("actor", i)
-            self.await_ready("actor", i)
+            self.await_ready(*key, cancel=cancel)
+        for key in rest:
+            if cancel is not None and cancel():
+                raise StartCancelled(f"before {self.plan.name(*key)} was started")
+            self.launch(*key)
+            self.await_ready(*key, cancel=cancel)
         return self
 
     def relaunch(self, role: str, i: int = 0) -> Process:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import signal
 import sys
 import time
@@ -22,7 +23,7 @@ import torch
 from core import config as C
 from tars import ctl, report
 from tars.supervisor import Supervisor
-from tars.topology import LaunchError, Topology, plan, prepare
+from tars.topology import LaunchError, StartCancelled, Topology, plan, prepare
 
 
 def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path, float | None]:
@@ -69,6 +70,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         if not quiet:
             print(("\r\033[K" if tty else "") + f"[tars up] {msg}", flush=True)
 
+    _forget_published(out_p, say)
     t_start = time.time()
     try:
         model_dir, sft_s = build_model(cfg, out_p, say)
@@ -84,11 +86,11 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
 
     old = signal.signal(signal.SIGINT, on_sigint)
     old_term = signal.signal(signal.SIGTERM, on_sigint)
-    status = "done"
+    status, cancelled = "done", False
     sup = None
     live = report.Monitor(out_p).at_end()  # this run's records only: a rerun in the same --out appends to the logs
     try:
-        topo.start()
+        topo.start(cancel=lambda: interrupted)  # Ctrl-C while starting: nothing more is started
         say(f"running: envd {topo.envd}, inference {topo.inference}, learner {topo.stream}, {cfg.actors} actor(s); "
             "Ctrl-C stops")
         sup = Supervisor(topo, cfg.supervisor.max_restarts, cfg.supervisor.backoff_s, hang_s=cfg.supervisor.hang_s,
@@ -98,6 +100,9 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         if tty:
             print()
         say(f"stopping ({status})")
+    except StartCancelled as e:
+        status, cancelled = "interrupted", True
+        say(f"interrupted while starting ({e}): stopping what was started")
     except LaunchError as e:
         status = f"failed: {e}"
         print(f"[tars up] {status}", file=sys.stderr if quiet else sys.stdout, flush=True)  # --quiet too: why it ended
@@ -117,15 +122,36 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         print(f"[tars up] warning: {w}", file=sys.stderr if quiet else sys.stdout, flush=True)
     if rep["written"]:  # only what is there: a failed write is an error line instead
         say(f"wrote {', '.join(rep['written'])}")
-    for path, why in rep["not_written"].items():
+    missing = dict(rep["not_written"])
+    if cancelled and missing.pop(str(out_p / "final"), None):  # stopped while starting: no export is expected
+        say("no final policy: interrupted before training started")
+    for path, why in missing.items():
         print(f"[tars up] error: {path} not written: {why}", file=sys.stderr, flush=True)
     ok = ("done", "wall budget reached", "target success reached", "interrupted")
-    if status not in ok or rep["not_written"]:
+    if status not in ok or missing:
         return 1
     if status == "interrupted":  # Ctrl-C: stopped in order, report written; the exit status says it was cut short
         print(f"tars up: interrupted: stopped in order; report in {out_p / 'report.json'}", file=sys.stderr, flush=True)
         return 130
     return 0
+
+
+def _forget_published(out_p: pathlib.Path, say) -> None:
+    """An earlier run's published weights (weights/vN, copies the servers loaded; final/ and ckpt/ are its results)
+    go before this run starts at version 0: the learner numbers its first publish after the newest vN there (what a
+    server restarted beside a restarted learner loads), so they made a rerun continue at N+1, and at max_versions
+    end at once without training, its untrained policy exported over final/."""
+    from core.model_files import newest_published
+
+    old = newest_published(out_p / "weights")
+    if old is not None:
+        try:
+            shutil.rmtree(out_p / "weights")
+        except OSError as e:
+            raise C.UserError(f"--out {out_p}: cannot remove the earlier run's weights/ ({e}); remove it, or give "
+                              "another --out") from None
+        say(f"removed the published weights of an earlier run in {out_p} (up to version {old[1]}): this run "
+            "starts at version 0")
 
 
 def _held_out(cfg: C.RunConfig, out_p: pathlib.Path, start: pathlib.Path, sft: bool, status: str, t_start: float,

@@ -188,6 +188,22 @@ def test_optimizer_state_dicts_load_with_weights_only(tmp_path, model):
     close(ln)
 
 
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, model):
+    """--resume with a --model other than the run's (another width) is a CheckpointError naming the checkpoint, and a
+    real `tars learner --resume` exits 2 with one line, not a traceback from the middle of loading the weights."""
+    run, other = tmp_path / "run", tmp_path / "wider"
+    close(saved_at(run, model, 1))
+    TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1),
+                            seed=0).save_hf(other)
+    with pytest.raises(CheckpointError, match=r"ckpt does not fit this learner's model: .*size of tensor"):
+        learner(run, other, resume=True)
+    p = subprocess.run([sys.executable, "-m", "tars.cli", "learner", "--resume", "--run-dir", str(run), "--model",
+                        str(other), "--set", "learner.device=cpu", "--set", "max_versions=0"], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert "Traceback" not in p.stderr and "does not fit this learner's model" in p.stderr.splitlines()[-1]
+
+
 # ---- --resume with nothing to resume -----------------------------------------------------------------------------
 def test_resume_without_a_checkpoint_fails_and_resume_or_fresh_starts(tmp_path, model):
     cmd = [sys.executable, "-m", "tars.cli", "learner", "--run-dir", str(tmp_path / "run"), "--model", str(model),
@@ -333,7 +349,7 @@ def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypat
             self.procs = {}  # nothing for the supervisor to watch
             self.plan = types.SimpleNamespace(out=out)
 
-        def start(self):
+        def start(self, cancel=None):
             return self
 
         def stop(self):
@@ -361,6 +377,49 @@ def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypat
         assert f"{out / 'final'} not written: " in o.err
         rep = json.loads((out / "report.json").read_text())
         assert rep["status"] == f"{status}; not written: final" and list(rep["not_written"]) == [str(out / "final")]
+
+
+def test_a_rerun_of_tars_up_in_the_same_out_starts_without_the_earlier_runs_published_weights(tmp_path, model,
+                                                                                                 monkeypatch, capsys):
+    """The learner numbers its first publish after the newest weights/vN of its run directory (what a server
+    restarted beside a restarted learner loads). An earlier run's weights/v3 left there made a rerun with the same
+    max_versions=3 start at version 4 and end at once: no update, its untrained policy exported over final/. tars up
+    removes them before any process starts (final/ and ckpt/ stay)."""
+    from core.model_files import newest_published
+    from tars import up
+
+    out = tmp_path / "out"
+    shutil.copytree(model, out / "weights" / "v3")  # the earlier run: published up to version 3, exported final/
+    shutil.copytree(model, out / "final")
+    seen = {}
+
+    class Started:
+        envd = inference = stream = "-"
+
+        def __init__(self, plan):
+            self.procs = {}
+            self.plan = types.SimpleNamespace(out=out)
+
+        def start(self, cancel=None):
+            seen["published"] = newest_published(out / "weights")  # what a learner started now would number after
+            return self
+
+        def stop(self):
+            pass
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(up, "build_model", lambda cfg, out, say: (model, None))
+    monkeypatch.setattr(up, "plan", lambda *a, **k: None)
+    monkeypatch.setattr(up, "Topology", Started)
+    monkeypatch.setattr(up, "_watch", lambda *a: "done")
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        up.up(C.load(overrides=["sft.steps=0", "max_versions=3"]), str(out))
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert seen["published"] is None
+    assert "removed the published weights of an earlier run" in capsys.readouterr().out
+    assert (out / "final" / "config.json").is_file()  # the earlier run's results are left alone
 
 
 # ---- what a resume keeps besides the weights -----------------------------------------------------------------------

@@ -278,6 +278,34 @@ def test_ctrl_c_during_the_warm_start_of_up(tmp_path):
     assert not (tmp_path / "r" / "report.json").exists()
 
 
+def test_ctrl_c_while_up_starts_its_processes_starts_no_more(tmp_path):
+    """Ctrl-C once envd is up (the learner and actors not yet started): the start stops there, what was started is
+    stopped, the report says interrupted, exit 130 (it used to start every role and train before stopping)."""
+    out = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "up", "--preset", "quickstart", "--out", str(out),
+                          "--set", "sft.steps=0", "--set", "wall_budget_s=300", "--quiet"], cwd=ROOT, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "run" / "envd.json").exists():
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-2000:] if p.poll() else "slow"
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        so, se = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    one_line(subprocess.CompletedProcess([], p.returncode, so, se), "up", 130, "interrupted", "report in")
+    assert not (out / "logs" / "actor0.log").exists()  # no actor was started
+    assert json.loads((out / "report.json").read_text())["status"].startswith("interrupted")
+    for f in (out / "run").glob("*.json"):  # whatever was started has exited
+        pid = json.loads(f.read_text())["pid"]
+        assert not pathlib.Path(f"/proc/{pid}").exists() or \
+            pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", f.name
+
+
 def test_ctrl_c_during_eval_writes_results_and_resumes(tmp_path):
     (tmp_path / "s.yaml").write_text("episodes: 400\ntasks: [builtin/click, builtin/menu]\n")
     rc, out, err = _interrupt(["eval", "--suite", tmp_path / "s.yaml", "--model", "oracle", "--out", tmp_path / "o",

@@ -51,6 +51,24 @@ def test_split_of_a_missing_or_corrupt_file_is_a_clear_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_split_and_merge_with_an_out_that_cannot_be_a_directory_or_a_bad_min_return_are_user_errors(tmp_path, capsys):
+    """--out naming a file (or a path under one), and a --min-return that is no finite number: one line, exit 2,
+    nothing written (a file --out was an exit 1 'failed: FileExistsError' after the inputs were read, and merge's
+    'NotADirectoryError' after the interpolation; --min-return nan passed nothing and wrote NaN into split.json)."""
+    write_trajectories(tmp_path / "a.twl", [traj("win", success=True, ret=1.0)])
+    model(0).save_hf(tmp_path / "m")
+    (tmp_path / "f").write_text("not a directory")
+    for out in (tmp_path / "f", tmp_path / "f" / "s"):
+        assert cli.main(["data", "split", str(tmp_path / "a.twl"), "--out", str(out)]) == 2
+        assert f"tars data: --out {out}:" in capsys.readouterr().err
+        assert cli.main(["merge", str(tmp_path / "m"), str(tmp_path / "m"), "--weights", "0.5,0.5", "--out", str(out)]) == 2
+        assert f"tars merge: --out {out}:" in capsys.readouterr().err
+    assert (tmp_path / "f").read_text() == "not a directory"
+    for bad in ("nan", "inf"):
+        assert cli.main(["data", "split", str(tmp_path / "a.twl"), "--out", str(tmp_path / "s"), "--min-return", bad]) == 2
+        assert "--min-return" in capsys.readouterr().err and not (tmp_path / "s").exists()
+
+
 def test_split_reads_its_inputs_read_only_and_a_damaged_one_is_an_error_naming_the_offset(tmp_path, capsys):
     """An input is never modified: a flipped byte in record 3 of 10 is an error naming the file and the offset (the
     file keeps every byte), and so is a file that is no trajectory log (episodes.jsonl by mistake)."""

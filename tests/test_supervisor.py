@@ -7,12 +7,13 @@ import signal
 import time
 
 import grpc
+import pytest
 
 from core import config as C
 from core import rpc
 from core.v1 import control_pb2, control_pb2_grpc
 from tars.supervisor import Supervisor, read_events
-from tars.topology import Topology, plan
+from tars.topology import StartCancelled, Topology, plan
 
 
 def _envd_only(tmp_path, **sets):
@@ -139,6 +140,27 @@ def test_backoff_doubles_for_a_process_that_fails_to_start(tmp_path):
         assert len(starts) == 3 and len(deaths) == 4
         gaps = [s - d for d, s in zip(deaths, starts)]       # death -> next start: 0.3, 0.6, 1.2 s
         assert gaps[0] >= 0.3 and gaps[1] >= 0.6 and gaps[2] >= 1.2, gaps
+
+
+def test_a_start_cancelled_starts_nothing_more_and_stops_what_it_started(tmp_path):
+    """Topology.start(cancel): once cancel() is true (tars up's Ctrl-C / SIGTERM while starting), no further role is
+    launched; StartCancelled, and stop() leaves nothing running."""
+    cfg = C.load("quickstart", None, [])
+    out = tmp_path / "run"
+    out.mkdir()
+    C.save(cfg, out / "config.yaml")
+    topo = Topology(plan(cfg, out, tmp_path / "no-model", inference=False, n_actors=2))
+    with topo:
+        with pytest.raises(StartCancelled, match="before learner was started"):
+            topo.start(cancel=lambda: ("envd", 0) in topo.ready)  # Ctrl-C as soon as envd is up
+        assert list(topo.procs) == [("envd", 0)]  # neither the learner nor an actor was started
+    assert topo.returncode("envd") is not None
+    topo = Topology(plan(cfg, out, tmp_path / "no-model", inference=False, n_actors=2))
+    with topo:
+        with pytest.raises(StartCancelled, match="envd was starting"):
+            topo.start(cancel=lambda: True)  # while waiting for envd's ready file
+        assert list(topo.procs) == [("envd", 0)] and ("envd", 0) not in topo.ready
+    assert topo.returncode("envd") is not None
 
 
 def test_report_warns_of_infra_errors_no_update_and_restarts(tmp_path):
