@@ -15,8 +15,10 @@ without the `sglang` package.
   of integers; a non-integer server version ("default") counts as the version the pool was attached at.
 - rids: f"{engine_uid}-{sha1(trajectory)[:10]}-{seq:012d}-{segment:04d}", all of one fixed length, so no rid is
   a prefix of another (SGLang's /abort_request aborts every rid that starts with the given one).
-- Routing, health and installing weights on every replica: inference_server.sglang_pool. This module is the
-  request path: one generation per worker thread, resumed across aborts and failed replicas.
+- Routing, health and installing weights on every replica: inference_server.sglang_pool; reading one answer:
+  inference_server.sglang_answer. This module is the request path: one generation per worker thread, resumed across
+  aborts and failed replicas. A 4xx (SGLang refused the request as invalid) fails it with RequestRefused
+  (INVALID_ARGUMENT, SGLang's message); a 5xx or a connection failure takes the replica out and resumes elsewhere.
 
 Starting (`open_sglang_engine`, what make_engine calls): either launch cfg.sglang_launch servers on the checkpoint
 directory and supervise them (inference_server.sglang_launch.SGLangFleet: `python -m sglang.launch_server
@@ -39,9 +41,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from core.config import InferenceConfig
-from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
-                                           check_finite)
-from inference_server.sglang_http import http_json, post_abort, token_versions
+from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, RequestRefused, SamplingParams, TokenCallback,
+                                           WeightLoadError, check_finite)
+from inference_server.sglang_answer import read_segment
+from inference_server.sglang_http import error_message, http_json, post_abort
 from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool
 
 log = logging.getLogger("tars.inference.sglang")
@@ -278,20 +281,18 @@ class SGLangEngine:
                     conn_failures += 1
                     if conn_failures <= self.cfg.sglang_max_resumes:
                         continue
+                elif 400 <= status < 500 and status not in (408, 429):  # refused as invalid: the request, not the replica
+                    raise RequestRefused(f"SGLang refused the request: {error_message(resp)[:500]}")
                 raise RuntimeError(f"SGLang /generate on {rep.url} failed: HTTP {status}: {str(resp)[:300]}")
             avoid = None
-            meta = resp.get("meta_info") or {}
-            ids = [int(t) for t in resp.get("output_ids") or []]
-            lps = meta.get("output_token_logprobs") or []
-            if len(lps) != len(ids):
-                raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
-            vers = token_versions(meta, len(ids), self.pool.base_version)
+            seg = read_segment(resp, self.pool.base_version)
+            ids, vers, fr, kind = seg.ids, seg.versions, seg.finish, seg.kind
             if not call.out and call.segment == 0:
-                call.cached_tokens = int(meta.get("cached_tokens") or 0)
+                call.cached_tokens = seg.cached_tokens
             elif call.out:
                 call.recomputed_tokens += len(call.input_ids) + len(call.out)
             call.out += ids
-            call.logprobs += [float(x[0]) for x in lps]
+            call.logprobs += seg.logprobs
             call.versions += vers
             if len(set(vers)) > 1:  # retract / in_place: the server carried the request across an update itself
                 call.interruptions += sum(1 for a, b in zip(vers, vers[1:]) if a != b)
@@ -302,20 +303,18 @@ class SGLangEngine:
                     except Exception:
                         log.exception("on_token callback failed")
             self.stats["tokens"] += len(ids)
-            fr = meta.get("finish_reason") or {}
-            kind = fr.get("type") if isinstance(fr, dict) else str(fr)
             done_by_stop = bool(call.out) and call.out[-1] in p.stop_token_ids
             if kind == "stop" or done_by_stop:
                 return self._output(call, "stop")
             if kind == "length" or len(call.out) >= p.max_new_tokens or len(call.input_ids) + len(call.out) >= self.cfg.max_context:
                 return self._output(call, "length")
             if kind != "abort":
-                raise RuntimeError(f"SGLang finish_reason {fr!r} not understood")
+                raise RuntimeError(f"SGLang finish_reason {fr or kind!r} not understood")
             # Aborted (a weight update in mode=abort, or someone else's abort): resume with what we have.
             if call.future.cancelled():
                 raise EngineClosed("cancelled")
             if fr.get("status_code") not in (None, 200) and int(fr.get("status_code") or 0) < 500:
-                raise RuntimeError(f"SGLang rejected the request: {fr.get('message')}")
+                raise RequestRefused(f"SGLang refused the request: {fr.get('message')}")
             call.interruptions += 1
             call.segment += 1
             self.stats["resumed"] += 1

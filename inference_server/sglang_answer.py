@@ -1,0 +1,38 @@
+"""One SGLang /generate answer read as a segment of a generation: its tokens, logprobs, per-token versions, finish.
+
+Standard library only. The request path (inference_server.sglang_engine) strings segments together across aborts and
+replicas; this module only reads one answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inference_server.sglang_http import token_versions
+
+
+class BadAnswer(RuntimeError):
+    """A 200 answer the engine cannot use (INTERNAL): tokens and logprobs that do not pair up."""
+
+
+@dataclass
+class Segment:
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    kind: str                                    # finish_reason.type: stop | length | abort (| None: not finished)
+    finish: dict = field(default_factory=dict)   # the whole finish_reason ({} when it is not an object)
+    cached_tokens: int = 0
+
+
+def read_segment(resp: dict, base_version: int) -> Segment:
+    """{output_ids, meta_info{output_token_logprobs [[lp, id, None]], weight_version(s), finish_reason, cached_tokens}}
+    -> Segment; BadAnswer when the logprobs do not pair up with the tokens."""
+    meta = resp.get("meta_info") or {}
+    ids = [int(t) for t in resp.get("output_ids") or []]
+    lps = meta.get("output_token_logprobs") or []
+    if len(lps) != len(ids):
+        raise BadAnswer(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
+    fr = meta.get("finish_reason") or {}
+    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+    return Segment(ids, [float(x[0]) for x in lps], token_versions(meta, len(ids), base_version), kind,
+                   fr if isinstance(fr, dict) else {}, int(meta.get("cached_tokens") or 0))
