@@ -5,9 +5,24 @@ replicas; this module only reads one answer.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+from core.config_inference import SGLANG_CONTEXT_MARGIN
+from inference_server.engine_types import RequestRefused
 from inference_server.sglang_http import token_versions
+
+# SGLang's two context refusals: "... longer than the model's context length (C tokens)." and "Requested token count
+# exceeds the model's maximum context length of C tokens. ..."
+_CONTEXT = re.compile(r"context length (?:\(|of )(\d+) tokens")
+
+
+def refused(message: str) -> RequestRefused:
+    """What a request SGLang refused as invalid fails with: SGLang's message; one past SGLang's context length also
+    says the limit in the front's words ("exceeds max_context N"), which the actors read to fit their prompts."""
+    m = _CONTEXT.search(message)
+    tail = f"; prompt + max_new_tokens exceeds max_context {int(m.group(1)) - SGLANG_CONTEXT_MARGIN}" if m else ""
+    return RequestRefused(f"SGLang refused the request: {message[:500]}{tail}")
 
 
 class BadAnswer(RuntimeError):

@@ -16,7 +16,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from core.config import InferenceConfig
-from inference_server.sglang_behaviour import KEEP_KV, SGLangBehaviour
+from inference_server.sglang_behaviour import KEEP_KV, Refused, SGLangBehaviour
 from inference_server.sglang_types import SGLangTypes
 
 
@@ -160,6 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/flush_cache":
                 return self._flush()
             self._error(404, f"Not Found: {path}")
+        except Refused as e:  # the tokenizer manager's ValueError: http_server's _create_error_response
+            self._send(400, {"error": {"message": str(e)}})
         except ValueError as e:
             self._error(400, str(e))
         except Exception as e:  # closed while waiting, engine failure: a 5xx, as a crashed SGLang would answer

@@ -41,9 +41,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from core.config import InferenceConfig
-from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, RequestRefused, SamplingParams, TokenCallback,
-                                           WeightLoadError, check_finite)
-from inference_server.sglang_answer import read_segment
+from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
+                                           check_finite)
+from inference_server.sglang_answer import read_segment, refused
 from inference_server.sglang_http import error_message, http_json, post_abort
 from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool
 
@@ -135,8 +135,9 @@ class SGLangEngine:
             raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {V})")
         if p.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {p.max_new_tokens}")
-        if len(input_ids) + p.max_new_tokens > self.cfg.max_context:
-            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {self.cfg.max_context}")
+        limit = self.cfg.request_limit()  # SGLang's rule: docs/sglang.md
+        if len(input_ids) + p.max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {limit}")
         if not p.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {p.temperature}")
         if not 0 <= p.top_p <= 1:
@@ -282,7 +283,7 @@ class SGLangEngine:
                     if conn_failures <= self.cfg.sglang_max_resumes:
                         continue
                 elif 400 <= status < 500 and status not in (408, 429):  # refused as invalid: the request, not the replica
-                    raise RequestRefused(f"SGLang refused the request: {error_message(resp)[:500]}")
+                    raise refused(error_message(resp))
                 raise RuntimeError(f"SGLang /generate on {rep.url} failed: HTTP {status}: {str(resp)[:300]}")
             avoid = None
             seg = read_segment(resp, self.pool.base_version)
@@ -306,7 +307,7 @@ class SGLangEngine:
             done_by_stop = bool(call.out) and call.out[-1] in p.stop_token_ids
             if kind == "stop" or done_by_stop:
                 return self._output(call, "stop")
-            if kind == "length" or len(call.out) >= p.max_new_tokens or len(call.input_ids) + len(call.out) >= self.cfg.max_context:
+            if kind == "length" or len(call.out) >= p.max_new_tokens or len(call.input_ids) + len(call.out) >= self.cfg.request_limit():
                 return self._output(call, "length")
             if kind != "abort":
                 raise RuntimeError(f"SGLang finish_reason {fr or kind!r} not understood")
@@ -314,7 +315,7 @@ class SGLangEngine:
             if call.future.cancelled():
                 raise EngineClosed("cancelled")
             if fr.get("status_code") not in (None, 200) and int(fr.get("status_code") or 0) < 500:
-                raise RequestRefused(f"SGLang refused the request: {fr.get('message')}")
+                raise refused(str(fr.get("message")))
             call.interruptions += 1
             call.segment += 1
             self.stats["resumed"] += 1

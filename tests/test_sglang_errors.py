@@ -67,3 +67,61 @@ def test_a_generation_sglang_fails_keeps_its_code(servers, models):
         assert eng.metrics()["replicas_healthy"] == 0
 
     front(cfg, models["a"], body)
+
+
+def test_the_stand_in_applies_sglangs_context_rules(servers):
+    """SGLang (context length C) refuses prompt + max_new_tokens >= C with 400 {"error": {"message"}} and caps
+    max_new_tokens at C - prompt - 2; the stand-in accepted up to C (the local engine's rule) and generated to it."""
+    from inference_server.sglang_http import http_json
+
+    s = servers(weight_version="0")  # C = 256
+    body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": -1,
+            "sampling_params": {"max_new_tokens": 256 - len(PROMPT), "temperature": 0.0, "ignore_eos": True}}
+    st, r = http_json(s.url, "/generate", body)
+    assert st == 400 and r["error"]["message"].startswith(
+        "Requested token count exceeds the model's maximum context length of 256 tokens. You requested a total of 256 "
+        "tokens: 20 tokens from the input messages and 236 tokens for the completion."), (st, r)
+    body["sampling_params"]["max_new_tokens"] = 256 - len(PROMPT) - 1
+    st, r = http_json(s.url, "/generate", body)
+    assert st == 200 and r["meta_info"]["completion_tokens"] == 256 - len(PROMPT) - 2
+    assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 256 - len(PROMPT) - 2}
+    st, r = http_json(s.url, "/generate", {**body, "input_ids": list(range(2, 258))})
+    assert st == 400 and r["error"]["message"] == "The input (256 tokens) is longer than the model's context length (256 tokens)."
+
+
+def test_the_front_admits_what_sglang_serves_in_full(servers, models):
+    """With tars's max_context equal to SGLang's context length (256), prompt + max_new_tokens of 256 passed the front
+    and failed on SGLang, and 255 came back one token short of max_new_tokens (SGLang's cap); the front now refuses
+    both at once, saying the limit (254) as actors read it, and serves 254 in full."""
+    from actor.judge import context_limit
+
+    s = servers(weight_version="0")
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30)
+    n = 256 - len(PROMPT) - 2
+    ref = greedy(models["a"], PROMPT, n)[0]
+    ref = ref[:ref.index(1) + 1] if 1 in ref else ref  # the model's EOS (id 1) ends a generation on SGLang
+
+    async def body(client, eng):
+        for extra in (2, 1):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await client.generate("t", PROMPT, n + extra, temperature=0.0)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and context_limit(ei.value) == 254, ei.value
+        r = await client.generate("t", PROMPT, n, temperature=0.0)
+        assert r.output_ids == ref and r.finish_reason == ("length" if len(ref) == n else "stop")
+
+    front(cfg, models["a"], body)
+
+
+def test_sglangs_own_context_refusal_tells_actors_its_limit(servers, models):
+    """A server whose context (256) is below the front's: its refusal carries the limit in the front's words."""
+    from actor.judge import context_limit
+
+    s = servers(weight_version="0")
+    cfg = InferenceConfig(max_context=1024, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30)
+
+    async def body(client, eng):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await client.generate("t", PROMPT, 300, temperature=0.0)
+        assert context_limit(ei.value) == 254, ei.value
+
+    front(cfg, models["a"], body)
