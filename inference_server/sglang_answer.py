@@ -1,7 +1,8 @@
-"""One SGLang /generate answer read as a segment of a generation: its tokens, logprobs, per-token versions, finish.
+"""One SGLang /generate call of a generation: the body sent, and the answer read as a segment (its tokens, logprobs,
+per-token versions, finish) or as a refusal.
 
 Standard library only. The request path (inference_server.sglang_engine) strings segments together across aborts and
-replicas; this module only reads one answer.
+replicas; this module only builds one request and reads one answer.
 """
 from __future__ import annotations
 
@@ -9,12 +10,29 @@ import re
 from dataclasses import dataclass, field
 
 from core.config_inference import SGLANG_CONTEXT_MARGIN
-from inference_server.engine_types import RequestRefused
+from inference_server.engine_types import RequestRefused, SamplingParams
 from inference_server.sglang_http import token_versions
 
 # SGLang's two context refusals: "... longer than the model's context length (C tokens)." and "Requested token count
 # exceeds the model's maximum context length of C tokens. ..."
 _CONTEXT = re.compile(r"context length (?:\(|of )(\d+) tokens")
+
+
+def generate_body(rid: str, input_ids: list[int], p: SamplingParams, max_new_tokens: int) -> dict:
+    """POST /generate's body: token ids in, output logprobs, top_k -1 for "off"; never ignore_eos (it turns
+    stop_token_ids off too); the seed as SGLang can take it."""
+    return {"rid": rid, "input_ids": input_ids, "return_logprob": True, "logprob_start_len": -1,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": p.temperature,
+                                "top_p": p.top_p if p.top_p > 0 else 1.0, "top_k": p.top_k if p.top_k > 0 else -1,
+                                "stop_token_ids": list(p.stop_token_ids), "ignore_eos": False, "no_stop_trim": True,
+                                **({"sampling_seed": int64_seed(p.seed)} if p.seed else {})}}
+
+
+def int64_seed(seed: int) -> int:
+    """A tars seed (uint64) as the sampling_seed SGLang takes: its scheduler puts seeds in an int64 tensor, where one
+    of 2**63 or more overflows (and takes the server down). Two's complement: one-to-one, so equal seeds stay equal
+    and different ones different."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def refused(message: str) -> RequestRefused:

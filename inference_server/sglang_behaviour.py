@@ -11,6 +11,9 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
 - Context (the stand-in's max_context is SGLang's context length C): a prompt of C tokens or more, or prompt +
   max_new_tokens >= C, answers 400 {"error": {"message"}} with SGLang's message; max_new_tokens (null: unbounded) is
   then capped at C - prompt - 2, as SGLang's scheduler does.
+- sampling_seed: SGLang (with --enable-deterministic-inference, without which it ignores seeds) puts the batch's
+  seeds in an int64 tensor, so a seed outside [-2^63, 2^63) fails in its scheduler (which takes the server down); the
+  stand-in fails that request with 500 {"detail": "Overflow when unpacking long"}.
 - POST /abort_request {rid | abort_all}: the scheduler aborts every request whose rid STARTS WITH the given rid. With
   one tokenizer worker (SGLang's default) the tokenizer manager first drops the abort unless the rid itself is in
   flight; `tokenizer_workers > 1` skips that guard, as SGLang does.
@@ -175,6 +178,11 @@ class SGLangBehaviour:
                 raise ValueError(f"Duplicate request ID: {rid}")
             r = GenerateCall(rid, ids, params)
             r.return_logprob = bool(body.get("return_logprob"))
+            if not -(1 << 63) <= params.seed < 1 << 63:  # SamplingBatchInfo: torch.tensor(seeds, dtype=torch.int64)
+                r.finish = {"type": "abort", "message": "Overflow when unpacking long", "status_code": 500,
+                            "err_type": "InternalServerError"}
+                r.done.set()
+                return r
             if budget == 0:  # nothing to generate: SGLang answers an empty output at once
                 r.finish = {"type": "length", "length": 0}
                 r.done.set()

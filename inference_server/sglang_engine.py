@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from core.config import InferenceConfig
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
                                            check_finite)
-from inference_server.sglang_answer import read_segment, refused
+from inference_server.sglang_answer import generate_body, read_segment, refused
 from inference_server.sglang_http import error_message, http_json, post_abort
 from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool
 
@@ -144,6 +144,8 @@ class SGLangEngine:
             raise ValueError(f"top_p must be in [0, 1], got {p.top_p}")
         if p.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {p.top_k}")
+        if not 0 <= p.seed < 1 << 64:
+            raise ValueError(f"seed must be in [0, 2**64) (a uint64), got {p.seed}")
 
     def submit(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
                max_stale_versions: int | None = None, on_token: TokenCallback | None = None) -> Future:
@@ -251,13 +253,7 @@ class SGLangEngine:
             remaining = p.max_new_tokens - len(call.out)
             rep = self.pool.route(call.trajectory_id, avoid)
             call.rid, call.replica = self._rid(call), rep
-            body = {
-                "rid": call.rid, "input_ids": call.input_ids + call.out, "return_logprob": True, "logprob_start_len": -1,
-                "sampling_params": {"max_new_tokens": remaining, "temperature": p.temperature,
-                                    "top_p": p.top_p if p.top_p > 0 else 1.0, "top_k": p.top_k if p.top_k > 0 else -1,
-                                    "stop_token_ids": list(p.stop_token_ids), "ignore_eos": False, "no_stop_trim": True,
-                                    **({"sampling_seed": p.seed} if p.seed else {})},
-            }
+            body = generate_body(call.rid, call.input_ids + call.out, p, remaining)
             call.posting = call.rid
             try:
                 if call.future.cancelled():  # cancelled while the body was built: the abort may already be gone

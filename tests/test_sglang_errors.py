@@ -8,6 +8,7 @@ import pytest
 
 from core.config import InferenceConfig
 from core.inference_client import InferenceClient
+from inference_server.engine_types import SamplingParams
 from inference_server.server import InferenceServer, make_engine
 from test_sglang import PROMPT, greedy, models, servers  # noqa: F401 - fixtures
 
@@ -125,3 +126,32 @@ def test_sglangs_own_context_refusal_tells_actors_its_limit(servers, models):
         assert context_limit(ei.value) == 254, ei.value
 
     front(cfg, models["a"], body)
+
+
+def test_seeds_past_int64_reach_sglang_as_seeds_it_takes(servers, models):
+    """A uint64 seed of 2**63 or more went to SGLang as is, where its int64 seed tensor overflows (the stand-in fails
+    it with 500, as SGLang's scheduler does): the replica was taken out and the request answered UNAVAILABLE. It now
+    goes in two's complement: the same seed still gives the same sample, different ones different samples."""
+    from inference_server.sglang_http import http_json
+
+    s = servers(weight_version="0")
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "sampling_seed": 1 << 63}}
+    st, r = http_json(s.url, "/generate", body)
+    assert st == 500 and "Overflow" in r["detail"], (st, r)
+    for ok in ((1 << 63) - 1, -(1 << 63)):
+        assert http_json(s.url, "/generate", {**body, "sampling_params": {"max_new_tokens": 2, "sampling_seed": ok}})[0] == 200
+
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30)
+    big = (1 << 64) - 7
+
+    async def body_(client, eng):
+        a = await client.generate("t1", PROMPT, 12, temperature=1.0, seed=big)
+        b = await client.generate("t2", PROMPT, 12, temperature=1.0, seed=big)
+        c = await client.generate("t3", PROMPT, 12, temperature=1.0, seed=big - 1)
+        assert len(a.output_ids) == 12 and a.output_ids == b.output_ids and a.logprobs == b.logprobs
+        assert c.output_ids != a.output_ids
+        assert eng.metrics()["replicas_healthy"] == 1
+        with pytest.raises(ValueError, match="seed must be in"):
+            eng.submit(PROMPT, SamplingParams(max_new_tokens=2, seed=-1))
+
+    front(cfg, models["a"], body_)
