@@ -6,6 +6,7 @@ replicas; this module only builds one request and reads one answer.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -16,6 +17,19 @@ from inference_server.sglang_http import token_versions
 # SGLang's two context refusals: "... longer than the model's context length (C tokens)." and "Requested token count
 # exceeds the model's maximum context length of C tokens. ..."
 _CONTEXT = re.compile(r"context length (?:\(|of )(\d+) tokens")
+
+
+def _finite(entry, i: int) -> float:
+    """The logprob of one output_token_logprobs entry [lp, id, text]."""
+    lp = entry[0] if isinstance(entry, (list, tuple)) and entry else entry
+    try:
+        v = float(lp)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not math.isfinite(v):
+        raise BadAnswer(f"SGLang returned logprob {lp!r} for output token {i}: not a finite number (the model's "
+                        "weights or numerics are broken)")
+    return v
 
 
 def generate_body(rid: str, input_ids: list[int], p: SamplingParams, max_new_tokens: int) -> dict:
@@ -44,7 +58,8 @@ def refused(message: str) -> RequestRefused:
 
 
 class BadAnswer(RuntimeError):
-    """A 200 answer the engine cannot use (INTERNAL): tokens and logprobs that do not pair up."""
+    """A 200 answer the engine cannot use (INTERNAL): tokens and logprobs that do not pair up, a logprob that is not a
+    finite number."""
 
 
 @dataclass
@@ -59,7 +74,9 @@ class Segment:
 
 def read_segment(resp: dict, base_version: int) -> Segment:
     """{output_ids, meta_info{output_token_logprobs [[lp, id, None]], weight_version(s), finish_reason, cached_tokens}}
-    -> Segment; BadAnswer when the logprobs do not pair up with the tokens."""
+    -> Segment; BadAnswer when the logprobs do not pair up with the tokens, or one is not a finite number: NaN or inf
+    (null in SGLang's orjson answers) would reach the actor and be refused by the learner's stream, the episode lost
+    late; the request fails now instead."""
     meta = resp.get("meta_info") or {}
     ids = [int(t) for t in resp.get("output_ids") or []]
     lps = meta.get("output_token_logprobs") or []
@@ -67,5 +84,6 @@ def read_segment(resp: dict, base_version: int) -> Segment:
         raise BadAnswer(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
     fr = meta.get("finish_reason") or {}
     kind = fr.get("type") if isinstance(fr, dict) else str(fr)
-    return Segment(ids, [float(x[0]) for x in lps], token_versions(meta, len(ids), base_version), kind,
+    logprobs = [_finite(x, i) for i, x in enumerate(lps)]
+    return Segment(ids, logprobs, token_versions(meta, len(ids), base_version), kind,
                    fr if isinstance(fr, dict) else {}, int(meta.get("cached_tokens") or 0))

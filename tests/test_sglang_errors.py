@@ -155,3 +155,34 @@ def test_seeds_past_int64_reach_sglang_as_seeds_it_takes(servers, models):
             eng.submit(PROMPT, SamplingParams(max_new_tokens=2, seed=-1))
 
     front(cfg, models["a"], body_)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), None])  # None: what SGLang's orjson writes for NaN / inf
+def test_a_non_finite_logprob_fails_the_request_at_once(models, bad):
+    """A NaN or inf logprob in SGLang's answer went through the engine to the actor, whose trajectory the learner's
+    stream then refused: the episode was lost late. The request now fails at once, naming the token."""
+    from inference_server.sglang_conformance import ConformanceServer
+
+    class Broken(ConformanceServer):  # a server whose model produces a non-finite logprob at the third token
+        def response(self, r, final=True):
+            out = super().response(r, final)
+            lps = out["meta_info"].get("output_token_logprobs") or []
+            if len(lps) > 2:
+                lps[2][0] = bad
+            return out
+
+    s = Broken(models["a"], cfg=InferenceConfig(max_context=256, max_stale_versions=1 << 30), weight_version="0")
+    s.start()
+    try:
+        cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30)
+
+        async def body(client, eng):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await client.generate("t", PROMPT, 6, temperature=0.0)
+            assert ei.value.code() == grpc.StatusCode.INTERNAL, ei.value
+            assert f"logprob {bad!r} for output token 2: not a finite number" in ei.value.details()
+            assert (await client.generate("t", PROMPT, 2, temperature=0.0)).output_ids == greedy(models["a"], PROMPT, 2)[0]
+
+        front(cfg, models["a"], body)
+    finally:
+        s.stop()
