@@ -45,7 +45,7 @@ from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFu
                                            check_finite)
 from inference_server.sglang_answer import generate_body, read_segment, refused
 from inference_server.sglang_http import error_message, http_json, post_abort
-from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool
+from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool, Stats
 
 log = logging.getLogger("tars.inference.sglang")
 
@@ -80,7 +80,7 @@ class SGLangEngine:
             raise ValueError("engine=sglang needs at least one URL in sglang_urls")
         self.cfg, self.name = cfg, name
         self.vocab_size = vocab_size
-        self.stats = collections.Counter()
+        self.stats = Stats()
         self.pool = ReplicaPool(cfg, urls, version, self.stats)
         self.uid = uuid.uuid4().hex[:8]
         self.fleet = None  # the launched servers (SGLangFleet), stopped by close(); None when attached
@@ -164,12 +164,12 @@ class SGLangEngine:
             if self._closed.is_set():
                 raise EngineClosed("engine closed")
             if len(self._calls) >= self.cfg.max_queue:
-                self.stats["rejected_queue_full"] += 1
+                self.stats.add("rejected_queue_full")
                 raise QueueFull(f"{len(self._calls)} requests in flight (max_queue={self.cfg.max_queue})")
             self._seq += 1
             call = _Call(self._seq, input_ids, params, trajectory_id, Future(), on_token, prompt_tokens=len(input_ids))
             self._calls[call.seq] = call
-            self.stats["requests"] += 1
+            self.stats.add("requests")
             self._waiting.append(call)
             start = self._runners < self._max_runners
             self._runners += start
@@ -192,7 +192,7 @@ class SGLangEngine:
             if f.cancelled() and call in self._waiting:  # not started: it goes now, with its tokens
                 self._waiting.remove(call)
         if f.cancelled():
-            self.stats["cancelled"] += 1
+            self.stats.add("cancelled")
             rep, rid = call.replica, call.rid
             if rep is not None and rid and not self._closed.is_set():
                 threading.Thread(target=self._abort_rid, args=(call, rep, rid), name="tars-sglang-abort", daemon=True).start()
@@ -235,7 +235,7 @@ class SGLangEngine:
         if not call.future.done():
             try:
                 call.future.set_result(out)
-                self.stats["finished"] += 1
+                self.stats.add("finished")
             except Exception:
                 pass
 
@@ -299,7 +299,7 @@ class SGLangEngine:
                         call.on_token(t, lp, v)
                     except Exception:
                         log.exception("on_token callback failed")
-            self.stats["tokens"] += len(ids)
+            self.stats.add("tokens", len(ids))
             done_by_stop = bool(call.out) and call.out[-1] in p.stop_token_ids
             if kind == "stop" or done_by_stop:
                 return self._output(call, "stop")
@@ -314,7 +314,7 @@ class SGLangEngine:
                 raise refused(str(fr.get("message")))
             call.interruptions += 1
             call.segment += 1
-            self.stats["resumed"] += 1
+            self.stats.add("resumed")
             if call.interruptions > self.cfg.sglang_max_resumes:
                 raise RuntimeError(f"request aborted {call.interruptions} times; giving up (sglang_max_resumes)")
             # Do not race the update that caused the abort: wait for its continue_generation.
@@ -370,7 +370,7 @@ class SGLangEngine:
 
     # ---- metrics / lifecycle -------------------------------------------------------------------------
     def metrics(self) -> dict:
-        s = self.stats
+        s = self.stats.snapshot()
         elapsed = max(time.monotonic() - self.started, 1e-9)
         in_flight = self.in_flight()
         reps = self.pool.snapshot()

@@ -186,3 +186,45 @@ def test_a_non_finite_logprob_fails_the_request_at_once(models, bad):
         front(cfg, models["a"], body)
     finally:
         s.stop()
+
+
+def test_counters_lose_no_update_under_concurrent_requests(servers, monkeypatch):
+    """The engine's counters were a Counter updated from its worker threads without a lock: `stats[k] += n` reads,
+    then writes, and two threads that both read before either writes lose one update. Under the GIL the read can
+    yield inside Counter.__missing__ (the first update of a key; 4 keys of 3000 lost one with 8 threads and a 1 us
+    switch interval); here every thread is held there until all have read, which makes that interleaving certain:
+    8 finished requests counted as 1. Updates are now made under one lock."""
+    import collections
+    import threading
+
+    from inference_server.engine_types import SamplingParams
+    from inference_server.sglang_engine import SGLangEngine
+
+    n = 8
+    barriers: dict = {}
+    guard = threading.Lock()
+
+    def missing(self, key):  # every engine worker reading a missing key waits for the others (1 s at most)
+        if not threading.current_thread().name.startswith("tars-sglang"):
+            return 0
+        with guard:
+            b = barriers.setdefault(key, threading.Barrier(n, timeout=1.0))
+        try:
+            b.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return 0
+
+    s = servers(weight_version="0")
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_max_concurrency=n)
+    e = SGLangEngine(cfg, [s.url], health_thread=False)
+    try:
+        monkeypatch.setattr(collections.Counter, "__missing__", missing)
+        futs = [e.submit(PROMPT, SamplingParams(max_new_tokens=3 + i, temperature=0.0), f"t{i}") for i in range(n)]
+        outs = [f.result(60) for f in futs]
+        m = e.metrics()
+        assert m["requests"] == n and m["requests_finished"] == n, m
+        assert m["tokens_generated"] == sum(len(o.output_ids) for o in outs), m
+    finally:
+        monkeypatch.undo()
+        e.close()
