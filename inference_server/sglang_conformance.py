@@ -72,11 +72,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, obj=None, text: str | None = None) -> None:
         data = (text if text is not None else json.dumps(obj)).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain" if text is not None else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain" if text is not None else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: nobody to answer
+            self.close_connection = True
 
     def _body(self) -> dict:
         if self.headers.get("Transfer-Encoding"):  # not decoded here: refused, and the connection closed

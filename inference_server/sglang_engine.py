@@ -263,8 +263,11 @@ class SGLangEngine:
                         status, resp = http_json(rep.url, "/generate", body, timeout=max(1.0, deadline - time.monotonic()))
                 finally:
                     call.posting = ""
+            except TimeoutError as e:  # the socket waited all the time left: the request's deadline, not the replica's fault
+                post_abort(rep.url, call.rid)
+                raise TimeoutError(f"generation not finished within sglang_request_timeout_s={self.cfg.sglang_request_timeout_s}") from e
             except OSError as e:
-                # Refused / reset / timed out: take the replica out and go on elsewhere with the tokens we have.
+                # Refused / reset: take the replica out and go on elsewhere with the tokens we have.
                 self.pool.mark_down(rep, f"{type(e).__name__}: {e}")
                 avoid, conn_failures = rep, conn_failures + 1
                 call.segment += 1

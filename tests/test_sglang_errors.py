@@ -228,3 +228,27 @@ def test_counters_lose_no_update_under_concurrent_requests(servers, monkeypatch)
     finally:
         monkeypatch.undo()
         e.close()
+
+
+def test_a_generation_past_the_request_timeout_leaves_its_replica_in(servers, models):
+    """The socket timeout of a /generate is the time left before sglang_request_timeout_s; when it fired the engine
+    took it for a dead replica: the only replica went out of rotation (the next request UNAVAILABLE), and the slow
+    request answered INTERNAL. It now answers DEADLINE_EXCEEDED, its request is aborted on the server, and the
+    replica stays in."""
+    from test_sglang import wait_for
+
+    s = servers(weight_version="0", token_delay_s=0.1)  # 100 tokens: 10 s
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30,
+                          sglang_request_timeout_s=1.5)
+
+    async def body(client, eng):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await client.generate("slow", PROMPT, 100, temperature=0.0)
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value
+        assert "sglang_request_timeout_s=1.5" in ei.value.details()
+        m = eng.metrics()
+        assert m["replicas_healthy"] == 1 and m["replica_down_events"] == 0, m
+        wait_for(lambda: not s.reqs)  # aborted on the server, not left to run to 100 tokens
+        assert (await client.generate("next", PROMPT, 2, temperature=0.0)).output_ids == greedy(models["a"], PROMPT, 2)[0]
+
+    front(cfg, models["a"], body)
