@@ -375,12 +375,13 @@ class SGLangEngine:
     def metrics(self) -> dict:
         s = self.stats.snapshot()
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        in_flight = self.in_flight()
+        with self._lock:  # waiting: not yet taken by a runner (at most sglang_max_concurrency run at once)
+            in_flight, waiting = len(self._calls), len(self._waiting)
         reps = self.pool.snapshot()
         return {
             "engine": self.name, "version": self.version, "requests": s["requests"], "requests_finished": s["finished"],
             "requests_cancelled": s["cancelled"], "requests_rejected_queue_full": s["rejected_queue_full"],
-            "waiting": 0, "running": in_flight, "tokens_generated": s["tokens"], "tokens_per_s": s["tokens"] / elapsed,
+            "waiting": waiting, "running": in_flight - waiting, "tokens_generated": s["tokens"], "tokens_per_s": s["tokens"] / elapsed,
             "weight_updates": s["weight_updates"], "interrupted_requests": s["interrupted"], "resumed_requests": s["resumed"],
             "replicas_healthy": sum(r["healthy"] for r in reps), "replica_down_events": s["replica_down"],
             "replica_up_events": s["replica_up"], "sticky_moved_for_load": s["sticky_moved_for_load"], "replicas": reps, "pause_mode": self.cfg.sglang_pause_mode,

@@ -252,3 +252,24 @@ def test_a_generation_past_the_request_timeout_leaves_its_replica_in(servers, mo
         assert (await client.generate("next", PROMPT, 2, temperature=0.0)).output_ids == greedy(models["a"], PROMPT, 2)[0]
 
     front(cfg, models["a"], body)
+
+
+def test_metrics_tell_waiting_from_running(servers):
+    """Requests beyond the runners (sglang_max_concurrency, at least 2) wait in the engine; metrics said waiting 0 and
+    every request running."""
+    from test_sglang import wait_for
+
+    from inference_server.sglang_engine import SGLangEngine
+
+    s = servers(weight_version="0", token_delay_s=0.05)
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_max_concurrency=2)
+    e = SGLangEngine(cfg, [s.url], health_thread=False)
+    try:
+        futs = [e.submit(PROMPT, SamplingParams(max_new_tokens=40, temperature=0.0), f"t{i}") for i in range(5)]
+        wait_for(lambda: len(s.reqs) == 2)
+        m = e.metrics()
+        assert (m["running"], m["waiting"]) == (2, 3), m
+        for f in futs:
+            f.cancel()
+    finally:
+        e.close()
