@@ -197,6 +197,8 @@ def test_counters_lose_no_update_under_concurrent_requests(servers, monkeypatch)
     import collections
     import threading
 
+    from test_sglang import wait_for
+
     from inference_server.engine_types import SamplingParams
     from inference_server.sglang_engine import SGLangEngine
 
@@ -222,6 +224,7 @@ def test_counters_lose_no_update_under_concurrent_requests(servers, monkeypatch)
         monkeypatch.setattr(collections.Counter, "__missing__", missing)
         futs = [e.submit(PROMPT, SamplingParams(max_new_tokens=3 + i, temperature=0.0), f"t{i}") for i in range(n)]
         outs = [f.result(60) for f in futs]
+        wait_for(lambda: e.metrics()["requests_finished"] >= n)  # counted just after each result is set
         m = e.metrics()
         assert m["requests"] == n and m["requests_finished"] == n, m
         assert m["tokens_generated"] == sum(len(o.output_ids) for o in outs), m
