@@ -14,9 +14,11 @@ from core.config_inference import SGLANG_CONTEXT_MARGIN
 from inference_server.engine_types import RequestRefused, SamplingParams
 from inference_server.sglang_http import token_versions
 
-# SGLang's two context refusals: "... longer than the model's context length (C tokens)." and "Requested token count
-# exceeds the model's maximum context length of C tokens. ..."
+# SGLang's context refusals: "... longer than the model's context length (C tokens)." and "Requested token count
+# exceeds the model's maximum context length of C tokens. ..." (the tokenizer manager's), "Input length (n tokens)
+# exceeds the maximum allowed length (C - 6 tokens). ..." (the scheduler's)
 _CONTEXT = re.compile(r"context length (?:\(|of )(\d+) tokens")
+_INPUT = re.compile(r"maximum allowed length \((\d+) tokens\)")
 
 
 def _finite(entry, i: int) -> float:
@@ -52,8 +54,9 @@ def int64_seed(seed: int) -> int:
 def refused(message: str) -> RequestRefused:
     """What a request SGLang refused as invalid fails with: SGLang's message; one past SGLang's context length also
     says the limit in the front's words ("exceeds max_context N"), which the actors read to fit their prompts."""
-    m = _CONTEXT.search(message)
-    tail = f"; prompt + max_new_tokens exceeds max_context {int(m.group(1)) - SGLANG_CONTEXT_MARGIN}" if m else ""
+    m, i = _CONTEXT.search(message), _INPUT.search(message)
+    limit = int(m.group(1)) - SGLANG_CONTEXT_MARGIN if m else int(i.group(1)) if i else None
+    tail = f"; prompt + max_new_tokens exceeds max_context {limit}" if limit is not None else ""
     return RequestRefused(f"SGLang refused the request: {message[:500]}{tail}")
 
 

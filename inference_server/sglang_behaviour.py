@@ -9,8 +9,9 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   request whose client disconnected is aborted. EOS and stop_token_ids stop generation unless sampling_params.ignore_eos (which turns both off);
   top_k -1 = off (0 is rejected); temperature 0 = greedy. weight_versions are run-length spans {version, start, end} (end exclusive) over the output tokens.
 - Context (the stand-in's max_context is SGLang's context length C): a prompt of C tokens or more, or prompt +
-  max_new_tokens >= C, answers 400 {"error": {"message"}} with SGLang's message; max_new_tokens (null: unbounded) is
-  then capped at C - prompt - 2, as SGLang's scheduler does.
+  max_new_tokens >= C, answers 400 {"error": {"message"}} with SGLang's message, and so does a prompt of C - 6 tokens
+  or more (the scheduler's input check); max_new_tokens (null: unbounded) is then capped at C - prompt - 2, as SGLang's
+  scheduler does.
 - sampling_seed: SGLang (with --enable-deterministic-inference, without which it ignores seeds) puts the batch's
   seeds in an int64 tensor, so a seed outside [-2^63, 2^63) fails in its scheduler (which takes the server down); the
   stand-in fails that request with 500 {"detail": "Overflow when unpacking long"}.
@@ -167,6 +168,9 @@ class SGLangBehaviour:
                           "to fit within the limit.")
         if budget < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {budget}")
+        if n >= C - 1 - 5:  # the scheduler's validate_input_length: max_req_input_len = max_req_len - 5 (an abort, 400)
+            raise Refused(f"Input length ({n} tokens) exceeds the maximum allowed length ({C - 6} tokens). Use a shorter "
+                          "input or enable --allow-auto-truncate.")
         budget = min(budget, max(0, C - 1 - n - 1))
         params = SamplingParams(max_new_tokens=budget, temperature=num("temperature", float, 1.0), top_p=top_p,
                                 top_k=max(top_k, 0), stop_token_ids=tuple(sorted(stops)), seed=num("sampling_seed", int, 0))

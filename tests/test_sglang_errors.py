@@ -88,27 +88,34 @@ def test_the_stand_in_applies_sglangs_context_rules(servers):
     assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 256 - len(PROMPT) - 2}
     st, r = http_json(s.url, "/generate", {**body, "input_ids": list(range(2, 258))})
     assert st == 400 and r["error"]["message"] == "The input (256 tokens) is longer than the model's context length (256 tokens)."
+    st, r = http_json(s.url, "/generate", {**body, "input_ids": [5] * 250, "sampling_params": {"max_new_tokens": 2}})
+    assert st == 400 and r["error"]["message"].startswith(
+        "Input length (250 tokens) exceeds the maximum allowed length (250 tokens)."), (st, r)
 
 
 def test_the_front_admits_what_sglang_serves_in_full(servers, models):
     """With tars's max_context equal to SGLang's context length (256), prompt + max_new_tokens of 256 passed the front
-    and failed on SGLang, and 255 came back one token short of max_new_tokens (SGLang's cap); the front now refuses
-    both at once, saying the limit (254) as actors read it, and serves 254 in full."""
+    and failed on SGLang, 255 came back one token short of max_new_tokens (SGLang's cap), and a prompt of 251 (250 =
+    C - 6 or more: SGLang's scheduler refuses it; a generation resumed after an abort is such a prompt) with 3 new
+    tokens failed on SGLang; the front now refuses these at once, saying the limit (250) as actors read it, and serves
+    250 in full, with a long prompt too."""
     from actor.judge import context_limit
 
     s = servers(weight_version="0")
     cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30)
-    n = 256 - len(PROMPT) - 2
+    n = 256 - len(PROMPT) - 6
     ref = greedy(models["a"], PROMPT, n)[0]
     ref = ref[:ref.index(1) + 1] if 1 in ref else ref  # the model's EOS (id 1) ends a generation on SGLang
 
     async def body(client, eng):
-        for extra in (2, 1):
+        for prompt, extra in ((PROMPT, 6), (PROMPT, 5), (PROMPT, 1), ([5] * 251, 3 - n)):
             with pytest.raises(grpc.aio.AioRpcError) as ei:
-                await client.generate("t", PROMPT, n + extra, temperature=0.0)
-            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and context_limit(ei.value) == 254, ei.value
+                await client.generate("t", prompt, n + extra, temperature=0.0)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and context_limit(ei.value) == 250, ei.value
         r = await client.generate("t", PROMPT, n, temperature=0.0)
         assert r.output_ids == ref and r.finish_reason == ("length" if len(ref) == n else "stop")
+        r = await client.generate("t2", [5] * 244, 6, temperature=0.0)
+        assert r.output_ids == greedy(models["a"], [5] * 244, 6)[0][:len(r.output_ids)] and r.prompt_tokens == 244
 
     front(cfg, models["a"], body)
 
@@ -123,7 +130,7 @@ def test_sglangs_own_context_refusal_tells_actors_its_limit(servers, models):
     async def body(client, eng):
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await client.generate("t", PROMPT, 300, temperature=0.0)
-        assert context_limit(ei.value) == 254, ei.value
+        assert context_limit(ei.value) == 250, ei.value
 
     front(cfg, models["a"], body)
 
