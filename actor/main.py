@@ -63,7 +63,7 @@ class Actor:
                                        max_outbox=cfg.actor.max_outbox,
                                        **_curve_keys(cfg.learner.stream.curve_public_key))
         # The inference server's context, from the run's config (the server's own answer lowers it: actor/episode.py).
-        self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id, max_context=cfg.inference.max_context)
+        self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id, max_context=cfg.inference.request_limit())
         self.rng, self.life = episode_rng(cfg.seed, actor_id, spool_dir)
         self.paused = False
         self.version = 0

@@ -9,6 +9,11 @@ from core.config_fields import f
 
 DEVICES = "auto | cpu | cuda | cuda:N"
 PRECISIONS = ("fp32", "bf16", "fp16")
+# engine=sglang, SGLang with context length C: its tokenizer manager refuses prompt + max_new_tokens >= C
+# (_validate_one_request), its scheduler refuses a prompt of max_req_input_len = C - 6 tokens or more
+# (validate_input_length; a generation resumed after an abort is such a prompt, its tokens so far appended) and caps
+# max_new_tokens at C - prompt - 2. prompt + max_new_tokens <= C - 6 satisfies all three, resumes included.
+SGLANG_CONTEXT_MARGIN = 6
 
 
 def device_error(spec: str, what: str) -> str:
@@ -35,7 +40,8 @@ class InferenceConfig:
     sglang_urls: list = f([], "SGLang base URLs for engine=sglang")
     max_batch: int = f(256, lo=1, help="most sequences decoded together in one step")
     max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED", lo=1)
-    max_context: int = f(1024, lo=1, help="longest prompt + output; longer prompts answer INVALID_ARGUMENT")
+    max_context: int = f(1024, lo=1, help="longest prompt + output; longer prompts answer INVALID_ARGUMENT. engine=sglang: "
+                                         "SGLang's context length, of which prompt + output may take all but 6 tokens")
     threads: int = f(1, "torch intra-op threads of the local engine", lo=1)
     device: str = f("auto", "where the local engine runs its model and samples: auto (cuda when available, else cpu) | "
                             "cpu | cuda | cuda:N; cuda on a machine without CUDA is refused at start (exit 2)")
@@ -96,6 +102,12 @@ class InferenceConfig:
                                         "restart of the same server (at most 60 s)", lo=0)
     sticky_max_imbalance: int = f(8, "a trajectory leaves its replica (and its prefix cache) when that replica has more than "
                                   "this many requests in flight beyond the least loaded one; 0 = always sticky", lo=0)
+
+    def request_limit(self) -> int:
+        """The longest prompt + max_new_tokens the engine serves in full: max_context; with engine=sglang (whose
+        context length max_context is taken to be) SGLANG_CONTEXT_MARGIN less, as SGLang refuses a request that reaches
+        its context length, a prompt within 6 tokens of it, and ends a generation 2 tokens short of it. The front, the engines and the actors check against this."""
+        return self.max_context - (SGLANG_CONTEXT_MARGIN if self.engine == "sglang" else 0)
 
     def config_error(self) -> str:
         """What is wrong with device / precision / the launched servers' ports ("" when nothing): the config loader raises it as a ConfigError.

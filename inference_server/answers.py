@@ -8,8 +8,8 @@ import grpc
 
 from core.rpc import clip_details
 from core.v1 import inference_pb2
-from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, UpdateBusy,
-                                          WeightLoadError, WeightsRefused)
+from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, RequestRefused, SamplingParams,
+                                          UpdateBusy, WeightLoadError, WeightsRefused)
 
 FINISH = {"stop": inference_pb2.STOP, "length": inference_pb2.LENGTH}
 # What a failed submit or generation answers (anything else: INTERNAL).
@@ -23,9 +23,15 @@ def code_of(e: BaseException) -> grpc.StatusCode:
 
 
 def failure(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """What a generation that failed after its submit answers: UNAVAILABLE for a closed engine, else INTERNAL."""
+    """What a generation that failed after its submit answers: UNAVAILABLE for a closed engine, INVALID_ARGUMENT for
+    a request its backend refused as invalid (RequestRefused, with the backend's message), DEADLINE_EXCEEDED for one
+    past the engine's own deadline, else INTERNAL."""
     if isinstance(e, EngineClosed):
         return grpc.StatusCode.UNAVAILABLE, str(e)
+    if isinstance(e, RequestRefused):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, TimeoutError):  # the engine's own deadline for a generation (sglang_request_timeout_s)
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 
 

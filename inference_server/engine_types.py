@@ -33,6 +33,11 @@ class UpdateBusy(TimeoutError):
     (DEADLINE_EXCEEDED)."""
 
 
+class RequestRefused(ValueError):
+    """A backend refused a queued request as invalid (an SGLang 4xx: INVALID_ARGUMENT with the backend's message),
+    where engine.validate could not know (the backend's own limits)."""
+
+
 class WeightsRefused(ValueError):
     """An update no server state makes acceptable: non-finite weights, or a version jump past
     inference.max_version_jump (INVALID_ARGUMENT). The weights served before stay."""

@@ -68,8 +68,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         # Sizes first, before anything walks the ids on this event loop: a prompt of millions of ids (the message
         # limit is sized for inline weights) took seconds to list and validate, with every other call waiting.
         n, k, vocab = len(request.input_ids), len(request.sampling.stop_token_ids), getattr(self.engine, "vocab_size", None)
-        if n > self.cfg.max_context:
-            raise ValueError(f"prompt ({n} tokens) exceeds max_context {self.cfg.max_context}")
+        if n > self.cfg.request_limit():
+            raise ValueError(f"prompt ({n} tokens) exceeds max_context {self.cfg.request_limit()}")
         if vocab and k > vocab:
             raise ValueError(f"{k} stop_token_ids: more than the vocabulary's {vocab} tokens")
         kw = {}

@@ -8,6 +8,13 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   partial output (one the server failed, abort status 500 / 503, answers that status {"detail": message}); a
   request whose client disconnected is aborted. EOS and stop_token_ids stop generation unless sampling_params.ignore_eos (which turns both off);
   top_k -1 = off (0 is rejected); temperature 0 = greedy. weight_versions are run-length spans {version, start, end} (end exclusive) over the output tokens.
+- Context (the stand-in's max_context is SGLang's context length C): a prompt of C tokens or more, or prompt +
+  max_new_tokens >= C, answers 400 {"error": {"message"}} with SGLang's message, and so does a prompt of C - 6 tokens
+  or more (the scheduler's input check); max_new_tokens (null: unbounded) is then capped at C - prompt - 2, as SGLang's
+  scheduler does.
+- sampling_seed: SGLang (with --enable-deterministic-inference, without which it ignores seeds) puts the batch's
+  seeds in an int64 tensor, so a seed outside [-2^63, 2^63) fails in its scheduler (which takes the server down); the
+  stand-in fails that request with 500 {"detail": "Overflow when unpacking long"}.
 - POST /abort_request {rid | abort_all}: the scheduler aborts every request whose rid STARTS WITH the given rid. With
   one tokenizer worker (SGLang's default) the tokenizer manager first drops the abort unless the rid itself is in
   flight; `tokenizer_workers > 1` skips that guard, as SGLang does.
@@ -51,6 +58,10 @@ from inference_server.sglang_types import SGLangTypes
 
 CACHE_KEY_TOKENS = 16
 KEEP_KV = 1 << 30  # in_place pauses keep KV across any number of versions; flushes are done by cache-key epochs
+
+
+class Refused(ValueError):
+    """A request the tokenizer manager refuses (its ValueError): /generate answers 400 {"error": {"message"}}."""
 
 
 class GenerateCall:
@@ -142,13 +153,27 @@ class SGLangBehaviour:
             raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids, got {stop_ids!r:.80}")
         # SGLang (Req._check_token_based_finish) checks stop_token_ids and EOS together, and not at all with ignore_eos.
         stops = set() if sp.get("ignore_eos", False) else {*stop_ids, *self.eos}
-        # max_new_tokens null (not absent: 128): up to the context, as SGLang's scheduler takes it
+        # SGLang's context rules, the stand-in's max_context being its context length C: the tokenizer manager refuses a
+        # prompt of C tokens or more, and prompt + max_new_tokens >= C (_validate_one_request); the scheduler caps
+        # max_new_tokens (null: unbounded) at max_req_len - prompt - 1, max_req_len being C - 1 (init_req_max_new_tokens).
+        C, n = self.engine.cfg.max_context, len(ids)
+        if n >= C:
+            raise Refused(f"The input ({n} tokens) is longer than the model's context length ({C} tokens).")
         null_budget = "max_new_tokens" in (raw or {}) and "max_new_tokens" not in sp
-        budget = self.engine.cfg.max_context - len(ids) if null_budget else num("max_new_tokens", int, 128)
-        params = SamplingParams(max_new_tokens=budget, temperature=num("temperature", float, 1.0), top_p=top_p,
-                                top_k=max(top_k, 0), stop_token_ids=tuple(sorted(stops)), seed=num("sampling_seed", int, 0))
+        budget = 1 << 30 if null_budget else num("max_new_tokens", int, 128)
+        if not null_budget and budget + n >= C:
+            raise Refused(f"Requested token count exceeds the model's maximum context length of {C} tokens. You requested "
+                          f"a total of {budget + n} tokens: {n} tokens from the input messages and {budget} tokens for "
+                          "the completion. Please reduce the number of tokens in the input messages or the completion "
+                          "to fit within the limit.")
         if budget < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {budget}")
+        if n >= C - 1 - 5:  # the scheduler's validate_input_length: max_req_input_len = max_req_len - 5 (an abort, 400)
+            raise Refused(f"Input length ({n} tokens) exceeds the maximum allowed length ({C - 6} tokens). Use a shorter "
+                          "input or enable --allow-auto-truncate.")
+        budget = min(budget, max(0, C - 1 - n - 1))
+        params = SamplingParams(max_new_tokens=budget, temperature=num("temperature", float, 1.0), top_p=top_p,
+                                top_k=max(top_k, 0), stop_token_ids=tuple(sorted(stops)), seed=num("sampling_seed", int, 0))
         self.engine.validate(ids, dataclasses.replace(params, max_new_tokens=max(1, budget)))  # 0 is SGLang's too
         rid = str(body.get("rid") or uuid.uuid4().hex)
         with self.cv:
@@ -157,6 +182,11 @@ class SGLangBehaviour:
                 raise ValueError(f"Duplicate request ID: {rid}")
             r = GenerateCall(rid, ids, params)
             r.return_logprob = bool(body.get("return_logprob"))
+            if not -(1 << 63) <= params.seed < 1 << 63:  # SamplingBatchInfo: torch.tensor(seeds, dtype=torch.int64)
+                r.finish = {"type": "abort", "message": "Overflow when unpacking long", "status_code": 500,
+                            "err_type": "InternalServerError"}
+                r.done.set()
+                return r
             if budget == 0:  # nothing to generate: SGLang answers an empty output at once
                 r.finish = {"type": "length", "length": 0}
                 r.done.set()

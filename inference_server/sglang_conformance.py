@@ -16,7 +16,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from core.config import InferenceConfig
-from inference_server.sglang_behaviour import KEEP_KV, SGLangBehaviour
+from inference_server.sglang_behaviour import KEEP_KV, Refused, SGLangBehaviour
 from inference_server.sglang_types import SGLangTypes
 
 
@@ -72,11 +72,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, obj=None, text: str | None = None) -> None:
         data = (text if text is not None else json.dumps(obj)).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain" if text is not None else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain" if text is not None else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: nobody to answer
+            self.close_connection = True
 
     def _body(self) -> dict:
         if self.headers.get("Transfer-Encoding"):  # not decoded here: refused, and the connection closed
@@ -160,6 +163,8 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/flush_cache":
                 return self._flush()
             self._error(404, f"Not Found: {path}")
+        except Refused as e:  # the tokenizer manager's ValueError: http_server's _create_error_response
+            self._send(400, {"error": {"message": str(e)}})
         except ValueError as e:
             self._error(400, str(e))
         except Exception as e:  # closed while waiting, engine failure: a 5xx, as a crashed SGLang would answer

@@ -15,8 +15,10 @@ without the `sglang` package.
   of integers; a non-integer server version ("default") counts as the version the pool was attached at.
 - rids: f"{engine_uid}-{sha1(trajectory)[:10]}-{seq:012d}-{segment:04d}", all of one fixed length, so no rid is
   a prefix of another (SGLang's /abort_request aborts every rid that starts with the given one).
-- Routing, health and installing weights on every replica: inference_server.sglang_pool. This module is the
-  request path: one generation per worker thread, resumed across aborts and failed replicas.
+- Routing, health and installing weights on every replica: inference_server.sglang_pool; reading one answer:
+  inference_server.sglang_answer. This module is the request path: one generation per worker thread, resumed across
+  aborts and failed replicas. A 4xx (SGLang refused the request as invalid) fails it with RequestRefused
+  (INVALID_ARGUMENT, SGLang's message); a 5xx or a connection failure takes the replica out and resumes elsewhere.
 
 Starting (`open_sglang_engine`, what make_engine calls): either launch cfg.sglang_launch servers on the checkpoint
 directory and supervise them (inference_server.sglang_launch.SGLangFleet: `python -m sglang.launch_server
@@ -41,8 +43,9 @@ from dataclasses import dataclass, field
 from core.config import InferenceConfig
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
                                            check_finite)
-from inference_server.sglang_http import http_json, post_abort, token_versions
-from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool
+from inference_server.sglang_answer import generate_body, read_segment, refused
+from inference_server.sglang_http import error_message, http_json, post_abort
+from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool, Stats
 
 log = logging.getLogger("tars.inference.sglang")
 
@@ -77,7 +80,7 @@ class SGLangEngine:
             raise ValueError("engine=sglang needs at least one URL in sglang_urls")
         self.cfg, self.name = cfg, name
         self.vocab_size = vocab_size
-        self.stats = collections.Counter()
+        self.stats = Stats()
         self.pool = ReplicaPool(cfg, urls, version, self.stats)
         self.uid = uuid.uuid4().hex[:8]
         self.fleet = None  # the launched servers (SGLangFleet), stopped by close(); None when attached
@@ -132,14 +135,17 @@ class SGLangEngine:
             raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {V})")
         if p.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {p.max_new_tokens}")
-        if len(input_ids) + p.max_new_tokens > self.cfg.max_context:
-            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {self.cfg.max_context}")
+        limit = self.cfg.request_limit()  # SGLang's rule: docs/sglang.md
+        if len(input_ids) + p.max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {limit}")
         if not p.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {p.temperature}")
         if not 0 <= p.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {p.top_p}")
         if p.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {p.top_k}")
+        if not 0 <= p.seed < 1 << 64:
+            raise ValueError(f"seed must be in [0, 2**64) (a uint64), got {p.seed}")
 
     def submit(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
                max_stale_versions: int | None = None, on_token: TokenCallback | None = None) -> Future:
@@ -158,12 +164,12 @@ class SGLangEngine:
             if self._closed.is_set():
                 raise EngineClosed("engine closed")
             if len(self._calls) >= self.cfg.max_queue:
-                self.stats["rejected_queue_full"] += 1
+                self.stats.add("rejected_queue_full")
                 raise QueueFull(f"{len(self._calls)} requests in flight (max_queue={self.cfg.max_queue})")
             self._seq += 1
             call = _Call(self._seq, input_ids, params, trajectory_id, Future(), on_token, prompt_tokens=len(input_ids))
             self._calls[call.seq] = call
-            self.stats["requests"] += 1
+            self.stats.add("requests")
             self._waiting.append(call)
             start = self._runners < self._max_runners
             self._runners += start
@@ -186,7 +192,7 @@ class SGLangEngine:
             if f.cancelled() and call in self._waiting:  # not started: it goes now, with its tokens
                 self._waiting.remove(call)
         if f.cancelled():
-            self.stats["cancelled"] += 1
+            self.stats.add("cancelled")
             rep, rid = call.replica, call.rid
             if rep is not None and rid and not self._closed.is_set():
                 threading.Thread(target=self._abort_rid, args=(call, rep, rid), name="tars-sglang-abort", daemon=True).start()
@@ -229,7 +235,7 @@ class SGLangEngine:
         if not call.future.done():
             try:
                 call.future.set_result(out)
-                self.stats["finished"] += 1
+                self.stats.add("finished")
             except Exception:
                 pass
 
@@ -247,13 +253,7 @@ class SGLangEngine:
             remaining = p.max_new_tokens - len(call.out)
             rep = self.pool.route(call.trajectory_id, avoid)
             call.rid, call.replica = self._rid(call), rep
-            body = {
-                "rid": call.rid, "input_ids": call.input_ids + call.out, "return_logprob": True, "logprob_start_len": -1,
-                "sampling_params": {"max_new_tokens": remaining, "temperature": p.temperature,
-                                    "top_p": p.top_p if p.top_p > 0 else 1.0, "top_k": p.top_k if p.top_k > 0 else -1,
-                                    "stop_token_ids": list(p.stop_token_ids), "ignore_eos": False, "no_stop_trim": True,
-                                    **({"sampling_seed": p.seed} if p.seed else {})},
-            }
+            body = generate_body(call.rid, call.input_ids + call.out, p, remaining)
             call.posting = call.rid
             try:
                 if call.future.cancelled():  # cancelled while the body was built: the abort may already be gone
@@ -263,8 +263,11 @@ class SGLangEngine:
                         status, resp = http_json(rep.url, "/generate", body, timeout=max(1.0, deadline - time.monotonic()))
                 finally:
                     call.posting = ""
+            except TimeoutError as e:  # the socket waited all the time left: the request's deadline, not the replica's fault
+                post_abort(rep.url, call.rid)
+                raise TimeoutError(f"generation not finished within sglang_request_timeout_s={self.cfg.sglang_request_timeout_s}") from e
             except OSError as e:
-                # Refused / reset / timed out: take the replica out and go on elsewhere with the tokens we have.
+                # Refused / reset: take the replica out and go on elsewhere with the tokens we have.
                 self.pool.mark_down(rep, f"{type(e).__name__}: {e}")
                 avoid, conn_failures = rep, conn_failures + 1
                 call.segment += 1
@@ -278,20 +281,18 @@ class SGLangEngine:
                     conn_failures += 1
                     if conn_failures <= self.cfg.sglang_max_resumes:
                         continue
+                elif 400 <= status < 500 and status not in (408, 429):  # refused as invalid: the request, not the replica
+                    raise refused(error_message(resp))
                 raise RuntimeError(f"SGLang /generate on {rep.url} failed: HTTP {status}: {str(resp)[:300]}")
             avoid = None
-            meta = resp.get("meta_info") or {}
-            ids = [int(t) for t in resp.get("output_ids") or []]
-            lps = meta.get("output_token_logprobs") or []
-            if len(lps) != len(ids):
-                raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
-            vers = token_versions(meta, len(ids), self.pool.base_version)
+            seg = read_segment(resp, self.pool.base_version)
+            ids, vers, fr, kind = seg.ids, seg.versions, seg.finish, seg.kind
             if not call.out and call.segment == 0:
-                call.cached_tokens = int(meta.get("cached_tokens") or 0)
+                call.cached_tokens = seg.cached_tokens
             elif call.out:
                 call.recomputed_tokens += len(call.input_ids) + len(call.out)
             call.out += ids
-            call.logprobs += [float(x[0]) for x in lps]
+            call.logprobs += seg.logprobs
             call.versions += vers
             if len(set(vers)) > 1:  # retract / in_place: the server carried the request across an update itself
                 call.interruptions += sum(1 for a, b in zip(vers, vers[1:]) if a != b)
@@ -301,24 +302,22 @@ class SGLangEngine:
                         call.on_token(t, lp, v)
                     except Exception:
                         log.exception("on_token callback failed")
-            self.stats["tokens"] += len(ids)
-            fr = meta.get("finish_reason") or {}
-            kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+            self.stats.add("tokens", len(ids))
             done_by_stop = bool(call.out) and call.out[-1] in p.stop_token_ids
             if kind == "stop" or done_by_stop:
                 return self._output(call, "stop")
-            if kind == "length" or len(call.out) >= p.max_new_tokens or len(call.input_ids) + len(call.out) >= self.cfg.max_context:
+            if kind == "length" or len(call.out) >= p.max_new_tokens or len(call.input_ids) + len(call.out) >= self.cfg.request_limit():
                 return self._output(call, "length")
             if kind != "abort":
-                raise RuntimeError(f"SGLang finish_reason {fr!r} not understood")
+                raise RuntimeError(f"SGLang finish_reason {fr or kind!r} not understood")
             # Aborted (a weight update in mode=abort, or someone else's abort): resume with what we have.
             if call.future.cancelled():
                 raise EngineClosed("cancelled")
             if fr.get("status_code") not in (None, 200) and int(fr.get("status_code") or 0) < 500:
-                raise RuntimeError(f"SGLang rejected the request: {fr.get('message')}")
+                raise refused(str(fr.get("message")))
             call.interruptions += 1
             call.segment += 1
-            self.stats["resumed"] += 1
+            self.stats.add("resumed")
             if call.interruptions > self.cfg.sglang_max_resumes:
                 raise RuntimeError(f"request aborted {call.interruptions} times; giving up (sglang_max_resumes)")
             # Do not race the update that caused the abort: wait for its continue_generation.
@@ -374,14 +373,15 @@ class SGLangEngine:
 
     # ---- metrics / lifecycle -------------------------------------------------------------------------
     def metrics(self) -> dict:
-        s = self.stats
+        s = self.stats.snapshot()
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        in_flight = self.in_flight()
+        with self._lock:  # waiting: not yet taken by a runner (at most sglang_max_concurrency run at once)
+            in_flight, waiting = len(self._calls), len(self._waiting)
         reps = self.pool.snapshot()
         return {
             "engine": self.name, "version": self.version, "requests": s["requests"], "requests_finished": s["finished"],
             "requests_cancelled": s["cancelled"], "requests_rejected_queue_full": s["rejected_queue_full"],
-            "waiting": 0, "running": in_flight, "tokens_generated": s["tokens"], "tokens_per_s": s["tokens"] / elapsed,
+            "waiting": waiting, "running": in_flight - waiting, "tokens_generated": s["tokens"], "tokens_per_s": s["tokens"] / elapsed,
             "weight_updates": s["weight_updates"], "interrupted_requests": s["interrupted"], "resumed_requests": s["resumed"],
             "replicas_healthy": sum(r["healthy"] for r in reps), "replica_down_events": s["replica_down"],
             "replica_up_events": s["replica_up"], "sticky_moved_for_load": s["sticky_moved_for_load"], "replicas": reps, "pause_mode": self.cfg.sglang_pause_mode,

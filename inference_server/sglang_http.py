@@ -30,6 +30,19 @@ def http_json(url: str, path: str, body: dict | None = None, timeout: float = 30
         conn.close()
 
 
+def error_message(resp) -> str:
+    """The message of an SGLang error answer: {"error": {"message"}} (/generate's ValueError), {"message"} (a request
+    FastAPI could not build, an ErrorResponse), {"detail": ...} (an HTTPException, pydantic's list), or the text."""
+    if isinstance(resp, dict):
+        err = resp.get("error")
+        if isinstance(err, dict) and err.get("message") is not None:
+            return str(err["message"])
+        for k in ("message", "detail"):
+            if resp.get(k) is not None:
+                return str(resp[k])
+    return str(resp)
+
+
 def post_abort(url: str, rid: str) -> None:
     """POST /abort_request {rid}; a server that does not answer is left alone (it has no request to stop then)."""
     try:

@@ -33,6 +33,27 @@ class NoHealthyReplica(EngineClosed):
     """Every SGLang replica is down (UNAVAILABLE)."""
 
 
+class Stats:
+    """The engine's and the pool's counters, updated from worker, health and update threads: each update under one
+    lock (a Counter's `c[k] += n` reads, then writes; two threads that both read first lose an update)."""
+
+    def __init__(self):
+        self._counts: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def snapshot(self) -> collections.Counter:
+        """A copy of every counter (missing ones read 0)."""
+        with self._lock:
+            return collections.Counter(self._counts)
+
+    def __getitem__(self, key: str) -> int:
+        return self.snapshot()[key]
+
+
 @dataclass
 class Replica:
     url: str
@@ -44,7 +65,7 @@ class Replica:
 
 
 class ReplicaPool:
-    def __init__(self, cfg: InferenceConfig, urls: list[str], version: int, stats: collections.Counter):
+    def __init__(self, cfg: InferenceConfig, urls: list[str], version: int, stats: Stats):
         self.cfg = cfg
         self.version = int(version)               # installed on every healthy replica
         self.base_version = int(version)          # what a server's non-integer weight_version ("default") means
@@ -79,7 +100,7 @@ class ReplicaPool:
                 self._sticky.move_to_end(trajectory_id)
                 return rep
             if rep is not None and rep in live:
-                self.stats["sticky_moved_for_load"] += 1
+                self.stats.add("sticky_moved_for_load")
             n, h = len(self.replicas), zlib.crc32(trajectory_id.encode())
             rep = min(live, key=lambda r: (r.in_flight, (self.replicas.index(r) - h) % n))
             if trajectory_id:
@@ -105,7 +126,7 @@ class ReplicaPool:
         with self._lock:
             if rep.healthy:
                 log.warning("SGLang replica %s taken out: %s", rep.url, why)
-                self.stats["replica_down"] += 1
+                self.stats.add("replica_down")
             rep.healthy = False
 
     def snapshot(self) -> list[dict]:
@@ -156,8 +177,8 @@ class ReplicaPool:
                     self.mark_down(r, f"weight update failed: {e}")
             self.version = version
             self._last_weights = (version, path, tensors)
-            self.stats["weight_updates"] += 1
-            self.stats["interrupted"] += interrupted
+            self.stats.add("weight_updates")
+            self.stats.add("interrupted", interrupted)
             info = {"version": version, "load_ms": (time.monotonic() - t0) * 1e3, "interrupted_requests": interrupted,
                     "replicas": {r.url: (e or "ok") for r, e in zip(live, results)}}
             if errors:
@@ -233,7 +254,7 @@ class ReplicaPool:
             rep.version = v
             with self._lock:
                 rep.healthy = True
-                self.stats["replica_up"] += 1
+                self.stats.add("replica_up")
             log.info("SGLang replica %s back in", rep.url)
 
     def start_health_thread(self) -> None:

@@ -222,7 +222,7 @@ class ModelPolicy(Policy):
         C.save(self.cfg, out / "config.yaml")
         # the context the prompts must fit: the config's when this run serves the policy itself; a server given by
         # address answers a prompt that does not fit with "exceeds max_context", which ends the episode the same way
-        max_context = 0 if self.inference_addr else self.cfg.inference.max_context
+        max_context = 0 if self.inference_addr else self.cfg.inference.request_limit()
         # envd and `tars serve` where no address was given: the topology of a run without learner and actors
         self.topo = Topology(plan(self.cfg, out, self.checkpoint, learner=False, n_actors=0,
                                   envd_addrs=(self.envd_addr,) if self.envd_addr else (),
