@@ -36,6 +36,10 @@ class InferenceConfig:
     max_batch: int = f(256, lo=1, help="most sequences decoded together in one step")
     max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED", lo=1)
     max_context: int = f(1024, lo=1, help="longest prompt + output; longer prompts answer INVALID_ARGUMENT")
+    image_threads: int = f(2, "threads that prepare the images of requests (decode, resize, the image processor) off "
+                              "the gRPC event loop (inference_server/image_prep.py)", lo=1)
+    image_queue: int = f(64, "requests with images waiting for or in preparation beyond this answer RESOURCE_EXHAUSTED",
+                         lo=1)
     threads: int = f(1, "torch intra-op threads of the local engine", lo=1)
     device: str = f("auto", "where the local engine runs its model and samples: auto (cuda when available, else cpu) | "
                             "cpu | cuda | cuda:N; cuda on a machine without CUDA is refused at start (exit 2)")
