@@ -42,6 +42,10 @@ class InferenceConfig:
     max_queue: int = f(4096, "waiting requests beyond this answer RESOURCE_EXHAUSTED", lo=1)
     max_context: int = f(1024, lo=1, help="longest prompt + output; longer prompts answer INVALID_ARGUMENT. engine=sglang: "
                                          "SGLang's context length, of which prompt + output may take all but 6 tokens")
+    image_threads: int = f(2, "threads that prepare the images of requests (decode, resize, the image processor) off "
+                              "the gRPC event loop (inference_server/image_prep.py)", lo=1)
+    image_queue: int = f(64, "requests with images waiting for or in preparation beyond this answer RESOURCE_EXHAUSTED",
+                         lo=1)
     threads: int = f(1, "torch intra-op threads of the local engine", lo=1)
     device: str = f("auto", "where the local engine runs its model and samples: auto (cuda when available, else cpu) | "
                             "cpu | cuda | cuda:N; cuda on a machine without CUDA is refused at start (exit 2)")

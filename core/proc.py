@@ -47,6 +47,20 @@ def write_ready(path: str | os.PathLike | None, info: dict) -> None:
     sd_notify(f"READY=1\nSTATUS=listening {status}")
 
 
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` running on this host (a zombie has exited; another user's process counts as running)?"""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return pathlib.Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def die_with_parent() -> None:
     """Linux: get SIGTERM when the parent dies, so a killed `tars up` leaves no orphans."""
     try:

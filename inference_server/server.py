@@ -1,6 +1,8 @@
 """The gRPC front of the inference server: InferenceService over an engine, plus Control, health and reflection.
 
-Engine calls that block (submit is quick; update_weights waits for a step boundary) stay off the event loop.
+Engine calls that block stay off the event loop: update_weights (it waits for a step boundary) and the submit of a
+request with images (decoding and resizing them takes ~0.4 s a screenshot: inference_server/image_prep.py, bounded
+threads, a bounded admission, the call's deadline); a text submit is quick.
 Results (concurrent Futures) and streamed tokens come back through one Mailbox per event loop: the engine's
 thread appends to it and wakes the loop only when it was empty, so the requests a decode step finishes together
 cost one wake-up of the loop, not one each. A call whose deadline passes or whose client goes away cancels its
@@ -18,7 +20,8 @@ import sys
 
 import grpc
 
-from inference_server.engine import LocalEngine
+from inference_server.engines import check_bind, make_engine
+from inference_server.image_prep import LATE, ImagePrep, drop, prepared
 from inference_server.answers import (FINISH, SUBMIT_ERRORS, abort, batch_item, code_of, confine, failure, outcome,
                                       params, response, update_refusal)
 from inference_server.mailbox import Mailbox, expire, settle, wake
@@ -26,7 +29,7 @@ from inference_server.sglang_launch import SGLangStartupError  # standard librar
 from inference_server.engine_types import WeightsRefused, check_version_step
 from core.weights_stream import Assembler, BadChunk, WrongWeights
 from core import weights_shm
-from core import auth, rpc, telemetry
+from core import rpc, telemetry
 from core.config import InferenceConfig
 from core.control import CommandError, ControlServicer, add_control
 from core.proc import die_with_parent, write_ready
@@ -42,6 +45,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.replica = ""
         self.images_ignored = 0
         self._mailbox: Mailbox | None = None
+        self.prep = ImagePrep(cfg.image_threads, cfg.image_queue)
+
+    def _prepared(self, request) -> bool:
+        """Does this request's submit prepare images (so it runs on self.prep, off the loop)?"""
+        return bool(request.images) and getattr(self.engine, "accepts_images", False)
 
     def _mail(self) -> Mailbox:
         loop = asyncio.get_running_loop()
@@ -83,9 +91,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def _submit(self, request, context, on_token=None):
         try:
+            if self._prepared(request):
+                return await self.prep.run(lambda: self._engine_submit(request, on_token), context.time_remaining())
             return self._engine_submit(request, on_token)
         except SUBMIT_ERRORS as e:
             await abort(context, code_of(e), str(e))
+        except asyncio.TimeoutError:
+            await abort(context, *LATE)
 
     async def _abort_for(self, context, e: BaseException):
         await abort(context, *failure(e))
@@ -165,28 +177,45 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         now = loop.time()
         call_end = math.inf if remaining is None else now + remaining
         arrived: collections.deque = collections.deque()  # (index, future), at most n
+        prepped: collections.deque = collections.deque()  # (index, preparation task) of requests with images, at most n
         sleeping: list = [None]  # the loop future the handler sleeps on, woken by an arrival or the first deadline
 
-        def arrive(i: int, f) -> None:
-            arrived.append((i, f))
+        def arrive(i: int, f, into=arrived) -> None:
+            into.append((i, f))
             if sleeping[0] is not None and not sleeping[0].done():
                 sleeping[0].set_result(None)
 
-        items, live = [], {}  # live: index -> (engine future, deadline, span)
+        def submitted(i: int, fut, d: float, sp) -> None:
+            live[i] = (fut, d, sp)
+            fut.add_done_callback(lambda f, i=i: mail.post(arrive, i, f))
+
+        items, live, preps = [], {}, {}  # live: index -> (engine future, deadline, span); preps: index -> (task, deadline, span)
         for i, r in enumerate(request.requests):
             t = request.timeout_s[i] if i < len(request.timeout_s) else 0.0
+            d = min(call_end, now + t) if t > 0 else call_end
             sp = telemetry.start_server_span("inference.generate", r.traceparent, {"tars.trajectory_id": r.trajectory_id,
                                                                                    "tars.batch_size": n})
+            if self._prepared(r):  # its images are prepared off the loop; it joins `live` when they are
+                task = asyncio.ensure_future(self.prep.run(lambda r=r: self._engine_submit(r), None if d == math.inf else d - now))
+                preps[i] = (task, d, sp)
+                task.add_done_callback(lambda f, i=i: arrive(i, f, prepped))
+                continue
             try:
-                fut = self._engine_submit(r)
+                submitted(i, self._engine_submit(r), d, sp)
             except SUBMIT_ERRORS as e:
                 items.append(batch_item(i, code_of(e), str(e)))
                 sp.end()
-                continue
-            live[i] = (fut, min(call_end, now + t) if t > 0 else call_end, sp)
-            fut.add_done_callback(lambda f, i=i: mail.post(arrive, i, f))
         try:
             while True:
+                while prepped:
+                    i, task = prepped.popleft()
+                    _, d, sp = preps.pop(i)
+                    fut, refused = prepared(task)
+                    if fut is None:
+                        items.append(batch_item(i, *refused))
+                        sp.end()
+                    else:
+                        submitted(i, fut, d, sp)
                 while arrived:
                     i, f = arrived.popleft()
                     entry = live.pop(i, None)
@@ -196,9 +225,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     yield inference_pb2.GenerateBatchResponse(items=items)
                     items = []
                     continue  # results that arrived while the message was sent are in `arrived`, not a wake-up
-                if not live:
+                if not live and not preps:
                     return
-                first = min(d for _, d, _ in live.values())
+                first = min((d for _, d, _ in live.values()), default=math.inf)
                 sleeping[0] = loop.create_future()
                 timer = None if first == math.inf else loop.call_later(max(0.0, first - loop.time()), wake, sleeping[0])
                 try:
@@ -217,6 +246,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         finally:
             for fut, _, sp in live.values():
                 fut.cancel()  # the call was cancelled or ended: stop the engine work
+                sp.end()
+            for task, _, sp in preps.values():
+                drop(task)
                 sp.end()
 
     def _finished_item(self, i: int, fut, sp) -> inference_pb2.GenerateBatchItem:
@@ -375,31 +407,7 @@ class InferenceServer:
         await rpc.set_serving(*self._health, [SERVICE, CONTROL], False)
         await self.server.stop(grace)
         self.server = None
-
-
-def check_bind(cfg: InferenceConfig, control_token: str | None) -> None:
-    """core.auth.check_listener for this server (InsecureBind off loopback without its tokens)."""
-    control = cfg.auth_token if control_token is None else control_token
-    auth.check_listener("inference", "the InferenceService (UpdateWeights included) and its ControlService", cfg.host,
-                        {"inference.auth_token": cfg.auth_token, "control.auth_token": control})
-
-
-def make_engine(cfg: InferenceConfig, model_path: str, version: int = 0):
-    """The engine cfg.engine names: `local` (LocalEngine over model_path) or `sglang` (SGLangEngine over the servers it
-    launches on model_path, cfg.sglang_launch, or over cfg.sglang_urls; model_path's config.json supplies the
-    vocabulary size for validation)."""
-    if cfg.engine == "local":
-        return LocalEngine(cfg, model_path, version)
-    if cfg.engine == "sglang":
-        import json
-        import pathlib
-
-        from inference_server.sglang_engine import open_sglang_engine
-
-        conf = pathlib.Path(model_path or ".") / "config.json"
-        vocab = json.loads(conf.read_text()).get("vocab_size") if model_path and conf.is_file() else None
-        return open_sglang_engine(cfg, model_path, version, vocab)  # launched or attached; waits for a first replica
-    raise ValueError(f"engine {cfg.engine!r} is not available in this server; use engine=local or engine=sglang")
+        self.servicer.prep.close()
 
 
 async def serve(cfg: InferenceConfig, model_path: str, version: int = 0, ready_file=None, stop: asyncio.Event | None = None,

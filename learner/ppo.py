@@ -177,8 +177,9 @@ class PPOTrainer:
         has_tok = trained_rows(b.mask)  # the rows with a trained token: the others add nothing to any loss
         chunks = length_chunks(lengths, torch.arange(len(trajs))[has_tok], self.chunk_tokens)
         # V-trace needs pi_prox for its advantages before the policy's training forward: no single pass for it.
-        fused = (self.fuse_single_pass and cfg.ppo.epochs == 1 and cfg.ppo.minibatches <= 1 and self.dist.world == 1
-                 and cfg.correction.kind != "vtrace")
+        single = cfg.ppo.epochs == 1 and cfg.ppo.minibatches <= 1  # the training forward has the weights before the update
+        fused = self.fuse_single_pass and single and self.dist.world == 1 and cfg.correction.kind != "vtrace"
+        use_prox = needs_prox(cfg)  # tis and none use no pi_prox in their loss; their behav_prox_kl metric does
         critic_sums = {}
         if fused:
             prox = None  # taken from the training forward below, where a correction uses it
@@ -186,7 +187,8 @@ class PPOTrainer:
             if self.critic is not None:
                 values, critic_sums = self._critic_pass(b, chunks)
         else:
-            prox, values = self._forward_old(b, chunks, with_prox=needs_prox(cfg))
+            # pi_prox for the loss, or for the metric alone where the training forward's weights will have moved
+            prox, values = self._forward_old(b, chunks, with_prox=use_prox or not single)
         adv, targets = self.advantages(b, values, prox)
         if cfg.ppo.adv_norm:
             adv = A.masked_scale(adv, b.mask)
@@ -236,11 +238,12 @@ class PPOTrainer:
                     ones = torch.ones_like(logp)
                     behav = at(b.behav_logp[c, :T], msk)
                     p_prox = None  # tis and none use no proximal policy
-                    if prox is not None:
+                    if prox is not None and use_prox:
                         p_prox = at(prox[c, :T], msk)
-                    elif fused and counts:  # one pass: this forward's weights are the weights before the update
-                        p_prox = logp.detach()
-                        kl_sum += float(A.kl_k1(behav, p_prox).sum())
+                    elif prox is None and counts:  # one pass: this forward's weights are the weights before the update
+                        kl_sum += float(A.kl_k1(behav, logp.detach()).sum())
+                        if fused:
+                            p_prox = logp.detach()
                     if epoch == 0 and counts:  # vs pi_prox where there is one; tis and none: this first-epoch forward's
                         ratio, weight = importance_weight(cfg, logp.detach() if p_prox is None else p_prox, behav)
                         iw_sums[0] += float(ratio.sum())
@@ -287,9 +290,9 @@ class PPOTrainer:
         run_tok = int(run_mask.sum())  # the first epoch's tokens
         # No row trained (all skipped for zero advantage): an empty mean is 0, as masked_mean reports it, and as
         # the ranks report it (the fused pass may still have run rows; their sums are not a mean over run_mask).
-        if fused:
+        ratio_sum, weight_sum, kl_sum = self.dist.sum_floats([*iw_sums, kl_sum])
+        if prox is None:  # from the training forward (this rank's chunks, summed over the ranks)
             m["behav_prox_kl"] = kl_sum / run_tok if run_tok else 0.0
-        ratio_sum, weight_sum = self.dist.sum_floats(iw_sums)
         m["is_ratio_mean"] = ratio_sum / run_tok if run_tok else 0.0
         m["is_weight_mean"] = weight_sum / run_tok if run_tok else 0.0
         self.sched.step()

@@ -12,7 +12,8 @@ learner.publish.mode picks how the weights reach the servers (see docs/benchmark
 With the policy on a GPU, one device-to-host copy per version serves the servers and the disk copy alike (HostCopy:
 pinned buffers kept between publishes, learner.publish.host_copy; else one unpinned copy per publish).
 Whatever the mode, weights/v{version} is written (after the servers answered in the memory modes) because a
-restarted server loads the newest one, and all but the last `learner.publish.keep_versions` are pruned. Each
+restarted server loads the newest one, and all but the last `learner.publish.keep_versions` are pruned (with the
+leftovers of saves a killed learner interrupted, never counted as versions: prune). Each
 version carries the starting model directory's tokenizer files (core.chat.copy_tokenizer_files), so it is a model
 directory of its own, as is the final export.
 """
@@ -21,7 +22,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import pathlib
+import re
 import shutil
 import time
 
@@ -30,6 +33,7 @@ import torch
 
 from core import auth, rpc, weights_shm
 from core.model_files import newest_published
+from core.proc import pid_alive
 from core.weights_stream import chunks
 from core.config_learner import PublishConfig
 from core.v1 import inference_pb2, inference_pb2_grpc
@@ -57,9 +61,28 @@ def publish_weights(policy: TrainPolicy, wdir: pathlib.Path, version: int, stubs
             if counters is not None:
                 counters["publish_failures"] += 1
             log.warning("publish v%d failed: %s", version, e)
-    for old in sorted(wdir.glob("v*"))[: -max(1, keep)]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(wdir, keep)
     return time.perf_counter() - t0
+
+
+_VERSION = re.compile(r"v(\d+)")
+_LEFTOVER = re.compile(r"v\d+\.(?:tmp|old)(\d+)")  # a save in progress, or one interrupted (core save_hf)
+
+
+def prune(wdir: pathlib.Path, keep: int) -> list[str]:
+    """Keep the newest `keep` whole versions (vN, numerically) and remove the older ones, and the leftovers
+    (vN.tmpPID, vN.oldPID) of saves whose process is gone or is this one (its save has ended when this runs); they are
+    never counted as versions. Another live process's save in progress is left alone. Returns the names removed."""
+    versions, gone = [], []
+    for d in wdir.iterdir() if wdir.is_dir() else ():
+        if m := _VERSION.fullmatch(d.name):
+            versions.append((int(m[1]), d))
+        elif (m := _LEFTOVER.fullmatch(d.name)) and (int(m[1]) == os.getpid() or not pid_alive(int(m[1]))):
+            gone.append(d)
+    gone += [d for _, d in sorted(versions)[: -max(1, keep)]]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return [d.name for d in gone]
 
 
 class HostCopy:
@@ -122,6 +145,8 @@ class Publisher:
             if why:
                 log.info("learner.publish.mode=auto: disk (%s)", why)
         self.host = HostCopy(pinned=cfg.host_copy)
+        if gone := [n for n in prune(self.wdir, cfg.keep_versions) if not _VERSION.fullmatch(n)]:
+            log.warning("removed %d leftovers of interrupted weight saves: %s", len(gone), gone[:3])
         self.shm_prefix = weights_shm.run_prefix(run)
         if self.mode == "shm" or weights_shm.available():
             gone = weights_shm.clean_stale(self.shm_prefix)  # a learner killed mid-publish left these

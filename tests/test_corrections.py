@@ -162,3 +162,35 @@ def test_correction_config_is_checked():
     assert "[learner.correction]" in text
     for f in dataclasses.fields(CorrectionConfig):
         assert f"learner.correction.{f.name} = " in text and f.metadata.get("help"), f.name
+
+
+def _slow_behav_prox_kl(pol, trajs) -> float:
+    """KL(pi_behav || pi_prox), k1 on the behaviour's tokens: each trajectory on its own through the weights before
+    the update, summed token by token in float64."""
+    total, n = 0.0, 0
+    for t in trajs:
+        b = collate([t])
+        with torch.no_grad():
+            prox = pol.logprobs_at(b.tokens, b.valid, b.mask).double()
+        behav = b.behav_logp[0][b.mask[0] > 0].double()
+        total += float((behav - prox).sum())
+        n += len(prox)
+    return total / n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["fused", "single-unfused", "minibatches", "epochs"])
+def test_behav_prox_kl_is_reported_and_right_in_every_mode(kind, mode):
+    """Every correction and every update shape reports behav_prox_kl, and it is the slow reference's: tis and none
+    use no pi_prox for their loss, yet the metric is the same KL of the same weights."""
+    pol, critic = models()
+    trajs = behaviour(pol, batch(2, n=8, max_len=24), shift=1.0)
+    want = _slow_behav_prox_kl(pol, trajs)
+    ppo = {"minibatches": {"minibatches": 2}, "epochs": {"epochs": 2}}.get(mode, {})
+    p, c = copy.deepcopy(pol), copy.deepcopy(critic)
+    tr = PPOTrainer(p, c, LearnerConfig(ppo=PPOConfig(**ppo), correction=CorrectionConfig(kind=kind)), 0)
+    tr.fuse_single_pass = mode == "fused"
+    m = tr.step(trajs, 3)
+    assert m["rows_skipped"] == 0
+    assert "behav_prox_kl" in m, (kind, mode)
+    assert m["behav_prox_kl"] == pytest.approx(want, rel=1e-4, abs=1e-6), (kind, mode)
