@@ -27,6 +27,7 @@ import grpc
 import yaml
 
 from core import rpc
+from core.proc import pid_alive
 from core.v1 import control_pb2, control_pb2_grpc
 
 COMMANDS = {"pause": ("actor", "pause"), "resume": ("actor", "resume"), "drain": ("envd", "drain"),
@@ -123,18 +124,7 @@ def find_run() -> tuple[str, str]:
 
 
 def _pid_alive(pid) -> bool:
-    if not pid:
-        return True  # unknown: let the RPC decide
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return True
+    return True if not pid else pid_alive(int(pid))  # no pid known: let the RPC decide
 
 
 # ---- the command -------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 import signal
 import sys
 import time
@@ -70,7 +69,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         if not quiet:
             print(("\r\033[K" if tty else "") + f"[tars up] {msg}", flush=True)
 
-    _forget_published(out_p, say)
+    _set_aside_earlier(out_p, say)
     t_start = time.time()
     try:
         model_dir, sft_s = build_model(cfg, out_p, say)
@@ -136,22 +135,30 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     return 0
 
 
-def _forget_published(out_p: pathlib.Path, say) -> None:
-    """An earlier run's published weights (weights/vN, copies the servers loaded; final/ and ckpt/ are its results)
-    go before this run starts at version 0: the learner numbers its first publish after the newest vN there (what a
-    server restarted beside a restarted learner loads), so they made a rerun continue at N+1, and at max_versions
-    end at once without training, its untrained policy exported over final/."""
-    from core.model_files import newest_published
+# What an earlier run in the same --out leaves that a new run would take as its own: published versions (a learner
+# numbers its first publish after the newest weights/vN), checkpoints (a learner restarted before its first one would
+# resume the earlier run's), the WAL (replayed into the new run) and the actors' spools (re-sent to the new learner).
+EARLIER_STATE = ("weights", "ckpt", "ckpt.old", "stream.wal", "stream.wal.images", "spool")
 
-    old = newest_published(out_p / "weights")
-    if old is not None:
-        try:
-            shutil.rmtree(out_p / "weights")
-        except OSError as e:
-            raise C.UserError(f"--out {out_p}: cannot remove the earlier run's weights/ ({e}); remove it, or give "
-                              "another --out") from None
-        say(f"removed the published weights of an earlier run in {out_p} (up to version {old[1]}): this run "
-            "starts at version 0")
+
+def _set_aside_earlier(out_p: pathlib.Path, say) -> None:
+    """Moves an earlier run's learner state (EARLIER_STATE) into out/earlier/N/ before this run starts at version 0:
+    nothing is deleted (a user can still resume that run's learner from there), and nothing of it reaches this run.
+    The logs (episodes.jsonl, learner.jsonl, ...) stay: a run appends to them and its report reads its own records."""
+    found = [n for n in EARLIER_STATE if (out_p / n).exists() or (out_p / n).is_symlink()]
+    if not found:
+        return
+    base = out_p / "earlier"
+    n = 1 + max((int(d.name) for d in base.glob("*") if d.name.isdigit()), default=0) if base.is_dir() else 1
+    dest = base / str(n)
+    try:
+        dest.mkdir(parents=True)
+        for name in found:
+            (out_p / name).rename(dest / name)
+    except OSError as e:
+        raise C.UserError(f"--out {out_p}: cannot move the earlier run's {', '.join(found)} aside into {dest} ({e}); "
+                          "move them yourself, or give another --out") from None
+    say(f"{out_p} held an earlier run: moved its {', '.join(found)} to {dest} (this run starts at version 0)")
 
 
 def _held_out(cfg: C.RunConfig, out_p: pathlib.Path, start: pathlib.Path, sft: bool, status: str, t_start: float,

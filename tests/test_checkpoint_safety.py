@@ -379,18 +379,26 @@ def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypat
         assert rep["status"] == f"{status}; not written: final" and list(rep["not_written"]) == [str(out / "final")]
 
 
-def test_a_rerun_of_tars_up_in_the_same_out_starts_without_the_earlier_runs_published_weights(tmp_path, model,
-                                                                                                 monkeypatch, capsys):
+def test_a_rerun_of_tars_up_in_the_same_out_starts_without_the_earlier_runs_state(tmp_path, model, monkeypatch,
+                                                                                      capsys):
     """The learner numbers its first publish after the newest weights/vN of its run directory (what a server
     restarted beside a restarted learner loads). An earlier run's weights/v3 left there made a rerun with the same
-    max_versions=3 start at version 4 and end at once: no update, its untrained policy exported over final/. tars up
-    removes them before any process starts (final/ and ckpt/ stay)."""
+    max_versions=3 start at version 4 and end at once: no update, its untrained policy exported over final/. Its
+    checkpoint (a learner restarted before its first one resumed it), WAL (replayed) and actors' spools (re-sent)
+    reached the new run too. tars up moves them into out/earlier/N/ before any process starts (kept, not deleted);
+    final/ and the logs stay."""
     from core.model_files import newest_published
     from tars import up
 
     out = tmp_path / "out"
     shutil.copytree(model, out / "weights" / "v3")  # the earlier run: published up to version 3, exported final/
     shutil.copytree(model, out / "final")
+    (out / "ckpt").mkdir()
+    (out / "ckpt" / "meta.json").write_text("{}")
+    (out / "stream.wal").write_bytes(b"TWL1")
+    (out / "spool" / "actor0").mkdir(parents=True)
+    (out / "spool" / "actor0" / "x.twl").write_bytes(b"x")
+    (out / "earlier" / "1").mkdir(parents=True)  # a run before those: the next number
     seen = {}
 
     class Started:
@@ -402,6 +410,7 @@ def test_a_rerun_of_tars_up_in_the_same_out_starts_without_the_earlier_runs_publ
 
         def start(self, cancel=None):
             seen["published"] = newest_published(out / "weights")  # what a learner started now would number after
+            seen["left"] = sorted(n for n in ("ckpt", "stream.wal", "spool") if (out / n).exists())
             return self
 
         def stop(self):
@@ -417,8 +426,11 @@ def test_a_rerun_of_tars_up_in_the_same_out_starts_without_the_earlier_runs_publ
         up.up(C.load(overrides=["sft.steps=0", "max_versions=3"]), str(out))
     finally:
         signal.signal(signal.SIGTERM, term)
-    assert seen["published"] is None
-    assert "removed the published weights of an earlier run" in capsys.readouterr().out
+    assert seen["published"] is None and seen["left"] == []
+    assert f"moved its weights, ckpt, stream.wal, spool to {out / 'earlier' / '2'}" in capsys.readouterr().out
+    kept = out / "earlier" / "2"
+    assert newest_published(kept / "weights")[1] == 3 and (kept / "ckpt" / "meta.json").read_text() == "{}"
+    assert (kept / "stream.wal").read_bytes() == b"TWL1" and (kept / "spool" / "actor0" / "x.twl").is_file()
     assert (out / "final" / "config.json").is_file()  # the earlier run's results are left alone
 
 
