@@ -204,6 +204,11 @@ def check_point(p: Any, width: int, height: int, what: str = "point") -> tuple[f
     return x, y
 
 
+# Characters one type() may carry: Playwright presses each key (~2.5 ms a key on a loaded 2-core host), so 20,000
+# ran past the 30 s call deadline and ended the session as INFRA_ERROR; 4096 take ~10 s.
+MAX_TYPE = 4096
+
+
 @dataclass(frozen=True)
 class Checked:
     """An action that passed check_action, with what the page input needs worked out."""
@@ -228,6 +233,8 @@ def check_action(a: Action, width: int, height: int) -> Checked:
     elif t == "type":
         if not a.content:
             raise ActionError("type needs content")
+        if len(a.content) > MAX_TYPE:
+            raise ActionError(f"content is {len(a.content)} characters; at most {MAX_TYPE} per type()")
     elif t == "scroll":
         d = a.direction.lower()
         if d not in DIRECTIONS:

@@ -43,6 +43,7 @@ from envd.xserver import XServer
 APPS = ("xterm", "xedit", "xcalc", "xclock")
 SCROLL_CLICKS = 3          # wheel clicks per scroll action
 TYPE_DELAY_MS = 8
+MAX_TYPE = 1024            # characters one type() may carry (~8 s of keystrokes at TYPE_DELAY_MS)
 _BUTTONS = {"up": 4, "down": 5, "left": 6, "right": 7}
 
 _env_lock = threading.Lock()       # XAUTHORITY is read from the process environment when mss connects
@@ -306,12 +307,16 @@ class DesktopEnv(Env):
             content = action.content
             if not content:
                 raise ActionError("type needs non-empty content")
+            if len(content) > MAX_TYPE:
+                raise ActionError(f"content is {len(content)} characters; at most {MAX_TYPE} per type()")
+            # One xdotool call per chunk, each well inside command_timeout_s (one call for a whole line timed out).
+            chunk = max(1, int(self.timeout_s * 1000 / TYPE_DELAY_MS / 4))
             out: list[list[str]] = []
             for i, line in enumerate(content.split("\n")):
                 if i:
                     out.append(["key", "Return"])
-                if line:
-                    out.append(["type", "--delay", str(TYPE_DELAY_MS), "--", line])
+                out += [["type", "--delay", str(TYPE_DELAY_MS), "--", line[j:j + chunk]]
+                        for j in range(0, len(line), chunk)]
             return out
         if kind == "hotkey":
             return [["key", "--delay", "30", xdotool_key(action.key or action.content)]]

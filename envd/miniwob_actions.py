@@ -37,6 +37,9 @@ import numpy as np
 
 from envd.base import Action, ActionError
 
+# Characters one type() may carry (~1.7 ms each through Selenium on a loaded 2-core host): 20,000 took 35 s, so a
+# longer one ran past envd.step_timeout_s (60 s) as INFRA_ERROR and kept its worker thread typing long after.
+MAX_TYPE = 4096
 _FORM_TAGS = ("input", "button", "select", "textarea", "a", "label", "option")
 
 
@@ -293,6 +296,8 @@ class Translator:
             content = action.content
             if not content:
                 raise ActionError("type needs non-empty content")
+            if len(content) > MAX_TYPE:
+                raise ActionError(f"content is {len(content)} characters; at most {MAX_TYPE} per type()")
             out = []
             if action.target:
                 e = resolve_target(elements, action.target)

@@ -124,14 +124,16 @@ def missing_tools() -> list[str]:
 def workspace_usage(root: pathlib.Path, max_entries: int) -> tuple[int, int]:
     """(bytes, entries) under `root`, not following symlinks. The walk stops once it has seen more than
     `max_entries` entries and then answers max_entries + 1: the bytes are a lower bound, and the caller must treat
-    the workspace as over its entry quota (a partial count is never a total)."""
+    the workspace as over its entry quota (a partial count is never a total). PermissionError on a directory the
+    daemon cannot list (the sandbox, running as an unprivileged daemon's own uid, may chmod 000 it): what it holds
+    cannot be counted, and skipping it would let a sandbox hide any amount of data from the quota."""
     total = entries = 0
     stack = [str(root)]
     while stack:
         try:
             it = os.scandir(stack.pop())
-        except OSError:
-            continue
+        except (FileNotFoundError, NotADirectoryError):
+            continue    # removed or replaced since it was listed
         with it:
             for e in it:
                 entries += 1
@@ -150,7 +152,11 @@ def workspace_usage(root: pathlib.Path, max_entries: int) -> tuple[int, int]:
 def quota_breach(root: pathlib.Path, limits: Limits) -> str:
     """Why the workspace is over its quota (`disk_mb` bytes, `disk_files` entries), e.g. "workspace holds 300 MiB,
     over its 256 MiB quota"; "" when it is within it."""
-    used, entries = workspace_usage(root, limits.disk_files)
+    try:
+        used, entries = workspace_usage(root, limits.disk_files)
+    except PermissionError as e:
+        where = os.path.relpath(e.filename, root) if isinstance(e.filename, str) else "?"
+        return f"workspace holds a directory envd cannot read ({where!r}), so its size is unknown: over its quota"
     if entries > limits.disk_files:
         return f"workspace holds more than {limits.disk_files} files and directories, over its quota"
     if used > limits.disk_mb << 20:

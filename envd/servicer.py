@@ -417,7 +417,10 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def Snapshot(self, request, context):
         self._check_run(request.run_id)
         s = self._get(request.session_id)
-        return env_pb2.SnapshotResponse(state=self.seal.seal(s.env_id, await self._snapshot(s)), env_id=s.env_id)
+        r = env_pb2.SnapshotResponse(state=self.seal.seal(s.env_id, await self._snapshot(s)), env_id=s.env_id)
+        if r.ByteSize() > self.cfg.max_message_bytes:  # else gRPC refuses to send it: RESOURCE_EXHAUSTED, "retry"
+            raise _Status(grpc.StatusCode.FAILED_PRECONDITION, f"snapshot of {r.ByteSize()} bytes > envd.max_message_bytes")
+        return r
 
     @_rpc
     async def Restore(self, request, context):

@@ -37,7 +37,7 @@ import time
 from envd import scratch, terminal_tasks, workspace_archive
 from envd.base import Action, ActionError, Env, Outcome, Resources, StepResult, refuse_unknown
 from envd.sandbox import SANDBOX_WORKSPACE, Limits, SandboxError, ShellSandbox, quota_breach
-from envd.terminal_text import KEYS, MAX_LINE, check_content, clean_terminal_text, normalize_key
+from envd.terminal_text import KEYS, MAX_CONTENT, MAX_LINE, check_content, clean_terminal_text, normalize_key
 from envd.workspace_archive import clear_dir, rmtree
 
 SNAPSHOT_VERSION = 1
@@ -178,6 +178,10 @@ class TerminalEnv(Env):
                 line = (self.pending + content).split("\n", 1)[0]
                 if len(line.encode()) > MAX_LINE:
                     raise ActionError(f"the line being typed would be longer than {MAX_LINE} bytes")
+                waiting = sum(len(q) + 1 for q in self.queued) + len(self.pending) + len(content)
+                if waiting > MAX_CONTENT:
+                    raise ActionError(f"{waiting} characters would wait for the shell; at most {MAX_CONTENT} may "
+                                      "(wait for the running command, or ctrl c it)")
             self.steps += 1
             self._type(content)
         elif kind == "hotkey":

@@ -201,7 +201,9 @@ def test_bad_actions_are_rejected_and_change_nothing(env):
     for bad in ({"type": "teleport"}, {"type": "click", "point": [800, 10]}, {"type": "click"},
                 {"type": "hotkey", "key": "ctrl warp"}, {"type": "click", "target": "No such button"},
                 {"type": "click", "target": "Twin"}, {"type": "scroll", "direction": "inward"},
-                {"type": "drag", "point": [1, 1]}, {"type": "type", "content": ""}):
+                {"type": "drag", "point": [1, 1]}, {"type": "type", "content": ""},
+                # 20,000 keys ran past the 30 s call deadline: INFRA_ERROR, the session gone (MAX_TYPE is 4096)
+                {"type": "type", "content": "x" * 20000}):
         with pytest.raises(ActionError):
             env.step(Action(**bad))
     assert env.observe().text == before and env.steps == 1

@@ -86,6 +86,7 @@ def test_check_action_normalises_and_rejects():
         ({"type": "drag", "point": [1, 1]}, "end_point"),
         ({"type": "drag", "point": [1, 1], "end_point": [1, 99]}, "end_point"),
         ({"type": "type"}, "needs content"),
+        ({"type": "type", "content": "x" * 4097}, "4097 characters; at most 4096"),
         ({"type": "scroll", "direction": "sideways"}, "direction"),
         ({"type": "hotkey"}, "needs a key"),
     ]:

@@ -173,6 +173,26 @@ def _typed_lines(env, script: str, out: str, timeout_s: float = 30.0) -> list[st
     return path.read_text().splitlines()
 
 
+def test_long_typed_text_is_typed_in_chunks_and_too_long_is_refused():
+    """One xdotool call typed a whole line (8 ms a key): a 4000-character type() ran past the 10 s command timeout
+    and ended the session as INFRA_ERROR, a model's long text counted as a broken backend. Lines are now typed in
+    chunks that fit command_timeout_s (2 s here: ~1000 characters took 8 s in one call), and more than MAX_TYPE
+    characters is an ActionError that changes nothing."""
+    env = desktop.make("", {"width": "800", "height": "600", "settle_s": "0.05", "apps": "xterm",
+                            "command_timeout_s": "2"})
+    try:
+        env.reset(0)
+        long = "x" * 950
+        assert _typed_lines(env, f"echo {long}", "long.txt", timeout_s=60) == [long, "END"]
+        steps, text = env.observe().step, env.observe().text
+        with pytest.raises(ActionError, match=f"at most {desktop.MAX_TYPE} per type"):
+            env.step(Action("type", content="y" * (desktop.MAX_TYPE + 1)))
+        assert (env.observe().step, env.observe().text) == (steps, text)
+    finally:
+        env.close()
+    assert not _gone(env)
+
+
 @pytest.fixture
 def host_dir():
     """A host directory outside any workspace that every uid could read (so only the sandbox keeps it out)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -480,4 +481,28 @@ def test_a_call_that_never_got_a_worker_is_aborted_and_its_session_kept():
             await until(lambda: not c.server.servicer.workers.running, "the released workers to finish", every=0.01)
             assert (await _step(c, healthy)).outcome == common_pb2.RUNNING
             assert "healthy" not in FragileEnv.closed
+    run(body())
+
+
+class BulkyEnv(CountingEnv):
+    """A CountingEnv whose snapshot is 2 MiB."""
+
+    def snapshot(self) -> bytes:
+        return b"s" * (2 << 20)
+
+
+registry.register("test-bulky", BulkyEnv)
+
+
+def test_a_snapshot_over_the_message_limit_is_refused_clearly_and_the_session_kept():
+    """A snapshot bigger than envd.max_message_bytes could never be sent: gRPC answered RESOURCE_EXHAUSTED ("Sent
+    message larger than max"), a code clients retry (core.rpc.RETRYABLE), each retry packing the state again. It is
+    now FAILED_PRECONDITION naming the size and the setting, and the session goes on."""
+    async def body():
+        async with envd_client(max_message_bytes=1 << 20) as c:
+            sid = await _started(c, "test-bulky")
+            e = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, c.Snapshot(env_pb2.SessionRef(session_id=sid)))
+            size = re.fullmatch(r"snapshot of (\d+) bytes > envd.max_message_bytes", e.details())
+            assert size and int(size.group(1)) > 2 << 20, e.details()   # the state, sealed (envd/snapshots.py)
+            assert (await _step(c, sid)).outcome == common_pb2.RUNNING
     run(body())

@@ -99,6 +99,11 @@ def test_actions_translate_to_the_action_space():
                 {"type": "type", "target": "label text", "content": "x"}, {"type": "drag", "point": [1, 1]}):
         with pytest.raises(ActionError):
             tr.translate(Action(**bad), PAGE)
+    # A type() is bounded: 20,000 characters took 35 s through Selenium, so a longer one ran past the step deadline
+    # (INFRA_ERROR) and kept typing in its worker thread.
+    assert len(tr.translate(Action("type", content="a" * 4096), PAGE)) == 64
+    with pytest.raises(ActionError, match="4097 characters; at most 4096 per type"):
+        tr.translate(Action("type", content="a" * 4097), PAGE)
     # A narrower preset rejects what it cannot express.
     liu = _translator("liu18")
     with pytest.raises(ActionError, match="no CLICK_COORDS"):

@@ -109,6 +109,33 @@ def test_bad_actions_leave_the_session_unchanged(env):
 
 
 @needs_sandbox
+def test_lines_queued_behind_a_running_command_are_bounded():
+    """Lines typed while a command runs and others wait are queued for the shell. The queue had no bound: 100 steps
+    of 8192 short lines each queued 819,202 lines in the daemon (10,000 steps, the max_steps ceiling, would hold
+    gigabytes). At most MAX_CONTENT characters may now wait; more is an ActionError and the session is unchanged."""
+    e = TerminalEnv(options={"timeout_s": "60", "wait_s": "1", "max_steps": "1000"})
+    try:
+        e.reset(3, {})
+        typed(e, "sleep 60\necho first\n")
+        assert e.state == "running" and e.queued == ["echo first"]
+        typed(e, "true\n" * 1000)                    # 5,011 characters wait: fine
+        assert len(e.queued) == 1001
+        before = e.observe()
+        with pytest.raises(ActionError, match="would wait for the shell; at most 16384"):
+            typed(e, "x\n" * 6000)
+        after = e.observe()
+        assert (after.text, after.step, len(e.queued)) == (before.text, before.step, 1001)
+        e.step(Action("hotkey", key="ctrl c"))         # the queue goes with the interrupted command line
+        finish_running(e)
+        assert e.queued == []
+        typed(e, "echo hi\n")
+        finish_running(e)
+        assert "echo hi\nhi\n[exit 0]" in e.transcript
+    finally:
+        e.close()
+
+
+@needs_sandbox
 def test_exit_starts_a_new_shell_in_the_same_workspace(env):
     typed(env, "mkdir d; cd d; echo kept > f\n")
     r = typed(env, "exit 7\n")

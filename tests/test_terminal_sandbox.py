@@ -10,6 +10,8 @@ import pathlib
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -428,3 +430,25 @@ def test_the_disk_quota_holds_between_command_lines():
         assert len(list(env.workspace.glob("f*"))) < 150
     finally:
         env.close()
+
+
+def test_a_directory_the_daemon_cannot_read_is_over_the_quota(tmp_path):
+    """Under an unprivileged daemon the sandbox runs as the daemon's uid and may chmod 000 a directory: the quota
+    walk skipped what it could not list, so 3 MiB under such a directory passed a 1 MiB quota unseen. Run without
+    CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH (what an unprivileged daemon lacks): the workspace is now over its quota."""
+    code = ("import os, pathlib, sys\n"
+            "from envd.sandbox_limits import Limits, quota_breach\n"
+            "root = pathlib.Path(sys.argv[1]); d = root / 'hidden'; d.mkdir()\n"
+            "for i in range(3): (d / f'f{i}').write_bytes(b'x' * (1 << 20))\n"
+            "os.chmod(d, 0)\n"
+            "print(repr(quota_breach(root, Limits(disk_mb=1))))\n"
+            "os.chmod(d, 0o700)\n"
+            "print(repr(quota_breach(root, Limits(disk_mb=1))))\n")
+    drop = (["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+             "--inh-caps", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else [])
+    r = subprocess.run([*drop, sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    hidden, readable = r.stdout.splitlines()
+    assert "cannot read ('hidden')" in hidden and "over its quota" in hidden, hidden
+    assert "3 MiB, over its 1 MiB quota" in readable, readable
