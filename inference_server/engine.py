@@ -16,13 +16,13 @@ from concurrent.futures import Future
 
 import torch
 
-from core.config import InferenceConfig
+from core.config import InferenceConfig, UserError
 from core.device import resolve_device, resolve_precision
 from core.model import CausalLM
 # The shared types are re-exported here: callers import the engine's vocabulary from the engine.
 from inference_server.engine_types import (GREEDY_BELOW, LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
                                            Request, SamplingParams, TokenCallback, UpdateBusy, VLInputs,
-                                           WeightLoadError, WeightsRefused, WeightUpdate, check_finite,
+                                           WeightLoadError, WeightsRefused, WeightUpdate, check_finite, finite,
                                            check_version_step)
 from inference_server.scheduler import Scheduler
 from inference_server.work_queue import WorkQueue
@@ -46,6 +46,8 @@ class LocalEngine:
         path = model if isinstance(model, str) else None
         lm = CausalLM.load_hf(model, dtype=self.dtype) if path is not None else model
         self.model = lm.to(device=self.device, dtype=self.dtype).eval()
+        if path is not None:
+            _check_loaded(self.model, path, self.dtype)
         self.vl_spec = None
         if self.model.visual is not None:
             from core.vlm import VLSpec
@@ -298,3 +300,14 @@ def load_state_dict(path: str) -> dict:
         return read_weights(p) if is_dir else load_file(str(p))
     except Exception as e:  # missing file, truncated write, not safetensors: all mean "cannot load"
         raise WeightLoadError(f"cannot load weights from {p}: {type(e).__name__}: {e}") from e
+
+
+def _check_loaded(model: CausalLM, path: str, dtype: torch.dtype) -> None:
+    """A checkpoint whose weights are, or became once cast to the serving dtype, NaN or inf is refused at start (one
+    line, exit 2 from `tars serve`): served, it sampled from NaN logits, and every weight update of the same shape
+    was refused by check_finite, so training went on while the servers kept the start's weights."""
+    bad = next((k for k, v in model.hf_state_dict().items() if not finite(v)), None)
+    if bad is not None:
+        over = (f" (values beyond {dtype}'s range, +-{torch.finfo(dtype).max:g}, overflow to inf in it: serve in "
+                "bfloat16 or float32)") if dtype.is_floating_point and torch.finfo(dtype).max < 1e6 else ""
+        raise UserError(f"{path}: weight {bad} holds NaN or inf as inference.precision {dtype}{over}")

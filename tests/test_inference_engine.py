@@ -375,3 +375,27 @@ def test_mixed_prefill_group_with_and_without_cached_prefixes(engines):
         out = f.result(10)
         assert out.output_ids == ref_greedy(m, p, 6)[0]
         assert (out.cached_tokens > 0) == (not t.startswith("new"))
+
+
+def test_a_checkpoint_that_overflows_the_serving_dtype_is_refused_at_start(tmp_path):
+    """A weight beyond fp16's range (65504) became inf when an fp16 engine (inference.precision fp16, or auto on a GPU
+    without bf16) loaded it: the engine served NaN logits, and every later weight update of the same weights was
+    refused as non-finite, so training went on while the servers kept the start's weights. Refused at start, naming
+    the weight; the same checkpoint serves in fp32 and bf16."""
+    from core.config import UserError
+
+    m = make_model(0)
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight[3, 5] = 1e5
+    m.save_hf(tmp_path / "big")
+    with pytest.raises(UserError, match=r"model\.layers\.1\.mlp\.down_proj\.weight holds NaN or inf as inference"
+                                        r"\.precision torch\.float16 \(values beyond .*serve in bfloat16 or float32"):
+        LocalEngine(InferenceConfig(max_context=64, precision="fp16"), str(tmp_path / "big"), start=False)
+    for prec in ("fp32", "bf16"):
+        LocalEngine(InferenceConfig(max_context=64, precision=prec), str(tmp_path / "big"), start=False).close()
+    with torch.no_grad():
+        m.model.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
+    m.save_hf(tmp_path / "nan")
+    with pytest.raises(UserError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight holds NaN or inf as inference"
+                                        r"\.precision torch\.float32$"):
+        LocalEngine(InferenceConfig(max_context=64, precision="fp32"), str(tmp_path / "nan"), start=False)
