@@ -87,11 +87,47 @@ def test_systemd_units_content():
         assert d["WantedBy"] == ["tars.target"] and d["PartOf"] == ["tars.target"], unit
         if role == "envd":  # bubblewrap: user/mount/pid/net namespaces and a fresh procfs
             for k in ("RestrictNamespaces", "PrivateUsers", "ProtectKernelTunables", "ProtectProc", "ProcSubset",
-                      "SystemCallFilter"):
+                      "SystemCallFilter", "ProtectHostname"):
                 assert k not in d, f"envd must not set {k} (breaks the bubblewrap sandbox)"
         else:
             assert d["RestrictNamespaces"] == ["yes"] and d["ProtectKernelTunables"] == ["yes"], unit
             assert fams == ["AF_UNIX", "AF_INET", "AF_INET6"], unit
+
+
+
+def _envd_sandbox_run(tmp_path, prefix: list[str]) -> subprocess.CompletedProcess:
+    """envd's real sandbox command line (envd/bwrap.py, as the terminal and the desktop apps run it) with `echo ok`."""
+    from envd.bwrap import sandbox_argv, write_etc
+    from envd.sandbox_limits import Limits
+
+    ws = tmp_path / "ws"
+    ws.mkdir(exist_ok=True)
+    r, w = os.pipe()  # bwrap's --info-fd
+    try:
+        argv = sandbox_argv(ws, write_etc(tmp_path / "etc"), Limits(), None, w) + ["/bin/echo", "ok"]
+        return subprocess.run(prefix + argv, pass_fds=(w,), capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_envd_unit_seccomp_lets_the_sandbox_start(tmp_path):
+    """The system calls tars-envd.service's directives refuse through seccomp (inherited by every child) leave
+    envd's bubblewrap sandbox working: ProtectHostname=yes refuses sethostname() even in a new UTS namespace, and bwrap
+    names the sandbox's host (--hostname), so every session failed ("Can't set hostname to sandbox")."""
+    import seccomp_deny
+    from envd.sandbox import missing_tools
+
+    if not seccomp_deny.supported() or missing_tools():
+        pytest.skip(f"needs x86_64 Linux and the sandbox tools (missing: {missing_tools()})")
+    bare = _envd_sandbox_run(tmp_path, [])
+    if bare.returncode != 0:
+        pytest.skip(f"bubblewrap cannot run here at all: {bare.stderr.strip()}")
+    d = _directives((SYSTEMD / "tars-envd.service").read_text())
+    denied = [c for k, calls in seccomp_deny.DENIED_BY.items()
+              if d.get(k, ["no"])[-1].lower() in ("yes", "true", "on", "1") for c in calls]
+    got = _envd_sandbox_run(tmp_path, [sys.executable, seccomp_deny.__file__, ",".join(denied), "--"])
+    assert (got.returncode, got.stdout.strip()) == (0, "ok"), (denied, got.stderr)
 
 
 def _expand_exec(cmd: str, env: dict[str, str], instance: str = "1", credentials: str = "/run/credentials/x") -> list[str]:
