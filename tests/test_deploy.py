@@ -720,11 +720,87 @@ def test_k8s_pods_expose_metrics(rendered):
         c = _container(pods[pod]["spec"], cname)
         assert {"name": "metrics", "containerPort": METRICS_PORT} in c.get("ports", []), (overlay, pod)
         assert not any("telemetry.prometheus" in a for a in c["args"]), (overlay, pod)  # config.yaml decides
-    pol = next(o for o in objs if o["kind"] == "NetworkPolicy")
-    scrape = [r for r in pol["spec"]["ingress"]
-              if any("namespaceSelector" in f for f in r.get("from", []))]
-    ranks = [{"protocol": "TCP", "port": f"metrics-rank{n}"} for n in range(1, 8)]  # the GPU overlay's learner ranks
-    assert scrape and all(r.get("ports") == [{"protocol": "TCP", "port": "metrics"}, *ranks] for r in scrape), scrape
+    scrape = {(dst, port) for src, dst, port in _admitted(objs) if src == "monitoring"}
+    ranks = {("learner", f"metrics-rank{n}") for n in range(1, 8)} if overlay == "gpu" else set()  # its learner's ranks
+    assert scrape == {(pod, "metrics") for pod in TARS_PODS} | ranks, (overlay, scrape)
+
+
+
+# ---- NetworkPolicy: the connections it admits, evaluated as Kubernetes does ----------------------------------------
+
+TARS_PODS = ("envd", "inference", "learner", "actor")
+# Peers outside the namespace's workloads: Prometheus, a pod of another namespace, and a stray pod in `tars` (the
+# model-copy pod docs/deploy.md suggests, a debugging shell).
+_PEERS = {"monitoring": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
+          "elsewhere": ("default", {"app.kubernetes.io/name": "web"}),
+          "stray": ("tars", {"app": "model-copy"})}
+
+
+def _selects(sel: dict | None, labels: dict) -> bool:
+    if sel is None:
+        return True
+    if any(labels.get(k) != v for k, v in sel.get("matchLabels", {}).items()):
+        return False
+    for e in sel.get("matchExpressions", []):
+        has, v = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": has and v in e.get("values", []), "NotIn": not has or v not in e.get("values", []),
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def _admitted(objs: list[dict]) -> set[tuple[str, str, str]]:
+    """(source, destination pod, destination port name) for every connection the rendered NetworkPolicies let in:
+    a pod selected by no Ingress policy admits everything, otherwise the union of the rules of those selecting it
+    (a peer's podSelector alone means this namespace; a namespaceSelector alone every pod of those namespaces)."""
+    pols = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    pods = {o["metadata"]["name"]: (o["metadata"]["namespace"], o["spec"]["template"]["metadata"]["labels"],
+                                    {p["name"]: p["containerPort"] for c in o["spec"]["template"]["spec"]["containers"]
+                                     for p in c.get("ports", [])})
+            for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+    sources = {**{n: (ns, labels) for n, (ns, labels, _) in pods.items()}, **_PEERS}
+
+    def peer_ok(peer: dict, ns: str, labels: dict) -> bool:
+        assert "ipBlock" not in peer, peer
+        ns_ok = (ns == "tars" if "namespaceSelector" not in peer
+                 else _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": ns}))
+        return ns_ok and _selects(peer.get("podSelector"), labels)
+
+    out = set()
+    for dst, (dns, dlabels, ports) in pods.items():
+        mine = [p for p in pols if p["metadata"]["namespace"] == dns
+                and "Ingress" in p["spec"].get("policyTypes", ["Ingress"]) and _selects(p["spec"]["podSelector"], dlabels)]
+        for src, (sns, slabels) in sources.items():
+            for pname, number in ports.items():
+                if not mine:
+                    out.add((src, dst, pname))
+                    continue
+                for rule in (r for p in mine for r in p["spec"].get("ingress", [])):
+                    peers_ok = not rule.get("from") or any(peer_ok(f, sns, slabels) for f in rule["from"])
+                    port_ok = not rule.get("ports") or any(
+                        r.get("protocol", "TCP") == "TCP" and (r["port"] == pname or r["port"] == number)
+                        for r in rule["ports"])
+                    if peers_ok and port_ok:
+                        out.add((src, dst, pname))
+                        break
+    return out
+
+
+def test_networkpolicy_admits_exactly_the_topology(rendered):
+    """Actors reach envd, inference and the learner's stream; the learner reaches inference (weight updates); every
+    tars pod reaches the collector's OTLP ports; Prometheus (namespace `monitoring`) reaches the metrics ports; nothing
+    else gets in: not envd to the learner's stream, not a stray pod of the namespace to inference, not another
+    namespace anywhere."""
+    overlay, objs = rendered
+    pods = _pods(objs)
+    need = {("actor", "envd", "grpc"), ("actor", "inference", "grpc"), ("learner", "inference", "grpc"),
+            ("actor", "learner", "zmq-stream")}
+    need |= {(r, "otel-collector", p) for r in TARS_PODS for p in ("otlp-grpc", "otlp-http")}
+    need |= {("monitoring", pod, p["name"]) for pod in TARS_PODS for c in pods[pod]["containers"]
+             for p in c.get("ports", []) if p["name"].startswith("metrics")}
+    got = _admitted(objs)
+    assert got == need, (overlay, "admitted, not needed:", sorted(got - need), "needed, refused:", sorted(need - got))
 
 
 def test_gpu_learner_ranks_metrics_are_named_scraped_and_admitted():
@@ -739,8 +815,7 @@ def test_gpu_learner_ranks_metrics_are_named_scraped_and_admitted():
     assert {k: v for k, v in ports.items() if k.startswith("metrics")} == want
     pm = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
     assert set(want) <= {e["port"] for e in pm["spec"]["podMetricsEndpoints"]}
-    pol = next(o for o in objs if o["kind"] == "NetworkPolicy")
-    admitted = {p["port"] for r in pol["spec"]["ingress"] for p in r.get("ports", [])}
+    admitted = {port for src, dst, port in _admitted(objs) if (src, dst) == ("monitoring", "learner")}
     assert set(want) <= admitted
 
 
