@@ -95,6 +95,19 @@ def test_systemd_units_content():
 
 
 
+
+def test_systemd_units_umask_keeps_files_from_other_users():
+    """What a unit's process writes (the learner's run dir: published weights, checkpoints, the stream WAL of every
+    trajectory; the actors' spools; envd's workspaces) is never readable by other users: UMask= masks every bit for
+    others. The learner's keeps group read and search, so an inference server of group tars loads the published
+    weights (UMask=0022 made all of it world-readable: stream.wal 0644)."""
+    for unit in UNITS:
+        umask = int(_directives((SYSTEMD / unit).read_text())["UMask"][0], 8)
+        assert umask & 0o007 == 0o007, (unit, oct(umask), "others keep", oct(0o007 & ~umask))
+    learner = int(_directives((SYSTEMD / "tars-learner.service").read_text())["UMask"][0], 8)
+    assert learner & 0o050 == 0, oct(learner)  # group: read the files, search the directories
+
+
 def _envd_sandbox_run(tmp_path, prefix: list[str]) -> subprocess.CompletedProcess:
     """envd's real sandbox command line (envd/bwrap.py, as the terminal and the desktop apps run it) with `echo ok`."""
     from envd.bwrap import sandbox_argv, write_etc
