@@ -108,6 +108,30 @@ def test_systemd_units_umask_keeps_files_from_other_users():
     assert learner & 0o050 == 0, oct(learner)  # group: read the files, search the directories
 
 
+
+def _seconds(span: str) -> float:
+    """A systemd time span as the units write it: 900, 300s, 15min, 1h."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|sec|min|m|h)?", span.strip())
+    assert m, span
+    return float(m.group(1)) * {None: 1, "s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600}[m.group(2)]
+
+
+def test_inference_unit_start_timeout_outlasts_the_sglang_wait():
+    """With engine=sglang (env/inference.env's example) the front waits inference.sglang_startup_timeout_s for a
+    first /health_generate, then exits 2 naming the servers that did not answer. TimeoutStartSec= must leave it that
+    (plus the interpreter's start): at 900 = the default wait, systemd killed it first and only logged a timeout."""
+    from core import config as C
+
+    d = _directives((SYSTEMD / "tars-inference.service").read_text())
+    env = _env_file(SYSTEMD / "env" / "inference.env")
+    env["TARS_EXTRA_ARGS"] = "--set inference.engine=sglang --set inference.sglang_urls=http://127.0.0.1:30000"
+    sets = _sets(_expand_exec(d["ExecStart"][0], env))
+    cfg = C.load(None, str(K8S / "base" / "config.yaml"),  # docs/deploy.md installs it as /etc/tars/config.yaml
+                 [s for s in sets if s.startswith("inference.") and "_file=" not in s])
+    assert cfg.inference.engine == "sglang"
+    assert _seconds(d["TimeoutStartSec"][0]) >= cfg.inference.sglang_startup_timeout_s + 60, d["TimeoutStartSec"]
+
+
 def _envd_sandbox_run(tmp_path, prefix: list[str]) -> subprocess.CompletedProcess:
     """envd's real sandbox command line (envd/bwrap.py, as the terminal and the desktop apps run it) with `echo ok`."""
     from envd.bwrap import sandbox_argv, write_etc
