@@ -181,7 +181,16 @@ class Actor:
         asyncio.ensure_future(self.sender.lost(1))  # its admission goes back: the learner stops counting it running
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.sender.start(timeout=60.0)
+        # The learner may be down or restarting: a stop meanwhile ends the wait for its WELCOME (a SIGTERM waited out
+        # the whole 60 s, past a service manager's stop grace). Nothing was sent yet; the spool keeps what it holds.
+        hello = asyncio.ensure_future(self.sender.start(timeout=60.0))
+        await _wait_any({hello}, stop, None)
+        if not hello.done():
+            hello.cancel()
+            await asyncio.wait({hello}, timeout=5.0)
+            await self.shutdown(grace_s=1.0)
+            return
+        hello.result()
         k = max(1, self.cfg.learner.group.size)  # members per seed: the learner's group size, one number
         while not stop.is_set():
             free = self.acfg.concurrency - len(self.running)
@@ -246,7 +255,7 @@ def _curve_keys(server_public: str) -> dict:
     return {"curve_server_key": server_public.encode(), "curve_public_key": public, "curve_secret_key": secret}
 
 
-async def _wait_any(tasks: set, stop: asyncio.Event, timeout: float) -> None:
+async def _wait_any(tasks: set, stop: asyncio.Event, timeout: float | None) -> None:
     waiters = [*tasks, asyncio.ensure_future(stop.wait())]
     try:
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

@@ -112,3 +112,30 @@ def test_a_restarted_actor_draws_new_seeds_and_group_ids(tmp_path):
     (tmp_path / "spool" / "lives").write_text("1x")
     rng, life = episode_rng(7, "a0", spool)
     assert life > 2 and draw(rng) != first
+
+
+def test_a_stop_while_the_learner_has_not_answered_ends_the_actor_at_once(tmp_path):
+    """With the learner down (nothing listens at the stream address), the actor waited out the whole 60 s for its
+    WELCOME before it looked at its stop event, past a service manager's stop grace (systemd's and k8s's 60 s):
+    a SIGTERM then ended in a SIGKILL. The stop now ends the wait; the spool is kept for the next start."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))  # a port nothing listens on
+    port = s.getsockname()[1]
+    s.close()
+
+    async def main():
+        a = Actor(C.RunConfig(), "a0", ["127.0.0.1:9"], ["127.0.0.1:9"], f"tcp://127.0.0.1:{port}", shared_tokenizer(),
+                  str(tmp_path / "spool"))
+        stop = asyncio.Event()
+        run = asyncio.ensure_future(a.run(stop))
+        deadline = asyncio.get_running_loop().time() + 10
+        while a.sender._sock is None:  # until the actor has said HELLO and waits for the learner's WELCOME
+            assert asyncio.get_running_loop().time() < deadline and not run.done()
+            await asyncio.sleep(0.01)
+        assert not run.done()
+        stop.set()
+        await asyncio.wait_for(run, 30)  # well under the 60 s HELLO deadline it waited out before
+
+    asyncio.run(main())
