@@ -217,6 +217,7 @@ ALLOW = {
     "tars/bench/inference_rollouts.py: await gate.wait()": "benchmark workers held while the server restarts; "
         "the benchmark's own run time bounds it",
     "inference_server/server.py: out = fut.result()": "after fut.exception() was checked: the future is done",
+    "actor/main.py: hello.result()": "after hello.done() was checked: the task is done (raises its error)",
     "inference_server/image_prep.py: return task.result(), None": "after task.exception() was checked: the task is done",
     "inference_server/server.py: item = await asyncio.wait_for(q.get(), None if deadline is None else max(0.0, deadline - loop.time()))":
         "the call's own gRPC deadline; without one gRPC cancels the handler when the client goes away",
