@@ -382,8 +382,9 @@ def main(a, cfg: RunConfig) -> int:
     """The `tars eval` command (arguments from tars.cli)."""
     if a.compare:
         try:
+            evaldir.comparable(a.compare[0], a.compare[1])
             text = S.compare(a.compare[0], a.compare[1], a.out)
-        except S.SuiteError as e:
+        except (S.SuiteError, EvalError) as e:
             print(f"tars eval: {e}", file=sys.stderr)
             return 2
         print(text, end="")

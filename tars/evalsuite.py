@@ -356,7 +356,13 @@ def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
         p = pathlib.Path(d) / "results.json"
         if not p.is_file():
             raise SuiteError(f"{d}: no results.json (run `tars eval ... --out {d}` first)")
-        res.append(json.loads(p.read_text()))
+        try:
+            r = json.loads(p.read_text())
+        except (ValueError, OSError) as e:
+            raise SuiteError(f"{p} is not readable ({type(e).__name__}: {e})") from None
+        if not isinstance(r, dict) or not isinstance(r.get("tasks"), dict) or not isinstance(r.get("overall"), dict):
+            raise SuiteError(f"{p} is not a tars eval results.json (no `tasks` and `overall`)")
+        res.append(r)
     a, b = res
     la, lb = a.get("model", dir_a), b.get("model", dir_b)
     lines = [f"# compare: A = {la} ({dir_a}), B = {lb} ({dir_b})", "",

@@ -311,6 +311,39 @@ def test_compare_prints_and_writes_per_task_differences(tmp_path):
     assert r.returncode == 2 and "no results.json" in r.stderr
 
 
+def test_compare_refuses_directories_that_played_other_episodes(tmp_path, capsys):
+    """B - A only means something over the same episodes: two directories evaluated on other seeds, or with a shared
+    task under other settings, are refused with what differs (they used to be set side by side without a word); a
+    results.json that cannot be read is one line and exit 2, not a traceback."""
+    from tars.cli import build_parser
+
+    def compare(a, b):
+        return E.main(build_parser().parse_args(["eval", "--compare", str(a), str(b)]), _cfg())
+
+    _run(S.load_suite("builtin", episodes=2, only=["builtin/click"]), E.ScriptedPolicy("random", _cfg()), tmp_path / "a")
+    other_seed = _suite(tmp_path, "name: builtin\nseed: 7\nmax_turns: 6\ntasks: [builtin/click]\n")
+    _run(S.load_suite(other_seed, episodes=2), E.ScriptedPolicy("oracle", _cfg()), tmp_path / "b")
+    other_turns = _suite(tmp_path, "name: builtin\nmax_turns: 3\ntasks: [builtin/click, builtin/menu]\n", "t.yaml")
+    _run(S.load_suite(other_turns, episodes=2), E.ScriptedPolicy("oracle", _cfg()), tmp_path / "c")
+    same = _suite(tmp_path, "name: mine\nmax_turns: 6\ntasks: [builtin/click, builtin/menu]\n", "s.yaml")
+    _run(S.load_suite(same, episodes=2), E.ScriptedPolicy("oracle", _cfg()), tmp_path / "d")
+    capsys.readouterr()
+    assert compare(tmp_path / "a", tmp_path / "b") == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'a'} and {tmp_path / 'b'} did not play the same episodes (seed 0 and 7)" in err, err
+    assert compare(tmp_path / "a", tmp_path / "c") == 2
+    err = capsys.readouterr().err
+    assert "task 'builtin/click' settings {'env_id': 'builtin/click', 'max_turns': 6, 'options': {}} and " \
+           "{'env_id': 'builtin/click', 'max_turns': 3, 'options': {}}" in err, err
+    assert not (tmp_path / "b" / "compare.md").exists() and not (tmp_path / "c" / "compare.md").exists()
+    assert compare(tmp_path / "a", tmp_path / "d") == 0  # another suite, the same seeds and settings: compared
+    assert "| builtin/click |" in capsys.readouterr().out
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "results.json").write_text('{"tasks": {')
+    assert compare(tmp_path / "a", tmp_path / "e") == 2
+    assert f"{tmp_path / 'e' / 'results.json'} is not readable (JSONDecodeError" in capsys.readouterr().err
+
+
 # ---- bad suites -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,message", [
