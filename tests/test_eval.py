@@ -344,6 +344,23 @@ def test_compare_refuses_directories_that_played_other_episodes(tmp_path, capsys
     assert f"{tmp_path / 'e' / 'results.json'} is not readable (JSONDecodeError" in capsys.readouterr().err
 
 
+def test_compare_overall_covers_only_the_tasks_both_scored(tmp_path):
+    """A directory of the whole suite against one of a single task (--tasks): B - A overall set A's mean over four
+    tasks against B's over one (+0.875 where the one shared task differed by +0.667). The overall row now averages
+    the tasks both scored, and says so."""
+    _run(S.load_suite("builtin", episodes=6), E.ScriptedPolicy("random", _cfg()), tmp_path / "a")
+    _run(S.load_suite("builtin", episodes=6, only=["builtin/click"]), E.ScriptedPolicy("oracle", _cfg()), tmp_path / "b")
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    click = a["tasks"]["builtin/click"]
+    assert a["overall"]["success_rate"] != click["success_rate"]  # A's own overall covers other tasks too
+    text = S.compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    row = next(x for x in text.splitlines() if x.startswith("| **overall**"))
+    assert row == (f"| **overall** (1 task(s) both scored) | {click['success_rate']:.3f} | 1.000 | "
+                   f"{1 - click['success_rate']:+.3f} | {click['mean_return']:.3f} | 1.000 | 0 | 0 |"), row
+    assert f"average the 1 task(s) both directories scored (builtin/click), not each one's own overall (A " \
+           f"{a['overall']['success_rate']:.3f}, B 1.000)" in text
+
+
 # ---- bad suites -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,message", [
