@@ -456,6 +456,28 @@ def test_fresh_checkpoint_runs_through_envd_and_inference(tmp_path):
         assert not _alive(d["pid"]), d
 
 
+def test_ctrl_c_while_the_policys_daemons_start_stops_without_waiting_for_them(tmp_path):
+    """Ctrl-C (the stop event) while the checkpoint's envd and inference server were starting did nothing until both
+    were ready (a model load can take minutes, and the signal handler swallows further Ctrl-Cs); the start is now
+    cancelled: the inference server never gets to announce itself, no episode runs, and the results say the
+    evaluation is incomplete, to be resumed."""
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    suite = S.load_suite("builtin", episodes=1, only=["builtin/click"])
+
+    async def interrupted_at_once():
+        stop = asyncio.Event()
+        stop.set()
+        return await E.evaluate(suite, E.ModelPolicy(str(ckpt), _cfg()), out, stop=stop, say=None)
+
+    res = asyncio.run(interrupted_at_once())
+    assert res["complete"] is False and res["overall"]["episodes"] == 0
+    assert not (out / "run" / "inference.json").exists()  # stopped before it was ready
+    assert not (out / "episodes.jsonl").read_text()
+    ready = [json.loads(p.read_text()) for p in (out / "run").glob("*.json")]
+    assert all(not _alive(d["pid"]) for d in ready), ready  # whatever had started is gone
+
+
 def test_a_context_too_small_for_the_episode_truncates_instead_of_infra_errors(tmp_path):
     """An episode whose next prompt would not fit the served context (eval's own `tars serve`, with the config's
     max_context) is scored as truncated (it counts in the rates), never as an infra error."""
