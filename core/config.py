@@ -17,7 +17,7 @@ from typing import ClassVar
 import yaml
 
 from core.config_fields import f
-from core.config_values import ConfigError, UserError, apply_override, from_dict  # noqa: F401 (core.config.*)
+from core.config_values import EXIT_USER, ConfigError, UserError, apply_override, from_dict  # noqa: F401 (core.config.*)
 from core.config_inference import InferenceConfig  # noqa: F401 (core.config.InferenceConfig)
 from core.config_learner import (CheckpointConfig, CorrectionConfig, GroupConfig, LearnerConfig,  # noqa: F401
                                  PPOConfig, PublishConfig, StalenessConfig, StreamConfig, ValuePretrainConfig)
@@ -236,7 +236,7 @@ class SupervisorConfig:
     """supervisor: what `tars up` does when one of its processes dies (tars/supervisor.py)."""
 
     max_restarts: int = f(5, lo=0, help="restarts of one process (envd, inference, the learner, each actor) before the run "
-                             "ends; 0 = a death ends the run")
+                             "ends; 0 = a death ends the run (an exit with status 2, a user error, always does)")
     backoff_s: float = f(1.0, "wait before the first restart; doubled for each further death of that process, "
                               "at most 30 s", lo=0)
     hang_s: float = f(120.0, lo=0, help="a process that is up but has not answered a ControlService Status for this "

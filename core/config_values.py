@@ -20,6 +20,9 @@ from typing import Any
 import yaml
 
 
+EXIT_USER = 2  # the exit status of a command that ended with a UserError (tars.cli; the supervisor of `tars up`)
+
+
 class UserError(ValueError):
     """A mistake in what the user asked for (a path, a value, a task id): `tars` prints the message as one line and
     exits with status 2, with no traceback (tars.cli.main). Raise it, or a subclass, only before work starts."""

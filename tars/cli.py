@@ -9,7 +9,7 @@ import os
 import pathlib
 import sys
 
-from core.config import ConfigError, UserError
+from core.config import EXIT_USER, ConfigError, UserError
 from tars.bench import BENCHES, run_bench  # the registry; each benchmark is imported when it runs
 
 
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Exit statuses of every command (README "Exit status"): 0 done; 1 a failure during the run (one line on stderr;
 # TARS_TRACEBACK=1 shows the traceback); 2 a user error, found before any work (a path, a config value, a task id,
 # the device), one line on stderr; 130 interrupted (Ctrl-C / SIGINT), one line on stderr, files left whole.
-EXIT_FAILED, EXIT_USER, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_FAILED, EXIT_INTERRUPTED = 1, 130  # EXIT_USER = 2: core.config
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

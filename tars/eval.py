@@ -73,8 +73,8 @@ class Policy(abc.ABC):
         """What this policy is, for eval.json (tars.evaldir): a checkpoint directory's contents, else its name."""
         return evaldir.checkpoint_identity(self.name) if os.path.isdir(self.name) else self.name
 
-    async def start(self, out: pathlib.Path) -> None:
-        pass
+    async def start(self, out: pathlib.Path, cancel=None) -> None:
+        """Bring up what the policy needs; `cancel()` true (Ctrl-C) ends a slow start early, starting no episode."""
 
     @abc.abstractmethod
     async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict: ...
@@ -94,7 +94,7 @@ class ScriptedPolicy(Policy):
             raise EvalError(f"no scripted policy {kind!r}")
         self.name, self.cfg, self.envd_addr, self.server = kind, cfg, envd, None
 
-    async def start(self, out: pathlib.Path) -> None:
+    async def start(self, out: pathlib.Path, cancel=None) -> None:
         from actor.envclient import EnvClient
         from envd.server import EnvServer
 
@@ -212,12 +212,12 @@ class ModelPolicy(Policy):
         # the weights (a server given by address: only its address is known) and how they are sampled
         return f"{super().identity()} temperature={self.cfg.actor.temperature}"
 
-    async def start(self, out: pathlib.Path) -> None:
+    async def start(self, out: pathlib.Path, cancel=None) -> None:
         from actor.envclient import EnvClient
         from actor.episode import EpisodeContext
         from core.inference_client import InferenceClient
         from core import config as C
-        from tars.topology import Topology, plan
+        from tars.topology import StartCancelled, Topology, plan
 
         C.save(self.cfg, out / "config.yaml")
         # the context the prompts must fit: the config's when this run serves the policy itself; a server given by
@@ -228,7 +228,10 @@ class ModelPolicy(Policy):
                                   envd_addrs=(self.envd_addr,) if self.envd_addr else (),
                                   inference_addr=self.inference_addr))
         try:
-            await asyncio.to_thread(self.topo.start)
+            await asyncio.to_thread(self.topo.start, cancel)
+        except StartCancelled:  # Ctrl-C while the daemons were starting (a model load can take minutes)
+            await self.close()
+            return
         except Exception as e:  # a daemon that would not start: a failure of the run (exit 1), not a user error
             await self.close()
             raise RuntimeError(f"the policy's daemons did not start: {e}") from None
@@ -332,7 +335,7 @@ async def evaluate(suite: S.Suite, policy: Policy, out: str | pathlib.Path, conc
         elif say:
             say(line)
 
-    await policy.start(out.resolve())  # after the meta check: a refused directory starts no daemon
+    await policy.start(out.resolve(), stop.is_set)  # after the meta check: a refused directory starts no daemon
     try:
         if done:
             say and say(f"[tars eval] resuming: {total - len(todo)}/{total} episodes already in {log_path}")
@@ -382,8 +385,9 @@ def main(a, cfg: RunConfig) -> int:
     """The `tars eval` command (arguments from tars.cli)."""
     if a.compare:
         try:
+            evaldir.comparable(a.compare[0], a.compare[1])
             text = S.compare(a.compare[0], a.compare[1], a.out)
-        except S.SuiteError as e:
+        except (S.SuiteError, EvalError) as e:
             print(f"tars eval: {e}", file=sys.stderr)
             return 2
         print(text, end="")

@@ -110,6 +110,30 @@ def check(out: pathlib.Path, meta: dict, restart: bool = False, say=None) -> dic
     return meta
 
 
+def comparable(dir_a: str | os.PathLike, dir_b: str | os.PathLike) -> None:
+    """`tars eval --compare`: the two directories must have played the same episodes of the tasks they share (the
+    same seed rule, each shared task with the same env id, step budget and options), else B - A would set one
+    policy's episodes against another's. EvalError naming what differs; a directory with no eval.json is judged by
+    its results.json's seed and held_out."""
+    metas = []
+    for d in (pathlib.Path(dir_a), pathlib.Path(dir_b)):
+        meta = read_meta(d)
+        if meta is None:
+            try:  # its "tasks" are result rows, not settings
+                meta = {k: v for k, v in json.loads((d / "results.json").read_text()).items() if k != "tasks"}
+            except (ValueError, OSError, AttributeError):
+                meta = {}
+        metas.append(meta)
+    a, b = metas
+    diff = [f"{k} {a[k]!r} and {b[k]!r}" for k in ("seed", "held_out") if k in a and k in b and a[k] != b[k]]
+    ta, tb = a.get("tasks"), b.get("tasks")
+    if isinstance(ta, dict) and isinstance(tb, dict):
+        diff += [f"task {n!r} settings {ta[n]!r} and {tb[n]!r}" for n in ta if n in tb and ta[n] != tb[n]]
+    if diff:
+        raise EvalError(f"{dir_a} and {dir_b} did not play the same episodes ({'; '.join(diff)}): compare evaluations "
+                        "of the same seeds and task settings")
+
+
 def current(suite: S.Suite, records: list[dict]) -> tuple[list[dict], int]:
     """The records played on this suite's seeds (episode i of a task on suite.seed_of(task, i)), and how many others
     were left out (a directory written under another seed rule)."""

@@ -356,21 +356,37 @@ def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
         p = pathlib.Path(d) / "results.json"
         if not p.is_file():
             raise SuiteError(f"{d}: no results.json (run `tars eval ... --out {d}` first)")
-        res.append(json.loads(p.read_text()))
+        try:
+            r = json.loads(p.read_text())
+        except (ValueError, OSError) as e:
+            raise SuiteError(f"{p} is not readable ({type(e).__name__}: {e})") from None
+        if not isinstance(r, dict) or not isinstance(r.get("tasks"), dict) or not isinstance(r.get("overall"), dict):
+            raise SuiteError(f"{p} is not a tars eval results.json (no `tasks` and `overall`)")
+        res.append(r)
     a, b = res
     la, lb = a.get("model", dir_a), b.get("model", dir_b)
     lines = [f"# compare: A = {la} ({dir_a}), B = {lb} ({dir_b})", "",
              "| task | A success | B success | B - A | A return | B return | A infra | B infra |",
              "|---|---|---|---|---|---|---|---|"]
     names = list(a["tasks"]) + [n for n in b["tasks"] if n not in a["tasks"]]
-    for n, ra, rb in [*((n, a["tasks"].get(n), b["tasks"].get(n)) for n in names),
-                      ("**overall**", a["overall"], b["overall"])]:
+    # B - A overall only over the tasks both scored: each side's own overall may average other tasks
+    both = [n for n in names if all(r["tasks"].get(n, {}).get("success_rate") is not None for r in (a, b))]
+    over = lambda r, k: _mean([r["tasks"][n][k] for n in both if r["tasks"][n][k] is not None])  # noqa: E731
+    own = all({n for n, x in r["tasks"].items() if x["success_rate"] is not None} == set(both) for r in (a, b))
+    label = "**overall**" if own else f"**overall** ({len(both)} task(s) both scored)"
+    ov = [{**r["overall"], "success_rate": over(r, "success_rate"), "mean_return": over(r, "mean_return")}
+          for r in (a, b)]
+    for n, ra, rb in [*((n, a["tasks"].get(n), b["tasks"].get(n)) for n in names), (label, *ov)]:
         sa = ra["success_rate"] if ra else None
         sb = rb["success_rate"] if rb else None
         diff = None if sa is None or sb is None else sb - sa
         lines.append(f"| {n} | {_f(sa)} | {_f(sb)} | {'-' if diff is None else f'{diff:+.3f}'} | "
                      f"{_f(ra['mean_return'] if ra else None)} | {_f(rb['mean_return'] if rb else None)} | "
                      f"{ra['infra_errors'] if ra else '-'} | {rb['infra_errors'] if rb else '-'} |")
+    if not own:
+        lines += ["", f"The overall success and return average the {len(both)} task(s) both directories scored "
+                  f"({', '.join(both) or 'none'}), not each one's own overall (A {_f(a['overall']['success_rate'])}, "
+                  f"B {_f(b['overall']['success_rate'])}); the infra columns are each directory's total."]
     text = "\n".join(lines) + "\n"
     dest = pathlib.Path(out or dir_b)
     dest.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,9 @@
       "starting" and its ready file appeared                -> "up" (its address is the old one)
       "starting" and it exited, or no ready file in time    -> counts as another death: backoff, try again
       a role that died more than max_restarts times         -> poll() returns why the run must end
+      a role that exited with status 2 (a user error)       -> poll() returns why at once: no restart can fix a
+                                                               refused checkpoint, a bad config or a model that does
+                                                               not fit; the reason is its log's last line
 
 Where a restarted role comes back (tars/topology.py): envd and the inference server on their old ports (inference
 with the newest published weights), the learner with --resume from its checkpoint on its old stream port, an actor
@@ -30,7 +33,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from tars.topology import LaunchError, Topology
+from core.config import EXIT_USER
+from tars.topology import LaunchError, Topology, last_line
 
 MAX_BACKOFF_S = 30.0
 PROBE_EVERY_S, PROBE_DEADLINE_S = 5.0, 5.0
@@ -61,6 +65,7 @@ class _Role:
     started: float = 0.0          # starting: when (monotonic)
     down_since: float = 0.0       # wall clock of the latest death
     up_since: float = 0.0         # monotonic: when it was (last) seen up
+    why: str = ""                 # given_up: why the run must end
 
 
 class Supervisor:
@@ -137,7 +142,7 @@ class Supervisor:
                     proc.kill()
                     self._died(r, None, now, f"not ready after {proc.spec.ready_s:.0f} s")
             if r.state == "given_up":
-                return f"{r.name} died {r.deaths} times (supervisor.max_restarts={self.max_restarts}); see {proc.spec.log}"
+                return r.why
             if r.state == "down" and now >= r.due:
                 self._start(r, now)
         return None
@@ -146,8 +151,16 @@ class Supervisor:
         r.deaths += 1
         r.down_since = time.time() if r.state == "up" else r.down_since
         self._event(r, "died", rc=rc, how=how)
+        log = self.topo.procs[(r.role, r.index)].spec.log
+        if rc == EXIT_USER:  # a user error (tars/cli.py): the same start would be refused again
+            r.state = "given_up"
+            r.why = f"{r.name} {how} with status {rc} (a user error: no restart can fix it){last_line(log)}; see {log}"
+            self.say(f"{r.name} {how} (rc {rc}): a user error, not restarted")
+            self._say_tail(r)
+            return
         if r.deaths > self.max_restarts:
             r.state = "given_up"
+            r.why = f"{r.name} died {r.deaths} times (supervisor.max_restarts={self.max_restarts}); see {log}"
             self.say(f"{r.name} {how} (rc {rc}); it died {r.deaths} times: giving up")
             self._say_tail(r)
             return

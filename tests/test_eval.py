@@ -311,6 +311,56 @@ def test_compare_prints_and_writes_per_task_differences(tmp_path):
     assert r.returncode == 2 and "no results.json" in r.stderr
 
 
+def test_compare_refuses_directories_that_played_other_episodes(tmp_path, capsys):
+    """B - A only means something over the same episodes: two directories evaluated on other seeds, or with a shared
+    task under other settings, are refused with what differs (they used to be set side by side without a word); a
+    results.json that cannot be read is one line and exit 2, not a traceback."""
+    from tars.cli import build_parser
+
+    def compare(a, b):
+        return E.main(build_parser().parse_args(["eval", "--compare", str(a), str(b)]), _cfg())
+
+    _run(S.load_suite("builtin", episodes=2, only=["builtin/click"]), E.ScriptedPolicy("random", _cfg()), tmp_path / "a")
+    other_seed = _suite(tmp_path, "name: builtin\nseed: 7\nmax_turns: 6\ntasks: [builtin/click]\n")
+    _run(S.load_suite(other_seed, episodes=2), E.ScriptedPolicy("oracle", _cfg()), tmp_path / "b")
+    other_turns = _suite(tmp_path, "name: builtin\nmax_turns: 3\ntasks: [builtin/click, builtin/menu]\n", "t.yaml")
+    _run(S.load_suite(other_turns, episodes=2), E.ScriptedPolicy("oracle", _cfg()), tmp_path / "c")
+    same = _suite(tmp_path, "name: mine\nmax_turns: 6\ntasks: [builtin/click, builtin/menu]\n", "s.yaml")
+    _run(S.load_suite(same, episodes=2), E.ScriptedPolicy("oracle", _cfg()), tmp_path / "d")
+    capsys.readouterr()
+    assert compare(tmp_path / "a", tmp_path / "b") == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'a'} and {tmp_path / 'b'} did not play the same episodes (seed 0 and 7)" in err, err
+    assert compare(tmp_path / "a", tmp_path / "c") == 2
+    err = capsys.readouterr().err
+    assert "task 'builtin/click' settings {'env_id': 'builtin/click', 'max_turns': 6, 'options': {}} and " \
+           "{'env_id': 'builtin/click', 'max_turns': 3, 'options': {}}" in err, err
+    assert not (tmp_path / "b" / "compare.md").exists() and not (tmp_path / "c" / "compare.md").exists()
+    assert compare(tmp_path / "a", tmp_path / "d") == 0  # another suite, the same seeds and settings: compared
+    assert "| builtin/click |" in capsys.readouterr().out
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "results.json").write_text('{"tasks": {')
+    assert compare(tmp_path / "a", tmp_path / "e") == 2
+    assert f"{tmp_path / 'e' / 'results.json'} is not readable (JSONDecodeError" in capsys.readouterr().err
+
+
+def test_compare_overall_covers_only_the_tasks_both_scored(tmp_path):
+    """A directory of the whole suite against one of a single task (--tasks): B - A overall set A's mean over four
+    tasks against B's over one (+0.875 where the one shared task differed by +0.667). The overall row now averages
+    the tasks both scored, and says so."""
+    _run(S.load_suite("builtin", episodes=6), E.ScriptedPolicy("random", _cfg()), tmp_path / "a")
+    _run(S.load_suite("builtin", episodes=6, only=["builtin/click"]), E.ScriptedPolicy("oracle", _cfg()), tmp_path / "b")
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    click = a["tasks"]["builtin/click"]
+    assert a["overall"]["success_rate"] != click["success_rate"]  # A's own overall covers other tasks too
+    text = S.compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    row = next(x for x in text.splitlines() if x.startswith("| **overall**"))
+    assert row == (f"| **overall** (1 task(s) both scored) | {click['success_rate']:.3f} | 1.000 | "
+                   f"{1 - click['success_rate']:+.3f} | {click['mean_return']:.3f} | 1.000 | 0 | 0 |"), row
+    assert f"average the 1 task(s) both directories scored (builtin/click), not each one's own overall (A " \
+           f"{a['overall']['success_rate']:.3f}, B 1.000)" in text
+
+
 # ---- bad suites -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,message", [
@@ -404,6 +454,28 @@ def test_fresh_checkpoint_runs_through_envd_and_inference(tmp_path):
     assert {d["role"] for d in ready} == {"envd", "inference"}
     for d in ready:
         assert not _alive(d["pid"]), d
+
+
+def test_ctrl_c_while_the_policys_daemons_start_stops_without_waiting_for_them(tmp_path):
+    """Ctrl-C (the stop event) while the checkpoint's envd and inference server were starting did nothing until both
+    were ready (a model load can take minutes, and the signal handler swallows further Ctrl-Cs); the start is now
+    cancelled: the inference server never gets to announce itself, no episode runs, and the results say the
+    evaluation is incomplete, to be resumed."""
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    suite = S.load_suite("builtin", episodes=1, only=["builtin/click"])
+
+    async def interrupted_at_once():
+        stop = asyncio.Event()
+        stop.set()
+        return await E.evaluate(suite, E.ModelPolicy(str(ckpt), _cfg()), out, stop=stop, say=None)
+
+    res = asyncio.run(interrupted_at_once())
+    assert res["complete"] is False and res["overall"]["episodes"] == 0
+    assert not (out / "run" / "inference.json").exists()  # stopped before it was ready
+    assert not (out / "episodes.jsonl").read_text()
+    ready = [json.loads(p.read_text()) for p in (out / "run").glob("*.json")]
+    assert all(not _alive(d["pid"]) for d in ready), ready  # whatever had started is gone
 
 
 def test_a_context_too_small_for_the_episode_truncates_instead_of_infra_errors(tmp_path):

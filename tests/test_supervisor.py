@@ -129,17 +129,40 @@ def test_backoff_doubles_for_a_process_that_fails_to_start(tmp_path):
     with topo:
         topo.start()
         sup = Supervisor(topo, max_restarts=3, backoff_s=0.3)
-        # From now on envd cannot start: its config file is gone.
-        (topo.plan.out / "config.yaml").rename(topo.plan.out / "config.yaml.away")
+        # From now on envd crashes as it announces itself (status 1): its ready file cannot be written.
+        (topo.plan.out / "run" / "envd.json.tmp" / "x").mkdir(parents=True)
         os.killpg(topo.ready[("envd", 0)]["pid"], signal.SIGKILL)
         end = _poll_until(sup, lambda end: end is not None, 90)
         assert "envd died 4 times" in end
         ev = read_events(topo.plan.out)
         starts = [e["t"] for e in ev if e["event"] == "restarting"]
         deaths = [e["t"] for e in ev if e["event"] == "died"]
+        assert [e["rc"] for e in ev if e["event"] == "died"] == [-9, 1, 1, 1]
         assert len(starts) == 3 and len(deaths) == 4
         gaps = [s - d for d, s in zip(deaths, starts)]       # death -> next start: 0.3, 0.6, 1.2 s
         assert gaps[0] >= 0.3 and gaps[1] >= 0.6 and gaps[2] >= 1.2, gaps
+
+
+def test_a_user_error_ends_the_run_without_a_restart(tmp_path):
+    """A role that exits with status 2 (a user error: here envd's config file is gone) is not restarted: the same
+    start would be refused again. The run ends at its first such exit, with the role's one-line error as the reason
+    (it used to be restarted supervisor.max_restarts times, with backoff, before the run gave up)."""
+    cfg, topo = _envd_only(tmp_path)
+    with topo:
+        topo.start()
+        said: list[str] = []
+        sup = Supervisor(topo, max_restarts=5, backoff_s=0.3, say=said.append)
+        (topo.plan.out / "config.yaml").rename(topo.plan.out / "config.yaml.away")
+        os.killpg(topo.ready[("envd", 0)]["pid"], signal.SIGKILL)  # a death: restarted, and the restart exits 2
+        end = _poll_until(sup, lambda end: end is not None, 90)
+        config = topo.plan.out / "config.yaml"
+        assert end == (f"envd exited before it was ready with status 2 (a user error: no restart can fix it): "
+                       f"tars envd: config error: --config '{config}': no such file; see {topo.procs[('envd', 0)].spec.log}")
+        ev = read_events(topo.plan.out)
+        assert [(e["event"], e.get("rc")) for e in ev] == [("died", -9), ("restarting", None), ("died", 2)], ev
+        assert "envd exited before it was ready (rc 2): a user error, not restarted" in said, said
+        assert said[-1] == f"  envd| tars envd: config error: --config '{config}': no such file", said
+        assert sup.poll() == end and sup.counts() == {}
 
 
 def test_a_start_cancelled_starts_nothing_more_and_stops_what_it_started(tmp_path):
