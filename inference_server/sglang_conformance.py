@@ -32,8 +32,10 @@ class ConformanceServer(SGLangBehaviour):
 
     def __init__(self, model: str, host: str = "127.0.0.1", port: int = 0, weight_version: str = "default",
                  cfg: InferenceConfig | None = None, tokenizer_workers: int = 1, health_timeout_s: float = 20.0,
-                 token_delay_s: float = 0.0, sglang_types: SGLangTypes | None = None):
-        super().__init__(model, weight_version, cfg, tokenizer_workers, health_timeout_s, token_delay_s, sglang_types)
+                 token_delay_s: float = 0.0, sglang_types: SGLangTypes | None = None, max_queued_requests: int | None = None,
+                 max_running_requests: int | None = None):
+        super().__init__(model, weight_version, cfg, tokenizer_workers, health_timeout_s, token_delay_s, sglang_types,
+                         max_queued_requests, max_running_requests)
         self.host, self.port = host, port
         self.httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -203,11 +205,13 @@ class _Handler(BaseHTTPRequestHandler):
                     return
             fr = r.finish or {}
             # An abort the scheduler gave a status is no 200 (tokenizer_manager._wait_one_response): 400 raises the
-            # ValueError /generate answers {"error": {"message"}} for, 500 / 503 an HTTPException {"detail"}.
+            # ValueError /generate answers {"error": {"message"}} for, 500 / 503 an HTTPException (the queue full, a
+            # failed scheduler), which http_server's handler answers as an ErrorResponse.
             if fr.get("type") == "abort" and fr.get("status_code") == 400:
                 return self._send(400, {"error": {"message": fr.get("message")}})
-            if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
-                return self._send(fr["status_code"], {"detail": fr.get("message")})
+            if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):  # an HTTPException: ErrorResponse
+                code = fr["status_code"]
+                return self._send(code, {"object": "error", "message": fr.get("message"), "type": str(code), "param": None, "code": code})
             return self._send(200, s.response(r))
         # Server-sent events, each chunk cumulative (SGLang's default, non-incremental streaming), then [DONE].
         self.send_response(200)
@@ -264,12 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weight-version", default="default", help="initial weight_version string")
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--tokenizer-workers", type=int, default=1, help=">1 drops the exact-rid guard of /abort_request")
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--max-queued-requests", type=int, default=None, help="a request past this many waiting answers 503")
     a = ap.parse_args(argv)
     from core.proc import die_with_parent
 
     die_with_parent()
     srv = ConformanceServer(a.model, a.host, a.port, a.weight_version, InferenceConfig(max_context=a.max_context, max_stale_versions=KEEP_KV),
-                            tokenizer_workers=a.tokenizer_workers)
+                            tokenizer_workers=a.tokenizer_workers, max_queued_requests=a.max_queued_requests,
+                            max_running_requests=a.max_running_requests)
     srv.start()
     try:
         while True:

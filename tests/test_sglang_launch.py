@@ -229,7 +229,7 @@ def test_health_follows_an_attached_server_killed_and_restarted(models):  # noqa
 
 
 def test_startup_deadline_in_process_names_every_url():
-    from inference_server.sglang_engine import open_sglang_engine
+    from inference_server.sglang_start import open_sglang_engine
 
     urls = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
     with pytest.raises(SGLangStartupError, match=f"at {urls[0]}, {urls[1]} within 0.5 s"):
