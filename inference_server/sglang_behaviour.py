@@ -38,6 +38,9 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   tensors that do not decode or do not fit the model answer 400 {success: false, message}.
 - Where the `sglang` package is importable, every body is also checked against SGLang's own request types
   (inference_server.sglang_types) and refused with 400 and SGLang's message when they refuse it.
+- GET /v1/models: {data: [{id, max_model_len}]}, max_model_len the context length (--context-length, by default
+  the model's own, as SGLang derives it; one past the model's refuses to start without
+  SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1).
 - GET|POST /flush_cache (400 while requests are in flight), GET /get_model_info (alias /model_info),
   /get_weight_version, /get_server_info, /health, /health_generate (a 1-token generation, or any request's token
   after the check began, as SGLang counts any scheduler output; 503 if none within `health_timeout_s`, e.g. while

@@ -10,13 +10,15 @@ from core.config import InferenceConfig
 from core.inference_client import InferenceClient
 from inference_server.engine_types import SamplingParams
 from inference_server.server import InferenceServer, make_engine
+from inference_server.sglang_engine import SGLangEngine
 from test_sglang import PROMPT, gen_body, greedy, in_thread, models, servers, wait_for  # noqa: F401 - fixtures
 
 
-def front(cfg: InferenceConfig, model: str, body):
-    """Run `body(client, engine)` against a gRPC front over the sglang engine of cfg."""
+def front(cfg: InferenceConfig, model: str, body, joined_later: bool = False):
+    """Run `body(client, engine)` against a gRPC front over the sglang engine of cfg (joined_later: over servers the
+    start did not see, so did not learn the context length of, as a replica that answers only once serving)."""
     async def main():
-        eng = make_engine(cfg, model)
+        eng = SGLangEngine(cfg, cfg.sglang_urls, 0) if joined_later else make_engine(cfg, model)
         srv = InferenceServer(cfg, eng, model_name="sglang")
         await srv.start()
         client = InferenceClient([srv.address], retries=0)
@@ -46,7 +48,7 @@ def test_a_request_sglang_refuses_is_invalid_argument_with_its_message(servers, 
         r = await client.generate("t", PROMPT, 4, temperature=0.0)
         assert r.output_ids == greedy(models["a"], PROMPT, 4)[0]
 
-    front(cfg, models["a"], body)
+    front(cfg, models["a"], body, joined_later=True)
 
 
 def test_a_generation_sglang_fails_keeps_its_code(servers, models):
@@ -192,8 +194,36 @@ def test_the_front_admits_what_sglang_serves_in_full(servers, models):
     front(cfg, models["a"], body)
 
 
+def test_an_attached_servers_shorter_context_bounds_the_front_at_start(servers, models):
+    """tars took SGLang's context length to be inference.max_context (1024) while the attached server's was 256:
+    prompt 20 + max_new_tokens 235 passed the front, SGLang (255 < 256) took it and capped it at 256 - 20 - 2, so it
+    came back 234 tokens long, one short of what was asked, as a full "length" answer. The start now reads the
+    server's context length (GET /v1/models, max_model_len) and lowers max_context to it: the request is refused at
+    once with the limit (250) the actors fit their prompts to; one within it is served in full."""
+    from actor.judge import context_limit
+    from inference_server.sglang_http import http_json
+
+    s = servers(weight_version="0")  # context 256
+    assert http_json(s.url, "/v1/models")[1]["data"][0]["max_model_len"] == 256
+    cfg = InferenceConfig(max_context=1024, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30)
+
+    async def body(client, eng):
+        assert (eng.cfg.max_context, eng.cfg.request_limit()) == (256, 250)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await client.generate("t", PROMPT, 235, temperature=0.0, stop_token_ids=[299])
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and context_limit(ei.value) == 250, ei.value
+        r = await client.generate("t", [5] * 20, 230, temperature=0.0)
+        assert r.output_ids == ref
+
+    ref = greedy(models["a"], [5] * 20, 230)[0]
+    ref = ref[:ref.index(1) + 1] if 1 in ref else ref  # the model's EOS (id 1) ends a generation on SGLang
+
+    front(cfg, models["a"], body)
+
+
 def test_sglangs_own_context_refusal_tells_actors_its_limit(servers, models):
-    """A server whose context (256) is below the front's: its refusal carries the limit in the front's words."""
+    """A server whose context (256) is below the front's, joined after the start: its refusal carries the limit in the
+    front's words."""
     from actor.judge import context_limit
 
     s = servers(weight_version="0")
@@ -204,7 +234,7 @@ def test_sglangs_own_context_refusal_tells_actors_its_limit(servers, models):
             await client.generate("t", PROMPT, 300, temperature=0.0)
         assert context_limit(ei.value) == 250, ei.value
 
-    front(cfg, models["a"], body)
+    front(cfg, models["a"], body, joined_later=True)
 
 
 def test_seeds_past_int64_reach_sglang_as_seeds_it_takes(servers, models):
