@@ -24,12 +24,15 @@ def code_of(e: BaseException) -> grpc.StatusCode:
 
 def failure(e: BaseException) -> tuple[grpc.StatusCode, str]:
     """What a generation that failed after its submit answers: UNAVAILABLE for a closed engine, INVALID_ARGUMENT for
-    a request its backend refused as invalid (RequestRefused, with the backend's message), DEADLINE_EXCEEDED for one
+    a request its backend refused as invalid (RequestRefused, with the backend's message), RESOURCE_EXHAUSTED for one
+    a backend had no room for (QueueFull), DEADLINE_EXCEEDED for one
     past the engine's own deadline, else INTERNAL."""
     if isinstance(e, EngineClosed):
         return grpc.StatusCode.UNAVAILABLE, str(e)
     if isinstance(e, RequestRefused):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, QueueFull):  # a backend's queue is full (SGLang's 503 "The request queue is full."): back off
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
     if isinstance(e, TimeoutError):  # the engine's own deadline for a generation (sglang_request_timeout_s)
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"

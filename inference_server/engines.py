@@ -24,7 +24,7 @@ def make_engine(cfg: InferenceConfig, model_path: str, version: int = 0):
         import json
         import pathlib
 
-        from inference_server.sglang_engine import open_sglang_engine
+        from inference_server.sglang_start import open_sglang_engine
 
         conf = pathlib.Path(model_path or ".") / "config.json"
         vocab = json.loads(conf.read_text()).get("vocab_size") if model_path and conf.is_file() else None

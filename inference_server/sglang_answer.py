@@ -21,6 +21,18 @@ _CONTEXT = re.compile(r"context length (?:\(|of )(\d+) tokens")
 _INPUT = re.compile(r"maximum allowed length \((\d+) tokens\)")
 
 
+# SGLang's 503s for load, not death (the scheduler's aborts of a request it will not queue: --max-queued-requests,
+# SGLANG_REQ_WAITING_TIMEOUT, priority scheduling), as against a scheduler that died (503 too).
+_OVERLOADED = ("The request queue is full.", "Request waiting timeout reached.",
+               "The request is aborted by a higher priority request.")
+
+
+def overloaded(status: int, message: str) -> bool:
+    """An answer that says the server is busy (the caller should back off), not that it is dead: a 429, or a 503
+    whose message is one of the scheduler's load refusals."""
+    return status == 429 or (status == 503 and message.strip() in _OVERLOADED)
+
+
 def _finite(entry, i: int) -> float:
     """The logprob of one output_token_logprobs entry [lp, id, text]."""
     lp = entry[0] if isinstance(entry, (list, tuple)) and entry else entry

@@ -5,7 +5,8 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   meta_info{id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, weight_versions,
   output_token_logprobs [[lp, id, None]]}}. finish_reason is {"type": "stop", "matched": id} | {"type": "length",
   "length": n} | {"type": "abort", "message", "status_code", "err_type"}; an aborted request answers 200 with its
-  partial output (one the server failed, abort status 500 / 503, answers that status {"detail": message}); a
+  partial output (one the server failed, abort status 500 / 503, answers that status with the HTTPException handler's
+  ErrorResponse {"object": "error", "message", "type": "503", "param": null, "code": 503}); a
   request whose client disconnected is aborted. EOS and stop_token_ids stop generation unless sampling_params.ignore_eos (which turns both off);
   top_k -1 = off (0 is rejected); temperature 0 = greedy. weight_versions are run-length spans {version, start, end} (end exclusive) over the output tokens.
 - Context (the stand-in's max_context is SGLang's context length C): a prompt of C tokens or more, or prompt +
@@ -14,7 +15,10 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   scheduler does.
 - sampling_seed: SGLang (with --enable-deterministic-inference, without which it ignores seeds) puts the batch's
   seeds in an int64 tensor, so a seed outside [-2^63, 2^63) fails in its scheduler (which takes the server down); the
-  stand-in fails that request with 500 {"detail": "Overflow when unpacking long"}.
+  stand-in fails that request with 500 ("Overflow when unpacking long").
+- --max-queued-requests N (max_queued_requests): a request arriving while N wait beyond --max-running-requests
+  (max_running_requests, the engine's max_batch) is refused at once with 503 "The request queue is full."
+  (Scheduler._abort_on_queued_limit); the server stays healthy.
 - POST /abort_request {rid | abort_all}: the scheduler aborts every request whose rid STARTS WITH the given rid. With
   one tokenizer worker (SGLang's default) the tokenizer manager first drops the abort unless the rid itself is in
   flight; `tokenizer_workers > 1` skips that guard, as SGLang does.
@@ -34,9 +38,13 @@ What it reproduces (checked against SGLang's http_server.py, tokenizer_manager.p
   tensors that do not decode or do not fit the model answer 400 {success: false, message}.
 - Where the `sglang` package is importable, every body is also checked against SGLang's own request types
   (inference_server.sglang_types) and refused with 400 and SGLang's message when they refuse it.
+- GET /v1/models: {data: [{id, max_model_len}]}, max_model_len the context length (--context-length, by default
+  the model's own, as SGLang derives it; one past the model's refuses to start without
+  SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1).
 - GET|POST /flush_cache (400 while requests are in flight), GET /get_model_info (alias /model_info),
-  /get_weight_version, /get_server_info, /health, /health_generate (a 1-token generation; 503 if none within
-  `health_timeout_s`, e.g. while paused).
+  /get_weight_version, /get_server_info, /health, /health_generate (a 1-token generation, or any request's token
+  after the check began, as SGLang counts any scheduler output; 503 if none within `health_timeout_s`, e.g. while
+  paused).
 Not reproduced: text prompts / `stop` strings (token-in-token-out only, as with --skip-tokenizer-init), prompt
 logprobs (logprob_start_len must be -1), images, batch requests, the radix cache's content addressing (prefix hits
 come from LocalEngine's per-key cache keyed by the first 16 prompt tokens, so multi-turn prompts hit).
@@ -50,6 +58,7 @@ import dataclasses
 import threading
 import time
 import uuid
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from core.config import InferenceConfig
 from inference_server.engine import LocalEngine
@@ -57,7 +66,8 @@ from inference_server.engine_types import LENGTH, STOP, SamplingParams, WeightLo
 from inference_server.sglang_types import SGLangTypes
 
 CACHE_KEY_TOKENS = 16
-KEEP_KV = 1 << 30  # in_place pauses keep KV across any number of versions; flushes are done by cache-key epochs
+KEEP_KV = 1 << 30
+QUEUE_FULL = "The request queue is full."  # SGLang's message for a newcomer its full waiting queue refuses (503)  # in_place pauses keep KV across any number of versions; flushes are done by cache-key epochs
 
 
 class Refused(ValueError):
@@ -87,12 +97,17 @@ class SGLangBehaviour:
 
     def __init__(self, model: str, weight_version: str = "default", cfg: InferenceConfig | None = None,
                  tokenizer_workers: int = 1, health_timeout_s: float = 20.0, token_delay_s: float = 0.0,
-                 sglang_types: SGLangTypes | None = None):
+                 sglang_types: SGLangTypes | None = None, max_queued_requests: int | None = None,
+                 max_running_requests: int | None = None):
         # token_delay_s: sleep after every token (a slower accelerator), so tests can act while requests run.
         # sglang_types: checks against the `sglang` package's request types (default: active when importable).
+        # max_running_requests / max_queued_requests: SGLang's --max-running-requests / --max-queued-requests.
         self.types = sglang_types if sglang_types is not None else SGLangTypes.load()
         self.model_path = model
         self.cfg = cfg or InferenceConfig(max_context=1024, max_stale_versions=KEEP_KV)
+        if max_running_requests is not None:
+            self.cfg = dataclasses.replace(self.cfg, max_batch=int(max_running_requests))
+        self.max_queued_requests = max_queued_requests
         self.engine = LocalEngine(self.cfg, model)
         self.eos = self.engine.model.config.eos_ids  # config.json may name several
         self.tokenizer_workers = tokenizer_workers
@@ -106,6 +121,7 @@ class SGLangBehaviour:
         self.paused: str | None = None     # None | abort | retract | in_place
         self.updating = False              # an unpaused weight update holds the writer lock
         self.closed = False
+        self.last_output = 0.0             # monotonic time of the last token any request got
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def shut(self) -> None:
@@ -181,6 +197,13 @@ class SGLangBehaviour:
             if rid in self.reqs:
                 raise ValueError(f"Duplicate request ID: {rid}")
             r = GenerateCall(rid, ids, params)
+            waiting = max(0, len(self.reqs) - self.cfg.max_batch)  # beyond --max-running-requests: the waiting queue
+            if self.max_queued_requests is not None and waiting + 1 > self.max_queued_requests:
+                # Scheduler._abort_on_queued_limit: the newcomer is aborted with 503, which the tokenizer manager
+                # raises as an HTTPException for a non-streamed request.
+                r.finish = {"type": "abort", "message": QUEUE_FULL, "status_code": 503}
+                r.done.set()
+                return r
             r.return_logprob = bool(body.get("return_logprob"))
             if not -(1 << 63) <= params.seed < 1 << 63:  # SamplingBatchInfo: torch.tensor(seeds, dtype=torch.int64)
                 r.finish = {"type": "abort", "message": "Overflow when unpacking long", "status_code": 500,
@@ -208,6 +231,7 @@ class SGLangBehaviour:
                 if r.segment != seg or r.finish is not None:
                     return
                 r.out.append(t)
+                self.last_output = time.monotonic()
                 r.logprobs.append(lp)
                 r.versions.append(v)
                 # in_place pause: the engine (this is its thread) stops here until continue_generation.
@@ -367,12 +391,25 @@ class SGLangBehaviour:
                 if self.closed or time.monotonic() > deadline:
                     return False
                 self.cv.wait(0.2)
+        # SGLang counts any output of its scheduler after the check began as health (a busy server's tokens too, so
+        # a full queue is no failed check), else the check's own one-token generation.
+        tic = time.monotonic()
         try:
             f = self.engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0.0))
-            f.result(max(0.01, deadline - time.monotonic()))
-            return True
         except Exception:
             return False
+        while time.monotonic() < deadline:
+            try:
+                f.result(0.1)
+                return True
+            except FutureTimeout:
+                if self.last_output > tic:
+                    f.cancel()
+                    return True
+            except Exception:
+                return False
+        f.cancel()
+        return False
 
     def tokens_in_flight(self) -> int:
         with self.cv:

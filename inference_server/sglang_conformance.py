@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from core.config import InferenceConfig
 from inference_server.sglang_behaviour import KEEP_KV, Refused, SGLangBehaviour
+from inference_server.sglang_launch import ALLOW_LONGER, allow_longer_context, model_context_length
 from inference_server.sglang_types import SGLangTypes
 
 
@@ -32,8 +33,10 @@ class ConformanceServer(SGLangBehaviour):
 
     def __init__(self, model: str, host: str = "127.0.0.1", port: int = 0, weight_version: str = "default",
                  cfg: InferenceConfig | None = None, tokenizer_workers: int = 1, health_timeout_s: float = 20.0,
-                 token_delay_s: float = 0.0, sglang_types: SGLangTypes | None = None):
-        super().__init__(model, weight_version, cfg, tokenizer_workers, health_timeout_s, token_delay_s, sglang_types)
+                 token_delay_s: float = 0.0, sglang_types: SGLangTypes | None = None, max_queued_requests: int | None = None,
+                 max_running_requests: int | None = None):
+        super().__init__(model, weight_version, cfg, tokenizer_workers, health_timeout_s, token_delay_s, sglang_types,
+                         max_queued_requests, max_running_requests)
         self.host, self.port = host, port
         self.httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -119,6 +122,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200 if s.health_generate() else 503, text="")
         elif path in ("/get_model_info", "/model_info"):
             self._send(200, s.model_info())
+        elif path == "/v1/models":  # OpenAI's model list; max_model_len: the context length (model_config.context_len)
+            self._send(200, {"object": "list", "data": [{"id": s.model_path, "object": "model", "owned_by": "sglang",
+                                                        "root": s.model_path, "max_model_len": s.cfg.max_context}]})
         elif path == "/get_weight_version":
             self._send(200, {"weight_version": s.weight_version})
         elif path == "/get_server_info":
@@ -203,11 +209,13 @@ class _Handler(BaseHTTPRequestHandler):
                     return
             fr = r.finish or {}
             # An abort the scheduler gave a status is no 200 (tokenizer_manager._wait_one_response): 400 raises the
-            # ValueError /generate answers {"error": {"message"}} for, 500 / 503 an HTTPException {"detail"}.
+            # ValueError /generate answers {"error": {"message"}} for, 500 / 503 an HTTPException (the queue full, a
+            # failed scheduler), which http_server's handler answers as an ErrorResponse.
             if fr.get("type") == "abort" and fr.get("status_code") == 400:
                 return self._send(400, {"error": {"message": fr.get("message")}})
-            if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
-                return self._send(fr["status_code"], {"detail": fr.get("message")})
+            if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):  # an HTTPException: ErrorResponse
+                code = fr["status_code"]
+                return self._send(code, {"object": "error", "message": fr.get("message"), "type": str(code), "param": None, "code": code})
             return self._send(200, s.response(r))
         # Server-sent events, each chunk cumulative (SGLang's default, non-incremental streaming), then [DONE].
         self.send_response(200)
@@ -262,14 +270,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--weight-version", default="default", help="initial weight_version string")
-    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--context-length", type=int, default=None, help="default: the model's, from its config.json")
     ap.add_argument("--tokenizer-workers", type=int, default=1, help=">1 drops the exact-rid guard of /abort_request")
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--max-queued-requests", type=int, default=None, help="a request past this many waiting answers 503")
     a = ap.parse_args(argv)
     from core.proc import die_with_parent
 
     die_with_parent()
-    srv = ConformanceServer(a.model, a.host, a.port, a.weight_version, InferenceConfig(max_context=a.max_context, max_stale_versions=KEEP_KV),
-                            tokenizer_workers=a.tokenizer_workers)
+    derived = model_context_length(a.model) or 2048
+    if a.context_length is not None and a.context_length > derived and not allow_longer_context():
+        # SGLang's ModelConfig refuses it at start (the server exits) unless the environment allows it.
+        raise SystemExit(f"ValueError: User-specified context_length ({a.context_length}) is greater than the derived "
+                         f"context_length ({derived}). This may lead to incorrect model outputs or CUDA errors. To allow "
+                         f"overriding this maximum, set the env var {ALLOW_LONGER}=1")
+    ctx = a.context_length or derived
+    srv = ConformanceServer(a.model, a.host, a.port, a.weight_version, InferenceConfig(max_context=ctx, max_stale_versions=KEEP_KV),
+                            tokenizer_workers=a.tokenizer_workers, max_queued_requests=a.max_queued_requests,
+                            max_running_requests=a.max_running_requests)
     srv.start()
     try:
         while True:

@@ -20,14 +20,8 @@ without the `sglang` package.
   aborts and failed replicas. A 4xx (SGLang refused the request as invalid) fails it with RequestRefused
   (INVALID_ARGUMENT, SGLang's message); a 5xx or a connection failure takes the replica out and resumes elsewhere.
 
-Starting (`open_sglang_engine`, what make_engine calls): either launch cfg.sglang_launch servers on the checkpoint
-directory and supervise them (inference_server.sglang_launch.SGLangFleet: `python -m sglang.launch_server
---model-path M --tokenizer-path M --skip-tokenizer-init --host H --port P --weight-version V`, one GPU each through
-CUDA_VISIBLE_DEVICES, own process group, PDEATHSIG, restarted when one dies), or attach to cfg.sglang_urls. Either
-way the start waits (cfg.sglang_startup_timeout_s) until a first server answers /health_generate; the others start
-out of rotation until the health thread lets them in. `healthy()` (some replica in rotation) is what the gRPC
-front's health service reports for the InferenceService. The tests run the same code with the conformance server
-as the module.
+Starting (launch or attach, then this engine over the servers): inference_server.sglang_start. `healthy()` (some
+replica in rotation) is what the gRPC front's health service reports for the InferenceService.
 """
 from __future__ import annotations
 
@@ -43,7 +37,7 @@ from dataclasses import dataclass, field
 from core.config import InferenceConfig
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
                                            check_finite)
-from inference_server.sglang_answer import generate_body, read_segment, refused
+from inference_server.sglang_answer import generate_body, overloaded, read_segment, refused
 from inference_server.sglang_http import error_message, http_json, post_abort
 from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool, Stats
 
@@ -242,6 +236,8 @@ class SGLangEngine:
     def _generate(self, call: _Call) -> GenerateOutput:
         p = call.params
         avoid, conn_failures = None, 0
+        full: set[str] = set()  # replicas that answered "queue full" for this segment
+        busy = 0                # rounds a resumed generation found every replica full
         deadline = time.monotonic() + self.cfg.sglang_request_timeout_s
         while True:
             if call.future.cancelled():
@@ -251,7 +247,7 @@ class SGLangEngine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation not finished within sglang_request_timeout_s={self.cfg.sglang_request_timeout_s}")
             remaining = p.max_new_tokens - len(call.out)
-            rep = self.pool.route(call.trajectory_id, avoid)
+            rep = self.pool.route(call.trajectory_id, avoid, full)
             call.rid, call.replica = self._rid(call), rep
             body = generate_body(call.rid, call.input_ids + call.out, p, remaining)
             call.posting = call.rid
@@ -275,6 +271,21 @@ class SGLangEngine:
                     raise NoHealthyReplica(f"generation failed on {conn_failures} replicas: {e}") from e
                 continue
             if status != 200 or not isinstance(resp, dict):
+                if overloaded(status, error_message(resp)):
+                    # Load, not death: the replica stays in rotation. Another one may have room; when none has, a new
+                    # generation fails RESOURCE_EXHAUSTED (the caller backs off and retries), a resumed one waits and
+                    # tries again until its deadline.
+                    full.add(rep.url)
+                    call.segment += 1  # a fresh rid for the next try
+                    self.stats.add("rejected_queue_full")
+                    if self.pool.has_other(full):
+                        continue
+                    if call.out:  # a resumed generation (all of an update's aborts come back at once): keep its tokens
+                        full.clear()
+                        busy += 1
+                        self._closed.wait(min(1.0, 0.05 * 2 ** min(busy, 5)))
+                        continue
+                    raise QueueFull(f"SGLang is overloaded: {error_message(resp)[:200]} (HTTP {status} from {rep.url})")
                 if status >= 500:
                     self.pool.mark_down(rep, f"HTTP {status}")
                     avoid, call.segment = rep, call.segment + 1
@@ -285,6 +296,7 @@ class SGLangEngine:
                     raise refused(error_message(resp))
                 raise RuntimeError(f"SGLang /generate on {rep.url} failed: HTTP {status}: {str(resp)[:300]}")
             avoid = None
+            full.clear()
             seg = read_segment(resp, self.pool.base_version)
             ids, vers, fr, kind = seg.ids, seg.versions, seg.finish, seg.kind
             if not call.out and call.segment == 0:
@@ -407,44 +419,4 @@ class SGLangEngine:
         self.pool.close(timeout)
         if self.fleet is not None:
             self.fleet.stop()
-
-
-def open_sglang_engine(cfg: InferenceConfig, model_path: str = "", version: int = 0, vocab_size: int | None = None) -> SGLangEngine:
-    """The `sglang` engine as cfg says: launch and supervise cfg.sglang_launch servers on model_path, or attach to
-    cfg.sglang_urls; returns once a first server answers /health_generate (SGLangStartupError, one line, when none
-    does within cfg.sglang_startup_timeout_s or a launched one exits first; the launched ones are stopped then)."""
-    from inference_server.sglang_launch import SGLangFleet, wait_first_healthy
-
-    if cfg.sglang_launch and cfg.sglang_urls:
-        raise ValueError("engine=sglang: set inference.sglang_launch (start servers) or inference.sglang_urls (attach to "
-                         "running ones), not both")
-    if cfg.sglang_launch < 0:
-        raise ValueError(f"inference.sglang_launch must be >= 0, got {cfg.sglang_launch}")
-    if not cfg.sglang_launch and not cfg.sglang_urls:
-        raise ValueError("engine=sglang needs inference.sglang_urls (base URLs of running SGLang servers) or "
-                         "inference.sglang_launch (how many to start on the model directory)")
-    fleet = None
-    if cfg.sglang_launch:
-        if not model_path:
-            raise ValueError("inference.sglang_launch needs the model directory (--model)")
-        fleet = SGLangFleet(cfg, model_path, version)
-        fleet.start()
-        try:
-            healthy = fleet.wait_first_healthy(cfg.sglang_startup_timeout_s)
-        except BaseException:
-            fleet.stop()
-            raise
-        urls = fleet.urls
-    else:
-        urls = [str(u).rstrip("/") for u in cfg.sglang_urls]
-        healthy = wait_first_healthy(urls, cfg.sglang_startup_timeout_s)
-    engine = SGLangEngine(cfg, urls, version, vocab_size=vocab_size, health_thread=False)
-    for rep in engine.replicas:  # still loading: out of rotation until the health thread lets it in
-        if rep.url not in healthy:
-            engine.pool.mark_down(rep, "not answering /health_generate yet")
-    if fleet is not None:
-        engine.fleet = fleet
-        fleet.on_exit = lambda i, code: engine.pool.mark_down(engine.replicas[i], f"server exited with status {code}")
-    engine.pool.start_health_thread()
-    return engine
 

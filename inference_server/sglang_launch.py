@@ -4,6 +4,8 @@ Each server is its own process group with PDEATHSIG (core.proc.die_with_parent),
 dying) takes SGLang's scheduler and detokenizer processes down with it.
 
 - `server_command`: the one command line of a server (tests check its flags against SGLang 0.5.23's parser).
+- `context_args`: the servers' --context-length, inference.max_context (checked against sglang_args and the model's
+  own context length).
 - `SGLangFleet`: `inference.sglang_launch` servers on the checkpoint directory, started by `make_engine`; one that
   exits is restarted on its port (at most sglang_max_restarts times, the wait doubling from sglang_restart_backoff_s),
   and `stop` ends every group. The replica pool (inference_server.sglang_pool) takes a dead server's replica out at
@@ -50,6 +52,56 @@ def server_command(model_path: str, host: str, port: int, weight_version: int = 
     return [python or sys.executable, "-m", module, "--model-path", model_path, "--tokenizer-path", model_path,
             "--skip-tokenizer-init", "--host", host, "--port", str(port), "--weight-version", str(int(weight_version)),
             *[str(a) for a in extra_args or ()]]
+
+
+# SGLang's hf_transformers_utils.get_context_length: the first of these keys in the model's (text) config, times the
+# rope_scaling factor (1 for llama3 scaling or one that names original_max_position_embeddings); 2048 without any.
+_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+ALLOW_LONGER = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"  # SGLang's own switch for a --context-length past the model's
+
+
+def model_context_length(model_path: str) -> int | None:
+    """The context length SGLang derives from the checkpoint's config.json (None when there is none to read)."""
+    import json
+    import pathlib
+
+    f = pathlib.Path(model_path) / "config.json"
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    d = {**d, **(d.get("text_config") or {})} if isinstance(d.get("text_config"), dict) else d
+    rope = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
+    factor = 1 if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3" else rope.get("factor", 1)
+    val = next((d[k] for k in _CONTEXT_KEYS if d.get(k) is not None), 2048)
+    return int(factor * int(val))
+
+
+def allow_longer_context() -> bool:
+    return os.environ.get(ALLOW_LONGER, "").strip().lower() in ("true", "1")
+
+
+def context_args(max_context: int, model_path: str, extra_args: list | None = None) -> list[str]:
+    """The launched servers' `--context-length`: inference.max_context, so that SGLang's limit is the one tars admits
+    requests by (InferenceConfig.request_limit). [] when sglang_args set it themselves, to the same value; ValueError
+    when they set another, or when max_context is past the model's own context length (SGLang refuses to start then
+    unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 is in the environment, which the servers inherit)."""
+    args = [str(a) for a in extra_args or ()]
+    given = None
+    for i, a in enumerate(args):
+        flag, _, val = a.partition("=")
+        if flag == "--context-length":
+            given = val or (args[i + 1] if i + 1 < len(args) else "")
+    if given is not None and given != str(max_context):
+        raise ValueError(f"inference.sglang_args sets --context-length {given} but inference.max_context is "
+                         f"{max_context}: tars admits requests by max_context, so the two must agree (set "
+                         "inference.max_context, and leave --context-length out of sglang_args)")
+    model = model_context_length(model_path)
+    if model is not None and max_context > model and not allow_longer_context():
+        raise ValueError(f"inference.max_context={max_context} is past the model's context length {model} "
+                         f"({model_path}/config.json): lower it, or set {ALLOW_LONGER}=1 in the environment to run "
+                         "the model past the length it was trained for")
+    return [] if given is not None else ["--context-length", str(max_context)]
 
 
 def check_host(host: str, extra_args: list | None = None) -> None:
@@ -114,8 +166,9 @@ class SGLangFleet:
         self.cfg, self.n = cfg, n
         ports = [int(cfg.sglang_base_port) + i for i in range(n)]
         self.urls = [f"http://{cfg.sglang_host}:{p}" for p in ports]
-        self.commands = [server_command(model_path, cfg.sglang_host, p, weight_version, list(cfg.sglang_args),
-                                        cfg.sglang_module, cfg.sglang_python) for p in ports]
+        extra = context_args(cfg.max_context, model_path, list(cfg.sglang_args)) + list(cfg.sglang_args)
+        self.commands = [server_command(model_path, cfg.sglang_host, p, weight_version, extra, cfg.sglang_module,
+                                        cfg.sglang_python) for p in ports]
         gpus = [str(g) for g in cfg.sglang_gpus]
         self.gpus = [gpus[i % len(gpus)] if gpus else None for i in range(n)]
         self.procs: list[subprocess.Popen | None] = [None] * n

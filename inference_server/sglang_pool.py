@@ -82,15 +82,22 @@ class ReplicaPool:
         self._health: threading.Thread | None = None
 
     # ---- routing -------------------------------------------------------------------------------------
-    def route(self, trajectory_id: str, avoid: Replica | None = None) -> Replica:
+    def has_other(self, urls: set[str]) -> bool:
+        """Some healthy replica whose URL is not in urls."""
+        with self._lock:
+            return any(r.healthy and r.url not in urls for r in self.replicas)
+
+    def route(self, trajectory_id: str, avoid: Replica | None = None, skip: set[str] | None = None) -> Replica:
         """The trajectory's replica: sticky while healthy and not overloaded, else the least loaded healthy one.
 
         Load-aware stickiness: a trajectory leaves its replica (and the prefix cached there) only when that replica
         has more than cfg.sticky_max_imbalance requests in flight beyond the least loaded one; queueing behind a
-        hot replica costs more than re-prefilling one prompt elsewhere.
+        hot replica costs more than re-prefilling one prompt elsewhere. `skip`: replicas whose queue is full for this
+        request (avoided while another healthy one is left).
         """
         with self._lock:
-            live = [r for r in self.replicas if r.healthy and r is not avoid] or [r for r in self.replicas if r.healthy]
+            live = [r for r in self.replicas if r.healthy and r.url not in (skip or ())]
+            live = [r for r in live if r is not avoid] or live or [r for r in self.replicas if r.healthy]
             if not live:
                 raise NoHealthyReplica(f"no healthy SGLang replica among {[r.url for r in self.replicas]}")
             least = min(r.in_flight for r in live)

@@ -501,7 +501,7 @@ def test_a_generation_the_server_fails_is_a_5xx_as_in_sglang(servers):
 
     s.engine._sched.cache.get = broken
     st, r = http_json(s.url, "/generate", gen_body("dies", 4))
-    assert st == 500 and "device lost" in r["detail"], (st, r)
+    assert st == 500 and "device lost" in r["message"] and (r["object"], r["type"], r["code"]) == ("error", "500", 500), (st, r)
 
 
 def test_a_request_whose_client_went_away_is_aborted_as_in_sglang(servers):

@@ -10,13 +10,15 @@ from core.config import InferenceConfig
 from core.inference_client import InferenceClient
 from inference_server.engine_types import SamplingParams
 from inference_server.server import InferenceServer, make_engine
-from test_sglang import PROMPT, greedy, models, servers  # noqa: F401 - fixtures
+from inference_server.sglang_engine import SGLangEngine
+from test_sglang import PROMPT, gen_body, greedy, in_thread, models, servers, wait_for  # noqa: F401 - fixtures
 
 
-def front(cfg: InferenceConfig, model: str, body):
-    """Run `body(client, engine)` against a gRPC front over the sglang engine of cfg."""
+def front(cfg: InferenceConfig, model: str, body, joined_later: bool = False):
+    """Run `body(client, engine)` against a gRPC front over the sglang engine of cfg (joined_later: over servers the
+    start did not see, so did not learn the context length of, as a replica that answers only once serving)."""
     async def main():
-        eng = make_engine(cfg, model)
+        eng = SGLangEngine(cfg, cfg.sglang_urls, 0) if joined_later else make_engine(cfg, model)
         srv = InferenceServer(cfg, eng, model_name="sglang")
         await srv.start()
         client = InferenceClient([srv.address], retries=0)
@@ -46,7 +48,7 @@ def test_a_request_sglang_refuses_is_invalid_argument_with_its_message(servers, 
         r = await client.generate("t", PROMPT, 4, temperature=0.0)
         assert r.output_ids == greedy(models["a"], PROMPT, 4)[0]
 
-    front(cfg, models["a"], body)
+    front(cfg, models["a"], body, joined_later=True)
 
 
 def test_a_generation_sglang_fails_keeps_its_code(servers, models):
@@ -68,6 +70,78 @@ def test_a_generation_sglang_fails_keeps_its_code(servers, models):
         assert eng.metrics()["replicas_healthy"] == 0
 
     front(cfg, models["a"], body)
+
+
+def _fill(s, n: int) -> list:
+    """Hold n long requests on the stand-in s (rids fill-0...), returned running; end them with _unfill."""
+    from inference_server.sglang_http import http_json
+
+    threads = [in_thread(http_json, s.url, "/generate", gen_body(f"fill-{i}", 200), 60.0)[0] for i in range(n)]
+    wait_for(lambda: len(s.reqs) == n, 30)
+    return threads
+
+
+def _unfill(s, threads) -> None:
+    from inference_server.sglang_http import http_json
+
+    for i in range(len(threads)):
+        http_json(s.url, "/abort_request", {"rid": f"fill-{i}"})
+    for t in threads:
+        t.join(30)
+
+
+def test_a_full_sglang_queue_is_resource_exhausted_and_the_replica_stays(servers, models):
+    """SGLang started with --max-queued-requests answers 503 "The request queue is full." for a request past its
+    queue (Scheduler._abort_on_queued_limit): the engine took that for a dead server, took the replica out (0 healthy,
+    NOT_SERVING) and answered UNAVAILABLE, so load became an outage. It is now RESOURCE_EXHAUSTED (actors back off and
+    retry), the replica stays in and serves the next request."""
+    from inference_server.sglang_http import http_json
+
+    s = servers(weight_version="0", token_delay_s=0.05, max_running_requests=1, max_queued_requests=1)
+    fill = _fill(s, 2)  # one running, one waiting: the queue is full
+    try:
+        st, r = http_json(s.url, "/generate", gen_body("probe", 2))
+        assert (st, r) == (503, {"object": "error", "message": "The request queue is full.", "type": "503",
+                                 "param": None, "code": 503}), (st, r)
+        assert http_json(s.url, "/health_generate")[0] == 200  # full, not dead
+        cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30)
+
+        async def body(client, eng):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await client.generate("t", PROMPT, 4, temperature=0.0)
+            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+            assert "The request queue is full." in ei.value.details()
+            m = eng.metrics()
+            assert (m["replicas_healthy"], m["replica_down_events"], m["requests_rejected_queue_full"]) == (1, 0, 1)
+            _unfill(s, fill)
+            r = await client.generate("t", PROMPT, 4, temperature=0.0)
+            assert r.output_ids == greedy(models["a"], PROMPT, 4)[0]
+
+        front(cfg, models["a"], body)
+    finally:
+        _unfill(s, fill)
+
+
+def test_a_full_replica_sends_the_request_to_one_with_room(servers, models):
+    """Of two replicas, the one a trajectory sticks to has a full queue: the request is served by the other, and both
+    stay in rotation."""
+    a = servers(weight_version="0", token_delay_s=0.05, max_running_requests=1, max_queued_requests=1)
+    b = servers(weight_version="0")
+    fill = _fill(a, 2)
+    try:
+        cfg = InferenceConfig(max_context=256, engine="sglang", sglang_urls=[a.url, b.url], sglang_health_interval_s=30)
+
+        async def body(client, eng):
+            tid = next(f"t{i}" for i in range(64) if eng.route(f"t{i}").url == a.url)  # sticks to a from now on
+            r = await client.generate(tid, PROMPT, 4, temperature=0.0)
+            assert r.output_ids == greedy(models["a"], PROMPT, 4)[0]
+            m = eng.metrics()
+            assert (m["replicas_healthy"], m["requests_rejected_queue_full"]) == (2, 1)
+            assert [x["requests"] for x in m["replicas"]] == [1, 1]  # refused by a, served by b
+
+        front(cfg, models["a"], body)
+    finally:
+        _unfill(a, fill)
 
 
 def test_the_stand_in_applies_sglangs_context_rules(servers):
@@ -120,8 +194,36 @@ def test_the_front_admits_what_sglang_serves_in_full(servers, models):
     front(cfg, models["a"], body)
 
 
+def test_an_attached_servers_shorter_context_bounds_the_front_at_start(servers, models):
+    """tars took SGLang's context length to be inference.max_context (1024) while the attached server's was 256:
+    prompt 20 + max_new_tokens 235 passed the front, SGLang (255 < 256) took it and capped it at 256 - 20 - 2, so it
+    came back 234 tokens long, one short of what was asked, as a full "length" answer. The start now reads the
+    server's context length (GET /v1/models, max_model_len) and lowers max_context to it: the request is refused at
+    once with the limit (250) the actors fit their prompts to; one within it is served in full."""
+    from actor.judge import context_limit
+    from inference_server.sglang_http import http_json
+
+    s = servers(weight_version="0")  # context 256
+    assert http_json(s.url, "/v1/models")[1]["data"][0]["max_model_len"] == 256
+    cfg = InferenceConfig(max_context=1024, engine="sglang", sglang_urls=[s.url], sglang_health_interval_s=30)
+
+    async def body(client, eng):
+        assert (eng.cfg.max_context, eng.cfg.request_limit()) == (256, 250)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await client.generate("t", PROMPT, 235, temperature=0.0, stop_token_ids=[299])
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and context_limit(ei.value) == 250, ei.value
+        r = await client.generate("t", [5] * 20, 230, temperature=0.0)
+        assert r.output_ids == ref
+
+    ref = greedy(models["a"], [5] * 20, 230)[0]
+    ref = ref[:ref.index(1) + 1] if 1 in ref else ref  # the model's EOS (id 1) ends a generation on SGLang
+
+    front(cfg, models["a"], body)
+
+
 def test_sglangs_own_context_refusal_tells_actors_its_limit(servers, models):
-    """A server whose context (256) is below the front's: its refusal carries the limit in the front's words."""
+    """A server whose context (256) is below the front's, joined after the start: its refusal carries the limit in the
+    front's words."""
     from actor.judge import context_limit
 
     s = servers(weight_version="0")
@@ -132,7 +234,7 @@ def test_sglangs_own_context_refusal_tells_actors_its_limit(servers, models):
             await client.generate("t", PROMPT, 300, temperature=0.0)
         assert context_limit(ei.value) == 250, ei.value
 
-    front(cfg, models["a"], body)
+    front(cfg, models["a"], body, joined_later=True)
 
 
 def test_seeds_past_int64_reach_sglang_as_seeds_it_takes(servers, models):
@@ -144,7 +246,7 @@ def test_seeds_past_int64_reach_sglang_as_seeds_it_takes(servers, models):
     s = servers(weight_version="0")
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "sampling_seed": 1 << 63}}
     st, r = http_json(s.url, "/generate", body)
-    assert st == 500 and "Overflow" in r["detail"], (st, r)
+    assert st == 500 and "Overflow" in r["message"], (st, r)
     for ok in ((1 << 63) - 1, -(1 << 63)):
         assert http_json(s.url, "/generate", {**body, "sampling_params": {"max_new_tokens": 2, "sampling_seed": ok}})[0] == 200
 

@@ -73,10 +73,10 @@ def test_launching_sglang_off_loopback_is_refused_before_launch(models, host):  
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # no server was started
     with pytest.raises(InsecureBind):
-        SGLangFleet(InferenceConfig(engine="sglang", sglang_launch=1, sglang_host=host), models["a"])
+        SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_host=host), models["a"])
     with pytest.raises(InsecureBind):
         launch_sglang_servers(models["a"], host=host, base_port=port, module=CONFORMANCE)
-    SGLangFleet(InferenceConfig(engine="sglang", sglang_launch=1, sglang_host="localhost"), models["a"])  # loopback
+    SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_host="localhost"), models["a"])  # loopback
 
 
 @pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--host=::"], ["--hos", "0.0.0.0"]])
@@ -86,12 +86,12 @@ def test_sglang_args_cannot_move_a_launched_server_off_loopback(args):
     from core.auth import InsecureBind
     from inference_server.sglang_launch import SGLangFleet, launch_sglang_servers
 
-    cfg = InferenceConfig(engine="sglang", sglang_launch=1, sglang_host="127.0.0.1", sglang_args=args)
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_host="127.0.0.1", sglang_args=args)
     with pytest.raises(InsecureBind, match="sglang_args"):
         SGLangFleet(cfg, "/nonexistent-model")
     with pytest.raises(InsecureBind, match="sglang_args"):
         launch_sglang_servers("/nonexistent-model", extra_args=args, module=CONFORMANCE, wait_s=1)
-    SGLangFleet(InferenceConfig(engine="sglang", sglang_launch=1, sglang_args=["--mem-fraction-static", "0.8"]),
+    SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_args=["--mem-fraction-static", "0.8"]),
                 "/nonexistent-model")  # other flags pass
 
 
@@ -100,7 +100,8 @@ def test_serve_exits_2_at_once_when_a_launched_server_dies_before_it_is_healthy(
     t0 = time.monotonic()
     r = _serve("--model", models["a"], "--port", "0", "--engine", "sglang", "--sglang-launch", "1",
                "--set", f"inference.sglang_module={CONFORMANCE}", "--set", f"inference.sglang_base_port={_free_port()}",
-               "--set", "inference.sglang_python=/bin/false", "--set", "inference.sglang_startup_timeout_s=600")
+               "--set", "inference.sglang_python=/bin/false", "--set", "inference.sglang_startup_timeout_s=600",
+               "--set", "inference.max_context=256")
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]  # before it: the dead server's own output
     assert last.startswith("inference_server: SGLang server http://127.0.0.1:") and "exited with status 1 before it " \
@@ -229,7 +230,7 @@ def test_health_follows_an_attached_server_killed_and_restarted(models):  # noqa
 
 
 def test_startup_deadline_in_process_names_every_url():
-    from inference_server.sglang_engine import open_sglang_engine
+    from inference_server.sglang_start import open_sglang_engine
 
     urls = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
     with pytest.raises(SGLangStartupError, match=f"at {urls[0]}, {urls[1]} within 0.5 s"):
@@ -277,6 +278,37 @@ def check_flags(argv: list[str], flags: dict[str, str]) -> None:
                 i += 1
 
 
+def test_launched_servers_get_the_fronts_context_length(models, monkeypatch):  # noqa: F811
+    """A launched server got no --context-length, so SGLang used the model's own (512 here) while tars admitted
+    requests by inference.max_context: with 1024, prompt 20 + 998 new tokens passed the front and SGLang refused it.
+    The launcher now passes --context-length max_context; sglang_args may set it only to the same value; a max_context
+    past the model's context length is refused before anything starts, unless SGLang's own switch allows it."""
+    from inference_server.sglang_launch import SGLangFleet
+
+    def ctx(cfg):
+        cmd = SGLangFleet(cfg, models["a"]).commands[0]  # not started: only its command line
+        assert cmd.count("--context-length") + sum(a.startswith("--context-length=") for a in cmd) == 1, cmd
+        return cmd[cmd.index("--context-length") + 1] if "--context-length" in cmd else cmd[-1].split("=", 1)[1]
+
+    assert ctx(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1)) == "256"
+    assert ctx(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_args=["--context-length", "256"])) == "256"
+    assert ctx(InferenceConfig(max_context=300, engine="sglang", sglang_launch=1, sglang_args=["--context-length=300"])) == "300"
+    with pytest.raises(ValueError, match=r"sglang_args sets --context-length 300 but inference.max_context is 256"):
+        SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1,
+                                    sglang_args=["--context-length", "300"]), models["a"])
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    with pytest.raises(ValueError, match=r"inference.max_context=1024 is past the model's context length 512 .*"
+                                         r"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"):
+        SGLangFleet(InferenceConfig(max_context=1024, engine="sglang", sglang_launch=1), models["a"])
+    monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    assert ctx(InferenceConfig(max_context=1024, engine="sglang", sglang_launch=1)) == "1024"
+    # The k8s overlay's SGLang is started with the context length the shared config gives the front.
+    pod = yaml.safe_load(OVERLAY.read_text())["spec"]["template"]["spec"]
+    args = next(c for c in pod["containers"] if c["name"] == "sglang")["args"]
+    conf = yaml.safe_load((ROOT / "deploy" / "k8s" / "base" / "config.yaml").read_text())
+    assert args[args.index("--context-length") + 1] == str(conf["inference"]["max_context"])
+
+
 def test_the_pinned_flag_list_is_sglang_0_5_23s():
     head = FLAGS.read_text().splitlines()[:5]
     assert any("sglang 0.5.23" in ln and "server_args.py" in ln for ln in head)
@@ -286,7 +318,7 @@ def test_the_pinned_flag_list_is_sglang_0_5_23s():
 
 def test_launcher_and_k8s_overlay_flags_exist_in_sglang(models):  # noqa: F811
     flags = _sglang_flags()
-    cfg = InferenceConfig(engine="sglang", sglang_launch=2, sglang_args=["--mem-fraction-static", "0.85", "--tp-size", "1"])
+    cfg = InferenceConfig(max_context=256, engine="sglang", sglang_launch=2, sglang_args=["--mem-fraction-static", "0.85", "--tp-size", "1"])
     from inference_server.sglang_launch import SGLangFleet
 
     fleet = SGLangFleet(cfg, models["a"], weight_version=3)  # not started: only its command lines
