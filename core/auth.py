@@ -7,6 +7,8 @@ depends on must be set, else InsecureBind (each role's command prints it and exi
     envd, inference server   their service token (envd.auth_token / inference.auth_token) and control.auth_token
                              (the ControlService shares their listener)
     trajectory stream        CURVE (learner.stream.curve_secret_key)
+    /metrics (every role)    telemetry.prometheus_token, unless telemetry.prometheus_allow_no_token (a firewalled
+                             port; core.telemetry.setup)
     actor / learner control  bind 127.0.0.1 only (control.auth_token guards them all the same)
 
 read_secret_files() is the `*_file` convention: a string field X with a sibling X_file (envd.auth_token_file,
@@ -74,9 +76,10 @@ def secrets_error(cfg) -> str | None:
     "Invalid argument"), and a learner's public key must be the one of its secret key (actors given it could never
     connect)."""
     for setting, token in (("envd.auth_token", cfg.envd.auth_token), ("inference.auth_token", cfg.inference.auth_token),
-                           ("control.auth_token", cfg.control.auth_token)):
+                           ("control.auth_token", cfg.control.auth_token),
+                           ("telemetry.prometheus_token", cfg.telemetry.prometheus_token)):
         if token and not all("!" <= c <= "~" for c in token):
-            return f"{setting}: a token must be visible ASCII characters only (it travels in a gRPC header)"
+            return f"{setting}: a token must be visible ASCII characters only (it travels in a gRPC or HTTP header)"
     s = cfg.learner.stream
     for setting, key in (("curve_secret_key", s.curve_secret_key), ("curve_public_key", s.curve_public_key)):
         if key and (len(key) != 40 or not set(key) <= Z85):

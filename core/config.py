@@ -205,8 +205,16 @@ class TelemetryConfig:
                                  "order envd, inference, actor0.., learner")
     prometheus_host: str = f("127.0.0.1", "address the /metrics listener binds: 127.0.0.1 keeps it on this machine; "
                                           "0.0.0.0 (a pod) or a private address lets a Prometheus elsewhere scrape "
-                                          "it. Metrics carry no secrets and need no token (docs/threat-model.md): "
-                                          "firewall the port")
+                                          "it, and then needs prometheus_token (or prometheus_allow_no_token)")
+    prometheus_token: str = f("", "if set, a scrape must carry `Authorization: Bearer <token>` (Prometheus: "
+                                  "authorization.credentials_file); without it: 401 and no metrics. Required off "
+                                  "loopback (the role refuses to start, exit 2) unless prometheus_allow_no_token; "
+                                  "`tars up` makes one per run when empty")
+    prometheus_token_file: str = f("", "read telemetry.prometheus_token from this file (a Kubernetes Secret volume, a "
+                                       "systemd credential: %d/metrics-token), the file Prometheus reads it from too")
+    prometheus_allow_no_token: bool = f(False, "serve /metrics off loopback without prometheus_token: only where "
+                                               "a firewall or NetworkPolicy admits the Prometheus server alone "
+                                               "(docs/threat-model.md)")
 
 
 @dataclass

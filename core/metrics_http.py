@@ -6,6 +6,10 @@ metric families; prometheus_client writes the exposition text (0.0.4 by default,
 serves it. Names: dots become underscores, a unit "s" adds `_seconds`, monotonic sums are counters (`_total`),
 histograms keep their explicit buckets. Every sample carries the resource's service.name as `role`, so one
 Prometheus can scrape every process of a run.
+
+With a token (telemetry.prometheus_token) every request must carry `Authorization: Bearer <token>`, as Prometheus
+sends it (scrape config `authorization`, a PodMonitor's `authorization`): anything else is answered 401 with a
+`WWW-Authenticate: Bearer` challenge and an empty body, before the registry is collected.
 """
 from __future__ import annotations
 
@@ -80,6 +84,32 @@ class OtelCollector(Collector):
                         else:
                             fam.add_sample(name + ("_total" if typ == "counter" else ""), labels, float(p.value))
         return list(families.values())
+
+
+def _bearer_handler(base: type, token: str) -> type:
+    """`base` (prometheus_client's MetricsHandler over our registry) behind a bearer-token check: the token is
+    compared in constant time (hmac.compare_digest) and never logged or echoed."""
+    import hmac
+
+    want = f"Bearer {token}".encode()
+
+    class BearerHandler(base):
+        def do_GET(self) -> None:
+            got = self.headers.get("Authorization", "")
+            scheme, _, cred = got.strip().partition(" ")
+            # the scheme is case-insensitive (RFC 7235); compare_digest takes the same time whatever cred holds
+            ok = hmac.compare_digest(f"Bearer {cred.strip()}".encode("utf-8", "replace"), want)
+            if not (ok and scheme.lower() == "bearer"):
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="tars metrics"' +
+                                 (', error="invalid_token"' if got else ""))
+                self.send_header("Content-Length", "0")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                return
+            super().do_GET()
+
+    return BearerHandler
 
 
 CONN_TIMEOUT_S = 10.0  # an idle or half-sent connection is closed after this (its thread ends)
@@ -158,16 +188,19 @@ class MetricsServer:
     port) in a daemon thread, over a registry of this process's own (`address` = host:actual port, an IPv6 host in
     brackets). It answers /metrics (and, as prometheus_client does, any other path) with the exposition of
     `collect()`. Each connection's thread ends when its client is idle for conn_timeout_s, and at most max_conns are
-    served at once (more are closed on accept); one still open CONN_DEADLINE_S after it was accepted is cut."""
+    served at once (more are closed on accept); one still open CONN_DEADLINE_S after it was accepted is cut. With a
+    `token`, a request without `Authorization: Bearer <token>` gets 401 and no metrics."""
 
     def __init__(self, collect: Callable[[], object], host: str = "127.0.0.1", port: int = 0,
-                 conn_timeout_s: float | None = None, max_conns: int | None = None):
+                 conn_timeout_s: float | None = None, max_conns: int | None = None, token: str = ""):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(OtelCollector(collect))
         conn_timeout_s = CONN_TIMEOUT_S if conn_timeout_s is None else conn_timeout_s
         max_conns = MAX_CONNS if max_conns is None else max_conns
         handler = type("Handler", (MetricsHandler.factory(self.registry),),
                        {"timeout": conn_timeout_s, "log_message": lambda *a: None})
+        if token:
+            handler = _bearer_handler(handler, token)
         self.httpd = _Server((host, port), handler, max_conns, CONN_DEADLINE_S)
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
                                        name="tars-metrics-http", daemon=True)

@@ -20,7 +20,8 @@ Spans are batched by the SDK's BatchSpanProcessor (a bounded queue; spans past i
 hot path). With no exporter, or enabled=false, every helper here is a no-op that costs a function call and a flag test.
 Metrics: instruments registered by the roles (counter / histogram / observable gauges read from their status) go to
 an in-memory reader; core.metrics_http hands them to prometheus_client (a registry per process), which serves them
-on telemetry.prometheus_host (127.0.0.1 by default) when prometheus_port >= 0.
+on telemetry.prometheus_host (127.0.0.1 by default) when prometheus_port >= 0, behind telemetry.prometheus_token
+when set (required off loopback unless telemetry.prometheus_allow_no_token).
 """
 from __future__ import annotations
 
@@ -197,8 +198,9 @@ def setup(cfg, role: str, run_dir: str | None = None) -> dict:
         rank = os.environ.get("LOCAL_RANK", "")
         if port > 0 and rank.isdigit() and int(rank) > 0:
             port += int(rank)  # several processes of one accelerate launch: one port each
+        check_metrics_bind(cfg, role, host)
         try:
-            S.http = metrics_http.MetricsServer(collect, host, port)
+            S.http = metrics_http.MetricsServer(collect, host, port, token=cfg.prometheus_token)
         except (OSError, OverflowError) as e:
             from core.config import ConfigError
 
@@ -209,6 +211,23 @@ def setup(cfg, role: str, run_dir: str | None = None) -> dict:
         observe("tars.telemetry.spans_dropped", lambda: exporter.dropped, description="spans dropped at the span "
                 "file's size cap (telemetry.max_file_mb)", kind="counter")
     return {"traces": what, "metrics": S.http.address if S.http else "off"}
+
+
+def check_metrics_bind(cfg, role: str, host: str) -> None:
+    """core.auth's rule for /metrics: off loopback only with telemetry.prometheus_token, or with the explicit
+    telemetry.prometheus_allow_no_token (a port the operator firewalls). A ConfigError (the role exits 2)."""
+    from core import auth
+
+    if cfg.prometheus_token or cfg.prometheus_allow_no_token or auth.is_loopback(host):
+        return  # on loopback without a token: as before (no warning; any local process may read the metrics)
+    try:
+        auth.check_listener(role, "/metrics", host, {"telemetry.prometheus_token": ""})
+    except auth.InsecureBind as e:
+        from core.config import ConfigError
+
+        shutdown()
+        raise ConfigError(f"{e}; or set telemetry.prometheus_allow_no_token=true where a firewall or "
+                          "NetworkPolicy admits the Prometheus server alone") from None
 
 
 # Histogram buckets: staleness in versions (integers), latencies in seconds.

@@ -1,10 +1,11 @@
 """Per-run tokens for the processes a launcher starts (`tars up`, `tars eval`, the fault and soak benchmarks).
 
 tars.topology.plan() calls issue() for every run: each empty token gets a fresh secrets.token_urlsafe value, one
-per service the run starts (envd.auth_token, inference.auth_token) and a separate control.auth_token for every
-process's ControlService, and the config is saved again as the run's config.yaml, mode 0600. The roles read
-their tokens from that file (`--config`), never from their command line (which any local user can read in
-/proc/PID/cmdline); `tars ctl` reads control.auth_token from it too. Tokens the user set (directly or through an
+per service the run starts (envd.auth_token, inference.auth_token), a separate control.auth_token for every
+process's ControlService and a telemetry.prometheus_token for every role's /metrics (a scrape sends it as a bearer
+token), and the config is saved again as the run's config.yaml, mode 0600. The roles read their tokens from that
+file (`--config`), never from their command line (which any local user can read in /proc/PID/cmdline); `tars ctl`
+reads control.auth_token from it too. Tokens the user set (directly or through an
 `*_file` setting) are kept.
 
 A run that starts the learner also gets a CURVE keypair for its trajectory stream (learner.stream.curve_*), when
@@ -39,6 +40,10 @@ def issue(cfg, config_path: str | os.PathLike, *, envd: bool = True, inference: 
         made[setting] = wanted and not section.auth_token
         if made[setting]:
             section.auth_token = new_token()
+    t = cfg.telemetry  # every role's /metrics: a scrape needs it as a bearer token (core.metrics_http)
+    made["telemetry.prometheus_token"] = not t.prometheus_token
+    if made["telemetry.prometheus_token"]:
+        t.prometheus_token = new_token()
     stream = cfg.learner.stream
     made["learner.stream.curve"] = (learner and zmq.has("curve") and not stream.curve_secret_key
                                     and not stream.curve_public_key)

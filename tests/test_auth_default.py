@@ -157,7 +157,7 @@ def test_tokens_set_by_the_user_are_kept(tmp_path):
     cfg = C.load(None, None, ["envd.auth_token=mine-envd", "control.auth_token=mine-control"])
     made = tokens.issue(cfg, tmp_path / "config.yaml")
     assert made == {"envd.auth_token": False, "inference.auth_token": True, "control.auth_token": False,
-                    "learner.stream.curve": False}  # no learner in this run
+                    "telemetry.prometheus_token": True, "learner.stream.curve": False}  # no learner in this run
     assert cfg.envd.auth_token == "mine-envd" and cfg.control.auth_token == "mine-control"
     assert len(cfg.inference.auth_token) >= 32
     assert stat.S_IMODE((tmp_path / "config.yaml").stat().st_mode) == 0o600

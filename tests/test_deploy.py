@@ -127,7 +127,8 @@ def test_inference_unit_start_timeout_outlasts_the_sglang_wait():
     env["TARS_EXTRA_ARGS"] = "--set inference.engine=sglang --set inference.sglang_urls=http://127.0.0.1:30000"
     sets = _sets(_expand_exec(d["ExecStart"][0], env))
     cfg = C.load(None, str(K8S / "base" / "config.yaml"),  # docs/deploy.md installs it as /etc/tars/config.yaml
-                 [s for s in sets if s.startswith("inference.") and "_file=" not in s])
+                 [s for s in sets if s.startswith("inference.") and "_file=" not in s]
+                 + ["telemetry.prometheus_token_file="])  # the unit names its own credential file for it
     assert cfg.inference.engine == "sglang"
     assert _seconds(d["TimeoutStartSec"][0]) >= cfg.inference.sglang_startup_timeout_s + 60, d["TimeoutStartSec"]
 
@@ -199,7 +200,7 @@ def test_systemd_execstart_matches_cli_and_env_files():
 # ---- secrets: systemd credentials and Kubernetes Secrets, read through *_file settings -----------------------------
 
 # What each role needs to start on a non-loopback address (core.auth), and which setting names a secret.
-SECRET_SETTINGS = ("auth_token", "curve_secret_key", "curve_public_key")
+SECRET_SETTINGS = ("auth_token", "curve_secret_key", "curve_public_key", "prometheus_token")
 
 
 def _secret_values(tmp: pathlib.Path) -> dict[str, str]:
@@ -208,7 +209,7 @@ def _secret_values(tmp: pathlib.Path) -> dict[str, str]:
 
     pub, sec = zmq.curve_keypair()
     return {"envd-token": "t-envd", "inference-token": "t-inference", "control-token": "t-control",
-            "stream-curve-secret": sec.decode(), "stream-curve-public": pub.decode()}
+            "metrics-token": "t-metrics", "stream-curve-secret": sec.decode(), "stream-curve-public": pub.decode()}
 
 
 def _sets(argv: list[str]) -> list[str]:
@@ -238,10 +239,22 @@ def _check_role_starts(role: str, sets: list[str]) -> None:
             assert cfg.learner.stream.curve_public_key  # the learner's stream is CURVE off loopback
         return cfg
 
+    def check_metrics(sets):
+        from core import telemetry
+
+        cfg = C.load(None, None, sets)
+        t = cfg.telemetry
+        assert t.prometheus_port >= 0 and not auth.is_loopback(t.prometheus_host), (role, t)  # served off loopback
+        telemetry.check_metrics_bind(t, role, t.prometheus_host)
+        return t
+
     check(sets)
+    assert check_metrics(sets).prometheus_token == "t-metrics"  # every role's /metrics needs its token
     if role != "actor":
         with pytest.raises(auth.InsecureBind):
             check([s for s in sets if "_file=" not in s])
+    with pytest.raises(C.ConfigError, match="telemetry.prometheus_token"):
+        check_metrics([s for s in sets if not s.startswith("telemetry.prometheus_token_file=")])
 
 
 def test_systemd_secrets_are_credentials(tmp_path):
@@ -305,7 +318,11 @@ def test_k8s_secrets_come_from_a_secret_volume(rendered, tmp_path):
         for e in c.get("env", []):
             assert "TOKEN" not in e["name"] and "secretKeyRef" not in e.get("valueFrom", {}), (overlay, pod, e)
         sets, local = [], {}
-        for st in _sets(c["args"]):
+        # config.yaml (the ConfigMap) sets the /metrics bind and its token file for every role
+        cfg_map = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("tars-config-"))
+        tel = yaml.safe_load(cfg_map["data"]["config.yaml"])["telemetry"]
+        from_config = [f"telemetry.{k}={tel[k]}" for k in ("prometheus_host", "prometheus_port", "prometheus_token_file")]
+        for st in from_config + _sets(c["args"]):
             k, _, v = st.partition("=")
             assert k.rsplit(".", 1)[-1] not in SECRET_SETTINGS, (overlay, pod, st)
             if k.endswith("_file"):
@@ -862,6 +879,10 @@ def test_podmonitor_selects_the_metrics_ports():
     pm = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
     assert pm["kind"] == "PodMonitor" and pm["metadata"]["namespace"] == "tars"
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # every endpoint scrapes with the metrics token (Bearer), from the Secret the pods mount it from
+    for e in pm["spec"]["podMetricsEndpoints"]:
+        assert e["authorization"] == {"type": "Bearer", "credentials": {"name": "tars-secrets", "key": "metrics-token"}}, e
+        assert "bearerTokenSecret" not in e and "basicAuth" not in e
     sel = pm["spec"]["selector"]["matchExpressions"][0]
     assert sel["key"] == "app.kubernetes.io/name" and sel["operator"] == "In"
     pods = _pods(_render("cpu-dev"))
@@ -884,7 +905,8 @@ def test_systemd_units_serve_metrics_on_distinct_ports():
         cmd = _directives((SYSTEMD / unit).read_text())["ExecStart"][0]
         for inst in (["0", "1", "9"] if "@" in unit else ["1"]):
             sets = _sets(_expand_exec(cmd, env, instance=inst))
-            t = C.load(None, None, [s for s in sets if s.startswith("telemetry.")]).telemetry
+            # (the token file is a credential, read in test_systemd_secrets_are_credentials)
+            t = C.load(None, None, [s for s in sets if s.startswith("telemetry.") and "_file=" not in s]).telemetry
             assert t.prometheus_host == env["TARS_METRICS_HOST"] and t.prometheus_host != "127.0.0.1", unit
             assert t.prometheus_port > 0, unit
             assert t.prometheus_port not in seen, (unit, inst, seen)
@@ -895,7 +917,7 @@ def test_systemd_units_serve_metrics_on_distinct_ports():
 # ---- no placeholder or literal secret anywhere in deploy/ ---------------------------------------------------------
 
 _PLACEHOLDER = re.compile(r"change[-_ ]?me|replace[-_ ]?me|changeit|your[-_]?token|<token>|xxxxx", re.I)
-_LITERAL = re.compile(r"\b(auth_token|curve_secret_key|curve_public_key)\b(?!_file)\s*[:=]\s*[\"']?[^\s\"'/$%]+"
+_LITERAL = re.compile(r"\b(auth_token|curve_secret_key|curve_public_key|prometheus_token)\b(?!_file)\s*[:=]\s*[\"']?[^\s\"'/$%]+"
                       r"|^[A-Z_]*(TOKEN|SECRET|KEY|PASSWORD)\s*=\s*\S", re.M)
 
 

@@ -25,8 +25,9 @@ def _shutdown():
     telemetry.shutdown()
 
 
-def _scrape(url: str) -> set[str]:
-    with urllib.request.urlopen(url, timeout=10) as r:
+def _scrape(url: str, token: str = "") -> set[str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200
         return {f.name for f in text_string_to_metric_families(r.read().decode())}
 
@@ -58,17 +59,18 @@ def test_default_binds_loopback_only():
 
 
 def test_prometheus_host_binds_all_addresses_and_is_scraped():
-    """prometheus_host=0.0.0.0 (what a pod needs): the listener is on every address, scraped on loopback and on the
-    machine's own non-loopback address."""
-    cfg = C.load(None, None, ["telemetry.prometheus_host=0.0.0.0", "telemetry.prometheus_port=0"]).telemetry
+    """prometheus_host=0.0.0.0 (what a pod needs, with its token): the listener is on every address, scraped on
+    loopback and on the machine's own non-loopback address."""
+    cfg = C.load(None, None, ["telemetry.prometheus_host=0.0.0.0", "telemetry.prometheus_port=0",
+                              "telemetry.prometheus_token=bind-test-token"]).telemetry
     got = telemetry.setup(cfg, "envd")
     _count_something()
     host, port = telemetry.S.http.httpd.server_address[:2]
     assert host == "0.0.0.0" and got["metrics"] == f"0.0.0.0:{port}"
-    assert "tars_test_bind" in _scrape(f"http://127.0.0.1:{port}/metrics")
+    assert "tars_test_bind" in _scrape(f"http://127.0.0.1:{port}/metrics", "bind-test-token")
     ip = _private_ipv4()
     if ip is not None:
-        assert "tars_test_bind" in _scrape(f"http://{ip}:{port}/metrics")
+        assert "tars_test_bind" in _scrape(f"http://{ip}:{port}/metrics", "bind-test-token")
 
 
 def test_prometheus_host_ipv6_loopback():
@@ -126,5 +128,6 @@ def test_role_with_unusable_metrics_address_exits_with_a_config_error():
     assert r.returncode == 2, r.stderr[-2000:]
     assert "telemetry.prometheus_host='127.0.0.1'" in r.stderr and f"prometheus_port={port}" in r.stderr
     assert "Traceback" not in r.stderr
-    r = _envd("telemetry.prometheus_port=0", "telemetry.prometheus_host=192.0.2.77")  # TEST-NET-1: not ours
+    r = _envd("telemetry.prometheus_port=0", "telemetry.prometheus_host=192.0.2.77",  # TEST-NET-1: not ours
+              "telemetry.prometheus_token=t")
     assert r.returncode == 2 and "cannot serve /metrics" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

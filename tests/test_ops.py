@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -105,8 +106,9 @@ def poll(fn, timeout: float, what: str, interval: float = 0.3):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def scrape(address: str) -> dict:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+def scrape(address: str, token: str = "") -> dict:
+    req = urllib.request.Request(f"http://{address}/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         out: dict[str, list[tuple[dict, float]]] = {}
         for fam in text_string_to_metric_families(r.read().decode()):  # prometheus_client's parser
@@ -198,8 +200,13 @@ def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
         poll(lambda: by_role(ctl_json("status", env=env, cwd=elsewhere))["actor"]["metrics"]["episodes"] > n0 + 8, 60,
              "episodes after resume")
 
-        # Prometheus endpoints of every role, parsed
-        lrn = scrape(info["learner"]["metrics"])
+        # Prometheus endpoints of every role, parsed: each needs the run's telemetry.prometheus_token (tars up)
+        mtoken = C.load(None, str(out / "config.yaml")).telemetry.prometheus_token
+        assert len(mtoken) >= 32
+        with pytest.raises(urllib.error.HTTPError) as e401:
+            scrape(info["learner"]["metrics"])
+        assert e401.value.code == 401
+        lrn = scrape(info["learner"]["metrics"], mtoken)
         assert value(lrn, "tars_learner_trajectories_total", role="learner") > 0
         assert value(lrn, "tars_learner_eta", role="learner") == 3
         buckets = sorted((float(lab["le"]), v) for lab, v in lrn["tars_token_staleness_bucket"])
@@ -207,12 +214,12 @@ def test_live_run_ctl_metrics_and_joined_traces(tmp_path):
         assert buckets[-1][1] == value(lrn, "tars_token_staleness_count") > 0
         assert value(lrn, "tars_learner_step_duration_seconds_count") >= 2
         assert "tars_learner_buffer_depth" in lrn and "tars_learner_trajectories_per_s" in lrn
-        inf = scrape(info["inference"]["metrics"])
+        inf = scrape(info["inference"]["metrics"], mtoken)
         assert value(inf, "tars_inference_tokens_total", role="inference") > 0
         assert 0.0 <= value(inf, "tars_inference_idle_share") <= 1.0
-        ev = scrape(info["envd"]["metrics"])
+        ev = scrape(info["envd"]["metrics"], mtoken)
         assert value(ev, "tars_env_step_duration_seconds_count", role="envd") > 0
-        act = scrape(info["actor"]["metrics"])
+        act = scrape(info["actor"]["metrics"], mtoken)
         assert value(act, "tars_actor_episodes_total", outcome="truncated") > 0
     finally:
         if up.poll() is None:
