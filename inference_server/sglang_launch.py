@@ -3,9 +3,10 @@
 Each server is its own process group with PDEATHSIG (core.proc.die_with_parent), so stopping it (or this process
 dying) takes SGLang's scheduler and detokenizer processes down with it.
 
-- `server_command`: the one command line of a server (tests check its flags against SGLang 0.5.23's parser).
-- `context_args`: the servers' --context-length, inference.max_context (checked against sglang_args and the model's
-  own context length).
+- `server_command`: the one command line of a server (tests check its flags against SGLang 0.5.23's parser);
+  `launch_commands`: every launched server's, with the checks below (SGLangFleet and launch_sglang_servers alike).
+- `context_args`: the servers' --context-length, inference.max_context (checked against sglang_args, in every form
+  SGLang's argparse accepts (flag_uses), and the model's own context length).
 - `SGLangFleet`: `inference.sglang_launch` servers on the checkpoint directory, started by `make_engine`; one that
   exits is restarted on its port (at most sglang_max_restarts times, the wait doubling from sglang_restart_backoff_s),
   and `stop` ends every group. The replica pool (inference_server.sglang_pool) takes a dead server's replica out at
@@ -81,43 +82,61 @@ def allow_longer_context() -> bool:
     return os.environ.get(ALLOW_LONGER, "").strip().lower() in ("true", "1")
 
 
+def flag_uses(args: list, flag: str) -> list[tuple[str, str]]:
+    """(as written, value) for every place `args` sets `flag` in a form SGLang's argparse parser accepts: `--flag V`,
+    `--flag=V`, and a prefix of the flag (allow_abbrev: `--context-len 300`; argparse refuses a prefix that fits
+    other flags too, e.g. `--context` in 0.5.23, so counting one here only refuses it earlier). SGLang keeps the last."""
+    args = [str(a) for a in args or ()]
+    out = []
+    for i, a in enumerate(args):
+        name, eq, val = a.partition("=")
+        if len(name) > 2 and name.startswith("--") and flag.startswith(name):
+            out.append((name, val if eq else (args[i + 1] if i + 1 < len(args) else "")))
+    return out
+
+
 def context_args(max_context: int, model_path: str, extra_args: list | None = None) -> list[str]:
     """The launched servers' `--context-length`: inference.max_context, so that SGLang's limit is the one tars admits
-    requests by (InferenceConfig.request_limit). [] when sglang_args set it themselves, to the same value; ValueError
-    when they set another, or when max_context is past the model's own context length (SGLang refuses to start then
-    unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 is in the environment, which the servers inherit)."""
-    args = [str(a) for a in extra_args or ()]
-    given = None
-    for i, a in enumerate(args):
-        flag, _, val = a.partition("=")
-        if flag == "--context-length":
-            given = val or (args[i + 1] if i + 1 < len(args) else "")
-    if given is not None and given != str(max_context):
-        raise ValueError(f"inference.sglang_args sets --context-length {given} but inference.max_context is "
-                         f"{max_context}: tars admits requests by max_context, so the two must agree (set "
-                         "inference.max_context, and leave --context-length out of sglang_args)")
+    requests by (InferenceConfig.request_limit). [] when sglang_args set it themselves (in any form flag_uses finds),
+    to the same value; ValueError when they set another, or when max_context is past the model's own context length
+    (SGLang refuses to start then unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 is in the environment, which the
+    servers inherit)."""
+    uses = flag_uses(extra_args, "--context-length")
+    for written, given in uses:
+        if given != str(max_context):
+            raise ValueError(f"inference.sglang_args sets {written} {given} but inference.max_context is "
+                             f"{max_context}: tars admits requests by max_context, so the two must agree (set "
+                             "inference.max_context, and leave --context-length out of sglang_args)")
     model = model_context_length(model_path)
     if model is not None and max_context > model and not allow_longer_context():
         raise ValueError(f"inference.max_context={max_context} is past the model's context length {model} "
                          f"({model_path}/config.json): lower it, or set {ALLOW_LONGER}=1 in the environment to run "
                          "the model past the length it was trained for")
-    return [] if given is not None else ["--context-length", str(max_context)]
+    return [] if uses else ["--context-length", str(max_context)]
 
 
 def check_host(host: str, extra_args: list | None = None) -> None:
     """InsecureBind (a ValueError: `tars serve` prints it and exits 2) for a launch address that is not loopback, or
     for extra server flags that set the address themselves (`--host 0.0.0.0` in sglang_args comes after the launcher's
-    --host, so SGLang's parser would bind it; argparse also takes an unambiguous prefix such as `--hos`)."""
-    for a in extra_args or ():
-        flag = str(a).split("=", 1)[0]
-        if len(flag) > 2 and "--host".startswith(flag):
-            raise InsecureBind(f"inference.sglang_args sets the launched servers' address ({str(a)!r}): set "
-                               "inference.sglang_host instead, a loopback address (their HTTP API takes no token)")
+    --host, so SGLang's parser would bind it; any form flag_uses finds, `--hos 0.0.0.0` and `--host=::` too)."""
+    for written, val in flag_uses(extra_args, "--host"):
+        raise InsecureBind(f"inference.sglang_args sets the launched servers' address ({written} {val!r}): set "
+                           "inference.sglang_host instead, a loopback address (their HTTP API takes no token)")
     if not is_loopback(host):
         raise InsecureBind(f"inference.sglang_host={host!r}: refusing to launch SGLang servers off loopback: their HTTP "
                            "API (update_weights_from_disk, pause_generation, generate) takes no token, so anyone who "
                            "can reach this host could use it. Bind 127.0.0.1 (remote actors call the tars front, "
                            "guarded by inference.auth_token)")
+
+
+def launch_commands(model_path: str, host: str, ports: list[int], max_context: int, weight_version: int = 0,
+                    extra_args: list | None = None, module: str = "sglang.launch_server", python: str = "") -> list[list[str]]:
+    """The launched servers' command lines, one per port: the one place they are built (SGLangFleet and
+    launch_sglang_servers). check_host and context_args refuse what SGLang must not be given, before anything starts."""
+    extra = [str(a) for a in extra_args or ()]
+    check_host(host, extra)
+    extra = context_args(max_context, model_path, extra) + extra
+    return [server_command(model_path, host, p, weight_version, extra, module, python) for p in ports]
 
 
 # Run by the server's own Python before it becomes the server: SIGTERM when the thread that started it goes
@@ -162,13 +181,11 @@ class SGLangFleet:
         n = int(cfg.sglang_launch)
         if n < 1:
             raise ValueError(f"inference.sglang_launch must be >= 1 to launch servers, got {n}")
-        check_host(cfg.sglang_host, list(cfg.sglang_args))  # before anything starts
         self.cfg, self.n = cfg, n
         ports = [int(cfg.sglang_base_port) + i for i in range(n)]
         self.urls = [f"http://{cfg.sglang_host}:{p}" for p in ports]
-        extra = context_args(cfg.max_context, model_path, list(cfg.sglang_args)) + list(cfg.sglang_args)
-        self.commands = [server_command(model_path, cfg.sglang_host, p, weight_version, extra, cfg.sglang_module,
-                                        cfg.sglang_python) for p in ports]
+        self.commands = launch_commands(model_path, cfg.sglang_host, ports, cfg.max_context, weight_version,
+                                        list(cfg.sglang_args), cfg.sglang_module, cfg.sglang_python)
         gpus = [str(g) for g in cfg.sglang_gpus]
         self.gpus = [gpus[i % len(gpus)] if gpus else None for i in range(n)]
         self.procs: list[subprocess.Popen | None] = [None] * n
@@ -277,18 +294,19 @@ def wait_first_healthy(urls: list[str], timeout_s: float, fleet: SGLangFleet | N
         time.sleep(interval_s)
 
 
-def launch_sglang_servers(model_path: str, n: int = 1, host: str = "127.0.0.1", base_port: int = 30000,
-                          gpus: list[str] | None = None, weight_version: int = 0, extra_args: list[str] | None = None,
-                          wait_s: float = 900.0, module: str = "sglang.launch_server") -> tuple[list[subprocess.Popen], list[str]]:
-    """Start n servers (server_command; one GPU each through CUDA_VISIBLE_DEVICES) and wait until every one answers
-    /health_generate. Unsupervised: the caller stops them with stop_sglang_servers."""
-    check_host(host, extra_args)
+def launch_sglang_servers(model_path: str, max_context: int, n: int = 1, host: str = "127.0.0.1",
+                          base_port: int = 30000, gpus: list[str] | None = None, weight_version: int = 0,
+                          extra_args: list[str] | None = None, wait_s: float = 900.0,
+                          module: str = "sglang.launch_server") -> tuple[list[subprocess.Popen], list[str]]:
+    """Start n servers (launch_commands, as SGLangFleet: --context-length max_context; one GPU each through
+    CUDA_VISIBLE_DEVICES) and wait until every one answers /health_generate. Unsupervised: the caller stops them
+    with stop_sglang_servers."""
+    ports = [base_port + i for i in range(n)]
+    commands = launch_commands(model_path, host, ports, max_context, weight_version, extra_args, module)
     procs, urls = [], []
     try:
-        for i in range(n):
-            port = base_port + i
-            procs.append(_spawn(server_command(model_path, host, port, weight_version, extra_args, module),
-                                gpus[i % len(gpus)] if gpus else None))
+        for i, (port, cmd) in enumerate(zip(ports, commands)):
+            procs.append(_spawn(cmd, gpus[i % len(gpus)] if gpus else None))
             urls.append(f"http://{host}:{port}")
         wait_healthy(urls, wait_s, procs=procs)
     except BaseException:

@@ -5,7 +5,9 @@
   thread puts it back when it answers again (after re-installing the current weights if it missed an update).
 - Weight updates: pause_generation(mode) -> update_weights_from_disk(weight_version) -> continue_generation on every
   healthy replica, all at once. While one runs, `updating` is set: health checks do not count a paused replica's
-  503 as death, and a request the update aborted waits (wait_no_update) before it is resumed.
+  503 as death, and a request the update aborted waits (wait_no_update) before it is resumed. A replica whose update
+  fails is taken out at once, before its continue_generation (not when the slowest replica is done: new requests
+  would meet the old weights there), unless every replica fails (then all keep serving the old weights).
 
 The request path (inference_server.sglang_engine) owns the generations; this pool owns the replicas' state, under
 its own lock, and shares the engine's counters.
@@ -171,13 +173,30 @@ class ReplicaPool:
                     live = [r for r in self.replicas if r.healthy]
                 if not live:
                     raise NoHealthyReplica("no healthy SGLang replica to update")
+                pending, taken = [len(live)], []  # replicas of this update not failed; those taken out on failing
+
+                def failed(r: Replica, e: str) -> None:
+                    """Out of rotation at once, before it serves (old weights) again, unless every replica has failed:
+                    then the weights are at fault, and all keep serving the old ones."""
+                    with self._lock:
+                        pending[0] -= 1
+                        if not pending[0]:
+                            return
+                        taken.append(r)
+                    self.mark_down(r, f"weight update failed: {e}")
+
                 with ThreadPoolExecutor(max_workers=len(live), thread_name_prefix="tars-sglang-update") as ex:
-                    results = list(ex.map(lambda r: self._update_one(r, version, path, timeout or 120.0, tensors), live))
+                    results = list(ex.map(lambda r: self._update_one(r, version, path, timeout or 120.0, tensors,
+                                                                     failed), live))
             finally:
                 self._updating.clear()
                 self._no_update.set()
             errors = [(r.url, e) for r, e in zip(live, results) if e]
             if len(errors) == len(live):  # the weights, not the replicas: all keep serving the old ones
+                with self._lock:
+                    for r in taken:  # taken out while another could still take the weights: back in, as it was
+                        r.healthy = True
+                        self.stats.add("replica_up")
                 raise WeightLoadError(f"no replica accepted the weights: {errors[0][1]}")
             for r, e in zip(live, results):
                 if e:  # the others took them: this one is behind until it is brought up to date
@@ -193,34 +212,42 @@ class ReplicaPool:
             return info
 
     def _update_one(self, rep: Replica, version: int, path: str | None, timeout: float,
-                    tensors: tuple[list[str], object] | None = None) -> str:
+                    tensors: tuple[list[str], object] | None = None,
+                    failed: Callable[[Replica, str], None] | None = None) -> str:
         """'' on success, else the reason. Always tries to continue generation, even after a failed load or a pause
         that failed or timed out (the server may be paused all the same: it would answer no /health_generate, so no
-        health round would ever let it back in)."""
-        err = ""
+        health round would ever let it back in). failed(rep, reason) is called before that continue_generation when
+        the pause or the load failed."""
+        err = self._load_one(rep, version, path, timeout, tensors)
+        if err and failed is not None:
+            failed(rep, err)
         try:
-            try:
-                s, r = http_json(rep.url, "/pause_generation", {"mode": self.cfg.sglang_pause_mode}, timeout=timeout)
-                if s != 200:
-                    err = f"pause_generation: HTTP {s}: {r}"
-                    return err
-                common = {"weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
-                if tensors is not None:
-                    route, body = "/update_weights_from_tensor", {"serialized_named_tensors": tensors[0], "load_format": None, **common}
-                else:
-                    route, body = "/update_weights_from_disk", {"model_path": path, **common}
-                s, r = http_json(rep.url, route, body, timeout=timeout)
-                if s != 200 or not (isinstance(r, dict) and r.get("success")):
-                    err = f"{route[1:]}: HTTP {s}: {(r or {}).get('message') if isinstance(r, dict) else r}"
-                else:
-                    rep.version = version
-            finally:
-                s, r = http_json(rep.url, "/continue_generation", {}, timeout=timeout)
-                if s != 200 and not err:
-                    err = f"continue_generation: HTTP {s}: {r}"
+            s, r = http_json(rep.url, "/continue_generation", {}, timeout=timeout)
+            if s != 200 and not err:
+                err = f"continue_generation: HTTP {s}: {r}"
         except OSError as e:
-            err = f"{type(e).__name__}: {e}"
+            err = err or f"{type(e).__name__}: {e}"
         return err
+
+    def _load_one(self, rep: Replica, version: int, path: str | None, timeout: float,
+                  tensors: tuple[list[str], object] | None) -> str:
+        """pause_generation, then the weights from `path` or `tensors`: '' on success, else the reason."""
+        try:
+            s, r = http_json(rep.url, "/pause_generation", {"mode": self.cfg.sglang_pause_mode}, timeout=timeout)
+            if s != 200:
+                return f"pause_generation: HTTP {s}: {r}"
+            common = {"weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
+            if tensors is not None:
+                route, body = "/update_weights_from_tensor", {"serialized_named_tensors": tensors[0], "load_format": None, **common}
+            else:
+                route, body = "/update_weights_from_disk", {"model_path": path, **common}
+            s, r = http_json(rep.url, route, body, timeout=timeout)
+            if s != 200 or not (isinstance(r, dict) and r.get("success")):
+                return f"{route[1:]}: HTTP {s}: {(r or {}).get('message') if isinstance(r, dict) else r}"
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+        rep.version = version
+        return ""
 
     # ---- health --------------------------------------------------------------------------------------
     def check_health(self) -> None:

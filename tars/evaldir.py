@@ -7,7 +7,8 @@ number of episodes is not in it: a rerun with another --episodes or --tasks resu
 
 A rerun whose meta differs from the directory's is refused (`tars eval`: use another --out) or, for the held-out
 evaluation of `tars up` (whose directories belong to the run and are re-used by every run in the same --out), started
-over: the earlier episodes.jsonl is kept as episodes.previous.jsonl and the results files are removed. Either way
+over: the earlier episodes.jsonl is kept as episodes.previous.N.jsonl (N = 1, 2, ...: every earlier one stays) and
+the results files are removed. Either way
 the message names what differs. eval.json is written whole (a temporary file renamed over it).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 
 from tars import evalsuite as S
 from tars.evalsuite import EvalError
@@ -95,19 +97,28 @@ def check(out: pathlib.Path, meta: dict, restart: bool = False, say=None) -> dic
         if not restart:
             raise EvalError(f"{out} holds another evaluation ({'; '.join(diff)}): use another --out (results are "
                             "resumed from the directory)")
-        log = out / "episodes.jsonl"
+        log, kept = out / "episodes.jsonl", "no episodes"
         if log.exists():
-            os.replace(log, out / "episodes.previous.jsonl")
+            kept = f"its episodes are now in {keep_previous(log).name}"
         for name in STALE:
             (out / name).unlink(missing_ok=True)
         if say:
-            say(f"{out} held another evaluation ({'; '.join(diff)}): starting it over (its episodes are now in "
-                "episodes.previous.jsonl)")
+            say(f"{out} held another evaluation ({'; '.join(diff)}): starting it over ({kept})")
         old = None
     tasks = {**(old or {}).get("tasks", {}), **meta["tasks"]}
     meta = {**meta, "tasks": tasks}
     write_meta(out, meta)
     return meta
+
+
+def keep_previous(log: pathlib.Path) -> pathlib.Path:
+    """Move an evaluation's episodes.jsonl aside to episodes.previous.N.jsonl, N one past the highest kept so far:
+    every earlier evaluation stays (a third run in the same --out must not overwrite the first's episodes)."""
+    nums = [int(m.group(1)) for f in log.parent.glob("episodes.previous.*.jsonl")
+            if (m := re.fullmatch(r"episodes\.previous\.(\d+)\.jsonl", f.name))]
+    dest = log.with_name(f"episodes.previous.{max(nums, default=0) + 1}.jsonl")
+    os.replace(log, dest)
+    return dest
 
 
 def comparable(dir_a: str | os.PathLike, dir_b: str | os.PathLike) -> None:

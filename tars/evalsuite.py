@@ -318,22 +318,36 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: pathlib.Path) -> None:
+def figure(res: dict):
+    """results.png's figure: one bar per task with a scored episode (its success rate); a task without one gets no
+    bar and an "n/a" label instead (a bar of height 0 would read as a success rate of 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(res["tasks"])
-    vals = [res["tasks"][n]["success_rate"] or 0.0 for n in names]
+    rates = [res["tasks"][n]["success_rate"] for n in names]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * len(names) + 2), 4.5))
-    ax.bar(range(len(names)), vals, color="tab:blue")
+    scored = [i for i, v in enumerate(rates) if v is not None]
+    ax.bar(scored, [rates[i] for i in scored], color="tab:blue")
+    for i, v in enumerate(rates):
+        if v is None:
+            ax.text(i, 0.02, "n/a", ha="center", va="bottom", rotation=90, fontsize=7, color="0.4")
     ax.set_xticks(range(len(names)), names, rotation=90, fontsize=7 if len(names) > 20 else 9)
+    ax.set_xlim(-0.6, len(names) - 0.4)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("success rate (infra errors excluded)")
+    ax.set_ylabel("success rate (infra errors excluded; n/a: no scored episode)")
     o = res["overall"]
     ax.set_title(f"{res['suite']} - {res.get('model', '')}: overall {_f(o['success_rate'])}")
     fig.tight_layout()
+    return fig
+
+
+def plot(res: dict, path: pathlib.Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(res)
     fig.savefig(path, dpi=90)
     plt.close(fig)
 

@@ -54,6 +54,9 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
     return out / "model", time.perf_counter() - t0
 
 
+ENDED = ("done", "wall budget reached", "target success reached", "interrupted")  # a run that ended as it should
+
+
 def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     out_p = pathlib.Path(out).resolve()
     prepare(out_p)
@@ -98,7 +101,10 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         status = _watch(cfg, sup, live, quiet, tty, lambda: interrupted)
         if tty:
             print()
-        say(f"stopping ({status})")
+        if status in ENDED:
+            say(f"stopping ({status})")
+        else:  # the supervisor ended the run: why, on stderr in both modes (--quiet prints nothing else)
+            print(f"[tars up] failed: {status}", file=sys.stderr, flush=True)
     except StartCancelled as e:
         status, cancelled = "interrupted", True
         say(f"interrupted while starting ({e}): stopping what was started")
@@ -126,8 +132,7 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
         say("no final policy: interrupted before training started")
     for path, why in missing.items():
         print(f"[tars up] error: {path} not written: {why}", file=sys.stderr, flush=True)
-    ok = ("done", "wall budget reached", "target success reached", "interrupted")
-    if status not in ok or missing:
+    if status not in ENDED or missing:
         return 1
     if status == "interrupted":  # Ctrl-C: stopped in order, report written; the exit status says it was cut short
         print(f"tars up: interrupted: stopped in order; report in {out_p / 'report.json'}", file=sys.stderr, flush=True)

@@ -429,3 +429,30 @@ def test_weights_check_reads_only_headers_and_names_what_is_wrong(tmp_path, ckpt
     last.unlink()
     with pytest.raises(MissingWeights, match="lists shards that are not there"):
         check_weights(sharded)
+
+
+def test_up_quiet_says_on_stderr_why_the_supervisor_ended_the_run(tmp_path):
+    """A role that died more often than supervisor.max_restarts ends the run: `tars up --quiet` exits 1 with the
+    reason as one line on stderr (it printed nothing: the reason was only on the progress screen), and report.json's
+    status holds the same reason."""
+    out = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "tars.cli", "up", "--preset", "quickstart", "--out", str(out),
+                          "--set", "sft.steps=0", "--set", "wall_budget_s=300", "--set", "supervisor.max_restarts=0",
+                          "--set", "evaluation.episodes=0", "--quiet"], cwd=ROOT, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not list((out / "run").glob("actor*.json")):  # every role is up: the supervisor watches them
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-2000:] if p.poll() else "slow"
+            time.sleep(0.05)
+        os.kill(json.loads((out / "run" / "envd.json").read_text())["pid"], signal.SIGKILL)
+        so, se = p.communicate(timeout=150)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 1 and "Traceback" not in so + se, (p.returncode, se[-2000:])
+    lines = [x for x in se.splitlines() if "died 1 times (supervisor.max_restarts=0)" in x]
+    assert len(lines) == 1 and lines[0].startswith("[tars up] ") and "envd" in lines[0], se[-2000:]
+    status = json.loads((out / "report.json").read_text())["status"]
+    assert "envd died 1 times (supervisor.max_restarts=0)" in status, status

@@ -137,6 +137,16 @@ def test_overall_figures_say_which_tasks_they_cover_and_warn_about_infra_errors(
     assert o["tasks"] == 4 and o["tasks_scored"] == 2 and o["tasks_unscored"] == ["form", "dialog"]
     assert o["infra_errors"] == 7 and o["scored"] == 5 and o["success_rate"] == pytest.approx((1 / 3 + 0) / 2)
     assert res["tasks"]["menu"]["infra_errors"] == 1 and res["tasks"]["form"]["success_rate"] is None
+    # results.png: menu's success rate 0 is a bar of height 0; form and dialog (no scored episode) get no bar, an n/a
+    import matplotlib.pyplot as plt
+
+    fig = S.figure(res)
+    ax = fig.axes[0]
+    bars = {round(b.get_x() + b.get_width() / 2): b.get_height() for b in ax.patches}
+    assert bars == {0: pytest.approx(1 / 3), 1: 0.0}
+    assert sorted((round(t.get_position()[0]), t.get_text()) for t in ax.texts) == [(2, "n/a"), (3, "n/a")]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["click", "menu", "form", "dialog"]
+    plt.close(fig)
     assert "over 2 of 4 tasks (2 with no scored episode)" in S.headline(o) and "7 unscored" in S.headline(o)
     assert len(res["warnings"]) == 2
     assert res["warnings"][0].startswith("7 of 12 episodes (58%) were infra errors")

@@ -68,7 +68,9 @@ def test_a_rerun_in_the_same_out_evaluates_its_own_policy_on_its_own_seeds(tmp_p
     assert (h2["mean_start"], h2["mean_final"]) == (0.0, 1.0)
     assert [m for m, _ in played] == ["final"] * 4            # start resumed, final played again
     assert any("held another evaluation (policy " in m and "starting it over" in m for m in say)
-    assert (tmp_path / "heldout" / "final" / "episodes.previous.jsonl").is_file()
+    ok = lambda f: [json.loads(x)["success"] for x in f.read_text().splitlines()]  # noqa: E731
+    assert ok(tmp_path / "heldout" / "final" / "episodes.previous.1.jsonl") == [False] * 4  # run 1's final
+    assert any("episodes are now in episodes.previous.1.jsonl" in m for m in say)
     # run 3 with another seed: both are played again, on the new seeds, the same for both
     cfg7 = C.load("quickstart", overrides=["evaluation.episodes=4", "actor.env_ids=[builtin/click]", "seed=7"])
     played.clear()
@@ -80,6 +82,10 @@ def test_a_rerun_in_the_same_out_evaluates_its_own_policy_on_its_own_seeds(tmp_p
         assert sorted(e["seed"] for e in eps) == want
         meta = json.loads((tmp_path / "heldout" / key / "eval.json").read_text())
         assert meta["seed"] == 7 and meta["held_out"] is True and meta["policy"].startswith("sha256:")
+    # every earlier evaluation is kept: run 3 started final over again without overwriting run 1's episodes
+    fin = tmp_path / "heldout" / "final"
+    assert ok(fin / "episodes.previous.1.jsonl") == [False] * 4 and ok(fin / "episodes.previous.2.jsonl") == [True] * 4
+    assert ok(tmp_path / "heldout" / "start" / "episodes.previous.1.jsonl") == [False] * 4
 
 
 @pytest.mark.timeout(400)

@@ -519,3 +519,56 @@ def test_a_request_whose_client_went_away_is_aborted_as_in_sglang(servers):
     wait_for(lambda: s.reqs)
     c.close()
     wait_for(lambda: not s.reqs, timeout=10.0)
+
+
+def test_a_replica_whose_update_failed_leaves_rotation_at_once(servers, models):
+    """Over two replicas, one that failed its update stayed in rotation until the other had finished updating: new
+    requests could go to it and be served with the old weights. It is now taken out as soon as its update fails
+    (before its continue_generation), and a request sent meanwhile waits for the updated replica; when every replica
+    fails, the one taken out comes back (all keep serving the old weights)."""
+    from inference_server.engine_types import WeightLoadError
+
+    def slow(s, gate):  # the replica's update waits for the gate, then loads as SGLang does
+        real = s.update_weights
+        s.update_weights = lambda body, state_dict=None: (gate.wait(30), real(body, state_dict))[1]
+
+    def broken(s):
+        s.update_weights = lambda body, state_dict=None: (False, "Failed to update weights: out of memory.", 0)
+
+    healthy = lambda e: {r["url"]: r["healthy"] for r in e.metrics()["replicas"]}  # noqa: E731
+    a, b = servers(weight_version="0"), servers(weight_version="0")
+    broken(a)
+    gate = threading.Event()
+    slow(b, gate)
+    e = engine([a.url, b.url])
+    try:
+        t, box = in_thread(e.update_weights, 1, models["b"])
+        wait_for(lambda: not healthy(e)[a.url])                # b is still updating (held by the gate)
+        assert healthy(e)[b.url] and t.is_alive() and b.paused is not None
+        f = e.submit(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.0), "new")  # routed to b, not a
+        gate.set()
+        t.join(30)
+        assert box["r"]["replicas"][a.url].endswith("out of memory.") and box["r"]["replicas"][b.url] == "ok"
+        out = f.result(30)
+        assert out.output_ids == greedy(models["b"], PROMPT, 4)[0] and out.versions == [1] * 4
+        assert healthy(e) == {a.url: False, b.url: True} and e.version == 1
+    finally:
+        gate.set()
+        e.close()
+    # both fail: the first is out while the second may still take them, then both are back on the old weights
+    c, d = servers(weight_version="0"), servers(weight_version="0")
+    broken(c)
+    broken(d)
+    gate2 = threading.Event()
+    slow(d, gate2)
+    e = engine([c.url, d.url])
+    try:
+        t, box = in_thread(lambda: pytest.raises(WeightLoadError, e.update_weights, 1, models["b"]))
+        wait_for(lambda: not healthy(e)[c.url])
+        gate2.set()
+        t.join(30)
+        assert "no replica accepted" in str(box["r"].value)
+        assert healthy(e) == {c.url: True, d.url: True} and e.version == 0
+    finally:
+        gate2.set()
+        e.close()

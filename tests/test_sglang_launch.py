@@ -75,11 +75,12 @@ def test_launching_sglang_off_loopback_is_refused_before_launch(models, host):  
     with pytest.raises(InsecureBind):
         SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_host=host), models["a"])
     with pytest.raises(InsecureBind):
-        launch_sglang_servers(models["a"], host=host, base_port=port, module=CONFORMANCE)
+        launch_sglang_servers(models["a"], 256, host=host, base_port=port, module=CONFORMANCE)
     SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_host="localhost"), models["a"])  # loopback
 
 
-@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--host=::"], ["--hos", "0.0.0.0"]])
+@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--host=::"], ["--hos", "0.0.0.0"], ["--ho=0.0.0.0"],
+                                  ["--mem-fraction-static", "0.8", "--host", "::"]])
 def test_sglang_args_cannot_move_a_launched_server_off_loopback(args):
     """The launcher's --host comes before sglang_args, and SGLang's parser keeps the last one (or an unambiguous
     prefix of it): a --host there bound the tokenless HTTP API to every address, past check_host's refusal."""
@@ -90,7 +91,7 @@ def test_sglang_args_cannot_move_a_launched_server_off_loopback(args):
     with pytest.raises(InsecureBind, match="sglang_args"):
         SGLangFleet(cfg, "/nonexistent-model")
     with pytest.raises(InsecureBind, match="sglang_args"):
-        launch_sglang_servers("/nonexistent-model", extra_args=args, module=CONFORMANCE, wait_s=1)
+        launch_sglang_servers("/nonexistent-model", 256, extra_args=args, module=CONFORMANCE, wait_s=1)
     SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_args=["--mem-fraction-static", "0.8"]),
                 "/nonexistent-model")  # other flags pass
 
@@ -283,7 +284,7 @@ def test_launched_servers_get_the_fronts_context_length(models, monkeypatch):  #
     requests by inference.max_context: with 1024, prompt 20 + 998 new tokens passed the front and SGLang refused it.
     The launcher now passes --context-length max_context; sglang_args may set it only to the same value; a max_context
     past the model's context length is refused before anything starts, unless SGLang's own switch allows it."""
-    from inference_server.sglang_launch import SGLangFleet
+    from inference_server.sglang_launch import SGLangFleet, launch_sglang_servers
 
     def ctx(cfg):
         cmd = SGLangFleet(cfg, models["a"]).commands[0]  # not started: only its command line
@@ -296,6 +297,18 @@ def test_launched_servers_get_the_fronts_context_length(models, monkeypatch):  #
     with pytest.raises(ValueError, match=r"sglang_args sets --context-length 300 but inference.max_context is 256"):
         SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1,
                                     sglang_args=["--context-length", "300"]), models["a"])
+    # every form SGLang's argparse takes as --context-length (a prefix: allow_abbrev; SGLang keeps the last one) is
+    # checked, in both launchers; these passed, and SGLang ran with a context of 300 behind a front admitting 256
+    for args, written in ((["--context-len", "300"], "--context-len"), (["--context-l=300"], "--context-l"),
+                          (["--context-length=300"], "--context-length"), (["--context", "300"], "--context"),
+                          (["--context-length", "256", "--context-len", "300"], "--context-len")):
+        with pytest.raises(ValueError, match=f"sglang_args sets {written} 300 but inference.max_context is 256"):
+            SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1, sglang_args=args), models["a"])
+        with pytest.raises(ValueError, match=f"sglang_args sets {written} 300 but inference.max_context is 256"):
+            launch_sglang_servers(models["a"], 256, extra_args=args, module=CONFORMANCE, wait_s=1)
+    cmd = SGLangFleet(InferenceConfig(max_context=256, engine="sglang", sglang_launch=1,
+                                      sglang_args=["--context-len", "256"]), models["a"]).commands[0]
+    assert "--context-length" not in cmd and cmd[-2:] == ["--context-len", "256"]  # agrees: passed as written, once
     monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
     with pytest.raises(ValueError, match=r"inference.max_context=1024 is past the model's context length 512 .*"
                                          r"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"):

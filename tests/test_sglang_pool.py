@@ -16,6 +16,7 @@ from inference_server.engine import SamplingParams
 from inference_server.sglang_engine import SGLangEngine, _Call
 from inference_server.sglang_http import http_json, token_versions
 from inference_server.sglang_launch import launch_sglang_servers, stop_sglang_servers
+from inference_server.sglang_start import server_context
 from inference_server.sglang_types import SGLangTypes
 from core.config import InferenceConfig
 from test_sglang import DC, PROMPT, gen_body, greedy, models, servers  # noqa: F401 - fixtures
@@ -108,8 +109,10 @@ def _free_port_run(n, tries=200):
 def test_launches_servers_as_processes_and_stops_their_groups(models):  # noqa: F811
     procs, urls = [], []
     try:
-        procs, urls = launch_sglang_servers(models["a"], n=2, base_port=_free_port_run(2), wait_s=60,
+        procs, urls = launch_sglang_servers(models["a"], 256, n=2, base_port=_free_port_run(2), wait_s=60,
                                             module="inference_server.sglang_conformance")
+        # the same command line as a supervised launch: --context-length max_context, not the model's own 512
+        assert [server_context(u) for u in urls] == [256, 256]
         e = SGLangEngine(InferenceConfig(max_context=256, engine="sglang"), urls, vocab_size=DC.vocab_size, health_thread=False)
         try:
             out = e.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.0), "t")
@@ -125,7 +128,7 @@ def test_launches_servers_as_processes_and_stops_their_groups(models):  # noqa: 
             os.killpg(p.pid, 0)
     # A launcher that dies at once is reported at once, not after wait_s.
     with pytest.raises(RuntimeError, match="exited"):
-        launch_sglang_servers(models["a"] + "/missing", n=1, base_port=_free_port_run(1), wait_s=60,
+        launch_sglang_servers(models["a"] + "/missing", 256, n=1, base_port=_free_port_run(1), wait_s=60,
                               module="inference_server.sglang_conformance")
 
 
