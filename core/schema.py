@@ -306,6 +306,13 @@ def trained_positions(tr: Trajectory) -> np.ndarray:
     return m
 
 
+def group_key(tr: Trajectory):
+    """What GRPO groups a trajectory by: (actor, group), as a group belongs to the actor that sends it (the stream
+    refuses a grouped trajectory whose `actor` is not the sender's identity, so another peer's member of a group of
+    the same name is a group of its own); a trajectory of no group is a group of one, keyed by its id."""
+    return (tr.actor, tr.group) if tr.group else tr.id
+
+
 def turn_rewards(tr: Trajectory) -> np.ndarray:
     """Per-token rewards [T]: each turn's reward sits on the last token it generated. A turn that generated nothing
     (its format penalty) puts it on the last generated token before it, else on the first one after it: on a token

@@ -21,7 +21,7 @@ from typing import Callable, TextIO
 
 from core.config_learner import GroupConfig
 from core.outcome import Outcome
-from core.schema import trained_positions
+from core.schema import group_key, trained_positions
 
 log = logging.getLogger("tars.learner")
 
@@ -36,7 +36,7 @@ class Admission:
         self.episodes, self.archive = episodes, archive  # episodes.jsonl; the optional trajectory archive (.twl)
         self.counters = counters if counters is not None else collections.Counter()
         self.check = check  # trajectory -> why it cannot be trained on (None: it can)
-        self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
+        self.pending_groups: dict[tuple, tuple[float, int, list]] = {}  # group_key -> (first arrival, arrived, kept)
         # Ids kept out of the loss since the last update (trained.jsonl records them with the next version).
         self.masked: list[str] = []
         # Kept (on_accepted) but not yet handed out in a batch: in a pending group or a batch being collected. A
@@ -92,14 +92,15 @@ class Admission:
             if k == 1 or not tr.group:
                 batch += [tr] if keep else []
                 continue
-            t0, arrived, members = self.pending_groups.get(tr.group, (now, 0, []))
+            g = group_key(tr)  # (actor, group): another actor's group of the same name is not this one
+            t0, arrived, members = self.pending_groups.get(g, (now, 0, []))
             arrived += 1
             members = members + ([tr] if keep else [])
             if arrived >= k:
-                self.pending_groups.pop(tr.group, None)
+                self.pending_groups.pop(g, None)
                 batch += members
             else:
-                self.pending_groups[tr.group] = (t0, arrived, members)
+                self.pending_groups[g] = (t0, arrived, members)
         self._held -= len(batch)
         self._returned = time.monotonic()
         return batch
