@@ -65,3 +65,27 @@ def test_a_peer_cannot_join_or_complete_another_actors_group(tmp_path):
         honest.close()
         evil.close()
         rx.stop()
+
+
+def test_groups_that_never_complete_are_held_in_bounded_memory(tmp_path):
+    """A peer sends members of groups that never complete, each of another name: admission took each off the stream's
+    bounded queue (which then granted credit for more) and held it in its pending groups until the group timeout, with
+    no bound on how many (300 here, and as many as the peer could send in timeout_s). Past `max_pending` held members
+    the oldest pending group is released as it is, as if it had timed out."""
+    stal = StalenessManager(batch_size=8, eta=1000)
+    rx = receiver(tmp_path, stal=stal, vocab_size=V, fsync=False)
+    d = hello(rx.start(), "flood")
+    try:
+        trs = [member(f"f{i}", "flood", f"flood-g{i}", 0.0) for i in range(300)]
+        got = {}
+        for k in range(0, 300, 50):  # within the credit WELCOME and the re-grants give
+            got.update(send(d, *trs[k:k + 50]))
+        assert set(got.values()) == {("ack", "")}
+        adm = Admission(rx, stal, max_lag=8, group=GroupConfig(size=4, timeout_s=600.0), episodes=io.StringIO(),
+                        counters=collections.Counter(), max_pending=64)
+        batch = adm.collect(300 - 64, 0, threading.Event())
+        assert [t.id for t in batch] == [f"f{i}" for i in range(300 - 64)]  # the oldest, in arrival order
+        assert len(adm.pending_groups) == 64 == adm.held() and adm.counters["groups_evicted"] == 300 - 64
+    finally:
+        d.close()
+        rx.stop()
