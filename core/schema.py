@@ -40,6 +40,10 @@ from core.outcome import ENDED, Fault, Outcome
 
 SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
+# Largest |reward| and |return| a trajectory may carry (validate). No task gives one near it (MiniWoB's are in
+# [-1, 1], a format penalty is -0.1); a finite 1e30 passed, and one such trajectory made the loss or gradient norm
+# overflow float32, so the whole batch's update was skipped (nonfinite_steps): one a batch stalled training.
+MAX_ABS_REWARD = 1e6
 
 
 # What cut a truncated episode (Trajectory.truncated_by).
@@ -65,7 +69,8 @@ class UnknownSchema(SchemaError):
 
 class InvalidTrajectory(SchemaError):
     """A well-formed trajectory whose content cannot be trained on: arrays of different lengths, token ids outside the
-    model's vocabulary, non-finite rewards, return or logprobs (the stream NACKs it "invalid")."""
+    model's vocabulary, non-finite rewards, return or logprobs, a reward or return past MAX_ABS_REWARD (the stream
+    NACKs it "invalid")."""
 
     kind = "invalid"
 
@@ -144,9 +149,15 @@ class Trajectory:
             self._check_arrays(vocab_size)
         if not math.isfinite(self.ret):
             raise InvalidTrajectory(f"return {self.ret} is not finite")
+        if abs(self.ret) > MAX_ABS_REWARD:
+            raise InvalidTrajectory(f"return {self.ret} outside [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]")
         bad_turn = next((i for i, t in enumerate(self.turns) if not math.isfinite(t.reward)), None)
         if bad_turn is not None:
             raise InvalidTrajectory(f"turn {bad_turn}'s reward {self.turns[bad_turn].reward} is not finite")
+        big = next((i for i, t in enumerate(self.turns) if abs(t.reward) > MAX_ABS_REWARD), None)
+        if big is not None:
+            raise InvalidTrajectory(f"turn {big}'s reward {self.turns[big].reward} outside "
+                                    f"[-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]")
         return self
 
     def _check_arrays(self, vocab_size: int | None) -> None:
@@ -293,6 +304,13 @@ def trained_positions(tr: Trajectory) -> np.ndarray:
         m[0] = False
     m[[s for s in tr.segments if 0 <= s < len(m)]] = False
     return m
+
+
+def group_key(tr: Trajectory):
+    """What GRPO groups a trajectory by: (actor, group), as a group belongs to the actor that sends it (the stream
+    refuses a grouped trajectory whose `actor` is not the sender's identity, so another peer's member of a group of
+    the same name is a group of its own); a trajectory of no group is a group of one, keyed by its id."""
+    return (tr.actor, tr.group) if tr.group else tr.id
 
 
 def turn_rewards(tr: Trajectory) -> np.ndarray:

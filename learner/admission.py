@@ -21,7 +21,7 @@ from typing import Callable, TextIO
 
 from core.config_learner import GroupConfig
 from core.outcome import Outcome
-from core.schema import trained_positions
+from core.schema import group_key, trained_positions
 
 log = logging.getLogger("tars.learner")
 
@@ -30,13 +30,16 @@ POLL_S = 0.5  # longest wait for one arrival: the stop flag, group deadlines and
 
 class Admission:
     def __init__(self, receiver, staleness, max_lag: int, group: GroupConfig, episodes: TextIO, archive=None,
-                 counters: collections.Counter | None = None, check: Callable[[object], str | None] | None = None):
+                 counters: collections.Counter | None = None, check: Callable[[object], str | None] | None = None,
+                 max_pending: int = 4096):
         self.receiver, self.staleness, self.max_lag = receiver, staleness, max_lag
+        # Kept members pending groups may hold; past it the oldest group is released as it is (collect).
+        self.max_pending = max(1, max_pending)
         self.group_size, self.group_timeout_s = max(1, group.size), group.timeout_s
         self.episodes, self.archive = episodes, archive  # episodes.jsonl; the optional trajectory archive (.twl)
         self.counters = counters if counters is not None else collections.Counter()
         self.check = check  # trajectory -> why it cannot be trained on (None: it can)
-        self.pending_groups: dict[str, tuple[float, int, list]] = {}  # group -> (first arrival, arrived, kept)
+        self.pending_groups: dict[tuple, tuple[float, int, list]] = {}  # group_key -> (first arrival, arrived, kept)
         # Ids kept out of the loss since the last update (trained.jsonl records them with the next version).
         self.masked: list[str] = []
         # Kept (on_accepted) but not yet handed out in a batch: in a pending group or a batch being collected. A
@@ -92,17 +95,32 @@ class Admission:
             if k == 1 or not tr.group:
                 batch += [tr] if keep else []
                 continue
-            t0, arrived, members = self.pending_groups.get(tr.group, (now, 0, []))
+            g = group_key(tr)  # (actor, group): another actor's group of the same name is not this one
+            t0, arrived, members = self.pending_groups.get(g, (now, 0, []))
             arrived += 1
             members = members + ([tr] if keep else [])
             if arrived >= k:
-                self.pending_groups.pop(tr.group, None)
+                self.pending_groups.pop(g, None)
                 batch += members
             else:
-                self.pending_groups[tr.group] = (t0, arrived, members)
+                self.pending_groups[g] = (t0, arrived, members)
+                batch += self._evict()
         self._held -= len(batch)
         self._returned = time.monotonic()
         return batch
+
+    def _evict(self) -> list:
+        """The oldest pending groups, released as they are, while their kept members number more than max_pending:
+        arrivals no admission bounds (groups of fresh names that never complete) would else be held until their
+        timeout, as many as a peer can send meanwhile. An honest run holds at most its admission bound."""
+        out: list = []
+        held = sum(len(members) for _, _, members in self.pending_groups.values())
+        while held > self.max_pending:
+            _, _, members = self.pending_groups.pop(next(iter(self.pending_groups)))  # dicts keep arrival order
+            held -= len(members)
+            out += members
+            self.counters["groups_evicted"] += 1
+        return out
 
     def _pause(self, seconds: float) -> None:
         """Stop the pending groups' clocks for `seconds` (time the learner spent elsewhere)."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from core.outcome import Outcome
-from core.schema import Trajectory, trained_positions, turn_rewards
+from core.schema import Trajectory, group_key, trained_positions, turn_rewards
 
 
 @dataclass
@@ -151,7 +151,7 @@ class Batch:
     boot: torch.Tensor        # [B, T] float, 1 at the bootstrap position of a truncated row (at most one per row)
     truncated: torch.Tensor   # [B] bool: a limit cut the episode (Outcome.TRUNCATED), with or without a boot position
     widths: torch.Tensor      # [B] long, on the CPU: columns each row needs (tokens, and its bootstrap position)
-    groups: list[str]
+    groups: list              # [B] core.schema.group_key of each row: (actor, group), or the id of an ungrouped one
     ids: list[str]
     images: list[RowImages | None] | None = field(default=None)  # VL rows (module doc); None: an all-text batch
 
@@ -221,7 +221,7 @@ def collate(trajs: list[Trajectory], pad_id: int = 0, vl=None) -> Batch:
     rets = torch.tensor([t.ret for t in trajs], dtype=torch.float32)
     cut = torch.tensor([t.outcome == Outcome.TRUNCATED for t in trajs], dtype=torch.bool)
     return Batch(tokens, valid, mask, behav, versions, rewards, rets, boot, cut, torch.tensor(widths, dtype=torch.long),
-                 [t.group or t.id for t in trajs], [t.id for t in trajs], images)
+                 [group_key(t) for t in trajs], [t.id for t in trajs], images)
 
 
 def at(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

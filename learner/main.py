@@ -118,7 +118,8 @@ class Learner:
         archive = WriteAheadLog(self.run / "trajectories.twl", fsync=False).open() if self.lcfg.archive else None
         self.admission = Admission(self.receiver, self.staleness, self.lcfg.staleness.max_lag, self.lcfg.group,
                                    self.episodes, archive, self.counters,
-                                   check=lambda tr: binding_error(tr, self.policy.vl))
+                                   check=lambda tr: binding_error(tr, self.policy.vl),
+                                   max_pending=self.receiver.queue_size)  # what the stream may hold, held here
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
         # Which trajectory ids each update trained on and which were masked (infra_error / too stale) before it:
         # {"resume": v} marks a (re)start from version v, so a reader can drop the records a kill rolled back

@@ -1,8 +1,8 @@
 """Poisoning the learner from a local process: each attack a process on the same host could make on the trajectory
 stream or on the inference server's UpdateWeights, sent over real sockets, and what stops it.
 
-  * untrainable trajectories (token ids outside the vocabulary, non-finite rewards / return / logprobs, arrays of
-    different lengths) are NACKed "invalid" by the stream, the rest of the stream unaffected, and a real learner
+  * untrainable trajectories (token ids outside the vocabulary, non-finite rewards / return / logprobs, rewards or
+    returns past MAX_ABS_REWARD, arrays of different lengths) are NACKed "invalid" by the stream, the rest of the stream unaffected, and a real learner
     process trains on the good ones instead of crashing;
   * a non-finite loss or gradient skips both optimiser steps: the weights stay finite;
   * a HELLO claiming 10**12 episodes in flight cannot hold admissions shut;
@@ -79,6 +79,10 @@ POISON = [
     ("nan-return", lambda: frame("nan-return", **{"return": NAN}), "return nan is not finite"),
     ("inf-return", lambda: frame("inf-return", **{"return": float("inf")}), "return inf is not finite"),
     ("nan-reward", lambda: frame("nan-reward", turns=[["text:1", "o", {}, NAN, 8, 12, 0.0, 0.0, ""]]), "reward nan"),
+    # finite, but past float32's reach in the loss or gradient norm: the whole batch's update was skipped
+    ("huge-return", lambda: frame("huge-return", **{"return": 1e30}), "return 1e+30 outside [-1e+06, 1e+06]"),
+    ("huge-reward", lambda: frame("huge-reward", turns=[["text:1", "o", {}, -1e30, 8, 12, 0.0, 0.0, ""]]),
+     "turn 0's reward -1e+30 outside"),
     ("inf-logprob", lambda: frame("inf-logprob", logprobs=np.full(12, -np.inf, "<f4").tobytes()), "logprobs"),
     ("short-logprobs", lambda: frame("short-logprobs", logprobs=np.zeros(11, "<f4").tobytes()), "logprobs has 11"),
     ("short-versions", lambda: frame("short-versions", versions=np.zeros(13, "<i4").tobytes()), "versions has 13"),
@@ -461,3 +465,18 @@ def test_update_refusal_maps_a_timeout_before_its_base_class_oserror():
     assert update_refusal(WeightLoadError("bad"), None, 2.0)[0] == grpc.StatusCode.FAILED_PRECONDITION
     assert update_refusal(EngineClosed("closed"), None, 2.0)[0] == grpc.StatusCode.UNAVAILABLE
     assert update_refusal(RuntimeError("bug"), None, 2.0) is None
+
+
+def test_one_huge_reward_would_skip_the_whole_update_and_is_refused():
+    """A finite reward of 1e30 in one trajectory of sixteen: the update's loss or gradient norm overflows float32 and
+    the optimiser step is skipped for every trajectory of the batch, so one such trajectory a batch stalls training.
+    validate refuses it; the same batch with it left out steps."""
+    batch = [good(f"ok-{i}", reward=float(i % 2)) for i in range(15)]
+    huge = good("huge", reward=1e30)
+    with pytest.raises(InvalidTrajectory, match=r"return 1e\+30 outside"):
+        huge.validate(V)
+    pol = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    critic = TrainPolicy.from_config(pol.config, value_head=True, seed=1)
+    tr = PPOTrainer(pol, critic, LearnerConfig(algo="ppo", lr=1e-2, warmup_steps=1), 0)
+    assert tr.step(copy.deepcopy(batch) + [huge], 0)["policy_step_skipped"]  # what it did when it was let in
+    assert not tr.step(batch, 1)["policy_step_skipped"]

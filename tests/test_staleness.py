@@ -170,7 +170,7 @@ def test_admission_releases_whole_groups_of_the_configured_size():
     got = adm.collect(4, version=0, stop=threading.Event())
     assert [t.group for t in got] == ["g0"] * 4
     got = adm.collect(4, version=0, stop=threading.Event())
-    assert [t.group for t in got] == ["g1"] * 4 and set(adm.pending_groups) == {"g2"}
+    assert [t.group for t in got] == ["g1"] * 4 and set(adm.pending_groups) == {("", "g2")}
 
 
 def test_admission_releases_an_incomplete_group_after_the_configured_timeout():
@@ -205,7 +205,7 @@ def test_a_long_update_does_not_time_out_a_group_whose_members_wait_in_the_queue
     adm = _admission([trs[0], *trs[4:8]], size=4, timeout_s=120.0)  # g0's first member, then all of g1
     adm.staleness.try_admit(3)  # g0's other members, admitted too
     got = adm.collect(4, version=0, stop=threading.Event())
-    assert [t.group for t in got] == ["g1"] * 4 and set(adm.pending_groups) == {"g0"}
+    assert [t.group for t in got] == ["g1"] * 4 and set(adm.pending_groups) == {("", "g0")}
     clock.now += 600.0  # an update 5x the group timeout, while g0's other members arrive and wait in the queue
     adm.receiver.trs += trs[1:4]
     got = adm.collect(4, version=1, stop=threading.Event())

@@ -31,7 +31,7 @@ import uuid
 import zmq
 
 from core.config import UserError
-from core.schema import SchemaError, Trajectory
+from core.schema import InvalidTrajectory, SchemaError, Trajectory
 from core.stream import messages as M
 from core.stream.curve import curve_server
 from core.stream.durability import IoHooks, make_durability
@@ -362,6 +362,9 @@ class TrajectoryReceiver:
             tr = Trajectory.decode(payload, self.max_frame_bytes, self.vocab_size)
             if tr.id != tid:
                 raise SchemaError(f"header id {tid!r} != payload id {tr.id!r}")
+            if tr.group and tr.actor != (sender := ident.decode("utf-8", "replace")):  # groups are per actor:
+                raise InvalidTrajectory(f"group {tr.group!r} of actor {tr.actor!r} sent by {sender!r} (a group "
+                                        "belongs to the actor that sends it)")  # core.schema.group_key
             with self.images.lock:  # stored and held as one step (a compaction between them would collect them)
                 if m.images or image_frames:  # only with a trajectory that decoded (garbage with images grew the store),
                     take_attached(self.images, m.images, [bytes(f) for f in image_frames], self.max_frame_bytes,
