@@ -5,8 +5,13 @@ prompt) -> [(tokens, loss_mask)] for learner.sft.
     builtin tasks   oracle | noisy:P | confused:P[:N] (envd.builtin's oracle and random actions)
     other backends  oracle | noisy:P, where the backend has an oracle (MiniWoB++: the DOM oracle of
                     envd.miniwob_oracle.ORACLE_TASKS); noisy's other actions are the `random` hint policy's
-                    (envd.hints). Each env id is rolled in a thread of its own, with its own env (a browser each),
-                    under actor.env_options; the oracle's demonstrations keep only the episodes it won.
+                    (envd.hints). Each env id is rolled in a thread of its own, with its own env (a browser each);
+                    the oracle's demonstrations keep only the episodes it won.
+
+Every demonstration is played as the actor plays an episode: on its env ids under actor.env_options (strict_targets,
+max_steps, ...; step_delay, which only slows a step, left out), at most actor.max_turns turns, and an action the env
+rejects (envd.base.ActionError, e.g. a click on a label that is not on screen under strict_targets) changes nothing
+and puts actor.tiny.INVALID_NOTE before the next observation, as the actor's next prompt does.
 
 The oracle is a demonstrator only: nothing here runs during RL or evaluation. Seeds are drawn below
 core.config.HELD_OUT_SEED_BASE, so a held-out evaluation never sees a demonstrated episode.
@@ -20,12 +25,13 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from actor.tiny import answer_ids, turn_ids
+from actor.tiny import INVALID_NOTE, answer_ids, turn_ids
 from core.action import Action
 from core.config import HELD_OUT_SEED_BASE
 from core.outcome import Outcome
 from core.chat import ChatTokenizer
-from envd import builtin
+from envd import builtin, latency
+from envd.base import ActionError
 
 
 def parse_demonstrator(spec: str) -> tuple[str, float, int]:
@@ -74,36 +80,59 @@ def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demons
                 for ep in roll(env_ids, episodes, demonstrator, seed, max_turns, env_options)]
     kind, p, n = parse_demonstrator(demonstrator)
     rng = random.Random(seed)
-    envs = {e: builtin.make(e.split("/", 1)[1], {"max_steps": str(max_turns)}) for e in env_ids}
+    opts = env_options_for_demos(env_options)
+    envs = {e: builtin.make(e.split("/", 1)[1], dict(opts)) for e in env_ids}
     out = []
     for i in range(episodes):
         env = envs[env_ids[i % len(env_ids)]]
-        r = env.reset(rng.randrange(HELD_OUT_SEED_BASE))
-        turns = []
-        while True:
+
+        def choose(_r, env=env):
             if rng.random() < p:
-                a = env.oracle_action()
-            else:
-                a = confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
-            turns.append((r.text, r.instruction, a))
-            r = env.step(a)
-            if r.outcome != Outcome.RUNNING:
-                break
+                return env.oracle_action()
+            return confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
+
+        turns, _ = play(env, env.reset(rng.randrange(HELD_OUT_SEED_BASE)), choose, max_turns)
         out.append(tokenize(tok, turns, system_prompt, obs_budget))
     return out
+
+
+# A rolled turn: (observation text, instruction, the demonstrator's action, the note before the observation:
+# INVALID_NOTE after a rejected action, else "").
+DemoTurn = tuple[str, str, Action, str]
+
+
+def env_options_for_demos(env_options: dict | None) -> dict[str, str]:
+    """actor.env_options as the sessions of RL get them, without step_delay (a simulated slow GUI: it only waits)."""
+    return {k: str(v) for k, v in (env_options or {}).items() if k != latency.OPTION}
+
+
+def play(env, r, choose, max_turns: int):
+    """Play one episode from its reset result `r` as the actor does -> ([DemoTurn], the last result): at most
+    max_turns turns; an action the env rejects changes nothing, and the next observation carries INVALID_NOTE."""
+    turns: list[DemoTurn] = []
+    note = ""
+    while r.outcome == Outcome.RUNNING and len(turns) < max_turns:
+        a = choose(r)
+        turns.append((r.text, r.instruction, a, note))
+        try:
+            r = env.step(a)
+            note = ""
+        except ActionError:   # the actor's EnvActionError: the format penalty, and the note in the next prompt
+            note = INVALID_NOTE
+    return turns, r
 
 
 def is_builtin(env_id: str) -> bool:
     return str(env_id).startswith("builtin/") and str(env_id).split("/", 1)[1] in builtin.TASKS
 
 
-def tokenize(tok: ChatTokenizer, episode: list[tuple[str, str, Action]], system_prompt: str = "tiny",
+def tokenize(tok: ChatTokenizer, episode: list[DemoTurn], system_prompt: str = "tiny",
              obs_budget: int = 0) -> tuple[list[int], list[int]]:
-    """One rolled episode [(observation text, instruction, action)] -> (tokens, loss_mask), the actor's turns."""
+    """One rolled episode [DemoTurn] -> (tokens, loss_mask), the actor's turns."""
     toks: list[int] = []
     mask: list[int] = []
-    for text, instruction, a in episode:
-        prompt = turn_ids(tok, system_prompt, text, instruction, first=not toks, obs_budget=obs_budget)
+    for text, instruction, a, note in episode:
+        prompt = turn_ids(tok, system_prompt, text, instruction, note, first=not toks, obs_budget=obs_budget)
         ans = answer_ids(tok, a)
         toks += prompt + ans
         mask += [0] * len(prompt) + [1] * len(ans)
@@ -118,9 +147,9 @@ def episode_seeds(seed: int, env_id: str):
 
 
 def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_turns: int = 6,
-         env_options: dict | None = None, keep: str = "won") -> list[list[tuple[str, str, Action]]]:
+         env_options: dict | None = None, keep: str = "won") -> list[list[DemoTurn]]:
     """Roll `demonstrator` (oracle | noisy:P) through any env with an oracle, in-process, episode i on
-    env_ids[i % len]: one thread and one env per env id -> episodes as [(observation text, instruction, action)].
+    env_ids[i % len]: one thread and one env per env id -> episodes as [DemoTurn] (play).
     keep: "won" drops the oracle's episodes that did not succeed (a demonstration must show the task done; every
     noisy episode is kept), "all" keeps every episode."""
     from envd import hints, registry
@@ -128,7 +157,7 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
     kind, p, _ = parse_demonstrator(demonstrator)
     if kind == "confused":
         raise ValueError("the confused demonstrator exists for the builtin tasks only; use oracle or noisy:P")
-    opts = {**{k: str(v) for k, v in (env_options or {}).items()}, "max_steps": str(max_turns)}
+    opts = env_options_for_demos(env_options)
 
     def work(k: int) -> list[tuple[int, list]]:
         env_id = env_ids[k]
@@ -136,17 +165,16 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
         seeds = episode_seeds(seed, env_id)
         env = registry.make(env_id, dict(opts))
         out = []
+
+        def choose(r):
+            try:
+                return env.oracle_action() if rng.random() < p else hints.next_action(env, "random", r, rng)
+            except NotImplementedError as e:
+                raise ValueError(f"{env_id}: no scripted demonstrator: {e}") from None
+
         try:
             for i in range(k, episodes, len(env_ids)):
-                r = env.reset(next(seeds))
-                turns = []
-                while r.outcome == Outcome.RUNNING and len(turns) < max_turns:
-                    try:
-                        a = env.oracle_action() if rng.random() < p else hints.next_action(env, "random", r, rng)
-                    except NotImplementedError as e:
-                        raise ValueError(f"{env_id}: no scripted demonstrator: {e}") from None
-                    turns.append((r.text, r.instruction, a))
-                    r = env.step(a)
+                turns, r = play(env, env.reset(next(seeds)), choose, max_turns)
                 won = r.outcome == Outcome.TERMINATED and bool(r.info.get("success", r.reward > 0))
                 if turns and (won or keep == "all" or kind != "oracle"):
                     out.append((i, turns))
