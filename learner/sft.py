@@ -160,7 +160,9 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
             raise ValueError(f"a demonstration has token id {bad}, outside the model's vocabulary of {vocab}: the "
                              f"tokenizer of {src} does not match its model")
     if not examples:
-        raise ValueError("the trajectory files hold no trajectory with generated tokens")
+        raise ValueError("nothing to train on: " + " and ".join(
+            ([f"the trajectory files ({len(trajs)} trajectories) hold none with generated tokens outside a parse "
+              "error"] if data else []) + (["the demonstration source gave no demonstrations"] if demos else [])))
     steps = cfg.sft.steps if steps is None else steps
     if steps <= 0:
         raise ValueError("--steps must be >= 1")

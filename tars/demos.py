@@ -76,8 +76,12 @@ def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demons
     """Roll the demonstrator through envd's envs in-process -> [(tokens, loss_mask)]. `obs_budget`: the actor's
     actor.max_obs_tokens, so a demonstration's prompts are the ones the policy will see in RL."""
     if not all(is_builtin(e) for e in env_ids):
-        return [tokenize(tok, ep, system_prompt, obs_budget)
-                for ep in roll(env_ids, episodes, demonstrator, seed, max_turns, env_options)]
+        eps = roll(env_ids, episodes, demonstrator, seed, max_turns, env_options)
+        if episodes > 0 and not eps:
+            raise ValueError(f"no demonstrations: the {demonstrator} demonstrator won none of the {episodes} episodes it "
+                             f"played on {', '.join(env_ids)} within actor.max_turns={max_turns} (only won episodes "
+                             "are demonstrations): raise actor.max_turns, or use noisy:P, which keeps every episode")
+        return [tokenize(tok, ep, system_prompt, obs_budget) for ep in eps]
     kind, p, n = parse_demonstrator(demonstrator)
     rng = random.Random(seed)
     opts = env_options_for_demos(env_options)
