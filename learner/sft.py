@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from learner.device import autocast, describe, resolve_device, resolve_precision
-from core.chat import ChatTokenizer
+from core.chat import ChatTokenizer, has_tokenizer
 from core.schema import SchemaError
 from learner.batch import row_images
 from learner.policy import TrainPolicy
@@ -123,6 +123,21 @@ def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float
     return {"sft_steps": steps, "sft_loss": float(np.mean(losses[-50:])) if losses else None, "sft_s": time.perf_counter() - t0}
 
 
+def check_tokenizer(trajs, tok: ChatTokenizer, src) -> None:
+    """ValueError naming the first trajectory whose generated tokens do not decode, with the model directory's
+    tokenizer, to the text its episode recorded (Turn.output: the actor's decode of the same ids): it was generated
+    with another tokenizer, and its ids mean other words here. Turns with no recorded text are not checked."""
+    for tr in trajs:
+        for i, t in enumerate(tr.turns):
+            if not t.output:
+                continue
+            got = tok.decode(tr.tokens[t.start:t.end].tolist())
+            if got != t.output:
+                raise ValueError(f"trajectory {tr.id} was not generated with the tokenizer of {src}: turn {i}'s tokens "
+                                 f"decode to {got[:60]!r} with it, but the policy wrote {t.output[:60]!r} (train on "
+                                 "trajectories of this model's tokenizer)")
+
+
 def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: DemonstrationSource | None = None,
         steps: int | None = None, log=print) -> dict:
     """`tars sft`: fine-tune model_dir on stored trajectories (data: trajectory files, e.g. a split's sft.twl)
@@ -148,6 +163,8 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
             tr.validate(vocab)
         except SchemaError as e:
             raise ValueError(f"trajectory {tr.id} cannot be trained on by {src}: {e}") from None
+    if trajs and has_tokenizer(src):   # ids of another tokenizer inside this vocabulary would train silently
+        check_tokenizer(trajs, ChatTokenizer.load(src, cfg.actor.chat_template_kwargs), src)
     examples = sft_examples(trajs)
     n_traj = len(examples)
     pad_id = policy.config.pad_token_id

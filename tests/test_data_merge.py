@@ -391,3 +391,43 @@ def test_sft_refuses_a_trajectory_its_model_cannot_train_on_before_training(tmp_
     err = capsys.readouterr().err
     assert rc == 2 and "trajectory other-model cannot be trained on" in err and "token id 900" in err, err
     assert not (tmp_path / "m1").exists()
+
+
+def test_sft_refuses_trajectories_of_another_tokenizer_inside_its_vocabulary(tmp_path, capsys):
+    """Trajectories generated with one tokenizer, trained into a checkpoint with another whose vocabulary holds their
+    ids: every id passes Trajectory.validate, so `tars sft --data` trained on them silently (an answer the policy
+    wrote as "click(target='Save')" was "click(target') bob S" to the checkpoint's tokenizer). Now the episode's
+    recorded text is checked against the checkpoint's decode of its tokens: exit 2 naming the trajectory, nothing
+    written; trajectories of the checkpoint's own tokenizer train."""
+    from actor.tiny import TINY_SYSTEM
+    from core.bpe import save_tokenizer, train_bpe
+    from core.chat import ChatTokenizer
+    from tars.fresh import shared_tokenizer
+
+    def episode(tok, tid):
+        prompt = tok.first_prompt(TINY_SYSTEM, "Screen: window Notes [button Save] Goal: click Save")
+        ans = tok.answer("click(target='Save')")
+        n = len(prompt) + len(ans)
+        return Trajectory(id=tid, env_id="builtin/click", outcome="terminated", tokens=np.array(prompt + ans, np.int32),
+                          logprobs=np.array([0.0] * len(prompt) + [-0.5] * len(ans), np.float32),
+                          versions=np.array([-1] * len(prompt) + [0] * len(ans), np.int32),
+                          mask=np.array([0] * len(prompt) + [1] * len(ans), np.uint8),
+                          turns=[Turn("text:0", tok.decode(ans), {}, 1.0, len(prompt), n)], ret=1.0, success=True)
+
+    other = shared_tokenizer()                        # the tokenizer the episodes were generated with
+    hf = train_bpe(["Screen: window Notes [button Save] Goal: click Save", "click(target='Save')"] * 20, 300)
+    TrainPolicy.from_config(DecoderConfig(vocab_size=other.vocab_size + 8, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=1, pad_token_id=hf.pad_token_id), seed=0).save_hf(tmp_path / "m0")
+    save_tokenizer(hf, tmp_path / "m0")
+    own = ChatTokenizer.load(tmp_path / "m0")
+    write_trajectories(tmp_path / "other.twl", [episode(other, f"o{i}") for i in range(4)])
+    rc = cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
+                   str(tmp_path / "other.twl"), "--steps", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "trajectory o0 was not generated with the tokenizer of" in err, err
+    assert "click(target='Save')" in err
+    assert not (tmp_path / "m1").exists()
+    write_trajectories(tmp_path / "own.twl", [episode(own, f"w{i}") for i in range(4)])
+    assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
+                     str(tmp_path / "own.twl"), "--steps", "2"]) == 0
+    assert json.loads((tmp_path / "m1" / "sft.json").read_text())["trajectories"] == 4
