@@ -15,6 +15,7 @@ import torch
 
 from learner.device import autocast, describe, resolve_device, resolve_precision
 from core.chat import ChatTokenizer, has_tokenizer
+from core.outcome import Outcome
 from core.schema import SchemaError
 from learner.batch import row_images
 from learner.policy import TrainPolicy
@@ -163,6 +164,12 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
             tr.validate(vocab)
         except SchemaError as e:
             raise ValueError(f"trajectory {tr.id} cannot be trained on by {src}: {e}") from None
+    # an infra_error episode says nothing about the policy (the learner never trains on one; `tars data split` drops
+    # them): a run's trajectories.twl holds them, since the learner archives every arrival
+    infra = sum(1 for tr in trajs if tr.outcome == Outcome.INFRA_ERROR)
+    trajs = [tr for tr in trajs if tr.outcome != Outcome.INFRA_ERROR]
+    if infra:
+        log(f"sft: {infra} infra_error trajectories left out")
     if trajs and has_tokenizer(src):   # ids of another tokenizer inside this vocabulary would train silently
         check_tokenizer(trajs, ChatTokenizer.load(src, cfg.actor.chat_template_kwargs), src)
     examples = sft_examples(trajs)
@@ -178,8 +185,8 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
                              f"tokenizer of {src} does not match its model")
     if not examples:
         raise ValueError("nothing to train on: " + " and ".join(
-            ([f"the trajectory files ({len(trajs)} trajectories) hold none with generated tokens outside a parse "
-              "error"] if data else []) + (["the demonstration source gave no demonstrations"] if demos else [])))
+            ([f"the trajectory files ({len(trajs)} trajectories, {infra} infra_error ones left out) hold none with "
+              "generated tokens outside a parse error"] if data else []) + (["the demonstration source gave no demonstrations"] if demos else [])))
     steps = cfg.sft.steps if steps is None else steps
     if steps <= 0:
         raise ValueError("--steps must be >= 1")
@@ -187,7 +194,7 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
     m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, pad_id, log=log,
                   device=device, amp_dtype=amp_dtype)
     policy.save_hf(out_dir, tokenizer_from=src)  # with the model directory's tokenizer files
-    m.update(trajectories=n_traj, demonstrations=len(examples) - n_traj, out=str(out_dir), device=str(device),
+    m.update(trajectories=n_traj, infra_error_dropped=infra, demonstrations=len(examples) - n_traj, out=str(out_dir), device=str(device),
              precision="bf16" if amp_dtype is not None else "fp32")
     pathlib.Path(out_dir, "sft.json").write_text(json.dumps(m, indent=2))
     return m

@@ -431,3 +431,21 @@ def test_sft_refuses_trajectories_of_another_tokenizer_inside_its_vocabulary(tmp
     assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
                      str(tmp_path / "own.twl"), "--steps", "2"]) == 0
     assert json.loads((tmp_path / "m1" / "sft.json").read_text())["trajectories"] == 4
+
+
+def test_sft_leaves_infra_error_episodes_out(tmp_path, capsys):
+    """A run's trajectories.twl holds infra_error episodes (the learner archives every arrival, then drops them):
+    `tars sft --data` trained on them (6 of 6 trajectories, 2 of them infra_error). Now they are left out and counted,
+    and a file of nothing else is an error saying so, exit 2, nothing written."""
+    model().save_hf(tmp_path / "m0")
+    write_trajectories(tmp_path / "t.twl", [traj(f"w{i}", success=True, ret=1.0) for i in range(4)]
+                       + [traj(f"b{i}", "infra_error") for i in range(2)])
+    assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
+                     str(tmp_path / "t.twl"), "--steps", "2"]) == 0
+    info = json.loads((tmp_path / "m1" / "sft.json").read_text())
+    assert (info["trajectories"], info["infra_error_dropped"]) == (4, 2)
+    write_trajectories(tmp_path / "broken.twl", [traj(f"b{i}", "infra_error") for i in range(2)])
+    capsys.readouterr()
+    assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m2"), "--data",
+                     str(tmp_path / "broken.twl"), "--steps", "2"]) == 2
+    assert "nothing to train on" in capsys.readouterr().err and not (tmp_path / "m2").exists()
