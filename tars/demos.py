@@ -25,7 +25,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from actor.tiny import INVALID_NOTE, answer_ids, turn_ids
+from actor.tiny import INVALID_NOTE, answer_ids, format_action, turn_ids
 from core.action import Action
 from core.config import HELD_OUT_SEED_BASE
 from core.outcome import Outcome
@@ -72,31 +72,42 @@ def confused_action(env, rng: random.Random, distractors: int = 0) -> Action:
 
 def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
                    max_turns: int = 6, system_prompt: str = "tiny", obs_budget: int = 0,
-                   env_options: dict | None = None) -> list[tuple[list[int], list[int]]]:
+                   env_options: dict | None = None, max_new_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
     """Roll the demonstrator through envd's envs in-process -> [(tokens, loss_mask)]. `obs_budget`: the actor's
-    actor.max_obs_tokens, so a demonstration's prompts are the ones the policy will see in RL."""
+    actor.max_obs_tokens, so a demonstration's prompts are the ones the policy will see in RL. `max_new_tokens`:
+    the actor's actor.max_new_tokens (0 = no limit): a demonstrated answer longer than that, which RL would cut
+    short, is a ValueError naming the limit it needs."""
     if not all(is_builtin(e) for e in env_ids):
         eps = roll(env_ids, episodes, demonstrator, seed, max_turns, env_options)
         if episodes > 0 and not eps:
             raise ValueError(f"no demonstrations: the {demonstrator} demonstrator won none of the {episodes} episodes it "
                              f"played on {', '.join(env_ids)} within actor.max_turns={max_turns} (only won episodes "
                              "are demonstrations): raise actor.max_turns, or use noisy:P, which keeps every episode")
-        return [tokenize(tok, ep, system_prompt, obs_budget) for ep in eps]
-    kind, p, n = parse_demonstrator(demonstrator)
-    rng = random.Random(seed)
-    opts = env_options_for_demos(env_options)
-    envs = {e: builtin.make(e.split("/", 1)[1], dict(opts)) for e in env_ids}
-    out = []
-    for i in range(episodes):
-        env = envs[env_ids[i % len(env_ids)]]
+    else:
+        kind, p, n = parse_demonstrator(demonstrator)
+        rng = random.Random(seed)
+        opts = env_options_for_demos(env_options)
+        envs = {e: builtin.make(e.split("/", 1)[1], dict(opts)) for e in env_ids}
+        eps = []
+        for i in range(episodes):
+            env = envs[env_ids[i % len(env_ids)]]
 
-        def choose(_r, env=env):
-            if rng.random() < p:
-                return env.oracle_action()
-            return confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
+            def choose(_r, env=env):
+                if rng.random() < p:
+                    return env.oracle_action()
+                return confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
 
-        turns, _ = play(env, env.reset(rng.randrange(HELD_OUT_SEED_BASE)), choose, max_turns)
-        out.append(tokenize(tok, turns, system_prompt, obs_budget))
+            eps.append(play(env, env.reset(rng.randrange(HELD_OUT_SEED_BASE)), choose, max_turns)[0])
+    out = [tokenize(tok, ep, system_prompt, obs_budget) for ep in eps]
+    if max_new_tokens > 0:
+        sizes = [(len(answer_ids(tok, a)), format_action(a)) for ep in eps for _, _, a, _ in ep]
+        over = [x for x in sizes if x[0] > max_new_tokens]
+        if over:
+            n, text = max(over, key=lambda x: x[0])
+            raise ValueError(f"{len(over)} of {len(sizes)} demonstrated answers are longer than actor.max_new_tokens="
+                             f"{max_new_tokens} tokens (the longest, {text!r}, is {n} with this checkpoint's "
+                             f"tokenizer, its end-of-turn token included): RL would cut them short; set "
+                             f"actor.max_new_tokens to at least {n}")
     return out
 
 
@@ -196,4 +207,4 @@ def source(cfg, episodes: int):
     parse_demonstrator(cfg.sft.demonstrator)  # a bad spec is refused before any model is loaded
     return lambda tok: demonstrations(tok, list(cfg.actor.env_ids), episodes, cfg.sft.demonstrator, cfg.seed,
                                       cfg.actor.max_turns, cfg.actor.system_prompt, cfg.actor.max_obs_tokens,
-                                      cfg.actor.env_options)
+                                      cfg.actor.env_options, cfg.actor.max_new_tokens)

@@ -449,3 +449,27 @@ def test_sft_leaves_infra_error_episodes_out(tmp_path, capsys):
     assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m2"), "--data",
                      str(tmp_path / "broken.twl"), "--steps", "2"]) == 2
     assert "nothing to train on" in capsys.readouterr().err and not (tmp_path / "m2").exists()
+
+
+def test_sft_demos_refuse_answers_longer_than_the_actor_may_generate(tmp_path):
+    """A demonstrated answer longer than actor.max_new_tokens is one RL cuts short (a parse error every time); SFT
+    taught it silently (the quickstart's settings with a fresh 512-id tokenizer: 398 of 968 answers over its 8
+    tokens). Now the demonstrations are refused, naming the longest answer and the limit it needs; within the limit
+    they train."""
+    from core import config as C
+    from core.bpe import save_tokenizer, train_bpe
+    from learner.sft import run
+    from tars.demos import source
+
+    hf = train_bpe(["Screen: window Notes Goal: click Save"] * 20, 280)   # answers are spelled out byte by byte
+    TrainPolicy.from_config(DecoderConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          pad_token_id=hf.pad_token_id), seed=0).save_hf(tmp_path / "m0")
+    save_tokenizer(hf, tmp_path / "m0")
+    cfg = C.load(preset="quickstart", overrides=["sft.batch_size=2"])
+    with pytest.raises(ValueError, match=r"demonstrated answers are longer than actor.max_new_tokens=8 tokens \(the "
+                                         r"longest, .+, is \d+ .*at least \d+"):
+        run(cfg, str(tmp_path / "m0"), str(tmp_path / "m1"), [], demos=source(cfg, 6), steps=1, log=lambda *_: None)
+    assert not (tmp_path / "m1").exists()
+    cfg = C.load(preset="quickstart", overrides=["sft.batch_size=2", "actor.max_new_tokens=64"])
+    m = run(cfg, str(tmp_path / "m0"), str(tmp_path / "m1"), [], demos=source(cfg, 6), steps=1, log=lambda *_: None)
+    assert m["demonstrations"] == 6
