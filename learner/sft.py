@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from learner.device import autocast, describe, resolve_device, resolve_precision
-from core.chat import ChatTokenizer
+from core.chat import ChatTokenizer, has_tokenizer
+from core.outcome import Outcome
 from core.schema import SchemaError
 from learner.batch import row_images
 from learner.policy import TrainPolicy
@@ -123,6 +124,21 @@ def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float
     return {"sft_steps": steps, "sft_loss": float(np.mean(losses[-50:])) if losses else None, "sft_s": time.perf_counter() - t0}
 
 
+def check_tokenizer(trajs, tok: ChatTokenizer, src) -> None:
+    """ValueError naming the first trajectory whose generated tokens do not decode, with the model directory's
+    tokenizer, to the text its episode recorded (Turn.output: the actor's decode of the same ids): it was generated
+    with another tokenizer, and its ids mean other words here. Turns with no recorded text are not checked."""
+    for tr in trajs:
+        for i, t in enumerate(tr.turns):
+            if not t.output:
+                continue
+            got = tok.decode(tr.tokens[t.start:t.end].tolist())
+            if got != t.output:
+                raise ValueError(f"trajectory {tr.id} was not generated with the tokenizer of {src}: turn {i}'s tokens "
+                                 f"decode to {got[:60]!r} with it, but the policy wrote {t.output[:60]!r} (train on "
+                                 "trajectories of this model's tokenizer)")
+
+
 def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: DemonstrationSource | None = None,
         steps: int | None = None, log=print) -> dict:
     """`tars sft`: fine-tune model_dir on stored trajectories (data: trajectory files, e.g. a split's sft.twl)
@@ -148,6 +164,14 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
             tr.validate(vocab)
         except SchemaError as e:
             raise ValueError(f"trajectory {tr.id} cannot be trained on by {src}: {e}") from None
+    # an infra_error episode says nothing about the policy (the learner never trains on one; `tars data split` drops
+    # them): a run's trajectories.twl holds them, since the learner archives every arrival
+    infra = sum(1 for tr in trajs if tr.outcome == Outcome.INFRA_ERROR)
+    trajs = [tr for tr in trajs if tr.outcome != Outcome.INFRA_ERROR]
+    if infra:
+        log(f"sft: {infra} infra_error trajectories left out")
+    if trajs and has_tokenizer(src):   # ids of another tokenizer inside this vocabulary would train silently
+        check_tokenizer(trajs, ChatTokenizer.load(src, cfg.actor.chat_template_kwargs), src)
     examples = sft_examples(trajs)
     n_traj = len(examples)
     pad_id = policy.config.pad_token_id
@@ -160,7 +184,9 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
             raise ValueError(f"a demonstration has token id {bad}, outside the model's vocabulary of {vocab}: the "
                              f"tokenizer of {src} does not match its model")
     if not examples:
-        raise ValueError("the trajectory files hold no trajectory with generated tokens")
+        raise ValueError("nothing to train on: " + " and ".join(
+            ([f"the trajectory files ({len(trajs)} trajectories, {infra} infra_error ones left out) hold none with "
+              "generated tokens outside a parse error"] if data else []) + (["the demonstration source gave no demonstrations"] if demos else [])))
     steps = cfg.sft.steps if steps is None else steps
     if steps <= 0:
         raise ValueError("--steps must be >= 1")
@@ -168,7 +194,7 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
     m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, pad_id, log=log,
                   device=device, amp_dtype=amp_dtype)
     policy.save_hf(out_dir, tokenizer_from=src)  # with the model directory's tokenizer files
-    m.update(trajectories=n_traj, demonstrations=len(examples) - n_traj, out=str(out_dir), device=str(device),
+    m.update(trajectories=n_traj, infra_error_dropped=infra, demonstrations=len(examples) - n_traj, out=str(out_dir), device=str(device),
              precision="bf16" if amp_dtype is not None else "fp32")
     pathlib.Path(out_dir, "sft.json").write_text(json.dumps(m, indent=2))
     return m

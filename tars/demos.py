@@ -5,8 +5,13 @@ prompt) -> [(tokens, loss_mask)] for learner.sft.
     builtin tasks   oracle | noisy:P | confused:P[:N] (envd.builtin's oracle and random actions)
     other backends  oracle | noisy:P, where the backend has an oracle (MiniWoB++: the DOM oracle of
                     envd.miniwob_oracle.ORACLE_TASKS); noisy's other actions are the `random` hint policy's
-                    (envd.hints). Each env id is rolled in a thread of its own, with its own env (a browser each),
-                    under actor.env_options; the oracle's demonstrations keep only the episodes it won.
+                    (envd.hints). Each env id is rolled in a thread of its own, with its own env (a browser each);
+                    the oracle's demonstrations keep only the episodes it won.
+
+Every demonstration is played as the actor plays an episode: on its env ids under actor.env_options (strict_targets,
+max_steps, ...; step_delay, which only slows a step, left out), at most actor.max_turns turns, and an action the env
+rejects (envd.base.ActionError, e.g. a click on a label that is not on screen under strict_targets) changes nothing
+and puts actor.tiny.INVALID_NOTE before the next observation, as the actor's next prompt does.
 
 The oracle is a demonstrator only: nothing here runs during RL or evaluation. Seeds are drawn below
 core.config.HELD_OUT_SEED_BASE, so a held-out evaluation never sees a demonstrated episode.
@@ -20,12 +25,13 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from actor.tiny import answer_ids, turn_ids
+from actor.tiny import INVALID_NOTE, answer_ids, format_action, turn_ids
 from core.action import Action
 from core.config import HELD_OUT_SEED_BASE
 from core.outcome import Outcome
 from core.chat import ChatTokenizer
-from envd import builtin
+from envd import builtin, latency
+from envd.base import ActionError
 
 
 def parse_demonstrator(spec: str) -> tuple[str, float, int]:
@@ -66,44 +72,82 @@ def confused_action(env, rng: random.Random, distractors: int = 0) -> Action:
 
 def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
                    max_turns: int = 6, system_prompt: str = "tiny", obs_budget: int = 0,
-                   env_options: dict | None = None) -> list[tuple[list[int], list[int]]]:
+                   env_options: dict | None = None, max_new_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
     """Roll the demonstrator through envd's envs in-process -> [(tokens, loss_mask)]. `obs_budget`: the actor's
-    actor.max_obs_tokens, so a demonstration's prompts are the ones the policy will see in RL."""
+    actor.max_obs_tokens, so a demonstration's prompts are the ones the policy will see in RL. `max_new_tokens`:
+    the actor's actor.max_new_tokens (0 = no limit): a demonstrated answer longer than that, which RL would cut
+    short, is a ValueError naming the limit it needs."""
     if not all(is_builtin(e) for e in env_ids):
-        return [tokenize(tok, ep, system_prompt, obs_budget)
-                for ep in roll(env_ids, episodes, demonstrator, seed, max_turns, env_options)]
-    kind, p, n = parse_demonstrator(demonstrator)
-    rng = random.Random(seed)
-    envs = {e: builtin.make(e.split("/", 1)[1], {"max_steps": str(max_turns)}) for e in env_ids}
-    out = []
-    for i in range(episodes):
-        env = envs[env_ids[i % len(env_ids)]]
-        r = env.reset(rng.randrange(HELD_OUT_SEED_BASE))
-        turns = []
-        while True:
-            if rng.random() < p:
-                a = env.oracle_action()
-            else:
-                a = confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
-            turns.append((r.text, r.instruction, a))
-            r = env.step(a)
-            if r.outcome != Outcome.RUNNING:
-                break
-        out.append(tokenize(tok, turns, system_prompt, obs_budget))
+        eps = roll(env_ids, episodes, demonstrator, seed, max_turns, env_options)
+        if episodes > 0 and not eps:
+            raise ValueError(f"no demonstrations: the {demonstrator} demonstrator won none of the {episodes} episodes it "
+                             f"played on {', '.join(env_ids)} within actor.max_turns={max_turns} (only won episodes "
+                             "are demonstrations): raise actor.max_turns, or use noisy:P, which keeps every episode")
+    else:
+        kind, p, n = parse_demonstrator(demonstrator)
+        rng = random.Random(seed)
+        opts = env_options_for_demos(env_options)
+        envs = {e: builtin.make(e.split("/", 1)[1], dict(opts)) for e in env_ids}
+        eps = []
+        for i in range(episodes):
+            env = envs[env_ids[i % len(env_ids)]]
+
+            def choose(_r, env=env):
+                if rng.random() < p:
+                    return env.oracle_action()
+                return confused_action(env, rng, n) if kind == "confused" else env.random_action(rng)
+
+            eps.append(play(env, env.reset(rng.randrange(HELD_OUT_SEED_BASE)), choose, max_turns)[0])
+    out = [tokenize(tok, ep, system_prompt, obs_budget) for ep in eps]
+    if max_new_tokens > 0:
+        sizes = [(len(answer_ids(tok, a)), format_action(a)) for ep in eps for _, _, a, _ in ep]
+        over = [x for x in sizes if x[0] > max_new_tokens]
+        if over:
+            n, text = max(over, key=lambda x: x[0])
+            raise ValueError(f"{len(over)} of {len(sizes)} demonstrated answers are longer than actor.max_new_tokens="
+                             f"{max_new_tokens} tokens (the longest, {text!r}, is {n} with this checkpoint's "
+                             f"tokenizer, its end-of-turn token included): RL would cut them short; set "
+                             f"actor.max_new_tokens to at least {n}")
     return out
+
+
+# A rolled turn: (observation text, instruction, the demonstrator's action, the note before the observation:
+# INVALID_NOTE after a rejected action, else "").
+DemoTurn = tuple[str, str, Action, str]
+
+
+def env_options_for_demos(env_options: dict | None) -> dict[str, str]:
+    """actor.env_options as the sessions of RL get them, without step_delay (a simulated slow GUI: it only waits)."""
+    return {k: str(v) for k, v in (env_options or {}).items() if k != latency.OPTION}
+
+
+def play(env, r, choose, max_turns: int):
+    """Play one episode from its reset result `r` as the actor does -> ([DemoTurn], the last result): at most
+    max_turns turns; an action the env rejects changes nothing, and the next observation carries INVALID_NOTE."""
+    turns: list[DemoTurn] = []
+    note = ""
+    while r.outcome == Outcome.RUNNING and len(turns) < max_turns:
+        a = choose(r)
+        turns.append((r.text, r.instruction, a, note))
+        try:
+            r = env.step(a)
+            note = ""
+        except ActionError:   # the actor's EnvActionError: the format penalty, and the note in the next prompt
+            note = INVALID_NOTE
+    return turns, r
 
 
 def is_builtin(env_id: str) -> bool:
     return str(env_id).startswith("builtin/") and str(env_id).split("/", 1)[1] in builtin.TASKS
 
 
-def tokenize(tok: ChatTokenizer, episode: list[tuple[str, str, Action]], system_prompt: str = "tiny",
+def tokenize(tok: ChatTokenizer, episode: list[DemoTurn], system_prompt: str = "tiny",
              obs_budget: int = 0) -> tuple[list[int], list[int]]:
-    """One rolled episode [(observation text, instruction, action)] -> (tokens, loss_mask), the actor's turns."""
+    """One rolled episode [DemoTurn] -> (tokens, loss_mask), the actor's turns."""
     toks: list[int] = []
     mask: list[int] = []
-    for text, instruction, a in episode:
-        prompt = turn_ids(tok, system_prompt, text, instruction, first=not toks, obs_budget=obs_budget)
+    for text, instruction, a, note in episode:
+        prompt = turn_ids(tok, system_prompt, text, instruction, note, first=not toks, obs_budget=obs_budget)
         ans = answer_ids(tok, a)
         toks += prompt + ans
         mask += [0] * len(prompt) + [1] * len(ans)
@@ -118,9 +162,9 @@ def episode_seeds(seed: int, env_id: str):
 
 
 def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_turns: int = 6,
-         env_options: dict | None = None, keep: str = "won") -> list[list[tuple[str, str, Action]]]:
+         env_options: dict | None = None, keep: str = "won") -> list[list[DemoTurn]]:
     """Roll `demonstrator` (oracle | noisy:P) through any env with an oracle, in-process, episode i on
-    env_ids[i % len]: one thread and one env per env id -> episodes as [(observation text, instruction, action)].
+    env_ids[i % len]: one thread and one env per env id -> episodes as [DemoTurn] (play).
     keep: "won" drops the oracle's episodes that did not succeed (a demonstration must show the task done; every
     noisy episode is kept), "all" keeps every episode."""
     from envd import hints, registry
@@ -128,7 +172,7 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
     kind, p, _ = parse_demonstrator(demonstrator)
     if kind == "confused":
         raise ValueError("the confused demonstrator exists for the builtin tasks only; use oracle or noisy:P")
-    opts = {**{k: str(v) for k, v in (env_options or {}).items()}, "max_steps": str(max_turns)}
+    opts = env_options_for_demos(env_options)
 
     def work(k: int) -> list[tuple[int, list]]:
         env_id = env_ids[k]
@@ -136,17 +180,16 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
         seeds = episode_seeds(seed, env_id)
         env = registry.make(env_id, dict(opts))
         out = []
+
+        def choose(r):
+            try:
+                return env.oracle_action() if rng.random() < p else hints.next_action(env, "random", r, rng)
+            except NotImplementedError as e:
+                raise ValueError(f"{env_id}: no scripted demonstrator: {e}") from None
+
         try:
             for i in range(k, episodes, len(env_ids)):
-                r = env.reset(next(seeds))
-                turns = []
-                while r.outcome == Outcome.RUNNING and len(turns) < max_turns:
-                    try:
-                        a = env.oracle_action() if rng.random() < p else hints.next_action(env, "random", r, rng)
-                    except NotImplementedError as e:
-                        raise ValueError(f"{env_id}: no scripted demonstrator: {e}") from None
-                    turns.append((r.text, r.instruction, a))
-                    r = env.step(a)
+                turns, r = play(env, env.reset(next(seeds)), choose, max_turns)
                 won = r.outcome == Outcome.TERMINATED and bool(r.info.get("success", r.reward > 0))
                 if turns and (won or keep == "all" or kind != "oracle"):
                     out.append((i, turns))
@@ -164,4 +207,4 @@ def source(cfg, episodes: int):
     parse_demonstrator(cfg.sft.demonstrator)  # a bad spec is refused before any model is loaded
     return lambda tok: demonstrations(tok, list(cfg.actor.env_ids), episodes, cfg.sft.demonstrator, cfg.seed,
                                       cfg.actor.max_turns, cfg.actor.system_prompt, cfg.actor.max_obs_tokens,
-                                      cfg.actor.env_options)
+                                      cfg.actor.env_options, cfg.actor.max_new_tokens)

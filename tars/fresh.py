@@ -56,8 +56,8 @@ def web_corpus(env_ids: list[str], seed: int = 0, max_turns: int = 6, env_option
     out = []
     for ep in roll(env_ids, WEB_EPISODES * len(env_ids), "noisy:0.5", seed, max_turns, env_options, keep="all"):
         msgs = [{"role": "system", "content": TINY_SYSTEM}]
-        for text, instruction, a in ep:
-            msgs += [{"role": "user", "content": observation_text(text, instruction)},
+        for text, instruction, a, note in ep:
+            msgs += [{"role": "user", "content": observation_text(text, instruction, note)},
                      {"role": "assistant", "content": format_action(a)}]
         out.append(msgs)
     return out

@@ -216,6 +216,19 @@ def test_sft_demos_on_a_task_without_demonstrations_says_what_to_do(tmp_path, ck
     assert not (tmp_path / "r").exists()
 
 
+def test_sft_demos_from_an_oracle_that_never_wins_say_so(tmp_path, ckpts):
+    """The MiniWoB++ oracle keeps only its won episodes: login-user takes three steps, so within actor.max_turns=1 it
+    wins none. That was "the trajectory files hold no trajectory with generated tokens" (no trajectory file was
+    given); it names the demonstrator, the episodes and the turn limit, exit 2, and writes nothing."""
+    pytest.importorskip("miniwob")
+    r = tars("sft", "--model", ckpts["good"], "--out", tmp_path / "o", "--demos", "2", "--steps", "1",
+             "--set", "actor.env_ids=[miniwob/login-user]", "--set", "actor.max_turns=1",
+             "--set", "sft.demonstrator=oracle", timeout=300)
+    one_line(r, "sft", 2, "oracle demonstrator won none of the 2 episodes", "miniwob/login-user", "actor.max_turns=1")
+    assert "trajectory files" not in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_eval_unknown_task_in_a_suite(tmp_path):
     (tmp_path / "s.yaml").write_text("tasks: [builtin/nope]\n")
     r = tars("eval", "--suite", tmp_path / "s.yaml", "--model", "oracle", "--out", tmp_path / "o")

@@ -391,3 +391,85 @@ def test_sft_refuses_a_trajectory_its_model_cannot_train_on_before_training(tmp_
     err = capsys.readouterr().err
     assert rc == 2 and "trajectory other-model cannot be trained on" in err and "token id 900" in err, err
     assert not (tmp_path / "m1").exists()
+
+
+def test_sft_refuses_trajectories_of_another_tokenizer_inside_its_vocabulary(tmp_path, capsys):
+    """Trajectories generated with one tokenizer, trained into a checkpoint with another whose vocabulary holds their
+    ids: every id passes Trajectory.validate, so `tars sft --data` trained on them silently (an answer the policy
+    wrote as "click(target='Save')" was "click(target') bob S" to the checkpoint's tokenizer). Now the episode's
+    recorded text is checked against the checkpoint's decode of its tokens: exit 2 naming the trajectory, nothing
+    written; trajectories of the checkpoint's own tokenizer train."""
+    from actor.tiny import TINY_SYSTEM
+    from core.bpe import save_tokenizer, train_bpe
+    from core.chat import ChatTokenizer
+    from tars.fresh import shared_tokenizer
+
+    def episode(tok, tid):
+        prompt = tok.first_prompt(TINY_SYSTEM, "Screen: window Notes [button Save] Goal: click Save")
+        ans = tok.answer("click(target='Save')")
+        n = len(prompt) + len(ans)
+        return Trajectory(id=tid, env_id="builtin/click", outcome="terminated", tokens=np.array(prompt + ans, np.int32),
+                          logprobs=np.array([0.0] * len(prompt) + [-0.5] * len(ans), np.float32),
+                          versions=np.array([-1] * len(prompt) + [0] * len(ans), np.int32),
+                          mask=np.array([0] * len(prompt) + [1] * len(ans), np.uint8),
+                          turns=[Turn("text:0", tok.decode(ans), {}, 1.0, len(prompt), n)], ret=1.0, success=True)
+
+    other = shared_tokenizer()                        # the tokenizer the episodes were generated with
+    hf = train_bpe(["Screen: window Notes [button Save] Goal: click Save", "click(target='Save')"] * 20, 300)
+    TrainPolicy.from_config(DecoderConfig(vocab_size=other.vocab_size + 8, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=1, pad_token_id=hf.pad_token_id), seed=0).save_hf(tmp_path / "m0")
+    save_tokenizer(hf, tmp_path / "m0")
+    own = ChatTokenizer.load(tmp_path / "m0")
+    write_trajectories(tmp_path / "other.twl", [episode(other, f"o{i}") for i in range(4)])
+    rc = cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
+                   str(tmp_path / "other.twl"), "--steps", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "trajectory o0 was not generated with the tokenizer of" in err, err
+    assert "click(target='Save')" in err
+    assert not (tmp_path / "m1").exists()
+    write_trajectories(tmp_path / "own.twl", [episode(own, f"w{i}") for i in range(4)])
+    assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
+                     str(tmp_path / "own.twl"), "--steps", "2"]) == 0
+    assert json.loads((tmp_path / "m1" / "sft.json").read_text())["trajectories"] == 4
+
+
+def test_sft_leaves_infra_error_episodes_out(tmp_path, capsys):
+    """A run's trajectories.twl holds infra_error episodes (the learner archives every arrival, then drops them):
+    `tars sft --data` trained on them (6 of 6 trajectories, 2 of them infra_error). Now they are left out and counted,
+    and a file of nothing else is an error saying so, exit 2, nothing written."""
+    model().save_hf(tmp_path / "m0")
+    write_trajectories(tmp_path / "t.twl", [traj(f"w{i}", success=True, ret=1.0) for i in range(4)]
+                       + [traj(f"b{i}", "infra_error") for i in range(2)])
+    assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m1"), "--data",
+                     str(tmp_path / "t.twl"), "--steps", "2"]) == 0
+    info = json.loads((tmp_path / "m1" / "sft.json").read_text())
+    assert (info["trajectories"], info["infra_error_dropped"]) == (4, 2)
+    write_trajectories(tmp_path / "broken.twl", [traj(f"b{i}", "infra_error") for i in range(2)])
+    capsys.readouterr()
+    assert cli.main(["sft", "--model", str(tmp_path / "m0"), "--out", str(tmp_path / "m2"), "--data",
+                     str(tmp_path / "broken.twl"), "--steps", "2"]) == 2
+    assert "nothing to train on" in capsys.readouterr().err and not (tmp_path / "m2").exists()
+
+
+def test_sft_demos_refuse_answers_longer_than_the_actor_may_generate(tmp_path):
+    """A demonstrated answer longer than actor.max_new_tokens is one RL cuts short (a parse error every time); SFT
+    taught it silently (the quickstart's settings with a fresh 512-id tokenizer: 398 of 968 answers over its 8
+    tokens). Now the demonstrations are refused, naming the longest answer and the limit it needs; within the limit
+    they train."""
+    from core import config as C
+    from core.bpe import save_tokenizer, train_bpe
+    from learner.sft import run
+    from tars.demos import source
+
+    hf = train_bpe(["Screen: window Notes Goal: click Save"] * 20, 280)   # answers are spelled out byte by byte
+    TrainPolicy.from_config(DecoderConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          pad_token_id=hf.pad_token_id), seed=0).save_hf(tmp_path / "m0")
+    save_tokenizer(hf, tmp_path / "m0")
+    cfg = C.load(preset="quickstart", overrides=["sft.batch_size=2"])
+    with pytest.raises(ValueError, match=r"demonstrated answers are longer than actor.max_new_tokens=8 tokens \(the "
+                                         r"longest, .+, is \d+ .*at least \d+"):
+        run(cfg, str(tmp_path / "m0"), str(tmp_path / "m1"), [], demos=source(cfg, 6), steps=1, log=lambda *_: None)
+    assert not (tmp_path / "m1").exists()
+    cfg = C.load(preset="quickstart", overrides=["sft.batch_size=2", "actor.max_new_tokens=64"])
+    m = run(cfg, str(tmp_path / "m0"), str(tmp_path / "m1"), [], demos=source(cfg, 6), steps=1, log=lambda *_: None)
+    assert m["demonstrations"] == 6

@@ -635,3 +635,46 @@ def test_a_tars_vision_answer_that_samples_the_image_placeholder_ends_the_episod
     assert last.parse_error.startswith("the model wrote a vision token")
     assert tr.tokens[last.start:last.end].tolist() == stray[:3] and tr.boot_at == len(tr.tokens)
     assert learner_admits(Trajectory.decode(tr.encode()))
+
+
+def test_demonstrations_are_the_actors_tokens_under_the_runs_env_options():
+    """SFT trains on what RL will show: the quickstart's demonstrator (confused:0:1) under its actor.env_options
+    (strict_targets=1, a click on a label not on screen is rejected) and max_turns 3, replayed by the actor through
+    envd and the inference server, gives the demonstration's ids and loss mask token for token, the "Invalid action."
+    note after a rejected click included. The builtin demonstrations ignored actor.env_options: 0 of 200 carried the
+    note while envd rejected an action in 70 of them."""
+    import random
+
+    from tars.demos import demonstrations
+
+    opts = {"strict_targets": "1"}
+    found = []
+    for seed in range(60):   # one episode per seed: its env seed is the first draw of random.Random(seed)
+        (toks, mask), = demonstrations(TOK, ["builtin/mixed"], 1, "confused:0:1", seed, 3, env_options=opts)
+        if "Invalid action." in TOK.decode(toks, skip_special=False):
+            found.append((seed, toks, mask))
+    assert len(found) >= 5, f"{len(found)} of 60 demonstrations show a rejected action"
+
+    answers: list[list[int]] = []
+    eng = ScriptedEngine(lambda _ids, _imgs: answers.pop(0), TOK.vocab_size)
+
+    async def main():
+        out = []
+        async with stack(eng, env_options=opts, max_turns=3) as (ctx, env):
+            for seed, toks, mask in found[:5]:
+                answers[:] = [[]]
+                for t, m, prev in zip(toks, mask, [0] + mask):
+                    if m and not prev:
+                        answers.append([])
+                    if m:
+                        answers[-1].append(t)
+                del answers[0]
+                tr = await run_episode(ctx, env, f"demo-{seed}", "builtin/mixed", random.Random(seed).randrange(1 << 30), 0)
+                out.append((toks, mask, tr))
+        return out
+
+    for toks, mask, tr in asyncio.run(main()):
+        assert any(t.parse_error for t in tr.turns)                    # envd rejected one of the demonstrated actions
+        assert tr.tokens[:len(toks)].tolist() == toks
+        assert tr.mask[:len(mask)].tolist() == mask
+        assert tr.outcome != "truncated" or tr.mask[len(mask):].sum() == 0   # nothing generated past the demonstration

@@ -139,7 +139,7 @@ def test_miniwob_oracle_demonstrations_parse_back_and_win_when_replayed():
             assert seed < C.HELD_OUT_SEED_BASE
             r = env.reset(seed)
             assert r.instruction == ep[0][1] and r.text == ep[0][0]     # the demonstrated episode, replayed
-            for text, _, action in ep:
+            for text, _, action, _ in ep:
                 assert r.text == text
                 (a,) = parse_response(format_action(action))[1]
                 assert a.target and (a.type != "type" or a.content)
