@@ -61,7 +61,7 @@ class Actor:
                                      unavailable_retry_s=cfg.actor.unavailable_retry_s, coalesce=cfg.actor.coalesce_generate)
         self.sender = TrajectorySender(stream, actor_id, window=cfg.actor.send_window, spool_dir=spool_dir,
                                        max_outbox=cfg.actor.max_outbox,
-                                       **_curve_keys(cfg.learner.stream.curve_public_key))
+                                       **_curve_keys(cfg.learner.stream.curve_public_key, cfg.actor))
         # The inference server's context, from the run's config (the server's own answer lowers it: actor/episode.py).
         self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id, max_context=cfg.inference.request_limit())
         self.rng, self.life = episode_rng(cfg.seed, actor_id, spool_dir)
@@ -244,14 +244,17 @@ class Actor:
             await e.close()
 
 
-def _curve_keys(server_public: str) -> dict:
-    """With the learner's CURVE public key set, talk CURVE with a fresh keypair (the learner does not allowlist
-    client keys, so an ephemeral one is as good as a configured one)."""
+def _curve_keys(server_public: str, acfg) -> dict:
+    """With the learner's CURVE public key set, talk CURVE with the actor's keypair (actor.stream_curve_*, which a
+    learner with learner.stream.curve_client_keys must list), else with a fresh one (accepted by a learner without
+    an allowlist only)."""
     if not server_public:
         return {}
     import zmq
 
-    public, secret = zmq.curve_keypair()
+    public, secret = acfg.stream_curve_public_key.encode(), acfg.stream_curve_secret_key.encode()
+    if not (public and secret):
+        public, secret = zmq.curve_keypair()
     return {"curve_server_key": server_public.encode(), "curve_public_key": public, "curve_secret_key": secret}
 
 

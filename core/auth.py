@@ -6,7 +6,8 @@ depends on must be set, else InsecureBind (each role's command prints it and exi
 
     envd, inference server   their service token (envd.auth_token / inference.auth_token) and control.auth_token
                              (the ControlService shares their listener)
-    trajectory stream        CURVE (learner.stream.curve_secret_key)
+    trajectory stream        CURVE (learner.stream.curve_secret_key) and the allowlist of actor keys
+                             (learner.stream.curve_client_keys), unless learner.stream.curve_allow_any_client
     /metrics (every role)    telemetry.prometheus_token, unless telemetry.prometheus_allow_no_token (a firewalled
                              port; core.telemetry.setup)
     actor / learner control  bind 127.0.0.1 only (control.auth_token guards them all the same)
@@ -14,7 +15,8 @@ depends on must be set, else InsecureBind (each role's command prints it and exi
 read_secret_files() is the `*_file` convention: a string field X with a sibling X_file (envd.auth_token_file,
 control.auth_token_file, learner.stream.curve_secret_key_file, ...) takes its value from that file, so a secret
 can come from a Kubernetes Secret volume or a systemd credential ($CREDENTIALS_DIRECTORY, `%d` in a unit) and
-never sits in a unit file, a manifest or a command line.
+never sits in a unit file, a manifest or a command line. A key list (learner.stream.curve_client_keys_file) is a file
+of keys or a directory of such files (read_key_list).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ log = logging.getLogger("tars.auth")
 
 FILE_SUFFIX = "_file"
 MAX_SECRET_BYTES = 4096
+MAX_KEY_LIST_BYTES = 1 << 20  # ~25,000 Z85 keys
+KEY_LISTS = frozenset({"curve_client_keys"})  # fields whose *_file holds several keys (read_key_list)
 _warned: set[tuple[str, str, str]] = set()
 
 
@@ -69,58 +73,103 @@ def check_listener(role: str, what: str, host: str, needs: dict[str, str]) -> No
 Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 
 
+def client_keys(text: str) -> list[str]:
+    """learner.stream.curve_client_keys as a list: Z85 keys separated by commas or white space."""
+    return text.replace(",", " ").split()
+
+
+def _key_error(setting: str, key: str) -> str | None:
+    if len(key) != 40 or not set(key) <= Z85:
+        return (f"{setting}: not a CURVE key (40 Z85 characters, as zmq.curve_keypair() makes; this one has "
+                f"{len(key)} characters)")
+    return None
+
+
+def _pair_error(public_setting: str, public: str, secret_setting: str, secret: str) -> str | None:
+    """A public key set beside its secret key must be the secret key's (the peers given it could never connect)."""
+    if not (public and secret):
+        return None
+    import zmq
+
+    try:
+        derived = zmq.curve_public(secret.encode()).decode()
+    except (zmq.ZMQError, AttributeError):
+        return None  # libzmq without CURVE: the role says so when it starts the stream
+    if derived != public:
+        return f"{public_setting} is not the public key of {secret_setting}: the stream's peers could not use it"
+    return None
+
+
 def secrets_error(cfg) -> str | None:
     """Why a RunConfig's secrets cannot work, or None. A bearer token travels in a gRPC header, which takes visible
     ASCII only (any other character failed every call of every client with gRPC's own ExecuteBatchError, not even
     an RpcError); a CURVE key is 40 Z85 characters (anything else stopped the learner or actor with ZMQError
-    "Invalid argument"), and a learner's public key must be the one of its secret key (actors given it could never
-    connect)."""
+    "Invalid argument"), and a public key must be the one of its secret key (the learner's: actors given it could
+    never connect; an actor's: the learner's allowlist names the public key)."""
     for setting, token in (("envd.auth_token", cfg.envd.auth_token), ("inference.auth_token", cfg.inference.auth_token),
                            ("control.auth_token", cfg.control.auth_token),
                            ("telemetry.prometheus_token", cfg.telemetry.prometheus_token)):
         if token and not all("!" <= c <= "~" for c in token):
             return f"{setting}: a token must be visible ASCII characters only (it travels in a gRPC or HTTP header)"
-    s = cfg.learner.stream
-    for setting, key in (("curve_secret_key", s.curve_secret_key), ("curve_public_key", s.curve_public_key)):
-        if key and (len(key) != 40 or not set(key) <= Z85):
-            return (f"learner.stream.{setting}: not a CURVE key (40 Z85 characters, as zmq.curve_keypair() makes; "
-                    f"this one has {len(key)} characters)")
-    if s.curve_secret_key and s.curve_public_key:
-        import zmq
-
-        try:
-            public = zmq.curve_public(s.curve_secret_key.encode()).decode()
-        except (zmq.ZMQError, AttributeError):
-            return None  # libzmq without CURVE: the learner says so when it starts the stream
-        if public != s.curve_public_key:
-            return ("learner.stream.curve_public_key is not the public key of learner.stream.curve_secret_key: "
-                    "actors given it could not connect")
-    return None
+    s, a = cfg.learner.stream, cfg.actor
+    keys = [("learner.stream.curve_secret_key", s.curve_secret_key), ("learner.stream.curve_public_key", s.curve_public_key),
+            ("actor.stream_curve_secret_key", a.stream_curve_secret_key),
+            ("actor.stream_curve_public_key", a.stream_curve_public_key)]
+    allowed = client_keys(s.curve_client_keys)
+    keys += [(f"learner.stream.curve_client_keys (key {i + 1} of {len(allowed)})", k) for i, k in enumerate(allowed)]
+    for setting, key in keys:
+        if key and (err := _key_error(setting, key)):
+            return err
+    if bool(a.stream_curve_public_key) != bool(a.stream_curve_secret_key):
+        return ("actor.stream_curve_public_key and actor.stream_curve_secret_key: set both (the actor's CURVE keypair) "
+                "or neither (a fresh keypair per actor process)")
+    return (_pair_error("learner.stream.curve_public_key", s.curve_public_key, "learner.stream.curve_secret_key",
+                        s.curve_secret_key)
+            or _pair_error("actor.stream_curve_public_key", a.stream_curve_public_key, "actor.stream_curve_secret_key",
+                           a.stream_curve_secret_key))
 
 
 def read_secret(path: str, setting: str) -> str:
     """The stripped contents of a secret file (one line: a token or a Z85 key)."""
+    value = _read_text(path, setting, MAX_SECRET_BYTES, "it should hold one secret")
+    if any(c.isspace() for c in value):
+        raise SecretFileError(f"{setting}: {path} holds more than one word; it should hold one secret")
+    return value
+
+
+def read_key_list(path: str, setting: str) -> str:
+    """Keys separated by commas or white space, from a file or from every file of a directory (a Kubernetes Secret
+    volume, one key per item; names that start with "." are skipped: the volume's own ..data links), comma-joined."""
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+        if not names:
+            raise SecretFileError(f"{setting}: {path} is an empty directory; it should hold key files")
+        files = [os.path.join(path, n) for n in names]
+    else:
+        files = [path]
+    return ",".join(k for p in files for k in client_keys(_read_text(p, setting, MAX_KEY_LIST_BYTES, "a key list")))
+
+
+def _read_text(path: str, setting: str, limit: int, what: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise SecretFileError(f"{setting}: {path} is not a regular file")
-            data = os.read(fd, MAX_SECRET_BYTES + 1)
+            data = os.read(fd, limit + 1)
         finally:
             os.close(fd)
     except OSError as e:
         raise SecretFileError(f"{setting}: cannot read {path}: {e.strerror or e}") from None
-    if len(data) > MAX_SECRET_BYTES:
-        raise SecretFileError(f"{setting}: {path} is over {MAX_SECRET_BYTES} bytes; it should hold one secret")
+    if len(data) > limit:
+        raise SecretFileError(f"{setting}: {path} is over {limit} bytes; {what}")
     try:
         value = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise SecretFileError(f"{setting}: {path} is not UTF-8 text") from None
     if not value:
         raise SecretFileError(f"{setting}: {path} is empty")
-    if any(c.isspace() for c in value):
-        raise SecretFileError(f"{setting}: {path} holds more than one word; it should hold one secret")
     if st.st_mode & stat.S_IROTH:
         log.warning("%s: %s is readable by every user of this machine (chmod o-r)", setting, path)
     return value
@@ -138,7 +187,7 @@ def read_secret_files(cfg, where: str = "") -> None:
             target = fl.name[: -len(FILE_SUFFIX)]
             if not hasattr(cfg, target):
                 continue
-            secret = read_secret(str(value), name)
+            secret = (read_key_list if target in KEY_LISTS else read_secret)(str(value), name)
             current = getattr(cfg, target)
             if current and current != secret:
                 raise SecretFileError(f"{where}{target} and {name} are both set, to different values: set one")

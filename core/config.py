@@ -136,6 +136,12 @@ class ActorConfig:
     send_window: int = f(256, lo=1, help="trajectories sent and not yet acknowledged (or held by the learner) before sending waits")
     max_outbox: int = f(1 << 16, "trajectories kept for re-send until acknowledged, held ones included (with the learner's "
                         "checkpoint durability: everything since its last checkpoint); sending waits at this bound", lo=1)
+    stream_curve_public_key: str = f("", "this actor's Z85 CURVE public key on the trajectory stream, listed in the "
+                                         "learner's learner.stream.curve_client_keys; empty: a fresh keypair per "
+                                         "process, which a learner with an allowlist refuses")
+    stream_curve_secret_key: str = f("", "this actor's Z85 CURVE secret key (zmq.curve_keypair() makes a pair)")
+    stream_curve_public_key_file: str = f("", "read actor.stream_curve_public_key from this file")
+    stream_curve_secret_key_file: str = f("", "read actor.stream_curve_secret_key from this file")
     system_prompt: str = f("auto", "system prompt of the first turn: auto (a vision-language checkpoint on a GUI task: "
                                    "computer; otherwise tiny) | tiny (one line, for small policies trained from "
                                    "scratch) | computer | browser | mobile (the UI-TARS prompts, actor/prompts.py) | none",

@@ -145,6 +145,15 @@ class StreamConfig:
     curve_secret_key_file: str = f("", "read curve_secret_key from this file (a Kubernetes Secret volume, a systemd "
                                        "credential); CURVE is required when the stream binds off loopback")
     curve_public_key_file: str = f("", "read curve_public_key from this file")
+    curve_client_keys: str = f("", "Z85 CURVE public keys of the actors allowed to connect, separated by commas or "
+                                   "spaces (each actor's actor.stream_curve_public_key): the stream's ZAP handler "
+                                   "refuses every other client during the handshake. Empty: encryption only, any "
+                                   "client that knows curve_public_key connects (off loopback that needs "
+                                   "curve_allow_any_client)")
+    curve_client_keys_file: str = f("", "read curve_client_keys from this file (keys separated by commas, spaces or "
+                                        "lines) or from every file of this directory (a Kubernetes Secret volume)")
+    curve_allow_any_client: bool = f(False, "serve a CURVE stream off loopback without curve_client_keys (encryption "
+                                            "only: whoever knows the learner's public key may send trajectories)")
     credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)", lo=1)
     max_frame_bytes: int = f(64 << 20, "larger frames are dropped and counted", lo=1)
     queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)", lo=1)

@@ -106,7 +106,7 @@ class Learner:
             credits=s.credits, queue_size=max(s.queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=s.max_frame_bytes, consumed_ids=consumed, ack_interval_s=s.ack_interval_s,
             fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability,
-            wal_writer=s.wal_writer,
+            wal_writer=s.wal_writer, curve_client_keys=auth.client_keys(s.curve_client_keys),
             vocab_size=self.policy.config.vocab_size)  # token ids outside the model's vocabulary are NACKed
         self.counters = collections.Counter()
         self.publisher = Publisher(self.policy, self.run, inference, cfg.inference.auth_token, self.lcfg.publish,
@@ -322,10 +322,16 @@ def resume_from(run: pathlib.Path, resume: bool, fresh_if_none: bool) -> pathlib
 
 
 def check_bind(cfg: RunConfig) -> None:
-    """core.auth.check_listener for the trajectory stream: off loopback only with CURVE. (The ControlService binds
-    127.0.0.1 and checks control.auth_token.)"""
+    """core.auth.check_listener for the trajectory stream: off loopback only with CURVE and an allowlist of actor
+    keys (or curve_allow_any_client). (The ControlService binds 127.0.0.1 and checks control.auth_token.)"""
     s = cfg.learner.stream
-    auth.check_listener("learner", "the trajectory stream", s.host, {"learner.stream.curve_secret_key (CURVE)": s.curve_secret_key})
+    if s.curve_client_keys and not s.curve_secret_key:
+        raise ConfigError("learner.stream.curve_client_keys is set but learner.stream.curve_secret_key is not: the "
+                          "allowlist authenticates CURVE clients, so the stream needs its CURVE keypair")
+    allow = s.curve_client_keys or ("any" if s.curve_allow_any_client else "")
+    auth.check_listener("learner", "the trajectory stream", s.host, {
+        "learner.stream.curve_secret_key (CURVE)": s.curve_secret_key,
+        "learner.stream.curve_client_keys (the actors' public keys; or curve_allow_any_client=true)": allow})
     auth.check_listener("learner", "the ControlService", CONTROL_HOST, {"control.auth_token": cfg.control.auth_token})
 
 

@@ -386,7 +386,7 @@ def _role(a, cfg) -> int:
     return 2
 
 
-_SECRETS = ("auth_token", "curve_secret_key", "snapshot_key", "prometheus_token")
+_SECRETS = ("auth_token", "curve_secret_key", "stream_curve_secret_key", "snapshot_key", "prometheus_token")
 
 
 def _masked(d):

@@ -10,7 +10,9 @@ reads control.auth_token from it too. Tokens the user set (directly or through a
 
 A run that starts the learner also gets a CURVE keypair for its trajectory stream (learner.stream.curve_*), when
 libzmq has CURVE and the user set no key: the stream is then encrypted, and a local process that cannot read the
-run's config.yaml (another user) does not get past the handshake, so it cannot send the learner trajectories.
+run's config.yaml (another user) does not get past the handshake, so it cannot send the learner trajectories. Its
+actors then share a client keypair too (actor.stream_curve_*), the only key on the learner's allowlist
+(learner.stream.curve_client_keys), unless the user set an actor keypair or an allowlist.
 """
 from __future__ import annotations
 
@@ -50,6 +52,13 @@ def issue(cfg, config_path: str | os.PathLike, *, envd: bool = True, inference: 
     if made["learner.stream.curve"]:
         public, secret = zmq.curve_keypair()
         stream.curve_public_key, stream.curve_secret_key = public.decode(), secret.decode()
+    a = cfg.actor  # the actors' keypair and the learner's allowlist of it (ZAP: core/stream/curve.py)
+    made["learner.stream.curve_client_keys"] = (learner and bool(stream.curve_secret_key) and zmq.has("curve")
+                                                and not stream.curve_client_keys and not a.stream_curve_secret_key)
+    if made["learner.stream.curve_client_keys"]:
+        public, secret = zmq.curve_keypair()
+        a.stream_curve_public_key, a.stream_curve_secret_key = public.decode(), secret.decode()
+        stream.curve_client_keys = a.stream_curve_public_key
     C.validate(cfg)
     C.save(cfg, pathlib.Path(config_path))
     return made

@@ -157,7 +157,8 @@ def test_tokens_set_by_the_user_are_kept(tmp_path):
     cfg = C.load(None, None, ["envd.auth_token=mine-envd", "control.auth_token=mine-control"])
     made = tokens.issue(cfg, tmp_path / "config.yaml")
     assert made == {"envd.auth_token": False, "inference.auth_token": True, "control.auth_token": False,
-                    "telemetry.prometheus_token": True, "learner.stream.curve": False}  # no learner in this run
+                    "telemetry.prometheus_token": True, "learner.stream.curve": False,
+                    "learner.stream.curve_client_keys": False}  # no learner in this run
     assert cfg.envd.auth_token == "mine-envd" and cfg.control.auth_token == "mine-control"
     assert len(cfg.inference.auth_token) >= 32
     assert stat.S_IMODE((tmp_path / "config.yaml").stat().st_mode) == 0o600
@@ -238,6 +239,9 @@ def test_check_listener_rules():
 
     key = zmq.curve_keypair()[1].decode()  # a real key: the config refuses one that is not (tests/test_rpc_auth.py)
     cfg = C.load(None, None, ["learner.stream.host=0.0.0.0", f"learner.stream.curve_secret_key={key}"])
+    with pytest.raises(auth.InsecureBind, match="curve_client_keys"):  # CURVE without an allowlist of actor keys
+        learner_bind(cfg)
+    cfg.learner.stream.curve_client_keys = zmq.curve_keypair()[0].decode()
     learner_bind(cfg)
 
 

@@ -200,7 +200,8 @@ def test_systemd_execstart_matches_cli_and_env_files():
 # ---- secrets: systemd credentials and Kubernetes Secrets, read through *_file settings -----------------------------
 
 # What each role needs to start on a non-loopback address (core.auth), and which setting names a secret.
-SECRET_SETTINGS = ("auth_token", "curve_secret_key", "curve_public_key", "prometheus_token")
+SECRET_SETTINGS = ("auth_token", "curve_secret_key", "curve_public_key", "prometheus_token", "curve_client_keys",
+                   "stream_curve_secret_key", "stream_curve_public_key")
 
 
 def _secret_values(tmp: pathlib.Path) -> dict[str, str]:
@@ -208,8 +209,11 @@ def _secret_values(tmp: pathlib.Path) -> dict[str, str]:
     import zmq
 
     pub, sec = zmq.curve_keypair()
+    client_pub, client_sec = zmq.curve_keypair()  # the actors' keypair; the learner's allowlist lists its public key
     return {"envd-token": "t-envd", "inference-token": "t-inference", "control-token": "t-control",
-            "metrics-token": "t-metrics", "stream-curve-secret": sec.decode(), "stream-curve-public": pub.decode()}
+            "metrics-token": "t-metrics", "stream-curve-secret": sec.decode(), "stream-curve-public": pub.decode(),
+            "stream-curve-client-public": client_pub.decode(), "stream-curve-client-secret": client_sec.decode(),
+            "stream-curve-clients": zmq.curve_keypair()[0].decode() + "\n" + client_pub.decode()}
 
 
 def _sets(argv: list[str]) -> list[str]:
@@ -233,10 +237,12 @@ def _check_role_starts(role: str, sets: list[str]) -> None:
             inference_bind(cfg.inference, cfg.control.auth_token)
         elif role == "learner":
             learner_bind(cfg)
+            assert cfg.learner.stream.curve_client_keys and not cfg.learner.stream.curve_allow_any_client  # ZAP
             assert cfg.inference.auth_token and cfg.control.auth_token  # publishing weights, its ControlService
         else:
             assert cfg.envd.auth_token and cfg.inference.auth_token and cfg.control.auth_token
             assert cfg.learner.stream.curve_public_key  # the learner's stream is CURVE off loopback
+            assert cfg.actor.stream_curve_secret_key and cfg.actor.stream_curve_public_key  # its keypair (allowlisted)
         return cfg
 
     def check_metrics(sets):
@@ -917,7 +923,7 @@ def test_systemd_units_serve_metrics_on_distinct_ports():
 # ---- no placeholder or literal secret anywhere in deploy/ ---------------------------------------------------------
 
 _PLACEHOLDER = re.compile(r"change[-_ ]?me|replace[-_ ]?me|changeit|your[-_]?token|<token>|xxxxx", re.I)
-_LITERAL = re.compile(r"\b(auth_token|curve_secret_key|curve_public_key|prometheus_token)\b(?!_file)\s*[:=]\s*[\"']?[^\s\"'/$%]+"
+_LITERAL = re.compile(r"\b(auth_token|curve_secret_key|curve_public_key|prometheus_token|stream_curve_secret_key|curve_client_keys)\b(?!_file)\s*[:=]\s*[\"']?[^\s\"'/$%]+"
                       r"|^[A-Z_]*(TOKEN|SECRET|KEY|PASSWORD)\s*=\s*\S", re.M)
 
 

@@ -33,7 +33,7 @@ import zmq
 from core.config import UserError
 from core.schema import InvalidTrajectory, SchemaError, Trajectory
 from core.stream import messages as M
-from core.stream.curve import curve_server
+from core.stream.curve import Zap, close_server, curve_server
 from core.stream.durability import IoHooks, make_durability
 from core.stream.images import ImageError, ImageStore, referenced, resolve, take_attached
 from core.stream.ioloop import Throttled, TickPacer, recv_message
@@ -49,16 +49,18 @@ class TrajectoryReceiver:
                  max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *,
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
                  log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
-                 vocab_size: int | None = None, wal_writer: str = "process"):
+                 vocab_size: int | None = None, wal_writer: str = "process", curve_client_keys=()):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
-        for every NACKed frame (keep it cheap). curve_secret_key: see core/stream/curve.py. durability, wal_writer:
+        for every NACKed frame (keep it cheap). curve_secret_key, curve_client_keys (Z85 public keys of the clients
+        allowed; empty: any): see core/stream/curve.py. durability, wal_writer:
         see core/stream/durability.py. vocab_size: the learner's model's (other token ids are NACKed "invalid").
         actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
-        if credits < 1 or queue_size < 1:
-            raise ValueError("credits and queue_size must be >= 1")
+        if credits < 1 or queue_size < 1 or (curve_client_keys and not curve_secret_key):
+            raise ValueError("credits and queue_size must be >= 1; curve_client_keys needs curve_secret_key")
         self.bind, self.staleness, self.credits, self.queue_size = bind, staleness, credits, queue_size
         self.max_frame_bytes, self.on_reject, self.actor_timeout_s = max_frame_bytes, on_reject, actor_timeout_s
-        self.log_every_s, self.curve_secret_key = log_every_s, curve_secret_key
+        self.log_every_s, self.curve_secret_key, self.curve_client_keys = log_every_s, curve_secret_key, curve_client_keys
+        self._zap: Zap | None = None  # the ZAP handler (core/stream/curve.py), with an allowlist
         self.vocab_size, self._claims_until = vocab_size, 0.0  # HELLO inflight is adopted until then (set by start)
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
         self._warn = Throttled(log, log_every_s)
@@ -145,7 +147,7 @@ class TrajectoryReceiver:
 
     def stats(self) -> dict:
         return {**self._stats, "queue": self._q.qsize(), **self.durability.stats(), "replay_pending": len(self._replay),
-                "actors": len(self._actors)}
+                "actors": len(self._actors), "clients_refused": self._zap.allow.refused if self._zap else 0}
 
     def stop(self, timeout: float = 5.0) -> None:
         """Make everything durable, send the last acks, close. Queued but unconsumed trajectories stay in the WAL."""
@@ -165,6 +167,7 @@ class TrajectoryReceiver:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         try:
+            self._zap = Zap(ctx, self.curve_client_keys) if self.curve_client_keys else None  # before the bind
             sock.linger = 0
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted actor (same id) takes over its old route
             # Hard cap against non-conforming peers (libzmq drops the connection beyond it); conforming ones learn
@@ -177,8 +180,7 @@ class TrajectoryReceiver:
         except BaseException as e:
             self._error = UserError(f"cannot bind the trajectory stream to {self.bind} (learner.stream.host, .port): {e}; "
                                     "choose another port, or 0 for any free one") if getattr(e, "errno", 0) in _BIND else e
-            sock.close(0)
-            ctx.term()
+            close_server(sock, ctx, self._zap)
             self._ready.set()
             return
         self._sock = sock
@@ -214,9 +216,7 @@ class TrajectoryReceiver:
             raise
         finally:
             self._sock = None
-            sock.close(0)
-            ctx.term()
-
+            close_server(sock, ctx, self._zap)
     def _send(self, ident: bytes, msg: M.Message) -> None:
         try:
             self._sock.send_multipart([ident, *msg.encode()], zmq.NOBLOCK)
