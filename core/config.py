@@ -342,6 +342,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"actor.concurrency={cfg.actor.concurrency} is below learner.group.size="
                           f"{cfg.learner.group.size}: an actor runs whole GRPO groups at once, so it would never start "
                           "an episode")
+    if "hint_policy" in cfg.actor.env_options:  # envd/hints.py's option (core does not import envd)
+        raise ConfigError("actor.env_options.hint_policy: the scripted baselines' hints are for `tars eval --model "
+                          "oracle|random`; a run's sessions never carry one (a demonstrator must not play during RL)")
     if err := cfg.learner.config_error() or cfg.inference.config_error():
         raise ConfigError(err)
 

@@ -284,3 +284,11 @@ def test_every_default_passes_its_own_bounds():
 
 def test_help_shows_an_open_bound():
     assert "envd.lease_ttl_s = 60.0 (0..]" in C.help_text() and "learner.ppo.gamma = 1.0 [0..1]" in C.help_text()
+
+
+def test_a_hint_policy_in_the_actors_env_options_is_refused():
+    # envd's hint_policy makes every result carry a scripted baseline's next action: an eval baseline's, never a run's
+    for policy in ("oracle", "random"):
+        with pytest.raises(C.ConfigError, match=r"actor.env_options.hint_policy: .*tars eval --model oracle\|random"):
+            C.load(None, None, [f"actor.env_options={{hint_policy: {policy}}}"])
+    assert C.load(None, None, ["actor.env_options={strict_targets: 1}"]).actor.env_options == {"strict_targets": 1}
