@@ -150,6 +150,16 @@ def read_key_list(path: str, setting: str) -> str:
     return ",".join(k for p in files for k in client_keys(_read_text(p, setting, MAX_KEY_LIST_BYTES, "a key list")))
 
 
+def load_key_list(path: str, setting: str) -> list[str]:
+    """read_key_list's keys, each checked (SecretFileError naming the first bad one): what a running learner re-reads
+    when curve_client_keys_file changes (core/stream/curve.py)."""
+    keys = client_keys(read_key_list(path, setting))
+    for i, k in enumerate(keys):
+        if err := _key_error(f"{setting}: {path} (key {i + 1} of {len(keys)})", k):
+            raise SecretFileError(err)
+    return keys
+
+
 def _read_text(path: str, setting: str, limit: int, what: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))

@@ -151,7 +151,8 @@ class StreamConfig:
                                    "client that knows curve_public_key connects (off loopback that needs "
                                    "curve_allow_any_client)")
     curve_client_keys_file: str = f("", "read curve_client_keys from this file (keys separated by commas, spaces or "
-                                        "lines) or from every file of this directory (a Kubernetes Secret volume)")
+                                        "lines) or from every file of this directory (a Kubernetes Secret volume); re-read "
+                                        "while the learner runs: keys added or taken out apply to new connections")
     curve_allow_any_client: bool = f(False, "serve a CURVE stream off loopback without curve_client_keys (encryption "
                                             "only: whoever knows the learner's public key may send trajectories)")
     credits: int = f(512, "trajectories an actor may have in flight to the learner (flow control)", lo=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -107,6 +108,8 @@ class Learner:
             max_frame_bytes=s.max_frame_bytes, consumed_ids=consumed, ack_interval_s=s.ack_interval_s,
             fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability,
             wal_writer=s.wal_writer, curve_client_keys=auth.client_keys(s.curve_client_keys),
+            keys_reload=functools.partial(auth.load_key_list, s.curve_client_keys_file,
+                                          "learner.stream.curve_client_keys_file") if s.curve_client_keys_file else None,
             vocab_size=self.policy.config.vocab_size)  # token ids outside the model's vocabulary are NACKed
         self.counters = collections.Counter()
         self.publisher = Publisher(self.policy, self.run, inference, cfg.inference.auth_token, self.lcfg.publish,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -156,3 +157,45 @@ def test_a_run_gets_an_actor_keypair_on_its_learners_allowlist(tmp_path):
     assert cfg.learner.stream.curve_client_keys == mine and not cfg.actor.stream_curve_secret_key
     cfg = C.load(None, None, [])
     assert not tokens.issue(cfg, tmp_path / "c3.yaml")["learner.stream.curve_client_keys"]
+
+
+def test_a_changed_key_file_is_reloaded_without_a_restart(tmp_path, caplog):
+    """curve_client_keys_file re-read while the learner runs (a Secret volume the kubelet updates): an actor key added
+    gets in, one taken out no longer does, and a broken file keeps the last good list."""
+    server_pub, server_sec = zmq.curve_keypair()
+    a_pub, a_sec = zmq.curve_keypair()
+    b_pub, b_sec = zmq.curve_keypair()
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "a").write_text(a_pub.decode())
+    path, setting = str(keys), "learner.stream.curve_client_keys_file"
+    rx = receiver(tmp_path, curve_secret_key=server_sec, curve_client_keys=auth.load_key_list(path, setting),
+                  keys_reload=lambda: auth.load_key_list(path, setting))
+    addr = rx.start()
+    rx._zap.allow.every_s = 0.2
+    con = Consumer(rx)
+    con.start()
+    b = dict(curve_server_key=server_pub, curve_public_key=b_pub, curve_secret_key=b_sec)
+    try:
+        assert not asyncio.run(_attempt(addr, "b1", 2.0, **b))
+        assert rx.stats()["clients_refused"] >= 1
+        (keys / "b").write_text(b_pub.decode())  # an actor added
+        time.sleep(0.3)
+        assert asyncio.run(_attempt(addr, "b2", 20.0, **b))
+        assert wait_until(lambda: "t-b2" in con.ids, 10) and rx._zap.allow.reloads == 1
+        (keys / "a").write_text("x" * 39)  # a broken update: the last good list stays
+        time.sleep(0.3)
+        with caplog.at_level("WARNING", logger="core.stream.curve"):
+            assert asyncio.run(_attempt(addr, "b3", 20.0, **b))
+        assert "keeping the 2 allowed client keys" in caplog.text and "key 1 of 2" in caplog.text
+        (keys / "a").write_text(a_pub.decode())
+        (keys / "b").unlink()  # an actor taken out
+        time.sleep(0.3)
+        assert not asyncio.run(_attempt(addr, "b4", 2.0, **b))
+        assert rx._zap.allow.reloads == 2 and "t-b4" not in con.ids
+        assert asyncio.run(_attempt(addr, "a", 20.0, curve_server_key=server_pub, curve_public_key=a_pub,
+                                    curve_secret_key=a_sec))
+    finally:
+        con.halt.set()
+        con.join(5)
+        rx.stop()

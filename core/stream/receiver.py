@@ -49,17 +49,18 @@ class TrajectoryReceiver:
                  max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *,
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
                  log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
-                 vocab_size: int | None = None, wal_writer: str = "process", curve_client_keys=()):
+                 vocab_size: int | None = None, wal_writer: str = "process", curve_client_keys=(), keys_reload=None):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
         for every NACKed frame (keep it cheap). curve_secret_key, curve_client_keys (Z85 public keys of the clients
-        allowed; empty: any): see core/stream/curve.py. durability, wal_writer:
-        see core/stream/durability.py. vocab_size: the learner's model's (other token ids are NACKed "invalid").
-        actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
+        allowed; empty: any), keys_reload (re-reads them: curve.Allowlist): see core/stream/curve.py. durability,
+        wal_writer: see core/stream/durability.py. vocab_size: the learner's model's (other token ids are NACKed
+        "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
         if credits < 1 or queue_size < 1 or (curve_client_keys and not curve_secret_key):
             raise ValueError("credits and queue_size must be >= 1; curve_client_keys needs curve_secret_key")
         self.bind, self.staleness, self.credits, self.queue_size = bind, staleness, credits, queue_size
         self.max_frame_bytes, self.on_reject, self.actor_timeout_s = max_frame_bytes, on_reject, actor_timeout_s
         self.log_every_s, self.curve_secret_key, self.curve_client_keys = log_every_s, curve_secret_key, curve_client_keys
+        self.keys_reload = keys_reload
         self._zap: Zap | None = None  # the ZAP handler (core/stream/curve.py), with an allowlist
         self.vocab_size, self._claims_until = vocab_size, 0.0  # HELLO inflight is adopted until then (set by start)
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
@@ -167,7 +168,7 @@ class TrajectoryReceiver:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         try:
-            self._zap = Zap(ctx, self.curve_client_keys) if self.curve_client_keys else None  # before the bind
+            self._zap = Zap(ctx, self.curve_client_keys, self.keys_reload) if self.curve_client_keys else None  # before the bind
             sock.linger = 0
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted actor (same id) takes over its old route
             # Hard cap against non-conforming peers (libzmq drops the connection beyond it); conforming ones learn
