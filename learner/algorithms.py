@@ -212,7 +212,9 @@ def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor,
         log_w = log_w.clamp(max=math.log(behav_cap))  # == min(exp(.), cap), overflow-free
     w = torch.exp(log_w)                                                       # [B, T]
     # exp would overflow past ~88 in fp32 (inf loss, NaN gradient: the step skipped), which correction.kind=none
-    # reaches with a stale token (u = current / behaviour there); e^20 is far past any clip, so nothing else changes.
+    # reaches with a stale token (u = current / behaviour there). For A >= 0 the clip already bounds u * A; for A < 0
+    # PPO's term is the unclipped u * A, so the clamp is a dual clip at u = e^20: such a token's loss stops growing
+    # and its gradient is 0 (at u just below e^20 the gradient is ~1e8 * |A|, a step that would swamp the batch).
     u = torch.exp(log_u.clamp(max=20.0))                                       # [B, T]
     surr = torch.minimum(u * adv, u.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
     return -masked_mean(w * surr, m)
