@@ -399,4 +399,8 @@ def open_tokenizer(path: str | os.PathLike, model_dir: str | os.PathLike | None 
         vocab = d.get("vocab_size", (d.get("text_config") or {}).get("vocab_size"))
         if vocab is not None:
             _check_fits(hf, int(vocab), str(model_dir))
+            bad = [i for i in (tok.stop_ids if tok is not None else ()) if not 0 <= i < int(vocab)]
+            if bad:  # the engine refuses such a stop id: every request of every episode would fail
+                raise TokenizerError(f"{path}: stop token ids {bad} (generation_config.json's eos_token_id) are "
+                                     f"outside the model's vocabulary [0, {vocab}); they are not this model's tokens")
     return tok
