@@ -45,6 +45,9 @@ Content = Union[str, Sequence[Union[str, int]]]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "generation_config.json", "preprocessor_config.json", "processor_config.json")
+# Where transformers keeps a tokenizer's named chat templates other than the default one ({"default": ...,
+# "tool_use": ...}): one NAME.jinja each (transformers.utils.CHAT_TEMPLATE_DIR).
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # Image placeholder tokens, in order of preference, that the vision path binds screenshots to.
 IMAGE_TOKENS = ("<|image|>", "<|image_pad|>")
 _PROBE_SYSTEM, _PROBE_USER = "\x00tars-system\x00", "\x00tars-user\x00"
@@ -81,13 +84,19 @@ class TokenizerError(ValueError):
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy every tokenizer file present in src into dst (which must exist); returns the names copied."""
+    """Copy every tokenizer file present in src into dst (which must exist), the named chat templates beside the
+    default one too (CHAT_TEMPLATE_DIR/NAME.jinja); returns the names copied (relative paths)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     out = []
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
             out.append(name)
+    named = sorted(p for p in (src / CHAT_TEMPLATE_DIR).glob("*.jinja") if p.is_file())
+    for p in named:
+        (dst / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+        shutil.copyfile(p, dst / CHAT_TEMPLATE_DIR / p.name)
+        out.append(f"{CHAT_TEMPLATE_DIR}/{p.name}")
     return out
 
 
