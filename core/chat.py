@@ -354,7 +354,8 @@ def _trim(content: "Content", left: bool, right: bool) -> "Content":
 
 
 def _load_hf(path: str | os.PathLike):
-    """(transformers' tokenizer of directory path, the eos ids of its generation_config.json); TokenizerError."""
+    """(transformers' tokenizer of directory path, the eos ids of its generation_config.json, or of its config.json
+    without one, as transformers generates); TokenizerError."""
     p = pathlib.Path(path)
     if not p.is_dir():
         raise TokenizerError(f"tokenizer: {p} is not a directory (give the checkpoint or tokenizer directory)")
@@ -378,7 +379,22 @@ def _load_hf(path: str | os.PathLike):
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in gen_eos):  # (not an assert: -O drops it)
             raise TokenizerError(f"tokenizer: {gc}: not a generation config whose eos_token_id is a token id "
                                  "or a list of them")
+    else:  # transformers' generation config is then the model config's (GenerationConfig.from_model_config)
+        gen_eos = _config_eos(p / "config.json")
     return hf, gen_eos
+
+
+def _config_eos(path: pathlib.Path) -> list[int]:
+    """The eos ids of a config.json (its text_config's for a VL model), [] where there is none or no such file; the
+    file's own faults are load_config's to report."""
+    try:
+        d = json.loads(path.read_text())
+        e = ((d.get("text_config") or {}).get("eos_token_id") if isinstance(d.get("text_config"), dict) else None)
+        e = d.get("eos_token_id") if e is None else e
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = [e] if isinstance(e, int) else list(e) if isinstance(e, list) else []
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def _check_fits(hf, model_vocab_size: int, where: str) -> None:
@@ -410,6 +426,7 @@ def open_tokenizer(path: str | os.PathLike, model_dir: str | os.PathLike | None 
             _check_fits(hf, int(vocab), str(model_dir))
             bad = [i for i in (tok.stop_ids if tok is not None else ()) if not 0 <= i < int(vocab)]
             if bad:  # the engine refuses such a stop id: every request of every episode would fail
-                raise TokenizerError(f"{path}: stop token ids {bad} (generation_config.json's eos_token_id) are "
+                raise TokenizerError(f"{path}: stop token ids {bad} (the eos_token_id of generation_config.json, "
+                                     "or of config.json without one) are "
                                      f"outside the model's vocabulary [0, {vocab}); they are not this model's tokens")
     return tok
