@@ -114,7 +114,8 @@ def test_generation_config_stop_ids_outside_the_vocabulary_are_refused(tok, tmp_
     for bad in (vocab + 10, -1):
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eot_id, bad]}))
         assert bad in ChatTokenizer.load(tmp_path).stop_ids  # what the actor would send with every request
-        with pytest.raises(TokenizerError, match=rf"generation_config.json.*outside the model's vocabulary \[0, {vocab}\)"):
+        with pytest.raises(TokenizerError,
+                           match=rf"generation_config.json.*outside the model's vocabulary \[0, {vocab}\)"):
             open_tokenizer(tmp_path, tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eot_id, vocab - 1]}))
     t = open_tokenizer(tmp_path, tmp_path)   # a padded row's id is the model's: fine
@@ -133,9 +134,10 @@ def test_without_a_generation_config_the_model_configs_eos_ids_stop_as_in_transf
     (tmp_path / "config.json").write_text(json.dumps({"model_type": mt, "vocab_size": tok.vocab_size,
                                                       "eos_token_id": [tok.eot_id, *others]}))
     assert set(others) <= set(open_tokenizer(tmp_path, tmp_path).stop_ids)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "eos_token_id": 0,  # a VL model's
-                                                      "text_config": {"vocab_size": tok.vocab_size, "eos_token_id": others[0]}}))
-    assert others[0] in ChatTokenizer.load(tmp_path).stop_ids and 0 not in ChatTokenizer.load(tmp_path).stop_ids
+    text = {"vocab_size": tok.vocab_size, "eos_token_id": others[0]}   # a VL model's: its text_config's
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "eos_token_id": 0, "text_config": text}))
+    stops = ChatTokenizer.load(tmp_path).stop_ids
+    assert others[0] in stops and 0 not in stops
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eot_id}))  # it wins when there
     assert others[0] not in ChatTokenizer.load(tmp_path).stop_ids
 

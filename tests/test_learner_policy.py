@@ -267,4 +267,5 @@ def test_an_export_keeps_the_tokenizers_named_chat_templates(tmp_path):
         (src / "additional_chat_templates" / "tool_use.jinja").read_text()
     back = transformers.AutoTokenizer.from_pretrained(str(out))
     assert back.chat_template == tok.chat_template
-    assert back.apply_chat_template(conv, chat_template="tool_use", tokenize=False) == "TOOL click Save\nTOOL click(target='Save')\n"
+    assert back.apply_chat_template(conv, chat_template="tool_use", tokenize=False) == \
+        "TOOL click Save\nTOOL click(target='Save')\n"
