@@ -45,6 +45,9 @@ Content = Union[str, Sequence[Union[str, int]]]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "generation_config.json", "preprocessor_config.json", "processor_config.json")
+# Where transformers keeps a tokenizer's named chat templates other than the default one ({"default": ...,
+# "tool_use": ...}): one NAME.jinja each (transformers.utils.CHAT_TEMPLATE_DIR).
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # Image placeholder tokens, in order of preference, that the vision path binds screenshots to.
 IMAGE_TOKENS = ("<|image|>", "<|image_pad|>")
 _PROBE_SYSTEM, _PROBE_USER = "\x00tars-system\x00", "\x00tars-user\x00"
@@ -81,13 +84,19 @@ class TokenizerError(ValueError):
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy every tokenizer file present in src into dst (which must exist); returns the names copied."""
+    """Copy every tokenizer file present in src into dst (which must exist), the named chat templates beside the
+    default one too (CHAT_TEMPLATE_DIR/NAME.jinja); returns the names copied (relative paths)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     out = []
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
             out.append(name)
+    named = sorted(p for p in (src / CHAT_TEMPLATE_DIR).glob("*.jinja") if p.is_file())
+    for p in named:
+        (dst / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+        shutil.copyfile(p, dst / CHAT_TEMPLATE_DIR / p.name)
+        out.append(f"{CHAT_TEMPLATE_DIR}/{p.name}")
     return out
 
 
@@ -345,7 +354,8 @@ def _trim(content: "Content", left: bool, right: bool) -> "Content":
 
 
 def _load_hf(path: str | os.PathLike):
-    """(transformers' tokenizer of directory path, the eos ids of its generation_config.json); TokenizerError."""
+    """(transformers' tokenizer of directory path, the eos ids of its generation_config.json, or of its config.json
+    without one, as transformers generates); TokenizerError."""
     p = pathlib.Path(path)
     if not p.is_dir():
         raise TokenizerError(f"tokenizer: {p} is not a directory (give the checkpoint or tokenizer directory)")
@@ -369,7 +379,22 @@ def _load_hf(path: str | os.PathLike):
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in gen_eos):  # (not an assert: -O drops it)
             raise TokenizerError(f"tokenizer: {gc}: not a generation config whose eos_token_id is a token id "
                                  "or a list of them")
+    else:  # transformers' generation config is then the model config's (GenerationConfig.from_model_config)
+        gen_eos = _config_eos(p / "config.json")
     return hf, gen_eos
+
+
+def _config_eos(path: pathlib.Path) -> list[int]:
+    """The eos ids of a config.json (its text_config's for a VL model), [] where there is none or no such file; the
+    file's own faults are load_config's to report."""
+    try:
+        d = json.loads(path.read_text())
+        e = ((d.get("text_config") or {}).get("eos_token_id") if isinstance(d.get("text_config"), dict) else None)
+        e = d.get("eos_token_id") if e is None else e
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = [e] if isinstance(e, int) else list(e) if isinstance(e, list) else []
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def _check_fits(hf, model_vocab_size: int, where: str) -> None:
@@ -399,4 +424,9 @@ def open_tokenizer(path: str | os.PathLike, model_dir: str | os.PathLike | None 
         vocab = d.get("vocab_size", (d.get("text_config") or {}).get("vocab_size"))
         if vocab is not None:
             _check_fits(hf, int(vocab), str(model_dir))
+            bad = [i for i in (tok.stop_ids if tok is not None else ()) if not 0 <= i < int(vocab)]
+            if bad:  # the engine refuses such a stop id: every request of every episode would fail
+                raise TokenizerError(f"{path}: stop token ids {bad} (the eos_token_id of generation_config.json, "
+                                     "or of config.json without one) are "
+                                     f"outside the model's vocabulary [0, {vocab}); they are not this model's tokens")
     return tok

@@ -103,6 +103,45 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tok, tmp_path):
     assert open_tokenizer(tmp_path, tmp_path).vocab_size == tok.vocab_size   # padded embeddings are fine
 
 
+def test_generation_config_stop_ids_outside_the_vocabulary_are_refused(tok, tmp_path):
+    """generation_config.json's eos_token_id becomes a stop id of every request, and the engine refuses a stop id
+    outside the model's vocabulary: a checkpoint whose generation config names one passed every check, then every
+    episode's first request failed ("stop_token_ids contains N, outside the vocabulary")."""
+    mt = "llama" if "<|eot_id|>" in tok.hf.get_vocab() else "qwen2"
+    vocab = tok.vocab_size + 64
+    copy_tokenizer_files(tok.path, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": mt, "vocab_size": vocab}))
+    for bad in (vocab + 10, -1):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eot_id, bad]}))
+        assert bad in ChatTokenizer.load(tmp_path).stop_ids  # what the actor would send with every request
+        with pytest.raises(TokenizerError,
+                           match=rf"generation_config.json.*outside the model's vocabulary \[0, {vocab}\)"):
+            open_tokenizer(tmp_path, tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eot_id, vocab - 1]}))
+    t = open_tokenizer(tmp_path, tmp_path)   # a padded row's id is the model's: fine
+    assert vocab - 1 in t.stop_ids
+
+
+def test_without_a_generation_config_the_model_configs_eos_ids_stop_as_in_transformers(tok, tmp_path):
+    """transformers generates with the config.json's eos ids when there is no generation_config.json
+    (GenerationConfig.from_model_config: Llama 3.1 Instruct's config lists <|end_of_text|>, <|eom_id|>, <|eot_id|>).
+    The stop ids took only the template's end-of-turn and the tokenizer's eos: the local engine generated past the
+    others, on to max_new_tokens."""
+    mt = "llama" if "<|eot_id|>" in tok.hf.get_vocab() else "qwen2"
+    copy_tokenizer_files(tok.path, tmp_path)
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    others = [i for i in range(5, 60) if i not in tok.stop_ids][:2]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": mt, "vocab_size": tok.vocab_size,
+                                                      "eos_token_id": [tok.eot_id, *others]}))
+    assert set(others) <= set(open_tokenizer(tmp_path, tmp_path).stop_ids)
+    text = {"vocab_size": tok.vocab_size, "eos_token_id": others[0]}   # a VL model's: its text_config's
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "eos_token_id": 0, "text_config": text}))
+    stops = ChatTokenizer.load(tmp_path).stop_ids
+    assert others[0] in stops and 0 not in stops
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eot_id}))  # it wins when there
+    assert others[0] not in ChatTokenizer.load(tmp_path).stop_ids
+
+
 def test_a_tokenizer_whose_ids_have_a_hole_is_checked_by_its_largest_id(tok, tmp_path):
     """len(tokenizer) counts tokens, not ids: with the end-of-turn token moved to id len + 500 (a hole in the ids)
     the check passed a model whose embedding has len + 64 rows, and the first prompt's end-of-turn id was past it."""

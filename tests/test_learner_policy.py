@@ -1,5 +1,6 @@
 """learner.policy.TrainPolicy (transformers' model class, what the learner trains) against core.model.CausalLM (what the
 engine runs) on the same weights, and the HF layout it writes: transformers and the engine load it back."""
+import dataclasses
 import json
 
 import pytest
@@ -244,3 +245,27 @@ def test_published_configs_carry_the_rope_in_both_transformers_spellings(tmp_pat
     assert rope_of(tmp_path / "out") == rope_of(src)
     if kind != "mrope":
         assert DecoderConfig.from_hf(d).rope_scaling == DecoderConfig.from_hf(json.loads((src / "config.json").read_text())).rope_scaling
+
+
+def test_an_export_keeps_the_tokenizers_named_chat_templates(tmp_path):
+    """A tokenizer with named chat templates ({"default": ..., "tool_use": ...}) keeps the ones beside the default in
+    additional_chat_templates/NAME.jinja (transformers' layout). The export copied only the top-level files: final/
+    and weights/vN loaded in transformers with the default template alone, and chat_template="tool_use" failed."""
+    transformers = pytest.importorskip("transformers")
+    from core.bpe import rendered_corpus, train_bpe
+
+    conv = [{"role": "user", "content": "click Save"}, {"role": "assistant", "content": "click(target='Save')"}]
+    src = tmp_path / "src"
+    tok = train_bpe(rendered_corpus([conv] * 20, "chatml"), 300, "chatml")
+    tok.chat_template = {"default": tok.chat_template,
+                         "tool_use": "{% for m in messages %}TOOL {{ m['content'] }}\n{% endfor %}"}
+    tok.save_pretrained(str(src))
+    assert (src / "additional_chat_templates" / "tool_use.jinja").is_file()
+    pol = TrainPolicy.from_config(dataclasses.replace(config(), vocab_size=len(tok)), seed=1)
+    out = pol.save_hf(tmp_path / "out", tokenizer_from=src)
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == \
+        (src / "additional_chat_templates" / "tool_use.jinja").read_text()
+    back = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert back.chat_template == tok.chat_template
+    assert back.apply_chat_template(conv, chat_template="tool_use", tokenize=False) == \
+        "TOOL click Save\nTOOL click(target='Save')\n"
