@@ -483,6 +483,30 @@ def test_a_resumed_learner_keeps_its_admission_bound_and_live_eta(tmp_path, mode
     close(again)
 
 
+@pytest.mark.parametrize("new_b", [1, 16])
+def test_a_resume_with_another_batch_size_keeps_the_admission_bound_eta_plus_one_batches_ahead(tmp_path, model, new_b):
+    """learner.batch_size changed across a restart: the ledger's accepted count is re-based on the new size. As it
+    was, a smaller size left capacity 0 until a version no update could reach without admissions (training stopped
+    for good: 40 accepted at version 10 of B = 4, resumed at B = 1: (2 + 11) x 1 - 40 < 0), a larger one admitted
+    many batches at once."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ln = Learner(C.load(overrides=[*OVERRIDES, "learner.algo=grpo"]), str(run), str(model), [])
+    st = ln.staleness
+    for v in range(1, 11):                          # 10 updates of B = 4
+        assert st.try_admit(4) == 4
+        st.on_accepted(4)
+        ln.version = v
+        st.set_version(v)
+    assert st.capacity() == 12                      # (eta + 1) batches ahead of training
+    ln.checkpoint()
+    close(ln)
+    back = Learner(C.load(overrides=[*OVERRIDES, "learner.algo=grpo", f"learner.batch_size={new_b}"]), str(run),
+                   str(model), [], resume=True)
+    assert back.version == 10 and back.staleness.capacity() == 3 * new_b
+    close(back)
+
+
 def test_a_resume_numbers_after_the_newest_written_weights_when_no_server_answers(tmp_path, model, caplog):
     """The learner and its inference server died together; the server, relaunched with the newest weights/vN, does
     not answer yet when the learner resumes: the learner continues after that N (it wrote those weights), not at its
