@@ -174,12 +174,26 @@ class Checkpointer:
             raise CheckpointError(f"{src} does not fit this learner's model: {msg}; resume with the --model and "
                                   "settings the run was started with") from e
         self.trainer.sched.load_state_dict(meta["sched"])
+        configured_hyperparameters(self.trainer)
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.trainer.updates = int(meta["updates"])
         self.trainer.entropy_coef = float(meta.get("entropy_coef", self.trainer.cfg.ppo.entropy_coef))
         return meta
+
+
+def configured_hyperparameters(trainer) -> None:
+    """After the optimizers' and the schedule's state dicts are loaded (they carry the checkpoint's lr, weight decay
+    and base lr): the configured learner.lr, critic_lr, weight_decay and warmup_steps win, at the schedule's step, as
+    a restarted run's other settings do. Before, a resume with another lr trained on at the checkpoint's, silently."""
+    cfg, sched = trainer.cfg, trainer.sched
+    sched.base_lrs = [cfg.lr] * len(trainer.opt.param_groups)
+    for g in trainer.opt.param_groups:
+        g.update(initial_lr=cfg.lr, lr=cfg.lr * sched.lr_lambdas[0](sched.last_epoch), weight_decay=cfg.weight_decay)
+    sched._last_lr = [g["lr"] for g in trainer.opt.param_groups]
+    for g in trainer.critic_opt.param_groups if trainer.critic_opt is not None else ():
+        g.update(lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
 
 
 def critic_state(sd: dict) -> dict:

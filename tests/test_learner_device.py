@@ -204,6 +204,29 @@ def test_learner_on_cpu_checkpoints_resume_to_the_same_state(tmp_path):
     _close(b)
 
 
+def test_a_resume_trains_at_the_configured_learning_rates_and_weight_decay(tmp_path):
+    """The optimizers' state dicts carry the checkpoint's lr and weight decay: a restart with other settings trains
+    at the configured ones (before: at the checkpoint's, 0.01 here, silently), at the schedule's step."""
+    (tmp_path / "a").mkdir()
+    over = ["learner.device=cpu", "learner.warmup_steps=4"]
+    a = _learner(tmp_path, "a", over)
+    for v in range(2):
+        a._update(batch(v))
+        a.version += 1
+    assert a.trainer.opt.param_groups[0]["lr"] == pytest.approx(0.01 * 3 / 4)
+    a.checkpoint()
+    new = ["learner.lr=0.001", "learner.critic_lr=0.0005", "learner.weight_decay=0.1", "learner.warmup_steps=2"]
+    b = _learner(tmp_path, "a", over + new, resume=True)
+    g, cg = b.trainer.opt.param_groups[0], b.trainer.critic_opt.param_groups[0]
+    assert (g["lr"], g["weight_decay"], cg["lr"], cg["weight_decay"]) == (0.001, 0.1, 0.0005, 0.1)  # step 2: warm
+    assert b.trainer.sched.get_last_lr() == [0.001] and b.trainer.sched.last_epoch == 2
+    assert b._update(batch(7))["lr"] == 0.001
+    same = _learner(tmp_path, "a", over, resume=True)  # the same settings: the checkpoint's schedule, unchanged
+    assert same.trainer.opt.param_groups[0]["lr"] == pytest.approx(0.01 * 3 / 4)
+    for ln in (a, b, same):
+        _close(ln)
+
+
 def test_published_and_final_weights_carry_the_model_directorys_tokenizer(tmp_path):
     """Each published version and the final export are model directories of their own: the HF layout the engine
     loads (the policy's exact weights) and the starting model directory's tokenizer files."""
