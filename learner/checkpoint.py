@@ -100,6 +100,7 @@ class Checkpointer:
     def __init__(self, run: pathlib.Path, policy: TrainPolicy, critic: TrainPolicy | None, trainer, device: torch.device):
         self.dir, self.old, self.tmp = paths(run)
         self.run, self.policy, self.critic, self.trainer, self.device = run, policy, critic, trainer, device
+        self.critic_restored = False  # load(): this learner's critic came from the checkpoint
 
     def gather(self) -> dict:
         """The models' and optimizers' state as one process holds it. Under learner.parallel=fsdp the shards are
@@ -166,7 +167,10 @@ class Checkpointer:
         try:  # a checkpoint of another model (--model, model.*) or optimiser layout: refused, not a traceback
             self.policy.load_weights(read_weights(src / "policy"))
             F.load_optim_state(self.trainer.opt, state["opt"])  # sharded again under learner.parallel=fsdp
-            if self.critic is not None and "critic" in state:
+            # A checkpoint without a critic (learner.algo=grpo, resumed under ppo): the critic starts fresh, and its
+            # value pretraining with it (the caller reads critic_restored).
+            self.critic_restored = self.critic is not None and "critic" in state
+            if self.critic_restored:
                 F.load_state(self.critic, critic_state(state["critic"]))
                 F.load_optim_state(self.trainer.critic_opt, state["critic_opt"])
         except (ValueError, RuntimeError, KeyError, IndexError) as e:

@@ -289,8 +289,12 @@ class Learner:
     def _load_checkpoint(self, src: pathlib.Path) -> set[str]:
         meta = self.checkpointer.load(src)
         self.version = int(meta["version"])
-        self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0)) if self.critic is not None else 0
-        self.updater.evs.extend(float(x) for x in meta.get("value_pretrain_evs", []))
+        if self.critic is not None and not self.checkpointer.critic_restored:  # a GRPO checkpoint resumed under ppo
+            log.warning("checkpoint %s holds no critic (learner.algo was grpo): a fresh critic, %d value pretraining "
+                        "updates first", src, self.updater.value_pretrain_left)  # (Updater: the configured steps)
+        elif self.critic is not None:
+            self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
+            self.updater.evs.extend(float(x) for x in meta.get("value_pretrain_evs", []))
         if "staleness" in meta:  # the admission bound stays where it was (accepted counts what was trained)
             ledger = dict(meta["staleness"], version=self.version)
             if ledger.get("eta_config", self.lcfg.staleness.eta) != self.lcfg.staleness.eta:

@@ -326,6 +326,29 @@ def test_value_pretraining_stops_at_the_same_update_across_a_resume(tmp_path):
     _close(b)
 
 
+def test_a_grpo_checkpoint_resumed_under_ppo_pretrains_its_fresh_critic(tmp_path):
+    """A checkpoint holds no critic when it was taken under algo=grpo: resumed under ppo, the critic is a fresh one
+    (zero value head), so value pretraining runs as configured. Before, the GRPO checkpoint's value_pretrain_left (0)
+    was taken and PPO trained the policy at once against the untrained critic; a PPO checkpoint keeps its own."""
+    (tmp_path / "a").mkdir()
+    a = _learner(tmp_path, "a", ["learner.algo=grpo"])
+    for v in range(2):
+        assert a._update(batch(v))["phase"] == "grpo"
+        a.version += 1
+    a.checkpoint()
+    over = ["learner.algo=ppo", "learner.value_pretrain.steps=3"]
+    b = _learner(tmp_path, "a", over, resume=True)
+    assert b.version == 2 and b.updater.value_pretrain_left == 3
+    assert b._update(batch(2))["phase"] == "value_pretrain"
+    b.checkpoint()                                  # a PPO checkpoint: its critic and pretraining state go on
+    c = _learner(tmp_path, "a", over, resume=True)
+    assert c.updater.value_pretrain_left == 2 and list(c.updater.evs) == list(b.updater.evs)
+    for x, y in zip(b.critic.parameters(), c.critic.parameters()):
+        assert torch.equal(x, y)
+    for ln in (a, b, c):
+        _close(ln)
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1e-7])
 def test_the_learner_recomputes_the_actors_tempered_policy(tmp_path, temperature):
     """The engine reports behaviour logprobs as log_softmax(logits / T) at actor.temperature T
