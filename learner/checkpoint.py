@@ -183,7 +183,11 @@ class Checkpointer:
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.trainer.updates = int(meta["updates"])
-        self.trainer.entropy_coef = float(meta.get("entropy_coef", self.trainer.cfg.ppo.entropy_coef))
+        # The adapted coefficient is state (learner.ppo.target_entropy > 0); without adaptation it is a setting,
+        # and the configured one wins (a restart with another entropy_coef trained on at the checkpoint's).
+        p = self.trainer.cfg.ppo
+        self.trainer.entropy_coef = float(meta.get("entropy_coef", p.entropy_coef)) if p.target_entropy > 0 \
+            else p.entropy_coef
         return meta
 
 

@@ -326,6 +326,24 @@ def test_value_pretraining_stops_at_the_same_update_across_a_resume(tmp_path):
     _close(b)
 
 
+def test_a_resume_takes_the_configured_entropy_coef_unless_it_adapts(tmp_path):
+    """learner.ppo.entropy_coef is a setting when target_entropy is 0: a restart with another value trains with it
+    (before: with the checkpoint's 0.01, silently). Adapted (target_entropy > 0), the coefficient is state and goes
+    on from the checkpoint's value."""
+    (tmp_path / "a").mkdir()
+    a = _learner(tmp_path, "a", ["learner.ppo.entropy_coef=0.01"])
+    a.checkpoint()
+    b = _learner(tmp_path, "a", ["learner.ppo.entropy_coef=0"], resume=True)
+    assert b.trainer.entropy_coef == 0.0
+    adapt = ["learner.ppo.target_entropy=1.0", "learner.ppo.entropy_coef=0.01"]
+    b.trainer.entropy_coef = 0.0123                 # as an adapting run's updates would have moved it
+    b.checkpoint()
+    c = _learner(tmp_path, "a", adapt, resume=True)
+    assert c.trainer.entropy_coef == 0.0123
+    for ln in (a, b, c):
+        _close(ln)
+
+
 def test_a_grpo_checkpoint_resumed_under_ppo_pretrains_its_fresh_critic(tmp_path):
     """A checkpoint holds no critic when it was taken under algo=grpo: resumed under ppo, the critic is a fresh one
     (zero value head), so value pretraining runs as configured. Before, the GRPO checkpoint's value_pretrain_left (0)
