@@ -189,8 +189,9 @@ class Learner:
                 self.version += 1
                 publish_s = self._publish(self.version)
                 self.staleness.set_version(self.version)
-                self.receiver.mark_consumed(tr.id for tr in batch)
-                rec = {"version": self.version, "ids": [tr.id for tr in batch], "masked": self.admission.take_masked()}
+                masked = self.admission.take_masked()  # (a GRPO group's are consumed with it, here)
+                self.receiver.mark_consumed([*(tr.id for tr in batch), *masked])
+                rec = {"version": self.version, "ids": [tr.id for tr in batch], "masked": masked}
                 if m.get("nonfinite_steps"):  # the weights did not move: the batch is consumed, its update skipped
                     self.counters["nonfinite_updates"] += 1
                     rec["nonfinite_steps"] = m["nonfinite_steps"]
@@ -273,7 +274,8 @@ class Learner:
         # The admission ledger without what Admission still holds (kept, not consumed: received again after a
         # restart and counted then), and the configured eta beside the live one (`tars ctl set eta`).
         ledger = self.staleness.state_dict()
-        ledger.update(accepted=ledger["accepted"] - self.admission.held(), eta_config=self.lcfg.staleness.eta)
+        ledger.update(accepted=ledger["accepted"] - self.admission.held(), eta_config=self.lcfg.staleness.eta,
+                      rejected=ledger["rejected"] - self.admission.unsettled())  # (counted again when they come)
         meta = {"version": self.version, "value_pretrain_left": self.updater.value_pretrain_left,
                 "value_pretrain_evs": list(self.updater.evs),  # the early stop's window goes on after a resume
                 "staleness": ledger, **self.receiver.checkpoint_state(), "t": time.time()}
