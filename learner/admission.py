@@ -7,8 +7,11 @@ version the learner has not reached (counted future_versions: a bug or a hostile
 pass as fresh), and so is one with no generated
 token (counted no_generated_tokens: a truncated episode whose first prompt did not fit the inference server's context;
 in a GRPO group its return of 0 would only move the others' baseline), and so is one whose images cannot be bound to its
-framed image runs (counted unbound_images: `check`, learner.batch.binding_error). All are marked consumed on the
-stream at once (they are settled) and listed in `masked`, so trained.jsonl can account for every id.
+framed image runs (counted unbound_images: `check`, learner.batch.binding_error). All are listed in `masked`, so
+trained.jsonl can account for every id, and marked consumed on the stream: at once (they are settled), or, for a
+member of a GRPO group, with its group (take_masked, once the group is in a batch the caller consumes), so a
+checkpoint never lists a group's masked member as consumed while its kept ones come again after a restart (the
+group would then count one arrival short and wait out group.timeout_s).
 """
 from __future__ import annotations
 
@@ -39,9 +42,12 @@ class Admission:
         self.episodes, self.archive = episodes, archive  # episodes.jsonl; the optional trajectory archive (.twl)
         self.counters = counters if counters is not None else collections.Counter()
         self.check = check  # trajectory -> why it cannot be trained on (None: it can)
-        self.pending_groups: dict[tuple, tuple[float, int, list]] = {}  # group_key -> (first arrival, arrived, kept)
-        # Ids kept out of the loss since the last update (trained.jsonl records them with the next version).
+        # group_key -> (first arrival, arrived, kept, ids kept out: consumed with the group)
+        self.pending_groups: dict[tuple, tuple[float, int, list, list]] = {}
+        # Ids kept out of the loss since the last update (trained.jsonl records them with the next version); those of
+        # group members join it once their group is in the batch collect() returns (_masked_in_batch until then).
         self.masked: list[str] = []
+        self._masked_in_batch: list[str] = []
         # Kept (on_accepted) but not yet handed out in a batch: in a pending group or a batch being collected. A
         # checkpoint counts them as not accepted (held()): they are not consumed, so a restart receives them again.
         self._held = 0
@@ -51,7 +57,13 @@ class Admission:
     def held(self) -> int:
         return self._held
 
+    def unsettled(self) -> int:
+        """GRPO members kept out of the loss (on_rejected) but not consumed yet: they come again after a restart."""
+        return len(self._masked_in_batch) + sum(len(out) for *_, out in self.pending_groups.values())
+
     def take_masked(self) -> list[str]:
+        """The ids kept out of the loss since the last call; the caller marks them consumed with its batch (a
+        masked GRPO member is consumed only then, with its group)."""
         masked, self.masked = self.masked, []
         return masked
 
@@ -80,31 +92,36 @@ class Admission:
             tr = self.receiver.get(timeout=POLL_S)
             on_tick()
             now = time.monotonic()
-            for g, (t0, arrived, members) in list(self.pending_groups.items()):
+            for g, (t0, arrived, members, out) in list(self.pending_groups.items()):
                 if now - t0 > self.group_timeout_s:
                     del self.pending_groups[g]
                     self.counters["groups_timed_out"] += 1
                     batch += members
+                    self._masked_in_batch += out
             if tr is None:
                 t_idle = time.monotonic()
                 on_idle()  # a checkpoint taken there is time away too
                 self._pause(time.monotonic() - t_idle)
                 continue
-            keep = self.admit(tr, version)
+            grouped = k > 1 and bool(tr.group)
+            keep = self.admit(tr, version, settle=not grouped)
             self._held += keep
-            if k == 1 or not tr.group:
+            if not grouped:
                 batch += [tr] if keep else []
                 continue
             g = group_key(tr)  # (actor, group): another actor's group of the same name is not this one
-            t0, arrived, members = self.pending_groups.get(g, (now, 0, []))
+            t0, arrived, members, out = self.pending_groups.get(g, (now, 0, [], []))
             arrived += 1
-            members = members + ([tr] if keep else [])
+            members, out = (members + [tr], out) if keep else (members, out + [tr.id])
             if arrived >= k:
                 self.pending_groups.pop(g, None)
                 batch += members
+                self._masked_in_batch += out
             else:
-                self.pending_groups[g] = (t0, arrived, members)
+                self.pending_groups[g] = (t0, arrived, members, out)
                 batch += self._evict()
+        self.masked += self._masked_in_batch
+        self._masked_in_batch = []
         self._held -= len(batch)
         self._returned = time.monotonic()
         return batch
@@ -114,21 +131,22 @@ class Admission:
         arrivals no admission bounds (groups of fresh names that never complete) would else be held until their
         timeout, as many as a peer can send meanwhile. An honest run holds at most its admission bound."""
         out: list = []
-        held = sum(len(members) for _, _, members in self.pending_groups.values())
+        held = sum(len(members) for _, _, members, _ in self.pending_groups.values())
         while held > self.max_pending:
-            _, _, members = self.pending_groups.pop(next(iter(self.pending_groups)))  # dicts keep arrival order
+            _, _, members, masked = self.pending_groups.pop(next(iter(self.pending_groups)))  # in arrival order
             held -= len(members)
             out += members
+            self._masked_in_batch += masked
             self.counters["groups_evicted"] += 1
         return out
 
     def _pause(self, seconds: float) -> None:
         """Stop the pending groups' clocks for `seconds` (time the learner spent elsewhere)."""
-        self.pending_groups = {g: (t0 + seconds, arrived, members)
-                               for g, (t0, arrived, members) in self.pending_groups.items()}
+        self.pending_groups = {g: (t0 + seconds, *rest) for g, (t0, *rest) in self.pending_groups.items()}
 
-    def admit(self, tr, version: int) -> bool:
-        """Log one arrival; count and drop it (False) if it is an infra_error or too stale to train on."""
+    def admit(self, tr, version: int, settle: bool = True) -> bool:
+        """Log one arrival; count and drop it (False) if it is an infra_error or too stale to train on. A dropped one
+        is marked consumed and listed in `masked` now if `settle`, else by the caller (a GRPO member: collect)."""
         self.counters["received"] += 1
         if self.archive is not None and tr.id not in self.archive:  # the data flywheel's raw material
             self.archive.append(tr.id, tr.encode())
@@ -159,6 +177,7 @@ class Admission:
             self.staleness.on_accepted(1)
             return True
         self.staleness.on_rejected(1)
-        self.receiver.mark_consumed([tr.id])
-        self.masked.append(tr.id)
+        if settle:
+            self.receiver.mark_consumed([tr.id])
+            self.masked.append(tr.id)
         return False

@@ -100,6 +100,7 @@ class Checkpointer:
     def __init__(self, run: pathlib.Path, policy: TrainPolicy, critic: TrainPolicy | None, trainer, device: torch.device):
         self.dir, self.old, self.tmp = paths(run)
         self.run, self.policy, self.critic, self.trainer, self.device = run, policy, critic, trainer, device
+        self.critic_restored = False  # load(): this learner's critic came from the checkpoint
 
     def gather(self) -> dict:
         """The models' and optimizers' state as one process holds it. Under learner.parallel=fsdp the shards are
@@ -166,7 +167,10 @@ class Checkpointer:
         try:  # a checkpoint of another model (--model, model.*) or optimiser layout: refused, not a traceback
             self.policy.load_weights(read_weights(src / "policy"))
             F.load_optim_state(self.trainer.opt, state["opt"])  # sharded again under learner.parallel=fsdp
-            if self.critic is not None and "critic" in state:
+            # A checkpoint without a critic (learner.algo=grpo, resumed under ppo): the critic starts fresh, and its
+            # value pretraining with it (the caller reads critic_restored).
+            self.critic_restored = self.critic is not None and "critic" in state
+            if self.critic_restored:
                 F.load_state(self.critic, critic_state(state["critic"]))
                 F.load_optim_state(self.trainer.critic_opt, state["critic_opt"])
         except (ValueError, RuntimeError, KeyError, IndexError) as e:
@@ -174,12 +178,30 @@ class Checkpointer:
             raise CheckpointError(f"{src} does not fit this learner's model: {msg}; resume with the --model and "
                                   "settings the run was started with") from e
         self.trainer.sched.load_state_dict(meta["sched"])
+        configured_hyperparameters(self.trainer)
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.trainer.updates = int(meta["updates"])
-        self.trainer.entropy_coef = float(meta.get("entropy_coef", self.trainer.cfg.ppo.entropy_coef))
+        # The adapted coefficient is state (learner.ppo.target_entropy > 0); without adaptation it is a setting,
+        # and the configured one wins (a restart with another entropy_coef trained on at the checkpoint's).
+        p = self.trainer.cfg.ppo
+        self.trainer.entropy_coef = float(meta.get("entropy_coef", p.entropy_coef)) if p.target_entropy > 0 \
+            else p.entropy_coef
         return meta
+
+
+def configured_hyperparameters(trainer) -> None:
+    """After the optimizers' and the schedule's state dicts are loaded (they carry the checkpoint's lr, weight decay
+    and base lr): the configured learner.lr, critic_lr, weight_decay and warmup_steps win, at the schedule's step, as
+    a restarted run's other settings do. Before, a resume with another lr trained on at the checkpoint's, silently."""
+    cfg, sched = trainer.cfg, trainer.sched
+    sched.base_lrs = [cfg.lr] * len(trainer.opt.param_groups)
+    for g in trainer.opt.param_groups:
+        g.update(initial_lr=cfg.lr, lr=cfg.lr * sched.lr_lambdas[0](sched.last_epoch), weight_decay=cfg.weight_decay)
+    sched._last_lr = [g["lr"] for g in trainer.opt.param_groups]
+    for g in trainer.critic_opt.param_groups if trainer.critic_opt is not None else ():
+        g.update(lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
 
 
 def critic_state(sd: dict) -> dict:

@@ -189,8 +189,9 @@ class Learner:
                 self.version += 1
                 publish_s = self._publish(self.version)
                 self.staleness.set_version(self.version)
-                self.receiver.mark_consumed(tr.id for tr in batch)
-                rec = {"version": self.version, "ids": [tr.id for tr in batch], "masked": self.admission.take_masked()}
+                masked = self.admission.take_masked()  # (a GRPO group's are consumed with it, here)
+                self.receiver.mark_consumed([*(tr.id for tr in batch), *masked])
+                rec = {"version": self.version, "ids": [tr.id for tr in batch], "masked": masked}
                 if m.get("nonfinite_steps"):  # the weights did not move: the batch is consumed, its update skipped
                     self.counters["nonfinite_updates"] += 1
                     rec["nonfinite_steps"] = m["nonfinite_steps"]
@@ -273,7 +274,8 @@ class Learner:
         # The admission ledger without what Admission still holds (kept, not consumed: received again after a
         # restart and counted then), and the configured eta beside the live one (`tars ctl set eta`).
         ledger = self.staleness.state_dict()
-        ledger.update(accepted=ledger["accepted"] - self.admission.held(), eta_config=self.lcfg.staleness.eta)
+        ledger.update(accepted=ledger["accepted"] - self.admission.held(), eta_config=self.lcfg.staleness.eta,
+                      rejected=ledger["rejected"] - self.admission.unsettled())  # (counted again when they come)
         meta = {"version": self.version, "value_pretrain_left": self.updater.value_pretrain_left,
                 "value_pretrain_evs": list(self.updater.evs),  # the early stop's window goes on after a resume
                 "staleness": ledger, **self.receiver.checkpoint_state(), "t": time.time()}
@@ -289,8 +291,12 @@ class Learner:
     def _load_checkpoint(self, src: pathlib.Path) -> set[str]:
         meta = self.checkpointer.load(src)
         self.version = int(meta["version"])
-        self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0)) if self.critic is not None else 0
-        self.updater.evs.extend(float(x) for x in meta.get("value_pretrain_evs", []))
+        if self.critic is not None and not self.checkpointer.critic_restored:  # a GRPO checkpoint resumed under ppo
+            log.warning("checkpoint %s holds no critic (learner.algo was grpo): a fresh critic, %d value pretraining "
+                        "updates first", src, self.updater.value_pretrain_left)  # (Updater: the configured steps)
+        elif self.critic is not None:
+            self.updater.value_pretrain_left = int(meta.get("value_pretrain_left", 0))
+            self.updater.evs.extend(float(x) for x in meta.get("value_pretrain_evs", []))
         if "staleness" in meta:  # the admission bound stays where it was (accepted counts what was trained)
             ledger = dict(meta["staleness"], version=self.version)
             if ledger.get("eta_config", self.lcfg.staleness.eta) != self.lcfg.staleness.eta:

@@ -159,12 +159,19 @@ class StalenessManager:
         """What a checkpoint keeps; `running` is not kept (a restarted learner re-learns it through adopt)."""
         with self._lock:
             return {"version": self._version, "accepted": self._accepted, "rejected": self._rejected,
-                    "lost": self._lost, "eta": self._eta}
+                    "lost": self._lost, "eta": self._eta, "batch_size": self.batch_size}
 
     def load_state_dict(self, d: dict) -> None:
+        """A ledger kept under another batch size (a resume with another learner.batch_size) is re-based: `accepted`
+        keeps its surplus over version x the old batch size, counted against this one, so the bound stays (eta + 1)
+        batches ahead of training (as it was, it shut admissions for good when the size shrank: capacity 0 at a
+        version no update could reach without admissions; and opened many batches at once when it grew)."""
         with self._lock:
             self._version = int(d["version"])
             self._accepted = int(d["accepted"])
+            old_b = int(d.get("batch_size", self.batch_size))
+            if old_b != self.batch_size:
+                self._accepted = max(0, self._accepted + self._version * (self.batch_size - old_b))
             self._rejected = int(d.get("rejected", 0))
             self._lost = int(d.get("lost", 0))
             self._eta = int(d.get("eta", self._eta))

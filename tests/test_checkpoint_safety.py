@@ -483,6 +483,70 @@ def test_a_resumed_learner_keeps_its_admission_bound_and_live_eta(tmp_path, mode
     close(again)
 
 
+def test_a_grpo_group_with_a_masked_member_is_whole_again_after_a_restart(tmp_path, model):
+    """A pending group of 4 holds two kept members and an infra_error one at the checkpoint: the infra_error member
+    is not consumed until its group is, so after a restart it comes again with its kept mates (WAL replay, or its
+    actor's re-send) and the fourth member completes the group at once. Before, it was consumed on arrival, the
+    restart saw 3 of 4 and the group waited out group.timeout_s (120 s by default) one member short."""
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    ov = [*OVERRIDES, "learner.algo=grpo", "learner.group.size=4", "learner.batch_size=3"]
+    ln = Learner(C.load(overrides=ov), str(run), str(model), [])
+    infra = _kept("b", "g", 0)
+    infra.outcome = "infra_error"
+    arrivals = [_kept("a", "g", 0), infra, _kept("c", "g", 0)]
+    ln.staleness.try_admit(4)
+    ln.receiver.get = lambda timeout: arrivals.pop(0) if arrivals else None
+    stop = threading.Event()
+
+    def idle():                                     # nothing more arrives: a checkpoint, then the kill
+        ln.checkpoint()
+        stop.set()
+    assert ln.admission.collect(3, 0, stop, on_idle=idle) is None
+    meta = json.loads((run / "ckpt" / "meta.json").read_text())
+    assert meta["consumed_ids"] == [] and meta["staleness"]["rejected"] == 0
+    close(ln)
+
+    back = Learner(C.load(overrides=ov), str(run), str(model), [], resume=True)
+    consumed = set(meta["consumed_ids"])            # what the restarted receiver does not replay
+    again = [t for t in (_kept("a", "g", 0), infra, _kept("c", "g", 0)) if t.id not in consumed]
+    back.staleness.adopt(len(again))
+    assert back.staleness.try_admit(1) == 1
+    arrivals = [*again, _kept("d", "g", 0)]         # the replay, then the group's last member
+    back.receiver.get = lambda timeout: arrivals.pop(0) if arrivals else None
+    t0 = time.monotonic()
+    got = back.admission.collect(3, 0, threading.Event(), on_idle=lambda: pytest.fail("the group was not whole"))
+    assert [t.id for t in got] == ["a", "c", "d"] and time.monotonic() - t0 < 5
+    assert back.admission.take_masked() == ["b"] and back.counters["groups_timed_out"] == 0
+    close(back)
+
+
+@pytest.mark.parametrize("new_b", [1, 16])
+def test_a_resume_with_another_batch_size_keeps_the_admission_bound_eta_plus_one_batches_ahead(tmp_path, model, new_b):
+    """learner.batch_size changed across a restart: the ledger's accepted count is re-based on the new size. As it
+    was, a smaller size left capacity 0 until a version no update could reach without admissions (training stopped
+    for good: 40 accepted at version 10 of B = 4, resumed at B = 1: (2 + 11) x 1 - 40 < 0), a larger one admitted
+    many batches at once."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ln = Learner(C.load(overrides=[*OVERRIDES, "learner.algo=grpo"]), str(run), str(model), [])
+    st = ln.staleness
+    for v in range(1, 11):                          # 10 updates of B = 4
+        assert st.try_admit(4) == 4
+        st.on_accepted(4)
+        ln.version = v
+        st.set_version(v)
+    assert st.capacity() == 12                      # (eta + 1) batches ahead of training
+    ln.checkpoint()
+    close(ln)
+    back = Learner(C.load(overrides=[*OVERRIDES, "learner.algo=grpo", f"learner.batch_size={new_b}"]), str(run),
+                   str(model), [], resume=True)
+    assert back.version == 10 and back.staleness.capacity() == 3 * new_b
+    close(back)
+
+
 def test_a_resume_numbers_after_the_newest_written_weights_when_no_server_answers(tmp_path, model, caplog):
     """The learner and its inference server died together; the server, relaunched with the newest weights/vN, does
     not answer yet when the learner resumes: the learner continues after that N (it wrote those weights), not at its

@@ -204,6 +204,29 @@ def test_learner_on_cpu_checkpoints_resume_to_the_same_state(tmp_path):
     _close(b)
 
 
+def test_a_resume_trains_at_the_configured_learning_rates_and_weight_decay(tmp_path):
+    """The optimizers' state dicts carry the checkpoint's lr and weight decay: a restart with other settings trains
+    at the configured ones (before: at the checkpoint's, 0.01 here, silently), at the schedule's step."""
+    (tmp_path / "a").mkdir()
+    over = ["learner.device=cpu", "learner.warmup_steps=4"]
+    a = _learner(tmp_path, "a", over)
+    for v in range(2):
+        a._update(batch(v))
+        a.version += 1
+    assert a.trainer.opt.param_groups[0]["lr"] == pytest.approx(0.01 * 3 / 4)
+    a.checkpoint()
+    new = ["learner.lr=0.001", "learner.critic_lr=0.0005", "learner.weight_decay=0.1", "learner.warmup_steps=2"]
+    b = _learner(tmp_path, "a", over + new, resume=True)
+    g, cg = b.trainer.opt.param_groups[0], b.trainer.critic_opt.param_groups[0]
+    assert (g["lr"], g["weight_decay"], cg["lr"], cg["weight_decay"]) == (0.001, 0.1, 0.0005, 0.1)  # step 2: warm
+    assert b.trainer.sched.get_last_lr() == [0.001] and b.trainer.sched.last_epoch == 2
+    assert b._update(batch(7))["lr"] == 0.001
+    same = _learner(tmp_path, "a", over, resume=True)  # the same settings: the checkpoint's schedule, unchanged
+    assert same.trainer.opt.param_groups[0]["lr"] == pytest.approx(0.01 * 3 / 4)
+    for ln in (a, b, same):
+        _close(ln)
+
+
 def test_published_and_final_weights_carry_the_model_directorys_tokenizer(tmp_path):
     """Each published version and the final export are model directories of their own: the HF layout the engine
     loads (the policy's exact weights) and the starting model directory's tokenizer files."""
@@ -301,6 +324,47 @@ def test_value_pretraining_stops_at_the_same_update_across_a_resume(tmp_path):
     assert a.updater.value_pretrain_left == b.updater.value_pretrain_left == 0  # 10 batches: the window is full
     _close(a)
     _close(b)
+
+
+def test_a_resume_takes_the_configured_entropy_coef_unless_it_adapts(tmp_path):
+    """learner.ppo.entropy_coef is a setting when target_entropy is 0: a restart with another value trains with it
+    (before: with the checkpoint's 0.01, silently). Adapted (target_entropy > 0), the coefficient is state and goes
+    on from the checkpoint's value."""
+    (tmp_path / "a").mkdir()
+    a = _learner(tmp_path, "a", ["learner.ppo.entropy_coef=0.01"])
+    a.checkpoint()
+    b = _learner(tmp_path, "a", ["learner.ppo.entropy_coef=0"], resume=True)
+    assert b.trainer.entropy_coef == 0.0
+    adapt = ["learner.ppo.target_entropy=1.0", "learner.ppo.entropy_coef=0.01"]
+    b.trainer.entropy_coef = 0.0123                 # as an adapting run's updates would have moved it
+    b.checkpoint()
+    c = _learner(tmp_path, "a", adapt, resume=True)
+    assert c.trainer.entropy_coef == 0.0123
+    for ln in (a, b, c):
+        _close(ln)
+
+
+def test_a_grpo_checkpoint_resumed_under_ppo_pretrains_its_fresh_critic(tmp_path):
+    """A checkpoint holds no critic when it was taken under algo=grpo: resumed under ppo, the critic is a fresh one
+    (zero value head), so value pretraining runs as configured. Before, the GRPO checkpoint's value_pretrain_left (0)
+    was taken and PPO trained the policy at once against the untrained critic; a PPO checkpoint keeps its own."""
+    (tmp_path / "a").mkdir()
+    a = _learner(tmp_path, "a", ["learner.algo=grpo"])
+    for v in range(2):
+        assert a._update(batch(v))["phase"] == "grpo"
+        a.version += 1
+    a.checkpoint()
+    over = ["learner.algo=ppo", "learner.value_pretrain.steps=3"]
+    b = _learner(tmp_path, "a", over, resume=True)
+    assert b.version == 2 and b.updater.value_pretrain_left == 3
+    assert b._update(batch(2))["phase"] == "value_pretrain"
+    b.checkpoint()                                  # a PPO checkpoint: its critic and pretraining state go on
+    c = _learner(tmp_path, "a", over, resume=True)
+    assert c.updater.value_pretrain_left == 2 and list(c.updater.evs) == list(b.updater.evs)
+    for x, y in zip(b.critic.parameters(), c.critic.parameters()):
+        assert torch.equal(x, y)
+    for ln in (a, b, c):
+        _close(ln)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1e-7])
