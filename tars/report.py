@@ -41,6 +41,9 @@ class Monitor:
         self.eps: list[dict] = []
         self.steps: list[dict] = []
         self._pos = {"episodes.jsonl": 0, "learner.jsonl": 0}
+        # A restarted learner replays the trajectories it had not trained on and logs each arrival again: an episode
+        # counts once, at its first line.
+        self._ids: set[str] = set()
 
     def _tail(self, name: str, into: list) -> None:
         p = self.run / name
@@ -52,9 +55,14 @@ class Monitor:
         end = data.rfind(b"\n") + 1  # only whole lines; a half-written one waits for the next poll
         for line in data[:end].splitlines():
             try:
-                into.append(json.loads(line))
+                rec = json.loads(line)
             except ValueError:
-                pass
+                continue
+            if name == "episodes.jsonl" and isinstance(rec, dict) and rec.get("id"):
+                if rec["id"] in self._ids:
+                    continue
+                self._ids.add(rec["id"])
+            into.append(rec)
         self._pos[name] += end
 
     def poll(self) -> None:

@@ -232,6 +232,26 @@ def test_report_counts_only_this_runs_episodes_when_the_directory_was_used_befor
     assert (everything["episodes"], everything["success_first"]) == (20, 0.0)
 
 
+def test_report_counts_an_episode_replayed_after_a_learner_restart_once(tmp_path):
+    """A restarted learner replays the trajectories it had not trained on: their arrivals are logged again (same ids,
+    a later train_version). The report counts each episode once, at its first line, also across polls."""
+    from tars import report
+
+    first = [{"id": f"e{i}", "outcome": "terminated", "success": i < 2, "return": 1.0, "vmax": 0, "vmin": 0,
+              "t": float(i), "train_version": 0} for i in range(4)]
+    replayed = [dict(e, t=10.0 + i, train_version=3) for i, e in enumerate(first[:2])]  # the two successes again
+    p = tmp_path / "episodes.jsonl"
+    p.write_text("".join(json.dumps(e) + "\n" for e in first))
+    mon = report.Monitor(tmp_path)
+    mon.poll()
+    with open(p, "a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in replayed + [dict(first[3], id="e4", t=12.0)]))
+    mon.poll()
+    assert [e["id"] for e in mon.eps] == ["e0", "e1", "e2", "e3", "e4"] and mon.eps[0]["train_version"] == 0
+    rep = report.write_report(tmp_path, mon, 1.0, False, None, "done")
+    assert rep["episodes"] == 5 and rep["scored_episodes"] == 5
+
+
 def test_the_live_monitor_of_a_rerun_reads_only_its_own_records(tmp_path):
     """tars up's progress line and its target_success stop read a Monitor started at the end of the logs: an
     earlier run's successes in the same --out neither show as this run's nor end it at once."""
