@@ -82,7 +82,7 @@ class Monitor:
         m = Monitor(self.run)
         m.eps = [e for e in self.eps if e.get("t", t) >= t]
         m.steps = [s for s in self.steps if s.get("t", t) >= t]
-        m._pos = dict(self._pos)
+        m._pos, m._ids = dict(self._pos), set(self._ids)
         return m
 
     @property
