@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import time
 from dataclasses import dataclass, replace
@@ -46,6 +47,14 @@ class Obs:
     step_ms: float
     width: int = 0        # the screen size coordinates refer to (0 = the env did not say)
     height: int = 0
+
+    @property
+    def success(self) -> bool:
+        """The env's own verdict (info["success"]); False when it gives none or the info cannot be read."""
+        try:
+            return bool(json.loads(self.info_json or "{}").get("success", False))
+        except (ValueError, AttributeError):
+            return False
 
 
 def _started(obs: Obs) -> Obs:

@@ -35,8 +35,8 @@ each generate the actor checks that the segment so far + the new prompt + max_ne
 max_context (EpisodeContext.max_context: inference.max_context of the run's config, lowered to what a server says in
 an INVALID_ARGUMENT "exceeds max_context" answer, which ends the episode as below, never retried). One that does not
 fit starts a new segment (actor.on_context_full=window, the default; as UI-TARS keeps only its last turns): a fresh
-first prompt with the earlier turns' thoughts and actions as text and the new observation, appended to the token
-arrays like the VL segments above, so nothing is re-tokenised and the learner computes each segment as its own
+first prompt with the earlier turns' thoughts and actions as text (the oldest left out where they do not all
+fit) and the new observation, appended to the token arrays like the VL segments above, so nothing is re-tokenised and the learner computes each segment as its own
 sequence. A tars_vision conversation with screenshots is not windowed. What still does not fit (a first prompt alone,
 or on_context_full=truncate) is a truncation (truncated_by "context"), not an infra error: it ends with that prompt as
 its final state and boot_at past it, like any other cut. When even the first prompt does not fit, the trajectory
@@ -48,7 +48,6 @@ and inference calls left out (`tars bench actor`'s per-turn overhead).
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 
@@ -113,20 +112,30 @@ class _Prompt:
     new_segment: bool = False
 
 
-def _prompt(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, closed: bool,
-            seg_images: int = 0, history: list[str] | None = None, window: bool = False) -> _Prompt:
+def _prompt(ctx: EpisodeContext, *a, history: list[str] | None = None, **kw) -> _Prompt:
+    """_prompt_once; a new segment whose history of earlier turns does not fit the context leaves out its oldest steps
+    (as UI-TARS keeps only its last turns) until it fits or none is left."""
+    skip, p, limit = 0, _prompt_once(ctx, *a, history=history, **kw), ctx.max_context - ctx.cfg.max_new_tokens
+    while p.new_segment and ctx.max_context and len(p.ids) > limit and skip < len(history or ()):
+        skip += 1
+        p = _prompt_once(ctx, *a, history=history, skip=skip, **kw)
+    return p
+
+
+def _prompt_once(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, closed: bool,
+                 seg_images: int = 0, history: list[str] | None = None, window: bool = False, skip: int = 0) -> _Prompt:
     """The tokens a turn appends for `obs`. Text and tars_vision checkpoints: the user message opens with a
     screenshot's placeholder run when shown, then its text; the first turn's carries the system prompt. VL
     checkpoints (actor/uitars.py): the screenshot as a framed run of its own pad count (shown alone), and a new
     segment when it would be the (k+1)-th image of the current one (`seg_images` shown so far). A new segment's
     first prompt carries the earlier turns (`history`) as text; window: a new segment anyway (the conversation
-    outgrew the context). An unreadable screenshot is envd's fault."""
+    outgrew the context), leaving out its first `skip` steps. An unreadable screenshot is envd's fault."""
     cfg, tok, vis = ctx.cfg, ctx.tok, ctx.vision
     shot = _screenshot(obs)
     new = window and not first
     if not vis.vl:
         n_img = cfg.image_tokens if vis.image_history > 0 and shot and tok.image_id >= 0 else 0
-        past = uitars.history_text(history or []) if new else ""
+        past = uitars.history_text(history or [], skip) if new else ""
         return _Prompt(turn_ids(tok, style, obs.text, obs.instruction, past + note, first=first or new, closed=closed,
                                 images=n_img, obs_budget=cfg.max_obs_tokens), shot if n_img else b"", new)
     show = bool(shot) and vis.image_history > 0
@@ -135,7 +144,7 @@ def _prompt(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, c
     except ValueError as e:
         raise EnvInfraError(f"envd sent a screenshot that cannot be read: {e}") from None
     new = new or (show and not first and seg_images >= vis.image_history)
-    past = uitars.history_text(history or []) if new else ""
+    past = uitars.history_text(history or [], skip) if new else ""
     if style in uitars.UITARS_STYLES:
         seen = [n_img] if n_img else [clip_observation(tok, obs.text, cfg.max_obs_tokens)]
         user = [t for t in (past + note,) if t] + seen
@@ -145,18 +154,6 @@ def _prompt(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, c
         ids = turn_ids(tok, style, obs.text, obs.instruction, past + note, first=first or new, closed=closed,
                        images=n_img, obs_budget=cfg.max_obs_tokens)
     return _Prompt(ids, shot if n_img else b"", new)
-
-
-def _stray(ids: list[int], vision: frozenset) -> int:
-    """Index of the first image token (VL vision token, tars_vision placeholder) in an answer, or -1."""
-    return next((i for i, t in enumerate(ids) if t in vision), -1) if vision else -1
-
-
-def _success(info_json: str) -> bool:
-    try:
-        return bool(json.loads(info_json or "{}").get("success", False))
-    except (ValueError, AttributeError):
-        return False
 
 
 async def run_episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, seed: int,
@@ -204,7 +201,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     closed = True                    # the last output ended with the end-of-turn token
     obs = None
     # Image tokens are input-only (VL: the vision tokens; tars_vision: the placeholder, while screenshots are shown);
-    # generation stops on one (_stray cuts an engine that did not)
+    # generation stops on one (uitars.stray cuts an engine that did not)
     stray_ids = frozenset(vis.spec.special_ids) if vis.vl else \
         frozenset({tok.image_id}) if vis.image_history > 0 and tok.image_id >= 0 else frozenset()
     stop_ids = sorted({*tok.stop_ids, *stray_ids})
@@ -292,7 +289,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                     gen_s += gen_ms / 1000
                     waited += gen_ms
                     out_ids, out_lp, out_v = list(g.output_ids), list(g.logprobs), list(g.versions)
-                    wrote = _stray(out_ids, stray_ids)
+                    wrote = uitars.stray(out_ids, stray_ids)
                     if wrote >= 0:   # as if the engine had stopped on it, as asked: the same prefix, the same logprobs
                         out_ids, out_lp, out_v = out_ids[:wrote + 1], out_lp[:wrote + 1], out_v[:wrote + 1]
                     start = len(tokens)
@@ -353,7 +350,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
                         break
                     if obs.outcome != Outcome.RUNNING:
                         outcome = obs.outcome
-                        success = _success(obs.info_json)
+                        success = obs.success
                         cut = "env" if outcome == Outcome.TRUNCATED else ""
                         break
             finally:

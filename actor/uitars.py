@@ -114,11 +114,19 @@ def system_text(style: str, instruction: str, point_form: str) -> Content:
     return system_prompt(style, instruction)
 
 
-def history_text(steps: list[str]) -> str:
-    """Earlier turns' thoughts and actions, for the first prompt of a new segment."""
-    if not steps:
-        return ""
-    return "Previous steps:\n" + "\n\n".join(f"Step {i}:\n{s}" for i, s in enumerate(steps, 1)) + "\n\n"
+def history_text(steps: list[str], skip: int = 0) -> str:
+    """Earlier turns' thoughts and actions, for the first prompt of a new segment; the first `skip` left out (the
+    context cannot hold them), the rest keep their step numbers."""
+    kept = steps[skip:]
+    if not kept:
+        return f"Previous steps: {skip} (left out)\n\n" if skip else ""
+    gap = f"(steps 1-{skip} left out)\n\n" if skip else ""
+    return "Previous steps:\n" + gap + "\n\n".join(f"Step {i}:\n{s}" for i, s in enumerate(kept, skip + 1)) + "\n\n"
+
+
+def stray(ids: list[int], vision: frozenset) -> int:
+    """Index of the first image token (VL vision token, tars_vision placeholder) in an answer, or -1."""
+    return next((i for i, t in enumerate(ids) if t in vision), -1) if vision else -1
 
 
 def step_text(thought: str, actions: list[Action] | None, output: str) -> str:

@@ -519,6 +519,29 @@ def test_every_action_of_an_answer_runs_until_one_ends_the_episode():
     assert [t.action["ran"] for t in tr.turns] == [3, 1] and len(tr.turns[0].action["then"]) == 2
 
 
+def test_a_new_segment_leaves_out_the_oldest_steps_its_context_cannot_hold():
+    """A long episode windows again and again; each new segment's first prompt carries the earlier turns as text, which
+    grows with every turn. Where all of it would not fit, the oldest steps are left out (as UI-TARS keeps only its last
+    turns) and the episode goes on to max_turns; the steps kept keep their numbers. (It was cut "context" instead.)"""
+    eng = ScriptedEngine(answer("type(content='0')"), TOK.vocab_size)  # the frame never moves: never ends
+    seen_full = _recording(eng)
+
+    async def main(max_context, turns):
+        async with stack(eng, max_turns=turns) as (ctx, env):
+            ctx.max_context = max_context
+            return await run_episode(ctx, env, f"long-{max_context}", "gym/TarsEpisodeStripes-v0", 1, 0)
+    asyncio.run(main(0, 3))
+    limit = len(seen_full[2]) + ActorConfig().max_new_tokens - 1   # two turns fit a segment, not three
+    eng2 = ScriptedEngine(answer("type(content='0')"), TOK.vocab_size)
+    eng, seen = eng2, _recording(eng2)
+    tr = asyncio.run(main(limit, 16))
+    assert tr.truncated_by == "max_turns" and len(tr.turns) == 16 and len(seen) == 16, tr.error
+    assert all(len(r) + ActorConfig().max_new_tokens <= limit for r in seen)
+    assert len(tr.segments) >= 3 and learner_admits(Trajectory.decode(tr.encode()))
+    last = TOK.decode(seen[-1])
+    assert "left out)" in last and "Step 15:" in last and "Step 1:" not in last
+
+
 def test_sft_on_a_windowed_text_trajectory_trains_each_segment_alone():
     """`tars sft` on stored trajectories: a text trajectory with segments binds to a text checkpoint (no images), the
     segment's first token is not a loss token, and the loss is that of the segments as separate examples."""
