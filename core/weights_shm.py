@@ -182,6 +182,6 @@ def read_segment(name: str) -> tuple[int, dict[str, torch.Tensor]]:
                       else torch.empty(shape, dtype=dtype))
     except SegmentError:
         raise
-    except (KeyError, TypeError, ValueError, struct.error) as e:
+    except (KeyError, TypeError, ValueError, OverflowError, struct.error) as e:  # OverflowError: int(Infinity)
         raise SegmentError(f"segment {name}: malformed header: {type(e).__name__}: {e}") from e
     return version, out

@@ -232,3 +232,18 @@ def test_host_copy_from_cuda_is_pinned_and_exact(tmp_path):
     with host.of(policy):
         sd = policy.hf_state_dict()
         assert all(torch.equal(sd[k], v.cpu()) for k, v in policy.lm.state_dict().items() if k in sd)
+
+
+def test_a_header_with_infinite_numbers_is_a_segment_error():
+    """json reads Infinity; int(inf) raises OverflowError, which reached the UpdateWeights call as UNKNOWN."""
+    prefix = weights_shm.run_prefix("/nonexistent/run-for-inf-header")
+    for ent in (["a", "float32", [1], float("inf"), 4], ["a", "float32", [float("inf")], 0, 4],
+                ["a", "float32", [1], 0, float("-inf")]):
+        name = f"{prefix}v1-1"
+        hdr = json.dumps({"version": 1, "tensors": [ent]}).encode()
+        pathlib.Path(weights_shm.SHM_DIR, name).write_bytes(weights_shm.MAGIC + len(hdr).to_bytes(8, "little") + hdr)
+        try:
+            with pytest.raises(weights_shm.SegmentError, match="malformed header: OverflowError"):
+                weights_shm.read_segment(name)
+        finally:
+            weights_shm.unlink(name)
