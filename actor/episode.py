@@ -35,12 +35,12 @@ each generate the actor checks that the segment so far + the new prompt + max_ne
 max_context (EpisodeContext.max_context: inference.max_context of the run's config, lowered to what a server says in
 an INVALID_ARGUMENT "exceeds max_context" answer, which ends the episode as below, never retried). One that does not
 fit starts a new segment (actor.on_context_full=window, the default; as UI-TARS keeps only its last turns): a fresh
-first prompt with the earlier turns' thoughts and actions as text (the oldest left out where they do not all
-fit) and the new observation, appended to the token arrays like the VL segments above, so nothing is re-tokenised and the learner computes each segment as its own
-sequence. A tars_vision conversation with screenshots is not windowed. What still does not fit (a first prompt alone,
-or on_context_full=truncate) is a truncation (truncated_by "context"), not an infra error: it ends with that prompt as
-its final state and boot_at past it, like any other cut. When even the first prompt does not fit, the trajectory
-has no generated token (the learner counts it and drops it).
+first prompt with the earlier turns' thoughts and actions as text (the oldest left out where they do not all fit)
+and the new observation, appended to the token arrays like the VL segments above, so nothing is re-tokenised and the
+learner computes each segment as its own sequence. A tars_vision conversation with screenshots is not windowed. What
+still does not fit (a first prompt alone, or on_context_full=truncate) is a truncation (truncated_by "context"), not
+an infra error: it ends with that prompt as its final state and boot_at past it, like any other cut. When even the
+first prompt does not fit, the trajectory has no generated token (the learner counts it and drops it).
 
 timings["actor_ms"] / ["actor_cpu_ms"]: each turn's wall / thread CPU time in this module's own code, the awaited env
 and inference calls left out (`tars bench actor`'s per-turn overhead).

@@ -93,8 +93,9 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
             shutil.copyfile(src / name, dst / name)
             out.append(name)
     named = sorted(p for p in (src / CHAT_TEMPLATE_DIR).glob("*.jinja") if p.is_file())
-    for p in named:
+    if named:
         (dst / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+    for p in named:
         shutil.copyfile(p, dst / CHAT_TEMPLATE_DIR / p.name)
         out.append(f"{CHAT_TEMPLATE_DIR}/{p.name}")
     return out
@@ -389,7 +390,8 @@ def _config_eos(path: pathlib.Path) -> list[int]:
     file's own faults are load_config's to report."""
     try:
         d = json.loads(path.read_text())
-        e = ((d.get("text_config") or {}).get("eos_token_id") if isinstance(d.get("text_config"), dict) else None)
+        tc = d.get("text_config")
+        e = tc.get("eos_token_id") if isinstance(tc, dict) else None
         e = d.get("eos_token_id") if e is None else e
     except (OSError, ValueError, AttributeError):
         return []

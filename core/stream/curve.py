@@ -21,7 +21,7 @@ def _keyset(keys) -> frozenset[bytes]:
 
 
 def curve_server(sock, secret_key: bytes | None) -> None:
-    """Server side: with a Z85 secret key the ROUTER only talks to CURVE clients (which ones: start_allowlist)."""
+    """Server side: with a Z85 secret key the ROUTER only talks to CURVE clients (which of them: Zap)."""
     if secret_key:
         sock.curve_secretkey = secret_key
         sock.curve_server = True
