@@ -10,6 +10,8 @@ poll finds nothing.
 """
 from __future__ import annotations
 
+import collections
+import threading
 import time
 
 import zmq
@@ -70,3 +72,52 @@ class Throttled:
             self.last[reason] = now
         else:
             self.suppressed[reason] = self.suppressed.get(reason, 0) + 1
+
+
+class HandOver:
+    """The bounded queue from the io thread to the training thread. put() queues without waking anyone; wake(), once
+    the io thread has handled a burst of messages, wakes the consumer once for everything queued since. Waking it at
+    every put (queue.Queue) made the two threads trade the GIL once per trajectory: the woken consumer takes the GIL
+    at the io thread's next release (a numpy reduction in validate, a socket call) and the io thread waits for it back,
+    which cost the learner process ~30 us per trajectory (docs/benchmarks.md, "One wake-up per burst")."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._unannounced = 0   # put since the last wake()
+
+    def put(self, item) -> None:
+        """io thread: raises OverflowError when full (the receiver checks full() first)."""
+        with self._cond:
+            if len(self._items) >= self.maxsize:
+                raise OverflowError(f"hand-over queue full ({self.maxsize})")
+            self._items.append(item)
+            self._unannounced += 1
+
+    def wake(self) -> None:
+        """io thread, after a burst: wake as many waiting consumers as items were put since the last wake."""
+        if self._unannounced:  # read without the lock: only the io thread writes it
+            with self._cond:
+                self._cond.notify(self._unannounced)
+                self._unannounced = 0
+
+    def get(self, timeout: float):
+        """The oldest item, or None after `timeout` seconds without one (an item put and not yet announced is
+        taken at once: wake() only ends waits)."""
+        deadline = None
+        with self._cond:
+            while not self._items:
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._items.popleft()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def full(self) -> bool:
+        return len(self._items) >= self.maxsize

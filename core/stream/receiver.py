@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -36,7 +35,7 @@ from core.stream import messages as M
 from core.stream.curve import Zap, close_server, curve_server
 from core.stream.durability import IoHooks, make_durability
 from core.stream.images import ImageError, ImageStore, referenced, resolve, take_attached
-from core.stream.ioloop import Throttled, TickPacer, recv_message
+from core.stream.ioloop import HandOver, Throttled, TickPacer, recv_message
 from core.stream.peers import MAX_PEERS, Peer, regrant
 from core.stream.wal import WalError
 
@@ -69,7 +68,7 @@ class TrajectoryReceiver:
                                           run_id=self.run_id, fsync=fsync, ack_interval_s=ack_interval_s,
                                           max_staged=queue_size, wal_writer=wal_writer, max_record=max_frame_bytes)
         self.images = ImageStore(wal_path + ".images")  # screenshots by hash, beside the WAL that refers to them
-        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._q = HandOver(queue_size)  # core/stream/ioloop.py: the consumer is woken once per burst
         self._consumed: set[str] = set(consumed_ids)
         self._consumed_lock = threading.Lock()
         self._stop, self._ready = threading.Event(), threading.Event()
@@ -112,10 +111,7 @@ class TrajectoryReceiver:
             raise self.durability.fatal
         if self._error is not None:  # the io thread crashed: nothing will ever arrive
             raise RuntimeError(f"trajectory receiver io thread crashed: {self._error!r}") from self._error
-        try:
-            return self._q.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        return self._q.get(timeout)
 
     def qsize(self) -> int:
         return self._q.qsize()
@@ -210,6 +206,7 @@ class TrajectoryReceiver:
                         full = True
                 if pace.due(got, full, time.monotonic(), dur.acks_ready or self._credit_low):
                     self._tick()
+                self._q.wake()  # once for what the burst and the tick queued (core/stream/ioloop.HandOver)
             dur.flush()
         except Exception as e:
             log.exception("trajectory receiver io thread crashed")
@@ -395,9 +392,9 @@ class TrajectoryReceiver:
         # Accounting before the put: the training thread may call on_accepted the instant the item is queued.
         if not st.arrived(self._now, self.actor_timeout_s):
             self.staleness.adopt(1)     # admitted by a previous learner, or sent without ADMIT
-        self._q.put_nowait(tr)
+        self._q.put(tr)
         self._count("accepted")
-        n = len(self._q.queue)  # a statistic: no need for the queue's lock
+        n = self._q.qsize()
         if n > self._stats["queue_max"]:
             self._stats["queue_max"] = n
 
@@ -421,7 +418,7 @@ class TrajectoryReceiver:
                 self._warn("replay", "cannot replay %s: %s", tid, e)
                 self.staleness.on_rejected(1)
                 continue
-            self._q.put_nowait(tr)
+            self._q.put(tr)
             self._count("replayed")
             free -= 1
         if not self._replay and self._actors:  # fair re-grant, and credit idle actors hold taken back (peers.py)

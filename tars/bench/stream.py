@@ -8,8 +8,9 @@ Besides the rates it reports the CPU each side spends per trajectory (cpu_us_{le
 median of the repeats: user + system time of the whole process, all threads, from the start signal), a figure that
 swings much less than the rates when other work shares the machine.
 The WAL writer process's CPU is reported apart (cpu_us_writer_wal); --wal-thread adds the in-process syncer thread
-as a fourth path in the same rounds (ratio_wal_thread, cpu_us_learner_wal_thread).
-Run: `python -m tars.bench.stream [n] [payload_bytes] [repeats] [--wal-thread]`.
+as a fourth path in the same rounds (ratio_wal_thread, cpu_us_learner_wal_thread); --raw-burst adds a raw link that
+hands over through the stream's own one-wake-per-burst queue (ratio_vs_raw_burst, ratio_checkpoint_vs_raw_burst).
+Run: `python -m tars.bench.stream [n] [payload_bytes] [repeats] [--wal-thread] [--raw-burst]`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from core.schema import Trajectory, Turn
+from core.stream.ioloop import HandOver
 from core.stream.wal import WriteAheadLog
 
 
@@ -188,13 +190,29 @@ def _run_stream(trajs, tmp: str, fsync: bool, credits: int, queue_size: int, sub
         rx.stop()
 
 
-def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int) -> tuple[float, float, float]:
+def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int,
+             burst: bool = False) -> tuple[float, float, float]:
+    """burst=True: the consumer gets its trajectories through the stream's own hand-over (core.stream.ioloop.HandOver,
+    one wake-up per burst of receives) instead of a queue.Queue that wakes it at every put."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     port = router.bind_to_random_port("tcp://127.0.0.1")
     q: queue.Queue = queue.Queue(maxsize=queue_size)
+    hand = HandOver(queue_size) if burst else None
     stop = threading.Event()
+
+    def put(tr) -> None:
+        if hand is None:
+            q.put(tr, timeout=60)  # blocking put: the raw link has no flow control
+            return
+        end = time.monotonic() + 60
+        while hand.full():  # the same bound: wait for the consumer, as the blocking put does
+            hand.wake()
+            if time.monotonic() > end:
+                raise TimeoutError("raw link consumer stalled")
+            stop.wait(0.0005)
+        hand.put(tr)
 
     def rx_loop():
         poller = zmq.Poller()
@@ -207,9 +225,13 @@ def _run_raw(trajs, queue_size: int, subprocess: bool, payload_bytes: int) -> tu
                     except zmq.Again:
                         break
                     msgpack.unpackb(hdr)
-                    q.put(Trajectory.decode(payload), timeout=60)  # blocking put: the raw link has no flow control
+                    put(Trajectory.decode(payload))
+                if hand is not None:
+                    hand.wake()
 
     def get(timeout):
+        if hand is not None:
+            return hand.get(timeout)
         try:
             return q.get(timeout=timeout)
         except queue.Empty:
@@ -253,19 +275,23 @@ def _breakdown(trajs, tmp: str) -> dict:
 
 def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync: bool = True,
           credits: int = 512, queue_size: int = 4096, subprocess: bool = True, tmp_dir: str | None = None,
-          wal_thread: bool = False) -> dict:
+          wal_thread: bool = False, raw_burst_too: bool = False) -> dict:
     """Trajectories/s through TrajectorySender -> TrajectoryReceiver and through a raw link; best of `repeats`.
 
     subprocess=True runs the actor side in a child process, as in deployment (actor and learner never share a GIL);
     subprocess=False runs everything in this process, where both links compete for one GIL.
     wal_thread=True also runs the WAL with the in-process syncer thread (learner.stream.wal_writer=thread) in the
     same rounds: ratio_wal_thread against ratio (the writer process, the default).
+    raw_burst_too=True also runs the raw link with the stream's one-wake-per-burst hand-over, a stricter baseline:
+    ratio_vs_raw_burst, ratio_checkpoint_vs_raw_burst.
     """
     trajs = _trajs(n, payload_bytes)
     with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
-        stream, ckpt, raw, thread = [], [], [], []
+        stream, ckpt, raw, thread, raw_burst = [], [], [], [], []
         for _ in range(repeats):  # interleaved, so drift in machine load hits all alike
             raw.append(_run_raw(trajs, queue_size, subprocess, payload_bytes))
+            if raw_burst_too:
+                raw_burst.append(_run_raw(trajs, queue_size, subprocess, payload_bytes, burst=True))
             stream.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes))
             ckpt.append(_run_stream(trajs, tmp, fsync, credits, queue_size, subprocess, payload_bytes, "checkpoint"))
             if wal_thread:
@@ -285,6 +311,10 @@ def bench(n: int = 2000, payload_bytes: int = 32 << 10, repeats: int = 3, fsync:
     if thread:
         t_rate = n / min(r[0] for r in thread)
         extra = {"stream_wal_thread_per_s": round(t_rate, 1), "ratio_wal_thread": round(t_rate / r_rate, 3)}
+    if raw_burst:
+        b_rate = n / min(r[0] for r in raw_burst)
+        extra |= {"raw_burst_per_s": round(b_rate, 1), "ratio_vs_raw_burst": round(s_rate / b_rate, 3),
+                  "ratio_checkpoint_vs_raw_burst": round(c_rate / b_rate, 3)}
     return {"n": n, "payload_bytes": len(trajs[0].encode()), "fsync": fsync, "subprocess": subprocess,
             "stream_per_s": round(s_rate, 1), "raw_per_s": round(r_rate, 1), "ratio": round(s_rate / r_rate, 3),
             "stream_checkpoint_per_s": round(c_rate, 1), "ratio_checkpoint": round(c_rate / r_rate, 3), **extra,
@@ -300,6 +330,8 @@ if __name__ == "__main__":
     ap.add_argument("payload_bytes", type=int, nargs="?", help="bytes of each trajectory")
     ap.add_argument("repeats", type=int, nargs="?", help="transfers per path (best rate, median CPU)")
     ap.add_argument("--wal-thread", action="store_true", help="also the in-process WAL syncer thread, as a fourth path")
+    ap.add_argument("--raw-burst", action="store_true",
+                    help="also a raw link handing over through the stream's one-wake-per-burst queue (a stricter baseline)")
     a = ap.parse_args()
     pos = [x for x in (a.n, a.payload_bytes, a.repeats) if x is not None]
-    print(json.dumps(bench(*pos, wal_thread=a.wal_thread), indent=1))
+    print(json.dumps(bench(*pos, wal_thread=a.wal_thread, raw_burst_too=a.raw_burst), indent=1))
