@@ -144,6 +144,10 @@ class Checkpointer:
         shutil.rmtree(self.old, ignore_errors=True)
         return self.dir
 
+    def discard_partial(self) -> None:
+        """After save() failed: remove what it wrote of the new checkpoint (ckpt and ckpt.old are left as they are)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
     def load(self, src: pathlib.Path | None = None) -> dict:
         """Restore models, optimizers, RNG and the trainer's counters from `src` (default: locate()); returns
         meta.json for the caller's part. CheckpointError if there is none, or it is refused."""

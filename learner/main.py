@@ -117,6 +117,7 @@ class Learner:
         self.checkpoint_requested = threading.Event()
         self.last_metrics: dict = {}
         self.last_checkpoint: dict = {}
+        self.checkpoint_error: dict | None = None  # the last checkpoint's failure, until one succeeds
         self.episodes = open(self.run / "episodes.jsonl", "a", buffering=1)
         archive = WriteAheadLog(self.run / "trajectories.twl", fsync=False).open() if self.lcfg.archive else None
         self.admission = Admission(self.receiver, self.staleness, self.lcfg.staleness.max_lag, self.lcfg.group,
@@ -145,6 +146,9 @@ class Learner:
         telemetry.observe("tars.learner.eta", lambda: self.staleness.stats()["eta"], description="staleness bound eta")
         telemetry.observe("tars.learner.nonfinite_updates", lambda: self.counters["nonfinite_updates"],
                           description="updates whose loss or gradient was not finite: no optimiser step taken",
+                          kind="counter")
+        telemetry.observe("tars.learner.checkpoint_failures", lambda: self.counters["checkpoint_failures"],
+                          description="checkpoints that could not be written (a full disk...): training went on",
                           kind="counter")
         telemetry.observe("tars.learner.dropped", lambda: {k: self.counters[k] for k in (Outcome.INFRA_ERROR, "too_stale",
                                                                                     "future_versions",
@@ -283,7 +287,17 @@ class Learner:
         if self.trainer.fsdp:  # the other ranks gather the sharded models and optimizers with rank 0
             self.dist.broadcast(GATHER_CHECKPOINT)
             state = self.checkpointer.gather()
-        path = self.checkpointer.save(meta, state)
+        try:
+            path = self.checkpointer.save(meta, state)
+        except OSError as e:  # a full disk, say: the last whole checkpoint stays, training goes on, the next one retries
+            self.checkpointer.discard_partial()  # what it wrote of this one would keep the disk full
+            self.counters["checkpoint_failures"] += 1
+            self.checkpoint_error = {"version": self.version, "t": time.time(), "error": f"{type(e).__name__}: {e}"}
+            log.error("checkpoint at version %d failed, training goes on from the last whole checkpoint %s and tries "
+                      "again at the next one (learner.checkpoint.every): %s", self.version,
+                      self.last_checkpoint.get("path", "(none)"), e)
+            return
+        self.checkpoint_error = None
         self.receiver.compact_wal()
         self.receiver.commit(frozenset(meta["consumed_ids"]))  # checkpoint durability: actors may now forget these
         self.last_checkpoint = {"version": self.version, "t": meta["t"], "path": str(path)}
@@ -310,7 +324,8 @@ class Learner:
     def status(self) -> dict:
         return {"version": self.version, "counters": dict(self.counters), "staleness": self.staleness.stats(),
                 "staleness_histogram": self.staleness.histogram(), "stream": self.receiver.stats(),
-                "queue": self.receiver.qsize(), "last": self.last_metrics, "last_checkpoint": self.last_checkpoint}
+                "queue": self.receiver.qsize(), "last": self.last_metrics, "last_checkpoint": self.last_checkpoint,
+                "checkpoint_error": self.checkpoint_error}
 
     def control(self):
         return learner_control(self.status, lambda: self.version, self.staleness, self.checkpoint_requested,

@@ -152,6 +152,37 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+def test_a_checkpoint_that_cannot_be_written_is_discarded_and_training_goes_on(tmp_path, model, monkeypatch, caplog):
+    """A full disk inside the save: the learner used to crash, and restarted, train from its last checkpoint to the
+    same failing save. Now the partial ckpt.tmp is removed (its space given back), the error is counted and shown
+    in status, the last whole checkpoint stays, and the next checkpoint tries again."""
+    run = tmp_path / "run"
+    ln = saved_at(run, model, 1)
+    real_save = torch.save
+
+    def disk_full(obj, f, *a, **kw):
+        pathlib.Path(f).write_bytes(b"\0" * 4096)  # part of it written, then no space is left
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    ln.version = 2
+    ln.checkpoint()  # does not raise
+    st = ln.status()
+    assert st["checkpoint_error"]["version"] == 2 and "No space left on device" in st["checkpoint_error"]["error"]
+    assert st["counters"]["checkpoint_failures"] == 1 and st["last_checkpoint"]["version"] == 1
+    assert not (run / "ckpt.tmp").exists() and locate(run) == run / "ckpt"
+    assert json.loads((run / "ckpt" / "meta.json").read_text())["version"] == 1
+    assert "checkpoint at version 2 failed" in caplog.text
+    monkeypatch.setattr(torch, "save", real_save)
+    ln.version = 3
+    ln.checkpoint()
+    assert ln.status()["checkpoint_error"] is None and ln.last_checkpoint["version"] == 3
+    close(ln)
+    back = learner(run, model, resume=True)
+    assert back.version == 3
+    close(back)
+
+
 def test_a_train_state_with_a_pickled_payload_is_refused_and_never_runs(tmp_path, model):
     """An attacker's train_state.pt (a pickled os.system call, the manifest fixed up to match) is refused by a real
     `tars learner --resume`: exit 2, a one-line error, and the payload's file never appears."""
