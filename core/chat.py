@@ -44,7 +44,8 @@ Content = Union[str, Sequence[Union[str, int]]]
 # The files a tokenizer may consist of; they travel with every checkpoint the project writes.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "generation_config.json", "preprocessor_config.json", "processor_config.json")
+                   "generation_config.json", "preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
 # Where transformers keeps a tokenizer's named chat templates other than the default one ({"default": ...,
 # "tool_use": ...}): one NAME.jinja each (transformers.utils.CHAT_TEMPLATE_DIR).
 CHAT_TEMPLATE_DIR = "additional_chat_templates"

@@ -269,3 +269,22 @@ def test_an_export_keeps_the_tokenizers_named_chat_templates(tmp_path):
     assert back.chat_template == tok.chat_template
     assert back.apply_chat_template(conv, chat_template="tool_use", tokenize=False) == \
         "TOOL click Save\nTOOL click(target='Save')\n"
+
+
+def test_an_export_keeps_the_processors_files_video_included(tmp_path):
+    """A vision-language checkpoint's processor comes as preprocessor_config.json (images), processor_config.json and,
+    in transformers' newer layout, video_preprocessor_config.json (Qwen2.5-VL's and Qwen3-VL's video settings). The
+    export (final/, weights/vN, tars sft / merge) left the video one out: a checkpoint exported by a run lost its
+    video settings, which transformers then filled with defaults."""
+    src = tmp_path / "src"
+    pol = TrainPolicy.from_config(config(), seed=1)
+    pol.save_hf(src)
+    files = {"preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 12845056},
+             "processor_config.json": {"processor_class": "Qwen2_5_VLProcessor"},
+             "video_preprocessor_config.json": {"video_processor_type": "Qwen2VLVideoProcessor", "fps": 2.0,
+                                                "max_frames": 768, "temporal_patch_size": 2}}
+    for name, body in files.items():
+        (src / name).write_text(json.dumps(body))
+    out = pol.save_hf(tmp_path / "out", tokenizer_from=src)
+    for name, body in files.items():
+        assert json.loads((out / name).read_text()) == body
