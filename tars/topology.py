@@ -401,8 +401,15 @@ class Topology:
         return [r for (r, _), p in self.procs.items() if r in roles and p.returncode is not None]
 
     def stop(self, tiers: tuple[tuple[str, ...], ...] = STOP_TIERS) -> None:
-        """Stop everything still running, tier by tier (stop_all); killed processes are left as they are."""
+        """Stop everything still running, tier by tier (stop_all); killed processes are left as they are. Then the
+        shared-memory weight segments of this run go: a learner that exits removes its own, one killed mid-publish
+        leaves its segment to its next start (learner/publish.py), and after the run there is none (a 7B policy's
+        segment is ~15 GB of /dev/shm, held until the host reboots)."""
         stop_all(list(self.procs.values()), tiers)
+        if self.plan.learner:
+            from core import weights_shm  # (imports torch: not at module level, which tars ctl / eval import)
+            if gone := weights_shm.clean_stale(weights_shm.run_prefix(self.plan.out)):
+                print(f"tars: removed {len(gone)} weight segment(s) a killed learner left in /dev/shm", file=sys.stderr)
 
     def __enter__(self) -> Topology:
         return self

@@ -260,6 +260,28 @@ def test_a_restarted_learner_in_a_topology_starts_fresh_if_it_had_no_checkpoint(
     assert a.resume_or_fresh and not a.resume
 
 
+def test_the_end_of_a_run_removes_the_weight_segments_a_killed_learner_left(tmp_path, model):
+    """A learner SIGKILLed mid-publish leaves its /dev/shm segment to its own next start; when the run ends instead,
+    nothing removed it (a policy's size in memory until the host reboots). Stopping the topology does, and only
+    this run's."""
+    from core import weights_shm
+    from tars.topology import Topology, plan
+
+    if not weights_shm.available():
+        pytest.skip("no writable /dev/shm")
+    topo = Topology(plan(C.load(), tmp_path, model, n_envd=0, inference=False, n_actors=0, inference_addr="x:1"))
+    ours = pathlib.Path(weights_shm.SHM_DIR) / f"{weights_shm.run_prefix(tmp_path)}v7-123"
+    other = pathlib.Path(weights_shm.SHM_DIR) / f"{weights_shm.run_prefix(tmp_path / 'elsewhere')}v7-123"
+    try:
+        for f in (ours, other):
+            f.write_bytes(b"\0" * 64)
+        topo.stop()
+        assert not ours.exists() and other.exists()
+    finally:
+        for f in (ours, other):
+            f.unlink(missing_ok=True)
+
+
 # ---- a truncated spool file ---------------------------------------------------------------------------------------
 def traj(tid: str, n: int = 24) -> Trajectory:
     return Trajectory(id=tid, env_id="builtin/test", outcome="terminated", tokens=np.arange(n, dtype=np.int32),
