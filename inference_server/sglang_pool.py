@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from core.config import InferenceConfig
-from inference_server.engine_types import EngineClosed, WeightLoadError, check_version_step
+from inference_server.engine_types import EngineClosed, UpdateBusy, WeightLoadError, check_version_step
 from inference_server.sglang_http import http_json, parse_version
 
 log = logging.getLogger("tars.inference.sglang")
@@ -157,12 +157,17 @@ class ReplicaPool:
         in is brought up to date from them).
 
         requests_in_flight() is asked once the update has the pool to itself: the engine's generations it interrupts.
-        Raises ValueError when the version is not newer, WeightsRefused when it jumps past cfg.max_version_jump,
+        Raises UpdateBusy when another update (or a replica being brought up to date) held the pool past `timeout`
+        (never installed then), ValueError when the version is not newer, WeightsRefused when it jumps past cfg.max_version_jump,
         NoHealthyReplica when none is up, WeightLoadError when no replica accepts the weights (all keep serving the
         old ones; one that refuses what others took is taken out until it can be brought up to date). SGLang reads the weights itself: they are not checked for
         non-finite values here (the local engine does).
         """
-        with self._update_lock:
+        # Another update (or a replica being brought up to date) holds the pool: wait at most this update's own
+        # deadline, then refuse it for good (UpdateBusy), rather than install it after its caller was told it failed.
+        if not self._update_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise UpdateBusy(f"version {version} not installed: another weight update held the SGLang pool for {timeout}s")
+        try:
             check_version_step(self.version, version, self.cfg.max_version_jump)
             t0 = time.monotonic()
             self._updating.set()
@@ -210,6 +215,8 @@ class ReplicaPool:
             if errors:
                 log.warning("weight update %d failed on %s", version, errors)
             return info
+        finally:
+            self._update_lock.release()
 
     def _update_one(self, rep: Replica, version: int, path: str | None, timeout: float,
                     tensors: tuple[list[str], object] | None = None,

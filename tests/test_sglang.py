@@ -572,3 +572,32 @@ def test_a_replica_whose_update_failed_leaves_rotation_at_once(servers, models):
     finally:
         gate2.set()
         e.close()
+
+
+def test_an_update_waiting_for_another_gives_up_at_its_deadline_and_is_never_installed(servers, models):
+    """The pool's update lock was taken without a deadline: an update queued behind a slow one (or behind a replica
+    being brought up to date) waited past its own timeout, its caller was told DEADLINE_EXCEEDED by the front, and it
+    was installed all the same once the lock came free. It now gives up at its timeout (UpdateBusy), for good."""
+    from inference_server.engine_types import UpdateBusy
+
+    s = servers(weight_version="0")
+    gate = threading.Event()
+    real = s.update_weights
+    s.update_weights = lambda body, state_dict=None: (gate.wait(30), real(body, state_dict))[1]
+    e = engine([s.url])
+    release = threading.Timer(3.0, gate.set)  # the first update ends after 3 s whatever happens here
+    try:
+        t, box = in_thread(e.update_weights, 1, models["b"])
+        wait_for(lambda: s.paused is not None)             # the first update holds the pool
+        release.start()
+        t0 = time.monotonic()
+        with pytest.raises(UpdateBusy, match="version 2 not installed"):
+            e.update_weights(2, models["a"], timeout=0.5)
+        assert time.monotonic() - t0 < 2.5                 # at its own deadline, not when the first one ended
+        t.join(30)
+        assert box["r"]["version"] == 1 and e.version == 1
+        assert http_json(s.url, "/get_weight_version")[1]["weight_version"] == "1"
+    finally:
+        release.cancel()
+        gate.set()
+        e.close()
