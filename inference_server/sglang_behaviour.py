@@ -263,12 +263,23 @@ class SGLangBehaviour:
         r.done.set()
         self.cv.notify_all()
 
+    @staticmethod
+    def _ended(r: GenerateCall) -> dict | None:
+        """The finish r's own tokens give it (its last token a stop id, or its budget spent), else None. The engine
+        resolves a request a moment after its last token (token_delay_s widens that moment); SGLang sets the finish in
+        the step that made the token, so an abort or a pause after it finds the request finished, not running."""
+        if r.out and r.out[-1] in r.params.stop_token_ids:
+            return {"type": "stop", "matched": r.out[-1]}
+        if len(r.out) >= r.params.max_new_tokens:
+            return {"type": "length", "length": len(r.out)}
+        return None
+
     def _abort(self, r: GenerateCall, message: str = "Abort in waiting queue") -> None:
-        """With self.cv held: end r now with its partial output."""
+        """With self.cv held: end r now with its partial output (or its own finish, when its tokens already end it)."""
         r.segment += 1
         if r.future is not None:
             r.future.cancel()
-        self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
+        self._finish(r, self._ended(r) or {"type": "abort", "message": message, "status_code": None, "err_type": None})
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
         with self.cv:
@@ -314,7 +325,11 @@ class SGLangBehaviour:
                 for r in list(self.reqs.values()):
                     self._abort(r)
             elif mode == "retract":
-                for r in self.reqs.values():
+                for r in list(self.reqs.values()):
+                    if (reason := self._ended(r)) is not None:  # finished, not retracted: resumed, it had nothing left
+                        r.segment += 1                          # to make (400) or went on past its stop token
+                        self._finish(r, reason)
+                        continue
                     r.segment += 1
                     r.future.cancel()
                     r.suspended = True

@@ -601,3 +601,25 @@ def test_an_update_waiting_for_another_gives_up_at_its_deadline_and_is_never_ins
         release.cancel()
         gate.set()
         e.close()
+
+
+@pytest.mark.parametrize("end", ["length", "stop"])
+def test_a_request_paused_after_its_last_token_is_finished_not_retracted(servers, models, end):
+    """The stand-in resolves a request a moment after its last token (token_delay_s widens it); a retract pause in
+    that moment suspended the request and continue_generation resubmitted it: with its budget spent that answered
+    400 (max_new_tokens 0) and the /generate waited for ever; with a stop token last it generated on past the stop.
+    SGLang finishes a request in the step that made its last token, so the pause finds it done."""
+    ref = greedy(models["a"], PROMPT, 2)[0]
+    assert ref[0] != ref[1]
+    s = servers(token_delay_s=1.0)
+    body = gen_body("q", 2) if end == "length" else gen_body("q", 10, ignore_eos=False, stop_token_ids=[ref[1]])
+    t, box = in_thread(http_json, s.url, "/generate", body)
+    wait_for(lambda: s.tokens_in_flight() == 2)             # the last token is made; the engine has not resolved it
+    assert http_json(s.url, "/pause_generation", {"mode": "retract"})[0] == 200
+    assert http_json(s.url, "/update_weights_from_disk", {"model_path": models["b"], "weight_version": "1"})[0] == 200
+    assert http_json(s.url, "/continue_generation", {})[0] == 200
+    t.join(10)
+    st, out = box["r"]
+    assert st == 200 and out["output_ids"] == ref
+    want = {"type": "length", "length": 2} if end == "length" else {"type": "stop", "matched": ref[1]}
+    assert out["meta_info"]["finish_reason"] == want and out["meta_info"]["weight_versions"][-1]["version"] == "default"
