@@ -71,7 +71,7 @@ def test_targets_resolve_by_ref_then_text():
     assert resolve_target(PAGE, "3").ref == 6  # a bare number is text first: buttons labelled "3" exist
     assert resolve_target(PAGE, "5").ref == 5  # ... and a ref when no text matches
     assert resolve_target(PAGE, "label  text").ref == -1
-    for bad in ("[99]", "Cancel", "  "):
+    for bad in ("[99]", "Cancel", "  ", "[" + "1" * 5000 + "]", "9" * 5000):   # a ValueError of int() before
         with pytest.raises(ActionError):
             resolve_target(PAGE, bad)
 
