@@ -88,7 +88,7 @@ def xdotool_key(key: str) -> str:
             out.append(_NAMES[low])
         elif p in _PUNCT:
             out.append(_PUNCT[p])
-        elif len(p) == 1 or (re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", p) and _is_keysym(p)):
+        elif (len(p) == 1 and p.isprintable()) or (re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", p) and _is_keysym(p)):
             out.append(p)
         else:
             raise ActionError(f"unknown key {p!r} in hotkey {key!r}")
@@ -309,6 +309,8 @@ class DesktopEnv(Env):
                 raise ActionError("type needs non-empty content")
             if len(content) > MAX_TYPE:
                 raise ActionError(f"content is {len(content)} characters; at most {MAX_TYPE} per type()")
+            if "\x00" in content:   # no argv can carry it: subprocess raised ValueError, taken for a broken desktop
+                raise ActionError("content may not hold a NUL character")
             # One xdotool call per chunk, each well inside command_timeout_s (one call for a whole line timed out).
             chunk = max(1, int(self.timeout_s * 1000 / TYPE_DELAY_MS / 4))
             out: list[list[str]] = []
