@@ -223,6 +223,10 @@ class GymEnv(Env):
             raise KeyError(f"gym/{self.name} is not available here: {e}") from None
         except TypeError as e:
             raise ValueError(f"gym/{self.name} does not take these kwargs: {e}") from None
+        except (KeyError, IndexError) as e:   # a value the env looks up (map_name='9x9'): a KeyError read as an unknown
+            if not opts["kwargs"]:            # env id (NOT_FOUND), and at a Reset as a broken backend (INFRA_ERROR)
+                raise
+            raise ValueError(f"gym/{self.name} refused kwargs {opts['kwargs']}: {type(e).__name__}: {e}") from None
         if opts["render"] and "rgb_array" not in env.metadata.get("render_modes", []):
             env.close()
             raise ValueError(f"gym/{self.name} has no rgb_array render mode")

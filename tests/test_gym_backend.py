@@ -130,6 +130,18 @@ def test_bad_actions_are_errors_and_change_nothing(env_id):
     twin.close()
 
 
+def test_kwargs_the_env_refuses_are_value_errors():
+    """FrozenLake's KeyError for map_name='9x9' was answered NOT_FOUND at CreateSession and INFRA_ERROR at a Reset."""
+    with pytest.raises(ValueError, match="9x9"):
+        registry.make("gym/FrozenLake-v1", {"kwargs": '{"map_name": "9x9"}'})
+    env = registry.make("gym/FrozenLake-v1", {})
+    r0 = env.reset(1, {})
+    with pytest.raises(ValueError, match="9x9"):
+        env.reset(1, {"kwargs": '{"map_name": "9x9"}'})
+    assert env.reset(1, {}).text == r0.text
+    env.close()
+
+
 def test_finished_ends_as_truncated():
     env = registry.make("gym/CartPole-v1", {})
     env.reset(0, {})
