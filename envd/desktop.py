@@ -61,6 +61,9 @@ _NAMES = {"enter": "Return", "return": "Return", "esc": "Escape", "escape": "Esc
 _PUNCT = {"+": "plus", "-": "minus", "=": "equal", ",": "comma", ".": "period", "/": "slash", ";": "semicolon",
           "'": "apostrophe", "[": "bracketleft", "]": "bracketright", "\\": "backslash", "`": "grave", " ": "space"}
 _libx11 = None
+# Keysyms the X server acts on itself: Xvfb exits at Terminate_Server (status 0) whatever its modifiers, and a
+# policy's hotkey then ended the session as INFRA_ERROR (an episode thrown away instead of scored).
+_SERVER_KEYSYMS = {"terminate_server"}
 
 
 def _is_keysym(name: str) -> bool:
@@ -82,6 +85,8 @@ def xdotool_key(key: str) -> str:
     out = []
     for i, p in enumerate(parts):
         low = p.lower()
+        if low in _SERVER_KEYSYMS:
+            raise ActionError(f"hotkey {key!r} would stop the X server")
         if i < len(parts) - 1 and low in _MODIFIERS:
             out.append(_MODIFIERS[low])
         elif low in _NAMES:
