@@ -174,8 +174,11 @@ def playwright_keys(key: str) -> str:
     for t in tokens:
         name = _KEYS.get(t.lower())
         if name is None:
-            if len(t) != 1 or not t.isprintable():
-                raise ActionError(f"unknown key {t!r} in hotkey {key!r}")
+            # One character of Playwright's keyboard layout (US: printable ASCII); it refused any other ("Unknown key:
+            # é"), which ended the session as INFRA_ERROR. Type such text with type() instead.
+            if len(t) != 1 or not " " < t <= "~":
+                raise ActionError(f"unknown key {t!r} in hotkey {key!r} (keys are names like 'enter' or one ASCII "
+                                  "character; type other text with type())")
             name = t
         names.append(name)
     mains = [n for n in names if n not in _MODIFIERS]

@@ -61,6 +61,9 @@ _NAMES = {"enter": "Return", "return": "Return", "esc": "Escape", "escape": "Esc
 _PUNCT = {"+": "plus", "-": "minus", "=": "equal", ",": "comma", ".": "period", "/": "slash", ";": "semicolon",
           "'": "apostrophe", "[": "bracketleft", "]": "bracketright", "\\": "backslash", "`": "grave", " ": "space"}
 _libx11 = None
+# Keysyms the X server acts on itself: Xvfb exits at Terminate_Server (status 0) whatever its modifiers, and a
+# policy's hotkey then ended the session as INFRA_ERROR (an episode thrown away instead of scored).
+_SERVER_KEYSYMS = {"terminate_server"}
 
 
 def _is_keysym(name: str) -> bool:
@@ -82,13 +85,15 @@ def xdotool_key(key: str) -> str:
     out = []
     for i, p in enumerate(parts):
         low = p.lower()
+        if low in _SERVER_KEYSYMS:
+            raise ActionError(f"hotkey {key!r} would stop the X server")
         if i < len(parts) - 1 and low in _MODIFIERS:
             out.append(_MODIFIERS[low])
         elif low in _NAMES:
             out.append(_NAMES[low])
         elif p in _PUNCT:
             out.append(_PUNCT[p])
-        elif len(p) == 1 or (re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", p) and _is_keysym(p)):
+        elif (len(p) == 1 and p.isprintable()) or (re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", p) and _is_keysym(p)):
             out.append(p)
         else:
             raise ActionError(f"unknown key {p!r} in hotkey {key!r}")
@@ -309,6 +314,8 @@ class DesktopEnv(Env):
                 raise ActionError("type needs non-empty content")
             if len(content) > MAX_TYPE:
                 raise ActionError(f"content is {len(content)} characters; at most {MAX_TYPE} per type()")
+            if "\x00" in content:   # no argv can carry it: subprocess raised ValueError, taken for a broken desktop
+                raise ActionError("content may not hold a NUL character")
             # One xdotool call per chunk, each well inside command_timeout_s (one call for a whole line timed out).
             chunk = max(1, int(self.timeout_s * 1000 / TYPE_DELAY_MS / 4))
             out: list[list[str]] = []

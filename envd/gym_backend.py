@@ -223,6 +223,10 @@ class GymEnv(Env):
             raise KeyError(f"gym/{self.name} is not available here: {e}") from None
         except TypeError as e:
             raise ValueError(f"gym/{self.name} does not take these kwargs: {e}") from None
+        except (KeyError, IndexError) as e:   # a value the env looks up (map_name='9x9'): a KeyError read as an unknown
+            if not opts["kwargs"]:            # env id (NOT_FOUND), and at a Reset as a broken backend (INFRA_ERROR)
+                raise
+            raise ValueError(f"gym/{self.name} refused kwargs {opts['kwargs']}: {type(e).__name__}: {e}") from None
         if opts["render"] and "rgb_array" not in env.metadata.get("render_modes", []):
             env.close()
             raise ValueError(f"gym/{self.name} has no rgb_array render mode")
@@ -275,19 +279,20 @@ class GymEnv(Env):
                 a = int(str(raw).strip())
             except ValueError:
                 raise ActionError(f"{raw!r} is not an integer action") from None
-            if not s.contains(np.int64(a)):
-                raise ActionError(f"action {a} is outside {int(s.start)}..{int(s.start) + int(s.n) - 1}")
+            lo, n = int(s.start), int(s.n)
+            if not lo <= a < lo + n:   # checked as Python ints: np.int64 of a 20-digit number raises OverflowError
+                raise ActionError(f"action {a} is outside {lo}..{lo + n - 1}")
             return np.int64(a)
         if kind != "type" or not action.content:
             raise ActionError(f"{self.env_id} takes {self.action_help}")
         try:
             raw = json.loads(action.content)
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: brackets nested a thousand deep
             raise ActionError(f"{action.content[:80]!r} is not JSON") from None
         if isinstance(s, sp.Box):
             try:
                 a = np.asarray(raw, dtype=np.float64)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):   # OverflowError: an integer past float64's range
                 raise ActionError(f"{raw!r:.80} is not a list of numbers") from None
             if a.shape != s.shape and a.size == int(np.prod(s.shape)) and a.ndim <= 1:
                 a = a.reshape(s.shape)   # a bare number for a one-element box, or a flat list

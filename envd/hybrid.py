@@ -108,6 +108,7 @@ class HybridEnv(Env):
         self.workspace = self._dir / "workspace"
         self.workspace.mkdir(mode=0o755)
         self.steps, self.outcome, self._over, self._started = 0, Outcome.RUNNING, False, False
+        self._final: StepResult | None = None   # the episode's last result, once it is over
         try:
             self.terminal = TerminalEnv(self.task, term_opts, workspace=self.workspace, reset_clears_workspace=True)
             self.desktop = DesktopEnv("", {**desk_opts, "workspace": str(self.workspace)})
@@ -181,23 +182,31 @@ class HybridEnv(Env):
             self.terminal._end(Outcome.TRUNCATED, success=False)
             self._close_desktop_episode()
             self.outcome = Outcome.TRUNCATED
-        return self._compose(d, reward=reward)
+        return self._ended(self._compose(d, reward=reward))
+
+    def _ended(self, r: StepResult) -> StepResult:
+        if self._over:   # Observe shows the last screen from now on: the apps are gone
+            self._final = replace(r, reward=0.0)
+        return r
 
     def _end_episode(self, verify: bool) -> StepResult:
+        d = self._close_desktop_episode()                   # the GUI stops before the verifier reads the workspace
         if verify:
             t = self.terminal.step(Action("finished"))      # stops the shell, then the task's verifier judges
         else:
             t = self.terminal._end(Outcome.TERMINATED, success=False)
-        d = self._close_desktop_episode()
         self.steps += 1
         self.outcome = Outcome.TERMINATED
-        return self._compose(d, reward=t.reward if self.terminal.spec else 0.0)
+        return self._ended(self._compose(d, reward=t.reward if self.terminal.spec else 0.0))
 
     def _close_desktop_episode(self) -> StepResult:
+        """The desktop's last screen, then its apps stopped: once the episode is over nothing checks the quota (the
+        terminal's sandbox is stopped), so a job the xterm's shell left running filled the disk until a Reset or
+        Close; and with verify=finished it could change the workspace while the verifier read it."""
         self._over = True
-        if not self.desktop._done:
-            return self.desktop.step(Action("finished"))
-        return self.desktop.observe()
+        d = self.desktop.step(Action("finished")) if not self.desktop._done else self.desktop.observe()
+        self.desktop._stop_apps()
+        return d
 
     # ---- observation -----------------------------------------------------------------------------------------
     def _compose(self, d: StepResult, reward: float) -> StepResult:
@@ -219,7 +228,10 @@ class HybridEnv(Env):
     def observe(self) -> StepResult:
         if not self._started:
             raise ActionError("reset the environment first")
-        self._check_alive() if not self._over else self.desktop._check_x()
+        if self._over:
+            self.desktop._check_x()
+            return self._final
+        self._check_alive()
         return self._compose(self.desktop.observe(), reward=0.0)
 
     def snapshot(self) -> bytes:

@@ -10,7 +10,10 @@ show what synchronous RL loses to that tail (every batch waits for its slowest e
 
 sleeps that long (a real `time.sleep` in the daemon's worker thread, so the session is busy exactly as a slow
 backend would be) before every reset and step. Delays are drawn from a generator seeded by the episode's reset
-seed, so a run is reproducible. The cap defaults to 10 s, well inside envd.step_timeout_s. A delayed session
+seed, so a run is reproducible. The cap defaults to 10 s, well inside envd.step_timeout_s, and may be at most
+MAX_CAP_S (so may a fixed delay): the option comes from clients, and a sleep Python cannot interrupt holds its
+worker past the call's deadline (`fixed:3600` on each of envd.workers sessions left every later call of every
+session ABORTED for an hour). A delayed session
 is served on the worker pool (never on the event loop), so envd.workers bounds how many sleep at once: give
 the daemon at least as many workers as sessions stepping concurrently, or the queue adds its own delay.
 """
@@ -23,6 +26,7 @@ from envd.base import Action, Env, StepResult
 
 OPTION = "step_delay"
 DEFAULT_CAP_S = 10.0
+MAX_CAP_S = 30.0          # the longest delay a spec may ask for: half the default envd.step_timeout_s
 
 
 class DelaySpec:
@@ -46,6 +50,8 @@ class DelaySpec:
             raise ValueError(f"step_delay={spec!r}: parameters must be finite and >= 0")
         self.params = nums[:2] if self.kind != "fixed" else nums
         self.cap = nums[2] if len(nums) == 3 else (nums[0] if self.kind == "fixed" else DEFAULT_CAP_S)
+        if self.cap > MAX_CAP_S:
+            raise ValueError(f"step_delay={spec!r}: a delay is capped at most at {MAX_CAP_S:g} s")
         if self.kind == "pareto" and self.params[1] <= 0:
             raise ValueError(f"step_delay={spec!r}: the pareto shape alpha must be > 0")
 
@@ -53,10 +59,13 @@ class DelaySpec:
         if self.kind == "fixed":
             return self.params[0]
         a, b = self.params
-        if self.kind == "lognormal":
-            d = a * math.exp(b * rng.gauss(0.0, 1.0))
-        else:
-            d = a * (1.0 - rng.random()) ** (-1.0 / b)   # 1 - random() is in (0, 1]: never a division by zero
+        try:
+            if self.kind == "lognormal":
+                d = a * math.exp(b * rng.gauss(0.0, 1.0))
+            else:
+                d = a * (1.0 - rng.random()) ** (-1.0 / b)   # 1 - random() is in (0, 1]: never a division by zero
+        except OverflowError:   # a huge sigma, a tiny alpha: past any float, so past the cap
+            return self.cap
         return min(d, self.cap)
 
     def describe(self) -> dict:

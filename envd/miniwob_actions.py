@@ -149,7 +149,8 @@ def render(elements: list[Element], max_chars: int, width: float = 0, height: fl
     return "\n".join(out + tail)
 
 
-_REF = re.compile(r"^\s*(?:\[\s*(-?\d+)\s*\]|ref\s*[=:]\s*(-?\d+)|#\s*(-?\d+))\s*$", re.IGNORECASE)
+# At most 18 digits: int() of more than 4300 raises ValueError, which envd took for a broken backend (INFRA_ERROR).
+_REF = re.compile(r"^\s*(?:\[\s*(-?\d{1,18})\s*\]|ref\s*[=:]\s*(-?\d{1,18})|#\s*(-?\d{1,18}))\s*$", re.IGNORECASE)
 
 
 def resolve_target(elements: list[Element], target: str) -> Element:
@@ -170,7 +171,7 @@ def resolve_target(elements: list[Element], target: str) -> Element:
     matches.sort(key=lambda e: e.ref < 0)
     if matches:
         return matches[0]
-    if re.fullmatch(r"-?\d+", t) and int(t) in by_ref:
+    if re.fullmatch(r"-?\d{1,18}", t) and int(t) in by_ref:
         return by_ref[int(t)]
     raise ActionError(f"no element with ref or text {t!r} on the page")
 

@@ -16,7 +16,8 @@ Options (CreateSession: the session's defaults; Reset: max_steps, episode_time_s
                   0: without (a text policy that acts by ref, click(target='[5]'), reads half the tokens)
   max_text_chars  character budget of the element-list text (default 3000; envd.miniwob_actions.render prunes it,
                   and cuts it at the budget with a line saying how many elements were left out)
-  command_timeout_s  deadline of each WebDriver command (default 30)
+  command_timeout_s  deadline of each WebDriver command (default 30, at most 600)
+(episode_time_s at most 86400, max_text_chars at most 1000000: options come from clients)
 """
 from __future__ import annotations
 
@@ -218,23 +219,29 @@ def _flight_base_url() -> str:
 
 # ---- the env ------------------------------------------------------------------------------------------------
 
-def _int_opt(options: dict[str, str], name: str, default: int, low: int = 0) -> int:
+# Ceilings: options come from clients. An infinite or huge time (command_timeout_s=inf, 1e12; episode_time_s=inf)
+# raised OverflowError deep in Selenium or the int() of milliseconds (INTERNAL, not INVALID_ARGUMENT), and a large
+# finite command_timeout_s let one hung WebDriver command hold an envd worker for days.
+MAX_COMMAND_TIMEOUT_S, MAX_EPISODE_TIME_S, MAX_TEXT_CHARS = 600.0, 86_400.0, 1_000_000
+
+
+def _int_opt(options: dict[str, str], name: str, default: int, low: int = 0, high: int | None = None) -> int:
     try:
         v = int(options.get(name, default))
     except (TypeError, ValueError):
         raise ValueError(f"{name}={options.get(name)!r} is not an integer") from None
-    if v < low:
-        raise ValueError(f"{name} must be >= {low}, got {v}")
+    if v < low or (high is not None and v > high):
+        raise ValueError(f"{name} must be >= {low}" + (f" and <= {high}" if high is not None else "") + f", got {v}")
     return v
 
 
-def _float_opt(options: dict[str, str], name: str, default: float) -> float:
+def _float_opt(options: dict[str, str], name: str, default: float, high: float) -> float:
     try:
         v = float(options.get(name, default))
     except (TypeError, ValueError):
         raise ValueError(f"{name}={options.get(name)!r} is not a number") from None
-    if not v >= 0:
-        raise ValueError(f"{name} must be >= 0, got {v}")
+    if not 0 <= v <= high:   # NaN and infinities too
+        raise ValueError(f"{name} must be in [0, {high:g}], got {v}")
     return v
 
 
@@ -244,7 +251,7 @@ OPTIONS = ("action_space", "max_steps", "episode_time_s", "data_mode", "boxes", 
 def _episode_options(options: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if options.get("episode_time_s"):
-        out["episode_ms"] = int(_float_opt(options, "episode_time_s", 0.0) * 1000)
+        out["episode_ms"] = int(_float_opt(options, "episode_time_s", 0.0, MAX_EPISODE_TIME_S) * 1000)
     if "data_mode" in options:
         if options["data_mode"] not in ("train", "test"):
             raise ValueError(f"data_mode={options['data_mode']!r}: expected train or test")
@@ -266,8 +273,9 @@ def parse_options(options: dict[str, str]) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"boxes: {e}") from None
     return {"action_space": preset, "max_steps": _int_opt(options, "max_steps", 0), "boxes": boxes,
-            "max_text_chars": _int_opt(options, "max_text_chars", 3000, low=200),
-            "command_timeout_s": _float_opt(options, "command_timeout_s", 30.0) or 30.0, **_episode_options(options)}
+            "max_text_chars": _int_opt(options, "max_text_chars", 3000, low=200, high=MAX_TEXT_CHARS),
+            "command_timeout_s": _float_opt(options, "command_timeout_s", 30.0, MAX_COMMAND_TIMEOUT_S) or 30.0,
+            **_episode_options(options)}
 
 
 class MiniWoBEnv(Env):

@@ -154,8 +154,18 @@ class TerminalEnv(Env):
         self._start_shell(cwd)
 
     def _start_shell(self, cwd: str) -> None:
+        # The sandbox owns the workspace and may have chmod'ed it, or the directory it left the shell in, so that it
+        # cannot enter it: bwrap's --chdir then failed and a policy's `chmod 000 . && exit` ended the session as
+        # INFRA_ERROR (a Reset too). The workspace is made enterable again, and a cwd that is not falls back to it.
+        os.chmod(self.workspace, 0o755)
         self.cwd = cwd if self._cwd_exists(cwd) else SANDBOX_WORKSPACE
-        out = self.sandbox.start(self.cwd)
+        try:
+            out = self.sandbox.start(self.cwd)
+        except SandboxError:
+            if self.cwd == SANDBOX_WORKSPACE:
+                raise
+            self.cwd = SANDBOX_WORKSPACE
+            out = self.sandbox.start(self.cwd)
         self._append(out)
         self.state = "prompt"
 

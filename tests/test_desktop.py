@@ -69,7 +69,8 @@ def test_hotkeys_map_to_xdotool():
     assert desktop.xdotool_key("ctrl c") == "ctrl+c" and desktop.xdotool_key("Ctrl+Shift+t") == "ctrl+shift+t"
     assert desktop.xdotool_key("enter") == "Return" and desktop.xdotool_key("alt f4") == "alt+F4"
     assert desktop.xdotool_key("ctrl -") == "ctrl+minus" and desktop.xdotool_key("Page_Up") == "Page_Up"
-    for bad in ("", "ctrl nosuchkey", "hyper x", "ctrl ++"):
+    for bad in ("", "ctrl nosuchkey", "hyper x", "ctrl ++", "\x00", "ctrl \x01",   # NUL: ValueError in subprocess
+                "Terminate_Server", "ctrl terminate_server"):   # Xvfb exited at it: INFRA_ERROR
         with pytest.raises(ActionError):
             desktop.xdotool_key(bad)
 
@@ -121,7 +122,9 @@ def test_every_input_kind_and_rejected_input(desk):
     steps, text = r.step, desk.observe().text
     for bad in ({"type": "click", "point": [800, 10]}, {"type": "click"}, {"type": "hotkey", "key": "ctrl nope"},
                 {"type": "scroll", "direction": "sideways"}, {"type": "click", "target": "no such window"},
-                {"type": "type", "content": ""}, {"type": "teleport"}):
+                {"type": "type", "content": ""}, {"type": "teleport"},
+                # a NUL cannot go into xdotool's argv: subprocess's ValueError ended the session as INFRA_ERROR
+                {"type": "type", "content": "a\x00b"}, {"type": "hotkey", "key": "\x00"}):
         with pytest.raises(ActionError):
             desk.step(Action(**bad))
     assert desk.observe().step == steps and desk.observe().text == text

@@ -100,11 +100,17 @@ def test_box_actions_parse_and_check_bounds():
 BAD_ACTIONS = {
     "gym/CartPole-v1": [{"type": "type", "content": "2"}, {"type": "type", "content": "-1"},
                         {"type": "type", "content": "left"}, {"type": "type"}, {"type": "scroll"},
-                        {"type": "hotkey", "key": "1.5"}, {"type": "wait"}],
+                        {"type": "hotkey", "key": "1.5"}, {"type": "wait"},
+                        # past int64 (np.int64 raised OverflowError: envd answered INFRA_ERROR and closed the session)
+                        {"type": "type", "content": "99999999999999999999"},
+                        {"type": "hotkey", "key": "-99999999999999999999"}],
     "gym/Pendulum-v1": [{"type": "type", "content": "[3.0]"}, {"type": "type", "content": "[0.1, 0.2]"},
                         {"type": "type", "content": "[NaN]"}, {"type": "type", "content": "not json"},
                         {"type": "type", "content": '["a"]'}, {"type": "click", "target": "1"},
-                        {"type": "type", "content": "1e999"}],
+                        {"type": "type", "content": "1e999"},
+                        # an integer past float64 (OverflowError) and brackets nested 3000 deep (RecursionError)
+                        {"type": "type", "content": "[" + "1" * 400 + "]"},
+                        {"type": "type", "content": "[" * 3000 + "]" * 3000}],
 }
 
 
@@ -122,6 +128,18 @@ def test_bad_actions_are_errors_and_change_nothing(env_id):
     assert (a.text, a.reward, a.step) == (b.text, b.reward, b.step)
     env.close()
     twin.close()
+
+
+def test_kwargs_the_env_refuses_are_value_errors():
+    """FrozenLake's KeyError for map_name='9x9' was answered NOT_FOUND at CreateSession and INFRA_ERROR at a Reset."""
+    with pytest.raises(ValueError, match="9x9"):
+        registry.make("gym/FrozenLake-v1", {"kwargs": '{"map_name": "9x9"}'})
+    env = registry.make("gym/FrozenLake-v1", {})
+    r0 = env.reset(1, {})
+    with pytest.raises(ValueError, match="9x9"):
+        env.reset(1, {"kwargs": '{"map_name": "9x9"}'})
+    assert env.reset(1, {}).text == r0.text
+    env.close()
 
 
 def test_finished_ends_as_truncated():

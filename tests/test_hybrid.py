@@ -176,6 +176,31 @@ def test_xterm_is_sandboxed_like_the_terminal_and_nothing_outlives_close(host_di
     assert not {p for p in apps | jobs if proctree.alive(p)}, "processes of the closed session still run"
 
 
+def test_nothing_of_the_gui_writes_the_workspace_once_the_episode_is_over():
+    """The episode's end stops the GUI apps: a job the xterm's shell left running went on writing after the quota
+    ended the episode (nothing checks the quota then) until a Reset or Close, 10 MB -> 34 MB in 5 s past a 2 MB
+    quota; and after finished() it could change the workspace while the verifier read it."""
+    e = hybrid.make("hello", {**SMALL, "disk_mb": "1"})
+    writer = "(while :; do head -c 200000 /dev/zero > f$RANDOM; sleep 0.05; done) &\n"
+    try:
+        for end in ("quota", "finished"):
+            e.reset(0)
+            e.step(Action("click", target="xterm"))
+            e.step(Action("type", content=writer))
+            _poll(lambda: len(list(e.workspace.glob("f*"))) >= 8, what="the xterm's job to pass the quota")
+            r = e.step(Action("wait" if end == "quota" else "finished"))
+            assert r.outcome == ("truncated" if end == "quota" else "terminated")
+            assert ("over its 1 MiB quota" in r.text) == (end == "quota")
+            seen = sorted(os.listdir(e.workspace))
+            time.sleep(1.0)
+            assert sorted(os.listdir(e.workspace)) == seen, f"the GUI's job still writes after {end} ended the episode"
+            assert not e.desktop.apps_sandbox.processes()
+            assert e.observe().text == r.text     # the episode's last screen, with the windows it had
+    finally:
+        e.close()
+    assert _closed_cleanly(e)
+
+
 def test_dead_sandbox_is_an_infra_failure():
     e = hybrid.make("", SMALL)
     try:

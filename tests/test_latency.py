@@ -36,10 +36,21 @@ def test_pareto_and_fixed():
 
 
 @pytest.mark.parametrize("bad", ["", "gauss:1,2", "lognormal:0.1", "lognormal:a,b", "pareto:0.1,0", "fixed:-1",
-                                 "lognormal:0.1,1,2,3", "lognormal:nan,1"])
+                                 "lognormal:0.1,1,2,3", "lognormal:nan,1",
+                                 # longer than MAX_CAP_S: a sleep that held its worker for an hour, or overflowed
+                                 "fixed:3600", "fixed:1e300", "lognormal:0.2,1,3600", "pareto:0.1,1.5,31"])
 def test_bad_specs_are_rejected(bad):
     with pytest.raises(ValueError):
         latency.DelaySpec(bad)
+
+
+def test_draws_past_any_float_are_the_cap():
+    """A huge sigma or a tiny alpha raised OverflowError in the step (INFRA_ERROR, the session closed)."""
+    rng = random.Random(3)
+    for spec in ("lognormal:0.01,1000,0.5", "pareto:0.01,1e-300,0.5"):
+        d = latency.DelaySpec(spec)
+        xs = [d.draw(rng) for _ in range(200)]
+        assert all(0 <= x <= 0.5 for x in xs) and max(xs) == 0.5
 
 
 def test_builtin_without_the_option_is_not_wrapped():

@@ -71,9 +71,19 @@ def test_targets_resolve_by_ref_then_text():
     assert resolve_target(PAGE, "3").ref == 6  # a bare number is text first: buttons labelled "3" exist
     assert resolve_target(PAGE, "5").ref == 5  # ... and a ref when no text matches
     assert resolve_target(PAGE, "label  text").ref == -1
-    for bad in ("[99]", "Cancel", "  "):
+    for bad in ("[99]", "Cancel", "  ", "[" + "1" * 5000 + "]", "9" * 5000):   # a ValueError of int() before
         with pytest.raises(ActionError):
             resolve_target(PAGE, bad)
+
+
+@pytest.mark.parametrize("option, value", [("command_timeout_s", "inf"), ("command_timeout_s", "1e12"),
+                                           ("command_timeout_s", "nan"), ("episode_time_s", "inf"),
+                                           ("max_text_chars", "99999999999999999999")])
+def test_unbounded_options_are_refused(option, value):
+    """An infinite or huge time raised OverflowError in Selenium or in int() (INTERNAL at CreateSession), and a
+    large finite command timeout let one hung WebDriver command hold an envd worker for days."""
+    with pytest.raises(ValueError, match=option):
+        miniwob_backend.parse_options({option: value})
 
 
 def test_actions_translate_to_the_action_space():

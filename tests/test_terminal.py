@@ -145,6 +145,21 @@ def test_exit_starts_a_new_shell_in_the_same_workspace(env):
 
 
 @needs_sandbox
+def test_a_shell_leaving_its_cwd_or_workspace_unenterable_is_replaced_not_an_infra_error(env):
+    """bwrap could not chdir into a directory the shell had chmod 000'ed before it exited: the new shell did not start
+    (SandboxError: the session ended as INFRA_ERROR), and with the workspace itself so, a Reset failed too."""
+    typed(env, "mkdir d && cd d\n")
+    r = typed(env, "chmod 000 . && exit\n")
+    assert "a new shell started]" in r.text and r.outcome == Outcome.RUNNING and r.info["cwd"] == "/workspace"
+    r = typed(env, "chmod 000 /workspace && exit\n")
+    assert "a new shell started]" in r.text and r.outcome == Outcome.RUNNING
+    assert "/workspace\n[exit 0]" in typed(env, "pwd\n").text
+    typed(env, "chmod 000 /workspace\n")
+    r = env.reset(4, {})
+    assert r.outcome == Outcome.RUNNING and "/workspace\n[exit 0]" in typed(env, "pwd\n").text
+
+
+@needs_sandbox
 def test_open_shell_ends_on_finished_or_max_steps():
     e = TerminalEnv(options={"max_steps": "2"})
     try:
