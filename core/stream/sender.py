@@ -2,8 +2,9 @@
 
 An encoded trajectory stays in the outbox (and, with spool_dir, in a file) until the learner acks it, i.e. until it
 is fsynced in the learner's WAL. The outbox is re-sent whenever the learner may have lost it:
-  * WELCOME after a HELLO (start, a WHO from a learner that does not know us, a PONG with a new run_id, or silence
-    longer than dead_after_s): the learner first acks the pending ids it already has, so only the rest is re-sent;
+  * WELCOME after a HELLO (start, a WHO from a learner that does not know us, a PONG with a new run_id, silence
+    longer than dead_after_s, a reconnect: core/stream/link.py): the learner first acks the pending ids it already
+    has, so only the rest is re-sent (and WELCOME's credit is absolute);
   * an entry unacked for resend_after_s (a lost ack on a bounced connection); the learner dedupes by id.
 Re-sends go before new trajectories and spend credit like any TRAJ. Every wait has a deadline (TimeoutError).
 With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories its previous process never got acked;
@@ -38,6 +39,7 @@ import zmq
 from core.schema import Trajectory
 from core.stream import messages as M
 from core.stream.curve import curve_client
+from core.stream.link import LinkWatch
 from core.stream.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class TrajectorySender:
         self.max_frame_bytes = 64 << 20       # the learner's limit, from WELCOME
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._link: LinkWatch | None = None   # HELLO again after a reconnect
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = False
         self._wake: asyncio.Future | None = None  # resolved (and dropped) by _notify: every _wait re-checks
@@ -116,6 +119,7 @@ class TrajectorySender:
         # Credits bound what is in flight, so unlimited HWMs never buffer more than window + control messages.
         self._sock.sndhwm = self._sock.rcvhwm = 0
         curve_client(self._sock, *self._curve)
+        self._link = LinkWatch(self._sock, self._loop, self._hello)
         self._sock.connect(self.address)
         if self._spool is not None:
             for tid, frame, images in self._spool.load():
@@ -213,6 +217,8 @@ class TrajectorySender:
                 pass
         for fut in self._grants.values():
             fut.cancel()
+        if self._link is not None:
+            self._link.close()
         if self._sock is not None:
             if self._loop is not None and not self._sock.closed:
                 self._loop.remove_reader(self._sock.FD)
