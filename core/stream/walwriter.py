@@ -17,9 +17,8 @@ import signal
 import socket
 import struct
 import sys
-import zlib
 
-from core.stream.wal import _COMMIT, _COMMIT_MAGIC
+from core.stream.wal import _COMMIT, _COMMIT_MAGIC, crc32
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +123,7 @@ class _Appender:
             while p < size:
                 k = min(size - p, cap - fill)
                 self.buf[fill:fill + k] = piece[p:p + k]
-                crc = zlib.crc32(self.view[fill:fill + k], crc)
+                crc = crc32(self.view[fill:fill + k], crc)
                 fill, p = fill + k, p + k
                 if fill == cap:
                     fill, base = self._spill(fill, base)
