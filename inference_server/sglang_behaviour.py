@@ -168,7 +168,10 @@ class SGLangBehaviour:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
             raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids, got {stop_ids!r:.80}")
         # SGLang (Req._check_token_based_finish) checks stop_token_ids and EOS together, and not at all with ignore_eos.
+        # Ids outside the vocabulary are taken, not refused: SGLang keeps them in a set that never matches (so they are
+        # left out of what the engine, which refuses them, is given).
         stops = set() if sp.get("ignore_eos", False) else {*stop_ids, *self.eos}
+        stops = {t for t in stops if 0 <= t < self.engine.vocab_size}
         # SGLang's context rules, the stand-in's max_context being its context length C: the tokenizer manager refuses a
         # prompt of C tokens or more, and prompt + max_new_tokens >= C (_validate_one_request); the scheduler caps
         # max_new_tokens (null: unbounded) at max_req_len - prompt - 1, max_req_len being C - 1 (init_req_max_new_tokens).
@@ -250,9 +253,8 @@ class SGLangBehaviour:
                 out = f.result()
                 if n == 0:
                     r.cached_tokens = out.cached_tokens
-                reason = {"type": "stop", "matched": r.out[-1]} if out.finish_reason == STOP else {"type": "length", "length": len(r.out)}
                 assert out.finish_reason in (STOP, LENGTH)
-                self._finish(r, reason)
+                self._finish(r, self._ended(r) or {"type": "length", "length": len(r.out)})
 
         r.future = self.engine.submit(ids, p, key, KEEP_KV, on_token)
         r.future.add_done_callback(done)
@@ -267,11 +269,12 @@ class SGLangBehaviour:
     def _ended(r: GenerateCall) -> dict | None:
         """The finish r's own tokens give it (its last token a stop id, or its budget spent), else None. The engine
         resolves a request a moment after its last token (token_delay_s widens that moment); SGLang sets the finish in
-        the step that made the token, so an abort or a pause after it finds the request finished, not running."""
-        if r.out and r.out[-1] in r.params.stop_token_ids:
-            return {"type": "stop", "matched": r.out[-1]}
+        the step that made the token, so an abort or a pause after it finds the request finished, not running.
+        The budget first, as Req.check_finished does: a stop token as the last allowed token finishes with "length"."""
         if len(r.out) >= r.params.max_new_tokens:
             return {"type": "length", "length": len(r.out)}
+        if r.out and r.out[-1] in r.params.stop_token_ids:
+            return {"type": "stop", "matched": r.out[-1]}
         return None
 
     def _abort(self, r: GenerateCall, message: str = "Abort in waiting queue") -> None:

@@ -140,6 +140,11 @@ class SGLangEngine:
             raise ValueError(f"top_k must be >= 0, got {p.top_k}")
         if not 0 <= p.seed < 1 << 64:
             raise ValueError(f"seed must be in [0, 2**64) (a uint64), got {p.seed}")
+        # SGLang would take a stop id outside the vocabulary and never match it; the front refuses it, as the local
+        # engine does, so that a request means the same whichever engine serves it.
+        bad = next((t for t in p.stop_token_ids if t < 0 or (V is not None and t >= V)), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {V})")
 
     def submit(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
                max_stale_versions: int | None = None, on_token: TokenCallback | None = None) -> Future:

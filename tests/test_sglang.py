@@ -96,6 +96,13 @@ def test_generate_shapes_logprobs_and_finish_reasons(servers, models):
     assert r["output_ids"] == ref_ids[:3] and r["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref_ids[2]}
     st, r = http_json(s.url, "/generate", gen_body(None, 10, stop_token_ids=[ref_ids[2]]))
     assert r["output_ids"] == ref_ids and r["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    # A stop token as the last allowed token: SGLang's Req.check_finished looks at the budget first, so "length".
+    assert ref_ids[2] not in ref_ids[:2]
+    st, r = http_json(s.url, "/generate", gen_body(None, 3, stop_token_ids=[ref_ids[2]], ignore_eos=False))
+    assert r["output_ids"] == ref_ids[:3] and r["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    # Stop ids outside the vocabulary are taken and never match (SGLang keeps them in a set; no range check).
+    st, r = http_json(s.url, "/generate", gen_body(None, 4, stop_token_ids=[DC.vocab_size + 5], ignore_eos=False))
+    assert st == 200 and r["output_ids"] == ref_ids[:4], (st, r)
     assert http_json(s.url, "/generate", gen_body(None, 4, top_k=0))[0] == 400
     st, info = http_json(s.url, "/get_model_info")
     assert st == 200 and info["weight_version"] == "default"
@@ -229,6 +236,20 @@ def test_engine_generates_like_the_local_engine(servers, models):
         assert out.versions == [0] * 12 and out.finish_reason == "length" and out.prompt_tokens == 20
         stop = e.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(ref_ids[3],)), "traj")
         assert stop.output_ids == ref_ids[:4] and stop.finish_reason == "stop"
+        # SGLang says "length" when the stop token is the last allowed one; tars says "stop", as the local engine does.
+        assert ref_ids[3] not in ref_ids[:3]
+        last = e.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(ref_ids[3],)), "t2")
+        assert last.output_ids == ref_ids[:4] and last.finish_reason == "stop"
+        for bad in (DC.vocab_size, -1):  # refused by the front, as by the local engine (SGLang would take them)
+            with pytest.raises(ValueError, match="stop_token_ids"):
+                e.generate(PROMPT, SamplingParams(max_new_tokens=4, stop_token_ids=(bad,)), "t3")
+        local = LocalEngine(InferenceConfig(max_context=256), models["a"])
+        try:
+            mine = local.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(ref_ids[3],)),
+                                  timeout=30)
+            assert (mine.output_ids, mine.finish_reason) == (last.output_ids, last.finish_reason)
+        finally:
+            local.close()
         with pytest.raises(ValueError):
             e.submit([1, 400], SamplingParams(max_new_tokens=2))
     finally:
