@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,23 @@ from typing import Any
 from core.action import Action, ActionError
 from core.outcome import Outcome
 
-__all__ = ["Action", "ActionError", "Env", "Outcome", "Resources", "Screenshot", "StepResult", "refuse_unknown"]
+__all__ = ["Action", "ActionError", "Env", "Outcome", "Resources", "Screenshot", "StepResult", "call_time_left",
+           "refuse_unknown"]
+
+_call = threading.local()  # .deadline: the monotonic time by which envd stops waiting for this thread's backend call
+
+
+def call_deadline(deadline: float | None) -> None:
+    """Set (or clear, None) envd's deadline for the backend call the current thread runs (envd/sessions.py)."""
+    _call.deadline = deadline
+
+
+def call_time_left(limit: float) -> float:
+    """How long a wait inside a backend call may last: `limit` (the backend's own per-command timeout), cut to what
+    is left of envd's deadline for the call when the daemon runs it (0 once that has passed). Past that deadline
+    the daemon has answered and gone; a wait longer than it only kept a worker thread from other sessions."""
+    deadline = getattr(_call, "deadline", None)
+    return limit if deadline is None else max(0.0, min(limit, deadline - time.monotonic()))
 
 
 def refuse_unknown(backend: str, options, known) -> None:

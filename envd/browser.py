@@ -22,7 +22,7 @@ import math
 import time
 from typing import Any
 
-from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult
+from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult, call_time_left
 from envd.browser_host import BrowserGone, BrowserHost
 from envd.browser_input import POINTED, BrowserOptions, Checked, check_action, check_url, url_allowed
 
@@ -105,7 +105,8 @@ class BrowserEnv(Env):
     def _call(self, fn, *args, timeout: float | None = None):
         if self._released:
             raise BrowserGone("the session is closed")
-        return self.host.call(fn, *args, timeout=timeout or self.opts.timeout_s)
+        # Never past envd's deadline for this call: a page call hung up to timeout_s (600 s allowed) kept the worker.
+        return self.host.call(fn, *args, timeout=call_time_left(timeout or self.opts.timeout_s))
 
     # ---- coroutines (browser thread) --------------------------------------------------------------------------
     def _check_alive(self) -> None:

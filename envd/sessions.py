@@ -22,7 +22,7 @@ from typing import Any, Callable
 import grpc
 
 from envd.admission import Status
-from envd.base import Env, Outcome, Resources, StepResult
+from envd.base import Env, Outcome, Resources, StepResult, call_deadline
 from core.v1 import env_pb2
 
 log = logging.getLogger("envd")
@@ -162,9 +162,10 @@ class Workers:
         """Backend calls executing right now (including abandoned ones still stuck in their thread)."""
         return self._running
 
-    def _job(self, fn: Callable, args: tuple, timed: bool) -> Any:
+    def _job(self, fn: Callable, args: tuple, timed: bool, deadline: float | None = None) -> Any:
         with self._count_lock:
             self._running += 1
+        call_deadline(deadline)  # backends cut their own waits to it (envd.base.call_time_left)
         try:
             if not timed:
                 return fn(*args)
@@ -172,6 +173,7 @@ class Workers:
             r = fn(*args)
             return r, (time.perf_counter() - t0) * 1e3
         finally:
+            call_deadline(None)
             with self._count_lock:
                 self._running -= 1
 
@@ -189,7 +191,8 @@ class Workers:
         """
         if session is not None and session.inflight is not None and not session.inflight.done():
             await self._wait(session.inflight, timeout, "the previous call on this session is still running")
-        cf = self.pool.submit(self._job, fn, args, timed)
+        # A close (must_run) runs however late, with its backend's own timeouts; any other call ends with its deadline.
+        cf = self.pool.submit(self._job, fn, args, timed, None if must_run else time.monotonic() + timeout)
         if session is not None:
             session.inflight = cf
         what = name or getattr(fn, "__name__", str(fn))

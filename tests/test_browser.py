@@ -455,3 +455,30 @@ def test_shutdown_closes_everything_and_a_later_session_starts_again():
     finally:
         e2.close()
 
+
+
+def test_a_hung_page_call_frees_its_worker_at_envds_deadline():
+    """A page call that hangs (a click runs an endless script) with the session's timeout_s far above envd's step
+    deadline: envd answers INFRA_ERROR at its deadline, and the worker thread is back then too (it waited for the
+    page up to timeout_s, 600 s here, keeping a worker from every other session)."""
+    hang = ('<button style="position:absolute;left:0;top:0;width:100px;height:40px" '
+            'onclick="while (true) {}">Hang</button>')
+
+    async def body():
+        async with envd_client(step_timeout_s=3.0, gc_interval_s=0.05) as c:
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(
+                env_id="browser", options={"html": hang, "timeout_s": "600", "settle_ms": "0"}))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=sid))
+            t0 = time.monotonic()
+            r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="click", point=[50, 20])))
+            assert r.outcome == common_pb2.INFRA_ERROR and "took longer" in json.loads(r.info_json)["error"], r
+            workers = c.server.servicer.workers
+            deadline = time.monotonic() + 30.0
+            while workers.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert workers.running == 0, f"a worker still waits on the hung page {time.monotonic() - t0:.0f}s later"
+            # and the daemon serves new sessions
+            sid2 = (await c.CreateSession(env_pb2.CreateSessionRequest(
+                env_id="browser", options={"html": PAGE}))).session_id
+            assert (await c.Reset(env_pb2.ResetRequest(session_id=sid2))).outcome == common_pb2.RUNNING
+    run(body())

@@ -271,6 +271,36 @@ def test_hanging_backend_times_out():
     run(body())
 
 
+def test_backend_calls_see_what_is_left_of_envds_deadline():
+    """envd.base.call_time_left: a backend's own per-command timeout, cut to what is left of the daemon's deadline for
+    the call it runs (a close runs however late, with its own timeouts); outside a worker it is the backend's own."""
+    from envd.base import call_time_left
+    from envd.sessions import Workers
+
+    async def body():
+        w = Workers(2)
+        try:
+            seen = await w.run(lambda: call_time_left(600.0), timeout=5.0)
+            assert 4.0 < seen <= 5.0
+            assert await w.run(lambda: call_time_left(1.5), timeout=5.0) == 1.5  # the backend's own is shorter
+            assert await w.run(lambda: call_time_left(600.0), timeout=5.0, must_run=True) == 600.0
+            gate = threading.Event()
+            late = []
+
+            def slow():
+                gate.wait(10)
+                late.append(call_time_left(600.0))  # after envd gave up on it: nothing left to wait for
+            with pytest.raises(Exception, match="took longer"):
+                await w.run(slow, timeout=0.2)
+            gate.set()
+            await until(lambda: late, "the late call to finish")
+            assert late == [0.0]
+            assert call_time_left(600.0) == 600.0
+        finally:
+            w.shutdown()
+    run(body())
+
+
 def test_steps_of_one_session_are_serialised():
     async def body():
         async with envd_client(workers=8) as c:
