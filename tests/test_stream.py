@@ -1,6 +1,7 @@
 """Trajectory stream over real sockets on 127.0.0.1: delivery, flow control, bad frames, dedupe, restarts, admission."""
 import asyncio
 import collections
+import io
 import os
 import threading
 import time
@@ -461,3 +462,49 @@ def test_spool_resends_a_killed_actors_unacked_trajectories(tmp_path):
     assert sorted(ids) == ["acked"] + [f"s{i}" for i in range(5)]  # "acked" replayed from the WAL (never consumed)
     assert st["resent"] == 5 and st["pending"] == 0
     assert os.listdir(spool) == []
+
+
+
+def test_a_spool_write_that_meets_a_full_disk_still_sends_the_trajectory(tmp_path, monkeypatch):
+    """A full disk under the spool: the spool file of "full" is cut short by ENOSPC in the middle of its write. The
+    spool is the actor's safety net, not the way trajectories travel: "full" still reaches the learner, once, and no
+    partial spool file is left taking space (on main send() raised OSError, the actor counted a send failure and gave
+    the admission back: a healthy learner never got the trajectory, and its partial .tmp stayed until a restart)."""
+    import builtins
+    import errno
+
+    from core.stream import spool as spool_mod
+
+    class FullDisk(io.FileIO):
+        def write(self, b):
+            super().write(bytes(b)[:3])   # a few bytes reach the disk, then it is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def open_(path, mode="r", *a, **kw):
+        if "w" in mode and path == spool_mod.Spool(spool)._path("full") + ".tmp":
+            return FullDisk(path, "w")
+        return builtins.open(path, mode, *a, **kw)
+
+    rx = receiver(tmp_path)
+    addr = rx.start()
+    spool = str(tmp_path / "spool")
+    monkeypatch.setattr(spool_mod, "open", open_, raising=False)
+
+    async def main():
+        s = TrajectorySender(addr, "full-disk", spool_dir=spool, **FAST)
+        await s.start()
+        await s.send(traj("full"), timeout=10)
+        await s.send(traj("after"), timeout=10)
+        await s.flush(timeout=10)
+        st = s.stats()
+        await s.close()
+        return st
+
+    st = asyncio.run(main())
+    ids = []
+    while (t := rx.get(timeout=0.3)) is not None:
+        ids.append(t.id)
+    rx.stop()
+    assert ids == ["full", "after"]
+    assert st["spool_errors"] == 1 and st["spooled"] == 1 and st["acked"] == 2 and st["pending"] == 0
+    assert os.listdir(spool) == []   # "after" unspooled on its ack; nothing of "full" left behind

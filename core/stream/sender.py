@@ -8,7 +8,8 @@ is fsynced in the learner's WAL. The outbox is re-sent whenever the learner may 
   * an entry unacked for resend_after_s (a lost ack on a bounced connection); the learner dedupes by id.
 Re-sends go before new trajectories and spend credit like any TRAJ. Every wait has a deadline (TimeoutError).
 With spool_dir set, a restarted actor (same actor_id) re-sends the trajectories its previous process never got acked;
-a spool file that does not parse is set aside with a warning (stats()["spool_skipped"]) and the rest are re-sent.
+a spool file that does not parse is set aside with a warning (stats()["spool_skipped"]) and the rest are re-sent; a
+trajectory the spool cannot take (a full disk) is sent unspooled (stats()["spool_errors"]).
 A learner with "checkpoint" durability answers a TRAJ with a "held" notice first and acks it only once a checkpoint
 covers it: a held entry stays in the outbox (max_outbox bounds it) but leaves the send window and is never re-sent
 to the run that holds it; a WELCOME from a different run (the holder died) sends it again.
@@ -106,7 +107,7 @@ class TrajectorySender:
         self._closed = False
         self._stats = dict.fromkeys(("sent", "acked", "resent", "nacked", "retried", "hellos", "restarts_seen",
                                      "spooled", "unspooled", "bytes_sent", "image_bytes_sent", "images_sent",
-                                     "images_deduped", "images_missing", "spool_skipped"), 0)
+                                     "images_deduped", "images_missing", "spool_skipped", "spool_errors"), 0)
 
     # --- public API -----------------------------------------------------------------------------------------------
     async def start(self, timeout: float = 10.0) -> None:
@@ -172,9 +173,14 @@ class TrajectorySender:
         deadline = time.monotonic() + timeout
         if self._spool is not None:
             # Spooled before waiting for credit: an actor killed while it waits (learner backlogged or down)
-            # still re-sends this trajectory after its restart instead of losing it.
-            self._spool.save(tid, frame, images)
-            self._stats["spooled"] += 1
+            # still re-sends this trajectory after its restart instead of losing it. A spool that cannot be written
+            # (a full disk) costs that protection, not the trajectory: it is sent all the same.
+            try:
+                self._spool.save(tid, frame, images)
+                self._stats["spooled"] += 1
+            except OSError as e:
+                self._stats["spool_errors"] += 1
+                log.warning("could not spool trajectory %s (%s); sending it unspooled", tid, e)
         try:
             if not self._can_send():  # the common case (credit in hand) skips the waiter's closure and coroutine
                 await self._wait(self._can_send, deadline, f"no credit to send {tid}")

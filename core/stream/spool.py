@@ -54,14 +54,22 @@ class Spool:
         return os.path.join(self.dir, hashlib.sha1(tid.encode()).hexdigest() + ".traj")
 
     def save(self, tid: str, frame: bytes, images: dict | None = None) -> None:
+        """OSError when the file cannot be written (a full disk): nothing of it is left behind."""
         p = self._path(tid)
         idb = tid.encode()
-        with open(p + ".tmp", "wb") as f:
-            f.write(struct.pack("<I", len(idb)) + idb)
-            f.write(struct.pack("<I", len(frame)) + frame)
-            if images:
-                f.write(msgpack.packb(images, use_bin_type=True))
-        os.replace(p + ".tmp", p)
+        try:
+            with open(p + ".tmp", "wb") as f:
+                f.write(struct.pack("<I", len(idb)) + idb)
+                f.write(struct.pack("<I", len(frame)) + frame)
+                if images:
+                    f.write(msgpack.packb(images, use_bin_type=True))
+            os.replace(p + ".tmp", p)
+        except OSError:
+            try:
+                os.unlink(p + ".tmp")   # a partial file would hold its disk space until the next start
+            except OSError:
+                pass
+            raise
 
     def remove(self, tid: str) -> bool:
         """False if it was not there."""
