@@ -176,7 +176,10 @@ class Actor:
             self.stats["send_retries"] += 1
             self._send(tr)
             return
-        log.error("send of %s failed: %r", tr.id, e)  # never sendable (over the frame limit), or stopping
+        if isinstance(e, TimeoutError):  # stopping: the spool, if set, keeps it for the next start (as after a kill)
+            log.warning("send of %s timed out while stopping (kept in the spool if one is set)", tr.id)
+        else:
+            log.error("send of %s failed: %r", tr.id, e)  # never sendable (over the frame limit)
         self.stats["send_failures"] += 1
         asyncio.ensure_future(self.sender.lost(1))  # its admission goes back: the learner stops counting it running
 

@@ -139,3 +139,50 @@ def test_a_stop_while_the_learner_has_not_answered_ends_the_actor_at_once(tmp_pa
         await asyncio.wait_for(run, 30)  # well under the 60 s HELLO deadline it waited out before
 
     asyncio.run(main())
+
+
+def test_a_send_that_times_out_while_the_actor_stops_stays_in_the_spool(tmp_path):
+    """The learner is down and the actor is stopped (SIGTERM): "t1" went out before (unacked, in the spool), "t2"
+    waits for the send window and its wait times out during the stop's grace. Both must reach the learner from the
+    spool when the actor starts again, as after a kill (on main the timed-out send removed t2's spool file: a stop
+    lost every finished trajectory whose wait for the learner ran out in its grace period)."""
+    import dataclasses
+
+    from core.stream.receiver import TrajectoryReceiver
+    from core.stream.sender import TrajectorySender
+    from learner.staleness import StalenessManager
+
+    spool = str(tmp_path / "spool")
+    rx1 = TrajectoryReceiver("tcp://127.0.0.1:0", str(tmp_path / "wal.log"), StalenessManager(batch_size=8, eta=1000))
+    addr = rx1.start()
+    cfg = C.RunConfig()
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, send_window=1, admission_timeout_s=0.5))
+
+    async def first_life():
+        a = Actor(cfg, "a0", ["127.0.0.1:9"], ["127.0.0.1:9"], addr, shared_tokenizer(), spool)
+        await a.sender.start(timeout=10)
+        rx1.stop()                                    # the learner goes down
+        a._send(_traj("t1"))                          # sent, never acked
+        await asyncio.sleep(0.2)
+        a._send(_traj("t2"))                          # waits for the window: the learner never frees it
+        await asyncio.sleep(0.1)
+        await a.shutdown(grace_s=3.0)                 # its 0.5 s wait runs out inside the grace
+        return a.stats
+
+    stats = asyncio.run(first_life())
+    assert stats["send_retries"] == 0 and stats["send_failures"] == 1   # given up on while stopping, as before
+    rx2 = TrajectoryReceiver(addr, str(tmp_path / "wal.log"), StalenessManager(batch_size=8, eta=1000))
+    rx2.start()
+
+    async def second_life():
+        s = TrajectorySender(addr, "a0", spool_dir=spool)
+        await s.start(timeout=10)
+        await s.flush(timeout=10)
+        await s.close()
+
+    asyncio.run(second_life())
+    ids = []
+    while (t := rx2.get(timeout=0.3)) is not None:
+        ids.append(t.id)
+    rx2.stop()
+    assert sorted(ids) == ["t1", "t2"]

@@ -184,9 +184,11 @@ class TrajectorySender:
         try:
             if not self._can_send():  # the common case (credit in hand) skips the waiter's closure and coroutine
                 await self._wait(self._can_send, deadline, f"no credit to send {tid}")
-        except BaseException:
-            if self._spool is not None and not self._closed:
-                self._unspool(tid)  # the caller sees the failure and counts it; a restart must not resurrect it
+        except BaseException as e:
+            # A wait that ran out keeps the file: a caller that tries again writes it again, and an actor that stops
+            # instead leaves it to its next start, as one killed while waiting does. A cancelled send is abandoned.
+            if self._spool is not None and not self._closed and not isinstance(e, TimeoutError):
+                self._unspool(tid)
             raise
         self._credit -= 1
         e = self._outbox[tid] = _Entry(frame, next(self._seq), 0.0, images or None)  # _transmit stamps sent_at
