@@ -2,7 +2,8 @@
 are sampled in GRPO groups, held until its whole group is in.
 
 Trajectories kept out of the loss never reach a batch: an infra_error episode is never a reward of 0, one whose
-oldest token is more than `learner.staleness.max_lag` versions behind is dropped, so is one with a token of a
+oldest token is more than `learner.staleness.max_lag` versions behind is dropped (a GRPO member again when its group
+is released, at the version it is trained at), so is one with a token of a
 version the learner has not reached (counted future_versions: a bug or a hostile actor; its lag would be < 0 and
 pass as fresh), and so is one with no generated
 token (counted no_generated_tokens: a truncated episode whose first prompt did not fit the inference server's context;
@@ -96,7 +97,7 @@ class Admission:
                 if now - t0 > self.group_timeout_s:
                     del self.pending_groups[g]
                     self.counters["groups_timed_out"] += 1
-                    batch += members
+                    batch += self._fresh(members, version)
                     self._masked_in_batch += out
             if tr is None:
                 t_idle = time.monotonic()
@@ -115,16 +116,32 @@ class Admission:
             members, out = (members + [tr], out) if keep else (members, out + [tr.id])
             if arrived >= k:
                 self.pending_groups.pop(g, None)
-                batch += members
+                batch += self._fresh(members, version)
                 self._masked_in_batch += out
             else:
                 self.pending_groups[g] = (t0, arrived, members, out)
-                batch += self._evict()
+                batch += self._fresh(self._evict(), version)
         self.masked += self._masked_in_batch
         self._masked_in_batch = []
         self._held -= len(batch)
         self._returned = time.monotonic()
         return batch
+
+    def _fresh(self, members: list, version: int) -> list:
+        """The members of a released group still within max_lag of `version`: a member kept on arrival ages while its
+        group waits for the rest (over updates: its clock stops while the learner trains), and one past the bound is
+        dropped now, as it would have been on arrival (too_stale; its id consumed with the batch)."""
+        kept = []
+        for tr in members:
+            gen = tr.versions[tr.mask.astype(bool)]
+            if len(gen) and version - int(gen.min()) > self.max_lag:
+                self.counters["too_stale"] += 1
+                self.staleness.on_dropped(1)
+                self._held -= 1
+                self._masked_in_batch.append(tr.id)
+            else:
+                kept.append(tr)
+        return kept
 
     def _evict(self) -> list:
         """The oldest pending groups, released as they are, while their kept members number more than max_pending:

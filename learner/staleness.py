@@ -22,6 +22,8 @@ Who calls what (nothing may be counted twice):
   on_rejected the stream receiver for a NACKed (undecodable) frame,     running -= n, rejected += n
               the training loop for a delivered trajectory it drops (infra_error, too stale)
   on_accepted the training loop, once per delivered trajectory it keeps running -= n, accepted += n
+  on_dropped  the training loop, for kept ones it drops after all       accepted -= n, rejected += n
+              (a GRPO member that fell past max_lag while its group was incomplete)
   set_version the training loop after each update
 """
 from __future__ import annotations
@@ -124,6 +126,16 @@ class StalenessManager:
         """n running episodes finished but will not be trained on (infra_error, too stale, undecodable)."""
         with self._lock:
             self._finish_locked(n, "on_rejected")
+            self._rejected += n
+
+    def on_dropped(self, n: int = 1) -> None:
+        """n accepted episodes will not be trained after all (too stale by the time their group is released)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        with self._lock:
+            if n > self._accepted:
+                raise ValueError(f"on_dropped({n}) with only {self._accepted} accepted")
+            self._accepted -= n
             self._rejected += n
 
     def on_lost(self, n: int) -> None:
