@@ -304,7 +304,12 @@ class Learner:
                       self.last_checkpoint.get("path", "(none)"), e)
             return
         self.checkpoint_error = None
-        self.receiver.compact_wal()
+        try:
+            self.receiver.compact_wal()
+        except OSError as e:  # a full disk: the checkpoint stands; the WAL keeps consumed entries (never replayed)
+            self.counters["wal_compaction_failures"] += 1
+            log.error("compacting the trajectory WAL after the checkpoint at version %d failed (tried again at the next "
+                      "one): %s", self.version, e)
         self.receiver.commit(frozenset(meta["consumed_ids"]))  # checkpoint durability: actors may now forget these
         self.last_checkpoint = {"version": self.version, "t": meta["t"], "path": str(path)}
 

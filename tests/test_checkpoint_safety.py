@@ -230,6 +230,57 @@ def test_a_full_disk_in_a_real_write_fails_the_checkpoint_not_the_learner(tmp_pa
     assert json.loads((run / "ckpt" / "meta.json").read_text())["version"] == 3 and locate(run) == run / "ckpt"
 
 
+FULL_AT_COMPACTION = textwrap.dedent("""
+    import json, pathlib, resource, signal, sys
+    from core import config as C
+    from learner.main import Learner
+
+    run, model = pathlib.Path(sys.argv[1]), sys.argv[2]
+    ln = Learner(C.load(overrides={overrides!r}), str(run), model, [])
+    ln.receiver.start()
+    wal = ln.receiver.durability.wal
+    for i in range(8):                                 # 8 acked trajectories, t0 trained
+        wal.append(f"t{{i}}", b"x" * 10000)
+    wal.sync()
+    ln.receiver.mark_consumed(["t0"])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40000, hard))  # the checkpoint fits, the rewritten WAL (70 KB) does not
+    ln.version = 1
+    ln.checkpoint()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    first = {{"last": ln.last_checkpoint.get("version"), "left": sorted(p.name for p in run.glob("stream.wal.*")),
+             "failures": ln.counters["wal_compaction_failures"]}}
+    wal.append("t8", b"y" * 100)                       # the log goes on after the failed compaction
+    wal.sync()
+    ln.receiver.mark_consumed(["t1"])
+    ln.version = 2
+    ln.checkpoint()
+    ln.receiver.stop()
+    print(json.dumps({{"first": first, "last": ln.last_checkpoint.get("version")}}))
+""").format(overrides=OVERRIDES)
+
+
+def test_a_full_disk_at_the_wal_compaction_after_a_checkpoint_does_not_stop_the_learner(tmp_path, model):
+    """The checkpoint was written, then compacting the stream's WAL (a rewrite of its unconsumed records) met a full
+    disk: the OSError went up through checkpoint() and the learner crashed, with stream.wal.compact (what it had
+    written of the copy) left on the full disk. Now the checkpoint stands, the failure is logged and counted, the
+    copy is removed, the log goes on and the next checkpoint compacts it."""
+    from core.stream.wal import WriteAheadLog
+
+    run = tmp_path / "run"
+    run.mkdir()
+    p = subprocess.run([sys.executable, "-c", FULL_AT_COMPACTION, str(run), str(model)], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["first"]["last"] == 1 and out["first"]["failures"] == 1
+    assert "stream.wal.compact" not in out["first"]["left"] and out["last"] == 2
+    wal = WriteAheadLog(run / "stream.wal", fsync=False).open()
+    assert sorted(wal.index) == [f"t{i}" for i in range(2, 9)]
+    wal.close()
+
+
 def test_a_train_state_with_a_pickled_payload_is_refused_and_never_runs(tmp_path, model):
     """An attacker's train_state.pt (a pickled os.system call, the manifest fixed up to match) is refused by a real
     `tars learner --resume`: exit 2, a one-line error, and the payload's file never appears."""
