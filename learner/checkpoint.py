@@ -26,6 +26,7 @@ on another device (or none).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import pathlib
 import shutil
 
 import torch
+from safetensors import SafetensorError
 
 from learner.device import to_cpu
 from learner import fsdp as F
@@ -117,12 +119,13 @@ class Checkpointer:
         state = dict(state) if state is not None else self.gather()
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        with F.gathered(self.policy, state.pop("policy")):
+        with F.gathered(self.policy, state.pop("policy")), write_failure("policy"):
             self.policy.save_hf(self.tmp / "policy")
         state["torch_rng"] = torch.get_rng_state()
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        torch.save(to_cpu(state), self.tmp / "train_state.pt")
+        with write_failure("train_state.pt"):
+            torch.save(to_cpu(state), self.tmp / "train_state.pt")
         meta = {"updates": self.trainer.updates, "entropy_coef": self.trainer.entropy_coef,
                 "sched": self.trainer.sched.state_dict(), **meta}
         (self.tmp / "meta.json").write_text(json.dumps(meta))
@@ -212,6 +215,16 @@ def critic_state(sd: dict) -> dict:
     """A critic's state dict as TrainPolicy names it: a checkpoint written before the learner trained transformers'
     model class (core.model.CausalLM: model.*, lm_head.*) has the transformers model's names without the `lm.`."""
     return {(f"lm.{k}" if k.startswith(("model.", "lm_head.")) else k): v for k, v in sd.items()}
+
+
+@contextlib.contextmanager
+def write_failure(what: str):
+    """A write that fails (a full disk) raises OSError, as Python's own writes do: torch.save reports it as a
+    RuntimeError ("unexpected pos ..."), safetensors as a SafetensorError ("I/O error: No space left on device")."""
+    try:
+        yield
+    except (RuntimeError, SafetensorError) as e:
+        raise OSError(f"cannot write {what}: {' '.join(str(e).split())[:300]}") from e
 
 
 def write_durably(path: pathlib.Path, text: str) -> None:

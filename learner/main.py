@@ -94,6 +94,7 @@ class Learner:
         # ---- resume ----
         self.checkpointer = Checkpointer(self.run, self.policy, self.critic, self.trainer, self.device)
         consumed: set[str] = set()
+        self._masked_unrecorded: list[str] = []  # (the checkpoint's: see checkpoint())
         if ckpt is not None:
             consumed = self._load_checkpoint(ckpt)
         self.stop = threading.Event()
@@ -124,6 +125,7 @@ class Learner:
                                    self.episodes, archive, self.counters,
                                    check=lambda tr: binding_error(tr, self.policy.vl),
                                    max_pending=self.receiver.queue_size)  # what the stream may hold, held here
+        self.admission.masked = self._masked_unrecorded  # recorded with this learner's next update
         self.metrics_log = open(self.run / "learner.jsonl", "a", buffering=1)
         # Which trajectory ids each update trained on and which were masked (infra_error / too stale) before it:
         # {"resume": v} marks a (re)start from version v, so a reader can drop the records a kill rolled back
@@ -282,7 +284,11 @@ class Learner:
                       rejected=ledger["rejected"] - self.admission.unsettled())  # (counted again when they come)
         meta = {"version": self.version, "value_pretrain_left": self.updater.value_pretrain_left,
                 "value_pretrain_evs": list(self.updater.evs),  # the early stop's window goes on after a resume
-                "staleness": ledger, **self.receiver.checkpoint_state(), "t": time.time()}
+                "staleness": ledger, **self.receiver.checkpoint_state(), "t": time.time(),
+                # Ids kept out of the loss, consumed (so not received again) but recorded in trained.jsonl only with
+                # the next update, above this version: a resume here drops that record ({"resume": v}), so the
+                # resumed learner records them again. Before, they were in no record of the lineage (lost).
+                "masked_unrecorded": list(self.admission.masked)}
         state = None
         if self.trainer.fsdp:  # the other ranks gather the sharded models and optimizers with rank 0
             self.dist.broadcast(GATHER_CHECKPOINT)
@@ -298,7 +304,12 @@ class Learner:
                       self.last_checkpoint.get("path", "(none)"), e)
             return
         self.checkpoint_error = None
-        self.receiver.compact_wal()
+        try:
+            self.receiver.compact_wal()
+        except OSError as e:  # a full disk: the checkpoint stands; the WAL keeps consumed entries (never replayed)
+            self.counters["wal_compaction_failures"] += 1
+            log.error("compacting the trajectory WAL after the checkpoint at version %d failed (tried again at the next "
+                      "one): %s", self.version, e)
         self.receiver.commit(frozenset(meta["consumed_ids"]))  # checkpoint durability: actors may now forget these
         self.last_checkpoint = {"version": self.version, "t": meta["t"], "path": str(path)}
 
@@ -316,6 +327,7 @@ class Learner:
             if ledger.get("eta_config", self.lcfg.staleness.eta) != self.lcfg.staleness.eta:
                 ledger.pop("eta", None)  # the configured eta changed since: the new configuration wins
             self.staleness.load_state_dict(ledger)
+        self._masked_unrecorded = [str(t) for t in meta.get("masked_unrecorded", [])]
         log.info("resumed from checkpoint %s at version %d (%d trajectories consumed)", src, self.version,
                  len(meta["consumed_ids"]))
         return set(meta["consumed_ids"])

@@ -20,6 +20,7 @@ compact after a checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -384,20 +385,22 @@ class WriteAheadLog:
                     end += len(hdr) + len(idb) + n
                 os.fsync(fd)
                 os.replace(tmp, self.path)
-                dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
-                try:
-                    os.fsync(dfd)  # the rename itself must be durable
-                finally:
-                    os.close(dfd)
-            except BaseException:
+            except BaseException:  # the log is as it was (a full disk: the learner goes on, compacts at the next one)
                 os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # what was written of the copy would keep the disk full
                 raise
-            os.close(self._fd)
+            os.close(self._fd)  # the file is the new one from here: so is this log's state, whatever follows
             self._fd, self._end, self.index, self._dirty = fd, end, index, False
             self._replaced()
             if closed:
                 os.close(fd)
                 self._fd = -1
+            dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
+            try:
+                os.fsync(dfd)  # the rename itself must be durable
+            finally:
+                os.close(dfd)
             return len(keep), dropped
 
     def _settle(self) -> None:
