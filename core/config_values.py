@@ -93,8 +93,16 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             value = _yaml(value, where)
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping")
-        return value
+        return _read_texts(value, where)
     return value
+
+
+def _read_texts(d: dict, where: str) -> dict:
+    """A mapping field's entries that `--set` put in by key (`actor.chat_template_kwargs.enable_thinking=false`),
+    read as YAML as the whole mapping would be (`...kwargs={enable_thinking: false}`): the entry's type is unknown, so
+    it is not text by default (a Text left in would stay the string "false", and YAML could not save it)."""
+    return {k: ("" if v == "" else _yaml(v, f"{where}.{k}")) if isinstance(v, Text)
+            else _read_texts(v, f"{where}.{k}") if isinstance(v, dict) else v for k, v in d.items()}
 
 
 def _fail(where, value, tp):

@@ -28,6 +28,23 @@ def test_a_set_value_of_another_type_is_still_yaml():
     assert C.load(None, None, ["envd.auth_token=", "control.auth_token="]).envd.auth_token == ""
 
 
+def test_a_set_entry_of_a_mapping_setting_is_read_as_the_mapping_would_be(tmp_path):
+    """`--set actor.chat_template_kwargs.enable_thinking=false` kept the text "false" (a template's `enable_thinking
+    is false` is then untrue: Qwen3 went on thinking) where `...kwargs={enable_thinking: false}` gives False; and the
+    text left in the mapping made C.save (config.yaml of `tars up`) fail with a yaml RepresenterError."""
+    sets = ["actor.chat_template_kwargs.enable_thinking=false", "actor.env_options.strict_targets=1",
+            "actor.env_options.note=", "actor.env_options.deep.x=[1, 2]"]
+    cfg = C.load("quickstart", None, sets)
+    assert cfg.actor.chat_template_kwargs == C.load(None, None, ["actor.chat_template_kwargs={enable_thinking: false}"]
+                                                    ).actor.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.actor.env_options == {"strict_targets": 1, "note": "", "deep": {"x": [1, 2]}}
+    assert all(type(k) is str for k in cfg.actor.env_options)
+    C.save(cfg, tmp_path / "c.yaml")
+    assert C.load(None, str(tmp_path / "c.yaml")) == cfg
+    with pytest.raises(C.ConfigError, match="actor.env_options.bad"):
+        C.load(None, None, ["actor.env_options.bad=[oops"])
+
+
 @pytest.mark.parametrize("text,shown", [("actor:\n  judge_mode: off", "actor.judge_mode: YAML read this value as the "
                                         "boolean False"), ("model:\n  path: 0755", "model.path: YAML read this value as "
                                         "the number 493"), ("name: 0x1F", "name: YAML read this value as the number 31"),
