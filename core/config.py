@@ -17,7 +17,7 @@ from typing import ClassVar
 import yaml
 
 from core.config_fields import f
-from core.config_values import EXIT_USER, ConfigError, UserError, apply_override, from_dict  # noqa: F401 (core.config.*)
+from core.config_values import EXIT_USER, ConfigError, UserError, apply_override, from_dict, load_yaml  # noqa: F401
 from core.config_inference import InferenceConfig  # noqa: F401 (core.config.InferenceConfig)
 from core.config_learner import (CheckpointConfig, CorrectionConfig, GroupConfig, LearnerConfig,  # noqa: F401
                                  PPOConfig, PublishConfig, StalenessConfig, StreamConfig, ValuePretrainConfig)
@@ -294,7 +294,7 @@ def load(preset: str | None = None, path: str | None = None, overrides: list[str
         p = PRESETS / f"{preset}.yaml"
         if not p.exists():
             raise ConfigError(f"no preset {preset!r}; have: {sorted(x.stem for x in PRESETS.glob('*.yaml'))}")
-        d = yaml.safe_load(p.read_text()) or {}
+        d = load_yaml(p.read_text()) or {}
     if path:
         d = _merge(d, _read_yaml(pathlib.Path(path)))
     for o in overrides:
@@ -354,7 +354,7 @@ def _read_yaml(p: pathlib.Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"--config {str(p)!r}: " + ("a directory, not a YAML file" if p.is_dir() else "no such file"))
     try:
-        d = yaml.safe_load(p.read_text())
+        d = load_yaml(p.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"--config {str(p)!r}: cannot be read as YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if d is not None and not isinstance(d, dict):

@@ -36,6 +36,34 @@ class Text(str):
     """The text of a `--set` value, not yet read: its field's type decides how (module docstring)."""
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last silently, so a second
+    `learner:` section in a --config file dropped every setting of the first. A `<<` merge may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    continue
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice in one mapping (line {key_node.start_mark.line + 1})",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, but a mapping with a key given twice is a yaml.YAMLError (a config or suite file)."""
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+
+
 def _yaml(text: str, where: str) -> Any:
     """`--set` text read as YAML; ConfigError (one line) when it is not YAML."""
     try:

@@ -59,6 +59,21 @@ def test_a_yaml_file_text_setting_of_another_type_says_to_quote_it(tmp_path, tex
     assert (cfg.actor.judge_mode, cfg.model.path) == ("off", "0755")
 
 
+@pytest.mark.parametrize("text,key", [
+    ("learner:\n  lr: 0.5\nactor:\n  concurrency: 8\nlearner:\n  batch_size: 8\n", "'learner' given twice in one "
+     "mapping (line 5)"),
+    ("learner:\n  lr: 0.5\n  lr: 0.25\n", "'lr' given twice in one mapping (line 3)"),
+])
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, text, key):
+    """PyYAML keeps the last of two equal keys silently: a second `learner:` section dropped the first one's
+    lr=0.5, and the run trained at the default 1e-3 without a word."""
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(C.ConfigError, match="cannot be read as YAML") as e:
+        C.load(None, str(tmp_path / "c.yaml"))
+    assert key in str(e.value) and "\n" not in str(e.value)
+    assert C.load_yaml("a: &x {b: 1}\nc:\n  <<: *x\n  b: 2\n")["c"] == {"b": 2}  # a merge key may be overridden
+
+
 def test_a_saved_config_reads_back_the_same(tmp_path):
     """config.yaml of a run (C.save) quotes text that YAML would read as another type, so it loads unchanged."""
     cfg = C.load("quickstart", None, ["actor.judge_mode=off", "envd.auth_token=0755", "control.auth_token=0x1F",
