@@ -107,6 +107,26 @@ def test_a_stopped_process_is_found_killed_and_restarted(tmp_path, monkeypatch):
             sup.close()
 
 
+def test_a_hang_s_below_the_probe_cadence_leaves_healthy_processes_alone(tmp_path):
+    """supervisor.hang_s=3 with the probe's fixed 5 s cadence: a healthy envd had not answered for 3 s before it was
+    asked, so it was killed as hung every 3 s (the run ended at max_restarts). The probe now asks at least three
+    times per hang_s; a stopped process is still found."""
+    cfg, topo = _envd_only(tmp_path)
+    with topo:
+        topo.start()
+        pid0 = topo.ready[("envd", 0)]["pid"]
+        sup = Supervisor(topo, max_restarts=2, backoff_s=0.2, hang_s=3.0, control_token=cfg.control.auth_token)
+        try:
+            t0 = time.monotonic()
+            _poll_until(sup, lambda end: time.monotonic() - t0 > 7.0, 30)
+            assert sup.counts() == {} and not read_events(topo.plan.out)
+            os.kill(pid0, signal.SIGSTOP)
+            _poll_until(sup, lambda end: sup.counts() == {"envd": 1}, 60)
+            assert _serves(topo.envd, cfg)
+        finally:
+            sup.close()
+
+
 def test_a_process_that_keeps_dying_ends_the_run(tmp_path):
     cfg, topo = _envd_only(tmp_path)
     with topo:
