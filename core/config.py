@@ -342,6 +342,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"actor.concurrency={cfg.actor.concurrency} is below learner.group.size="
                           f"{cfg.learner.group.size}: an actor runs whole GRPO groups at once, so it would never start "
                           "an episode")
+    if -1 < cfg.evaluation.temperature < 0:  # tars/heldout.py: any value below 0 fell back to actor.temperature
+        raise ConfigError(f"evaluation.temperature={cfg.evaluation.temperature}: a sampling temperature >= 0, or -1 "
+                          "for actor.temperature")
     if "hint_policy" in cfg.actor.env_options:  # envd/hints.py's option (core does not import envd)
         raise ConfigError("actor.env_options.hint_policy: the scripted baselines' hints are for `tars eval --model "
                           "oracle|random`; a run's sessions never carry one (a demonstrator must not play during RL)")

@@ -267,6 +267,15 @@ def test_the_new_bounds_are_refused_with_their_message(tmp_path, setting, needle
         C.load(None, _yaml_setting(tmp_path, setting))
 
 
+@pytest.mark.parametrize("value", ["-0.5", "-1e-9"])
+def test_an_evaluation_temperature_between_the_sentinel_and_0_is_refused(tmp_path, value):
+    """evaluation.temperature takes -1 (= actor.temperature) or a temperature >= 0: -0.5 passed the field's bound
+    (lo=-1) and tars/heldout.py silently used actor.temperature for it."""
+    with pytest.raises(C.ConfigError, match=r"evaluation.temperature=-[0-9.e-]+: a sampling temperature >= 0, or -1"):
+        C.load(None, None, [f"evaluation.temperature={value}"])
+    assert C.load(None, None, ["evaluation.temperature=0"]).evaluation.temperature == 0
+
+
 def test_documented_special_values_stay_legal():
     cfg = C.load(None, None, ["actor.image_history=-1", "evaluation.temperature=-1", "inference.cache_max_bytes=0",
                               "envd.max_total_pids=0", "envd.max_sessions_per_client=0", "inference.max_version_jump=0",
