@@ -27,6 +27,7 @@ PRESETS = pathlib.Path(__file__).parent / "presets"
 # draws its env seeds below HELD_OUT_SEED_BASE, and a held-out evaluation (a suite with `held_out: true`, the
 # evaluation at the end of `tars up`) uses seeds at or above it, so no training episode ever had a held-out seed.
 HELD_OUT_SEED_BASE = 1 << 30
+SEED_LO, SEED_HI = -(1 << 63), (1 << 64) - 1  # what torch.manual_seed takes (past it: "Overflow when unpacking long")
 
 
 @dataclass
@@ -47,7 +48,7 @@ class ModelConfig:
                               "the trainer stops earlier when the text has no more pairs to merge")
     tie_embeddings: bool = f(False, "share the input embedding and the output projection of a fresh model")
     init_std: float = f(0.02, "init scale of a fresh model", lo=0)
-    seed: int = f(0, "init seed of a fresh model")
+    seed: int = f(0, "init seed of a fresh model", lo=SEED_LO, hi=SEED_HI)
     freeze_vision: bool = f(False, "a vision-language checkpoint (Qwen2-VL / Qwen2.5-VL): keep its vision tower's weights "
                                    "fixed (no gradient, not in the optimiser); false = the learner and tars sft train "
                                    "it with the language model")
@@ -262,7 +263,7 @@ class RunConfig:
     """A whole `tars up` run."""
 
     name: str = f("run", "a name for logs")
-    seed: int = f(0, "global seed")
+    seed: int = f(0, "global seed", lo=SEED_LO, hi=SEED_HI)
     max_versions: int = f(1000, lo=0, help="stop after this many policy updates")
     wall_budget_s: float = f(480.0, lo=0, help="stop RL after this many seconds")
     target_success: float = f(0.0, lo=0, hi=1, help="stop early once the rolling success rate reaches this (0 = never)")

@@ -276,6 +276,17 @@ def test_an_evaluation_temperature_between_the_sentinel_and_0_is_refused(tmp_pat
     assert C.load(None, None, ["evaluation.temperature=0"]).evaluation.temperature == 0
 
 
+@pytest.mark.parametrize("setting", ["seed", "model.seed"])
+def test_a_seed_torch_cannot_take_is_refused_at_load(setting):
+    """torch.manual_seed takes -2**63 .. 2**64-1: a seed past it loaded, then failed deep in a role (the fresh model
+    of `tars up`, the learner: "Overflow when unpacking long long", restarted until max_restarts)."""
+    for bad in (1 << 64, -(1 << 63) - 1):
+        with pytest.raises(C.ConfigError, match=f"^{setting} = {bad}: must be in"):
+            C.load(None, None, [f"{setting}={bad}"])
+    for good in ((1 << 64) - 1, -(1 << 63)):
+        assert C.load(None, None, [f"{setting}={good}"])
+
+
 def test_documented_special_values_stay_legal():
     cfg = C.load(None, None, ["actor.image_history=-1", "evaluation.temperature=-1", "inference.cache_max_bytes=0",
                               "envd.max_total_pids=0", "envd.max_sessions_per_client=0", "inference.max_version_jump=0",
