@@ -17,7 +17,7 @@ from typing import ClassVar
 import yaml
 
 from core.config_fields import f
-from core.config_values import EXIT_USER, ConfigError, UserError, apply_override, from_dict  # noqa: F401 (core.config.*)
+from core.config_values import EXIT_USER, ConfigError, UserError, apply_override, from_dict, load_yaml  # noqa: F401
 from core.config_inference import InferenceConfig  # noqa: F401 (core.config.InferenceConfig)
 from core.config_learner import (CheckpointConfig, CorrectionConfig, GroupConfig, LearnerConfig,  # noqa: F401
                                  PPOConfig, PublishConfig, StalenessConfig, StreamConfig, ValuePretrainConfig)
@@ -27,6 +27,7 @@ PRESETS = pathlib.Path(__file__).parent / "presets"
 # draws its env seeds below HELD_OUT_SEED_BASE, and a held-out evaluation (a suite with `held_out: true`, the
 # evaluation at the end of `tars up`) uses seeds at or above it, so no training episode ever had a held-out seed.
 HELD_OUT_SEED_BASE = 1 << 30
+SEED_LO, SEED_HI = -(1 << 63), (1 << 64) - 1  # what torch.manual_seed takes (past it: "Overflow when unpacking long")
 
 
 @dataclass
@@ -47,7 +48,7 @@ class ModelConfig:
                               "the trainer stops earlier when the text has no more pairs to merge")
     tie_embeddings: bool = f(False, "share the input embedding and the output projection of a fresh model")
     init_std: float = f(0.02, "init scale of a fresh model", lo=0)
-    seed: int = f(0, "init seed of a fresh model")
+    seed: int = f(0, "init seed of a fresh model", lo=SEED_LO, hi=SEED_HI)
     freeze_vision: bool = f(False, "a vision-language checkpoint (Qwen2-VL / Qwen2.5-VL): keep its vision tower's weights "
                                    "fixed (no gradient, not in the optimiser); false = the learner and tars sft train "
                                    "it with the language model")
@@ -262,7 +263,7 @@ class RunConfig:
     """A whole `tars up` run."""
 
     name: str = f("run", "a name for logs")
-    seed: int = f(0, "global seed")
+    seed: int = f(0, "global seed", lo=SEED_LO, hi=SEED_HI)
     max_versions: int = f(1000, lo=0, help="stop after this many policy updates")
     wall_budget_s: float = f(480.0, lo=0, help="stop RL after this many seconds")
     target_success: float = f(0.0, lo=0, hi=1, help="stop early once the rolling success rate reaches this (0 = never)")
@@ -294,7 +295,7 @@ def load(preset: str | None = None, path: str | None = None, overrides: list[str
         p = PRESETS / f"{preset}.yaml"
         if not p.exists():
             raise ConfigError(f"no preset {preset!r}; have: {sorted(x.stem for x in PRESETS.glob('*.yaml'))}")
-        d = yaml.safe_load(p.read_text()) or {}
+        d = load_yaml(p.read_text()) or {}
     if path:
         d = _merge(d, _read_yaml(pathlib.Path(path)))
     for o in overrides:
@@ -342,6 +343,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"actor.concurrency={cfg.actor.concurrency} is below learner.group.size="
                           f"{cfg.learner.group.size}: an actor runs whole GRPO groups at once, so it would never start "
                           "an episode")
+    if -1 < cfg.evaluation.temperature < 0:  # tars/heldout.py: any value below 0 fell back to actor.temperature
+        raise ConfigError(f"evaluation.temperature={cfg.evaluation.temperature}: a sampling temperature >= 0, or -1 "
+                          "for actor.temperature")
     if "hint_policy" in cfg.actor.env_options:  # envd/hints.py's option (core does not import envd)
         raise ConfigError("actor.env_options.hint_policy: the scripted baselines' hints are for `tars eval --model "
                           "oracle|random`; a run's sessions never carry one (a demonstrator must not play during RL)")
@@ -354,7 +358,7 @@ def _read_yaml(p: pathlib.Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"--config {str(p)!r}: " + ("a directory, not a YAML file" if p.is_dir() else "no such file"))
     try:
-        d = yaml.safe_load(p.read_text())
+        d = load_yaml(p.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"--config {str(p)!r}: cannot be read as YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if d is not None and not isinstance(d, dict):

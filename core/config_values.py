@@ -36,6 +36,34 @@ class Text(str):
     """The text of a `--set` value, not yet read: its field's type decides how (module docstring)."""
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last silently, so a second
+    `learner:` section in a --config file dropped every setting of the first. A `<<` merge may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    continue
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice in one mapping (line {key_node.start_mark.line + 1})",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, but a mapping with a key given twice is a yaml.YAMLError (a config or suite file)."""
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+
+
 def _yaml(text: str, where: str) -> Any:
     """`--set` text read as YAML; ConfigError (one line) when it is not YAML."""
     try:
@@ -93,8 +121,16 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             value = _yaml(value, where)
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping")
-        return value
+        return _read_texts(value, where)
     return value
+
+
+def _read_texts(d: dict, where: str) -> dict:
+    """A mapping field's entries that `--set` put in by key (`actor.chat_template_kwargs.enable_thinking=false`),
+    read as YAML as the whole mapping would be (`...kwargs={enable_thinking: false}`): the entry's type is unknown, so
+    it is not text by default (a Text left in would stay the string "false", and YAML could not save it)."""
+    return {k: ("" if v == "" else _yaml(v, f"{where}.{k}")) if isinstance(v, Text)
+            else _read_texts(v, f"{where}.{k}") if isinstance(v, dict) else v for k, v in d.items()}
 
 
 def _fail(where, value, tp):

@@ -61,13 +61,24 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+# Set by a parent that starts a role (tars.topology.Process) to its own pid: die_with_parent() then sees whether that
+# parent is already gone. Read once and taken out of the environment, so the role's own children do not inherit it.
+PARENT_ENV = "TARS_PARENT_PID"
+
+
 def die_with_parent() -> None:
-    """Linux: get SIGTERM when the parent dies, so a killed `tars up` leaves no orphans."""
+    """Linux: get SIGTERM when the parent dies, so a killed `tars up` leaves no orphans. PDEATHSIG only covers a
+    death after this call: a parent killed while the role was still starting (its imports, config and checks take
+    seconds) left it running for good, listening, with init as parent. So when the parent named itself in
+    $TARS_PARENT_PID and is no longer this process's parent, the SIGTERM is sent now."""
+    expected = os.environ.pop(PARENT_ENV, "")
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if expected.isdigit() and os.getppid() != int(expected):  # orphaned before the prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def wait_for(pred, timeout: float, what: str, every: float = 0.2):

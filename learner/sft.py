@@ -104,7 +104,7 @@ def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float
     device = device if device is not None else next(policy.parameters()).device
     policy.to(device)
     demos = bind_images(policy, demos)
-    g = np.random.default_rng(seed)
+    g = np.random.default_rng(seed % 2**64)  # numpy takes no negative seed; the config's seed may be one (seed=-3)
     # frozen parameters (model.freeze_vision) are not in the optimiser
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / max(1, steps)))

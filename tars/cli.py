@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="results directory (resumed if it holds episodes of the same suite and model)")
     p.add_argument("--episodes", type=int, help="episodes per task (overrides the suite)")
     p.add_argument("--tasks", help="only these tasks (names or env ids), comma-separated")
-    p.add_argument("--concurrency", type=int, default=8, help="episodes run at once")
+    p.add_argument("--concurrency", type=_count(1), default=8, help="episodes run at once")
     p.add_argument("--tokenizer", default="", help="tokenizer directory of the model (needed with --model host:port)")
     p.add_argument("--envd", default="", help="use this envd (host:port) instead of starting one")
     p.add_argument("--retry-infra", action="store_true", help="on resume, run infra-error episodes again")
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF-layout model directory to start from")
     p.add_argument("--out", required=True, help="output model directory (HF layout)")
     p.add_argument("--data", nargs="*", default=[], help="trajectory files (e.g. a split's sft.twl, a run's trajectories.twl)")
-    p.add_argument("--demos", type=int, default=0, help="also N scripted demonstrations (sft.demonstrator on actor.env_ids)")
+    p.add_argument("--demos", type=_count(0), default=0, help="also N scripted demonstrations (sft.demonstrator on actor.env_ids)")
     p.add_argument("--steps", type=int, help="updates (default sft.steps)")
 
     p = sub.add_parser("data", help="trajectory data: split stored trajectories into an SFT set and a CT set")
@@ -197,6 +197,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
+
+
+def _count(lo: int):
+    """An argparse type: an integer >= lo (`--concurrency 0` ran one episode at a time, `--demos -5` none, silently)."""
+    def count(v: str) -> int:
+        n = int(v)  # ValueError: argparse's "invalid count value"
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"{v!r}: an integer >= {lo}")
+        return n
+    return count
 
 
 def _seconds(v: str) -> float:

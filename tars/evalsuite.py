@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from core.config import HELD_OUT_SEED_BASE, UserError
+from core.config import HELD_OUT_SEED_BASE, UserError, load_yaml
 
 SUITES = pathlib.Path(__file__).parent / "suites"
 INFRA = "infra_error"
@@ -106,7 +106,7 @@ def load_suite(name_or_path: str, episodes: int | None = None, only: list[str] |
     if not p.is_file():
         raise SuiteError(f"suite file {str(p)!r} does not exist")
     try:
-        d = yaml.safe_load(p.read_text())
+        d = load_yaml(p.read_text())
     except yaml.YAMLError as e:
         raise SuiteError(f"{p}: not valid YAML: {e}") from None
     where = str(p)

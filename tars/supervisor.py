@@ -18,7 +18,8 @@ of the loss); their stream re-sends whatever a dead learner had not made durable
 
 A process that is up but does not answer (SIGSTOPped, deadlocked, its event loop blocked) is found too: a thread
 asks each one for its ControlService Status every PROBE_EVERY_S (deadline PROBE_DEADLINE_S, the run's control
-token); one that has not answered for hang_s (supervisor.hang_s) is SIGKILLed and restarted like a dead one.
+token; both at most hang_s / 3); one that has not answered for hang_s (supervisor.hang_s) is SIGKILLed and restarted
+like a dead one.
 
 The learner exiting with status 0 is the end of the run (it reached max_versions), not a death. Every death and
 restart is one JSON line in RUN/supervisor.jsonl; the report counts them (report.json "restarts").
@@ -79,6 +80,9 @@ class Supervisor:
         now = time.monotonic()
         self.roles = {key: _Role(key[0], key[1], topo.plan.name(*key), up_since=now) for key in topo.procs}
         self.hang_s, self.answered = hang_s, {}  # answered: key -> monotonic time of its last Status answer
+        # A healthy process must be asked (and answer) more than once within hang_s: with the fixed 5 s cadence, a
+        # hang_s under it killed every healthy process as hung each hang_s, and the run ended at max_restarts.
+        self.probe_every_s, self.probe_deadline_s = min(PROBE_EVERY_S, hang_s / 3), min(PROBE_DEADLINE_S, hang_s / 3)
         self._stop = threading.Event()
         if hang_s > 0:
             threading.Thread(target=self._probe, args=(control_token,), name="supervisor-probe", daemon=True).start()
@@ -92,14 +96,14 @@ class Supervisor:
         from core import rpc
         from core.v1 import control_pb2, control_pb2_grpc
 
-        while not self._stop.wait(PROBE_EVERY_S):
+        while not self._stop.wait(self.probe_every_s):
             for key, r in list(self.roles.items()):
                 addr = self.topo.ready.get(key, {}).get("address")
                 if r.state != "up" or not addr:
                     continue
                 ch = rpc.sync_channel(addr, token)
                 try:
-                    control_pb2_grpc.ControlServiceStub(ch).Status(control_pb2.StatusRequest(), timeout=PROBE_DEADLINE_S)
+                    control_pb2_grpc.ControlServiceStub(ch).Status(control_pb2.StatusRequest(), timeout=self.probe_deadline_s)
                     self.answered[key] = time.monotonic()
                 except grpc.RpcError as e:  # nothing listening (a learner shutting its service down to stop): not
                     if e.code() == grpc.StatusCode.UNAVAILABLE:  # hung; a stopped process accepts and says nothing

@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from core.proc import PARENT_ENV
 from tars import tokens
 
 ROLES = ("envd", "inference", "learner", "actor")
@@ -106,8 +107,9 @@ class Process:
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(spec.log, "ab")
         try:
-            self.popen = subprocess.Popen(spec.argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **spec.env}, cwd=spec.cwd, start_new_session=True)
+            self.popen = subprocess.Popen(spec.argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=spec.cwd,
+                                          env={**os.environ, **spec.env, PARENT_ENV: str(os.getpid())},  # die_with_parent
+                                          start_new_session=True)
         except OSError:
             self.log.close()
             raise

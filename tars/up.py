@@ -177,6 +177,9 @@ def _held_out(cfg: C.RunConfig, out_p: pathlib.Path, start: pathlib.Path, sft: b
         return None, status
     from tars import heldout
 
+    # SIGTERM (systemd stop, `timeout`, a pod ending) as Ctrl-C, as during the run: its default action ended the
+    # process at once, with no report.json although training had finished.
+    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         h = heldout.run(cfg, out_p, start, "SFT" if sft else "start", say)
     except KeyboardInterrupt:
@@ -185,6 +188,8 @@ def _held_out(cfg: C.RunConfig, out_p: pathlib.Path, start: pathlib.Path, sft: b
     except Exception as e:  # noqa: BLE001 - the run itself is done; say why its evaluation is missing
         say(f"held-out evaluation failed: {type(e).__name__}: {e}")
         return {"error": f"{type(e).__name__}: {e}"[:500]}, status
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
     say(f"held-out success ({h['episodes_per_task']} episodes a task): {h['start_model']} "
         f"{h['mean_start'] if h['mean_start'] is None else round(h['mean_start'], 3)} -> final "
         f"{h['mean_final'] if h['mean_final'] is None else round(h['mean_final'], 3)} ({out_p / 'heldout' / 'summary.md'})")

@@ -469,3 +469,19 @@ def test_up_quiet_says_on_stderr_why_the_supervisor_ended_the_run(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("[tars up] ") and "envd" in lines[0], se[-2000:]
     status = json.loads((out / "report.json").read_text())["status"]
     assert "envd died 1 times (supervisor.max_restarts=0)" in status, status
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["eval", "--suite", "builtin", "--model", "random", "--out", "o", "--concurrency", "0"], "--concurrency: '0': an integer >= 1"),
+    (["eval", "--suite", "builtin", "--model", "random", "--out", "o", "--concurrency", "-3"], "an integer >= 1"),
+    (["sft", "--model", "m", "--out", "o", "--data", "d.twl", "--demos", "-5"], "--demos: '-5': an integer >= 0"),
+])
+def test_a_count_option_below_its_least_is_a_usage_error(args, needle, capsys):
+    """`tars eval --concurrency 0` (or -3) ran one episode at a time and `tars sft --demos -5` rolled none, without a
+    word; each is now refused by argparse (status 2) before anything runs."""
+    from tars.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(args)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert build_parser().parse_args([*args[:-1], "1"]).__dict__[args[-2].lstrip("-")] == 1

@@ -28,6 +28,23 @@ def test_a_set_value_of_another_type_is_still_yaml():
     assert C.load(None, None, ["envd.auth_token=", "control.auth_token="]).envd.auth_token == ""
 
 
+def test_a_set_entry_of_a_mapping_setting_is_read_as_the_mapping_would_be(tmp_path):
+    """`--set actor.chat_template_kwargs.enable_thinking=false` kept the text "false" (a template's `enable_thinking
+    is false` is then untrue: Qwen3 went on thinking) where `...kwargs={enable_thinking: false}` gives False; and the
+    text left in the mapping made C.save (config.yaml of `tars up`) fail with a yaml RepresenterError."""
+    sets = ["actor.chat_template_kwargs.enable_thinking=false", "actor.env_options.strict_targets=1",
+            "actor.env_options.note=", "actor.env_options.deep.x=[1, 2]"]
+    cfg = C.load("quickstart", None, sets)
+    assert cfg.actor.chat_template_kwargs == C.load(None, None, ["actor.chat_template_kwargs={enable_thinking: false}"]
+                                                    ).actor.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.actor.env_options == {"strict_targets": 1, "note": "", "deep": {"x": [1, 2]}}
+    assert all(type(k) is str for k in cfg.actor.env_options)
+    C.save(cfg, tmp_path / "c.yaml")
+    assert C.load(None, str(tmp_path / "c.yaml")) == cfg
+    with pytest.raises(C.ConfigError, match="actor.env_options.bad"):
+        C.load(None, None, ["actor.env_options.bad=[oops"])
+
+
 @pytest.mark.parametrize("text,shown", [("actor:\n  judge_mode: off", "actor.judge_mode: YAML read this value as the "
                                         "boolean False"), ("model:\n  path: 0755", "model.path: YAML read this value as "
                                         "the number 493"), ("name: 0x1F", "name: YAML read this value as the number 31"),
@@ -40,6 +57,21 @@ def test_a_yaml_file_text_setting_of_another_type_says_to_quote_it(tmp_path, tex
     (tmp_path / "q.yaml").write_text('actor:\n  judge_mode: "off"\nmodel:\n  path: \'0755\'\n')
     cfg = C.load(None, str(tmp_path / "q.yaml"))
     assert (cfg.actor.judge_mode, cfg.model.path) == ("off", "0755")
+
+
+@pytest.mark.parametrize("text,key", [
+    ("learner:\n  lr: 0.5\nactor:\n  concurrency: 8\nlearner:\n  batch_size: 8\n", "'learner' given twice in one "
+     "mapping (line 5)"),
+    ("learner:\n  lr: 0.5\n  lr: 0.25\n", "'lr' given twice in one mapping (line 3)"),
+])
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, text, key):
+    """PyYAML keeps the last of two equal keys silently: a second `learner:` section dropped the first one's
+    lr=0.5, and the run trained at the default 1e-3 without a word."""
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(C.ConfigError, match="cannot be read as YAML") as e:
+        C.load(None, str(tmp_path / "c.yaml"))
+    assert key in str(e.value) and "\n" not in str(e.value)
+    assert C.load_yaml("a: &x {b: 1}\nc:\n  <<: *x\n  b: 2\n")["c"] == {"b": 2}  # a merge key may be overridden
 
 
 def test_a_saved_config_reads_back_the_same(tmp_path):
@@ -233,6 +265,26 @@ def test_the_new_bounds_are_refused_with_their_message(tmp_path, setting, needle
     assert str(e.value) == needle
     with pytest.raises(C.ConfigError, match="must be"):
         C.load(None, _yaml_setting(tmp_path, setting))
+
+
+@pytest.mark.parametrize("value", ["-0.5", "-1e-9"])
+def test_an_evaluation_temperature_between_the_sentinel_and_0_is_refused(tmp_path, value):
+    """evaluation.temperature takes -1 (= actor.temperature) or a temperature >= 0: -0.5 passed the field's bound
+    (lo=-1) and tars/heldout.py silently used actor.temperature for it."""
+    with pytest.raises(C.ConfigError, match=r"evaluation.temperature=-[0-9.e-]+: a sampling temperature >= 0, or -1"):
+        C.load(None, None, [f"evaluation.temperature={value}"])
+    assert C.load(None, None, ["evaluation.temperature=0"]).evaluation.temperature == 0
+
+
+@pytest.mark.parametrize("setting", ["seed", "model.seed"])
+def test_a_seed_torch_cannot_take_is_refused_at_load(setting):
+    """torch.manual_seed takes -2**63 .. 2**64-1: a seed past it loaded, then failed deep in a role (the fresh model
+    of `tars up`, the learner: "Overflow when unpacking long long", restarted until max_restarts)."""
+    for bad in (1 << 64, -(1 << 63) - 1):
+        with pytest.raises(C.ConfigError, match=f"^{setting} = {bad}: must be in"):
+            C.load(None, None, [f"{setting}={bad}"])
+    for good in ((1 << 64) - 1, -(1 << 63)):
+        assert C.load(None, None, [f"{setting}={good}"])
 
 
 def test_documented_special_values_stay_legal():

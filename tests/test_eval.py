@@ -382,6 +382,7 @@ def test_compare_overall_covers_only_the_tasks_both_scored(tmp_path):
     ("tasks: [builtin/click, builtin/click]\n", "repeated: ['builtin/click']"),
     ("tasks: [builtin/click\n", "not valid YAML"),
     ("tasks: [{env: builtin/click, human_score: 0}]\n", "human_score must be a non-zero number"),
+    ("episodes: 3\ntasks: [builtin/click]\nepisodes: 50\n", "key 'episodes' given twice in one mapping (line 3)"),
 ])
 def test_bad_suite_files_give_clear_errors(tmp_path, text, message):
     with pytest.raises(S.SuiteError) as e:

@@ -88,6 +88,34 @@ def test_a_rerun_in_the_same_out_evaluates_its_own_policy_on_its_own_seeds(tmp_p
     assert ok(tmp_path / "heldout" / "start" / "episodes.previous.1.jsonl") == [False] * 4
 
 
+_SIGTERM_DURING_HELD_OUT = """
+import os, pathlib, signal, sys, time
+from core import config as C
+from tars import heldout, up
+out = pathlib.Path(sys.argv[1])
+(out / "final").mkdir(parents=True)
+for n in ("config.json", "model.safetensors"):
+    (out / "final" / n).write_text("{}")
+def run(*a, **k):  # the held-out evaluation, minutes long; a SIGTERM comes (systemd stop, `timeout`, a pod ending)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+heldout.run = run
+cfg = C.load(None, None, ["evaluation.episodes=1"])
+print(up._held_out(cfg, out, out / "final", False, "done", time.time() - 5, print), flush=True)
+print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+"""
+
+
+def test_a_sigterm_during_the_held_out_evaluation_ends_it_as_ctrl_c_does(tmp_path):
+    """SIGTERM is Ctrl-C to `tars up` while it runs, but during the held-out evaluation at its end the default action
+    killed it at once (status 143): no report.json for a run whose training had finished. It now ends the
+    evaluation as Ctrl-C does (status "interrupted"; the report follows), and the handler is put back."""
+    r = subprocess.run([sys.executable, "-c", _SIGTERM_DURING_HELD_OUT, str(tmp_path / "run")], cwd=ROOT, timeout=60,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.splitlines()[-2:] == ["(None, 'interrupted')", "True"], r.stdout
+
+
 @pytest.mark.timeout(400)
 def test_tars_up_evaluates_the_start_and_the_final_policy_on_the_same_held_out_seeds(tmp_path):
     out = tmp_path / "run"

@@ -165,6 +165,17 @@ def test_sft_follows_the_learner_choice(monkeypatch, tmp_path):
     assert {t.dtype for t in load_file(str(tmp_path / "m" / "model.safetensors")).values()} == {torch.float32}
 
 
+def test_sft_takes_a_negative_seed(tmp_path):
+    """seed=-3 is a legal config value (tests/test_config.py), but train_sft gave it to np.random.default_rng, which
+    refuses negative seeds: `tars sft` and `tars up`'s warm start failed with "expected non-negative integer" after
+    the demonstrations were rolled. The seed is taken modulo 2**64; two seeds still draw different batches."""
+    from learner.sft import train_sft
+
+    demos = [(t.tokens.tolist(), t.mask.tolist()) for t in batch(0)]
+    losses = {s: train_sft(tiny(), demos, 3, 2, 1e-2, s, 0, device=torch.device("cpu"))["sft_loss"] for s in (-3, 3)}
+    assert all(np.isfinite(v) for v in losses.values()) and losses[-3] != losses[3]
+
+
 # ---- the Learner: placement, checkpoints, published weights ------------------------------------------------------
 def _learner(tmp_path: pathlib.Path, run: str, overrides: list[str], resume: bool = False) -> Learner:
     model = tmp_path / "model"

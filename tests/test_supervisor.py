@@ -107,6 +107,26 @@ def test_a_stopped_process_is_found_killed_and_restarted(tmp_path, monkeypatch):
             sup.close()
 
 
+def test_a_hang_s_below_the_probe_cadence_leaves_healthy_processes_alone(tmp_path):
+    """supervisor.hang_s=3 with the probe's fixed 5 s cadence: a healthy envd had not answered for 3 s before it was
+    asked, so it was killed as hung every 3 s (the run ended at max_restarts). The probe now asks at least three
+    times per hang_s; a stopped process is still found."""
+    cfg, topo = _envd_only(tmp_path)
+    with topo:
+        topo.start()
+        pid0 = topo.ready[("envd", 0)]["pid"]
+        sup = Supervisor(topo, max_restarts=2, backoff_s=0.2, hang_s=3.0, control_token=cfg.control.auth_token)
+        try:
+            t0 = time.monotonic()
+            _poll_until(sup, lambda end: time.monotonic() - t0 > 7.0, 30)
+            assert sup.counts() == {} and not read_events(topo.plan.out)
+            os.kill(pid0, signal.SIGSTOP)
+            _poll_until(sup, lambda end: sup.counts() == {"envd": 1}, 60)
+            assert _serves(topo.envd, cfg)
+        finally:
+            sup.close()
+
+
 def test_a_process_that_keeps_dying_ends_the_run(tmp_path):
     cfg, topo = _envd_only(tmp_path)
     with topo:
@@ -339,3 +359,62 @@ def test_children_keep_the_parents_pythonpath_after_the_checkout(tmp_path, monke
     assert x == "7" and pathlib.Path(tars_file).resolve().is_relative_to(root)
     monkeypatch.delenv("PYTHONPATH")
     assert pythonpath(root) == str(root)
+
+
+_PARENT_KILLED_AT_LAUNCH = """
+import os, pathlib, signal, sys
+from core import config as C
+from tars.topology import Topology, plan
+out = pathlib.Path(sys.argv[1])
+cfg = C.load(None, None, [])
+C.save(cfg, out / "config.yaml")
+proc = Topology(plan(cfg, out, None, inference=False, learner=False, n_actors=0)).launch("envd")
+(out / "child.pid").write_text(str(proc.pid))
+os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or `kill -9` would, while envd is still importing
+"""
+
+
+def test_a_role_whose_parent_is_killed_while_it_starts_does_not_stay(tmp_path):
+    """PDEATHSIG (core.proc.die_with_parent) is set by the role itself, seconds after its start (imports, config,
+    checks): a `tars up` SIGKILLed in that window left the role running for good, reparented to init, its port
+    bound (an envd was still listening 15 s later). The role now finds its parent gone and ends."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from core.proc import pid_alive
+
+    out = tmp_path / "run"
+    out.mkdir()
+    root = pathlib.Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _PARENT_KILLED_AT_LAUNCH, str(out)], cwd=root, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    child = int((out / "child.pid").read_text())
+    try:
+        deadline = time.monotonic() + 60
+        while pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not pid_alive(child), (out / "logs" / "envd.log").read_text()[-2000:]
+        assert not (out / "run" / "envd.json").exists()  # it never came up
+    finally:
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_the_parent_pid_a_role_checks_is_not_passed_on_to_its_children(tmp_path):
+    """A role whose parent is there keeps running, and $TARS_PARENT_PID is gone from its environment (a process the
+    role starts, whose parent is the role, must not take `tars up`'s pid for its own parent's)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from core.proc import PARENT_ENV
+
+    probe = "import os; from core.proc import die_with_parent; die_with_parent(); print(os.environ.get('%s'))" % PARENT_ENV
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), PARENT_ENV: str(os.getpid())}
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (0, "None"), r.stderr
