@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass
 
 from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, write_etc
-from envd.sandbox_exit import (kill_and_wait, kill_strays, killpg, open_pidfd, read_child_pid, reap, running,
-                               shell_idle, strays)
+from envd.sandbox_exit import (kill_and_wait, kill_bwrap, kill_strays, killpg, open_pidfd, read_child_pid, reap,
+                               running, shell_idle, strays)
 from envd.sandbox_limits import (Limits, SandboxError, allocate_uid, chown_tree, missing_tools, quota_breach,
                                  release_uid, workspace_usage)
 from envd.terminal_text import OutputSegment
@@ -164,7 +164,7 @@ class ShellSandbox:
         """Kill the sandbox (the namespace's init dies, taking every process in it) and release the pty."""
         self._stop.set()
         if self.proc is not None:
-            killpg(self.proc.pid, signal.SIGKILL)
+            kill_bwrap(self.proc)            # never by its bare pid: once reaped, that pid may be another's
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -379,8 +379,8 @@ class ShellSandbox:
         if self._expired_at and now - self._expired_at > _GRACE_S:
             if pg > 0 and pg != self.shell_pgid:
                 killpg(pg, signal.SIGKILL)   # ignored SIGINT, or a later job of the same command line
-            if now - self._expired_at > 3 * _GRACE_S and self.proc is not None:
-                killpg(self.proc.pid, signal.SIGKILL)  # the shell itself will not come back: new sandbox
+            if now - self._expired_at > 3 * _GRACE_S:
+                kill_bwrap(self.proc)        # the shell itself will not come back: new sandbox
         # A foreground job the timeout does not cover (typed ahead, or after a prompt look-alike) is timed here.
         if pg <= 0 or pg == self.shell_pgid or not self.shell_pgid:
             return 0, 0.0

@@ -175,6 +175,14 @@ def reap(proc: subprocess.Popen | None) -> int:
         return -signal.SIGKILL
 
 
+def kill_bwrap(proc: subprocess.Popen | None) -> None:
+    """SIGKILL the process group of the sandbox's bwrap, unless that bwrap has been reaped already (by the reader's
+    `reap`, or a `poll`): its pid is free then, and may name another process group by now, another session's sandbox
+    or any program of the host (pid_max is often 32768)."""
+    if proc is not None and proc.poll() is None:
+        killpg(proc.pid, signal.SIGKILL)
+
+
 def killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

@@ -452,3 +452,52 @@ def test_a_directory_the_daemon_cannot_read_is_over_the_quota(tmp_path):
     hidden, readable = r.stdout.splitlines()
     assert "cannot read ('hidden')" in hidden and "over its quota" in hidden, hidden
     assert "3 MiB, over its 1 MiB quota" in readable, readable
+
+
+def test_a_stop_after_the_shell_exited_never_signals_its_freed_pid(monkeypatch):
+    """A shell that exits (`exit`, or killed by the policing) has its bwrap reaped by the reader thread; the next
+    start() (or a Reset, or Close) then stopped the old sandbox with killpg(bwrap's pid), a pid free by then. With
+    pid_max 32768 it is soon another process group's: a host process given that pid (ns_last_pid, as root) was
+    SIGKILLed by the stop. Now a reaped bwrap is never signalled."""
+    import tempfile
+
+    from envd import scratch
+    from envd.sandbox import Limits, ShellSandbox
+    from envd.workspace_archive import rmtree
+
+    d = pathlib.Path(tempfile.mkdtemp(prefix="tars-terminal-", dir=scratch.root()))  # reachable by a sandbox uid
+    (d / "ws").mkdir()
+    sb = ShellSandbox(d / "ws", d, Limits())
+    victim = None
+    try:
+        sb.start()
+        stale = sb.proc.pid
+        assert sb.submit("exit")
+        assert [e.kind for e in sb.wait(time.monotonic() + 10)][-1] == "exit"
+        assert sb.proc.returncode is not None               # reaped: `stale` is free
+        try:
+            for _ in range(50):                             # as root: hand the freed pid to another process group
+                with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                    f.write(str(stale - 1))
+                victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+                if victim.pid == stale:
+                    break
+                victim.kill()
+                victim.wait()
+                victim = None
+        except OSError:
+            victim = None                                   # not root: the signal itself is checked below
+        signalled = []
+        real = os.killpg
+        monkeypatch.setattr(os, "killpg", lambda pg, sig: (signalled.append(pg), real(pg, sig))[1])
+        sb.stop()
+        if victim is not None:
+            time.sleep(0.2)
+            assert victim.poll() is None, "a process outside the sandbox was killed by its stop"
+        assert stale not in signalled
+    finally:
+        if victim is not None:
+            victim.kill()
+            victim.wait()
+        sb.release()
+        rmtree(d)
