@@ -27,7 +27,7 @@ from envd.base import ActionError
 
 META = "meta.json"
 ROOT = "workspace"
-MAX_BYTES = 256 << 20      # total file bytes in one archive
+MAX_BYTES = 256 << 20      # total file bytes in one archive (a snapshot counts its names and link targets too)
 MAX_MEMBERS = 20_000
 MAX_META_BYTES = 4 << 20
 MAX_DEPTH = 256            # directories below the workspace: a walk of the tree recurses once per level
@@ -49,7 +49,14 @@ def pack(workspace: pathlib.Path, meta: dict, max_bytes: int = MAX_BYTES) -> byt
                     members += 1
                     if members > MAX_MEMBERS:
                         raise ActionError(f"the workspace has more than {MAX_MEMBERS} entries to snapshot")
-                    total += _add_entry(tar, dfd, name, f"{rel_dir}/{name}", max_bytes - total)
+                    # Names count too: 20,000 members 256 directories of 255-byte names deep are ~1.3 GB of
+                    # headers, of a workspace of empty files.
+                    arcname = f"{rel_dir}/{name}"
+                    total += len(arcname.encode(errors="surrogateescape"))
+                    total += _add_entry(tar, dfd, name, arcname, max_bytes - total)
+                    if total > max_bytes:
+                        raise ActionError(f"the workspace's names, links and files take more than {max_bytes} "
+                                          "bytes: too big to snapshot")
         finally:
             os.close(root_fd)
     return buf.getvalue()
@@ -88,7 +95,7 @@ def _add_entry(tar: tarfile.TarFile, dfd: int, name: str, arcname: str, room: in
         _check_link(arcname, target)   # a link out of the workspace could not be restored: say so now
         info.type, info.linkname = tarfile.SYMTYPE, target
         tar.addfile(info)
-        return 0
+        return len(target.encode(errors="surrogateescape"))
     if not stat.S_ISREG(st.st_mode):
         return 0  # FIFOs, sockets, devices: not workspace content
     try:

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import pathlib
+import random
 import tarfile
 import time
 
@@ -355,6 +356,34 @@ def test_unpack_rejects_junk_oversize_and_missing_meta(tmp_path):
     with pytest.raises(ActionError, match="more than"):
         workspace_archive.unpack(big, tmp_path, max_bytes=4096)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_counts_names_and_link_targets_against_its_byte_limit(tmp_path):
+    """Only file bytes counted: empty files 255 directories of 255-byte names deep put ~65 KB of header each into
+    the archive, so 20,000 of them (within the default quotas) made a ~1.3 GB snapshot in the daemon's memory
+    against its 256 MiB limit (1,000 took 54 MB and 2.5 s). 100 made a 7.5 MB snapshot under a 1 MiB limit."""
+    src = tmp_path / "src"
+    src.mkdir()
+    names = [f"{random.Random(i).getrandbits(1020):0255x}" for i in range(355)]   # gzip does not shrink them much
+    fd = os.open(src, os.O_RDONLY)
+    for name in names[:255]:
+        os.mkdir(name, dir_fd=fd)
+        nfd = os.open(name, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+    for name in names[255:]:
+        os.close(os.open(name, os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    os.close(fd)
+    with pytest.raises(ActionError, match="too big to snapshot"):
+        data = workspace_archive.pack(src, {}, max_bytes=1 << 20)
+        pytest.fail(f"a snapshot of {len(data)} bytes passed a limit of {1 << 20}")
+    links = tmp_path / "links"
+    links.mkdir()
+    for i in range(300):                                    # 300 links of 4,000-byte targets: 1.2 MB of headers
+        os.symlink("./" * 2000, links / f"l{i}")
+    with pytest.raises(ActionError, match="too big to snapshot"):
+        workspace_archive.pack(links, {}, max_bytes=1 << 20)
+    workspace_archive.rmtree(src)
 
 
 def test_pack_unpack_round_trip(tmp_path):
