@@ -7,6 +7,7 @@ sandbox. As another user the sandbox shares that user's count, so the limit is r
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import pathlib
 import shutil
@@ -126,26 +127,39 @@ def workspace_usage(root: pathlib.Path, max_entries: int) -> tuple[int, int]:
     `max_entries` entries and then answers max_entries + 1: the bytes are a lower bound, and the caller must treat
     the workspace as over its entry quota (a partial count is never a total). PermissionError on a directory the
     daemon cannot list (the sandbox, running as an unprivileged daemon's own uid, may chmod 000 it): what it holds
-    cannot be counted, and skipping it would let a sandbox hide any amount of data from the quota."""
+    cannot be counted, and skipping it would let a sandbox hide any amount of data from the quota.
+
+    The walk runs while the sandbox writes: a directory listed may be a symlink by the time it is read (to `/` on
+    the host: listing it by path walked the host's tree). So each is opened with O_NOFOLLOW and read only if it is
+    still the directory that was listed (device and inode); one replaced is skipped, as one removed is."""
     total = entries = 0
-    stack = [str(root)]
+    stack: list[tuple[str, tuple[int, int] | None]] = [(str(root), None)]
     while stack:
+        path, listed = stack.pop()
         try:
-            it = os.scandir(stack.pop())
-        except (FileNotFoundError, NotADirectoryError):
-            continue    # removed or replaced since it was listed
-        with it:
-            for e in it:
-                entries += 1
-                if entries > max_entries:
-                    return total, entries
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                total += st.st_blocks * 512
-                if e.is_dir(follow_symlinks=False):
-                    stack.append(e.path)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if listed else 0))
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                continue    # removed or replaced since it was listed
+            raise
+        try:
+            st = os.fstat(fd)
+            if listed is not None and (st.st_dev, st.st_ino) != listed:
+                continue    # a directory put in its place, through a link on the way (to a host directory)
+            with os.scandir(fd) as it:
+                for e in it:
+                    entries += 1
+                    if entries > max_entries:
+                        return total, entries
+                    try:
+                        est = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += est.st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append((os.path.join(path, e.name), (est.st_dev, est.st_ino)))
+        finally:
+            os.close(fd)
     return total, entries
 
 

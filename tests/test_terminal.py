@@ -358,6 +358,41 @@ def test_unpack_rejects_junk_oversize_and_missing_meta(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_quota_walk_never_follows_a_link_swapped_in_for_a_directory(tmp_path):
+    """The quota walk runs while the sandbox writes. It listed a directory, then scandir'ed it by path: a sandbox
+    swapping that directory for a symlink to `/` in between made the daemon walk the host's tree (19 to 64 of
+    ~20,000 walks in 3 s counted the 2,000 entries of a host directory, here `host`). Now never."""
+    import threading
+
+    from envd.sandbox_limits import workspace_usage
+
+    ws, host = tmp_path / "ws", tmp_path / "host"
+    ws.mkdir()
+    host.mkdir()
+    for i in range(2000):
+        (host / f"h{i}").touch()
+    (ws / "d").mkdir()
+    stop = threading.Event()
+
+    def swap():   # what a sandboxed loop can do: d is a directory, then briefly a link to a host directory
+        while not stop.is_set():
+            os.rename(ws / "d", ws / "x")
+            os.symlink(host, ws / "d")
+            os.unlink(ws / "d")
+            os.rename(ws / "x", ws / "d")
+
+    t = threading.Thread(target=swap, daemon=True)
+    t.start()
+    try:
+        deadline, counts = time.monotonic() + 3, set()
+        while time.monotonic() < deadline and max(counts, default=0) <= 2:
+            counts.add(workspace_usage(ws, 100_000)[1])
+    finally:
+        stop.set()
+        t.join(5)
+    assert max(counts) <= 2, f"the walk counted {max(counts)} entries of a 2-entry workspace"
+
+
 def test_pack_counts_names_and_link_targets_against_its_byte_limit(tmp_path):
     """Only file bytes counted: empty files 255 directories of 255-byte names deep put ~65 KB of header each into
     the archive, so 20,000 of them (within the default quotas) made a ~1.3 GB snapshot in the daemon's memory
