@@ -339,7 +339,24 @@ class DesktopEnv(Env):
     # ---- observation -----------------------------------------------------------------------------------------
     def screenshot(self) -> Screenshot:
         self._check_x()
-        img = self._shot.grab(self._shot.monitors[0])
+        # mss waits for the server's reply with no deadline, and a sandboxed app may grab the server (XGrabServer,
+        # a few lines of ctypes in the xterm): the grab then waited forever, its worker thread and the session (its
+        # close waits for the call) lost for good. Past command_timeout_s the X server is killed: the reply fails.
+        expired = threading.Event()
+        timer = threading.Timer(self.timeout_s, lambda: (expired.set(), self.x.proc.kill()))
+        timer.daemon = True
+        timer.start()
+        try:
+            img = self._shot.grab(self._shot.monitors[0])
+        except Exception:
+            if not expired.is_set():
+                raise
+        finally:
+            timer.cancel()
+            timer.join(5)          # the callback, if it runs, only sends a signal
+        if expired.is_set():
+            raise RuntimeError(f"the screenshot of {self.x.display} took longer than {self.timeout_s:g}s (an app "
+                               "holding the X server?): the X server was killed")
         w, h = img.size
         return Screenshot(data=encode_rgb(img.rgb, w, h, level=1), width=w, height=h)
 

@@ -295,6 +295,45 @@ def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
     assert not _gone(live) and not os.path.exists(live._dir)
 
 
+def test_an_app_holding_the_x_server_cannot_hang_the_screenshot():
+    """A program typed into the xterm may grab the X server (XGrabServer through ctypes). The X tools envd runs
+    have deadlines, but mss's screenshot waited for its reply with none: still blocked after 20 s, and for good
+    (its worker thread, and the session, whose close waits for the call). Past command_timeout_s the X server is
+    now killed and the screenshot fails: INFRA_ERROR, as for any broken desktop."""
+    import threading
+
+    env = desktop.make("", {"width": "400", "height": "300", "settle_s": "0.05", "apps": "xterm",
+                            "command_timeout_s": "3"})
+    t = None
+    try:
+        env.reset(0)
+        env.step(Action("click", target="xterm"))
+        grab = ("import ctypes, time; x = ctypes.CDLL('libX11.so.6'); x.XOpenDisplay.restype = ctypes.c_void_p; "
+                "d = ctypes.c_void_p(x.XOpenDisplay(None)); time.sleep(1); x.XGrabServer(d); x.XSync(d, 0); "
+                "open('grabbed', 'w').close(); time.sleep(600)")
+        env.step(Action("type", content=f'python3 -c "{grab}" &\n'))
+        _poll(lambda: os.path.exists(os.path.join(env.workspace, "grabbed")), what="the app to grab the server")
+        got = {}
+
+        def shot():
+            try:
+                got["shot"] = env.screenshot()
+            except Exception as e:   # noqa: BLE001 - what the worker would raise
+                got["error"] = e
+
+        t = threading.Thread(target=shot, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "the screenshot still waits for the X server 20 s on"
+        assert isinstance(got.get("error"), RuntimeError) and "took longer than 3s" in str(got["error"]), got
+    finally:
+        if t is not None and t.is_alive():
+            env.apps_sandbox.stop()   # the grab goes with its app: the screenshot returns
+            t.join(10)
+        env.close()
+    assert not _gone(env)
+
+
 def test_envd_serves_the_desktop_without_a_setting_but_never_a_callers_workspace(tmp_path, caplog):
     """The GUI apps run in the sandbox, so envd serves desktop and hybrid as it is (they needed
     envd.unsandboxed_envs=true once); that setting still loads but is ignored, with a warning. A workspace the caller
