@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass
 
 from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, write_etc
-from envd.sandbox_exit import (kill_and_wait, kill_bwrap, kill_strays, killpg, open_pidfd, read_child_pid, reap,
-                               running, shell_idle, strays)
+from envd.sandbox_exit import (kill_and_wait, kill_bwrap, kill_strays, open_pidfd, read_child_pid, reap, running,
+                               shell_idle, signal_group, strays)
 from envd.sandbox_limits import (Limits, SandboxError, allocate_uid, chown_tree, missing_tools, quota_breach,
                                  release_uid, workspace_usage)
 from envd.terminal_text import OutputSegment
@@ -246,12 +246,12 @@ class ShellSandbox:
     def interrupt(self) -> None:  # SIGINT to the foreground process group: ctrl-c, even if the program turned ISIG off
         pg = self._foreground_pgrp()
         if pg > 0:
-            killpg(pg, signal.SIGINT)
+            signal_group(self._init_pid, pg, signal.SIGINT)   # only while it is the sandbox's: it may have died
 
     def kill_foreground(self) -> None:  # SIGKILL the foreground job unless the foreground is the shell itself
         pg = self._foreground_pgrp()
         if pg > 0 and pg != self.shell_pgid:
-            killpg(pg, signal.SIGKILL)
+            signal_group(self._init_pid, pg, signal.SIGKILL)
 
     # ---- the reader thread ---------------------------------------------------------------------------------
 
@@ -378,7 +378,7 @@ class ShellSandbox:
         pg = self._foreground_pgrp()
         if self._expired_at and now - self._expired_at > _GRACE_S:
             if pg > 0 and pg != self.shell_pgid:
-                killpg(pg, signal.SIGKILL)   # ignored SIGINT, or a later job of the same command line
+                signal_group(self._init_pid, pg, signal.SIGKILL)  # ignored SIGINT, or a later job of the line
             if now - self._expired_at > 3 * _GRACE_S:
                 kill_bwrap(self.proc)        # the shell itself will not come back: new sandbox
         # A foreground job the timeout does not cover (typed ahead, or after a prompt look-alike) is timed here.
@@ -388,7 +388,7 @@ class ShellSandbox:
             return pg, now
         if now - fg_seen[1] > self.limits.timeout_s and not self._deadline:
             self._note = self._note or f"timed out after {self.limits.timeout_s:g}s"
-            killpg(pg, signal.SIGKILL)
+            signal_group(self._init_pid, pg, signal.SIGKILL)
         return fg_seen
 
 

@@ -107,6 +107,30 @@ def _ppid(pid: int) -> int:
         return 0
 
 
+def _pgid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rfind(b")") + 2:].split()[2])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def signal_group(init_pid: int, pgid: int, sig: int) -> bool:
+    """killpg(pgid, sig) if a live process of the sandbox (the init or one under it) is in that group; False when
+    none is. The terminal's foreground process group (tcgetpgrp) is a number: a job can make a group of its own the
+    foreground and let it die, and the number, free, then names whatever host process group gets it next."""
+    todo, seen = [init_pid] if init_pid > 0 and pgid > 0 else [], 0
+    while todo and seen < 65536:
+        pid = todo.pop()
+        seen += 1
+        if _pgid(pid) == pgid:
+            killpg(pgid, sig)
+            return True
+        todo += _children(pid)
+    return False
+
+
 def strays(init_pid: int, shell_pid: int) -> tuple[dict[int, int], dict[int, int]]:
     """The processes of a sandbox besides its init, its shell and any process between the two, as {pid: parent}:
     (orphans, jobs), jobs being the shell's descendants. Every process of a pid namespace descends from its init

@@ -501,3 +501,64 @@ def test_a_stop_after_the_shell_exited_never_signals_its_freed_pid(monkeypatch):
             victim.wait()
         sb.release()
         rmtree(d)
+
+
+def test_a_dead_foreground_group_never_lets_the_daemon_signal_a_host_process(monkeypatch):
+    """A job can make a process group of its own the terminal's foreground (tcsetpgrp) and let it die: the pty
+    still names that group's number, free by then. The wall timeout, ctrl-c and the policing signalled whatever
+    process group had that number: a host 'sleep 60' in its own session given it (ns_last_pid, as root) was
+    SIGINTed by ctrl-c (and 5 s on by the command's timeout, in a run without it). Now only a group with a live process in the sandbox is signalled;
+    the command still ends (its sandbox is replaced when nothing stops it)."""
+    import tempfile
+
+    from envd import scratch
+    from envd.sandbox import Limits, ShellSandbox
+    from envd.workspace_archive import rmtree
+
+    d = pathlib.Path(tempfile.mkdtemp(prefix="tars-terminal-", dir=scratch.root()))
+    (d / "ws").mkdir()
+    (d / "ws" / "p.py").write_text("import os, signal, time\n"
+                                   "signal.signal(signal.SIGTTOU, signal.SIG_IGN)\n"
+                                   "pid = os.fork()\n"
+                                   "if pid == 0:\n"
+                                   "    os.setpgid(0, 0); os.tcsetpgrp(0, os.getpid()); os._exit(0)\n"
+                                   "os.waitpid(pid, 0)\n"
+                                   "time.sleep(60)\n")
+    sb = ShellSandbox(d / "ws", d, Limits(timeout_s=2))
+    victim = None
+    signalled = []
+    real = os.killpg
+    monkeypatch.setattr(os, "killpg", lambda pg, sig: (signalled.append(pg), real(pg, sig))[1])
+    try:
+        sb.start()
+        assert sb.submit("python3 p.py")
+        wait_for(lambda: (pg := sb._foreground_pgrp()) not in (0, sb.shell_pgid) and not os.path.exists(f"/proc/{pg}"),
+                 10, "the job's dead group to be the foreground", every=0.05)
+        dead = sb._foreground_pgrp()
+        try:
+            for _ in range(50):                             # as root: give the freed number to a host group
+                with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                    f.write(str(dead - 1))
+                victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+                if victim.pid == dead:
+                    break
+                victim.kill()
+                victim.wait()
+                victim = None
+        except OSError:
+            victim = None
+        sb.interrupt()                                      # ctrl-c
+        events = []
+        deadline = time.monotonic() + 15                    # the timeout: SIGINT, SIGKILL, then a new sandbox
+        while time.monotonic() < deadline and not any(e.kind in ("prompt", "exit") for e in events):
+            events += sb.wait(time.monotonic() + 0.5)
+        assert any(e.kind in ("prompt", "exit") for e in events), "the command was never ended"
+        if victim is not None:
+            assert victim.poll() is None, f"a host process was signalled ({victim.poll()})"
+        assert dead not in signalled
+    finally:
+        if victim is not None:
+            victim.kill()
+            victim.wait()
+        sb.release()
+        rmtree(d)
