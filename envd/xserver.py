@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import select
+import shutil
 import struct
 import subprocess
 import threading
@@ -33,6 +34,19 @@ def write_xauthority(path: str, cookie: bytes) -> None:
         f.write(data)
 
 
+# Xvfb's address space: its own (~220 MiB of mappings), the frame buffer, and this much for what clients ask of it.
+# Pixmaps are the server's memory, not the sandboxed app's that asks for them: without a bound, 16 of 4096x4096
+# grew Xvfb by 1 GiB for an app whose own limit was 512 MiB (past it, a client gets BadAlloc).
+XVFB_AS_MB = 512
+
+
+def _limited(width: int, height: int) -> list[str]:
+    """prlimit's prefix that bounds Xvfb's address space (none when prlimit is missing)."""
+    if shutil.which("prlimit") is None:
+        return []
+    return ["prlimit", f"--as={(XVFB_AS_MB << 20) + width * height * 4}", "--"]
+
+
 class XServer:
     """One Xvfb in its own process group; `env` is what an X client needs to reach it."""
 
@@ -49,8 +63,8 @@ class XServer:
             # A socket without a lock file is left over from a killed Xvfb: Xvfb takes the lock and replaces it.
             r, w = os.pipe()
             try:
-                argv = ["Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-auth", self.auth,
-                        "-noreset", "-displayfd", str(w)]
+                argv = [*_limited(width, height), "Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten",
+                        "tcp", "-auth", self.auth, "-noreset", "-displayfd", str(w)]
                 with open(os.path.join(workdir, "xvfb.log"), "ab") as log:
                     self.proc = subprocess.Popen(with_parent_death_signal(argv), pass_fds=[w], process_group=0,
                                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log)

@@ -334,6 +334,39 @@ def test_an_app_holding_the_x_server_cannot_hang_the_screenshot():
     assert not _gone(env)
 
 
+def test_an_app_cannot_grow_the_x_server_past_its_bound():
+    """Pixmaps are the X server's memory, not the app's that asks for them: 24 filled 4096x4096 pixmaps grew Xvfb to
+    1.6 GiB for an app whose own limit was 512 MiB, and more would go on to the host's last byte. Xvfb now runs under
+    an address-space bound (xserver.XVFB_AS_MB plus its frame buffer): the app gets BadAlloc, the desktop lives on."""
+    env = desktop.make("", {"width": "400", "height": "300", "settle_s": "0.05", "apps": "xterm"})
+    try:
+        env.reset(0)
+        env.step(Action("click", target="xterm"))
+        pathlib.Path(env.workspace, "grow.py").write_text(
+            "import ctypes as c\n"
+            "x = c.CDLL('libX11.so.6')\n"
+            "x.XOpenDisplay.restype, x.XDefaultRootWindow.restype = c.c_void_p, c.c_ulong\n"
+            "x.XCreatePixmap.restype, x.XCreateGC.restype = c.c_ulong, c.c_void_p\n"
+            "d = c.c_void_p(x.XOpenDisplay(None))\n"
+            "r = c.c_ulong(x.XDefaultRootWindow(d))\n"
+            "g = c.c_void_p(x.XCreateGC(d, r, 0, None))\n"
+            "ps = []\n"
+            "for i in range(24):\n"
+            "    ps.append(c.c_ulong(x.XCreatePixmap(d, r, 4096, 4096, 24)))\n"
+            "    x.XFillRectangle(d, ps[-1], g, 0, 0, 4096, 4096)\n"
+            "    x.XSync(d, 0)\n"
+            "    print(i, flush=True)\n")
+        env.step(Action("type", content="(python3 grow.py > grow.log 2>&1; touch finished) &\n"))
+        _poll(lambda: os.path.exists(os.path.join(env.workspace, "finished")), 120, "the app to stop growing Xvfb")
+        with open(f"/proc/{env.x.pid}/status") as f:
+            peak_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
+        assert peak_kb < 600 << 10, f"Xvfb grew to {peak_kb >> 10} MiB"          # 512 MiB + its frame buffer
+        assert env.x.alive() and env.screenshot().width == 400
+    finally:
+        env.close()
+    assert not _gone(env)
+
+
 def test_envd_serves_the_desktop_without_a_setting_but_never_a_callers_workspace(tmp_path, caplog):
     """The GUI apps run in the sandbox, so envd serves desktop and hybrid as it is (they needed
     envd.unsandboxed_envs=true once); that setting still loads but is ignored, with a warning. A workspace the caller
