@@ -404,7 +404,10 @@ class DesktopEnv(Env):
             except RuntimeError:
                 roots |= left       # still there 5 s on: the sweep below goes after its processes by pid
         if x is not None:
-            kill_session(x.pid, roots)
+            if x.proc.returncode is None:   # not reaped (a zombie still holds its pid): its group is still its own
+                kill_session(x.pid, roots)
+            else:                           # reaped by _check_x: that pid, and group, may be another's by now
+                kill_session(0, roots - {x.pid})
             try:
                 x.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -367,6 +367,50 @@ def test_an_app_cannot_grow_the_x_server_past_its_bound():
     assert not _gone(env)
 
 
+def test_closing_after_the_x_server_was_reaped_never_signals_its_freed_pid(monkeypatch):
+    """An X server that died is reaped by the next _check_x (its poll), and close() then SIGKILLed the group and the
+    pid of that Xvfb by number. With the apps already stopped (a hybrid's episode end, a reset) nothing holds the
+    number: a host 'sleep 60' given it (ns_last_pid, as root) was killed by the close. Now a reaped Xvfb is not."""
+    import subprocess
+
+    env = desktop.make("", {"width": "400", "height": "300", "apps": "xterm"})
+    victim, signalled = None, []
+    try:
+        env.reset(0)
+        env._stop_apps()
+        stale = env.x.pid
+        os.kill(stale, signal.SIGKILL)
+        _poll(lambda: not proctree.alive(stale), what="the X server to die")
+        with pytest.raises(RuntimeError, match="exited"):
+            env._check_x()                                  # reaps it
+        try:
+            for _ in range(50):                             # as root: hand the freed pid to a host process group
+                with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                    f.write(str(stale - 1))
+                victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+                if victim.pid == stale:
+                    break
+                victim.kill()
+                victim.wait()
+                victim = None
+        except OSError:
+            victim = None                                   # not root: the signals themselves are checked
+        real_kill, real_killpg = os.kill, os.killpg
+        monkeypatch.setattr(os, "kill", lambda p, sig: (signalled.append(p), real_kill(p, sig))[1])
+        monkeypatch.setattr(os, "killpg", lambda p, sig: (signalled.append(p), real_killpg(p, sig))[1])
+        env.close()
+        monkeypatch.undo()
+        if victim is not None:
+            time.sleep(0.2)
+            assert victim.poll() is None, "a host process was killed by the session's close"
+        assert stale not in signalled
+    finally:
+        if victim is not None:
+            victim.kill()
+            victim.wait()
+        env.close()
+
+
 def test_envd_serves_the_desktop_without_a_setting_but_never_a_callers_workspace(tmp_path, caplog):
     """The GUI apps run in the sandbox, so envd serves desktop and hybrid as it is (they needed
     envd.unsandboxed_envs=true once); that setting still loads but is ignored, with a warning. A workspace the caller
