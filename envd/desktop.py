@@ -290,8 +290,8 @@ class DesktopEnv(Env):
         outcome = Outcome.RUNNING
         if kind in ("finished", "call_user"):
             outcome = Outcome.TERMINATED
-        elif self.max_steps and self._steps >= self.max_steps:
-            outcome = Outcome.TRUNCATED
+        elif (self.max_steps and self._steps >= self.max_steps) or (self.apps_sandbox.breach and self._owns_workspace):
+            outcome = Outcome.TRUNCATED   # a hybrid judges its shared workspace's quota itself
         self._done = outcome != Outcome.RUNNING
         if commands and self.settle_s:
             time.sleep(self.settle_s)  # let the apps redraw before the screenshot
@@ -363,6 +363,8 @@ class DesktopEnv(Env):
     def _observe(self, reward: float, outcome: Outcome) -> StepResult:
         wins = self.windows()
         lines = [f"desktop {self.width}x{self.height}, home /workspace (on the host {self.workspace})", "windows:"]
+        if self.apps_sandbox.breach:
+            lines.insert(1, f"[the {self.apps_sandbox.breach}: every app was stopped]")
         lines += [f'  "{w["title"]}" ({w["class"]}) @({w["x"]},{w["y"]} {w["w"]}x{w["h"]})' for w in wins]
         if not wins:
             lines.append("  (none)")

@@ -19,13 +19,16 @@ import os
 import pathlib
 import shlex
 import shutil
+import signal
 import subprocess
+import threading
+import time
 
 from envd.base import Resources
 from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, unreachable, write_etc
 from envd.proctree import descendants
 from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid, running
-from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, release_uid
+from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, quota_breach, release_uid
 from envd.xserver import XServer
 
 # RLIMIT_CPU is per process and xterm lives all episode: generous. The rest as the terminal's defaults.
@@ -51,6 +54,9 @@ class AppSandbox:
         self.chown_workspace = True          # hand the workspace to the uid at each start (not when shared)
         self.proc: subprocess.Popen | None = None
         self.init_pid, self._init_fd = 0, -1
+        self.quota = limits                  # disk_mb / disk_files of the workspace (a hybrid's: its terminal's)
+        self.breach = ""                     # why the disk guard killed the apps ("" when it did not)
+        self._guard_stop = threading.Event()
         if self.uid is not None:
             os.chmod(self.dir, 0o711)        # the sandbox uid must reach etc/, the Xauthority and the workspace
             blocked = "" if owns_workspace else unreachable(self.workspace)
@@ -110,6 +116,30 @@ class AppSandbox:
         if not pid:
             self.stop()
             raise RuntimeError(f"the desktop's app sandbox did not start (see {log_path})")
+        self.breach, self._guard_stop = "", threading.Event()
+        if self._init_fd >= 0:
+            threading.Thread(target=self._guard_disk, args=(self._guard_stop, os.dup(self._init_fd), self.quota),
+                             name="desktop-disk-guard", daemon=True).start()
+
+    def _guard_disk(self, stop: threading.Event, pidfd: int, quota: Limits) -> None:
+        """While the apps run, walk the workspace every second (less often when the walk is slow) and kill the whole
+        sandbox once it is over its quota: nothing else polices what a job of the xterm writes, between steps too.
+        Owns `pidfd` (a dup of the init's: it never names another process)."""
+        try:
+            wait = 1.0
+            while not stop.wait(wait):
+                t0 = time.monotonic()
+                why = quota_breach(self.workspace, quota)
+                wait = max(1.0, 4 * (time.monotonic() - t0))
+                if why and not stop.is_set():
+                    self.breach = why
+                    try:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    except OSError:
+                        pass
+                    return
+        finally:
+            os.close(pidfd)
 
     @property
     def alive(self) -> bool:
@@ -126,6 +156,7 @@ class AppSandbox:
 
     def stop(self) -> None:
         """Kill every app: bwrap, then the namespace's init, waiting until the namespace is empty."""
+        self._guard_stop.set()               # the disk guard ends with the apps
         proc, self.proc = self.proc, None
         init_fd, self._init_fd, self.init_pid = self._init_fd, -1, 0
         if proc is not None:

@@ -123,6 +123,7 @@ class HybridEnv(Env):
         """The GUI's sandbox runs as the terminal's uid, in one process count of both sides' nproc."""
         apps, shell = self.desktop.apps_sandbox, self.terminal.sandbox
         apps.share_uid(shell.uid, extra_nproc=self.terminal.limits.nproc)
+        apps.quota = self.terminal.limits    # one workspace, one quota: the terminal's disk_mb / disk_files
         shell.extra_nproc = apps.limits.nproc
 
     def resources(self, options: dict[str, str] | None = None) -> Resources:

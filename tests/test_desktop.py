@@ -23,7 +23,7 @@ import pytest
 from envd import png, proctree, scratch, xserver
 from envd.sandbox_limits import missing_tools
 from envd.workspace_archive import rmtree
-from envd.base import Action, ActionError
+from envd.base import Action, ActionError, Outcome
 from envd_compliance import EnvCompliance, dir_left_by_a_killed_daemon, envd_client, expect_code, run
 from core.config import EnvdConfig, from_dict
 from core.proc import wait_for
@@ -409,6 +409,29 @@ def test_closing_after_the_x_server_was_reaped_never_signals_its_freed_pid(monke
             victim.kill()
             victim.wait()
         env.close()
+
+
+def test_the_disk_quota_holds_for_what_the_apps_write_between_steps():
+    """Nothing checked the desktop's workspace quota: a job of the xterm wrote on into the host's disk for as long as
+    it liked (here 1 MiB every 20 ms: 171 MiB in 4 s between two steps, against a quota of 8 MiB). A guard now walks
+    the workspace every second while the apps run and stops them all once it is over; the next step ends the
+    episode (truncated) and says why."""
+    from envd.sandbox_limits import Limits, workspace_usage
+
+    env = desktop.make("", {"width": "400", "height": "300", "settle_s": "0.05", "apps": "xterm"})
+    try:
+        env.apps_sandbox.quota = Limits(disk_mb=8)
+        env.reset(0)
+        env.step(Action("click", target="xterm"))
+        env.step(Action("type", content="(for i in $(seq 400); do head -c 1M /dev/zero > f$i; sleep 0.02; done) &\n"))
+        time.sleep(4)                                       # no step: only the guard can stop it
+        used = workspace_usage(pathlib.Path(env.workspace), 100_000)[0]
+        assert used < 40 << 20, f"the apps wrote {used >> 20} MiB over an 8 MiB quota"
+        r = env.step(Action("wait"))
+        assert r.outcome == Outcome.TRUNCATED and "over its 8 MiB quota" in r.text, r.text
+    finally:
+        env.close()
+    assert not _gone(env)
 
 
 def test_envd_serves_the_desktop_without_a_setting_but_never_a_callers_workspace(tmp_path, caplog):
