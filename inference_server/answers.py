@@ -55,8 +55,9 @@ def batch_item(i: int, code: grpc.StatusCode, details: str = "", resp=None) -> i
 
 
 def params(s: inference_pb2.SamplingParams) -> SamplingParams:
-    # proto3 zero values: top_p 0 means "off"; max_new_tokens 0 is left to validation (INVALID_ARGUMENT).
-    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
+    # proto3 zero values: top_p 0 (unset) means "off"; max_new_tokens 0 is left to validation (INVALID_ARGUMENT), and
+    # so are a negative or NaN top_p (once mapped to "off" here, they were served untruncated with OK).
+    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p if s.top_p != 0 else 1.0,
                           top_k=s.top_k, stop_token_ids=tuple(s.stop_token_ids), seed=s.seed)
 
 

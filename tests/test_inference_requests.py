@@ -155,3 +155,31 @@ def test_oversized_prompts_and_stop_lists_are_refused_by_their_sizes_alone():
         front._engine_submit(req(3, 301))
     assert seen == []
     assert front._engine_submit(req(3, 300)).result(1).output_ids == [1] and seen == [3]
+
+
+@pytest.mark.parametrize("top_p", [float("nan"), -0.5])
+def test_a_nan_or_negative_top_p_is_refused_not_served_untruncated(top_p):
+    """The front mapped every top_p <= 0 (and NaN, which compares false) to 1.0, "off", before the engine's own check
+    (top_p in [0, 1]) could see it: such a request answered OK, sampled from the whole distribution. Only the proto3
+    zero (unset) means off now."""
+    from core.config import InferenceConfig
+    from inference_server.engine import LocalEngine
+    from inference_server.server import InferenceServicer
+    from test_inference_engine import make_model
+
+    cfg = InferenceConfig(max_context=64)
+    eng = LocalEngine(cfg, make_model(0), start=False)
+    try:
+        front = InferenceServicer(cfg, eng)
+
+        def req(p):
+            return inference_pb2.GenerateRequest(input_ids=[5, 6, 7], sampling=inference_pb2.SamplingParams(
+                max_new_tokens=4, top_p=p))
+
+        with pytest.raises(ValueError, match="top_p"):
+            front._engine_submit(req(top_p))
+        assert eng.metrics()["requests"] == 0
+        front._engine_submit(req(0.0))  # unset: off, accepted
+        assert eng.metrics()["requests"] == 1
+    finally:
+        eng.close()
