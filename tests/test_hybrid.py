@@ -181,13 +181,15 @@ def test_nothing_of_the_gui_writes_the_workspace_once_the_episode_is_over():
     ended the episode (nothing checks the quota then) until a Reset or Close, 10 MB -> 34 MB in 5 s past a 2 MB
     quota; and after finished() it could change the workspace while the verifier read it."""
     e = hybrid.make("hello", {**SMALL, "disk_mb": "1"})
-    writer = "(while :; do head -c 200000 /dev/zero > f$RANDOM; sleep 0.05; done) &\n"
+    writer = "(while :; do head -c {} /dev/zero > f$RANDOM; sleep 0.05; done) &\n"
     try:
-        for end in ("quota", "finished"):
+        # Past the quota (6 files of 200 KB > 1 MiB: the apps' disk guard may stop them first, the step then ends the
+        # episode); and finished while the job still writes, under the quota (files of 1 KB).
+        for end, size, files in (("quota", 200_000, 6), ("finished", 1000, 8)):
             e.reset(0)
             e.step(Action("click", target="xterm"))
-            e.step(Action("type", content=writer))
-            _poll(lambda: len(list(e.workspace.glob("f*"))) >= 8, what="the xterm's job to pass the quota")
+            e.step(Action("type", content=writer.format(size)))
+            _poll(lambda: len(list(e.workspace.glob("f*"))) >= files, what=f"the xterm's job to write {files} files")
             r = e.step(Action("wait" if end == "quota" else "finished"))
             assert r.outcome == ("truncated" if end == "quota" else "terminated")
             assert ("over its 1 MiB quota" in r.text) == (end == "quota")
