@@ -98,22 +98,22 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _ppid(pid: int) -> int:
+def _stat_field(pid: int, k: int) -> int:
+    """Field k after the command name of /proc/<pid>/stat (1: the parent's pid, 2: the process group), 0 if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
-        return int(raw[raw.rfind(b")") + 2:].split()[1])
+        return int(raw[raw.rfind(b")") + 2:].split()[k])
     except (OSError, IndexError, ValueError):
         return 0
+
+
+def _ppid(pid: int) -> int:
+    return _stat_field(pid, 1)
 
 
 def _pgid(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return int(raw[raw.rfind(b")") + 2:].split()[2])
-    except (OSError, IndexError, ValueError):
-        return 0
+    return _stat_field(pid, 2)
 
 
 def signal_group(init_pid: int, pgid: int, sig: int) -> bool:

@@ -44,6 +44,24 @@ def run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+def occupy_pid(pid: int) -> subprocess.Popen | None:
+    """A host 'sleep 60' in a session of its own given the freed number `pid` (ns_last_pid: root only), or None when
+    that cannot be arranged (not root, or the number went to another process first): a stand-in for whatever host
+    process gets a freed pid next. The caller kills it."""
+    try:
+        for _ in range(50):
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+            victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+            if victim.pid == pid:
+                return victim
+            victim.kill()
+            victim.wait()
+    except OSError:
+        pass
+    return None
+
+
 def code_of(e: BaseException) -> grpc.StatusCode | None:
     return e.code() if isinstance(e, grpc.aio.AioRpcError) else None
 

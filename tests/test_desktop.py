@@ -24,7 +24,8 @@ from envd import png, proctree, scratch, xserver
 from envd.sandbox_limits import missing_tools
 from envd.workspace_archive import rmtree
 from envd.base import Action, ActionError, Outcome
-from envd_compliance import EnvCompliance, dir_left_by_a_killed_daemon, envd_client, expect_code, run
+from envd_compliance import (EnvCompliance, dir_left_by_a_killed_daemon, envd_client, expect_code, occupy_pid,
+                             run)
 from core.config import EnvdConfig, from_dict
 from core.proc import wait_for
 from core.v1 import common_pb2, env_pb2
@@ -383,18 +384,7 @@ def test_closing_after_the_x_server_was_reaped_never_signals_its_freed_pid(monke
         _poll(lambda: not proctree.alive(stale), what="the X server to die")
         with pytest.raises(RuntimeError, match="exited"):
             env._check_x()                                  # reaps it
-        try:
-            for _ in range(50):                             # as root: hand the freed pid to a host process group
-                with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-                    f.write(str(stale - 1))
-                victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
-                if victim.pid == stale:
-                    break
-                victim.kill()
-                victim.wait()
-                victim = None
-        except OSError:
-            victim = None                                   # not root: the signals themselves are checked
+        victim = occupy_pid(stale)  # None (not root): the signals themselves are checked
         real_kill, real_killpg = os.kill, os.killpg
         monkeypatch.setattr(os, "kill", lambda p, sig: (signalled.append(p), real_kill(p, sig))[1])
         monkeypatch.setattr(os, "killpg", lambda p, sig: (signalled.append(p), real_killpg(p, sig))[1])
@@ -424,10 +414,8 @@ def test_the_disk_quota_holds_for_what_the_apps_write_between_steps():
         env.reset(0)
         env.step(Action("click", target="xterm"))
         env.step(Action("type", content="(for i in $(seq 400); do head -c 1M /dev/zero > f$i; sleep 0.02; done) &\n"))
-        deadline = time.monotonic() + 20                    # no step: only the guard can stop the apps
-        while env.apps_sandbox.alive and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not env.apps_sandbox.alive, "the apps were not stopped over the quota"
+        # no step: only the guard can stop the apps
+        _poll(lambda: not env.apps_sandbox.alive, 20.0, "the guard to stop the apps over the quota")
         used = workspace_usage(pathlib.Path(env.workspace), 100_000)[0]
         assert used < 40 << 20, f"the apps wrote {used >> 20} MiB over an 8 MiB quota"
         r = env.step(Action("wait"))

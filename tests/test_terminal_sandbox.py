@@ -20,6 +20,7 @@ from envd.base import Action, Outcome
 from envd.sandbox import missing_tools
 from core.proc import wait_for
 from envd.terminal import TerminalEnv
+from envd_compliance import occupy_pid
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"sandbox tools missing: {missing_tools()}")
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -475,18 +476,7 @@ def test_a_stop_after_the_shell_exited_never_signals_its_freed_pid(monkeypatch):
         assert sb.submit("exit")
         assert [e.kind for e in sb.wait(time.monotonic() + 10)][-1] == "exit"
         assert sb.proc.returncode is not None               # reaped: `stale` is free
-        try:
-            for _ in range(50):                             # as root: hand the freed pid to another process group
-                with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-                    f.write(str(stale - 1))
-                victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
-                if victim.pid == stale:
-                    break
-                victim.kill()
-                victim.wait()
-                victim = None
-        except OSError:
-            victim = None                                   # not root: the signal itself is checked below
+        victim = occupy_pid(stale)  # None (not root): the signals themselves are checked
         signalled = []
         real = os.killpg
         monkeypatch.setattr(os, "killpg", lambda pg, sig: (signalled.append(pg), real(pg, sig))[1])
@@ -535,18 +525,7 @@ def test_a_dead_foreground_group_never_lets_the_daemon_signal_a_host_process(mon
         wait_for(lambda: (pg := sb._foreground_pgrp()) not in (0, sb.shell_pgid) and not os.path.exists(f"/proc/{pg}"),
                  10, "the job's dead group to be the foreground", every=0.05)
         dead = sb._foreground_pgrp()
-        try:
-            for _ in range(50):                             # as root: give the freed number to a host group
-                with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-                    f.write(str(dead - 1))
-                victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
-                if victim.pid == dead:
-                    break
-                victim.kill()
-                victim.wait()
-                victim = None
-        except OSError:
-            victim = None
+        victim = occupy_pid(dead)  # None (not root): the signals themselves are checked
         sb.interrupt()                                      # ctrl-c
         events = []
         deadline = time.monotonic() + 15                    # the timeout: SIGINT, SIGKILL, then a new sandbox
