@@ -55,6 +55,31 @@ def test_writer_process_log_wraps_its_ring_compacts_and_reads_back_as_a_plain_lo
     r.close()
 
 
+def test_records_next_to_each_other_in_the_ring_go_to_the_writer_as_one_region(tmp_path):
+    """The writer copies and checksums a region per call: a batch whose records follow each other in the ring is one
+    region (not one per record), a wrap starts a second one, and every record's ring space is freed once written."""
+    p = tmp_path / "w.wal"
+    w = WriterProcessLog(p, ring_bytes=200_000).open()
+    for i in range(3):
+        w.stage(f"a{i}", payload(i, 10_000))
+    assert len(w._staged.bufs) == 1 and w._staged.extents == 3
+    assert w._staged.bufs[0][1] == sum(e - s for s, e in w._extents)   # the three records' bytes, as one region
+    w.sync()
+    assert not w._extents                                           # freed: three extents for one region
+    for i in range(3, 12):                                          # 9 x 40 KB through 200 KB: the ring wraps
+        w.stage(f"a{i}", payload(i))
+        if i % 3 == 2:
+            bufs = w._staged.bufs
+            assert w._staged.extents == 3 and 1 <= len(bufs) <= 2
+            assert sum(n for _, n in bufs) == sum(e - s for s, e in w._extents)
+            w.sync()
+    w.close()
+    r = WriteAheadLog(p).open()
+    assert [r.read(f"a{i}") for i in range(12)] == [payload(i, 10_000) for i in range(3)] + \
+        [payload(i) for i in range(3, 12)]
+    r.close()
+
+
 def test_a_second_learner_waits_for_the_log_lock(tmp_path):
     p = tmp_path / "w.wal"
     w = WriterProcessLog(p).open()

@@ -51,13 +51,15 @@ RING_BYTES = 64 << 20  # at least; WalDurability sizes it to hold two of the lar
 
 
 class _Regions:
-    """A staged batch: (ring offset, length) of each record, in file order."""
+    """A staged batch: (ring offset, length) of its records, in file order, records that follow each other in the
+    ring as one region (the writer then copies and checksums a run of them in one call, not one call per record);
+    `extents`: the ring allocations to free once it is written."""
 
-    __slots__ = ("bufs", "pos")
+    __slots__ = ("bufs", "pos", "extents")
 
     def __init__(self):
         self.bufs: list[tuple[int, int]] = []
-        self.pos = 0
+        self.pos = self.extents = 0
 
 
 class WriterProcessLog(WriteAheadLog):
@@ -193,7 +195,11 @@ class WriterProcessLog(WriteAheadLog):
             b = self._staged
             if not self._staged_n:
                 self._staged_start = self._end
-            b.bufs.append((at, n))
+            if b.bufs and sum(b.bufs[-1]) == at:  # right after the previous record: one region
+                b.bufs[-1] = (b.bufs[-1][0], b.bufs[-1][1] + n)
+            else:
+                b.bufs.append((at, n))
+            b.extents += 1
             b.pos += n
             self._staged_n += 1
             self.index[tid] = (self._end + h, len(payload))
@@ -213,8 +219,9 @@ class WriterProcessLog(WriteAheadLog):
         super()._check_locked()
 
     # --- the writer ---------------------------------------------------------------------------------------------------
-    def _request(self, op: int, timeout: float, start: int = 0, regions=()) -> None:
-        """Send one request (call with _sync_lock, none in flight); _finish reads its reply and frees its regions."""
+    def _request(self, op: int, timeout: float, start: int = 0, regions=(), extents: int = 0) -> None:
+        """Send one request (call with _sync_lock, none in flight); _finish reads its reply and frees its `extents`
+        ring allocations."""
         try:
             if self._conn is None:
                 raise EOFError("no writer process")
@@ -223,7 +230,7 @@ class WriterProcessLog(WriteAheadLog):
             self._conn.sendall(REQ.pack(op, start, len(regions)) + flat.tobytes())
         except (OSError, EOFError) as e:  # socket.timeout is an OSError
             raise self._lost(e) from e
-        self._inflight = (len(regions), time.monotonic())
+        self._inflight = (extents, time.monotonic())
 
     def _lost(self, e: BaseException) -> WalError:
         """The writer died or went silent: fatal and sticky."""
@@ -243,11 +250,11 @@ class WriterProcessLog(WriteAheadLog):
             self._failed = WalError(f"wal {self.path}: {why}")
             raise self._failed
 
-    def _call(self, op: int, timeout: float, start: int = 0, regions=()) -> None:
+    def _call(self, op: int, timeout: float, start: int = 0, regions=(), extents: int = 0) -> None:
         """One request to the writer and its reply, within timeout (after the reply to a request sync_begin() left in
         flight, if any)."""
         self._finish(timeout)
-        self._request(op, timeout, start, regions)
+        self._request(op, timeout, start, regions, extents)
         self._finish(timeout)
 
     def _write_locked(self, cut) -> None:
@@ -255,7 +262,7 @@ class WriterProcessLog(WriteAheadLog):
         batch, start = cut
         if self._failed is not None:
             raise WalError(f"wal {self.path} failed earlier: {self._failed}")
-        self._call(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, start, batch.bufs)
+        self._call(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, start, batch.bufs, batch.extents)
 
     def sync(self) -> None:
         with self._sync_lock:
@@ -283,7 +290,8 @@ class WriterProcessLog(WriteAheadLog):
             self._datasync(self._fd, dirty)  # an append() through this process's fd (rare): durable the plain way
             if cut is None:
                 return self._sent
-            self._request(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, cut[1], cut[0].bufs)
+            self._request(WRITE_SYNC if self.fsync else WRITE, self.reply_timeout_s, cut[1], cut[0].bufs,
+                          cut[0].extents)
             self._sent += 1
             return self._sent
 
@@ -313,7 +321,7 @@ class WriterProcessLog(WriteAheadLog):
         """Read the reply to the request in flight, if any (call with _sync_lock), and free its ring space."""
         if self._inflight is None:
             return
-        n, _ = self._inflight
+        n = self._inflight[0]
         self._inflight = None
         try:
             self._reply(timeout)
