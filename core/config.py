@@ -205,6 +205,9 @@ class TelemetryConfig:
                                  "episode); learner steps are always traced")
     max_queued_spans: int = f(8192, "spans waiting for export; past it the oldest are dropped, never waited for", lo=1)
     max_file_mb: float = f(256.0, "a span file stops growing past this size (spans then counted as dropped)", lo=0)
+    max_attribute_length: int = f(4096, "characters kept of one string attribute of a span, event or link (the SDK "
+                                        "truncates longer values: a caller-sent id cannot grow spans without bound)",
+                                  lo=1)
     prometheus_port: int = f(-1, "serve Prometheus text (prometheus_client) at http://HOST:PORT/metrics (HOST = "
                                  "prometheus_host); 0 = any free port (named in the run file, shown by `tars ctl "
                                  "status`); -1 = off. Under `accelerate launch` the process with LOCAL_RANK n > 0 "

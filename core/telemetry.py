@@ -177,8 +177,10 @@ def setup(cfg, role: str, run_dir: str | None = None) -> dict:
         from opentelemetry.sdk.trace import SpanLimits, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        tp = TracerProvider(resource=res, sampler=_sampler(cfg.sample_ratio), shutdown_on_exit=True,
-                            span_limits=SpanLimits(max_links=MAX_LINKS))  # SDK default 128: a learner.step's batch
+        limits = SpanLimits(max_links=MAX_LINKS,  # SDK default 128: a learner.step's batch
+                            max_attribute_length=cfg.max_attribute_length)  # SDK default: unbounded (span, event, link)
+        tp = TracerProvider(resource=res, sampler=_sampler(cfg.sample_ratio), shutdown_on_exit=True, span_limits=limits)
+        logging.getLogger("opentelemetry.attributes").addFilter(_first_only)  # one "truncating" warning per process
         S.bsp = BatchSpanProcessor(exporter, max_queue_size=cfg.max_queued_spans, schedule_delay_millis=1000,
                                    max_export_batch_size=min(512, cfg.max_queued_spans))
         tp.add_span_processor(S.bsp)
@@ -236,6 +238,12 @@ BUCKETS = {
     "tars.env.step.duration": [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
     "tars.learner.step.duration": [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120],
 }
+
+
+def _first_only(record: logging.LogRecord) -> bool:
+    """A logging filter that passes its first record and drops the rest (the SDK warns at every truncated value)."""
+    first, _first_only.seen = not getattr(_first_only, "seen", False), True
+    return first
 
 
 MAX_LINKS = 4096  # links kept on one span (learner.step: one per sampled episode of its batch; past it, counted)

@@ -34,7 +34,7 @@ from typing import Any
 
 from envd import scratch
 from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult, refuse_unknown
-from envd.desktop_apps import DESKTOP_LIMITS, XVFB_CLAIM, AppSandbox
+from envd.desktop_apps import DESKTOP_LIMITS, AppSandbox, xvfb_claim
 from envd.png import encode_rgb
 from envd.proctree import kill_session
 from envd.workspace_archive import rmtree
@@ -136,9 +136,6 @@ _WINDOW = re.compile(r'^\s+(0x[0-9a-f]+) "(.*)": \((?:"([^"]*)" "([^"]*)")?\)\s+
 class DesktopEnv(Env):
     """One Xvfb desktop with real apps."""
 
-    # The app sandbox's limits, plus an estimate for Xvfb (outside it).
-    claim = DESKTOP_LIMITS.host_claim() + XVFB_CLAIM
-
     def __init__(self, name: str = "", options: dict[str, str] | None = None):
         options = dict(options or {})
         if name:
@@ -146,6 +143,8 @@ class DesktopEnv(Env):
         self.env_id = "desktop"
         opts = parse_options(options)
         self.width, self.height, self.apps = opts["width"], opts["height"], opts["apps"]
+        # The app sandbox's limits, plus Xvfb's (outside it) for this screen size.
+        self.claim = DESKTOP_LIMITS.host_claim() + xvfb_claim(self.width, self.height)
         missing = [a for a in ["Xvfb", "xdotool", "xwininfo", *self.apps] if shutil.which(a) is None]
         if missing:
             raise RuntimeError(f"desktop needs {missing} installed (scripts/setup.sh --dev)")

@@ -40,11 +40,17 @@ def write_xauthority(path: str, cookie: bytes) -> None:
 XVFB_AS_MB = 512
 
 
+def address_space(width: int, height: int) -> int:
+    """The address-space bound (bytes) of an Xvfb with a width x height screen: XVFB_AS_MB plus its 32-bit frame
+    buffer. envd's budget charges the desktop this much for it (envd/desktop_apps.py xvfb_claim)."""
+    return (XVFB_AS_MB << 20) + width * height * 4
+
+
 def _limited(width: int, height: int) -> list[str]:
     """prlimit's prefix that bounds Xvfb's address space (none when prlimit is missing)."""
     if shutil.which("prlimit") is None:
         return []
-    return ["prlimit", f"--as={(XVFB_AS_MB << 20) + width * height * 4}", "--"]
+    return ["prlimit", f"--as={address_space(width, height)}", "--"]
 
 
 class XServer:

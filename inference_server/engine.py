@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -114,8 +115,8 @@ class LocalEngine:
             raise ValueError(f"max_new_tokens must be > 0, got {p.max_new_tokens}")
         if len(input_ids) + p.max_new_tokens > self.cfg.max_context:
             raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {self.cfg.max_context}")
-        if not p.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {p.temperature}")
+        if not 0 <= p.temperature < math.inf:  # inf (or NaN) would be served: inf flattens every row to uniform
+            raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
         if not 0 <= p.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {p.top_p}")
         if p.top_k < 0:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -132,8 +133,8 @@ class SGLangEngine:
         limit = self.cfg.request_limit()  # SGLang's rule: docs/sglang.md
         if len(input_ids) + p.max_new_tokens > limit:
             raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {limit}")
-        if not p.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {p.temperature}")
+        if not 0 <= p.temperature < math.inf:  # inf (or NaN) would be served: inf flattens every row to uniform
+            raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
         if not 0 <= p.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {p.top_p}")
         if p.top_k < 0:

@@ -459,3 +459,38 @@ def test_a_killed_daemons_session_dir_is_removed_by_the_next_sweep():
         "from envd import desktop\ne = desktop.DesktopEnv('', {'apps': 'xterm'})\ne.reset(1)\npath = e._dir")
     assert d.is_dir() and d.parent.name.startswith(scratch.PREFIX)
     assert d.parent in scratch.sweep() and not d.exists()
+
+
+@pytest.mark.parametrize("w,h", [(400, 300), (4096, 4096)])
+def test_the_budget_charges_xvfb_the_address_space_it_runs_under(w, h):
+    """The desktop's claim counted Xvfb as 64 MiB, an estimate, while Xvfb runs under `prlimit --as` of 512 MiB plus
+    its frame buffer: envd admitted about twice the desktops its memory budget holds. The claim is now that bound."""
+    from envd.base import Resources
+    from envd.desktop_apps import DESKTOP_LIMITS
+
+    env = desktop.make("", {"width": str(w), "height": str(h), "apps": "xterm"})
+    try:
+        with open(f"/proc/{env.x.pid}/limits") as f:
+            bound = int(next(line for line in f if line.startswith("Max address space")).split()[3])
+        assert bound == xserver.address_space(w, h) == (512 << 20) + w * h * 4
+        xvfb = env.resources() - DESKTOP_LIMITS.host_claim()
+        assert xvfb.pids == 8 and (xvfb.memory_mb - 1) << 20 < bound <= xvfb.memory_mb << 20
+    finally:
+        env.close()
+    assert xvfb == Resources(8, 513 if w == 400 else 576)
+
+
+def test_envd_refuses_a_desktop_its_memory_budget_cannot_hold():
+    """A desktop is charged its app sandbox (56 processes, 512 + 32 + 16 MiB) plus Xvfb's bound (8 processes, 512 MiB
+    + 1024x768x4 bytes = 515 MiB): 1075 MiB. A 1500 MiB budget holds one, not two (with Xvfb at 64 MiB it took
+    two, 1248 MiB, whose X servers alone may grow to 1030 MiB); the second CreateSession is RESOURCE_EXHAUSTED."""
+    async def main():
+        async with envd_client(max_total_pids=10_000, max_total_memory_mb=1500) as c:
+            opts = {"apps": "xterm", "settle_s": "0"}
+            sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="desktop", options=opts))).session_id
+            e = await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  c.CreateSession(env_pb2.CreateSessionRequest(env_id="desktop", options=opts)))
+            assert "host budget" in e.details() and "64 processes, 1075 MiB" in e.details(), e.details()
+            await c.Close(env_pb2.SessionRef(session_id=sid))
+
+    run(main())

@@ -183,3 +183,36 @@ def test_a_nan_or_negative_top_p_is_refused_not_served_untruncated(top_p):
         assert eng.metrics()["requests"] == 1
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("engine", ["local", "sglang"])
+@pytest.mark.parametrize("temperature", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_temperature_is_refused_not_served_uniform(engine, temperature):
+    """temperature=inf passed both engines' check (temperature >= 0): the logits divided by it are all 0, so the call
+    answered OK with uniform samples (every logprob -log V). It is INVALID_ARGUMENT now, as NaN and negatives are."""
+    from core.config import InferenceConfig
+    from inference_server.engine import LocalEngine
+    from inference_server.server import InferenceServicer
+    from inference_server.sglang_engine import SGLangEngine
+
+    if engine == "local":
+        cfg = InferenceConfig(max_context=64)
+        eng = LocalEngine(cfg, make_model(0), start=False)
+    else:
+        cfg = InferenceConfig(engine="sglang", sglang_urls=["http://127.0.0.1:9"], max_context=64)
+        eng = SGLangEngine(cfg, cfg.sglang_urls, health_thread=False)
+    try:
+        front = InferenceServicer(cfg, eng)
+
+        def req(t):
+            return inference_pb2.GenerateRequest(input_ids=[5, 6, 7], sampling=inference_pb2.SamplingParams(
+                max_new_tokens=4, temperature=t))
+
+        with pytest.raises(ValueError, match="temperature must be finite"):
+            front._engine_submit(req(temperature))
+        assert eng.metrics()["requests"] == 0
+        if engine == "local":
+            front._engine_submit(req(3.4e38))  # the largest float32: finite, accepted
+            assert eng.metrics()["requests"] == 1
+    finally:
+        eng.close()

@@ -123,6 +123,33 @@ def test_telemetry_setup_errors_are_config_errors(monkeypatch, env, cfg, match):
     assert not telemetry.S.tracing
 
 
+@pytest.mark.parametrize("limit", [None, 100])
+def test_a_mebibyte_attribute_is_exported_truncated(tmp_path, limit, caplog):
+    """A caller-sent string (a trajectory id of 1 MiB) on a span, through set_attrs, on a batch request's server span
+    and on an event is exported cut to telemetry.max_attribute_length (4096 by default), with one warning."""
+    cfg = TelemetryConfig(exporter="file", dir=str(tmp_path), sample_ratio=1.0)
+    if limit is not None:
+        cfg.max_attribute_length = limit
+    big = "x" * (1 << 20)
+    with caplog.at_level("WARNING"):
+        telemetry.setup(cfg, "inference")
+        with telemetry.span("episode", attributes={"tars.trajectory_id": big}) as sp:
+            telemetry.set_attrs(sp, **{"tars.other": big, "tars.ids": [big, "short"]})
+            sp.add_event("e", {"tars.trajectory_id": big})
+            srv = telemetry.start_server_span("inference.generate", telemetry.traceparent(),
+                                              attributes={"tars.trajectory_id": big})
+            srv.end()
+        telemetry.shutdown()
+    rows = {r["name"]: r for f in tmp_path.glob("*.jsonl") for r in map(json.loads, open(f))}
+    n = limit or 4096
+    ep, gen = rows["episode"], rows["inference.generate"]
+    assert ep["attributes"] == {"tars.trajectory_id": "x" * n, "tars.other": "x" * n, "tars.ids": ["x" * n, "short"]}
+    assert ep["events"][0]["attributes"] == {"tars.trajectory_id": "x" * n}
+    assert gen["attributes"] == {"tars.trajectory_id": "x" * n}
+    assert sum(f.stat().st_size for f in tmp_path.glob("*.jsonl")) < 10 * n + 10_000
+    assert caplog.text.count("exceeds max length") <= 1
+
+
 def test_span_file_cap_drops_are_logged_once_and_counted_in_metrics(tmp_path, caplog):
     from prometheus_client.parser import text_string_to_metric_families
 
