@@ -14,6 +14,7 @@ import contextlib
 import json
 import random
 import time
+import uuid
 from dataclasses import dataclass, replace
 
 import grpc
@@ -115,7 +116,10 @@ class EnvClient:
                 self.inflight -= 1
 
     async def create(self, env_id: str, seed: int, options: dict[str, str]) -> tuple[str, str]:
-        r = await self._call(self.stub.CreateSession, env_pb2.CreateSessionRequest(env_id=env_id, seed=seed, options=options), True)
+        # One request id for this create, sent unchanged by every retry of it: a retry whose first attempt made a
+        # session whose answer was lost (a reset connection) gets that session, not a second one (envd/idempotency.py).
+        req = env_pb2.CreateSessionRequest(env_id=env_id, seed=seed, options=options, request_id=uuid.uuid4().hex)
+        r = await self._call(self.stub.CreateSession, req, True)
         return r.session_id, r.run_id
 
     async def reset(self, sid: str, run_id: str, seed: int) -> Obs:

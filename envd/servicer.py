@@ -19,7 +19,6 @@ import collections
 import functools
 import json
 import logging
-import math
 import random
 import secrets
 import time
@@ -29,8 +28,10 @@ import grpc
 from envd import hints, registry
 from envd.base import Action, ActionError, Outcome, Resources
 from envd.admission import Admission, Status as _Status, peer_identity, rpc as _rpc
+from envd.idempotency import CreateKeys
 from envd.snapshots import SnapshotSeal
-from envd.sessions import BackendTimeout, LatencyWindow, NotStarted, Session, Workers, check_result, to_response
+from envd.sessions import (BackendTimeout, LatencyWindow, NotStarted, Session, Workers, check_result, lease_ttl,
+                           to_response)
 from core import telemetry
 from core.config import EnvdConfig
 from core.v1 import env_pb2, env_pb2_grpc
@@ -38,7 +39,6 @@ from core.v1 import env_pb2, env_pb2_grpc
 log = logging.getLogger("envd")
 
 ENV_SERVICE = env_pb2.DESCRIPTOR.services_by_name["EnvService"].full_name
-MAX_LEASE_TTL_S = 7 * 24 * 3600.0
 
 
 class EnvServicer(env_pb2_grpc.EnvServiceServicer):
@@ -57,6 +57,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         # Session caps and the host budget; closes give budget back, so a session that does not fit waits for them.
         self.admission = Admission(cfg, self.sessions, lambda: [t for t in self._tasks if not t.done()])
         self.budget = self.admission.budget
+        self.create_keys = CreateKeys(cfg.lease_ttl_s, wait_s=2 * cfg.step_timeout_s + 1.0)  # retried creates
         self._gc: asyncio.Task | None = None
         self.step_seconds = telemetry.histogram("tars.env.step.duration", "s", "envd backend step latency")
         telemetry.observe("tars.envd.sessions", lambda: len(self.sessions), description="open sessions")
@@ -152,10 +153,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             raise _Status(grpc.StatusCode.NOT_FOUND, f"session {s.id!r} was closed")
 
     def _ttl(self, requested: float) -> float:
-        # Capped: an absurd lease overflows lease_expires_unix_ms (int64); a session nobody renews must still expire.
-        if requested < 0 or not math.isfinite(requested) or requested > MAX_LEASE_TTL_S:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"lease_ttl_s must be in [0, {MAX_LEASE_TTL_S:.0f}], got {requested}")
-        return requested or self.cfg.lease_ttl_s
+        return lease_ttl(requested, self.cfg.lease_ttl_s)
 
     async def _open(self, env_id: str, options: dict[str, str], ttl_s: float, client_id: str = "",
                     seed: int = 0, owner: str = "") -> Session:
@@ -246,8 +244,10 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     @_rpc
     async def CreateSession(self, request, context):
         with telemetry.server_span("envd.create_session", context, {"tars.env_id": request.env_id}):
-            s = await self._open(request.env_id, dict(request.options), self._ttl(request.lease_ttl_s),
-                                 request.client_id, request.seed, owner=peer_identity(context.peer()))
+            owner, ttl = peer_identity(context.peer()), self._ttl(request.lease_ttl_s)
+            s = await self.create_keys.create(owner, request, lambda: self._open(
+                request.env_id, dict(request.options), ttl, request.client_id, request.seed, owner=owner),
+                lambda s: self._lookup(s.id) is s)
             return self._created(s)
 
     @_rpc

@@ -29,6 +29,15 @@ log = logging.getLogger("envd")
 
 # What a backend may report; it never reports INFRA_ERROR, it raises (and the daemon reports that).
 _REPORTABLE = (Outcome.RUNNING, Outcome.TERMINATED, Outcome.TRUNCATED)
+MAX_LEASE_TTL_S = 7 * 24 * 3600.0
+
+
+def lease_ttl(requested: float, default: float) -> float:
+    """The lease a request's lease_ttl_s asks for (0: `default`). Capped: an absurd lease overflows
+    lease_expires_unix_ms (int64); a session nobody renews must still expire. INVALID_ARGUMENT outside the range."""
+    if requested < 0 or not math.isfinite(requested) or requested > MAX_LEASE_TTL_S:
+        raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"lease_ttl_s must be in [0, {MAX_LEASE_TTL_S:.0f}], got {requested}")
+    return requested or default
 
 
 class BackendTimeout(Exception):

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("env_id", "options", "seed", "lease_ttl_s", "client_id")
+    __slots__ = ("env_id", "options", "seed", "lease_ttl_s", "client_id", "request_id")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -21,12 +21,14 @@ class CreateSessionRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     options: _containers.ScalarMap[str, str]
     seed: int
     lease_ttl_s: float
     client_id: str
-    def __init__(self, env_id: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., client_id: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, env_id: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., client_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session_id", "run_id", "lease_expires_unix_ms", "action_space")

@@ -1,0 +1,104 @@
+"""CreateSession's idempotency keys: a retried CreateSession gets the session its first attempt created.
+
+A client whose CreateSession reached envd but whose answer was lost (a connection reset, a proxy restart) retries
+it; without a key the retry built a second session, and the first (its backend, a Chromium, a session slot and its
+share of the host budget) was held by nobody until its lease ran out. A client therefore sends a request id of its
+choosing (CreateSessionRequest.request_id) and the same one with every retry. envd remembers, per client (the peer
+without its port) and key, the creation it started:
+
+  - done, session still open -> the same session again (its lease renewed)
+  - still running            -> the retry waits for it (with a deadline; past it: ABORTED, retry again)
+  - failed or cancelled      -> forgotten: the retry creates the session itself
+  - session since closed     -> forgotten: the retry creates a new one (nothing is held twice)
+
+Keys are remembered for `ttl_s` and at most `max_keys` of them (the oldest forgotten first), so their memory is
+bounded whatever clients send; a key reused with another env id, options or seed is INVALID_ARGUMENT. A request
+without a key is served as before.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+from envd.admission import Status
+
+MAX_KEY_LEN = 128          # bytes of a request id: a key is an id, not a payload
+MAX_KEYS = 4096            # keys remembered at once (about a few hundred bytes each)
+
+
+def fingerprint(request) -> str:
+    """What a retry must repeat unchanged: the env id, its options, the seed and the lease asked for."""
+    h = hashlib.sha256(request.env_id.encode())
+    for k, v in sorted(request.options.items()):
+        h.update(b"\0" + k.encode() + b"\0" + v.encode())
+    h.update(f"\0{request.seed}\0{request.lease_ttl_s!r}".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class _Entry:
+    fingerprint: str
+    done: asyncio.Future         # finished once the first attempt has (whether it made the session or not)
+    at: float                    # time.monotonic() when the key was first seen
+    session: Any = None          # what it made (envd.sessions.Session); None if it failed or is still running
+
+
+class CreateKeys:
+    """The remembered CreateSession keys of one daemon."""
+
+    def __init__(self, ttl_s: float, wait_s: float, max_keys: int = MAX_KEYS):
+        self.ttl_s, self.wait_s, self.max_keys = ttl_s, wait_s, max(1, max_keys)
+        self._keys: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _prune(self, now: float) -> None:
+        while self._keys:
+            key, e = next(iter(self._keys.items()))
+            if now - e.at < self.ttl_s and len(self._keys) <= self.max_keys:
+                break
+            del self._keys[key]
+
+    async def create(self, owner: str, request, make: Callable[[], Awaitable], alive: Callable[[Any], bool]):
+        """The session (envd.sessions.Session) for `request`: make() once per (owner, request_id); `alive(session)`
+        says whether a remembered one is still open."""
+        rid = request.request_id
+        if not rid:
+            return await make()
+        if len(rid.encode()) > MAX_KEY_LEN:
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {MAX_KEY_LEN} bytes")
+        key, fp = (owner, rid), fingerprint(request)
+        self._prune(time.monotonic())
+        while (e := self._keys.get(key)) is not None:
+            if e.fingerprint != fp:
+                raise Status(grpc.StatusCode.INVALID_ARGUMENT,
+                             "request_id reused for a different CreateSession (env id, options, seed or lease differ)")
+            if not e.done.done():   # the first attempt is still creating it: its session is this request's too
+                done, _ = await asyncio.wait({e.done}, timeout=self.wait_s)
+                if not done:
+                    raise Status(grpc.StatusCode.ABORTED, "the session of this request_id is still being created; "
+                                                          "retry")
+                continue   # look again: it may have been forgotten, or taken over by another retry, meanwhile
+            if e.session is not None and alive(e.session):
+                e.session.renew()   # the lease runs from this answer, as it does from a fresh session's
+                return e.session
+            del self._keys[key]   # failed, cancelled or closed since: this request creates it anew
+        now = time.monotonic()
+        mine = self._keys[key] = _Entry(fp, asyncio.get_running_loop().create_future(), now)
+        self._prune(now)
+        try:
+            mine.session = await make()
+            return mine.session
+        except BaseException:   # failed or cancelled: forgotten, so that a retry tries again
+            if self._keys.get(key) is mine:
+                del self._keys[key]
+            raise
+        finally:
+            mine.done.set_result(None)

@@ -1,0 +1,172 @@
+"""CreateSession idempotency keys (envd/idempotency.py): a retried create gets the session its first attempt made."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from actor.envclient import EnvClient
+from envd import registry
+from envd.base import Env, StepResult
+from envd.idempotency import MAX_KEY_LEN, CreateKeys
+from envd_compliance import envd_client, run
+from core.v1 import env_pb2
+
+
+class SlowMakeEnv(Env):
+    """Takes options["make_s"] seconds to create (a browser starting); counts what exists."""
+    made: list["SlowMakeEnv"] = []
+    action_space = "wait"
+
+    def __init__(self, name: str, options: dict[str, str]):
+        if name == "broken":
+            raise RuntimeError("cannot start the browser")
+        time.sleep(float(options.get("make_s", "0")))
+        SlowMakeEnv.made.append(self)
+
+    def reset(self, seed, options):
+        return StepResult(text="x")
+
+    def step(self, action):
+        return StepResult(text="x")
+
+    def close(self):
+        pass
+
+
+registry.register("test-slowmake", SlowMakeEnv)
+
+
+async def _lossy_proxy(target: str, lose_after_s: float):
+    """A TCP proxy whose first connection is reset instead of carrying the server's bytes sent more than
+    `lose_after_s` after it opened: an answer lost after envd did the work (a NAT or proxy dropping the connection)."""
+    seen = [0]
+
+    async def handle(cr, cw):
+        seen[0] += 1
+        first, t0 = seen[0] == 1, time.monotonic()
+        host, port = target.rsplit(":", 1)
+        sr, sw = await asyncio.open_connection(host, int(port))
+
+        async def pump(r, w, from_server):
+            try:
+                while data := await r.read(65536):
+                    if first and from_server and time.monotonic() - t0 > lose_after_s:
+                        cw.transport.abort()
+                        sw.transport.abort()
+                        return
+                    w.write(data)
+                    await w.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pump(cr, sw, False), pump(sr, cw, True))
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return srv, f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+
+
+def test_a_create_whose_answer_was_lost_gets_the_same_session_on_retry():
+    # The answer of the first CreateSession is lost (connection reset after envd created the session); the actor's
+    # client retries (UNAVAILABLE). Before: the retry built a second backend, the first held for its whole lease.
+    async def body():
+        SlowMakeEnv.made.clear()
+        async with envd_client(lease_ttl_s=60.0) as c:
+            srv, addr = await _lossy_proxy(c.server.address, 0.3)
+            ec = EnvClient(addr, timeout_s=10.0, retries=3)
+            try:
+                sid, _ = await ec.create("test-slowmake/a", 0, {"make_s": "0.6"})
+                sessions = c.server.servicer.sessions
+                assert list(sessions) == [sid]
+                assert len(SlowMakeEnv.made) == 1
+            finally:
+                await ec.close()
+                srv.close()
+    run(body())
+
+
+def test_same_request_id_same_session_other_id_new_session_no_id_as_before():
+    async def body():
+        SlowMakeEnv.made.clear()
+        async with envd_client() as c:
+            def create(rid, **kw):
+                return c.CreateSession(env_pb2.CreateSessionRequest(env_id="test-slowmake/a", request_id=rid, **kw),
+                                       timeout=10)
+            a = await create("k1")
+            assert (await create("k1")).session_id == a.session_id
+            assert len(SlowMakeEnv.made) == 1
+            b = await create("k2")
+            assert b.session_id != a.session_id and len(SlowMakeEnv.made) == 2
+            x, y = await create(""), await create("")
+            assert x.session_id != y.session_id and len(SlowMakeEnv.made) == 4
+            # A key reused for another request is the client's mistake, not a session to hand out.
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await create("k1", seed=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await create("k" * (MAX_KEY_LEN + 1))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # Closed since: the key does not hand out a dead session; a new one is made.
+            await c.Close(env_pb2.SessionRef(session_id=a.session_id), timeout=10)
+            again = await create("k1")
+            assert again.session_id != a.session_id and again.session_id in c.server.servicer.sessions
+    run(body())
+
+
+def test_a_retry_during_the_creation_waits_for_it():
+    async def body():
+        SlowMakeEnv.made.clear()
+        async with envd_client() as c:
+            req = env_pb2.CreateSessionRequest(env_id="test-slowmake/a", options={"make_s": "0.5"}, request_id="k")
+            first = asyncio.ensure_future(c.CreateSession(req, timeout=10))
+            await asyncio.sleep(0.2)
+            second = await c.CreateSession(req, timeout=10)
+            assert (await first).session_id == second.session_id
+            assert len(SlowMakeEnv.made) == 1 and len(c.server.servicer.sessions) == 1
+    run(body())
+
+
+def test_a_failed_creation_is_not_remembered():
+    async def body():
+        async with envd_client() as c:
+            req = env_pb2.CreateSessionRequest(env_id="test-slowmake/broken", request_id="k")
+            for _ in range(2):   # each retry tries again, and fails again, rather than replaying a stale answer
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.CreateSession(req, timeout=10)
+                assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert len(c.server.servicer.create_keys) == 0
+    run(body())
+
+
+class _S:
+    def renew(self):
+        pass
+
+
+def test_keys_are_bounded_in_count_and_time():
+    async def body():
+        keys = CreateKeys(ttl_s=0.2, wait_s=1.0, max_keys=3)
+        made = []
+
+        async def make():
+            made.append(_S())
+            return made[-1]
+
+        for i in range(50):
+            await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id=f"k{i}"), make,
+                              lambda s: True)
+            assert len(keys) <= 3
+        # the newest are remembered, the oldest forgotten
+        s = await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lambda s: True)
+        assert s is made[49] and len(made) == 50
+        # keys are per client: another peer's same key is another session
+        await keys.create("other", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lambda s: True)
+        assert len(made) == 51
+        await asyncio.sleep(0.25)
+        await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lambda s: True)
+        assert len(made) == 52 and len(keys) == 1   # past ttl_s: forgotten
+    run(body())
