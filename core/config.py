@@ -71,6 +71,10 @@ class EnvdConfig:
     max_total_memory_mb: int = f(0, "host-wide budget of memory (MiB) that all sessions together may be allowed: the sum "
                                     "of their sandboxes' memory_mb plus tmpfs sizes (estimates for backends without a "
                                     "sandbox); past it RESOURCE_EXHAUSTED; 0 = 3/4 of the host's physical memory", lo=0)
+    max_total_disk_mb: int = f(0, "host-wide budget of disk (MiB) that all sessions together may be allowed: the sum "
+                                  "of their sandboxes' workspace quotas disk_mb plus fsize_mb (estimates for backends "
+                                  "without a sandbox); past it RESOURCE_EXHAUSTED; 0 = 3/4 of the space free at start "
+                                  "on the file system of the temp dir, which holds every session's files", lo=0)
     lease_ttl_s: float = f(60.0, "default session lease; renewed by every step and heartbeat", gt=0)
     gc_interval_s: float = f(1.0, "how often expired leases are collected", gt=0)
     workers: int = f(8, lo=1, help="threads for blocking backends")

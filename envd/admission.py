@@ -69,7 +69,8 @@ class Admission:
 
     def __init__(self, cfg: EnvdConfig, sessions: dict[str, Any], closing: Callable[[], list[asyncio.Task]]):
         self.cfg, self.sessions, self.closing = cfg, sessions, closing
-        self.budget = HostBudget(host_totals(cfg.max_total_pids, cfg.max_total_memory_mb))
+        self.budget = HostBudget(host_totals(cfg.max_total_pids, cfg.max_total_memory_mb,
+                                                   cfg.max_total_disk_mb))
         self.opening = 0                                      # sessions being built (between check and registration)
         self.opening_by: collections.Counter[str] = collections.Counter()   # the same, per client
 

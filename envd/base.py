@@ -9,7 +9,7 @@ INFRA_ERROR), and maps its exceptions to statuses:
   NotImplementedError from snapshot/restore/fork -> UNIMPLEMENTED
   any other exception -> the episode ends as INFRA_ERROR (never a reward of 0)
 and says what it may use of the host (`resources`): the daemon sums that over its sessions against a host-wide
-budget (envd.max_total_pids / max_total_memory_mb) before a session is let in.
+budget (envd.max_total_pids / max_total_memory_mb / max_total_disk_mb) before a session is let in.
 """
 from __future__ import annotations
 
@@ -79,20 +79,27 @@ class StepResult:
 
 @dataclass(frozen=True)
 class Resources:
-    """What one session may use of the host at most: processes (threads included) and memory (MiB). For a sandbox
-    these are the limits it is given; for a backend without one, a documented estimate."""
+    """What one session may use of the host at most: processes (threads included), memory (MiB) and disk (MiB on
+    the file system of envd's scratch root, envd/scratch.py). For a sandbox these are the limits it is given; for a
+    backend without one, a documented estimate."""
 
     pids: int = 0
     memory_mb: int = 0
+    disk_mb: int = 0
 
     def __add__(self, other: "Resources") -> "Resources":
-        return Resources(self.pids + other.pids, self.memory_mb + other.memory_mb)
+        return Resources(self.pids + other.pids, self.memory_mb + other.memory_mb, self.disk_mb + other.disk_mb)
 
     def __sub__(self, other: "Resources") -> "Resources":
-        return Resources(self.pids - other.pids, self.memory_mb - other.memory_mb)
+        return Resources(self.pids - other.pids, self.memory_mb - other.memory_mb, self.disk_mb - other.disk_mb)
+
+    def most(self, other: "Resources") -> "Resources":
+        """The larger of the two in each resource (`Resources()` as `other`: no negative figure)."""
+        return Resources(max(self.pids, other.pids), max(self.memory_mb, other.memory_mb),
+                         max(self.disk_mb, other.disk_mb))
 
     def __str__(self) -> str:
-        return f"{self.pids} processes, {self.memory_mb} MiB"
+        return f"{self.pids} processes, {self.memory_mb} MiB of memory, {self.disk_mb} MiB of disk"
 
 
 class Env(abc.ABC):

@@ -39,6 +39,7 @@ _PAGE_STATE_JS = "typeof window.__tars_get_state === 'function' ? window.__tars_
 class BrowserEnv(Env):
     env_id = "browser"
     # An estimate for the host budget: a BrowserContext's renderer and helper processes in the shared Chromium.
+    # No disk: a context is off the record (cache and storage in memory) and takes no downloads.
     claim = Resources(pids=16, memory_mb=512)
     action_space = ("click/left_double/right_single(point=[x,y] | target=LABEL), drag(point, end_point), "
                     "hotkey(key='ctrl a'), type(content; a trailing \\n presses Enter), "

@@ -127,9 +127,11 @@ class HybridEnv(Env):
         shell.extra_nproc = apps.limits.nproc
 
     def resources(self, options: dict[str, str] | None = None) -> Resources:
-        """The terminal sandbox's limits (after a Reset with `options`) plus the desktop's estimate."""
+        """The terminal sandbox's limits (after a Reset with `options`) plus the desktop's processes and memory; disk
+        only the terminal's: one workspace, under one quota (the terminal's disk_mb, `_share_uid`)."""
         term_opts = _split_options(dict(options))[1] if options else None
-        return self.terminal.resources(term_opts) + self.desktop.resources()
+        desk = self.desktop.resources()
+        return self.terminal.resources(term_opts) + Resources(desk.pids, desk.memory_mb)
 
     # ---- health ----------------------------------------------------------------------------------------------
     def _check_alive(self) -> None:

@@ -45,7 +45,7 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # chromedriver over a pipe and exits when chromedriver dies, so a killed daemon cannot leave a browser behind.
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage", "--disable-sync",
-                  "--remote-debugging-pipe")
+                  "--remote-debugging-pipe", f"--disk-cache-size={32 << 20}")
 PRESETS = ("all_supported", "shi17", "liu18", "humphreys22")
 _ID = re.compile(r"^miniwob/(.+)-v(\d+)$")
 
@@ -284,8 +284,9 @@ class MiniWoBEnv(Env):
     # An estimate for the host budget: chromedriver and a Chromium of its own (browser, GPU, renderer processes).
     # Memory: 2.3x what a session measures (docs/benchmarks.md: 166 MB PSS per extra session, 323 MB for the
     # first, `tars bench env`); the earlier 1024 MB let a 24 GB host hold only 18 sessions, fewer than the
-    # miniwob preset's 8 episodes in flight plus the 32 idle sessions it keeps for reuse.
-    claim = Resources(pids=64, memory_mb=384)
+    # miniwob preset's 8 episodes in flight plus the 32 idle sessions it keeps for reuse. Disk: its private
+    # directory (profile, crash database; a fresh one holds 2-3 MiB) with the disk cache bounded to 32 MiB.
+    claim = Resources(pids=64, memory_mb=384, disk_mb=64)
 
     def __init__(self, task: str, options: dict[str, str] | None = None):
         options = dict(options or {})

@@ -102,8 +102,10 @@ class Limits:
     def host_claim(self) -> Resources:
         """What a sandbox with these limits may use of the host, as the daemon's budget counts it: `nproc`
         processes; `memory_mb` (RLIMIT_AS is per process, so this is the allowance, not a cgroup bound) plus the
-        tmpfs sizes (/tmp and /dev/shm are memory)."""
-        return Resources(self.nproc, self.memory_mb + self.tmp_mb + min(self.tmp_mb, 16))
+        tmpfs sizes (/tmp and /dev/shm are memory); disk: the workspace quota `disk_mb` plus `fsize_mb`, the file
+        a writer may finish between two walks of the polled quota (the workspace is the sandbox's only writable
+        place on disk)."""
+        return Resources(self.nproc, self.memory_mb + self.tmp_mb + min(self.tmp_mb, 16), self.disk_mb + self.fsize_mb)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -34,17 +34,22 @@ def root() -> pathlib.Path:
     with _mutex:
         if _root is not None and _owner == os.getpid():
             return _root
-        base = pathlib.Path(tempfile.gettempdir())
-        sweep(base)
-        new = pathlib.Path(tempfile.mkdtemp(prefix=f".{PREFIX}new-", dir=base))
+        parent = base()
+        sweep(parent)
+        new = pathlib.Path(tempfile.mkdtemp(prefix=f".{PREFIX}new-", dir=parent))
         fd = os.open(new / "lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)   # held until this process exits: the fd is never closed
-        final = base / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        final = parent / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         os.rename(new, final)
         os.chmod(final, 0o711)           # a root daemon's sandbox uids must reach their directories in here
         _root, _owner = final, os.getpid()
         atexit.register(_remove, final, os.getpid())
         return final
+
+
+def base() -> pathlib.Path:
+    """The directory that holds the scratch roots (the temp dir): its file system holds every session's files."""
+    return pathlib.Path(tempfile.gettempdir())
 
 
 def sweep(base: pathlib.Path | None = None) -> list[pathlib.Path]:

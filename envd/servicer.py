@@ -26,7 +26,7 @@ import time
 import grpc
 
 from envd import hints, registry
-from envd.base import Action, ActionError, Outcome, Resources
+from envd.base import Action, ActionError, Outcome
 from envd.admission import Admission, Status as _Status, peer_identity, rpc as _rpc
 from envd.idempotency import CreateKeys
 from envd.snapshots import SnapshotSeal
@@ -268,8 +268,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 except ValueError as e:
                     self.counters["action_errors"] += 1
                     raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"reset: {e}")
-                await self.admission.charge(Resources(max(need.pids, s.charge.pids),
-                                                      max(need.memory_mb, s.charge.memory_mb)), f"session {s.id}", s)
+                await self.admission.charge(need.most(s.charge), f"session {s.id}", s)
             # ValueError too: a reset fails on malformed options, which is the caller's fault, not an infra error.
             # Seed 0 means "the session's seed" (proto3 has no unset): CreateSession's seed, itself 0 by default.
             try:

@@ -1,5 +1,5 @@
-"""envd's resource budgets, attacked through real daemons: the workspace quota's entry cap, the host-wide process
-and memory budget over real sandboxes, the per-client session cap, paged session listings, and coordinates that
+"""envd's resource budgets, attacked through real daemons: the workspace quota's entry cap, the host-wide process,
+memory and disk budget over real sandboxes, the per-client session cap, paged session listings, and coordinates that
 are not on the screen (NaN, infinite, negative, past the edge)."""
 from __future__ import annotations
 
@@ -147,6 +147,89 @@ def test_the_budget_defaults_come_from_the_host():
     assert 0 < t.memory_mb <= mem_mb and t.memory_mb >= mem_mb // 2
     assert 0 < t.pids <= int(open("/proc/sys/kernel/pid_max").read())
     assert host_totals(7, 9).pids == 7 and host_totals(7, 9).memory_mb == 9
+
+
+@needs_sandbox
+def test_sessions_past_the_disk_budget_are_refused_until_one_ends():
+    """The budget bounded processes and memory only: 531 terminals of memory_mb=32, nproc=8, disk_mb=16384 fit this
+    host's default budget, 8.3 TiB of workspace quotas on a disk with 74 GiB free. Each is charged its quota now."""
+    async def body():
+        # Each sandbox below may hold 16 MiB in its workspace plus one 8 MiB file the polled quota has not seen yet.
+        small = {"nproc": "16", "memory_mb": "64", "tmp_mb": "4", "disk_mb": "16", "fsize_mb": "8"}
+        async with envd_client(max_total_pids=10_000, max_total_memory_mb=10_000, max_total_disk_mb=50) as c:
+            a = await _terminal(c, small)
+            b = await _terminal(c, small)
+            bud = await _budget(c)
+            assert (bud["disk_mb"], bud["max_total_disk_mb"]) == (48, 50), bud
+            e = await expect_code(RESOURCE_EXHAUSTED, _terminal(c, small, reset=False))
+            assert "not enough disk (envd.max_total_disk_mb)" in e.details() and "48 MiB of disk" in e.details() \
+                and "memory (" not in e.details(), e.details()
+            # A Reset that raises the quota past the budget is refused; the session keeps its episode.
+            e = await expect_code(RESOURCE_EXHAUSTED, c.Reset(env_pb2.ResetRequest(
+                session_id=a, seed=1, options={"disk_mb": "20"}), timeout=30))
+            assert "disk" in e.details(), e.details()
+            assert "still-here" in (await _type(c, a, "echo still-here")).observation.text
+            # Closing one gives its disk back: a new session fits.
+            await c.Close(env_pb2.SessionRef(session_id=b))
+            await until_budget(c, lambda bud: bud["disk_mb"] == 24)
+            await _terminal(c, small)
+            assert (await _budget(c))["disk_mb"] == 48
+    run(body(), timeout=180)
+
+
+async def until_budget(c, ok, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not ok(await _budget(c)):
+        assert asyncio.get_running_loop().time() < deadline, await _budget(c)
+        await asyncio.sleep(0.05)
+
+
+def test_disk_claims_per_backend():
+    """A sandbox claims its workspace quota plus one file of fsize_mb; a hybrid's one workspace under one quota is
+    claimed once, not once for its terminal and once for its desktop."""
+    from envd.base import Resources
+    from envd.desktop_apps import DESKTOP_LIMITS
+    from envd.hybrid import HybridEnv
+    from envd.miniwob_backend import CHROMIUM_FLAGS, MiniWoBEnv
+    from envd.sandbox_limits import Limits
+
+    assert Limits.from_options({"disk_mb": "300", "fsize_mb": "20"}).host_claim().disk_mb == 320
+    assert Limits().host_claim() == Resources(64, 512 + 64 + 16, 256 + 64)
+    assert DESKTOP_LIMITS.host_claim().disk_mb == 320
+
+    class Side:
+        def __init__(self, r):
+            self.r = r
+
+        def resources(self, options=None):
+            return self.r
+
+    hybrid = type("H", (), {"terminal": Side(Resources(64, 592, 320)), "desktop": Side(Resources(64, 1075, 320))})()
+    assert HybridEnv.resources(hybrid) == Resources(128, 1667, 320)
+    assert MiniWoBEnv.claim.disk_mb == 64 and f"--disk-cache-size={32 << 20}" in CHROMIUM_FLAGS
+
+
+def test_the_disk_budget_defaults_to_three_quarters_of_the_scratch_file_system(monkeypatch, tmp_path):
+    from envd.budget import HostBudget, free_disk_mb, host_totals
+    from envd.base import Resources
+
+    st = os.statvfs(tempfile.gettempdir())
+    free = st.f_bavail * st.f_frsize >> 20
+    assert abs(free_disk_mb() - free) <= 64      # other writers on the host move it a little between the two reads
+    assert abs(host_totals().disk_mb - free * 3 // 4) <= 64
+    assert host_totals(max_total_disk_mb=5).disk_mb == 5
+    # It follows the temp dir, where the scratch roots (every session's files) are made.
+    monkeypatch.setattr(scratch, "base", lambda: tmp_path)
+    asked = []
+    monkeypatch.setattr(os, "statvfs", lambda p: asked.append(str(p)) or
+                        type("S", (), {"f_bavail": 1000, "f_frsize": 1 << 20})())
+    assert host_totals().disk_mb == 750 and asked == [str(tmp_path)]
+    b = HostBudget(host_totals(10, 10))
+    b.charge(Resources(1, 1, 700), "one")
+    with pytest.raises(Exception, match=r"not enough disk \(envd.max_total_disk_mb\).*options disk_mb, fsize_mb"):
+        b.charge(Resources(1, 1, 51), "two")
+    b.release(Resources(1, 1, 700))
+    b.charge(Resources(1, 1, 51), "two")
 
 
 # ---- the per-client cap -----------------------------------------------------------------------------------------
