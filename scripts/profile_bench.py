@@ -43,7 +43,7 @@ def stream(durability: str, seconds: float, pidfile: str) -> None:
         announce(pidfile, os.getpid())
         t_end, rates = time.monotonic() + seconds, []
         while time.monotonic() < t_end:
-            rates.append(n / _run_stream(trajs, tmp, True, 512, 4096, True, payload, durability))
+            rates.append(n / _run_stream(trajs, tmp, True, 512, 4096, True, payload, durability)[0])  # (seconds, CPU...)
     print(f"stream {durability}: {len(rates)} runs, {min(rates):.0f}-{max(rates):.0f} trajectories/s", flush=True)
 
 

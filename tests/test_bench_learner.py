@@ -1,5 +1,9 @@
 """`tars bench learner` end to end on a small setting: both figures measured, a real server serves each version."""
 import json
+import os
+import re
+
+import pytest
 
 from tars import cli
 
@@ -124,3 +128,18 @@ def test_bench_learner_rejects_bad_model_arguments(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             cli.main(["bench", "learner", *args])
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["stream-wal", "stream-checkpoint"])
+def test_the_profile_scripts_stream_loads_run(tmp_path, what):
+    """scripts/profile_bench.py's stream loads (what scripts/profile_bench.sh attaches py-spy to) run their transfers
+    and say how fast: they broke silently once when the bench's _run_stream began returning CPU figures too."""
+    import subprocess
+    import sys
+
+    pidfile = tmp_path / "pid"
+    r = subprocess.run([sys.executable, "scripts/profile_bench.py", what, "0.5", str(pidfile)], capture_output=True,
+                       text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert pidfile.read_text().strip().isdigit()
+    assert re.search(r"stream \w+: \d+ runs, \d+-\d+ trajectories/s", r.stdout), r.stdout
