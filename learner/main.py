@@ -152,6 +152,9 @@ class Learner:
         telemetry.observe("tars.learner.checkpoint_failures", lambda: self.counters["checkpoint_failures"],
                           description="checkpoints that could not be written (a full disk...): training went on",
                           kind="counter")
+        telemetry.observe("tars.learner.publish_write_failures", lambda: self.counters["publish_write_failures"],
+                          description="published versions whose weights/vN could not be written (a full disk...): "
+                          "training went on", kind="counter")
         telemetry.observe("tars.learner.dropped", lambda: {k: self.counters[k] for k in (Outcome.INFRA_ERROR, "too_stale",
                                                                                     "future_versions",
                                                                                     "no_generated_tokens",
@@ -337,7 +340,7 @@ class Learner:
         return {"version": self.version, "counters": dict(self.counters), "staleness": self.staleness.stats(),
                 "staleness_histogram": self.staleness.histogram(), "stream": self.receiver.stats(),
                 "queue": self.receiver.qsize(), "last": self.last_metrics, "last_checkpoint": self.last_checkpoint,
-                "checkpoint_error": self.checkpoint_error}
+                "checkpoint_error": self.checkpoint_error, "publish_error": self.publisher.error}
 
     def control(self):
         return learner_control(self.status, lambda: self.version, self.staleness, self.checkpoint_requested,

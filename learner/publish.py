@@ -13,7 +13,11 @@ With the policy on a GPU, one device-to-host copy per version serves the servers
 pinned buffers kept between publishes, learner.publish.host_copy; else one unpinned copy per publish).
 Whatever the mode, weights/v{version} is written (after the servers answered in the memory modes) because a
 restarted server loads the newest one, and all but the last `learner.publish.keep_versions` are pruned (with the
-leftovers of saves a killed learner interrupted, never counted as versions: prune). Each
+leftovers of saves a killed learner interrupted, never counted as versions: prune). A weights/vN that cannot be written
+(a full disk) fails that publish, not the learner: counted (publish_write_failures), shown (status publish_error), its
+partial directory removed, the previous versions left in place; in disk mode no server is told of it (they keep
+serving the previous version), in the memory modes the servers still install it from memory. Training goes on, and
+the next version is published as usual. Each
 version carries the starting model directory's tokenizer files (core.chat.copy_tokenizer_files), so it is a model
 directory of its own, as is the final export.
 """
@@ -37,6 +41,7 @@ from core.proc import pid_alive
 from core.weights_stream import chunks
 from core.config_learner import PublishConfig
 from core.v1 import inference_pb2, inference_pb2_grpc
+from learner.checkpoint import write_failure
 from learner.policy import TrainPolicy
 
 log = logging.getLogger("tars.learner")
@@ -49,11 +54,13 @@ def publish_weights(policy: TrainPolicy, wdir: pathlib.Path, version: int, stubs
     """weights/v{version} in HF layout (write, then rename), every server told to load it, old versions pruned.
 
     Returns the seconds from the start of the write until the last server answered (it serves the new weights then).
+    A failed write (a full disk) raises OSError, with no partial directory left and no server told.
     """
     t0 = time.perf_counter()
     wdir.mkdir(exist_ok=True)
     path = wdir / f"v{version:06d}"
-    policy.save_hf(path, tokenizer_from=tokenizer_from)
+    with write_failure(f"weights/{path.name}"):  # save_hf removes its temporary directory on the way out
+        policy.save_hf(path, tokenizer_from=tokenizer_from)
     for stub in stubs:
         try:
             stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(version=version, path=str(path)), timeout=timeout_s)
@@ -145,6 +152,7 @@ class Publisher:
             if why:
                 log.info("learner.publish.mode=auto: disk (%s)", why)
         self.host = HostCopy(pinned=cfg.host_copy)
+        self.error: dict | None = None  # the last failed weights/vN write, until one succeeds (status publish_error)
         if gone := [n for n in prune(self.wdir, cfg.keep_versions) if not _VERSION.fullmatch(n)]:
             log.warning("removed %d leftovers of interrupted weight saves: %s", len(gone), gone[:3])
         self.shm_prefix = weights_shm.run_prefix(run)
@@ -178,10 +186,25 @@ class Publisher:
         with self.host.of(self.policy):
             return time.perf_counter() - t0 + self._publish(version)  # the device-to-host copy counts too
 
+    def _write(self, version: int, stubs) -> None:
+        """publish_weights to `stubs`; a write that fails (a full disk) is counted and shown, and training goes on."""
+        try:
+            publish_weights(self.policy, self.wdir, version, stubs, self.cfg.keep_versions, self.counters,
+                            self.cfg.timeout_s, self.tokenizer_from)
+        except OSError as e:
+            self.counters["publish_write_failures"] += 1
+            self.error = {"version": version, "t": time.time(), "error": f"{type(e).__name__}: {e}"}
+            log.error("publish v%d: cannot write %s (%s); %s, training goes on and the next version is published",
+                      version, self.wdir / f"v{version:06d}", e,
+                      "the servers keep the previous version" if stubs else "a restarted server loads an older one")
+        else:
+            self.error = None
+
     def _publish(self, version: int) -> float:
         if self.mode == "disk":
-            return publish_weights(self.policy, self.wdir, version, self.stubs, self.cfg.keep_versions, self.counters,
-                                   self.cfg.timeout_s, self.tokenizer_from)
+            t0 = time.perf_counter()
+            self._write(version, self.stubs)
+            return time.perf_counter() - t0
         t0 = time.perf_counter()
         sd = self.policy.hf_state_dict()
         name = ""
@@ -191,8 +214,8 @@ class Publisher:
             except OSError as e:  # /dev/shm full or gone: this version goes by disk, as the fallback
                 self.counters["publish_shm_fallbacks"] += 1
                 log.warning("publish v%d: cannot write the shared-memory segment (%s); publishing from disk", version, e)
-                return publish_weights(self.policy, self.wdir, version, self.stubs, self.cfg.keep_versions,
-                                       self.counters, self.cfg.timeout_s, self.tokenizer_from)
+                self._write(version, self.stubs)
+                return time.perf_counter() - t0
         try:
             if name:
                 req = inference_pb2.UpdateWeightsRequest(version=version, shm=name)
@@ -203,8 +226,7 @@ class Publisher:
             for c in calls:
                 c.add_done_callback(lambda _c: done.append(time.perf_counter()))
             # the copy a restarted server loads (tars/topology.py relaunch), written while the servers install
-            publish_weights(self.policy, self.wdir, version, [], self.cfg.keep_versions, None, self.cfg.timeout_s,
-                            self.tokenizer_from)
+            self._write(version, [])
             for c in calls:
                 try:
                     c.result(timeout=self.cfg.timeout_s + 5.0)  # the call has its own deadline too

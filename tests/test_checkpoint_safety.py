@@ -230,6 +230,67 @@ def test_a_full_disk_in_a_real_write_fails_the_checkpoint_not_the_learner(tmp_pa
     assert json.loads((run / "ckpt" / "meta.json").read_text())["version"] == 3 and locate(run) == run / "ckpt"
 
 
+FULL_AT_PUBLISH = textwrap.dedent("""
+    import concurrent.futures, json, pathlib, resource, signal, sys
+    from core import config as C
+    from learner.main import Learner
+
+    run, model, mode = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+    class Server:  # an inference server's stub: what it was told, and when
+        def __init__(self):
+            self.told = []
+            self.UpdateWeights = self.update
+            self.UpdateWeightsStream = type("S", (), {{"future": self.stream}})()
+        def update(self, req, timeout=None):
+            self.told.append([req.version, req.path, sorted(p.name for p in pathlib.Path(req.path).iterdir())])
+        def stream(self, pieces, timeout=None):
+            self.told.append([next(iter(pieces)).version, "stream", []])
+            f = concurrent.futures.Future()
+            f.set_result(None)
+            return f
+
+    ln = Learner(C.load(overrides={overrides!r} + [f"learner.publish.mode={{mode}}"]), str(run), model, [])
+    server = Server()
+    ln.publisher.stubs = [server]
+    ln._publish(1)
+    v1 = run / "weights" / "v000001"
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a file grows past the limit as on a full disk: EFBIG
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, ((v1 / "model.safetensors").stat().st_size // 2, hard))
+    ln._publish(2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    failed = {{"error": ln.status()["publish_error"], "failures": ln.status()["counters"].get("publish_write_failures"),
+              "left": sorted(p.name for p in (run / "weights").iterdir())}}
+    ln._publish(3)
+    print(json.dumps({{"failed": failed, "told": server.told, "after": ln.status()["publish_error"],
+                      "left": sorted(p.name for p in (run / "weights").iterdir())}}))
+""").format(overrides=OVERRIDES)
+
+
+@pytest.mark.parametrize("mode", ["disk", "stream"])
+def test_a_full_disk_at_a_publish_fails_that_publish_not_the_learner(tmp_path, model, mode):
+    """weights/v2 meets a real full disk (RLIMIT_FSIZE: the safetensors write fails): the SafetensorError went up
+    through the learner's publish and ended it. Now that publish fails alone: counted, shown in the status, no
+    partial directory left, v1 stays; in disk mode no server is told of v2 (they keep serving v1), in stream mode
+    they got v2 from memory; the next publish (v3) is written and announced as usual."""
+    run = tmp_path / "run"
+    run.mkdir()
+    p = subprocess.run([sys.executable, "-c", FULL_AT_PUBLISH, str(run), str(model), mode], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    failed = out["failed"]
+    assert failed["error"]["version"] == 2 and "OSError: cannot write weights/v000002" in failed["error"]["error"]
+    assert failed["failures"] == 1 and failed["left"] == ["v000001"], failed
+    assert out["after"] is None and out["left"] == ["v000001", "v000003"]
+    told = [t[0] for t in out["told"]]
+    assert told == ([1, 3] if mode == "disk" else [1, 2, 3]), out["told"]
+    for version, path, files in out["told"]:  # only whole versions are announced
+        assert path == "stream" or (path.endswith(f"v{version:06d}") and "model.safetensors" in files)
+    assert "publish v2: cannot write" in p.stderr
+
+
 FULL_AT_COMPACTION = textwrap.dedent("""
     import json, pathlib, resource, signal, sys
     from core import config as C
