@@ -46,7 +46,8 @@ class _Entry:
     fingerprint: str
     done: asyncio.Future         # finished once the first attempt has (whether it made the session or not)
     at: float                    # time.monotonic() when the key was first seen
-    session: Any = None          # what it made (envd.sessions.Session); None if it failed or is still running
+    session_id: str = ""         # the id of what it made; "" if it failed or is still running. The id, not the
+                                 # session: a key outlives its session by up to ttl_s and must not keep it in memory
 
 
 class CreateKeys:
@@ -66,9 +67,9 @@ class CreateKeys:
                 break
             del self._keys[key]
 
-    async def create(self, owner: str, request, make: Callable[[], Awaitable], alive: Callable[[Any], bool]):
-        """The session (envd.sessions.Session) for `request`: make() once per (owner, request_id); `alive(session)`
-        says whether a remembered one is still open."""
+    async def create(self, owner: str, request, make: Callable[[], Awaitable], lookup: Callable[[str], Any]):
+        """The session (envd.sessions.Session) for `request`: make() once per (owner, request_id); `lookup(id)` is
+        the open session of that id, or None."""
         rid = request.request_id
         if not rid:
             return await make()
@@ -86,16 +87,17 @@ class CreateKeys:
                     raise Status(grpc.StatusCode.ABORTED, "the session of this request_id is still being created; "
                                                           "retry")
                 continue   # look again: it may have been forgotten, or taken over by another retry, meanwhile
-            if e.session is not None and alive(e.session):
-                e.session.renew()   # the lease runs from this answer, as it does from a fresh session's
-                return e.session
+            if e.session_id and (s := lookup(e.session_id)) is not None:
+                s.renew()   # the lease runs from this answer, as it does from a fresh session's
+                return s
             del self._keys[key]   # failed, cancelled or closed since: this request creates it anew
         now = time.monotonic()
         mine = self._keys[key] = _Entry(fp, asyncio.get_running_loop().create_future(), now)
         self._prune(now)
         try:
-            mine.session = await make()
-            return mine.session
+            s = await make()
+            mine.session_id = s.id
+            return s
         except BaseException:   # failed or cancelled: forgotten, so that a retry tries again
             if self._keys.get(key) is mine:
                 del self._keys[key]

@@ -247,7 +247,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             owner, ttl = peer_identity(context.peer()), self._ttl(request.lease_ttl_s)
             s = await self.create_keys.create(owner, request, lambda: self._open(
                 request.env_id, dict(request.options), ttl, request.client_id, request.seed, owner=owner),
-                lambda s: self._lookup(s.id) is s)
+                self._lookup)
             return self._created(s)
 
     @_rpc

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 import time
 
 import grpc
@@ -143,6 +145,9 @@ def test_a_failed_creation_is_not_remembered():
 
 
 class _S:
+    def __init__(self, sid: str = ""):
+        self.id = sid
+
     def renew(self):
         pass
 
@@ -153,20 +158,45 @@ def test_keys_are_bounded_in_count_and_time():
         made = []
 
         async def make():
-            made.append(_S())
+            made.append(_S(f"s{len(made)}"))
             return made[-1]
 
+        def lookup(sid):
+            return next((s for s in made if s.id == sid), None)
+
         for i in range(50):
-            await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id=f"k{i}"), make,
-                              lambda s: True)
+            await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id=f"k{i}"), make, lookup)
             assert len(keys) <= 3
         # the newest are remembered, the oldest forgotten
-        s = await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lambda s: True)
+        s = await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lookup)
         assert s is made[49] and len(made) == 50
         # keys are per client: another peer's same key is another session
-        await keys.create("other", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lambda s: True)
+        await keys.create("other", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lookup)
         assert len(made) == 51
         await asyncio.sleep(0.25)
-        await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lambda s: True)
+        await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lookup)
         assert len(made) == 52 and len(keys) == 1   # past ttl_s: forgotten
+    run(body())
+
+
+def test_a_remembered_key_does_not_keep_its_closed_session_in_memory():
+    """A key outlives its session by up to ttl_s: it holds the session's id, so a closed session (its env, its last
+    observation) is freed at once rather than when the key expires."""
+
+    async def body():
+        keys = CreateKeys(ttl_s=60.0, wait_s=1.0)
+        live = {}
+
+        async def make():
+            s = live["s1"] = _S("s1")
+            return s
+
+        ref = weakref.ref(await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k"), make,
+                                            live.get))
+        assert ref() is live["s1"] and len(keys) == 1
+        del live["s1"]          # closed: the daemon no longer holds it
+        gc.collect()
+        assert ref() is None and len(keys) == 1
+        again = await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k"), make, live.get)
+        assert again is live["s1"] and again is not None   # the key found no open session: made anew
     run(body())
