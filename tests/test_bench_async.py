@@ -70,7 +70,8 @@ def test_all_runs_what_is_registered_and_reports_a_failure_without_crashing(tmp_
     names = bench_all.bench_names()
     assert "broken" in names and "all" not in names and names[-1] == "async"
     out = tmp_path / "all.json"
-    a = bench_all.parse(["--json", str(out), "--only", "broken,inference", "--timeout", "120"])
+    a = bench_all.parse(["--json", str(out), "--only", "broken,inference", "--timeout", "120",
+                         "--args", "inference=--quick"])  # the combined run's own setting for it takes ~1 min
     r = bench_all.run(a)
     assert json.loads(out.read_text())["benchmarks"].keys() == {"broken", "inference"}
     b, i = r["benchmarks"]["broken"], r["benchmarks"]["inference"]
