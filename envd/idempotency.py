@@ -45,7 +45,7 @@ def fingerprint(request) -> str:
 class _Entry:
     fingerprint: str
     done: asyncio.Future         # finished once the first attempt has (whether it made the session or not)
-    at: float                    # time.monotonic() when the key was first seen
+    at: float                    # the clock (time.monotonic) when the key was first seen
     session_id: str = ""         # the id of what it made; "" if it failed or is still running. The id, not the
                                  # session: a key outlives its session by up to ttl_s and must not keep it in memory
 
@@ -53,8 +53,9 @@ class _Entry:
 class CreateKeys:
     """The remembered CreateSession keys of one daemon."""
 
-    def __init__(self, ttl_s: float, wait_s: float, max_keys: int = MAX_KEYS):
-        self.ttl_s, self.wait_s, self.max_keys = ttl_s, wait_s, max(1, max_keys)
+    def __init__(self, ttl_s: float, wait_s: float, max_keys: int = MAX_KEYS,
+                 clock: Callable[[], float] = time.monotonic):
+        self.ttl_s, self.wait_s, self.max_keys, self.clock = ttl_s, wait_s, max(1, max_keys), clock
         self._keys: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -76,7 +77,7 @@ class CreateKeys:
         if len(rid.encode()) > MAX_KEY_LEN:
             raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {MAX_KEY_LEN} bytes")
         key, fp = (owner, rid), fingerprint(request)
-        self._prune(time.monotonic())
+        self._prune(self.clock())
         while (e := self._keys.get(key)) is not None:
             if e.fingerprint != fp:
                 raise Status(grpc.StatusCode.INVALID_ARGUMENT,
@@ -91,7 +92,7 @@ class CreateKeys:
                 s.renew()   # the lease runs from this answer, as it does from a fresh session's
                 return s
             del self._keys[key]   # failed, cancelled or closed since: this request creates it anew
-        now = time.monotonic()
+        now = self.clock()
         mine = self._keys[key] = _Entry(fp, asyncio.get_running_loop().create_future(), now)
         self._prune(now)
         try:

@@ -125,7 +125,10 @@ def test_a_retry_during_the_creation_waits_for_it():
         async with envd_client() as c:
             req = env_pb2.CreateSessionRequest(env_id="test-slowmake/a", options={"make_s": "0.5"}, request_id="k")
             first = asyncio.ensure_future(c.CreateSession(req, timeout=10))
-            await asyncio.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while not len(c.server.servicer.create_keys):   # the first attempt is creating: its key is known
+                assert time.monotonic() < deadline and not first.done()
+                await asyncio.sleep(0.01)
             second = await c.CreateSession(req, timeout=10)
             assert (await first).session_id == second.session_id
             assert len(SlowMakeEnv.made) == 1 and len(c.server.servicer.sessions) == 1
@@ -154,7 +157,8 @@ class _S:
 
 def test_keys_are_bounded_in_count_and_time():
     async def body():
-        keys = CreateKeys(ttl_s=0.2, wait_s=1.0, max_keys=3)
+        now = [0.0]
+        keys = CreateKeys(ttl_s=0.2, wait_s=1.0, max_keys=3, clock=lambda: now[0])
         made = []
 
         async def make():
@@ -173,7 +177,7 @@ def test_keys_are_bounded_in_count_and_time():
         # keys are per client: another peer's same key is another session
         await keys.create("other", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lookup)
         assert len(made) == 51
-        await asyncio.sleep(0.25)
+        now[0] += 0.25
         await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k49"), make, lookup)
         assert len(made) == 52 and len(keys) == 1   # past ttl_s: forgotten
     run(body())
