@@ -62,6 +62,25 @@ def occupy_pid(pid: int) -> subprocess.Popen | None:
     return None
 
 
+def assert_untouched(victim: subprocess.Popen | None, wait_s: float = 0.2) -> None:
+    """The host process occupy_pid gave a freed number still runs after wait_s (nothing signalled it); no-op when
+    there is none."""
+    if victim is None:
+        return
+    try:
+        code = victim.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        return
+    raise AssertionError(f"a host process given a freed pid was signalled (exit {code})")
+
+
+def release(victim: subprocess.Popen | None) -> None:
+    """End the host process occupy_pid started, if any."""
+    if victim is not None:
+        victim.kill()
+        victim.wait()
+
+
 def code_of(e: BaseException) -> grpc.StatusCode | None:
     return e.code() if isinstance(e, grpc.aio.AioRpcError) else None
 

@@ -157,6 +157,12 @@ def test_oversized_prompts_and_stop_lists_are_refused_by_their_sizes_alone():
     assert front._engine_submit(req(3, 300)).result(1).output_ids == [1] and seen == [3]
 
 
+def _short_request(**sampling) -> inference_pb2.GenerateRequest:
+    """A 3-token prompt asking for 4 tokens with these sampling parameters."""
+    return inference_pb2.GenerateRequest(input_ids=[5, 6, 7], sampling=inference_pb2.SamplingParams(
+        max_new_tokens=4, **sampling))
+
+
 @pytest.mark.parametrize("top_p", [float("nan"), -0.5])
 def test_a_nan_or_negative_top_p_is_refused_not_served_untruncated(top_p):
     """The front mapped every top_p <= 0 (and NaN, which compares false) to 1.0, "off", before the engine's own check
@@ -171,15 +177,10 @@ def test_a_nan_or_negative_top_p_is_refused_not_served_untruncated(top_p):
     eng = LocalEngine(cfg, make_model(0), start=False)
     try:
         front = InferenceServicer(cfg, eng)
-
-        def req(p):
-            return inference_pb2.GenerateRequest(input_ids=[5, 6, 7], sampling=inference_pb2.SamplingParams(
-                max_new_tokens=4, top_p=p))
-
         with pytest.raises(ValueError, match="top_p"):
-            front._engine_submit(req(top_p))
+            front._engine_submit(_short_request(top_p=top_p))
         assert eng.metrics()["requests"] == 0
-        front._engine_submit(req(0.0))  # unset: off, accepted
+        front._engine_submit(_short_request(top_p=0.0))  # unset: off, accepted
         assert eng.metrics()["requests"] == 1
     finally:
         eng.close()
@@ -203,16 +204,11 @@ def test_a_non_finite_temperature_is_refused_not_served_uniform(engine, temperat
         eng = SGLangEngine(cfg, cfg.sglang_urls, health_thread=False)
     try:
         front = InferenceServicer(cfg, eng)
-
-        def req(t):
-            return inference_pb2.GenerateRequest(input_ids=[5, 6, 7], sampling=inference_pb2.SamplingParams(
-                max_new_tokens=4, temperature=t))
-
         with pytest.raises(ValueError, match="temperature must be finite"):
-            front._engine_submit(req(temperature))
+            front._engine_submit(_short_request(temperature=temperature))
         assert eng.metrics()["requests"] == 0
         if engine == "local":
-            front._engine_submit(req(3.4e38))  # the largest float32: finite, accepted
+            front._engine_submit(_short_request(temperature=3.4e38))  # the largest float32: finite, accepted
             assert eng.metrics()["requests"] == 1
     finally:
         eng.close()
