@@ -309,10 +309,14 @@ def test_an_app_holding_the_x_server_cannot_hang_the_screenshot():
     try:
         env.reset(0)
         env.step(Action("click", target="xterm"))
-        grab = ("import ctypes, time; x = ctypes.CDLL('libX11.so.6'); x.XOpenDisplay.restype = ctypes.c_void_p; "
-                "d = ctypes.c_void_p(x.XOpenDisplay(None)); time.sleep(1); x.XGrabServer(d); x.XSync(d, 0); "
-                "open('grabbed', 'w').close(); time.sleep(600)")
+        # It grabs once told to (the file 'go', made once the typing step has returned, so the step's own
+        # screenshot is not the one held up), then holds the server until it is killed.
+        grab = ("import ctypes, os, time; x = ctypes.CDLL('libX11.so.6'); x.XOpenDisplay.restype = ctypes.c_void_p; "
+                "d = ctypes.c_void_p(x.XOpenDisplay(None)); end = time.time() + 60; "
+                "[time.sleep(0.05) for _ in iter(lambda: os.path.exists('go') or time.time() > end, True)]; "
+                "x.XGrabServer(d); x.XSync(d, 0); open('grabbed', 'w').close(); time.sleep(600)")
         env.step(Action("type", content=f'python3 -c "{grab}" &\n'))
+        open(os.path.join(env.workspace, "go"), "w").close()
         _poll(lambda: os.path.exists(os.path.join(env.workspace, "grabbed")), what="the app to grab the server")
         got = {}
 
