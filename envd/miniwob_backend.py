@@ -26,7 +26,6 @@ import http.server
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import threading
 import weakref
@@ -38,14 +37,8 @@ from envd.browser_input import _bool
 from envd.miniwob_actions import Translator, flatten_dom, render
 from envd.miniwob_oracle import oracle_action
 from envd.png import encode_rgb
-from envd.proctree import kill_session, with_parent_death_signal
+from envd.miniwob_chromium import CHROMEDRIVER, CHROMIUM, CHROMIUM_FLAGS, ChromiumProcess  # noqa: F401
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-# The flags that work in a container without a GPU or network. --remote-debugging-pipe: Chromium talks to
-# chromedriver over a pipe and exits when chromedriver dies, so a killed daemon cannot leave a browser behind.
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage", "--disable-sync",
-                  "--remote-debugging-pipe", f"--disk-cache-size={32 << 20}")
 PRESETS = ("all_supported", "shi17", "liu18", "humphreys22")
 _ID = re.compile(r"^miniwob/(.+)-v(\d+)$")
 
@@ -72,63 +65,6 @@ def task_names() -> list[str]:
 
 
 # ---- the browser --------------------------------------------------------------------------------------------
-
-class ChromiumProcess:
-    """chromedriver + Chromium for one session: own process group, private directory, bounded commands."""
-
-    def __init__(self, workdir: str, command_timeout_s: float):
-        self.workdir, self.command_timeout_s = workdir, command_timeout_s
-        self.service = None
-        self.driver = None
-
-    def start(self, window: tuple[int, int]):
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-
-        argv = with_parent_death_signal([os.environ.get("MINIWOB_CHROMEDRIVER") or CHROMEDRIVER])
-
-        class _Service(Service):  # chromedriver behind setpriv: prepend the rest of argv to chromedriver's args
-            def command_line_args(self) -> list[str]:
-                return [*argv[1:], *super().command_line_args()] if self.path == argv[0] else super().command_line_args()
-
-        # HOME/XDG dirs: Chromium's crash handler and caches write here, not in the daemon user's home.
-        env = {**os.environ, "HOME": self.workdir, "XDG_CONFIG_HOME": os.path.join(self.workdir, "config"),
-               "XDG_CACHE_HOME": os.path.join(self.workdir, "cache")}
-        opts = webdriver.ChromeOptions()
-        opts.binary_location = os.environ.get("MINIWOB_CHROME_BINARY") or CHROMIUM
-        for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={self.workdir}/profile", f"--window-size={window[0]},{window[1]}"):
-            opts.add_argument(flag)
-        # start_new_session: chromedriver and Chromium get their own process group, killed as one on close.
-        self.service = _Service(executable_path=argv[0], env=env, log_output=subprocess.DEVNULL,
-                                popen_kw={"start_new_session": True})
-        self.driver = webdriver.Chrome(service=self.service, options=opts)
-        self.driver.command_executor.client_config.timeout = self.command_timeout_s
-        self.driver.set_page_load_timeout(self.command_timeout_s)
-        self.driver.set_script_timeout(self.command_timeout_s)
-        return self.driver
-
-    @property
-    def pid(self) -> int:
-        p = getattr(self.service, "process", None)
-        return p.pid if p is not None else 0
-
-    def stop(self) -> None:
-        """Quit politely (bounded), then SIGKILL whatever is left of the session's processes."""
-        driver, self.driver = self.driver, None
-        if driver is not None:
-            try:
-                driver.command_executor.client_config.timeout = 5
-                driver.quit()
-            except Exception:
-                pass  # a dead browser cannot be quit; the kill below is what counts
-        pid = self.pid
-        kill_session(pid, {pid} if pid else set(), needle=self.workdir)
-        if pid:
-            try:
-                self.service.process.wait(timeout=5)
-            except Exception:
-                pass
-
 
 def wait_for_task_page(driver, url: str, timeout_s: float) -> None:
     """Wait until a just-loaded task page shows MiniWoB's sync screen (its scripts have run)."""

@@ -337,3 +337,47 @@ def test_killed_browser_is_infra_error_and_nothing_outlives_the_daemon():
 
     live = run(body(), timeout=180)
     assert not _session_gone(live) and not os.path.exists(live._dir)
+
+
+def _fake_chromedriver(tmp_path, fail_first: int, message: str) -> tuple[str, str]:
+    """A chromedriver that, its first `fail_first` times, prints `message` and exits 1 (as the real one does when
+    another socket took the port it was given), and then runs the real one. -> (its path, its count file)."""
+    count = tmp_path / "starts"
+    script = tmp_path / "chromedriver"
+    script.write_text(f"""#!/bin/bash
+n=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $n > {count}
+if [ $n -le {fail_first} ]; then echo "{message}"; exit 1; fi
+exec {shutil.which("chromedriver")} "$@"
+""")
+    script.chmod(0o755)
+    return str(script), str(count)
+
+
+def test_a_chromedriver_start_that_lost_its_port_is_made_again(tmp_path, monkeypatch):
+    from envd.miniwob_chromium import ChromiumProcess
+
+    path, count = _fake_chromedriver(tmp_path, 2, "IPv4 port not available. Exiting...")
+    monkeypatch.setenv("MINIWOB_CHROMEDRIVER", path)
+    (work := tmp_path / "session").mkdir()
+    browser = ChromiumProcess(str(work), 30)
+    try:
+        driver = browser.start((160, 210))
+        driver.get("data:text/html,<title>up</title>")
+        assert driver.title == "up"
+        assert browser.port_retries == 2 and open(count).read().strip() == "3"
+    finally:
+        browser.stop()
+
+
+def test_a_chromedriver_that_cannot_start_says_why_once(tmp_path, monkeypatch):
+    from selenium.common.exceptions import WebDriverException
+
+    from envd.miniwob_chromium import ChromiumProcess
+
+    path, count = _fake_chromedriver(tmp_path, 99, "error while loading shared libraries: libnss3.so")
+    monkeypatch.setenv("MINIWOB_CHROMEDRIVER", path)
+    (work := tmp_path / "session").mkdir()
+    browser = ChromiumProcess(str(work), 30)
+    with pytest.raises(WebDriverException, match="chromedriver said: error while loading shared libraries"):
+        browser.start((160, 210))
+    assert open(count).read().strip() == "1" and browser.port_retries == 0  # not a lost port: not tried again
