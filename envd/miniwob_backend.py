@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import logging
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ from envd.miniwob_chromium import CHROMEDRIVER, CHROMIUM, CHROMIUM_FLAGS, Chromi
 
 PRESETS = ("all_supported", "shi17", "liu18", "humphreys22")
 _ID = re.compile(r"^miniwob/(.+)-v(\d+)$")
+log = logging.getLogger("envd")
 
 
 def configure_offline() -> None:
@@ -298,7 +300,19 @@ class MiniWoBEnv(Env):
         truncated = not done and self.max_steps > 0 and self._steps >= self.max_steps
         self._done = done or truncated
         self._last = self._result(obs, info, float(reward), done, truncated)
+        if self._done:
+            self._park()
         return self._last
+
+    def _park(self) -> None:
+        """An ended episode's page goes to about:blank until the next Reset loads the task again (everything after
+        the end is answered from self._last). A task page left open keeps its timers and reward display running
+        (8 sessions idle after an ended episode: 0.34-0.77 CPU-s per 10 s, parked 0.15-0.37, alternating runs),
+        which a pool of sessions kept for reuse (actor.keep_sessions) pays on every idle one. A page that does not go is left as it is: Reset reloads it."""
+        try:
+            self.gym.unwrapped.instance.driver.get("about:blank")
+        except Exception as e:  # a dead browser: the next Reset says so
+            log.debug("miniwob/%s: parking the page failed: %s", self.task, e)
 
     def observe(self) -> StepResult:
         if self._last is None:

@@ -207,20 +207,31 @@ def test_coordinates_typing_and_rejected_actions(enter_text):
     assert 0 < r.reward <= 1.0  # MiniWoB's time-decayed reward
     with pytest.raises(ActionError, match="over"):
         env.step(Action("wait"))
+    # The ended episode's page is parked on a blank page (no task timers run in an idle session); what comes after
+    # the end is the last result, and the next Reset plays from the task page.
+    assert _page(env) == "about:blank" and env.observe() is r
+
+
+def _page(env) -> str:
+    return env.gym.unwrapped.instance.driver.current_url
 
 
 def test_wrong_answer_fails_and_max_steps_truncates(enter_text):
     env = enter_text
     env.reset(8)
+    assert _page(env).endswith("enter-text.html")
     r = env.step(Action("type", target="[5]", content="definitely wrong"))
     r = env.step(Action("click", target="Submit"))
     assert r.outcome == "terminated" and not r.info["success"] and r.reward < 0
+    assert _page(env) == "about:blank"
     r = env.reset(9, {"max_steps": "2"})
     r = env.step(Action("wait"))
-    assert r.outcome == "running"
+    assert r.outcome == "running" and _page(env).endswith("enter-text.html")
     r = env.step(Action("wait"))
-    assert r.outcome == "truncated" and r.reward == 0.0
+    assert r.outcome == "truncated" and r.reward == 0.0 and _page(env) == "about:blank"
     env.reset(10, {"max_steps": "0"})
+    r = env.step(Action("type", target="[5]", content="x"))
+    assert r.outcome == "running" and 'value="x"' in r.text  # a parked session plays its next episode as a new one
 
 
 def _episode_ms(env) -> int:
