@@ -11,8 +11,9 @@ without its port) and key, the creation it started:
   - failed or cancelled      -> forgotten: the retry creates the session itself
   - session since closed     -> forgotten: the retry creates a new one (nothing is held twice)
 
-Keys are remembered for `ttl_s` and at most `max_keys` of them (the oldest forgotten first), so their memory is
-bounded whatever clients send; a key reused with another env id, options or seed is INVALID_ARGUMENT. A request
+Keys are remembered for `ttl_s` and at most `max_keys` of them (the oldest forgotten first, never one whose creation
+is still running: with `max_keys` creations running at once a new keyed create is RESOURCE_EXHAUSTED, nothing is
+made), so their memory is bounded whatever clients send; a key reused with another env id, options or seed is INVALID_ARGUMENT. A request
 without a key is served as before.
 """
 from __future__ import annotations
@@ -61,12 +62,17 @@ class CreateKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def _prune(self, now: float) -> None:
-        while self._keys:
-            key, e = next(iter(self._keys.items()))
-            if now - e.at < self.ttl_s and len(self._keys) <= self.max_keys:
+    def _prune(self, now: float, room: int = 0) -> None:
+        """Forget expired keys and, oldest first, enough others to leave `room` under max_keys; a creation still
+        in progress is never forgotten (its retry must find it, or it would make a second session)."""
+        over = len(self._keys) + room - self.max_keys
+        for key in list(self._keys):   # oldest first (time.monotonic order)
+            e = self._keys[key]
+            if now - e.at < self.ttl_s and over <= 0:
                 break
-            del self._keys[key]
+            if e.done.done():
+                del self._keys[key]
+                over -= 1
 
     async def create(self, owner: str, request, make: Callable[[], Awaitable], lookup: Callable[[str], Any]):
         """The session (envd.sessions.Session) for `request`: make() once per (owner, request_id); `lookup(id)` is
@@ -93,8 +99,11 @@ class CreateKeys:
                 return s
             del self._keys[key]   # failed, cancelled or closed since: this request creates it anew
         now = self.clock()
+        self._prune(now, room=1)
+        if len(self._keys) >= self.max_keys:   # every remembered key is a creation in progress
+            raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(self._keys)} sessions with a request_id are being "
+                                                             "created at once (envd's bound): retry later")
         mine = self._keys[key] = _Entry(fp, asyncio.get_running_loop().create_future(), now)
-        self._prune(now)
         try:
             s = await make()
             mine.session_id = s.id

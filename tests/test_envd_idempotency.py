@@ -204,3 +204,34 @@ def test_a_remembered_key_does_not_keep_its_closed_session_in_memory():
         again = await keys.create("peer", env_pb2.CreateSessionRequest(env_id="e", request_id="k"), make, live.get)
         assert again is live["s1"] and again is not None   # the key found no open session: made anew
     run(body())
+
+
+def test_a_creation_in_progress_is_not_forgotten_at_the_key_bound():
+    """With max_keys creations running, a new keyed create is refused (nothing made) rather than evicting one of
+    them, whose retry would then have made a second session; once they are done, old keys make room again."""
+
+    async def body():
+        keys = CreateKeys(ttl_s=60.0, wait_s=5.0, max_keys=2)
+        made, gate = [], asyncio.Event()
+
+        async def slow_make():
+            await asyncio.wait_for(gate.wait(), 10)
+            made.append(_S(f"s{len(made)}"))
+            return made[-1]
+
+        def lookup(sid):
+            return next((s for s in made if s.id == sid), None)
+
+        req = lambda k: env_pb2.CreateSessionRequest(env_id="e", request_id=k)  # noqa: E731
+        first = [asyncio.ensure_future(keys.create("peer", req(k), slow_make, lookup)) for k in ("a", "b")]
+        await asyncio.sleep(0)
+        with pytest.raises(Exception, match="being created at once") as e:
+            await keys.create("peer", req("c"), slow_make, lookup)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        retry = asyncio.ensure_future(keys.create("peer", req("a"), slow_make, lookup))  # a's answer was lost
+        gate.set()
+        a, b = await asyncio.gather(*first)
+        assert await retry is a and len(made) == 2
+        c = await keys.create("peer", req("c"), slow_make, lookup)   # "a", done, is forgotten to make room
+        assert len(made) == 3 and c is made[2] and len(keys) == 2
+    run(body())
