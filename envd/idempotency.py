@@ -1,9 +1,10 @@
-"""CreateSession's idempotency keys: a retried CreateSession gets the session its first attempt created.
+"""Idempotency keys of the RPCs that make a session (CreateSession, Restore, Fork): a retry gets the session its
+first attempt created.
 
 A client whose CreateSession reached envd but whose answer was lost (a connection reset, a proxy restart) retries
 it; without a key the retry built a second session, and the first (its backend, a Chromium, a session slot and its
 share of the host budget) was held by nobody until its lease ran out. A client therefore sends a request id of its
-choosing (CreateSessionRequest.request_id) and the same one with every retry. envd remembers, per client (the peer
+choosing (the request's request_id) and the same one with every retry. envd remembers, per client (the peer
 without its port) and key, the creation it started:
 
   - done, session still open -> the same session again (its lease renewed)
@@ -27,6 +28,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from core.v1 import env_pb2
 from envd.admission import Status
 
 MAX_KEY_LEN = 128          # bytes of a request id: a key is an id, not a payload
@@ -34,8 +36,15 @@ MAX_KEYS = 4096            # keys remembered at once (about a few hundred bytes 
 
 
 def fingerprint(request) -> str:
-    """What a retry must repeat unchanged: the env id, its options, the seed and the lease asked for."""
-    h = hashlib.sha256(request.env_id.encode())
+    """What a retry must repeat unchanged, the RPC included (a key of a Fork given to a Restore is another request):
+    CreateSession's env id, options, seed and lease; Restore's env id, state and lease; Fork's session and run id."""
+    if isinstance(request, env_pb2.RestoreRequest):
+        h = hashlib.sha256(b"restore\0" + request.env_id.encode() + b"\0" + hashlib.sha256(request.state).digest())
+        h.update(f"\0{request.lease_ttl_s!r}".encode())
+        return h.hexdigest()
+    if isinstance(request, env_pb2.ForkRequest):
+        return hashlib.sha256(f"fork\0{request.session_id}\0{request.run_id}".encode()).hexdigest()
+    h = hashlib.sha256(b"create\0" + request.env_id.encode())
     for k, v in sorted(request.options.items()):
         h.update(b"\0" + k.encode() + b"\0" + v.encode())
     h.update(f"\0{request.seed}\0{request.lease_ttl_s!r}".encode())
@@ -86,8 +95,8 @@ class CreateKeys:
         self._prune(self.clock())
         while (e := self._keys.get(key)) is not None:
             if e.fingerprint != fp:
-                raise Status(grpc.StatusCode.INVALID_ARGUMENT,
-                             "request_id reused for a different CreateSession (env id, options, seed or lease differ)")
+                raise Status(grpc.StatusCode.INVALID_ARGUMENT, "request_id reused for a different request (another "
+                             "RPC, or its env id, options, seed, state, session or lease differ)")
             if not e.done.done():   # the first attempt is still creating it: its session is this request's too
                 done, _ = await asyncio.wait({e.done}, timeout=self.wait_s)
                 if not done:

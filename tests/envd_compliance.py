@@ -81,6 +81,10 @@ def release(victim: subprocess.Popen | None) -> None:
         victim.wait()
 
 
+def _fork(ref: env_pb2.SessionRef) -> env_pb2.ForkRequest:
+    return env_pb2.ForkRequest(session_id=ref.session_id, run_id=ref.run_id)
+
+
 def code_of(e: BaseException) -> grpc.StatusCode | None:
     return e.code() if isinstance(e, grpc.aio.AioRpcError) else None
 
@@ -258,7 +262,7 @@ class EnvCompliance:
         async def body():
             async with self.client() as c:
                 ref = env_pb2.SessionRef(session_id="no-such-session")
-                for call in (c.Observe(ref), c.Close(ref), c.Snapshot(ref), c.Fork(ref),
+                for call in (c.Observe(ref), c.Close(ref), c.Snapshot(ref), c.Fork(_fork(ref)),
                              c.Reset(env_pb2.ResetRequest(session_id="no-such-session")),
                              c.Step(env_pb2.StepRequest(session_id="no-such-session", action=env_pb2.Action(type="wait"))),
                              c.CreateSession(env_pb2.CreateSessionRequest(env_id="no-such-backend/x"))):
@@ -314,12 +318,12 @@ class EnvCompliance:
                     snap = await c.Snapshot(ref)
                 except grpc.aio.AioRpcError as e:
                     assert e.code() == grpc.StatusCode.UNIMPLEMENTED, e
-                    await expect_code(grpc.StatusCode.UNIMPLEMENTED, c.Fork(ref))
+                    await expect_code(grpc.StatusCode.UNIMPLEMENTED, c.Fork(_fork(ref)))
                     assert list(c.server.servicer.sessions) == [sid]  # failed forks leave nothing behind
                     return
                 assert snap.env_id == self.env_id
                 restored = await c.Restore(env_pb2.RestoreRequest(env_id=self.env_id, state=snap.state))
-                forked = await c.Fork(ref)
+                forked = await c.Fork(_fork(ref))
                 want = (await c.Observe(ref)).observation
                 for other in (restored.session_id, forked.session_id):
                     assert other != sid

@@ -173,7 +173,7 @@ def test_drain_keeps_existing_sessions():
             ctl = _control(c)
             await ctl.Command(control_pb2.CommandRequest(name="drain"), timeout=5)
             await expect_code(grpc.StatusCode.UNAVAILABLE, _create(c))
-            await expect_code(grpc.StatusCode.UNAVAILABLE, c.Fork(env_pb2.SessionRef(session_id=sid)))
+            await expect_code(grpc.StatusCode.UNAVAILABLE, c.Fork(env_pb2.ForkRequest(session_id=sid)))
             assert (await _step(c, sid)).outcome == common_pb2.RUNNING
             assert (await _status(c))["draining"] is True
             assert await _health(c.channel, ENV_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING

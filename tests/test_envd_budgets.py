@@ -245,7 +245,7 @@ def test_per_client_session_cap_whatever_client_id_is_sent():
                 env_id="builtin/click", client_id="someone-else")))
             assert "per-client session cap" in e.details() and "127.0.0.1" in e.details(), e.details()
             await c.Reset(env_pb2.ResetRequest(session_id=sids[0]))
-            await expect_code(RESOURCE_EXHAUSTED, c.Fork(env_pb2.SessionRef(session_id=sids[0])))
+            await expect_code(RESOURCE_EXHAUSTED, c.Fork(env_pb2.ForkRequest(session_id=sids[0])))
             await c.Close(env_pb2.SessionRef(session_id=sids[1]))
             await c.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/click"))
             await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.CreateSession(env_pb2.CreateSessionRequest(

@@ -235,3 +235,35 @@ def test_a_creation_in_progress_is_not_forgotten_at_the_key_bound():
         c = await keys.create("peer", req("c"), slow_make, lookup)   # "a", done, is forgotten to make room
         assert len(made) == 3 and c is made[2] and len(keys) == 2
     run(body())
+
+
+def test_restore_and_fork_with_a_request_id_make_one_session_each():
+    """Restore and Fork make a session as CreateSession does: a retry of either (its answer lost) gets the session
+    the first attempt made (before: a second one, held by nobody until its lease ran out). A Fork's retry gets its
+    fork even after the source closed; a key is one request: given to another RPC it is INVALID_ARGUMENT."""
+
+    async def body():
+        async with envd_client() as c:
+            sessions = c.server.servicer.sessions
+            src = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/click", seed=1))).session_id
+            await c.Reset(env_pb2.ResetRequest(session_id=src, seed=1))
+            state = (await c.Snapshot(env_pb2.SessionRef(session_id=src))).state
+            restore = env_pb2.RestoreRequest(env_id="builtin/click", state=state, request_id="r1")
+            a, b = await c.Restore(restore), await c.Restore(restore)
+            assert a.session_id == b.session_id and len(sessions) == 2
+            other = await c.Restore(env_pb2.RestoreRequest(env_id="builtin/click", state=state, request_id="r2"))
+            assert other.session_id not in (a.session_id, src) and len(sessions) == 3
+            fork = env_pb2.ForkRequest(session_id=src, request_id="f1")
+            f1, f2 = await c.Fork(fork), await c.Fork(fork)
+            assert f1.session_id == f2.session_id and len(sessions) == 4
+            await c.Close(env_pb2.SessionRef(session_id=src))
+            assert (await c.Fork(fork)).session_id == f1.session_id and len(sessions) == 3
+            for wrong in (c.Fork(env_pb2.ForkRequest(session_id=a.session_id, request_id="r1")),
+                          c.CreateSession(env_pb2.CreateSessionRequest(env_id="builtin/click", request_id="f1")),
+                          c.Restore(env_pb2.RestoreRequest(env_id="builtin/click", state=state, lease_ttl_s=30,
+                                                           request_id="r1"))):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await wrong
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+            assert len(sessions) == 3
+    run(body())

@@ -144,7 +144,7 @@ def test_a_cancelled_fork_leaves_no_session_behind():
             await c.Reset(env_pb2.ResetRequest(session_id=src))
             sv.sessions[src].env.release.set()  # the source snapshots at once; the fork's restore blocks
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await c.Fork(env_pb2.SessionRef(session_id=src), timeout=0.5)
+                await c.Fork(env_pb2.ForkRequest(session_id=src), timeout=0.5)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await until(lambda: list(sv.sessions) == [src], "the fork nobody got to be retired")
             for env in StuckEnv.made:

@@ -266,7 +266,7 @@ def test_fork_over_envd_gives_identical_trajectories():
             sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="gym/FrozenLake-v1"))).session_id
             await c.Reset(env_pb2.ResetRequest(session_id=sid, seed=3))
             await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="type", content="1")))
-            fork = (await c.Fork(env_pb2.SessionRef(session_id=sid))).session_id
+            fork = (await c.Fork(env_pb2.ForkRequest(session_id=sid))).session_id
             trajectories = []
             for s in (sid, fork):
                 out = []

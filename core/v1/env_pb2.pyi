@@ -162,14 +162,26 @@ class SnapshotResponse(_message.Message):
     def __init__(self, state: _Optional[bytes] = ..., env_id: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("env_id", "state", "lease_ttl_s")
+    __slots__ = ("env_id", "state", "lease_ttl_s", "request_id")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     state: bytes
     lease_ttl_s: float
-    def __init__(self, env_id: _Optional[str] = ..., state: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    request_id: str
+    def __init__(self, env_id: _Optional[str] = ..., state: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("session_id", "run_id", "request_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    run_id: str
+    request_id: str
+    def __init__(self, session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ListEnvsRequest(_message.Message):
     __slots__ = ()

@@ -76,7 +76,7 @@ class EnvServiceStub:
                 _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/tars.v1.EnvService/Fork',
-                request_serializer=tars_dot_v1_dot_env__pb2.SessionRef.SerializeToString,
+                request_serializer=tars_dot_v1_dot_env__pb2.ForkRequest.SerializeToString,
                 response_deserializer=tars_dot_v1_dot_env__pb2.CreateSessionResponse.FromString,
                 _registered_method=True)
         self.ListEnvs = channel.unary_unary(
@@ -205,7 +205,7 @@ def add_EnvServiceServicer_to_server(servicer, server):
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
                     servicer.Fork,
-                    request_deserializer=tars_dot_v1_dot_env__pb2.SessionRef.FromString,
+                    request_deserializer=tars_dot_v1_dot_env__pb2.ForkRequest.FromString,
                     response_serializer=tars_dot_v1_dot_env__pb2.CreateSessionResponse.SerializeToString,
             ),
             'ListEnvs': grpc.unary_unary_rpc_method_handler(
@@ -460,7 +460,7 @@ class EnvService:
             request,
             target,
             '/tars.v1.EnvService/Fork',
-            tars_dot_v1_dot_env__pb2.SessionRef.SerializeToString,
+            tars_dot_v1_dot_env__pb2.ForkRequest.SerializeToString,
             tars_dot_v1_dot_env__pb2.CreateSessionResponse.FromString,
             options,
             channel_credentials,
