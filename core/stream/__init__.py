@@ -6,6 +6,7 @@
   receiver.py    learner side: TrajectoryReceiver (ROUTER io thread, credit, validation, bounded queue)
   peers.py       the receiver's view of one actor: credit, admitted episodes, and the bounds on HELLO's claims
   durability.py  when an accepted trajectory may be acked: through the WAL, or through the learner's checkpoints
+  confirm.py     ack confirmation: actors say which acked ids they forgot, so the learner may forget them too
   wal.py         the write-ahead log (also the learner's trajectory-file format)
   walproc.py     the WAL with its checksum, writes and fdatasync in a writer process, fed through shared memory
   walwriter.py   that writer process: O_DIRECT appends of whole blocks, fdatasync, one request at a time

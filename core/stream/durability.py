@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -164,6 +165,7 @@ class WalDurability(Durability):
 
     def open(self, consumed: frozenset[str]) -> list[str]:
         self.wal.open()
+        _fsync_dir(self.wal.path)  # a rename a killed learner left unsynced is durable before any id is forgotten
         self._sync = _WriterSync(self.wal) if isinstance(self.wal, WriterProcessLog) else _ThreadSync(self.wal)
         return [t for t in self.wal.index if t not in consumed]
 
@@ -259,7 +261,9 @@ class WalDurability(Durability):
         """Nothing to do: these ids were acked as soon as their WAL batch was fsynced."""
 
     def compact(self, consumed: frozenset[str]) -> dict:
-        kept, dropped = self.wal.compact(consumed)
+        kept, dropped = self.wal.compact(consumed)  # (a rewrite fsyncs the directory itself)
+        if not dropped:  # an earlier compaction that failed after its rename: durable from here (confirm.py)
+            _fsync_dir(self.wal.path)
         return {"kept": kept, "dropped": dropped}
 
     def stats(self) -> dict:
@@ -417,6 +421,14 @@ class CheckpointDurability(Durability):
 
     def stats(self) -> dict:
         return {"wal_entries": 0, "held": len(self._held)}
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(os.path.dirname(os.fspath(path)) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 DURABILITY = ("wal", "checkpoint")

@@ -17,6 +17,7 @@ One lock makes store-resolve-and-hold atomic against collect(), which takes it o
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import re
@@ -163,3 +164,27 @@ def resolve(store: ImageStore, tr) -> list[str]:
             if refs:
                 store.hold(tr.id, refs)
         return miss
+
+
+class SentImages:
+    """Actor side: the image hashes sent on the current learner connection, oldest first; bounded (forgetting one
+    only costs a re-send)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._sent: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def take(self, hashes) -> list[str]:
+        """The hashes not sent yet (in order), now counted as sent."""
+        new = [h for h in hashes if h not in self._sent]
+        for h in new:
+            self._sent[h] = None
+        while len(self._sent) > self.cap:
+            self._sent.popitem(last=False)
+        return new
+
+    def discard(self, h: str) -> None:
+        self._sent.pop(h, None)
+
+    def clear(self) -> None:
+        self._sent.clear()

@@ -13,10 +13,12 @@ actor -> learner
   ADMIT  Admit    ask for n episode starts (staleness manager)
   LOST   Lost     give back n admitted episodes that will never be sent
   PING   Ping     heartbeat; answered by PONG (or WHO from a learner that does not know this actor, e.g. after a
-                  learner restart)
+                  learner restart). Optional, to a learner whose WELCOME said confirms: forgot, at most MAX_CONFIRM
+                  ids the actor got the final ACK for and deleted (outbox, spool file), and cseq, echoed by the PONG;
+                  the learner may then forget those ids once nothing of its own can bring them back (confirm.py)
 learner -> actor
   WELCOME Welcome answer to HELLO; credit is ABSOLUTE (resets the actor's count); the actor ignores a WELCOME
-                  answering an older HELLO
+                  answering an older HELLO. confirms: this learner reads PING's forgot (older ones leave it out)
   CREDIT  Credit  n more TRAJ may be sent (queue drained)
   ACK     Ack     without held: these ids are durable (fsynced in the WAL, or in a durable checkpoint): forget them.
                   held=run_id (durability "checkpoint"): that learner run has them in memory and will ack them again
@@ -25,7 +27,7 @@ learner -> actor
                   again later; missing: image hashes to attach again on the re-send
   GRANT   Grant   answer to ADMIT
   VERSION Version the policy version changed
-  PONG    Pong    heartbeat answer; a changed run_id means a learner restart
+  PONG    Pong    heartbeat answer; a changed run_id means a learner restart; cseq: the PING's, when it had one
   WHO     Who     "say HELLO first"
 
 Each class's body() is the msgpack map on the wire (field names as before, optional fields left out when empty, so
@@ -49,6 +51,7 @@ WELCOME, CREDIT, ACK, NACK, GRANT, VERSION, PONG, WHO = b"W", b"C", b"K", b"N", 
 # Largest control body we will unpack (pending_ids of a 64k window fits easily); bounds msgpack's allocations.
 MAX_BODY_BYTES = 8 << 20
 MAX_BODY_ITEMS = 1 << 20  # one body's msgpack budget (core.schema.unpack_bounded): HELLO's 64k pending ids fit
+MAX_CONFIRM = 4096  # ids one PING confirms (the learner reads no more of one)
 
 
 class ProtocolError(ValueError):
@@ -223,13 +226,15 @@ class Lost(Message):
 @dataclass(slots=True)
 class Ping(Message):
     TAG: ClassVar[bytes] = PING
+    cseq: int = 0  # echoed by the PONG: the learner has read forgot
+    forgot: list[str] = field(default_factory=list)  # ids the actor forgot for good (core/stream/confirm.py)
 
     def body(self) -> dict:
-        return {}
+        return {"cseq": self.cseq, "forgot": self.forgot} if self.forgot else {}
 
     @classmethod
     def from_body(cls, raw: dict) -> Ping:
-        return cls()
+        return cls(_int(raw, "cseq", 0), _strs(raw, "forgot", [])) if raw else cls()
 
 
 # --- learner -> actor ------------------------------------------------------------------------------------------------
@@ -241,15 +246,17 @@ class Welcome(Message):
     version: int
     credit: int
     max_frame_bytes: int
+    confirms: bool = False  # the learner reads PING's forgot
 
     def body(self) -> dict:
-        return {"run_id": self.run_id, "hello_id": self.hello_id, "version": self.version, "credit": self.credit,
-                "max_frame_bytes": self.max_frame_bytes}
+        b = {"run_id": self.run_id, "hello_id": self.hello_id, "version": self.version, "credit": self.credit,
+             "max_frame_bytes": self.max_frame_bytes}
+        return {**b, "confirms": True} if self.confirms else b
 
     @classmethod
     def from_body(cls, raw: dict) -> Welcome:
         return cls(_str(raw, "run_id"), _int(raw, "hello_id"), _int(raw, "version"), _int(raw, "credit"),
-                   _int(raw, "max_frame_bytes"))
+                   _int(raw, "max_frame_bytes"), _bool(raw, "confirms", False))
 
 
 @dataclass(slots=True)
@@ -333,13 +340,14 @@ class Version(Message):
 class Pong(Message):
     TAG: ClassVar[bytes] = PONG
     run_id: str
+    cseq: int = 0  # the PING's, when it confirmed ids
 
     def body(self) -> dict:
-        return {"run_id": self.run_id}
+        return {"run_id": self.run_id, "cseq": self.cseq} if self.cseq else {"run_id": self.run_id}
 
     @classmethod
     def from_body(cls, raw: dict) -> Pong:
-        return cls(_str(raw, "run_id"))
+        return cls(_str(raw, "run_id"), _int(raw, "cseq", 0))
 
 
 @dataclass(slots=True)

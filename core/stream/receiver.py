@@ -15,7 +15,9 @@ Delivery is exactly-once for training, across learner restarts:
     (or keeps them held), never re-queued;
   * the training loop calls mark_consumed(ids) for what it trained on and stores checkpoint_state() with its weights;
     a new receiver given those consumed_ids replays the logged entries not consumed into the queue before anything
-    new; after each durable checkpoint the loop calls compact_wal() and commit(its consumed ids).
+    new; after each durable checkpoint the loop calls compact_wal() and commit(its consumed ids);
+  * an actor confirms (PING's forgot) the ids it got the final ACK for and deleted; a consumed id is forgotten once
+    confirmed and gone from the durability, so the consumed set stays bounded (core/stream/confirm.py).
 Staleness bookkeeping (which side calls what) is described in learner/staleness.py: this receiver calls try_admit,
 adopt, adopt_claim (core/stream/peers.py), on_lost and on_rejected (for NACKed frames only); the training loop calls
 on_accepted/on_rejected once for every trajectory get() returns. What cannot be trained on is NACKed "invalid".
@@ -32,6 +34,7 @@ import zmq
 from core.config import UserError
 from core.schema import InvalidTrajectory, SchemaError, Trajectory
 from core.stream import messages as M
+from core.stream.confirm import ConsumedIds
 from core.stream.curve import Zap, close_server, curve_server
 from core.stream.durability import IoHooks, make_durability
 from core.stream.images import ImageError, ImageStore, referenced, resolve, take_attached
@@ -45,7 +48,7 @@ _BIND = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)  # a bind that fails for these i
 
 class TrajectoryReceiver:
     def __init__(self, bind: str, wal_path: str, staleness, credits: int = 512, queue_size: int = 4096,
-                 max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *,
+                 max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *, confirmed_ids=(),
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
                  log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
                  vocab_size: int | None = None, wal_writer: str = "process", curve_client_keys=(), keys_reload=None):
@@ -53,7 +56,8 @@ class TrajectoryReceiver:
         for every NACKed frame (keep it cheap). curve_secret_key, curve_client_keys (Z85 public keys of the clients
         allowed; empty: any), keys_reload (re-reads them: curve.Allowlist): see core/stream/curve.py. durability,
         wal_writer: see core/stream/durability.py. vocab_size: the learner's model's (other token ids are NACKed
-        "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py)."""
+        "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py).
+        consumed_ids, confirmed_ids: the checkpoint's (checkpoint_state())."""
         if credits < 1 or queue_size < 1 or (curve_client_keys and not curve_secret_key):
             raise ValueError("credits and queue_size must be >= 1; curve_client_keys needs curve_secret_key")
         self.bind, self.staleness, self.credits, self.queue_size = bind, staleness, credits, queue_size
@@ -69,8 +73,7 @@ class TrajectoryReceiver:
                                           max_staged=queue_size, wal_writer=wal_writer, max_record=max_frame_bytes)
         self.images = ImageStore(wal_path + ".images")  # screenshots by hash, beside the WAL that refers to them
         self._q = HandOver(queue_size)  # core/stream/ioloop.py: the consumer is woken once per burst
-        self._consumed: set[str] = set(consumed_ids)
-        self._consumed_lock = threading.Lock()
+        self._ids = ConsumedIds(consumed_ids, confirmed_ids, self._warn)  # consumed, confirmed, forgotten: confirm.py
         self._stop, self._ready = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -92,7 +95,8 @@ class TrajectoryReceiver:
     def start(self, timeout: float = 10.0) -> str:
         """Open the durability, queue its unconsumed entries for replay, bind; returns tcp://host:port."""
         self.images.open()
-        self._replay = self.durability.open(frozenset(self._consumed))  # no lock: the io thread is not running yet
+        self._replay = self.durability.open(frozenset(self._ids.consumed))  # no lock: no io thread yet
+        self._ids.settle(self.durability.holds)  # confirmed by the actors and not in the log: forgotten now
         if self._replay:  # admitted by a previous learner; the training loop resolves each (on_accepted/rejected)
             self.staleness.adopt(len(self._replay))
         self._replay.reverse()  # popped from the end, so replay goes in file (arrival) order
@@ -118,14 +122,12 @@ class TrajectoryReceiver:
 
     def mark_consumed(self, ids) -> None:
         """These ids went into a policy update: never deliver them again (store checkpoint_state() with the weights)."""
-        with self._consumed_lock:
-            self._consumed.update(ids := list(ids))
+        self._ids.add(ids := list(ids))
         self.images.release(ids)  # their screenshots may go at the next compaction (not mid-replay: see images.py)
 
     def checkpoint_state(self) -> dict:
-        """Goes into the learner checkpoint; pass state["consumed_ids"] to the next receiver's consumed_ids."""
-        with self._consumed_lock:
-            return {"consumed_ids": sorted(self._consumed)}
+        """Goes into the learner checkpoint; pass its consumed_ids and confirmed_ids to the next receiver's."""
+        return self._ids.state()
 
     def commit(self, ids) -> None:
         """A checkpoint listing these ids as consumed is durable: with "checkpoint" durability, ack them to their
@@ -134,16 +136,17 @@ class TrajectoryReceiver:
 
     def compact_wal(self) -> dict:
         """Drop consumed entries from the WAL (call after the checkpoint that covers them is durable), then the images
-        no unconsumed trajectory holds, unless mid-replay (unread entries hold nothing; replay pops under the lock)."""
-        with self._consumed_lock:
-            drop = frozenset(self._consumed)
-        out = self.durability.compact(drop)
+        no unconsumed trajectory holds, unless mid-replay (unread entries hold nothing; replay pops under the lock).
+        Then the consumed ids their actors confirmed and the log no longer holds are forgotten."""
+        out = self.durability.compact(self._ids.unsettle())  # (an error leaves them unsettled: nothing forgotten)
+        self._ids.settle(self.durability.holds)
         with self.images.lock:
             replaying = bool(self._replay)
         return {**out, "images_collected": 0 if replaying else self.images.collect()}
 
     def stats(self) -> dict:
-        return {**self._stats, "queue": self._q.qsize(), **self.durability.stats(), "replay_pending": len(self._replay),
+        return {**self._stats, "queue": self._q.qsize(), **self.durability.stats(), **self._ids.stats(),
+                "replay_pending": len(self._replay),
                 "actors": len(self._actors), "clients_refused": self._zap.allow.refused if self._zap else 0}
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -266,7 +269,9 @@ class TrajectoryReceiver:
                 self.staleness.on_lost(k)
             self._count("lost", k)
         elif isinstance(m, M.Ping):
-            self._send(ident, M.Pong(self.run_id))
+            if m.forgot:
+                self._ids.confirm(m.forgot, self.durability.holds)
+            self._send(ident, M.Pong(self.run_id, m.cseq))
 
     def _hello(self, ident: bytes, m: M.Hello) -> None:
         self._count("hellos")
@@ -301,13 +306,11 @@ class TrajectoryReceiver:
             self.durability.answer_known(ident, known)
         st.credit = min(self.credits, self._free_slots())
         self._count("credits_granted", st.credit)
-        self._send(ident, M.Welcome(self.run_id, m.hello_id, self.staleness.version, st.credit, self.max_frame_bytes))
+        self._send(ident, M.Welcome(self.run_id, m.hello_id, self.staleness.version, st.credit, self.max_frame_bytes,
+                                    confirms=True))
 
     def _known(self, tid: str) -> bool:
-        if self.durability.holds(tid):
-            return True
-        with self._consumed_lock:
-            return tid in self._consumed
+        return self.durability.holds(tid) or self._ids.known(tid)
 
     def _traj_refused(self, ident: bytes, st: Peer, tid: str | None, reason: str) -> None:
         """A TRAJ without a usable header or payload: counted as received and malformed, NACKed for good."""

@@ -13,6 +13,8 @@ trajectory the spool cannot take (a full disk) is sent unspooled (stats()["spool
 A learner with "checkpoint" durability answers a TRAJ with a "held" notice first and acks it only once a checkpoint
 covers it: a held entry stays in the outbox (max_outbox bounds it) but leaves the send window and is never re-sent
 to the run that holds it; a WELCOME from a different run (the holder died) sends it again.
+Ids acked for good are confirmed to a learner that reads them (WELCOME's confirms), in heartbeat PINGs, so it can
+forget them (core/stream/confirm.py Forgotten: bounded by max_outbox, sent again until a PONG echoes them).
 
 Screenshots are content-addressed (core/stream/images.py): send() keeps a trajectory's images beside its encoded
 frame, and each transmission attaches only the images not yet sent on this learner connection (a new learner run_id
@@ -39,7 +41,9 @@ import zmq
 
 from core.schema import Trajectory
 from core.stream import messages as M
+from core.stream.confirm import Forgotten
 from core.stream.curve import curve_client
+from core.stream.images import SentImages
 from core.stream.link import LinkWatch
 from core.stream.spool import Spool
 
@@ -67,21 +71,16 @@ class TrajectorySender:
         not the outbox); max_outbox: everything kept for re-send, held ones included (checkpoint durability)."""
         if window < 1 or max_outbox < window:
             raise ValueError("need 1 <= window <= max_outbox")
-        self.address = address
-        self.actor_id = actor_id
-        self.window = window
-        self.max_outbox = max_outbox
+        self.address, self.actor_id, self.window, self.max_outbox = address, actor_id, window, max_outbox
         self._n_held = 0                      # outbox entries with held set
         self.spool_dir = spool_dir
         self._spool = Spool(spool_dir) if spool_dir else None
-        self.heartbeat_s = heartbeat_s
-        self.dead_after_s = dead_after_s
-        self.resend_after_s = resend_after_s
+        self._forgot = Forgotten(max_outbox, max(dead_after_s, 2 * heartbeat_s), self._spool and self._spool.sync)
+        self._confirms = False                # the learner reads PING's forgot (from WELCOME)
+        self.heartbeat_s, self.dead_after_s, self.resend_after_s = heartbeat_s, dead_after_s, resend_after_s
         self._curve = (curve_server_key, curve_public_key, curve_secret_key)
         self.dedupe_images = dedupe_images
-        # Hashes sent on the current connection, oldest first; bounded (forgetting one only costs a re-send).
-        self._sent_images: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._max_remembered = max_remembered_images
+        self._sent_images = SentImages(max_remembered_images)  # hashes sent on the current connection
         self.incarnation = uuid.uuid4().hex
         self.run_id: str | None = None        # the learner's, from WELCOME
         self.version = 0                      # latest policy version heard of
@@ -210,7 +209,7 @@ class TrajectorySender:
 
     def stats(self) -> dict:
         return {**self._stats, "pending": len(self._outbox), "held": self._n_held, "credit": self._credit,
-                "inflight": self._inflight,
+                "inflight": self._inflight, "unconfirmed": len(self._forgot), "confirms_dropped": self._forgot.dropped,
                 "resend_queue": len(self._resend), "version": self.version}
 
     async def close(self) -> None:
@@ -275,12 +274,8 @@ class TrajectorySender:
             self._stats["bytes_sent"] += len(e.frame)
             self._send([M.TRAJ, M.pack({"seq": e.seq, "id": tid, "images": []}), e.frame], copy=False)
             return
-        new = [h for h in e.images if h not in self._sent_images]
+        new = self._sent_images.take(e.images)
         parts = [*M.Traj(e.seq, tid, new).encode(), e.frame, *(e.images[h] for h in new)]
-        for h in new:
-            self._sent_images[h] = None
-        while len(self._sent_images) > self._max_remembered:
-            self._sent_images.popitem(last=False)
         img_bytes = sum(len(e.images[h]) for h in new)
         self._stats["bytes_sent"] += len(e.frame) + img_bytes
         self._stats["image_bytes_sent"] += img_bytes
@@ -348,6 +343,7 @@ class TrajectorySender:
         elif isinstance(m, M.Version):
             self.version = m.v
         elif isinstance(m, M.Pong):
+            self._forgot.echoed(m.cseq)
             if self.run_id is not None and m.run_id != self.run_id:
                 self._hello()
         elif isinstance(m, M.Who):
@@ -364,11 +360,12 @@ class TrajectorySender:
             elif self._pop(tid) is not None:
                 self._stats["acked"] += 1
                 if self._spool is not None:
-                    self._unspool(tid)
+                    self._unspool(tid)  # (an OSError here leaves it unconfirmed: its file may be loaded again)
+                self._forgot.add(tid)
 
     def _on_nack(self, m: M.Nack) -> None:
         for h in m.missing:  # the learner lost these images: attach them again
-            self._sent_images.pop(h, None)
+            self._sent_images.discard(h)
             self._stats["images_missing"] += 1
         e = self._outbox.get(m.id) if m.id is not None else None
         # Images we do not hold either can never be supplied: drop the trajectory rather than loop.
@@ -396,6 +393,8 @@ class TrajectorySender:
         self.version = m.version
         self.max_frame_bytes = m.max_frame_bytes
         self._credit = m.credit
+        self._confirms = m.confirms
+        self._forgot.resend()  # this run may not have heard them (a restart, PINGs lost on a reconnect)
         # Held by another (dead) learner run: that memory is gone, send them again.
         for e in self._outbox.values():
             if e.held and e.held != rid:
@@ -428,8 +427,9 @@ class TrajectorySender:
             now = time.monotonic()
             if now - self._last_rx > self.dead_after_s and now - self._last_hello > self.dead_after_s:
                 self._hello()  # the learner went silent: maybe restarted on a new address/port binding
-            else:
-                self._send(_PING)
+            else:  # a PING, or PINGs that confirm forgotten ids to a learner that reads them
+                for ping in (self._forgot.pings(now) if self._ready and self._confirms else None) or [_PING]:
+                    self._send(ping)
             if self._ready and self.resend_after_s > 0:
                 stale = [t for t, e in self._outbox.items()
                          if e.sent_at and not e.held and now - e.sent_at > self.resend_after_s]

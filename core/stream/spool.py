@@ -79,6 +79,15 @@ class Spool:
         except FileNotFoundError:
             return False
 
+    def sync(self) -> None:
+        """fsync the directory, so the files removed so far stay removed after a power loss: an actor confirms a
+        forgotten id to the learner only after this (core/stream/confirm.py). OSError if it cannot."""
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def load(self) -> list[tuple[str, bytes, dict | None]]:
         """(id, frame, images) of every spooled trajectory, oldest first (roughly the original order); files that do
         not parse are skipped (logged, renamed to *.corrupt, listed in self.skipped)."""
