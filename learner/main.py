@@ -94,7 +94,7 @@ class Learner:
         # ---- resume ----
         self.checkpointer = Checkpointer(self.run, self.policy, self.critic, self.trainer, self.device)
         consumed: set[str] = set()
-        self._confirmed_ids: list[str] = []  # consumed ids the actors confirmed forgetting (core/stream/confirm.py)
+        self._stream_ids: dict = {}  # the checkpoint's confirmed_ids and id_owners (core/stream/confirm.py)
         self._masked_unrecorded: list[str] = []  # (the checkpoint's: see checkpoint())
         if ckpt is not None:
             consumed = self._load_checkpoint(ckpt)
@@ -108,7 +108,7 @@ class Learner:
             f"tcp://{s.host}:{s.port}", str(self.run / "stream.wal"), self.staleness,
             credits=s.credits, queue_size=max(s.queue_size, 2 * self.lcfg.batch_size),
             max_frame_bytes=s.max_frame_bytes, consumed_ids=consumed, ack_interval_s=s.ack_interval_s,
-            confirmed_ids=self._confirmed_ids,
+            confirmed_ids=self._stream_ids.get("confirmed_ids", ()), id_owners=self._stream_ids.get("id_owners"),
             fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability,
             wal_writer=s.wal_writer, curve_client_keys=auth.client_keys(s.curve_client_keys),
             keys_reload=functools.partial(auth.load_key_list, s.curve_client_keys_file,
@@ -333,7 +333,7 @@ class Learner:
                 ledger.pop("eta", None)  # the configured eta changed since: the new configuration wins
             self.staleness.load_state_dict(ledger)
         self._masked_unrecorded = [str(t) for t in meta.get("masked_unrecorded", [])]
-        self._confirmed_ids = [str(t) for t in meta.get("confirmed_ids", [])]  # (none in older checkpoints)
+        self._stream_ids = {k: meta[k] for k in ("confirmed_ids", "id_owners") if k in meta}  # (not in older ones)
         log.info("resumed from checkpoint %s at version %d (%d trajectories consumed)", src, self.version,
                  len(meta["consumed_ids"]))
         return set(meta["consumed_ids"])

@@ -47,12 +47,9 @@ def checkpoint(rx) -> dict:
 
 def settle_all(rx, timeout=10.0) -> dict:
     """Checkpoints (what the training loop does) until every consumed id is forgotten; the last state."""
-    end = time.monotonic() + timeout
-    while True:
-        state = checkpoint(rx)
-        if not state["consumed_ids"] or time.monotonic() > end:
-            return state
-        time.sleep(0.05)
+    last = {}
+    wait_until(lambda: not last.update(checkpoint(rx)) and not last["consumed_ids"], timeout)
+    return last
 
 
 @pytest.mark.parametrize("durability", ["wal", "checkpoint"])
@@ -86,7 +83,8 @@ def test_long_stream_keeps_the_consumed_set_and_checkpoints_bounded(tmp_path, du
     sizes = [len(c["consumed_ids"]) for c, _ in tr.ckpts]
     # Before: the set and each checkpoint held every id of the run (100, 200, ..., 1200).
     assert sizes == [EVERY] * (N // EVERY), sizes    # only what was trained since the last checkpoint
-    assert final == {"consumed_ids": [], "confirmed_ids": []} and stats["consumed"] == 0
+    assert final == {"consumed_ids": [], "confirmed_ids": [], "id_owners": {}} and stats["consumed"] == 0
+    assert stats["owned"] == 0 and stats["confirms_foreign"] == 0
     assert stats["forgotten"] == N and stats["confirmed_pending"] == 0 and stats["confirms_ignored"] == 0
     assert len(json.dumps(final)) < 100 and st["confirms_dropped"] == 0 and st["pending"] == 0
     assert stats["duplicates"] == 0 and stats["late_duplicates"] == 0
@@ -152,10 +150,11 @@ def test_lost_ack_keeps_the_id_and_a_resend_is_still_a_duplicate(tmp_path):
         _train(rx, "t2")
         assert rx.get(timeout=0.2) is None
         state = checkpoint(rx)                        # the checkpoint lists t2 and its confirmation, then compacts
-        assert state == {"consumed_ids": ["t1", "t2"], "confirmed_ids": ["t2"]}
-        assert rx.checkpoint_state() == {"consumed_ids": ["t1"], "confirmed_ids": []}
+        raw = b"raw".hex()
+        assert state == {"consumed_ids": ["t1", "t2"], "confirmed_ids": ["t2"], "id_owners": {raw: ["t1", "t2"]}}
+        assert rx.checkpoint_state() == {"consumed_ids": ["t1"], "confirmed_ids": [], "id_owners": {raw: ["t1"]}}
         _ping(d, 9, ["t1"])                           # confirmed after its compaction: forgotten at once
-        assert rx.checkpoint_state() == {"consumed_ids": [], "confirmed_ids": []}
+        assert rx.checkpoint_state() == {"consumed_ids": [], "confirmed_ids": [], "id_owners": {}}
         assert _send(d, "t1").ids == ["t1"] and _send(d, "t2").ids == ["t2"]  # recently forgotten: still duplicates
         assert rx.get(timeout=0.2) is None
         s = rx.stats()
@@ -251,3 +250,89 @@ def test_forgotten_is_bounded_resent_until_echoed_and_synced_first():
     assert len(f.pings(30.0)) == 1
     f.resend()
     assert M.decode(M.TO_LEARNER, *f.ping(30.1)).forgot == ["y"]
+
+
+def test_a_confirmation_counts_only_from_the_actor_that_sent_the_id(tmp_path):
+    """Another peer that knows an actor's ids cannot make the learner forget them (a re-send after a lost ACK would
+    then be trained twice), not even after sending one of them itself; the owner survives a learner restart."""
+    rx = receiver(tmp_path, credits=16, queue_size=16)
+    addr = rx.start()
+    d, evil = raw_actor(addr), raw_actor(addr, b"evil")
+    try:
+        _hello(d, "i1")
+        _hello(evil, "e1")
+        assert _send(d, "t1").ids == ["t1"]
+        _train(rx, "t1")
+        checkpoint(rx)
+        assert _ping(evil, 3, ["t1"]).cseq == 3       # answered, so the peer cannot tell, and ignored
+        assert _send(evil, "t1").ids == ["t1"]        # its own copy: a duplicate, which does not make it the owner
+        _ping(evil, 4, ["t1"])
+        state = checkpoint(rx)
+        assert state["consumed_ids"] == ["t1"] and state["id_owners"] == {b"raw".hex(): ["t1"]}
+        s = rx.stats()
+        assert s["confirms_foreign"] == 2 and s["forgotten"] == 0 and s["duplicates"] == 1
+        assert _send(d, "t1").ids == ["t1"] and rx.get(timeout=0.2) is None  # the owner's re-send: a duplicate
+        assert rx.stats()["late_duplicates"] == 0
+    finally:
+        d.close()
+        evil.close()
+        rx.stop()
+    rx2 = receiver(tmp_path, bind=addr, credits=16, queue_size=16, consumed_ids=state["consumed_ids"],
+                   confirmed_ids=state["confirmed_ids"], id_owners=state["id_owners"])
+    rx2.start()
+    d, evil = raw_actor(addr), raw_actor(addr, b"evil")
+    try:
+        _hello(d, "i1")
+        _hello(evil, "e1")
+        _ping(evil, 1, ["t1"])
+        assert rx2.checkpoint_state()["consumed_ids"] == ["t1"] and rx2.stats()["confirms_foreign"] == 1
+        _ping(d, 1, ["t1"])                           # the owner, known from the checkpoint
+        assert rx2.checkpoint_state() == {"consumed_ids": [], "confirmed_ids": [], "id_owners": {}}
+    finally:
+        d.close()
+        evil.close()
+        rx2.stop()
+    with pytest.raises(ValueError, match="not an identity in hex"):
+        receiver(tmp_path, id_owners={"zz": ["t1"]})
+
+
+def test_confirmations_lost_with_a_learner_are_sent_again_to_the_next(tmp_path):
+    """PINGs a learner never answered (it died): the actor sends their ids again after the next learner's WELCOME,
+    and that learner, restored from a checkpoint that knows their owner, forgets them."""
+    N = 60
+    rx1 = receiver(tmp_path, credits=32, queue_size=64)
+    addr = rx1.start()
+    send1 = rx1._send                                  # confirmations lost: neither read nor echoed
+    rx1._send = lambda ident, m: None if isinstance(m, M.Pong) and m.cseq else send1(ident, m)
+    rx1._ids.confirm = lambda *a: None
+    tr1 = Trainer(rx1, N, N)
+    tr1.start()
+    out = {}
+
+    async def main():
+        s = TrajectorySender(addr, "lost", window=64, **FAST)
+        await s.start()
+        for i in range(N):
+            await s.send(traj(f"c{i}"), timeout=10)
+        await asyncio.to_thread(tr1.join, 30)
+        await s.flush(timeout=10)
+        assert await asyncio.to_thread(wait_until, lambda: s.stats()["unconfirmed"] == N, 10)
+        state = tr1.ckpts[-1][0]
+        assert len(state["consumed_ids"]) == N and not state["confirmed_ids"]
+        assert state["id_owners"] == {b"lost".hex(): sorted(f"c{i}" for i in range(N))}
+        await asyncio.to_thread(rx1.stop)
+        rx2 = receiver(tmp_path, bind=addr, credits=32, queue_size=64, consumed_ids=state["consumed_ids"],
+                       confirmed_ids=state["confirmed_ids"], id_owners=state["id_owners"])
+        assert rx2.start() == addr
+        assert await asyncio.to_thread(wait_until, lambda: s.stats()["unconfirmed"] == 0, 15)
+        out["sender"] = s.stats()
+        await s.close()
+        return rx2
+
+    rx2 = asyncio.run(main())
+    s2 = rx2.stats()
+    state = rx2.checkpoint_state()
+    rx2.stop()
+    assert s2["forgotten"] == N and s2["consumed"] == 0 and s2["confirms_ignored"] == 0
+    assert state == {"consumed_ids": [], "confirmed_ids": [], "id_owners": {}}
+    assert out["sender"]["restarts_seen"] == 1 and out["sender"]["pending"] == 0

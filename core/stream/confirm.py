@@ -15,6 +15,13 @@ of ids it does not track are ignored, so what it records is bounded by what it t
 confirmed ids beside the consumed ones: a confirmation is a fact about the actor, true in every later (or restored)
 run, so a restarted learner forgets them as soon as (b) holds for it.
 
+A confirmation counts only from the actor that owns the id: the stream identity (ZMQ routing id, the actor's name)
+whose TRAJ was accepted first, as a GRPO group belongs to the actor that sends it. A duplicate from another identity
+does not take it over. Owners go into the checkpoint (id_owners, by identity), so a restarted learner still knows
+them; a replayed WAL entry of a group takes its trajectory's actor (checked against the sender when it arrived). An
+id whose owner is unknown (an older checkpoint, a replayed entry without a group) is never forgotten: safe, and
+bounded by one checkpoint interval a restart.
+
 Not inferred from HELLO: an id missing from a HELLO's pending_ids may still be in a spool file whose removal failed,
 or in the spool of an incarnation that restarted with another spool_dir (or none), or with an old incarnation cut off
 by a partition and still alive; a missing id proves nothing the learner could forget on.
@@ -31,7 +38,7 @@ import collections
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from core.stream.messages import MAX_CONFIRM, Ping
 
@@ -47,14 +54,36 @@ class ConsumedIds:
     settled: False while a compaction runs or after one failed (a rename that may not be durable yet): ids are then
     only recorded, and settle() forgets them after the next compaction that succeeds."""
 
-    def __init__(self, consumed: Iterable[str] = (), confirmed: Iterable[str] = (), warn=None):
-        """warn(reason, fmt, *args): the receiver's throttled warning (a misbehaving peer may repeat itself)."""
+    def __init__(self, consumed: Iterable[str] = (), confirmed: Iterable[str] = (),
+                 owners: Mapping[str, Iterable[str]] | None = None, warn=None):
+        """consumed, confirmed, owners: a checkpoint's (state()); owners maps an identity's hex to its ids.
+        warn(reason, fmt, *args): the receiver's throttled warning (a misbehaving peer may repeat itself)."""
         self.lock, self.warn = threading.Lock(), warn
         self.consumed: set[str] = set(consumed)
         self.confirmed: set[str] = set(confirmed)  # pruned to what is tracked by the first settle() (at start)
+        self.owner: dict[str, bytes] = {}          # tracked id -> the identity that sent it first
+        self._idents: dict[bytes, bytes] = {}      # one bytes object per identity (the owner map's values)
+        for hexid, ids in (owners or {}).items():
+            try:
+                ident = self._ident(bytes.fromhex(hexid))
+            except (TypeError, ValueError):
+                raise ValueError(f"id_owners: {hexid!r} is not an identity in hex") from None
+            self.owner.update(dict.fromkeys(map(str, ids), ident))
         self.settled = False
         self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.counts = dict.fromkeys(("confirmations", "forgotten", "confirms_ignored", "late_duplicates"), 0)
+        self.counts = dict.fromkeys(("confirmations", "forgotten", "confirms_ignored", "confirms_foreign",
+                                     "late_duplicates"), 0)
+
+    def _ident(self, ident: bytes) -> bytes:
+        if (got := self._idents.get(ident)) is None:
+            got = self._idents[ident] = bytes(ident)
+        return got
+
+    def own(self, tid: str, ident: bytes) -> None:
+        """tid was accepted (or replayed) from ident: its confirmations count from ident only. The first owner stays."""
+        with self.lock:
+            if tid not in self.owner:
+                self.owner[tid] = self._ident(ident)
 
     def add(self, ids: Iterable[str]) -> None:
         with self.lock:
@@ -72,11 +101,17 @@ class ConsumedIds:
                 return True
         return False
 
-    def confirm(self, ids: list[str], holds: Callable[[str], bool]) -> None:
-        """The actor forgot these ids (at most MAX_CONFIRM are read). holds: the durability's."""
+    def confirm(self, ident: bytes, ids: list[str], holds: Callable[[str], bool]) -> None:
+        """The actor ident forgot these ids (at most MAX_CONFIRM are read). holds: the durability's."""
         with self.lock:
             self.counts["confirms_ignored"] += max(0, len(ids) - MAX_CONFIRM)
+            foreign = 0
             for t in ids[:MAX_CONFIRM]:
+                if (owner := self.owner.get(t)) != ident:
+                    if owner is not None:
+                        foreign += 1
+                    self.counts["confirms_ignored"] += 1
+                    continue
                 if t in self.consumed and self.settled and not holds(t):
                     self._forget(t)
                 elif t in self.consumed or holds(t):
@@ -85,6 +120,10 @@ class ConsumedIds:
                     self.counts["confirms_ignored"] += 1
                     continue
                 self.counts["confirmations"] += 1
+            if foreign:
+                self.counts["confirms_foreign"] += foreign
+        if foreign and self.warn is not None:
+            self.warn("foreign", "%r confirmed %d trajectory ids another actor sent: ignored", ident, foreign)
 
     def unsettle(self) -> frozenset[str]:
         """Before a compaction: the consumed ids to drop; nothing is forgotten until settle()."""
@@ -101,10 +140,14 @@ class ConsumedIds:
                 self.confirmed.discard(t)
                 if t in self.consumed:
                     self._forget(t)
+            for t in [t for t in self.owner if t not in self.consumed and not holds(t)]:
+                del self.owner[t]  # neither consumed nor held: never trained here (a checkpoint run's lost memory)
+            self._idents = {i: i for i in set(self.owner.values())}  # identities that own nothing any more go
 
     def _forget(self, t: str) -> None:
         self.consumed.discard(t)
         self.confirmed.discard(t)
+        self.owner.pop(t, None)
         self._recent[t] = None
         if len(self._recent) > RECENT:
             self._recent.popitem(last=False)
@@ -112,11 +155,16 @@ class ConsumedIds:
 
     def state(self) -> dict:
         with self.lock:
-            return {"consumed_ids": sorted(self.consumed), "confirmed_ids": sorted(self.confirmed)}
+            owners: dict[str, list[str]] = {}
+            for t, ident in self.owner.items():
+                owners.setdefault(ident.hex(), []).append(t)
+            return {"consumed_ids": sorted(self.consumed), "confirmed_ids": sorted(self.confirmed),
+                    "id_owners": {k: sorted(v) for k, v in sorted(owners.items())}}
 
     def stats(self) -> dict:
         with self.lock:
-            return {**self.counts, "consumed": len(self.consumed), "confirmed_pending": len(self.confirmed)}
+            return {**self.counts, "consumed": len(self.consumed), "confirmed_pending": len(self.confirmed),
+                    "owned": len(self.owner)}
 
 
 class Forgotten:

@@ -48,7 +48,7 @@ _BIND = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)  # a bind that fails for these i
 
 class TrajectoryReceiver:
     def __init__(self, bind: str, wal_path: str, staleness, credits: int = 512, queue_size: int = 4096,
-                 max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *, confirmed_ids=(),
+                 max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *, confirmed_ids=(), id_owners=None,
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
                  log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
                  vocab_size: int | None = None, wal_writer: str = "process", curve_client_keys=(), keys_reload=None):
@@ -57,7 +57,7 @@ class TrajectoryReceiver:
         allowed; empty: any), keys_reload (re-reads them: curve.Allowlist): see core/stream/curve.py. durability,
         wal_writer: see core/stream/durability.py. vocab_size: the learner's model's (other token ids are NACKed
         "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py).
-        consumed_ids, confirmed_ids: the checkpoint's (checkpoint_state())."""
+        consumed_ids, confirmed_ids, id_owners: the checkpoint's (checkpoint_state())."""
         if credits < 1 or queue_size < 1 or (curve_client_keys and not curve_secret_key):
             raise ValueError("credits and queue_size must be >= 1; curve_client_keys needs curve_secret_key")
         self.bind, self.staleness, self.credits, self.queue_size = bind, staleness, credits, queue_size
@@ -73,7 +73,7 @@ class TrajectoryReceiver:
                                           max_staged=queue_size, wal_writer=wal_writer, max_record=max_frame_bytes)
         self.images = ImageStore(wal_path + ".images")  # screenshots by hash, beside the WAL that refers to them
         self._q = HandOver(queue_size)  # core/stream/ioloop.py: the consumer is woken once per burst
-        self._ids = ConsumedIds(consumed_ids, confirmed_ids, self._warn)  # consumed, confirmed, forgotten: confirm.py
+        self._ids = ConsumedIds(consumed_ids, confirmed_ids, id_owners, self._warn)  # consumed, confirmed, forgotten: confirm.py
         self._stop, self._ready = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -126,7 +126,7 @@ class TrajectoryReceiver:
         self.images.release(ids)  # their screenshots may go at the next compaction (not mid-replay: see images.py)
 
     def checkpoint_state(self) -> dict:
-        """Goes into the learner checkpoint; pass its consumed_ids and confirmed_ids to the next receiver's."""
+        """Goes into the learner checkpoint; pass its consumed_ids, confirmed_ids, id_owners to the next receiver's."""
         return self._ids.state()
 
     def commit(self, ids) -> None:
@@ -270,7 +270,7 @@ class TrajectoryReceiver:
             self._count("lost", k)
         elif isinstance(m, M.Ping):
             if m.forgot:
-                self._ids.confirm(m.forgot, self.durability.holds)
+                self._ids.confirm(ident, m.forgot, self.durability.holds)
             self._send(ident, M.Pong(self.run_id, m.cseq))
 
     def _hello(self, ident: bytes, m: M.Hello) -> None:
@@ -392,6 +392,7 @@ class TrajectoryReceiver:
             self._warn("wal", "cannot log trajectory %s: %s", tid, e)
             self._nack(ident, st, tid, "busy: write-ahead log failed", "wal_errors", retry=True)
             return
+        self._ids.own(tid, ident)  # (after accept: a compaction's settle() drops owners of ids nothing tracks)
         # Accounting before the put: the training thread may call on_accepted the instant the item is queued.
         if not st.arrived(self._now, self.actor_timeout_s):
             self.staleness.adopt(1)     # admitted by a previous learner, or sent without ADMIT
@@ -421,6 +422,8 @@ class TrajectoryReceiver:
                 self._warn("replay", "cannot replay %s: %s", tid, e)
                 self.staleness.on_rejected(1)
                 continue
+            if tr.group:  # its actor was checked against the sender on arrival: the owner (confirm.py)
+                self._ids.own(tid, tr.actor.encode())
             self._q.put(tr)
             self._count("replayed")
             free -= 1
