@@ -13,6 +13,7 @@ import zmq
 from core.stream import confirm
 from core.stream import messages as M
 from core.stream.sender import TrajectorySender
+from core.stream.spool import Spool
 from tests.test_stream import FAST, raw_actor, receiver, traj, wait_until
 
 
@@ -336,3 +337,33 @@ def test_confirmations_lost_with_a_learner_are_sent_again_to_the_next(tmp_path):
     assert s2["forgotten"] == N and s2["consumed"] == 0 and s2["confirms_ignored"] == 0
     assert state == {"consumed_ids": [], "confirmed_ids": [], "id_owners": {}}
     assert out["sender"]["restarts_seen"] == 1 and out["sender"]["pending"] == 0
+
+
+def test_a_spool_file_that_cannot_be_removed_is_not_confirmed(tmp_path):
+    """An acked id whose spool file stays (unlink failed) may be loaded and sent again by a restarted actor: it is not
+    confirmed, so the learner keeps recognising it; the rest of that ACK is handled as usual."""
+    rx = receiver(tmp_path, credits=32, queue_size=64)
+    addr = rx.start()
+    tr = Trainer(rx, 3, 3)
+    tr.start()
+
+    async def main():
+        s = TrajectorySender(addr, "sp", window=8, spool_dir=str(tmp_path / "spool"), **FAST)
+        remove = s._spool.remove
+        s._spool.remove = lambda tid: (_ for _ in ()).throw(OSError(5, "EIO")) if tid == "x1" else remove(tid)
+        await s.start()
+        for i in range(3):
+            await s.send(traj(f"x{i}"), timeout=10)
+        await s.flush(timeout=10)
+        assert await asyncio.to_thread(wait_until, lambda: s.stats()["unconfirmed"] == 0, 10)
+        st = s.stats()
+        await s.close()
+        return st
+
+    st = asyncio.run(main())
+    tr.join(10)
+    final = settle_all(rx, timeout=2)
+    rx.stop()
+    assert st["spool_errors"] == 1 and st["unspooled"] == 2 and st["pending"] == 0
+    assert final["consumed_ids"] == ["x1"]            # the others confirmed and forgotten
+    assert [tid for tid, _, _ in Spool(str(tmp_path / "spool")).load()] == ["x1"]  # what a restart would re-send

@@ -13,18 +13,17 @@ trajectory the spool cannot take (a full disk) is sent unspooled (stats()["spool
 A learner with "checkpoint" durability answers a TRAJ with a "held" notice first and acks it only once a checkpoint
 covers it: a held entry stays in the outbox (max_outbox bounds it) but leaves the send window and is never re-sent
 to the run that holds it; a WELCOME from a different run (the holder died) sends it again.
-Ids acked for good are confirmed to a learner that reads them (WELCOME's confirms), in heartbeat PINGs, so it can
-forget them (core/stream/confirm.py Forgotten: bounded by max_outbox, sent again until a PONG echoes them).
+Ids acked for good and unspooled are confirmed to a learner that reads them (WELCOME's confirms) in heartbeat PINGs,
+so it can forget them (core/stream/confirm.py Forgotten: bounded by max_outbox, sent until a PONG echoes them).
 
 Screenshots are content-addressed (core/stream/images.py): send() keeps a trajectory's images beside its encoded
 frame, and each transmission attaches only the images not yet sent on this learner connection (a new learner run_id
 starts over; a learner that answers "missing images" gets them again).
 
-The socket is a plain (non-asyncio) DEALER driven by the event loop directly: sends are non-blocking calls (the HWM is
-unlimited and credit bounds what is in flight, so they never have to wait), and loop.add_reader on the socket's FD
-drains incoming messages. zmq.asyncio would cost a future, a scheduled callback and several EVENTS checks per send
-while a receive is pending, about as much as the rest of the hot path. The ZeroMQ FD is edge-triggered: any call on
-the socket may consume the edge, so a send schedules a drain (which checks EVENTS) for the loop's next pass.
+The socket is a plain DEALER driven by the event loop: sends are non-blocking (the HWM is unlimited, credit bounds
+what is in flight), loop.add_reader on its FD drains incoming messages (zmq.asyncio cost a future, a callback and
+EVENTS checks per send, as much as the rest of the hot path). The FD is edge-triggered: any call on the socket may
+consume the edge, so a send schedules a drain (which checks EVENTS) for the loop's next pass.
 """
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ class TrajectorySender:
         if window < 1 or max_outbox < window:
             raise ValueError("need 1 <= window <= max_outbox")
         self.address, self.actor_id, self.window, self.max_outbox = address, actor_id, window, max_outbox
-        self._n_held = 0                      # outbox entries with held set
-        self.spool_dir = spool_dir
+        self._n_held, self.spool_dir = 0, spool_dir  # _n_held: outbox entries with held set
         self._spool = Spool(spool_dir) if spool_dir else None
         self._forgot = Forgotten(max_outbox, max(dead_after_s, 2 * heartbeat_s), self._spool and self._spool.sync)
         self._confirms = False                # the learner reads PING's forgot (from WELCOME)
@@ -93,17 +91,14 @@ class TrajectorySender:
         self._wake: asyncio.Future | None = None  # resolved (and dropped) by _notify: every _wait re-checks
         self._outbox: dict[str, _Entry] = {}
         self._resend: collections.deque[str] = collections.deque()
-        self._credit = 0
+        self._credit, self._closed = 0, False
         self._ready = False                   # WELCOME received since the last HELLO
         self._inflight = 0                    # admitted episodes not yet sent (told to the learner in HELLO)
-        self._seq = itertools.count(1)
-        self._rid = itertools.count(1)
+        self._seq, self._rid = itertools.count(1), itertools.count(1)  # TRAJ seq, ADMIT request ids
         self._grants: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
-        self._last_rx = 0.0
-        self._last_hello = 0.0
+        self._last_rx = self._last_hello = 0.0
         self._hello_id = 0                    # WELCOMEs answering an older HELLO are ignored (their credit is void)
-        self._closed = False
         self._stats = dict.fromkeys(("sent", "acked", "resent", "nacked", "retried", "hellos", "restarts_seen",
                                      "spooled", "unspooled", "bytes_sent", "image_bytes_sent", "images_sent",
                                      "images_deduped", "images_missing", "spool_skipped", "spool_errors"), 0)
@@ -359,9 +354,8 @@ class TrajectorySender:
                     e.held = m.held
             elif self._pop(tid) is not None:
                 self._stats["acked"] += 1
-                if self._spool is not None:
-                    self._unspool(tid)  # (an OSError here leaves it unconfirmed: its file may be loaded again)
-                self._forgot.add(tid)
+                if self._spool is None or self._unspool(tid):  # a file left behind: it may come again
+                    self._forgot.add(tid)
 
     def _on_nack(self, m: M.Nack) -> None:
         for h in m.missing:  # the learner lost these images: attach them again
@@ -445,6 +439,12 @@ class TrajectorySender:
             self._n_held -= 1
         return e
 
-    def _unspool(self, tid: str) -> None:
-        if self._spool.remove(tid):
-            self._stats["unspooled"] += 1
+    def _unspool(self, tid: str) -> bool:
+        """Remove tid's spool file; False (counted, logged) if it stays: loaded and re-sent after a restart."""
+        try:
+            self._stats["unspooled"] += self._spool.remove(tid)
+            return True
+        except OSError as e:  # (raised out of the ACK's drain, it left the rest of that ACK's ids unread)
+            self._stats["spool_errors"] += 1
+            log.warning("could not remove trajectory %s from the spool (%s); re-sent after a restart", tid, e)
+            return False
