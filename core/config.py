@@ -181,6 +181,9 @@ class SFTConfig:
     batch_size: int = f(32, lo=1, help="demonstration turns per update")
     lr: float = f(3e-3, lo=0, help="SFT learning rate")
     episodes: int = f(0, lo=0, help="demonstration episodes to roll; 0 = max(2000, 4 x steps)")
+    val_episodes: int = f(0, lo=0, help="demonstration episodes on pages of their own (another stream of training "
+                                        "seeds), measured every 50 steps: loss and the mean probability of each "
+                                        "demonstrated answer, in the log and sft.json \"val\"; 0 = none")
     demonstrator: str = f("noisy:0.2", "oracle | noisy:P (oracle with probability P, else a random visible widget) | "
                           "confused:P (oracle with probability P, else its kind of action with a random word of the goal) | "
                           "confused:P:N (the same, drawing from the goal's words and N plausible distractors: a visible "

@@ -7,6 +7,7 @@ on the operations floor in tars.demos.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -53,6 +54,13 @@ def _length_chunks(batch: list[Example], max_tokens: int) -> list[list[Example]]
     return chunks + ([cur] if cur else [])
 
 
+def _inputs(chunk: list[Example], pad_id: int, device: torch.device):
+    """tokens, key_valid, loss mask (on device) and the rows' images (None for a text batch) of a chunk."""
+    tokens, valid, mask = (x.to(device) for x in pad(chunk, pad_id))
+    rows = [e[2] if len(e) > 2 else None for e in chunk]
+    return tokens, valid, mask, rows if any(r is not None for r in rows) else None
+
+
 def sft_backward(policy: TrainPolicy, batch: list[Example], pad_id: int, chunk_tokens: int,
                  device: torch.device, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Backpropagate the SFT loss (mean -logprob over every answer token of the batch) and return it. The batch runs
@@ -62,9 +70,7 @@ def sft_backward(policy: TrainPolicy, batch: list[Example], pad_id: int, chunk_t
     n_tokens = max(1, sum(sum(e[1]) for e in batch))
     total = 0.0
     for chunk in _length_chunks(batch, chunk_tokens):
-        tokens, valid, mask = (x.to(device) for x in pad(chunk, pad_id))
-        rows = [e[2] if len(e) > 2 else None for e in chunk]
-        vl = rows if any(r is not None for r in rows) else None
+        tokens, valid, mask, vl = _inputs(chunk, pad_id, device)
         with autocast(device, amp_dtype):
             lp = policy.logprobs_at(tokens, valid, mask, vl=vl)  # fp32: logprobs_at upcasts the logits
         loss = -lp.sum() / n_tokens
@@ -96,14 +102,53 @@ def bind_images(policy: TrainPolicy, examples: list[Example]) -> list[Example]:
     return out
 
 
+@torch.no_grad()
+def answer_scores(policy: TrainPolicy, examples: list[Example], pad_id: int, device: torch.device,
+                  amp_dtype: torch.dtype | None = None, rows: int = 16) -> dict:
+    """How well the policy writes the examples' answers: "nll", the mean -logprob per answer token, and "p_answer",
+    the mean over answers (each run of loss-mask 1s) of the probability of the whole answer, i.e. how often sampling
+    at temperature 1 would write it exactly."""
+    was_training = policy.training
+    policy.eval()
+    total, n_tok, probs = 0.0, 0, []
+    for i in range(0, len(examples), rows):
+        chunk = examples[i:i + rows]
+        tokens, valid, mask, vl = _inputs(chunk, pad_id, device)
+        with autocast(device, amp_dtype):
+            lp = policy.logprobs_at(tokens, valid, mask, vl=vl).float().cpu().tolist()  # masked t >= 1, row-major
+        total, n_tok, k = total - sum(lp), n_tok + len(lp), 0
+        for m in mask[:, 1:].cpu().tolist():
+            run = None
+            for on in m:
+                if on and run is None:
+                    run = 0.0
+                if on:
+                    run, k = run + lp[k], k + 1
+                elif run is not None:
+                    probs.append(math.exp(run))
+                    run = None
+            if run is not None:
+                probs.append(math.exp(run))
+    policy.train(was_training)
+    return {"nll": total / max(1, n_tok), "p_answer": float(np.mean(probs)) if probs else 0.0}
+
+
 def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float, seed: int, pad_id: int,
               log=None, device: torch.device | None = None, amp_dtype: torch.dtype | None = None,
-              chunk_tokens: int = 2048) -> dict:
+              chunk_tokens: int = 2048, val: list[Example] | None = None, val_every: int = 50) -> dict:
     """SFT on `device` (default: where the policy is), forward passes under bf16 autocast when amp_dtype is set;
-    weights, optimizer and loss stay fp32. The policy is left on `device`; save_hf writes fp32 CPU tensors."""
+    weights, optimizer and loss stay fp32. The policy is left on `device`; save_hf writes fp32 CPU tensors.
+    val: examples measured (answer_scores) before the first step, every val_every steps and after the last."""
     device = device if device is not None else next(policy.parameters()).device
     policy.to(device)
     demos = bind_images(policy, demos)
+    val = bind_images(policy, val) if val else []
+    history: list[dict] = []
+
+    def measure(s: int) -> None:
+        history.append({"step": s, **answer_scores(policy, val, pad_id, device, amp_dtype)})
+        if log:
+            log(f"sft step {s}/{steps} validation: loss {history[-1]['nll']:.3f}, p(answer) {history[-1]['p_answer']:.3f}")
     g = np.random.default_rng(seed % 2**64)  # numpy takes no negative seed; the config's seed may be one (seed=-3)
     # frozen parameters (model.freeze_vision) are not in the optimiser
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.99))
@@ -111,6 +156,8 @@ def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float
     policy.train()
     t0, losses = time.perf_counter(), []
     for s in range(steps):
+        if val and s % val_every == 0:
+            measure(s)
         idx = g.integers(0, len(demos), batch_size)
         opt.zero_grad(set_to_none=True)
         loss = sft_backward(policy, [demos[i] for i in idx], pad_id, chunk_tokens, device, amp_dtype)
@@ -120,8 +167,11 @@ def train_sft(policy: TrainPolicy, demos, steps: int, batch_size: int, lr: float
         losses.append(float(loss.detach()))
         if log and (s % 50 == 0 or s == steps - 1):
             log(f"sft step {s + 1}/{steps} loss {np.mean(losses[-50:]):.3f}")
+    if val:
+        measure(steps)
     policy.eval()
-    return {"sft_steps": steps, "sft_loss": float(np.mean(losses[-50:])) if losses else None, "sft_s": time.perf_counter() - t0}
+    out = {"sft_steps": steps, "sft_loss": float(np.mean(losses[-50:])) if losses else None, "sft_s": time.perf_counter() - t0}
+    return {**out, "val": history} if val else out
 
 
 def check_tokenizer(trajs, tok: ChatTokenizer, src) -> None:
@@ -140,9 +190,10 @@ def check_tokenizer(trajs, tok: ChatTokenizer, src) -> None:
 
 
 def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: DemonstrationSource | None = None,
-        steps: int | None = None, log=print) -> dict:
+        steps: int | None = None, log=print, val_demos: DemonstrationSource | None = None) -> dict:
     """`tars sft`: fine-tune model_dir on stored trajectories (data: trajectory files, e.g. a split's sft.twl)
-    and/or the examples a demonstration source gives for the model's tokenizer; write HF layout to out_dir."""
+    and/or the examples a demonstration source gives for the model's tokenizer; write HF layout to out_dir.
+    val_demos: examples of their own to measure the SFT by (train_sft's val), with the same tokenizer."""
     import json
     import pathlib
 
@@ -175,11 +226,13 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
     examples = sft_examples(trajs)
     n_traj = len(examples)
     pad_id = policy.config.pad_token_id
-    if demos is not None:  # the model directory's tokenizer (a TokenizerError, a ValueError, when it has none)
+    val: list[Example] = []
+    if demos is not None or val_demos is not None:  # the model directory's tokenizer (an error when it has none)
         tok = ChatTokenizer.load(src, cfg.actor.chat_template_kwargs)  # the prompts the actor will build
-        examples += demos(tok)
+        examples += demos(tok) if demos is not None else []
+        val = val_demos(tok) if val_demos is not None else []
         pad_id = tok.pad_id
-        bad = next((max(e[0]) for e in examples[n_traj:] if e[0] and not 0 <= min(e[0]) <= max(e[0]) < vocab), None)
+        bad = next((max(e[0]) for e in examples[n_traj:] + val if e[0] and not 0 <= min(e[0]) <= max(e[0]) < vocab), None)
         if bad is not None:
             raise ValueError(f"a demonstration has token id {bad}, outside the model's vocabulary of {vocab}: the "
                              f"tokenizer of {src} does not match its model")
@@ -192,7 +245,7 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
         raise ValueError("--steps must be >= 1")
     log(f"sft on {describe(device, amp_dtype)}")
     m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, pad_id, log=log,
-                  device=device, amp_dtype=amp_dtype)
+                  device=device, amp_dtype=amp_dtype, val=val)
     policy.save_hf(out_dir, tokenizer_from=src)  # with the model directory's tokenizer files
     m.update(trajectories=n_traj, infra_error_dropped=infra, demonstrations=len(examples) - n_traj, out=str(out_dir), device=str(device),
              precision="bf16" if amp_dtype is not None else "fp32")

@@ -374,11 +374,11 @@ def _role(a, cfg) -> int:
                             resume=a.resume or a.resume_or_fresh, fresh_if_none=a.resume_or_fresh)
     if a.cmd == "sft":
         from learner.sft import run as sft_run
-        from tars.demos import source
+        from tars.demos import source, val_source
 
         demos = source(cfg, a.demos) if a.demos > 0 else None
         try:
-            print(json.dumps(sft_run(cfg, a.model, a.out, a.data, demos, a.steps)))
+            print(json.dumps(sft_run(cfg, a.model, a.out, a.data, demos, a.steps, val_demos=val_source(cfg))))
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"nothing written to {a.out} (it is written whole at the end)") from None
         except (ValueError, FileNotFoundError) as e:  # e.g. trajectory files that hold no usable trajectory

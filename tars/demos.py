@@ -72,20 +72,22 @@ def confused_action(env, rng: random.Random, distractors: int = 0) -> Action:
 
 def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demonstrator: str, seed: int,
                    max_turns: int = 6, system_prompt: str = "tiny", obs_budget: int = 0,
-                   env_options: dict | None = None, max_new_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
-    """Roll the demonstrator through envd's envs in-process -> [(tokens, loss_mask)]. `obs_budget`: the actor's
+                   env_options: dict | None = None, max_new_tokens: int = 0,
+                   stream: str = "") -> list[tuple[list[int], list[int]]]:
+    """Roll the demonstrator through envd's envs in-process -> [(tokens, loss_mask)]. stream: a name for another
+    series of training seeds (pages of their own: "val" for sft.val_episodes); "" = the SFT set's. `obs_budget`: the actor's
     actor.max_obs_tokens, so a demonstration's prompts are the ones the policy will see in RL. `max_new_tokens`:
     the actor's actor.max_new_tokens (0 = no limit): a demonstrated answer longer than that, which RL would cut
     short, is a ValueError naming the limit it needs."""
     if not all(is_builtin(e) for e in env_ids):
-        eps = roll(env_ids, episodes, demonstrator, seed, max_turns, env_options)
+        eps = roll(env_ids, episodes, demonstrator, seed, max_turns, env_options, stream=stream)
         if episodes > 0 and not eps:
             raise ValueError(f"no demonstrations: the {demonstrator} demonstrator won none of the {episodes} episodes it "
                              f"played on {', '.join(env_ids)} within actor.max_turns={max_turns} (only won episodes "
                              "are demonstrations): raise actor.max_turns, or use noisy:P, which keeps every episode")
     else:
         kind, p, n = parse_demonstrator(demonstrator)
-        rng = random.Random(seed)
+        rng = random.Random(f"{seed}:{stream}" if stream else seed)
         opts = env_options_for_demos(env_options)
         envs = {e: builtin.make(e.split("/", 1)[1], dict(opts)) for e in env_ids}
         eps = []
@@ -154,15 +156,15 @@ def tokenize(tok: ChatTokenizer, episode: list[DemoTurn], system_prompt: str = "
     return toks, mask
 
 
-def episode_seeds(seed: int, env_id: str):
+def episode_seeds(seed: int, env_id: str, stream: str = ""):
     """The env seeds `roll` gives env_id's episodes, in order: training seeds (below HELD_OUT_SEED_BASE)."""
-    rng = random.Random(f"{seed}:{env_id}:seeds")
+    rng = random.Random(f"{seed}:{env_id}:seeds" + (f":{stream}" if stream else ""))
     while True:
         yield rng.randrange(HELD_OUT_SEED_BASE)
 
 
 def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_turns: int = 6,
-         env_options: dict | None = None, keep: str = "won") -> list[list[DemoTurn]]:
+         env_options: dict | None = None, keep: str = "won", stream: str = "") -> list[list[DemoTurn]]:
     """Roll `demonstrator` (oracle | noisy:P) through any env with an oracle, in-process, episode i on
     env_ids[i % len]: one thread and one env per env id -> episodes as [DemoTurn] (play).
     keep: "won" drops the oracle's episodes that did not succeed (a demonstration must show the task done; every
@@ -176,8 +178,8 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
 
     def work(k: int) -> list[tuple[int, list]]:
         env_id = env_ids[k]
-        rng = random.Random(f"{seed}:{env_id}")
-        seeds = episode_seeds(seed, env_id)
+        rng = random.Random(f"{seed}:{env_id}" + (f":{stream}" if stream else ""))
+        seeds = episode_seeds(seed, env_id, stream)
         env = registry.make(env_id, dict(opts))
         out = []
 
@@ -202,9 +204,15 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
     return [turns for _, turns in sorted(rolled, key=lambda x: x[0])]
 
 
-def source(cfg, episodes: int):
-    """A learner.sft.DemonstrationSource: `episodes` demonstrations of cfg.sft.demonstrator on cfg.actor.env_ids."""
+def source(cfg, episodes: int, stream: str = ""):
+    """A learner.sft.DemonstrationSource: `episodes` demonstrations of cfg.sft.demonstrator on cfg.actor.env_ids
+    (stream: see demonstrations)."""
     parse_demonstrator(cfg.sft.demonstrator)  # a bad spec is refused before any model is loaded
     return lambda tok: demonstrations(tok, list(cfg.actor.env_ids), episodes, cfg.sft.demonstrator, cfg.seed,
                                       cfg.actor.max_turns, cfg.actor.system_prompt, cfg.actor.max_obs_tokens,
-                                      cfg.actor.env_options, cfg.actor.max_new_tokens)
+                                      cfg.actor.env_options, cfg.actor.max_new_tokens, stream)
+
+
+def val_source(cfg):
+    """sft.val_episodes demonstrations on pages of their own (stream "val"), or None."""
+    return source(cfg, cfg.sft.val_episodes, "val") if cfg.sft.val_episodes > 0 else None

@@ -44,13 +44,13 @@ def build_model(cfg: C.RunConfig, out: pathlib.Path, say) -> tuple[pathlib.Path,
     if cfg.sft.steps <= 0:
         return src, None
     from learner.sft import run as sft_run
-    from tars.demos import source
+    from tars.demos import source, val_source
 
     t0 = time.perf_counter()
     torch.set_num_threads(2)
     episodes = cfg.sft.episodes or max(2000, cfg.sft.steps * 4)
     say(f"SFT warm start: {episodes} scripted demonstrations ({cfg.sft.demonstrator}), {cfg.sft.steps} steps")
-    sft_run(cfg, str(src), str(out / "model"), [], demos=source(cfg, episodes), log=say)
+    sft_run(cfg, str(src), str(out / "model"), [], demos=source(cfg, episodes), log=say, val_demos=val_source(cfg))
     return out / "model", time.perf_counter() - t0
 
 

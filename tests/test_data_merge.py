@@ -473,3 +473,73 @@ def test_sft_demos_refuse_answers_longer_than_the_actor_may_generate(tmp_path):
     cfg = C.load(preset="quickstart", overrides=["sft.batch_size=2", "actor.max_new_tokens=64"])
     m = run(cfg, str(tmp_path / "m0"), str(tmp_path / "m1"), [], demos=source(cfg, 6), steps=1, log=lambda *_: None)
     assert m["demonstrations"] == 6
+
+
+def test_sft_validation_scores_answers_as_a_full_forward_does(tmp_path):
+    """answer_scores against a slow reference (transformers' own forward, token by token): the mean -logprob per
+    answer token and the mean probability of each whole answer (several answers a row, rows of different lengths)."""
+    from learner.sft import answer_scores
+
+    policy = TrainPolicy.from_config(DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2), seed=3)
+    g = np.random.default_rng(0)
+    examples = []
+    for n in (9, 14, 6, 11):
+        toks = [int(t) for t in g.integers(1, V, n)]
+        mask = [0] * n
+        for a, b in ((2, 4), (6, 8), (10, 13)):  # answers: runs of 1s (the ones that fit this row)
+            for t in range(a, min(b, n)):
+                mask[t] = 1
+        examples.append((toks, mask))
+    got = answer_scores(policy, examples, 0, torch.device("cpu"), rows=3)  # two chunks: the second of one row
+    nll, n_tok, probs = 0.0, 0, []
+    with torch.no_grad():
+        for toks, mask in examples:
+            logits = policy.lm(input_ids=torch.tensor([toks])).logits[0].double()
+            lp = torch.log_softmax(logits, -1)
+            run = None
+            for t in range(1, len(toks)):
+                if mask[t]:
+                    x = float(lp[t - 1, toks[t]])
+                    nll, n_tok, run = nll - x, n_tok + 1, (run or 0.0) + x
+                elif run is not None:
+                    probs.append(np.exp(run))
+                    run = None
+            if run is not None:
+                probs.append(np.exp(run))
+    assert len(probs) == 9
+    assert got["nll"] == pytest.approx(nll / n_tok, rel=1e-4)
+    assert got["p_answer"] == pytest.approx(float(np.mean(probs)), rel=1e-4)
+
+
+def test_sft_measures_validation_demonstrations_of_their_own(tmp_path):
+    """sft.val_episodes: demonstrations on pages the SFT set does not have, measured before, during and after; the
+    history goes to sft.json; and the SFT set is the same with or without it."""
+    from core import config as C
+    from core.bpe import save_tokenizer, train_bpe
+    from learner.sft import run
+    from tars.demos import demonstrations, source, val_source
+
+    hf = train_bpe(["click Save", "type carol into Name", "open File then click Save"] * 20, 300)
+    TrainPolicy.from_config(DecoderConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=1, pad_token_id=hf.pad_token_id),
+                            seed=0).save_hf(tmp_path / "m0")
+    save_tokenizer(hf, tmp_path / "m0")
+    cfg = C.load(overrides=["sft.batch_size=4", "sft.val_episodes=12", "sft.demonstrator=oracle",
+                            "actor.env_ids=[builtin/click]", "actor.max_new_tokens=64"])
+    logs = []
+    m = run(cfg, str(tmp_path / "m0"), str(tmp_path / "m1"), [], demos=source(cfg, 12), steps=120,
+            log=logs.append, val_demos=val_source(cfg))
+    assert [h["step"] for h in m["val"]] == [0, 50, 100, 120]
+    assert m["val"][-1]["nll"] < m["val"][0]["nll"] and 0 <= m["val"][0]["p_answer"] < m["val"][-1]["p_answer"] <= 1
+    assert json.loads((tmp_path / "m1" / "sft.json").read_text())["val"] == m["val"]
+    assert any("validation: loss" in line for line in logs)
+    from core.chat import ChatTokenizer
+
+    tok = ChatTokenizer.load(tmp_path / "m0")
+    train, val = source(cfg, 12)(tok), val_source(cfg)(tok)
+    assert train == demonstrations(tok, ["builtin/click"], 12, "oracle", cfg.seed, cfg.actor.max_turns,
+                                   cfg.actor.system_prompt, cfg.actor.max_obs_tokens, cfg.actor.env_options,
+                                   cfg.actor.max_new_tokens)
+    assert val != train and not {tuple(t) for t, _ in val} & {tuple(t) for t, _ in train}
+    assert val_source(C.load()) is None
