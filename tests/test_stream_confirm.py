@@ -295,6 +295,8 @@ def test_a_confirmation_counts_only_from_the_actor_that_sent_the_id(tmp_path):
         rx2.stop()
     with pytest.raises(ValueError, match="not an identity in hex"):
         receiver(tmp_path, id_owners={"zz": ["t1"]})
+    with pytest.raises(ValueError, match="a mapping of identities"):
+        receiver(tmp_path, id_owners=["t1"])
 
 
 def test_confirmations_lost_with_a_learner_are_sent_again_to_the_next(tmp_path):

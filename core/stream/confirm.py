@@ -63,6 +63,8 @@ class ConsumedIds:
         self.confirmed: set[str] = set(confirmed)  # pruned to what is tracked by the first settle() (at start)
         self.owner: dict[str, bytes] = {}          # tracked id -> the identity that sent it first
         self._idents: dict[bytes, bytes] = {}      # one bytes object per identity (the owner map's values)
+        if not isinstance(owners or {}, Mapping):
+            raise ValueError(f"id_owners: a mapping of identities to ids, not {type(owners).__name__}")
         for hexid, ids in (owners or {}).items():
             try:
                 ident = self._ident(bytes.fromhex(hexid))
