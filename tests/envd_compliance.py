@@ -238,11 +238,14 @@ class EnvCompliance:
     def test_heartbeat_keeps_alive(self):
         async def body():
             async with self.client() as c:
-                sid = await self.create(c, lease_ttl_s=0.4)
-                for _ in range(10):  # 1 s in all, well past the 0.4 s lease
+                # 3 s in all, twice the 1.5 s lease. (A 0.4 s lease failed on a loaded host: one stall between two
+                # heartbeats longer than the lease lets it expire, as it should.)
+                sid = await self.create(c, lease_ttl_s=1.5)
+                for _ in range(20):
                     hb = await c.Heartbeat(env_pb2.HeartbeatRequest(session_ids=[sid, "no-such-session"]))
-                    assert list(hb.alive) == [sid] and list(hb.unknown) == ["no-such-session"]
-                    await asyncio.sleep(0.1)
+                    assert list(hb.alive) == [sid], "the heartbeats did not keep the session alive"
+                    assert list(hb.unknown) == ["no-such-session"]
+                    await asyncio.sleep(0.15)
                 await self.reset(c, sid)
         run(body())
 

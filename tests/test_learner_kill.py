@@ -130,7 +130,8 @@ def test_sigkilled_learner_resumes_and_trains_every_trajectory_once(tmp_path, du
     assert set(trained) == {f"t{i}" for i in range(N)}, sorted({f"t{i}" for i in range(N)} - set(trained))[:10]
     assert max(trained.values()) == 1, [t for t, c in trained.items() if c > 1][:10]
     final = read_meta(run)
-    assert final["version"] == N // B and set(life2[-1][1]) <= set(final["consumed_ids"]) <= set(trained)
+    # (the final checkpoint is the second at its version, written at the end: ids confirmed since the first are gone)
+    assert final["version"] == N // B and set(final["consumed_ids"]) <= set(trained)
     st = sender_state["stats"]
     assert st["pending"] == 0 and st["held"] == 0 and st["restarts_seen"] == 1
     if durability == "checkpoint":

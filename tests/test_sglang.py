@@ -564,8 +564,10 @@ def test_a_replica_whose_update_failed_leaves_rotation_at_once(servers, models):
     e = engine([a.url, b.url])
     try:
         t, box = in_thread(e.update_weights, 1, models["b"])
-        wait_for(lambda: not healthy(e)[a.url])                # b is still updating (held by the gate)
-        assert healthy(e)[b.url] and t.is_alive() and b.paused is not None
+        # a out, and b paused, still updating (held by the gate): the replicas update in parallel, so a's failure
+        # can come before b's pause reached it
+        wait_for(lambda: not healthy(e)[a.url] and b.paused is not None)
+        assert healthy(e)[b.url] and t.is_alive()
         f = e.submit(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.0), "new")  # routed to b, not a
         gate.set()
         t.join(30)
