@@ -15,7 +15,10 @@ def test_bench_learner_small_run(tmp_path, capsys):
     assert rc == 0
     b = json.loads(out.read_text())
     s, p = b["figures"]["stream_over_raw"], b["figures"]["publish_share_of_step"]
-    assert s["stream_per_s"] > 0 and s["raw_per_s"] > 0 and s["value"] == round(s["stream_per_s"] / s["raw_per_s"], 3)
+    # value is the ratio of the unrounded rates, rounded to 3 places; the rates are shown to 0.1 (1.693 against 1.694
+    # recomputed from them failed once)
+    assert s["stream_per_s"] > 0 and s["raw_per_s"] > 0
+    assert s["value"] == pytest.approx(s["stream_per_s"] / s["raw_per_s"], abs=1e-3)
     assert s["detail"]["n"] == 40 and s["goal"] == ">= 0.8"
     modes = sorted(p["detail"]["publish_s"])
     assert modes == ["disk", "shm", "stream"] and len(p["detail"]["step_s"]) == 3   # one step per mode
