@@ -62,12 +62,11 @@ class ConsumedIds:
         self.consumed: set[str] = set(consumed)
         self.confirmed: set[str] = set(confirmed)  # pruned to what is tracked by the first settle() (at start)
         self.owner: dict[str, bytes] = {}          # tracked id -> the identity that sent it first
-        self._idents: dict[bytes, bytes] = {}      # one bytes object per identity (the owner map's values)
         if not isinstance(owners or {}, Mapping):
             raise ValueError(f"id_owners: a mapping of identities to ids, not {type(owners).__name__}")
         for hexid, ids in (owners or {}).items():
             try:
-                ident = self._ident(bytes.fromhex(hexid))
+                ident = bytes.fromhex(hexid)
             except (TypeError, ValueError):
                 raise ValueError(f"id_owners: {hexid!r} is not an identity in hex") from None
             self.owner.update(dict.fromkeys(map(str, ids), ident))
@@ -76,16 +75,10 @@ class ConsumedIds:
         self.counts = dict.fromkeys(("confirmations", "forgotten", "confirms_ignored", "confirms_foreign",
                                      "late_duplicates"), 0)
 
-    def _ident(self, ident: bytes) -> bytes:
-        if (got := self._idents.get(ident)) is None:
-            got = self._idents[ident] = bytes(ident)
-        return got
-
     def own(self, tid: str, ident: bytes) -> None:
         """tid was accepted (or replayed) from ident: its confirmations count from ident only. The first owner stays."""
         with self.lock:
-            if tid not in self.owner:
-                self.owner[tid] = self._ident(ident)
+            self.owner.setdefault(tid, ident)
 
     def add(self, ids: Iterable[str]) -> None:
         with self.lock:
@@ -144,7 +137,6 @@ class ConsumedIds:
                     self._forget(t)
             for t in [t for t in self.owner if t not in self.consumed and not holds(t)]:
                 del self.owner[t]  # neither consumed nor held: never trained here (a checkpoint run's lost memory)
-            self._idents = {i: i for i in set(self.owner.values())}  # identities that own nothing any more go
 
     def _forget(self, t: str) -> None:
         self.consumed.discard(t)
