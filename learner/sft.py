@@ -18,7 +18,7 @@ from learner.device import autocast, describe, resolve_device, resolve_precision
 from core.chat import ChatTokenizer, has_tokenizer
 from core.outcome import Outcome
 from core.schema import SchemaError
-from learner.batch import row_images
+from learner.batch import image_runs, row_images
 from learner.policy import TrainPolicy
 
 
@@ -117,18 +117,10 @@ def answer_scores(policy: TrainPolicy, examples: list[Example], pad_id: int, dev
         with autocast(device, amp_dtype):
             lp = policy.logprobs_at(tokens, valid, mask, vl=vl).float().cpu().tolist()  # masked t >= 1, row-major
         total, n_tok, k = total - sum(lp), n_tok + len(lp), 0
-        for m in mask[:, 1:].cpu().tolist():
-            run = None
-            for on in m:
-                if on and run is None:
-                    run = 0.0
-                if on:
-                    run, k = run + lp[k], k + 1
-                elif run is not None:
-                    probs.append(math.exp(run))
-                    run = None
-            if run is not None:
-                probs.append(math.exp(run))
+        for m in mask[:, 1:].cpu().numpy():
+            for a, b in image_runs(m, 1):  # each answer: a maximal run of 1s in the loss mask (the same helper)
+                probs.append(math.exp(sum(lp[k:k + b - a])))
+                k += b - a
     policy.train(was_training)
     return {"nll": total / max(1, n_tok), "p_answer": float(np.mean(probs)) if probs else 0.0}
 

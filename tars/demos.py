@@ -87,7 +87,7 @@ def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demons
                              "are demonstrations): raise actor.max_turns, or use noisy:P, which keeps every episode")
     else:
         kind, p, n = parse_demonstrator(demonstrator)
-        rng = random.Random(f"{seed}:{stream}" if stream else seed)
+        rng = random.Random(_streamed(seed, stream))
         opts = env_options_for_demos(env_options)
         envs = {e: builtin.make(e.split("/", 1)[1], dict(opts)) for e in env_ids}
         eps = []
@@ -156,9 +156,14 @@ def tokenize(tok: ChatTokenizer, episode: list[DemoTurn], system_prompt: str = "
     return toks, mask
 
 
+def _streamed(key, stream: str):
+    """An RNG seed key for a named stream of seeds (see demonstrations); "" leaves the key as it was."""
+    return f"{key}:{stream}" if stream else key
+
+
 def episode_seeds(seed: int, env_id: str, stream: str = ""):
     """The env seeds `roll` gives env_id's episodes, in order: training seeds (below HELD_OUT_SEED_BASE)."""
-    rng = random.Random(f"{seed}:{env_id}:seeds" + (f":{stream}" if stream else ""))
+    rng = random.Random(_streamed(f"{seed}:{env_id}:seeds", stream))
     while True:
         yield rng.randrange(HELD_OUT_SEED_BASE)
 
@@ -178,7 +183,7 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
 
     def work(k: int) -> list[tuple[int, list]]:
         env_id = env_ids[k]
-        rng = random.Random(f"{seed}:{env_id}" + (f":{stream}" if stream else ""))
+        rng = random.Random(_streamed(f"{seed}:{env_id}", stream))
         seeds = episode_seeds(seed, env_id, stream)
         env = registry.make(env_id, dict(opts))
         out = []
