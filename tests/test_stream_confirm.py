@@ -46,6 +46,15 @@ def checkpoint(rx) -> dict:
     return state
 
 
+async def send_trained(s, prefix: str, n: int, trainer: Trainer) -> None:
+    """Start s, send n trajectories (ids prefix0..), wait until the trainer has taken them all and s holds no unacked."""
+    await s.start()
+    for i in range(n):
+        await s.send(traj(f"{prefix}{i}"), timeout=10)
+    await asyncio.to_thread(trainer.join, 30)
+    await s.flush(timeout=10)
+
+
 def settle_all(rx, timeout=10.0) -> dict:
     """Checkpoints (what the training loop does) until every consumed id is forgotten; the last state."""
     last = {}
@@ -178,11 +187,7 @@ def test_learner_restart_from_a_checkpoint_stays_exactly_once(tmp_path, restore)
 
     async def main():
         s = TrajectorySender(addr, "rs", window=64, **FAST)
-        await s.start()
-        for i in range(N):
-            await s.send(traj(f"a{i}"), timeout=10)
-        await asyncio.to_thread(tr1.join, 30)
-        await s.flush(timeout=10)
+        await send_trained(s, "a", N, tr1)
         assert await asyncio.to_thread(wait_until, lambda: s.stats()["unconfirmed"] == 0, 10)
         last = checkpoint(rx1)                        # the trainer stopped: the final checkpoint, all confirmed
         assert last["confirmed_ids"], "the latest checkpoint should carry confirmations of ids still in its WAL"
@@ -314,11 +319,7 @@ def test_confirmations_lost_with_a_learner_are_sent_again_to_the_next(tmp_path):
 
     async def main():
         s = TrajectorySender(addr, "lost", window=64, **FAST)
-        await s.start()
-        for i in range(N):
-            await s.send(traj(f"c{i}"), timeout=10)
-        await asyncio.to_thread(tr1.join, 30)
-        await s.flush(timeout=10)
+        await send_trained(s, "c", N, tr1)
         assert await asyncio.to_thread(wait_until, lambda: s.stats()["unconfirmed"] == N, 10)
         state = tr1.ckpts[-1][0]
         assert len(state["consumed_ids"]) == N and not state["confirmed_ids"]
