@@ -219,18 +219,13 @@ _PROCESSORS: dict[str, object] = {}
 
 # ---- the token side: image runs, the binding rule, M-RoPE positions ---------------------------------------
 def image_runs(ids, image_token_id: int) -> list[tuple[int, int]]:
-    """(start, end) of each maximal run of `image_token_id` in ids, in order (end exclusive)."""
-    runs, i, n = [], 0, len(ids)
-    while i < n:
-        if ids[i] == image_token_id:
-            j = i
-            while j < n and ids[j] == image_token_id:
-                j += 1
-            runs.append((i, j))
-            i = j
-        else:
-            i += 1
-    return runs
+    """(start, end) of each maximal run of `image_token_id` in ids (a list or an array), in order (end exclusive).
+    The one helper for the engine, the learner's batches and SFT's answer spans."""
+    import numpy as np
+
+    is_run = np.concatenate([[False], np.asarray(ids) == image_token_id, [False]])
+    edges = np.flatnonzero(is_run[1:] != is_run[:-1])
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
 def bind_runs(ids, sizes: list[tuple[int, int]], spec: "VLSpec") -> list[tuple[int, int]]:

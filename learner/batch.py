@@ -24,6 +24,7 @@ import torch
 
 from core.outcome import Outcome
 from core.schema import Trajectory, group_key, trained_positions, turn_rewards
+from core.vlm import image_runs
 
 
 @dataclass
@@ -43,13 +44,6 @@ def stray_positions(tokens: np.ndarray, mask, spec) -> list[int]:
         return []
     gen = np.asarray(mask) > 0
     return np.flatnonzero(gen & np.isin(np.asarray(tokens), spec.special_ids)).tolist()
-
-
-def image_runs(tokens: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
-    """[start, end) of each maximal run of image pad tokens, in token order."""
-    is_pad = np.concatenate([[False], np.asarray(tokens) == image_token_id, [False]])
-    edges = np.flatnonzero(is_pad[1:] != is_pad[:-1])
-    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
 def row_images(tokens: np.ndarray, segments, image_refs, images: dict, spec, cache: dict | None = None,

@@ -18,7 +18,8 @@ from learner.device import autocast, describe, resolve_device, resolve_precision
 from core.chat import ChatTokenizer, has_tokenizer
 from core.outcome import Outcome
 from core.schema import SchemaError
-from learner.batch import image_runs, row_images
+from core.vlm import image_runs
+from learner.batch import row_images
 from learner.policy import TrainPolicy
 
 

@@ -101,8 +101,8 @@ def test_vl_episodes_bind_their_screenshots(tmp_path):
     pads per screenshot, in token order, no run across a segment start; generated ids are never special tokens."""
     import numpy as np
 
-    from core.vlm import VLSpec
-    from learner.batch import binding_error, image_runs
+    from core.vlm import VLSpec, image_runs
+    from learner.batch import binding_error
     from tars.bench.episodes import vl_episodes
     from tests.hf_dirs import make_vl_checkpoint
 

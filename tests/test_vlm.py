@@ -110,3 +110,27 @@ def test_bad_directories_are_named(tmp_path, vl_dir):
         VLSpec.load(d)
     with pytest.raises(ValueError, match="readable"):
         VLSpec.load(vl_dir).pixels([b"not a png"])
+
+
+def test_image_runs_are_the_maximal_runs_for_lists_and_arrays():
+    """image_runs against a plain scan, on lists and numpy arrays, runs at either end, none, and an empty input."""
+    import numpy as np
+
+    from core.vlm import image_runs
+
+    def scan(ids, t):
+        runs, start = [], None
+        for i, x in enumerate(list(ids) + [None]):
+            if x == t and start is None:
+                start = i
+            elif x != t and start is not None:
+                runs.append((start, i))
+                start = None
+        return runs
+
+    rng = np.random.default_rng(0)
+    cases = [[], [7], [1, 2], [7, 7, 1, 7], [1, 7, 7, 7]] + [rng.integers(5, 9, size=n).tolist() for n in range(1, 60)]
+    for ids in cases:
+        assert image_runs(ids, 7) == scan(ids, 7), ids
+        assert image_runs(np.asarray(ids, dtype=np.int64), 7) == scan(ids, 7), ids
+    assert image_runs([7, 7], 7) == [(0, 2)] and all(type(a) is int for a, _ in image_runs([1, 7], 7))
