@@ -114,12 +114,20 @@ class _Prompt:
 
 def _prompt(ctx: EpisodeContext, *a, history: list[str] | None = None, **kw) -> _Prompt:
     """_prompt_once; a new segment whose history of earlier turns does not fit the context leaves out its oldest steps
-    (as UI-TARS keeps only its last turns) until it fits or none is left."""
-    skip, p, limit = 0, _prompt_once(ctx, *a, history=history, **kw), ctx.max_context - ctx.cfg.max_new_tokens
-    while p.new_segment and ctx.max_context and len(p.ids) > limit and skip < len(history or ()):
-        skip += 1
-        p = _prompt_once(ctx, *a, history=history, skip=skip, **kw)
-    return p
+    (as UI-TARS keeps only its last turns): the fewest that make it fit, or all of them when none does. Found by
+    bisection (the prompt shrinks as steps are left out), so a turn of a long episode renders its prompt
+    O(log steps) times, not once per step left out."""
+    p, n = _prompt_once(ctx, *a, history=history, **kw), len(history or ())
+    limit = ctx.max_context - ctx.cfg.max_new_tokens
+    if not (p.new_segment and ctx.max_context and len(p.ids) > limit and n):
+        return p
+    tried: dict[int, _Prompt] = {}
+    lo, hi = 1, n                     # the answer is in [lo, hi]; skipping all n is taken even when it does not fit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        tried[mid] = _prompt_once(ctx, *a, history=history, skip=mid, **kw)
+        lo, hi = (lo, mid) if len(tried[mid].ids) <= limit else (mid + 1, hi)
+    return tried.get(lo) or _prompt_once(ctx, *a, history=history, skip=lo, **kw)
 
 
 def _prompt_once(ctx: EpisodeContext, style: str, obs: Obs, note: str, first: bool, closed: bool,

@@ -701,3 +701,30 @@ def test_demonstrations_are_the_actors_tokens_under_the_runs_env_options():
         assert tr.tokens[:len(toks)].tolist() == toks
         assert tr.mask[:len(mask)].tolist() == mask
         assert tr.outcome != "truncated" or tr.mask[len(mask):].sum() == 0   # nothing generated past the demonstration
+
+
+def test_the_steps_left_out_are_the_fewest_that_fit_found_in_log_renders(monkeypatch):
+    """_prompt leaves out the fewest oldest steps that make a new segment's first prompt fit (all of them when none
+    does), the same answer as trying one more step at a time, with O(log steps) renders instead of one per step."""
+    import math
+
+    from actor import episode as ep
+
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        n = int(rng.integers(1, 200))
+        sizes = np.sort(rng.integers(1, 50, n))[::-1]            # what each step adds to the prompt
+        base, limit = int(rng.integers(10, 100)), int(rng.integers(50, 3000))
+        calls = []
+
+        def once(ctx, *a, history=None, skip=0, **kw):
+            calls.append(skip)
+            return ep._Prompt(ids=[0] * (base + int(sum(len(h) for h in history[skip:]))), new_segment=True)
+
+        monkeypatch.setattr(ep, "_prompt_once", once)
+        history = ["x" * int(s) for s in sizes]
+        ctx = types.SimpleNamespace(max_context=limit + 24, cfg=types.SimpleNamespace(max_new_tokens=24))
+        got = ep._prompt(ctx, history=history)
+        want = next((k for k in range(n + 1) if base + sum(sizes[k:]) <= limit), n)
+        assert len(got.ids) == base + sum(sizes[want:]), (case, want)
+        assert len(calls) <= 2 + math.ceil(math.log2(n + 1)), (case, len(calls))
