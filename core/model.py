@@ -180,6 +180,20 @@ def causal_mask(key_valid: torch.Tensor, T: int) -> torch.Tensor:
     return m[:, None]
 
 
+def init_parameters(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """A random initialisation by parameter name, the same for every module with the same names in the same order
+    (the engine's CausalLM and the learner's TrainPolicy): norms 1, biases 0, the rest N(0, std) from one generator."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
 class CausalLM(nn.Module):
     """A Qwen2 / Qwen3 / Llama / Mistral (ForCausalLM) decoder. `value_head=True` adds a scalar head (the critic)."""
 
@@ -208,15 +222,7 @@ class CausalLM(nn.Module):
                                       int(c.extra["vision_config"].get("spatial_merge_size", 2))) if c.is_vl else None)
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "CausalLM":
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        init_parameters(self, seed, std)
         return self
 
     def hidden(self, input_ids, positions=None, key_valid=None, past=None, images=None, image_embeds=None,

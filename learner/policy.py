@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from core import vision_attention
-from core.model import DecoderConfig
+from core.model import DecoderConfig, init_parameters
 from core.model_config import padding_id
 from core.model_files import both_rope_spellings, read_weights  # noqa: F401  (read_weights: callers import it here)
 from core.vision import PatchEmbed, VisionConfig
@@ -222,16 +222,8 @@ class TrainPolicy(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "TrainPolicy":
-        """core.model.CausalLM.init_weights on the same names in the same order: norms 1, biases 0, the rest N(0, std)."""
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        """core.model.CausalLM.init_weights on the same names in the same order (core.model.init_parameters)."""
+        init_parameters(self, seed, std)
         return self
 
     # ---- forward -----------------------------------------------------------------------------------------------
