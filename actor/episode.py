@@ -114,15 +114,12 @@ class _Prompt:
 
 def _prompt(ctx: EpisodeContext, *a, history: list[str] | None = None, **kw) -> _Prompt:
     """_prompt_once; a new segment whose history of earlier turns does not fit the context leaves out its oldest steps
-    (as UI-TARS keeps only its last turns): the fewest that make it fit, or all of them when none does. Found by
-    bisection (the prompt shrinks as steps are left out), so a turn of a long episode renders its prompt
-    O(log steps) times, not once per step left out."""
-    p, n = _prompt_once(ctx, *a, history=history, **kw), len(history or ())
-    limit = ctx.max_context - ctx.cfg.max_new_tokens
+    (as UI-TARS keeps only its last turns): the fewest that make it fit (all when none does), found by bisection (the
+    prompt shrinks as steps are left out): O(log steps) renders a turn, not one per step left out."""
+    p, n, limit = _prompt_once(ctx, *a, history=history, **kw), len(history or ()), ctx.max_context - ctx.cfg.max_new_tokens
     if not (p.new_segment and ctx.max_context and len(p.ids) > limit and n):
         return p
-    tried: dict[int, _Prompt] = {}
-    lo, hi = 1, n                     # the answer is in [lo, hi]; skipping all n is taken even when it does not fit
+    tried, lo, hi = {}, 1, n          # the answer is in [lo, hi]; skipping all n is taken even when it does not fit
     while lo < hi:
         mid = (lo + hi) // 2
         tried[mid] = _prompt_once(ctx, *a, history=history, skip=mid, **kw)

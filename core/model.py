@@ -22,7 +22,7 @@ from core.model_config import (  # noqa: F401  (re-exported: core.model is where
     ACCEPTED_CONFIG_FIELDS, DecoderConfig, UnsupportedModel, load_config, rope_attention_scaling, rope_inv_freq,
 )
 from core import vision_attention
-from core.model_files import MissingWeights, read_weights, untied_head, write_weights  # noqa: F401
+from core.model_files import MissingWeights, init_parameters, read_weights, untied_head, write_weights  # noqa: F401
 
 
 class WeightsMismatch(ValueError):
@@ -178,20 +178,6 @@ def causal_mask(key_valid: torch.Tensor, T: int) -> torch.Tensor:
     eye = (k_pos == q_pos)[None].expand(B, T, S)
     m = m | (eye & ~m.any(-1, keepdim=True))
     return m[:, None]
-
-
-def init_parameters(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """A random initialisation by parameter name, the same for every module with the same names in the same order
-    (the engine's CausalLM and the learner's TrainPolicy): norms 1, biases 0, the rest N(0, std) from one generator."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
 class CausalLM(nn.Module):

@@ -1,6 +1,7 @@
 """A checkpoint directory's weights, as transformers lays them out: one model.safetensors, or shards named
 model-00001-of-0000N.safetensors listed in model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"});
-and its config.json's RoPE in both transformers spellings (both_rope_spellings).
+and its config.json's RoPE in both transformers spellings (both_rope_spellings); and the random initialisation
+of weights by name (init_parameters).
 """
 from __future__ import annotations
 
@@ -192,3 +193,17 @@ def both_rope_spellings(d: dict) -> dict:
         if key is not None:
             out[key] = level
     return out
+
+
+def init_parameters(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """A random initialisation by parameter name, the same for every module with the same names in the same order
+    (the engine's CausalLM and the learner's TrainPolicy): norms 1, biases 0, the rest N(0, std) from one generator."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)

@@ -38,9 +38,9 @@ import torch
 import torch.nn as nn
 
 from core import vision_attention
-from core.model import DecoderConfig, init_parameters
+from core.model import DecoderConfig
 from core.model_config import padding_id
-from core.model_files import both_rope_spellings, read_weights  # noqa: F401  (read_weights: callers import it here)
+from core.model_files import both_rope_spellings, init_parameters, read_weights  # noqa: F401  (read_weights: callers import it here)
 from core.vision import PatchEmbed, VisionConfig
 from learner.batch import right_padded
 from learner.fsdp import full, like
