@@ -16,3 +16,14 @@ BENCHES: dict[str, str] = {"actor": "actor", "env": "envd", "faults": "faults", 
 def run_bench(name: str, argv: list[str]) -> int:
     """Import tars.bench.<module> for NAME and run its main(argv)."""
     return importlib.import_module(f"tars.bench.{BENCHES[name]}").main(argv)
+
+
+def report(out: dict, table, json_path: str | None) -> int:
+    """A benchmark's end: its figures to json_path when given, its table to stdout; exit status 0."""
+    if json_path:
+        import json
+
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+    print(table(out))
+    return 0

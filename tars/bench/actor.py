@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import pathlib
 import random
@@ -32,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from tars.bench import report
 from tars.bench.envd import Daemon, figure, machine, skipped, summary
 from tars.topology import LaunchError, Process, RoleSpec, pythonpath
 
@@ -276,10 +276,5 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency levels must be >= 1")
     if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
         p.error(f"--json {a.json}: directory does not exist")
-    out = run(a)
-    print(table(out))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return 0
+    return report(run(a), table, a.json)
 

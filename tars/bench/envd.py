@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import platform
@@ -32,6 +31,7 @@ from typing import Callable
 from envd import proctree, registry
 from core import rpc
 from core.v1 import common_pb2, env_pb2, env_pb2_grpc
+from tars.bench import report
 from tars.topology import LaunchError, Process, daemon_spec, pythonpath
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -429,12 +429,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """`tars bench env ARGS`: argparse errors exit with status 2 and a message naming the argument."""
     a = parse(argv)
-    out = run(a)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
-    print(table(out))
-    return 0
+    return report(run(a), table, a.json)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Figures:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -39,6 +38,7 @@ import time
 
 import torch
 
+from tars.bench import report
 from tars.topology import LaunchError, Process, daemon_spec, pythonpath
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -266,12 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     if a.model is not None and not (pathlib.Path(a.model) / "config.json").is_file():
         ap.error(f"--model {a.model}: no config.json there (give a Hugging Face checkpoint directory)")
-    out = run(a)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
-    print(table(out))
-    return 0
+    return report(run(a), table, a.json)
 
 
 if __name__ == "__main__":
