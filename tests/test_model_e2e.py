@@ -3,7 +3,6 @@ classes, sharded safetensors, a byte-level BPE tokenizer with the ChatML / Llama
 the actor's episodes, the learner's model class, `tars sft`, `tars eval` and a short `tars up`."""
 from __future__ import annotations
 
-import asyncio
 import json
 import pathlib
 import subprocess
@@ -46,35 +45,13 @@ def test_the_checkpoint_is_sharded_and_has_a_chat_template(ckpt):
 def test_learner_logprobs_equal_the_engines_over_multi_turn_episodes(ckpt, tmp_path):
     """Episodes through a real `tars serve` and `tars envd`; then the learner's model class (transformers) recomputes
     the logprob of every sampled token on the trajectory's own ids: each matches the engine's within 1e-4 (fp32)."""
-    from actor.envclient import EnvClient
-    from actor.episode import EpisodeContext, run_episode
     from core import config as C
-    from core.chat import ChatTokenizer
-    from core.inference_client import InferenceClient
     from learner.policy import TrainPolicy
-    from tars.topology import Topology, plan
+    from tests.served import topology_episodes
 
     cfg = C.load(None, None, ["actor.max_turns=3", "actor.max_new_tokens=10", "actor.temperature=1.0",
                               "actor.on_parse_error=continue"])
-    out = tmp_path / "out"
-    out.mkdir()
-    C.save(cfg, out / "config.yaml")
-    tok = ChatTokenizer.load(ckpt)
-
-    async def episodes(envd, inference):
-        env = EnvClient(envd, cfg.envd.auth_token, 30, 2)  # the run's tokens: plan() made them
-        infer = InferenceClient([inference], cfg.inference.auth_token, timeout_s=30, retries=2)
-        ctx = EpisodeContext(cfg.actor, tok, infer, "test")
-        try:
-            return await asyncio.gather(*(run_episode(ctx, env, f"lp-{i:04d}", "builtin/mixed", i, 0)
-                                          for i in range(4)))
-        finally:
-            await infer.close()
-            await env.close()
-
-    with Topology(plan(cfg, out, ckpt, learner=False, n_actors=0)) as topo:
-        topo.start()
-        trs = asyncio.run(episodes(topo.envd, topo.inference))
+    trs = topology_episodes(cfg, tmp_path / "out", ckpt, "builtin/mixed", 4, "lp")
     assert all(t.outcome != "infra_error" for t in trs), [t.error for t in trs]
     assert sum(len(t.turns) for t in trs) > len(trs)          # multi-turn: later turns were appended
     policy = TrainPolicy.load(ckpt).eval()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.hf_dirs import make_vl_checkpoint
-from tests.served import served
+from tests.served import served, topology_episodes
 from tars.bench.episodes import screenshot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -173,36 +173,13 @@ def test_learner_logprobs_equal_the_engines_over_actor_episodes_with_segments(vl
     """Episodes of the real actor code against a real `tars envd` (MiniWoB: a screenshot every turn) and a real
     `tars serve`, image_history=2 so later turns start new segments; after the stream's encode/decode the learner's
     logprob of every sampled token equals the engine's within 1e-4."""
-    from actor.envclient import EnvClient
-    from actor.episode import EpisodeContext, run_episode
     from core import config as C
-    from core.chat import ChatTokenizer
-    from core.inference_client import InferenceClient
     from core.schema import Trajectory
-    from tars.topology import Topology, plan
 
     cfg = C.load(None, None, ["actor.max_turns=4", "actor.max_new_tokens=10", "actor.temperature=1.0",
                               "actor.on_parse_error=continue", "actor.image_history=2", "inference.precision=fp32",
                               "inference.max_context=4096"])
-    out = tmp_path / "out"
-    out.mkdir()
-    C.save(cfg, out / "config.yaml")
-    tok = ChatTokenizer.load(vl_run_dir)
-
-    async def episodes(envd, inference):
-        env = EnvClient(envd, cfg.envd.auth_token, 60, 2)
-        infer = InferenceClient([inference], cfg.inference.auth_token, timeout_s=60, retries=2)
-        ctx = EpisodeContext(cfg.actor, tok, infer, "test")
-        try:
-            return await asyncio.gather(*(run_episode(ctx, env, f"vl-{i:04d}", "miniwob/click-button", i, 0)
-                                          for i in range(3)))
-        finally:
-            await infer.close()
-            await env.close()
-
-    with Topology(plan(cfg, out, vl_run_dir, learner=False, n_actors=0)) as topo:
-        topo.start()
-        trs = asyncio.run(episodes(topo.envd, topo.inference))
+    trs = topology_episodes(cfg, tmp_path / "out", vl_run_dir, "miniwob/click-button", 3, "vl", timeout_s=60)
     trs = [Trajectory.decode(t.validate().encode()) for t in clean(trs)]
     # (an episode cut short by a vision token it wrote may end before its second segment)
     assert any(t.segments and len(t.image_refs) >= 3 for t in trs), [(t.segments, len(t.image_refs)) for t in trs]
