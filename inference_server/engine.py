@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import threading
 import time
 from concurrent.futures import Future
@@ -23,8 +22,8 @@ from core.model import CausalLM
 # The shared types are re-exported here: callers import the engine's vocabulary from the engine.
 from inference_server.engine_types import (GREEDY_BELOW, LENGTH, STOP, EngineClosed, GenerateOutput, QueueFull,  # noqa: F401
                                            Request, SamplingParams, TokenCallback, UpdateBusy, VLInputs,
-                                           WeightLoadError, WeightsRefused, WeightUpdate, check_finite, finite,
-                                           check_version_step)
+                                           WeightLoadError, WeightsRefused, WeightUpdate, check_finite, check_request,
+                                           check_version_step, finite)
 from inference_server.scheduler import Scheduler
 from inference_server.work_queue import WorkQueue
 
@@ -104,26 +103,8 @@ class LocalEngine:
 
     # ---- requests ------------------------------------------------------------------------------------
     def validate(self, input_ids: list[int], p: SamplingParams) -> None:
-        """Raise ValueError (INVALID_ARGUMENT) with a message naming the offending field."""
-        V = self.vocab_size
-        if not input_ids:
-            raise ValueError("input_ids is empty")
-        bad = next((t for t in input_ids if not 0 <= t < V), None)
-        if bad is not None:
-            raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {V})")
-        if p.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {p.max_new_tokens}")
-        if len(input_ids) + p.max_new_tokens > self.cfg.max_context:
-            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {self.cfg.max_context}")
-        if not 0 <= p.temperature < math.inf:  # inf (or NaN) would be served: inf flattens every row to uniform
-            raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
-        if not 0 <= p.top_p <= 1:
-            raise ValueError(f"top_p must be in [0, 1], got {p.top_p}")
-        if p.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {p.top_k}")
-        bad = next((t for t in p.stop_token_ids if not 0 <= t < V), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {V})")
+        """Raise ValueError (INVALID_ARGUMENT) with a message naming the offending field (engine_types.check_request)."""
+        check_request(input_ids, p, self.vocab_size, self.cfg.max_context)
 
     def submit(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
                max_stale_versions: int | None = None, on_token: TokenCallback | None = None,

@@ -8,6 +8,7 @@ The gRPC front maps the errors to status codes (named in each docstring).
 """
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,6 +89,30 @@ class SamplingParams:
     top_k: int = 0                    # 0 = off
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0                     # 0 = the engine's shared generator
+
+
+def check_request(input_ids: list[int], p: SamplingParams, vocab: int | None, limit: int) -> None:
+    """What either engine refuses of a request (INVALID_ARGUMENT), the same for both so that a request means the same
+    whichever serves it: ValueError naming the field. vocab None: not known (ids are then only checked >= 0); limit:
+    the most tokens a prompt and its max_new_tokens may take together."""
+    if not input_ids:
+        raise ValueError("input_ids is empty")
+    for name, ids in (("input_ids", input_ids), ("stop_token_ids", p.stop_token_ids)):
+        # SGLang would take a stop id outside the vocabulary and never match it: refused, as for a prompt's
+        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise ValueError(f"{name} contains {bad}, outside the vocabulary [0, {vocab})")
+    if p.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {p.max_new_tokens}")
+    if len(input_ids) + p.max_new_tokens > limit:
+        raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
+                         f"max_context {limit}")
+    if not 0 <= p.temperature < math.inf:  # inf (or NaN) would be served: inf flattens every row to uniform
+        raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
+    if not 0 <= p.top_p <= 1:
+        raise ValueError(f"top_p must be in [0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {p.top_k}")
 
 
 @dataclass

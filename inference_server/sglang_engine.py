@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 
 from core.config import InferenceConfig
 from inference_server.engine_types import (EngineClosed, GenerateOutput, QueueFull, SamplingParams, TokenCallback, WeightLoadError,
-                                           check_finite)
+                                           check_finite, check_request)
 from inference_server.sglang_answer import generate_body, overloaded, read_segment, refused
 from inference_server.sglang_http import error_message, http_json, post_abort
 from inference_server.sglang_pool import NoHealthyReplica, Replica, ReplicaPool, Stats
@@ -121,31 +120,13 @@ class SGLangEngine:
 
     # ---- requests ------------------------------------------------------------------------------------
     def validate(self, input_ids: list[int], p: SamplingParams) -> None:
-        """Raise ValueError (INVALID_ARGUMENT) with a message naming the offending field."""
-        if not input_ids:
-            raise ValueError("input_ids is empty")
-        V = self.vocab_size
-        bad = next((t for t in input_ids if t < 0 or (V is not None and t >= V)), None)
-        if bad is not None:
-            raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {V})")
-        if p.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {p.max_new_tokens}")
-        limit = self.cfg.request_limit()  # SGLang's rule: docs/sglang.md
-        if len(input_ids) + p.max_new_tokens > limit:
-            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds max_context {limit}")
-        if not 0 <= p.temperature < math.inf:  # inf (or NaN) would be served: inf flattens every row to uniform
-            raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
-        if not 0 <= p.top_p <= 1:
-            raise ValueError(f"top_p must be in [0, 1], got {p.top_p}")
-        if p.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {p.top_k}")
+        """Raise ValueError (INVALID_ARGUMENT) with a message naming the offending field (engine_types.check_request;
+        the length limit is SGLang's rule, docs/sglang.md)."""
+        check_request(input_ids, p, self.vocab_size, self.cfg.request_limit())
+        # The gRPC field is a uint64; the local engine takes any int, as it also serves the conformance server,
+        # which reads SGLang's (int64) sampling_seed.
         if not 0 <= p.seed < 1 << 64:
             raise ValueError(f"seed must be in [0, 2**64) (a uint64), got {p.seed}")
-        # SGLang would take a stop id outside the vocabulary and never match it; the front refuses it, as the local
-        # engine does, so that a request means the same whichever engine serves it.
-        bad = next((t for t in p.stop_token_ids if t < 0 or (V is not None and t >= V)), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {V})")
 
     def submit(self, input_ids: list[int], params: SamplingParams | None = None, trajectory_id: str = "",
                max_stale_versions: int | None = None, on_token: TokenCallback | None = None) -> Future:
