@@ -52,6 +52,15 @@ def refuse_unknown(backend: str, options, known) -> None:
         raise ValueError(f"unknown {backend} option(s) {unknown}; known: {sorted(known)}")
 
 
+def typed_content(action: Action, limit: int) -> str:
+    """A type() action's content, or ActionError: empty, or over `limit` characters (what one type() may carry)."""
+    if not action.content:
+        raise ActionError("type needs non-empty content")
+    if len(action.content) > limit:
+        raise ActionError(f"content is {len(action.content)} characters; at most {limit} per type()")
+    return action.content
+
+
 @dataclass
 class Screenshot:
     data: bytes

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from core.action import CLICKS
-from envd.base import Action, ActionError
+from envd.base import Action, ActionError, typed_content
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 # Sub-resources a page may always load: they never leave the machine.
@@ -234,10 +234,7 @@ def check_action(a: Action, width: int, height: int) -> Checked:
     elif t == "hotkey":
         keys = playwright_keys(a.key or a.content)
     elif t == "type":
-        if not a.content:
-            raise ActionError("type needs content")
-        if len(a.content) > MAX_TYPE:
-            raise ActionError(f"content is {len(a.content)} characters; at most {MAX_TYPE} per type()")
+        typed_content(a, MAX_TYPE)
     elif t == "scroll":
         d = a.direction.lower()
         if d not in DIRECTIONS:

@@ -33,7 +33,7 @@ import weakref
 from typing import Any
 
 from envd import scratch
-from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult, refuse_unknown
+from envd.base import Action, ActionError, Env, Outcome, Screenshot, StepResult, refuse_unknown, typed_content
 from envd.desktop_apps import DESKTOP_LIMITS, AppSandbox, xvfb_claim
 from envd.png import encode_rgb
 from envd.proctree import kill_session
@@ -308,11 +308,7 @@ class DesktopEnv(Env):
             return [["mousemove", str(x0), str(y0), "mousedown", "1", "sleep", "0.05", "mousemove", str(mx), str(my),
                      "sleep", "0.05", "mousemove", str(x1), str(y1), "sleep", "0.05", "mouseup", "1"]]
         if kind == "type":
-            content = action.content
-            if not content:
-                raise ActionError("type needs non-empty content")
-            if len(content) > MAX_TYPE:
-                raise ActionError(f"content is {len(content)} characters; at most {MAX_TYPE} per type()")
+            content = typed_content(action, MAX_TYPE)
             if "\x00" in content:   # no argv can carry it: subprocess raised ValueError, taken for a broken desktop
                 raise ActionError("content may not hold a NUL character")
             # One xdotool call per chunk, each well inside command_timeout_s (one call for a whole line timed out).

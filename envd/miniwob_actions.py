@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from envd.base import Action, ActionError
+from envd.base import Action, ActionError, typed_content
 
 # Characters one type() may carry (~1.7 ms each through Selenium on a loaded 2-core host): 20,000 took 35 s, so a
 # longer one ran past envd.step_timeout_s (60 s) as INFRA_ERROR and kept its worker thread typing long after.
@@ -294,11 +294,7 @@ class Translator:
                 out.append(self._make("MOVE_COORDS", coords=((start + end) / 2).astype(start.dtype)))
             out.append(self._make("MOUSEUP_COORDS", coords=end))
         elif kind == "type":
-            content = action.content
-            if not content:
-                raise ActionError("type needs non-empty content")
-            if len(content) > MAX_TYPE:
-                raise ActionError(f"content is {len(content)} characters; at most {MAX_TYPE} per type()")
+            content = typed_content(action, MAX_TYPE)
             out = []
             if action.target:
                 e = resolve_target(elements, action.target)

@@ -86,7 +86,7 @@ def test_check_action_normalises_and_rejects():
         ({"type": "click", "point": ["a", 1]}, "two numbers"),
         ({"type": "drag", "point": [1, 1]}, "end_point"),
         ({"type": "drag", "point": [1, 1], "end_point": [1, 99]}, "end_point"),
-        ({"type": "type"}, "needs content"),
+        ({"type": "type"}, "needs non-empty content"),
         ({"type": "type", "content": "x" * 4097}, "4097 characters; at most 4096"),
         ({"type": "scroll", "direction": "sideways"}, "direction"),
         ({"type": "hotkey"}, "needs a key"),
