@@ -25,6 +25,8 @@ import os
 import pathlib
 from dataclasses import dataclass
 
+import numpy as np
+
 # UI-TARS's resize limits (ui-tars action_parser.py; UI-TARS-1.5's processor): the defaults for coordinate mapping
 # when a checkpoint carries no processor of its own.
 IMAGE_FACTOR = 28
@@ -221,8 +223,6 @@ _PROCESSORS: dict[str, object] = {}
 def image_runs(ids, image_token_id: int) -> list[tuple[int, int]]:
     """(start, end) of each maximal run of `image_token_id` in ids (a list or an array), in order (end exclusive).
     The one helper for the engine, the learner's batches and SFT's answer spans."""
-    import numpy as np
-
     is_run = np.concatenate([[False], np.asarray(ids) == image_token_id, [False]])
     edges = np.flatnonzero(is_run[1:] != is_run[:-1])
     return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))

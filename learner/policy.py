@@ -222,7 +222,7 @@ class TrainPolicy(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "TrainPolicy":
-        """core.model.CausalLM.init_weights on the same names in the same order (core.model.init_parameters)."""
+        """core.model.CausalLM.init_weights on the same names in the same order (core.model_files.init_parameters)."""
         init_parameters(self, seed, std)
         return self
 
