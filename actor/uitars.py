@@ -26,6 +26,7 @@ from actor.parsing import on_screen
 from actor.tiny import UITARS_PROMPTS
 from core.action import Action
 from core.chat import ChatTokenizer, Content
+from core.session_options import SCREENSHOTS, split_screenshots
 from core.vlm import IMAGE_FACTOR, MAX_PIXELS, MIN_PIXELS, VLSpec, is_vl_dir, png_size
 
 # Env id prefixes whose tasks are a screen to act on: a VL checkpoint gets the UI-TARS prompt there by default.
@@ -95,6 +96,10 @@ def resolve(cfg, tok: ChatTokenizer, spec: VLSpec | None = None) -> Vision:
         raise ValueError(f"{tok.path}: a vision-language checkpoint whose tokenizer has no <|vision_start|> / "
                          "<|image_pad|> tokens")
     k = cfg.image_history if cfg.image_history >= 0 else (VL_IMAGE_HISTORY if spec is not None else 0)
+    if k > 0 and not split_screenshots({str(a): str(b) for a, b in (cfg.env_options or {}).items()})[1]:
+        why = "-1 (auto) for this vision-language checkpoint" if cfg.image_history < 0 else str(k)
+        raise ValueError(f"actor.env_options.{SCREENSHOTS} is off, but the policy is shown screenshots "
+                         f"(actor.image_history {why}): turn screenshots on, or set actor.image_history=0")
     # auto: what the checkpoint's family answers in: Qwen2-VL / UI-TARS-1.0 thousandths of the screen, Qwen2.5-VL /
     # UI-TARS-1.5 pixels of the resized screenshot, a text checkpoint the screen's own pixels.
     coords = cfg.coordinates if cfg.coordinates != "auto" else (

@@ -10,6 +10,10 @@ INFRA_ERROR), and maps its exceptions to statuses:
   any other exception -> the episode ends as INFRA_ERROR (never a reward of 0)
 and says what it may use of the host (`resources`): the daemon sums that over its sessions against a host-wide
 budget (envd.max_total_pids / max_total_memory_mb / max_total_disk_mb) before a session is let in.
+
+Every backend takes the session option `screenshots` (core.session_options: 1, the default, or 0). envd.registry.make
+takes it out before the backend parses the rest and sets `Env.screenshots`; a backend that captures screenshots skips
+the capture when it is False, and envd sends no image for such a session whatever a backend returns.
 """
 from __future__ import annotations
 
@@ -122,6 +126,9 @@ class Env(abc.ABC):
     # What a session of this backend may use of the host (see `resources`); in-process backends use nothing beyond
     # the daemon's own memory, which envd.max_sessions bounds.
     claim: Resources = Resources()
+    # False: observations carry no screenshot (the session option screenshots=0, set by envd.registry.make); a
+    # backend that captures them skips the capture.
+    screenshots: bool = True
 
     @abc.abstractmethod
     def reset(self, seed: int, options: dict[str, str]) -> StepResult: ...

@@ -316,18 +316,21 @@ class BrowserEnv(Env):
             raise RuntimeError(f"verifier reward {reward} is not finite")
         return {**v, "reward": reward, "done": bool(v.get("done", False))}
 
-    async def _render(self) -> tuple[Screenshot, str]:
+    async def _render(self) -> tuple[list[Screenshot], str]:
         o = self.opts
         params: dict[str, Any] = {"format": o.format, "captureBeyondViewport": False}
         if o.format == "jpeg":
             params["quality"] = o.quality
-        shot = await self._capture(params)
+        shots = []
+        if self.screenshots:
+            shot = await self._capture(params)
+            shots.append(Screenshot(base64.b64decode(shot["data"]), f"image/{o.format}", o.width, o.height))
         aria = await self.page.aria_snapshot(boxes=o.boxes)
         title = await self.page.title()
         text = f"url: {self.page.url}\ntitle: {title}\n{aria}"
         if len(text) > o.max_text_chars:
             text = text[:o.max_text_chars - 40].rstrip() + f"\n... (cut at {o.max_text_chars} of {len(text)} chars)"
-        return Screenshot(base64.b64decode(shot["data"]), f"image/{o.format}", o.width, o.height), text
+        return shots, text
 
     async def _capture(self, params: dict) -> dict:
         """Page.captureScreenshot, retried while a navigation is in flight: a navigation that swaps the renderer
@@ -352,9 +355,9 @@ class BrowserEnv(Env):
         raise AssertionError("unreachable")
 
     async def _result(self, reward: float, outcome: Outcome, info: dict) -> StepResult:
-        shot, text = await self._render()
+        shots, text = await self._render()
         return StepResult(text=text, instruction=self.opts.instruction, reward=reward, outcome=outcome,
-                          images=[shot], info=info, width=self.opts.width, height=self.opts.height, step=self.steps)
+                          images=shots, info=info, width=self.opts.width, height=self.opts.height, step=self.steps)
 
     # ---- snapshots -------------------------------------------------------------------------------------------
     async def _snapshot(self) -> dict:

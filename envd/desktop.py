@@ -363,9 +363,9 @@ class DesktopEnv(Env):
         lines += [f'  "{w["title"]}" ({w["class"]}) @({w["x"]},{w["y"]} {w["w"]}x{w["h"]})' for w in wins]
         if not wins:
             lines.append("  (none)")
-        shot = self.screenshot()
+        shots = [self.screenshot()] if self.screenshots else []
         return StepResult(text="\n".join(lines), instruction=self.instruction, reward=reward, outcome=outcome,
-                          images=[shot], width=shot.width, height=shot.height, step=self._steps,
+                          images=shots, width=self.width, height=self.height, step=self._steps,
                           info={"success": False, "display": self.x.display, "windows": len(wins)})
 
     def observe(self) -> StepResult:

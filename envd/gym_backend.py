@@ -1,8 +1,8 @@
 """The `gym/<id>` backend: any installed Gymnasium environment as an envd session (`gym/CartPole-v1`, ...).
 
 Options (strings):
-  render               "1": add the env's rgb_array frame to every observation as a PNG (written with zlib, no
-                       imaging library); the env must have an rgb_array render mode that works here.
+  render               "1": add the env's rgb_array frame to every observation as a PNG (zlib, no imaging library;
+                       not with envd's screenshots=0); the env must have an rgb_array render mode that works here.
   max_episode_steps    override the registered time limit (envs registered without one get 1000)
   decimals             rounding of numbers in the observation text (default 3)
   obs_chars            longest observation text (default 2000)
@@ -337,7 +337,7 @@ class GymEnv(Env):
         if len(text) > o["obs_chars"]:
             text = text[:o["obs_chars"] - 1] + "…"
         images, w, h = [], 0, 0
-        if o["render"]:
+        if o["render"] and self.screenshots:
             frame = np.asarray(self.env.render())
             h, w = int(frame.shape[0]), int(frame.shape[1])
             images.append(Screenshot(data=encode_png(frame), width=w, height=h))

@@ -119,6 +119,15 @@ class HybridEnv(Env):
         self.action_space = (f"{self.desktop.action_space}; with target='terminal': {TerminalEnv.action_space} "
                              "go to the sandboxed shell on the same workspace")
 
+    @property
+    def screenshots(self) -> bool:   # the observation's screenshot is the desktop's
+        return self.desktop is None or self.desktop.screenshots
+
+    @screenshots.setter
+    def screenshots(self, on: bool) -> None:
+        if self.desktop is not None:
+            self.desktop.screenshots = on
+
     def _share_uid(self) -> None:
         """The GUI's sandbox runs as the terminal's uid, in one process count of both sides' nproc."""
         apps, shell = self.desktop.apps_sandbox, self.terminal.sandbox

@@ -102,6 +102,14 @@ class DelayedEnv(Env):
     def observe(self) -> StepResult:
         return self.inner.observe()
 
+    @property
+    def screenshots(self) -> bool:   # the session option is the backend's to honour
+        return self.inner.screenshots
+
+    @screenshots.setter
+    def screenshots(self, on: bool) -> None:
+        self.inner.screenshots = on
+
     def close(self) -> None:
         self.inner.close()
 

@@ -5,7 +5,8 @@ One session = one chromedriver + one Chromium, in their own process group under 
 crash-handler database, cache), all killed on close. Reward and episode end are MiniWoB's own: reward is
 time-decayed (`info.raw_reward` holds the undecayed value, `info.success` = raw reward > 0), a task that runs out
 of time ends with reward -1. Actions (core.action.Action) are mapped onto MiniWoB's action space by
-envd.miniwob_actions; observations are the element list as text, the task-area screenshot as PNG, and its size.
+envd.miniwob_actions; observations are the element list as text, the task-area screenshot as PNG (none, and not
+captured, in a session created with envd's `screenshots=0`: envd.base), and the task area's size.
 
 Options (CreateSession: the session's defaults; Reset: max_steps, episode_time_s and data_mode for that episode only):
   action_space    MiniWoB preset: all_supported (default), shi17, liu18, humphreys22
@@ -280,7 +281,7 @@ class MiniWoBEnv(Env):
         self.gym.unwrapped.set_data_mode(opts["data_mode"])
         if opts.get("episode_ms"):  # a page global: the reload above put back the task's own limit
             inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {opts['episode_ms']};")
-        obs, info = self.gym.reset(seed=int(seed))
+        obs, info = self.gym.reset(seed=int(seed), options={"record_screenshots": self.screenshots})
         self._utterance, self._fields = obs["utterance"], dict(obs["fields"])
         self._steps, self._done = 0, False
         self._last = self._result(obs, info, 0.0, False)
@@ -338,9 +339,12 @@ class MiniWoBEnv(Env):
         else:
             body = render(elements, self.max_text_chars, self.width, self.height, self.boxes) or "(no elements)"
         text = f"instruction: {self._utterance}\n{body}"
-        shot = obs["screenshot"]
-        h, w = int(shot.shape[0]), int(shot.shape[1])
-        png = encode_rgb(shot.astype("uint8", copy=False).tobytes(), w, h)
+        shots = []
+        if self.screenshots:
+            shot = obs["screenshot"]
+            h, w = int(shot.shape[0]), int(shot.shape[1])
+            png = encode_rgb(shot.astype("uint8", copy=False).tobytes(), w, h)
+            shots.append(Screenshot(data=png, width=w, height=h))
         raw = float(info.get("raw_reward") or 0.0)
         outcome = Outcome.TERMINATED if done else Outcome.TRUNCATED if truncated else Outcome.RUNNING
         meta = {"success": raw > 0, "raw_reward": raw, "env_reward": float(info.get("env_reward") or 0.0),
@@ -348,7 +352,7 @@ class MiniWoBEnv(Env):
         if "elapsed" in info:
             meta["elapsed_s"] = round(float(info["elapsed"]), 3)
         return StepResult(text=text, instruction=self._utterance, reward=reward, outcome=outcome,
-                          images=[Screenshot(data=png, width=w, height=h)], info=meta, width=w, height=h,
+                          images=shots, info=meta, width=self.width, height=self.height,
                           step=self._steps)
 
     # ---- helpers -------------------------------------------------------------------------------------------

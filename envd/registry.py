@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Iterable
 
+from core.session_options import split_screenshots
 from envd.base import Env
 
 Factory = Callable[[str, dict[str, str]], Env]
@@ -76,7 +77,7 @@ def check_options(env_id: str, options: dict[str, str] | None = None, *, remote:
     A backend registered without a checker is not checked. remote: options a CreateSession would carry, so the
     daemon's own `hint_policy` is taken out (and checked) and a `workspace` is refused as make(remote=True) does."""
     prefix, name, (_, _, checker) = _lookup(env_id)
-    opts = {str(k): str(v) for k, v in (options or {}).items()}
+    opts = split_screenshots({str(k): str(v) for k, v in (options or {}).items()})[0]
     if remote:
         from envd import hints
 
@@ -102,13 +103,16 @@ def make(env_id: str, options: dict[str, str] | None = None, *, remote: bool = F
     """A fresh Env for `env_id`. KeyError: unknown id; ValueError: bad options; anything else: backend failure.
 
     remote: asked over RPC (envd's CreateSession): never with a workspace the caller names (a directory envd would
-    create and run programs in). Every backend is served: the desktop's and hybrid's GUI apps run in the sandbox."""
+    create and run programs in). Every backend is served: the desktop's and hybrid's GUI apps run in the sandbox.
+    The option every backend takes, `screenshots` (core.session_options), is taken out here and set on the env."""
     prefix, name, factory = resolve(env_id)
+    options, screenshots = split_screenshots(dict(options or {}))
     if remote:
-        _remote_rules(prefix, options or {})
-    env = factory(name, dict(options or {}))
+        _remote_rules(prefix, options)
+    env = factory(name, options)
     if not isinstance(env, Env):
         raise TypeError(f"the factory for {env_id!r} returned {type(env).__name__}, not an envd.base.Env")
+    env.screenshots = screenshots   # before its first Reset: a backend reads it when it observes
     if not env.env_id:
         env.env_id = env_id
     return env

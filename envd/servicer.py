@@ -35,6 +35,7 @@ from envd.sessions import (BackendTimeout, LatencyWindow, NotStarted, Session, W
                            to_response)
 from core import telemetry
 from core.config import EnvdConfig
+from core.session_options import SCREENSHOTS
 from core.v1 import env_pb2, env_pb2_grpc
 
 log = logging.getLogger("envd")
@@ -263,6 +264,10 @@ class EnvServicer(SnapshotRPCs, env_pb2_grpc.EnvServiceServicer):
             self._alive(s)
             s.renew()
             options = hints.split_options(dict(request.options))[0]
+            if SCREENSHOTS in options:
+                self.counters["action_errors"] += 1
+                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"reset: {SCREENSHOTS} is a session option: give it "
+                                                                "to CreateSession")
             if options:  # new limits take their share of the host budget before the sandbox gets them
                 try:
                     need = s.env.resources(options)
@@ -287,7 +292,7 @@ class EnvServicer(SnapshotRPCs, env_pb2_grpc.EnvServiceServicer):
             s.last, s.episodes = r, s.episodes + 1
             s.renew()
             self.counters["resets"] += 1
-            return to_response(r, ms, s.lease_expires_unix_ms())
+            return to_response(r, ms, s.lease_expires_unix_ms(), images=s.env.screenshots)
 
     @_rpc
     async def Step(self, request, context):
@@ -327,7 +332,7 @@ class EnvServicer(SnapshotRPCs, env_pb2_grpc.EnvServiceServicer):
             self.counters["steps"] += 1
             self.latency.add(ms)
             self.step_seconds.record(ms / 1e3)
-            return to_response(r, ms, s.lease_expires_unix_ms())
+            return to_response(r, ms, s.lease_expires_unix_ms(), images=s.env.screenshots)
 
     @_rpc
     async def Observe(self, request, context):
@@ -350,7 +355,7 @@ class EnvServicer(SnapshotRPCs, env_pb2_grpc.EnvServiceServicer):
             except (BackendTimeout, Exception) as e:
                 return self._crash(s, "observe", e)
             # reward 0: looking again earns nothing; the reward was reported by the step that produced it.
-            return to_response(r, ms, s.lease_expires_unix_ms(), reward=0.0)
+            return to_response(r, ms, s.lease_expires_unix_ms(), reward=0.0, images=s.env.screenshots)
 
     @_rpc
     async def Close(self, request, context):

@@ -254,9 +254,11 @@ def check_result(r: object) -> StepResult:
     return r
 
 
-def to_response(r: StepResult, step_ms: float, lease_ms: int, reward: float | None = None) -> env_pb2.StepResponse:
+def to_response(r: StepResult, step_ms: float, lease_ms: int, reward: float | None = None,
+                images: bool = True) -> env_pb2.StepResponse:
+    """images False (a session created with screenshots=0): none are sent, whatever the backend returned."""
     obs = env_pb2.Observation(text=r.text, step=r.step, width=r.width, height=r.height, instruction=r.instruction)
-    for im in r.images:
+    for im in r.images if images else ():
         obs.images.add(data=im.data, mime=im.mime, sha256=im.sha256, width=im.width, height=im.height)
     return env_pb2.StepResponse(
         observation=obs, reward=float(r.reward if reward is None else reward), outcome=r.outcome.to_proto(),

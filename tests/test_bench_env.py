@@ -53,7 +53,8 @@ def test_quick_run_reports_every_figure(tmp_path):
     assert close(conc["p99_over_1_session"], conc["at_n"]["p99_ms"] / conc["at_1"]["p99_ms"])
     assert conc["at_n"]["steps_per_s"] > 0
 
-    for name in ("miniwob_step_over_inprocess", "miniwob_pss_per_session_mb", "browser_pss_per_session_mb"):
+    for name in ("miniwob_step_over_inprocess", "miniwob_pss_per_session_mb", "miniwob_screenshots_off_cpu",
+                 "browser_pss_per_session_mb"):
         assert figs[name]["value"] is None and figs[name]["pass"] is None and figs[name]["skipped"], name
     # The printed table names every figure and its verdict.
     for name in figs:
@@ -131,5 +132,27 @@ def test_miniwob_and_browser_figures(tmp_path):
     assert mem["at_1"]["chromium_processes"] >= 1 and mem["at_1"]["pss_mb"] > 10
     assert mem["at_2"]["processes"] > mem["at_1"]["processes"]
     assert abs(mem["value"] - (mem["at_2"]["pss_mb"] - mem["at_1"]["pss_mb"])) < 0.11  # both rounded to 0.1 MB
+    shots = figs["miniwob_screenshots_off_cpu"]
+    check_screenshots(shots, 10)
+    assert close(shots["value"], shots["without"]["cpu_s_per_episode"] / shots["with_screenshots"]["cpu_s_per_episode"])
     b = figs["browser_pss_per_session_mb"]
     assert b["value"] is not None or "registry" in b["skipped"]
+
+
+def check_screenshots(r: dict, episodes: int) -> None:
+    """Both sessions played every episode; only the one with screenshots was sent any (a Reset and 3 Steps each)."""
+    assert r["episodes"] == episodes and r["steps_per_episode"] == 3
+    assert r["with_screenshots"]["images"] == episodes * 4 and r["without"]["images"] == 0
+    for w in ("with_screenshots", "without"):
+        assert r[w]["cpu_s_per_episode"] > 0 and r[w]["wall_s_per_episode"] > 0
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"), reason="Debian's chromium is not installed")
+def test_screenshots_figure_plays_both_sessions():
+    pytest.importorskip("miniwob")
+    from tars.bench.envd_screens import bench_screenshots
+
+    with bench.Daemon() as d:
+        r = bench_screenshots(d, "click-checkboxes", bench.MINIWOB_OPTIONS, 2, ref=bench.MINIWOB_REF)
+    check_screenshots(r, 2)
+    assert r["cpu_ratio"] > 0 and r["wall_ratio"] > 0

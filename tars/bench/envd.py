@@ -11,6 +11,8 @@ Figures (the daemon is a real `tars envd` subprocess on loopback, so client and 
                            client with at most `--inflight` steps in flight; baseline: 1 session          goal < 20
   browser_pss_per_session_mb / miniwob_pss_per_session_mb  PSS of the daemon's process tree (drivers, browsers,
                            their helpers) with 1 and with `--mem-sessions` sessions; per extra session.  no goal
+  miniwob_screenshots_off_cpu  CPU per MiniWoB episode in a session without screenshots / with them
+                           (tars/bench/envd_screens.py)                                               goal <= 0.9
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from envd import proctree, registry
 from core import rpc
 from core.v1 import common_pb2, env_pb2, env_pb2_grpc
 from tars.bench import report
+from tars.bench.envd_screens import bench_screenshots
 from tars.topology import LaunchError, Process, daemon_spec, pythonpath
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +44,10 @@ MINIWOB_OPTIONS = {"episode_time_s": "600"}      # no time-out in the middle of 
 BROWSER_PAGE = "<form>" + "".join(f"<label>Field {i} <input name=f{i}></label><p>Paragraph {i} of some text.</p>"
                                   for i in range(40)) + "<button>Submit</button></form>"
 DEADLINE_S = 60.0                                # every RPC here has one
+MINIWOB_FIGURES = {"miniwob_step_over_inprocess": ("MiniWoB step through envd / in-process", "ratio", ("<=", 1.1)),
+                   "miniwob_pss_per_session_mb": ("PSS per miniwob session", "MB", None),
+                   "miniwob_screenshots_off_cpu": ("CPU per MiniWoB episode without screenshots / with them", "ratio",
+                                                   ("<=", 0.9))}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -376,16 +383,16 @@ def run(a: argparse.Namespace) -> dict:
         figs["concurrent_step_p99_ms"] = bench_concurrent(d, a.sessions, steps_each, a.inflight,
                                                           () if a.quick else (64, 256))
     mw_steps = min(a.steps, 200)  # a browser step is ~50 ms: 200 are enough for a p50
-    if a.skip_miniwob:
-        figs["miniwob_step_over_inprocess"] = skipped("MiniWoB step through envd / in-process", "ratio", ("<=", 1.1),
-                                                      "--skip-miniwob")
-        figs["miniwob_pss_per_session_mb"] = skipped("PSS per miniwob session", "MB", None, "--skip-miniwob")
-    elif (why := _backend_missing(f"miniwob/{a.task}")) is not None:
-        figs["miniwob_step_over_inprocess"] = skipped("MiniWoB step through envd / in-process", "ratio", ("<=", 1.1), why)
-        figs["miniwob_pss_per_session_mb"] = skipped("PSS per miniwob session", "MB", None, why)
+    why = "--skip-miniwob" if a.skip_miniwob else _backend_missing(f"miniwob/{a.task}")
+    if why is not None:
+        figs.update({k: skipped(*v, why) for k, v in MINIWOB_FIGURES.items()})
     else:
         figs["miniwob_step_over_inprocess"] = bench_miniwob(a.task, mw_steps)
         figs["miniwob_pss_per_session_mb"] = bench_memory(f"miniwob/{a.task}", MINIWOB_OPTIONS, a.mem_sessions)
+        with Daemon() as d:
+            r = bench_screenshots(d, a.task, MINIWOB_OPTIONS, 10 if a.quick else 60, ref=MINIWOB_REF)
+        what, unit, goal = MINIWOB_FIGURES["miniwob_screenshots_off_cpu"]
+        figs["miniwob_screenshots_off_cpu"] = figure(f"{what} ({a.task})", r.pop("cpu_ratio"), unit, goal, **r)
     why = "--skip-browser" if a.skip_browser else _backend_missing("browser")
     if why is not None:
         figs["browser_pss_per_session_mb"] = skipped("PSS per browser session", "MB", None, why)
@@ -405,6 +412,9 @@ def table(out: dict) -> str:
         elif "at_n" in f:
             detail = (f"1 session: p99 {f['at_1']['p99_ms']:.2f} ms; {f['at_n']['sessions']}: p50 "
                       f"{f['at_n']['p50_ms']:.2f} ms, {f['at_n']['steps_per_s']:.0f} steps/s")
+        elif "with_screenshots" in f:
+            detail = (f"{f['without']['cpu_s_per_episode']:.3f} / {f['with_screenshots']['cpu_s_per_episode']:.3f} "
+                      f"CPU-s an episode; wall {f['wall_ratio']:.3f} of it")
         elif "envd" in f:
             detail = f"envd p50 {f['envd']['p50_ms']:.1f} ms / in-process p50 {f['in_process']['p50_ms']:.1f} ms"
             if "envd_overhead_ms" in f:
