@@ -95,16 +95,23 @@ def resolve(cfg, tok: ChatTokenizer, spec: VLSpec | None = None) -> Vision:
     if spec is not None and tok.vision_start_id < 0:
         raise ValueError(f"{tok.path}: a vision-language checkpoint whose tokenizer has no <|vision_start|> / "
                          "<|image_pad|> tokens")
-    k = cfg.image_history if cfg.image_history >= 0 else (VL_IMAGE_HISTORY if spec is not None else 0)
-    if k > 0 and not split_screenshots({str(a): str(b) for a, b in (cfg.env_options or {}).items()})[1]:
-        why = "-1 (auto) for this vision-language checkpoint" if cfg.image_history < 0 else str(k)
-        raise ValueError(f"actor.env_options.{SCREENSHOTS} is off, but the policy is shown screenshots "
-                         f"(actor.image_history {why}): turn screenshots on, or set actor.image_history=0")
+    k = images_shown(cfg, spec is not None)
     # auto: what the checkpoint's family answers in: Qwen2-VL / UI-TARS-1.0 thousandths of the screen, Qwen2.5-VL /
     # UI-TARS-1.5 pixels of the resized screenshot, a text checkpoint the screen's own pixels.
     coords = cfg.coordinates if cfg.coordinates != "auto" else (
         "screen" if spec is None else "relative" if spec.model_type == "qwen2_vl" else "absolute")
     return Vision(spec, k, coords)
+
+
+def images_shown(cfg, vl: bool) -> int:
+    """actor.image_history resolved for a vision-language checkpoint (vl) or a text one; ValueError when
+    actor.env_options turns screenshots off (envd's session option) for a policy that is shown some."""
+    k = cfg.image_history if cfg.image_history >= 0 else (VL_IMAGE_HISTORY if vl else 0)
+    if k > 0 and not split_screenshots({str(a): str(b) for a, b in (cfg.env_options or {}).items()})[1]:
+        why = "-1 (auto) for a vision-language checkpoint" if cfg.image_history < 0 else str(k)
+        raise ValueError(f"actor.env_options.{SCREENSHOTS} is off, but the policy is shown screenshots "
+                         f"(actor.image_history {why}): turn screenshots on, or set actor.image_history=0")
+    return k
 
 
 def system_text(style: str, instruction: str, point_form: str) -> Content:

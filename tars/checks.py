@@ -10,6 +10,7 @@ to do instead; tars.cli prints it as one line and exits 2.
     inference_device  inference.device / inference.precision of the local engine on this machine (the same)
     env_ids        every env id has a backend and, where the backend lists its tasks, is one of them
     env_options    every env id's backend takes the session options (names and values; envd.registry.check_options)
+    screenshots    envd's screenshots are not turned off for a policy that is shown them
     demo_env_ids   every env id has scripted demonstrations (builtin tasks; MiniWoB++'s oracle tasks)
     metrics_ports  a run's fixed /metrics ports (telemetry.prometheus_port N > 0: one per role) exist and are free
 """
@@ -152,6 +153,18 @@ def env_options(ids, options, what: str = "actor.env_options") -> None:
         except (KeyError, ValueError) as err:
             msg = err.args[0] if isinstance(err, KeyError) and err.args else err
             raise ConfigError(f"{what} for {e}: {msg}") from None
+
+
+def screenshots(actor_cfg, model_path: str = "") -> None:
+    """actor.env_options turning envd's screenshots off for a policy that is shown screenshots (actor.image_history
+    > 0, or -1 with a vision-language checkpoint at model_path): the actor would refuse to start."""
+    from actor.uitars import images_shown
+    from core.vlm import is_vl_dir
+
+    try:
+        images_shown(actor_cfg, bool(model_path) and is_vl_dir(model_path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def demo_env_ids(ids, what: str = "actor.env_ids", demonstrator: str = "oracle") -> None:

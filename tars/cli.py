@@ -273,6 +273,7 @@ def preflight(a, cfg) -> None:
             checks.model_dir(cfg.model.path, "model.path", template_kwargs=cfg.actor.chat_template_kwargs)
         checks.env_ids(cfg.actor.env_ids)
         checks.env_options(cfg.actor.env_ids, cfg.actor.env_options)
+        checks.screenshots(cfg.actor, cfg.model.path)
         if cfg.telemetry.enabled and cfg.telemetry.prometheus_port > 0:
             from tars.topology import Plan
 
@@ -302,6 +303,7 @@ def preflight(a, cfg) -> None:
             checks.out_dir(a.out)
         if a.model and pathlib.Path(a.model).is_dir():
             checks.weights(a.model, f"--model {a.model}")
+            checks.screenshots(cfg.actor, a.model)
         if a.tokenizer:
             checks.tokenizer_dir(a.tokenizer, template_kwargs=cfg.actor.chat_template_kwargs)
     elif a.cmd == "learner":

@@ -196,3 +196,25 @@ def test_the_hybrid_hands_it_to_its_desktop():
     env.desktop = types.SimpleNamespace(screenshots=True)
     env.screenshots = False
     assert env.desktop.screenshots is False and env.screenshots is False
+
+
+def test_tars_up_and_eval_refuse_it_before_anything_starts(tmp_path):
+    """A config error (exit 2, one line) before a checkpoint is built or a daemon starts, for an explicit
+    image_history and for auto with a vision-language checkpoint."""
+    import json
+
+    from core.config import ConfigError
+    from tars import checks
+    from test_cli_errors import tars
+
+    off = ActorConfig(env_options={"screenshots": "0"})
+    checks.screenshots(off)                                   # auto, no checkpoint: a text policy
+    vl = tmp_path / "vl"
+    vl.mkdir()
+    (vl / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    with pytest.raises(ConfigError, match=r"screenshots is off.*-1 \(auto\) for a vision-language checkpoint"):
+        checks.screenshots(off, str(vl))
+    checks.screenshots(ActorConfig(env_options={"screenshots": "0"}, image_history=0), str(vl))
+    p = tars("up", "--preset", "miniwob", "--set", "actor.image_history=3", "--out", tmp_path / "run")
+    assert p.returncode == 2 and "actor.image_history 3" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "run" / "model_init").exists()
