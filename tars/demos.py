@@ -30,7 +30,8 @@ from core.action import Action
 from core.config import HELD_OUT_SEED_BASE
 from core.outcome import Outcome
 from core.chat import ChatTokenizer
-from envd import builtin, latency
+from core.session_options import SCREENSHOTS
+from envd import builtin, latency, registry
 from envd.base import ActionError
 
 
@@ -89,7 +90,7 @@ def demonstrations(tok: ChatTokenizer, env_ids: list[str], episodes: int, demons
         kind, p, n = parse_demonstrator(demonstrator)
         rng = random.Random(_streamed(seed, stream))
         opts = env_options_for_demos(env_options)
-        envs = {e: builtin.make(e.split("/", 1)[1], dict(opts)) for e in env_ids}
+        envs = {e: registry.make(e, dict(opts)) for e in env_ids}
         eps = []
         for i in range(episodes):
             env = envs[env_ids[i % len(env_ids)]]
@@ -119,8 +120,10 @@ DemoTurn = tuple[str, str, Action, str]
 
 
 def env_options_for_demos(env_options: dict | None) -> dict[str, str]:
-    """actor.env_options as the sessions of RL get them, without step_delay (a simulated slow GUI: it only waits)."""
-    return {k: str(v) for k, v in (env_options or {}).items() if k != latency.OPTION}
+    """actor.env_options as the sessions of RL get them, without step_delay (a simulated slow GUI: it only waits)
+    and without screenshots (a demonstration's turns are text: DemoTurn), for every env made by envd.registry."""
+    opts = {k: str(v) for k, v in (env_options or {}).items() if k != latency.OPTION}
+    return {**opts, SCREENSHOTS: "0"}
 
 
 def play(env, r, choose, max_turns: int):
@@ -174,7 +177,7 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
     env_ids[i % len]: one thread and one env per env id -> episodes as [DemoTurn] (play).
     keep: "won" drops the oracle's episodes that did not succeed (a demonstration must show the task done; every
     noisy episode is kept), "all" keeps every episode."""
-    from envd import hints, registry
+    from envd import hints
 
     kind, p, _ = parse_demonstrator(demonstrator)
     if kind == "confused":

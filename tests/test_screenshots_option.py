@@ -218,3 +218,34 @@ def test_tars_up_and_eval_refuse_it_before_anything_starts(tmp_path):
     p = tars("up", "--preset", "miniwob", "--set", "actor.image_history=3", "--out", tmp_path / "run")
     assert p.returncode == 2 and "actor.image_history 3" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "run" / "model_init").exists()
+
+
+def test_demonstrations_take_no_screenshots(monkeypatch):
+    """A demonstration's turns are text (tars.demos.DemoTurn): every env it rolls is made without screenshots,
+    under the run's other options, builtin ones included (builtin's own parser would refuse the name)."""
+    from tars import demos
+
+    assert demos.env_options_for_demos({"boxes": 0, "step_delay": "fixed:1", "screenshots": "1"}) == {
+        "boxes": "0", "screenshots": "0"}
+    made = []
+    real = registry.make
+
+    def make(env_id, options=None, **kw):
+        env = real(env_id, options, **kw)
+        made.append((env_id, env.screenshots))
+        return env
+
+    monkeypatch.setattr(registry, "make", make)
+    tok = _demo_tokenizer()
+    out = demos.demonstrations(tok, ["builtin/click", "builtin/mixed"], 4, "oracle", 0, 3,
+                               env_options={"strict_targets": "1", "screenshots": "1"})
+    assert len(out) == 4 and sorted(made) == [("builtin/click", False), ("builtin/mixed", False)]
+    made.clear()
+    demos.roll(["builtin/click"], 2, "noisy:0.5", 0, 3, {"screenshots": "1"})
+    assert made == [("builtin/click", False)]
+
+
+def _demo_tokenizer():
+    from test_episode import TOK
+
+    return TOK
