@@ -40,6 +40,7 @@ from envd.miniwob_actions import Translator, flatten_dom, render
 from envd.miniwob_oracle import oracle_action
 from envd.png import encode_rgb
 from envd.miniwob_chromium import CHROMEDRIVER, CHROMIUM, CHROMIUM_FLAGS, ChromiumProcess  # noqa: F401
+from envd.miniwob_instance import instance_class, wait_for_task_page
 
 PRESETS = ("all_supported", "shi17", "liu18", "humphreys22")
 _ID = re.compile(r"^miniwob/(.+)-v(\d+)$")
@@ -67,60 +68,10 @@ def task_names() -> list[str]:
     return sorted({m.group(1) for env_id in _gym().registry if (m := _ID.match(env_id))})
 
 
-# ---- the browser --------------------------------------------------------------------------------------------
-
-def wait_for_task_page(driver, url: str, timeout_s: float) -> None:
-    """Wait until a just-loaded task page shows MiniWoB's sync screen (its scripts have run)."""
-    from miniwob.selenium_instance import SeleniumInstance
-    from selenium.common.exceptions import TimeoutException
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as EC
-    from selenium.webdriver.support.wait import WebDriverWait
-
-    try:
-        WebDriverWait(driver, timeout_s).until(EC.element_to_be_clickable((By.ID, SeleniumInstance.SYNC_SCREEN_ID)))
-    except TimeoutException:
-        raise RuntimeError(f"MiniWoB page {url} did not load") from None
-
-
-def _instance_class():
-    from miniwob.selenium_instance import SeleniumInstance
-
-    class ChromiumInstance(SeleniumInstance):
-        """SeleniumInstance whose driver is a ChromiumProcess (the package's own launch has no way to add flags,
-        a process group or timeouts)."""
-
-        def __init__(self, *, browser: ChromiumProcess, **kwargs):
-            self.browser = browser
-            super().__init__(**kwargs)
-
-        def create_driver(self):
-            self.driver = self.browser.start((self.window_width, self.window_height))
-            self.driver.implicitly_wait(5)
-            self.driver.get(self.url)
-            wait_for_task_page(self.driver, self.url, self.browser.command_timeout_s)
-            # Headless windows lose ~160 px to (invisible) browser UI: grow the window until the viewport holds the
-            # page the task expects, else the screenshot has a black band and clicks there fall off the page.
-            for _ in range(3):
-                self.inner_width, self.inner_height = self.driver.execute_script(
-                    "return [window.innerWidth, window.innerHeight];")
-                short_w, short_h = self.window_width - self.inner_width, self.window_height - self.inner_height
-                if short_w <= 0 and short_h <= 0:
-                    break
-                size = self.driver.get_window_size()
-                self.driver.set_window_size(size["width"] + max(0, short_w), size["height"] + max(0, short_h))
-
-        def close(self):
-            self.browser.stop()
-            self.died = True
-
-    return ChromiumInstance
-
-
 @functools.cache
 def _hooked(env_cls: type) -> type:
     """The task's gymnasium env class, launching its browser through ChromiumInstance."""
-    instance_cls = _instance_class()
+    instance_cls = instance_class()
 
     def __init__(self, *, browser: ChromiumProcess, **kwargs):
         self._browser = browser
