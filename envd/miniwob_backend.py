@@ -272,11 +272,9 @@ class MiniWoBEnv(Env):
         if self._done:
             return self._last
         inst = self.gym.unwrapped.instance
-        meta = inst.get_metadata()
-        if meta["done"]:  # ran out of time since the last step: the next step reports it (with MiniWoB's reward)
-            obs = inst.get_empty_observation()
-            return self._result(obs, meta, 0.0, True, record=False)
-        obs, extra = inst.get_observation(use_cached_fields=True)
+        meta, obs, extra = inst.read(use_cached_fields=True, empty_when_done=True)
+        if obs is None:  # ran out of time since the last step: the next step reports it (with MiniWoB's reward)
+            return self._result(inst.get_empty_observation(), meta, 0.0, True, record=False)
         return self._result(obs, {**meta, **extra}, 0.0, False)
 
     # ---- rendering -----------------------------------------------------------------------------------------

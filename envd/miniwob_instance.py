@@ -5,7 +5,7 @@ WebDriver round trips.
 Each WebDriver command is an HTTP request to chromedriver, a DevTools call into Chromium and a task for the page's
 renderer: ~5 ms of CPU spread over four processes. The package reads a step's result in three scripts (the reward
 globals, the utterance, the DOM) and a reset's in three more; here each is one script returning all three
-(`_read`), with the package's own page API (core.getUtterance, core.getDOMInfo, the WOB_* globals) and its own
+(`read`), with the package's own page API (core.getUtterance, core.getDOMInfo, the WOB_* globals) and its own
 observation builders, so what a step returns is unchanged: a click-checkboxes episode (a Reset and 3 steps) makes 8
 fewer WebDriver calls (25 -> 17).
 """
@@ -73,8 +73,9 @@ def instance_class():
             self.died = True
 
         # ---- reading the page: one script where the package runs three -----------------------------------
-        def _read(self, use_cached_fields: bool, empty_when_done: bool) -> tuple[dict, Any, dict]:
-            """(metadata, observation or None when the episode is over and empty_when_done, extra metadata)."""
+        def read(self, use_cached_fields: bool, empty_when_done: bool) -> tuple[dict, Any, dict]:
+            """(metadata, observation or None when the episode is over and empty_when_done, extra metadata): one
+            WebDriver call (and the screenshot when recorded). Also MiniWoBEnv.observe's read."""
             r = self.driver.execute_script(READ_ALL, empty_when_done)
             meta = r["meta"]
             if "dom" not in r:
@@ -97,14 +98,14 @@ def instance_class():
             i = self.index
             self.force_stop()
             self.begin_task(seed=seed)
-            meta, obs[i], extra = self._read(use_cached_fields=False, empty_when_done=False)
+            meta, obs[i], extra = self.read(use_cached_fields=False, empty_when_done=False)
             infos[i] = {**meta, **extra}
 
         def step(self, action, action_space_config, obs: list[Any], rewards: list[Any], dones: list[Any],
                  infos: list[Any]):
             i = self.index
             self.perform(action, action_space_config)
-            meta, ob, extra = self._read(use_cached_fields=True, empty_when_done=True)
+            meta, ob, extra = self.read(use_cached_fields=True, empty_when_done=True)
             rewards[i] = self.reward_processor(meta)
             dones[i] = meta["done"]
             obs[i] = ob if ob is not None else self.get_empty_observation()
