@@ -4,8 +4,9 @@ each GUI application of a desktop (envd/desktop_apps.py) run behind the same mou
 Inside: /usr, /bin, /lib*, /etc/alternatives, /etc/ld.so.cache and /etc/localtime read-only from the host; a
 generated /etc/passwd, /etc/group and /etc/hosts (read-only); the session workspace read-write at /workspace; fresh
 size-limited tmpfs at /tmp and /dev/shm; a new /proc and a minimal /dev; the root and /dev read-only; plus the
-caller's extra read-only binds (the terminal's bash rc file; a desktop's fonts, app-defaults, X socket and
-Xauthority), mounted after the tmpfs so that they may lie under /tmp. Nothing else of the host exists in there.
+caller's extra binds (read-only: the terminal's bash rc file; a desktop's fonts, app-defaults, X socket and
+Xauthority; read-write: the X server's socket directory, envd/xserver.py), mounted after the tmpfs so that they may
+lie under /tmp. Nothing else of the host exists in there.
 `--unshare-all --unshare-user` gives new user, pid, network (a loopback of its own), ipc, uts and cgroup namespaces;
 all capabilities are dropped and no nested user namespace can be made; `--new-session` keeps the sandbox off any
 terminal of the daemon; `--die-with-parent` and `setpriv --pdeathsig KILL` tie its life to the daemon's.
@@ -50,12 +51,12 @@ def unreachable(path: pathlib.Path) -> str:
 
 
 def sandbox_argv(workspace: str | os.PathLike, etc: pathlib.Path, limits: Limits, uid: int | None, info_fd: int,
-                 *, ro_binds: Iterable[tuple[str, str]] = (), cwd: str = SANDBOX_WORKSPACE,
-                 extra_nproc: int = 0) -> list[str]:
+                 *, ro_binds: Iterable[tuple[str, str]] = (), rw_binds: Iterable[tuple[str, str]] = (),
+                 cwd: str = SANDBOX_WORKSPACE, extra_nproc: int = 0) -> list[str]:
     """setpriv + prlimit + bwrap up to and including bwrap's "--": append the command to run in the sandbox.
 
     `etc`: a directory written by `write_etc`; `uid`: the host uid to run as (None: the daemon's own);
-    `ro_binds`: (host path, sandbox path) pairs; `extra_nproc`: processes another sandbox of the same uid may use
+    `ro_binds`, `rw_binds`: (host path, sandbox path) pairs, read-only and read-write; `extra_nproc`: processes another sandbox of the same uid may use
     (a hybrid's terminal and desktop share one uid, so one process count: its limit is the sum of both)."""
     if uid is not None:
         # Root daemon: the sandbox runs as its own unprivileged uid. RLIMIT_NPROC is never enforced for uid 0
@@ -91,5 +92,7 @@ def sandbox_argv(workspace: str | os.PathLike, etc: pathlib.Path, limits: Limits
              "--bind", str(workspace), SANDBOX_WORKSPACE]
     for src, dst in ro_binds:
         argv += ["--ro-bind", str(src), dst]
+    for src, dst in rw_binds:
+        argv += ["--bind", str(src), dst]
     # bwrap's root and /dev are tmpfs (memory, unbounded): read-only once the mounts are in place.
     return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd, "--"]

@@ -1,14 +1,15 @@
 """`desktop`: a real X desktop per session: Xvfb, real applications (xterm and xedit by default), input through
 xdotool, screenshots through mss.
 
-Per session: `Xvfb :N -screen 0 WxHx24 -nolisten tcp` on a free display number (Xvfb's own lock file decides: a
-taken number makes it exit and we try the next), a private MIT-MAGIC-COOKIE in the session's XAUTHORITY file, and
-the apps, xterm's shell included, in ONE bubblewrap sandbox per episode (envd/desktop_apps.py, on the terminal's
-command line, envd/bwrap.py): no network, no host file but the system's read-only directories, the workspace at
-/workspace (their cwd and HOME), the X socket and a copy of the cookie bound in, the limits of DESKTOP_LIMITS, and on a
-root daemon an unprivileged uid of its own. Xvfb and the tools envd runs itself (xdotool, xwininfo, mss) stay
-outside. Closing or resetting kills the sandbox's init and waits until its namespace is empty; Xvfb and the
-sandbox get SIGKILL if the daemon dies. There is no window manager: keyboard input goes to the window under the
+Per session: `Xvfb :N -screen 0 WxHx24 -nolisten tcp` on a free display number (the lock file /tmp/.XN-lock decides,
+created by envd: envd/xserver.py), in a bubblewrap sandbox of its own (no network, no host file but the system's
+read-only directories, its cookie and its socket directory; on a root daemon a uid of its own), a private
+MIT-MAGIC-COOKIE in the session's XAUTHORITY file, and the apps, xterm's shell included, in ONE bubblewrap sandbox per
+episode (envd/desktop_apps.py, on the terminal's command line, envd/bwrap.py): no network, no host file but the
+system's read-only directories, the workspace at /workspace (their cwd and HOME), the X socket and a copy of the
+cookie bound in, the limits of DESKTOP_LIMITS, and on a root daemon an unprivileged uid of its own. The tools envd
+runs itself (xdotool, xwininfo, mss) stay outside. Closing or resetting kills the sandboxes' inits and waits until
+their namespaces are empty; Xvfb and the sandbox get SIGKILL if the daemon dies. There is no window manager: keyboard input goes to the window under the
 pointer, so click a window before typing into it.
 
 The desktop has no task of its own: reward is 0, `finished`/`call_user` end the episode (terminated), `max_steps`
@@ -143,7 +144,7 @@ class DesktopEnv(Env):
         self.env_id = "desktop"
         opts = parse_options(options)
         self.width, self.height, self.apps = opts["width"], opts["height"], opts["apps"]
-        # The app sandbox's limits, plus Xvfb's (outside it) for this screen size.
+        # The app sandbox's limits, plus Xvfb's sandbox's for this screen size.
         self.claim = DESKTOP_LIMITS.host_claim() + xvfb_claim(self.width, self.height)
         missing = [a for a in ["Xvfb", "xdotool", "xwininfo", *self.apps] if shutil.which(a) is None]
         if missing:
@@ -220,6 +221,7 @@ class DesktopEnv(Env):
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{argv[0]} took longer than {self.timeout_s:g}s on {self.x.display}") from None
         if r.returncode != 0:
+            self.x.wait_exit(1.0)  # a tool that lost the display may have seen the X server's socket close as it died
             self._check_x()
             raise RuntimeError(f"{' '.join(argv[:3])} failed ({r.returncode}): {r.stderr.strip()[:300]}")
         return r.stdout
@@ -279,10 +281,7 @@ class DesktopEnv(Env):
         except RuntimeError:
             # xdotool could not reach the display: if the X server is dying (a SIGKILL is not instant), say so
             # rather than report xdotool's symptom.
-            try:
-                self.x.proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
+            self.x.wait_exit(1.0)
             self._check_x()
             raise
         self._steps += 1
@@ -338,7 +337,7 @@ class DesktopEnv(Env):
         # a few lines of ctypes in the xterm): the grab then waited forever, its worker thread and the session (its
         # close waits for the call) lost for good. Past command_timeout_s the X server is killed: the reply fails.
         expired = threading.Event()
-        timer = threading.Timer(self.timeout_s, lambda: (expired.set(), self.x.proc.kill()))
+        timer = threading.Timer(self.timeout_s, lambda: (expired.set(), self.x.kill()))
         timer.daemon = True
         timer.start()
         try:
@@ -401,15 +400,7 @@ class DesktopEnv(Env):
             except RuntimeError:
                 roots |= left       # still there 5 s on: the sweep below goes after its processes by pid
         if x is not None:
-            if x.proc.returncode is None:   # not reaped (a zombie still holds its pid): its group is still its own
-                kill_session(x.pid, roots)
-            else:                           # reaped by _check_x: that pid, and group, may be another's by now
-                kill_session(0, roots - {x.pid})
-            try:
-                x.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            x.remove_stale_files()
+            x.close(roots)                  # its sandbox emptied, the session's group swept, lock and link gone
         elif roots:
             kill_session(0, roots)
         if getattr(self, "_dir", None):

@@ -29,20 +29,21 @@ from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, unreachabl
 from envd.proctree import descendants
 from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid, running
 from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, quota_breach, release_uid
-from envd.xserver import XServer, address_space
+from envd.xserver import XServer, xvfb_limits
 
 # RLIMIT_CPU is per process and xterm lives all episode: generous. The rest as the terminal's defaults.
 DESKTOP_LIMITS = Limits(cpu_s=600, memory_mb=512, nproc=56, fsize_mb=64, nofile=1024, tmp_mb=32)
-XVFB_PIDS = 8                                     # the X server (outside the sandbox) and the xkbcomp it runs
 SANDBOX_DISPLAY = ":0"
 SANDBOX_XAUTHORITY = "/run/tars/Xauthority"
 _SHARED = ("/etc/X11", "/etc/fonts")              # read-only, where the host has them
 
 
 def xvfb_claim(width: int, height: int) -> Resources:
-    """The X server of a width x height desktop as the host budget counts it: the address-space bound it runs under
-    (envd/xserver.py: 512 MiB plus the frame buffer), in MiB rounded up."""
-    return Resources(pids=XVFB_PIDS, memory_mb=-(-address_space(width, height) >> 20))
+    """The X server of a width x height desktop as the host budget counts it: its sandbox's limits (envd/xserver.py:
+    8 processes, an address space of 512 MiB plus the frame buffer in whole MiB, and its two 4 MiB tmpfs); no disk
+    (its one writable host directory holds its socket)."""
+    c = xvfb_limits(width, height).host_claim()
+    return Resources(pids=c.pids, memory_mb=c.memory_mb)
 
 
 class AppSandbox:

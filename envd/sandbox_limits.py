@@ -21,19 +21,26 @@ INNER_ID = 1000                      # the uid/gid the shell has inside the sand
 SANDBOX_UID_BASE = 2_000_000_000     # host uids for sandboxes of a root daemon: far above any real user's
 _uid_lock = threading.Lock()
 _uids_in_use: set[int] = set()
+_uid_cursor: list[int] = []          # the offset the next allocation starts from (set at the first one)
 
 
 def allocate_uid() -> int | None:
     """A host uid of its own for a new sandbox when the daemon is root (None otherwise). Spread by pid so that two
-    daemons on one host rarely meet; a collision would only merge two sandboxes' process counts."""
+    daemons on one host rarely meet; a collision would only merge two sandboxes' process counts. Allocations go
+    round the range rather than taking the lowest free uid: a released uid is not handed out again until a million
+    others have been, so whatever of its last sandbox the kernel still counts against it (an init whose bwrap was
+    SIGKILLed stays a zombie until the host's init reaps it, and RLIMIT_NPROC counts zombies) has long gone."""
     if os.getuid() != 0:
         return None
     with _uid_lock:
-        start = (os.getpid() * 7919) % 1_000_000
+        if not _uid_cursor:
+            _uid_cursor.append((os.getpid() * 7919) % 1_000_000)
+        start = _uid_cursor[0]
         for i in range(1_000_000):
             uid = SANDBOX_UID_BASE + (start + i) % 1_000_000
             if uid not in _uids_in_use:
                 _uids_in_use.add(uid)
+                _uid_cursor[0] = (start + i + 1) % 1_000_000
                 return uid
     raise SandboxError("no free sandbox uid")
 

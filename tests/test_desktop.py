@@ -282,7 +282,7 @@ def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
             r = await c.Reset(env_pb2.ResetRequest(session_id=sid, options=opts))
             assert r.outcome == common_pb2.RUNNING and '"Calculator"' in r.observation.text
             env = c.server.servicer.sessions[sid].env
-            os.kill(env.x.pid, signal.SIGKILL)
+            os.kill(env.x.server_pid, signal.SIGKILL)        # Xvfb itself, in its sandbox
             r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(type="click", point=[5, 5])))
             assert r.outcome == common_pb2.INFRA_ERROR and "X server" in r.info_json
             await expect_code(grpc.StatusCode.NOT_FOUND, c.Observe(env_pb2.SessionRef(session_id=sid)))
@@ -363,7 +363,7 @@ def test_an_app_cannot_grow_the_x_server_past_its_bound():
             "    print(i, flush=True)\n")
         env.step(Action("type", content="(python3 grow.py > grow.log 2>&1; touch finished) &\n"))
         _poll(lambda: os.path.exists(os.path.join(env.workspace, "finished")), 120, "the app to stop growing Xvfb")
-        with open(f"/proc/{env.x.pid}/status") as f:
+        with open(f"/proc/{env.x.server_pid}/status") as f:
             peak_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
         assert peak_kb < 600 << 10, f"Xvfb grew to {peak_kb >> 10} MiB"          # 512 MiB + its frame buffer
         assert env.x.alive() and env.screenshot().width == 400
@@ -462,25 +462,69 @@ def test_a_killed_daemons_session_dir_is_removed_by_the_next_sweep():
 @pytest.mark.parametrize("w,h", [(400, 300), (4096, 4096)])
 def test_the_budget_charges_xvfb_the_address_space_it_runs_under(w, h):
     """The desktop's claim counted Xvfb as 64 MiB, an estimate, while Xvfb runs under `prlimit --as` of 512 MiB plus
-    its frame buffer: envd admitted about twice the desktops its memory budget holds. The claim is now that bound."""
+    its frame buffer: envd admitted about twice the desktops its memory budget holds. The claim is now that bound
+    (in whole MiB), read from the Xvfb process itself, inside its sandbox."""
     from envd.base import Resources
     from envd.desktop_apps import DESKTOP_LIMITS
 
     env = desktop.make("", {"width": str(w), "height": str(h), "apps": "xterm"})
     try:
-        with open(f"/proc/{env.x.pid}/limits") as f:
+        with open(f"/proc/{env.x.server_pid}/limits") as f:
             bound = int(next(line for line in f if line.startswith("Max address space")).split()[3])
-        assert bound == xserver.address_space(w, h) == (512 << 20) + w * h * 4
+        assert bound == xserver.address_space(w, h) == -(-((512 << 20) + w * h * 4) >> 20) << 20
         xvfb = env.resources() - DESKTOP_LIMITS.host_claim()
-        assert xvfb.pids == 8 and (xvfb.memory_mb - 1) << 20 < bound <= xvfb.memory_mb << 20
+        assert xvfb.pids == 8 and bound == (xvfb.memory_mb - 4 - 4) << 20   # and its /tmp and /dev/shm tmpfs
     finally:
         env.close()
-    assert xvfb == Resources(8, 513 if w == 400 else 576)
+    assert xvfb == Resources(8, 521 if w == 400 else 584)
+
+
+def test_the_x_server_runs_in_a_sandbox_of_its_own():
+    """Xvfb parses every X request the sandboxed apps send, so it runs sandboxed too: a network namespace that is
+    neither the daemon's nor the apps', none of the host's files but the system's directories and its socket
+    directory, on a root daemon a uid that is neither the daemon's nor the apps'. envd's own clients reach it through
+    the display's link, which closing removes with the lock file envd holds for it."""
+    env = desktop.make("", {"width": "320", "height": "240", "apps": "xterm"})
+    try:
+        env.reset(0)
+        pid, n = env.x.server_pid, env.x.display[1:]
+        assert pid and pid != env.x.pid
+        net = lambda p: os.readlink(f"/proc/{p}/ns/net")  # noqa: E731
+        assert net(pid) != net(os.getpid()) and net(pid) != net(env.apps_sandbox.init_pid)
+        root = pathlib.Path(f"/proc/{pid}/root")
+        assert (root / "tmp/.X11-unix" / f"X{n}").is_socket() and (root / "usr/bin/Xvfb").exists()
+        for host_path in ("home", "root", "etc/shadow", "var", "tmp/.X11-unix/../../" + env._dir.lstrip("/")):
+            assert not (root / host_path).exists(), host_path
+        with open(f"/proc/{pid}/status") as f:
+            uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+        if os.getuid() == 0:
+            assert uid not in (0, env.apps_sandbox.uid)
+        with open(f"/tmp/.X{n}-lock") as f:
+            assert int(f.read()) == os.getpid()
+        assert os.readlink(f"/tmp/.X11-unix/X{n}") == env.x.socket and env.screenshot().width == 320
+    finally:
+        env.close()
+    assert not os.path.lexists(f"/tmp/.X{n}-lock") and not os.path.lexists(f"/tmp/.X11-unix/X{n}")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="sandbox uids of their own are a root daemon's")
+def test_a_released_sandbox_uid_is_not_handed_out_again_at_once():
+    """RLIMIT_NPROC counts zombies: a sandbox's init whose bwrap was SIGKILLed stays one until the host's init reaps
+    it, so a uid handed out again at once could start its next sandbox (Xvfb's, 8 processes) over its limit ("bwrap:
+    Creating new namespace failed: Resource temporarily unavailable"). Allocation goes round the range."""
+    from envd.sandbox_limits import allocate_uid, release_uid
+
+    seen = []
+    for _ in range(3):
+        seen.append(allocate_uid())
+        release_uid(seen[-1])
+    assert len(set(seen)) == 3
 
 
 def test_envd_refuses_a_desktop_its_memory_budget_cannot_hold():
-    """A desktop is charged its app sandbox (56 processes, 512 + 32 + 16 MiB) plus Xvfb's bound (8 processes, 512 MiB
-    + 1024x768x4 bytes = 515 MiB): 1075 MiB. A 1500 MiB budget holds one, not two (with Xvfb at 64 MiB it took
+    """A desktop is charged its app sandbox (56 processes, 512 + 32 + 16 MiB) plus Xvfb's sandbox (8 processes, 512 MiB
+    + 1024x768x4 bytes = 515 MiB, and 4 + 4 MiB of tmpfs): 1083 MiB. A 1500 MiB budget holds one, not two (with Xvfb
+    at 64 MiB it took
     two, 1248 MiB, whose X servers alone may grow to 1030 MiB); the second CreateSession is RESOURCE_EXHAUSTED."""
     async def main():
         async with envd_client(max_total_pids=10_000, max_total_memory_mb=1500) as c:
@@ -488,7 +532,7 @@ def test_envd_refuses_a_desktop_its_memory_budget_cannot_hold():
             sid = (await c.CreateSession(env_pb2.CreateSessionRequest(env_id="desktop", options=opts))).session_id
             e = await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   c.CreateSession(env_pb2.CreateSessionRequest(env_id="desktop", options=opts)))
-            assert "host budget" in e.details() and "64 processes, 1075 MiB" in e.details(), e.details()
+            assert "host budget" in e.details() and "64 processes, 1083 MiB" in e.details(), e.details()
             await c.Close(env_pb2.SessionRef(session_id=sid))
 
     run(main())

@@ -233,7 +233,7 @@ def test_killed_x_server_is_infra_error_and_nothing_outlives_the_daemon():
             r = await c.Reset(env_pb2.ResetRequest(session_id=sid))
             assert r.outcome == common_pb2.RUNNING and "hello.txt" in r.observation.instruction
             env = c.server.servicer.sessions[sid].env
-            os.kill(env.desktop.x.pid, signal.SIGKILL)
+            os.kill(env.desktop.x.server_pid, signal.SIGKILL)
             r = await c.Step(env_pb2.StepRequest(session_id=sid, action=env_pb2.Action(
                 type="type", content="echo hi > hello.txt\n", target="terminal")))
             assert r.outcome == common_pb2.INFRA_ERROR and "X server" in r.info_json
