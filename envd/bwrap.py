@@ -56,8 +56,9 @@ def sandbox_argv(workspace: str | os.PathLike, etc: pathlib.Path, limits: Limits
     """setpriv + prlimit + bwrap up to and including bwrap's "--": append the command to run in the sandbox.
 
     `etc`: a directory written by `write_etc`; `uid`: the host uid to run as (None: the daemon's own);
-    `ro_binds`, `rw_binds`: (host path, sandbox path) pairs, read-only and read-write; `extra_nproc`: processes another sandbox of the same uid may use
-    (a hybrid's terminal and desktop share one uid, so one process count: its limit is the sum of both)."""
+    `ro_binds`, `rw_binds`: (host path, sandbox path) pairs, read-only and read-write; `extra_nproc`: processes
+    another sandbox of the same uid may use (a hybrid's terminal and desktop share one uid, so one process count: its
+    limit is the sum of both)."""
     if uid is not None:
         # Root daemon: the sandbox runs as its own unprivileged uid. RLIMIT_NPROC is never enforced for uid 0
         # (not even inside a user namespace), and a uid of its own makes the count per sandbox.

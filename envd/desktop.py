@@ -9,8 +9,8 @@ episode (envd/desktop_apps.py, on the terminal's command line, envd/bwrap.py): n
 system's read-only directories, the workspace at /workspace (their cwd and HOME), the X socket and a copy of the
 cookie bound in, the limits of DESKTOP_LIMITS, and on a root daemon an unprivileged uid of its own. The tools envd
 runs itself (xdotool, xwininfo, mss) stay outside. Closing or resetting kills the sandboxes' inits and waits until
-their namespaces are empty; Xvfb and the sandbox get SIGKILL if the daemon dies. There is no window manager: keyboard input goes to the window under the
-pointer, so click a window before typing into it.
+their namespaces are empty; Xvfb and the sandbox get SIGKILL if the daemon dies. There is no window manager:
+keyboard input goes to the window under the pointer, so click a window before typing into it.
 
 The desktop has no task of its own: reward is 0, `finished`/`call_user` end the episode (terminated), `max_steps`
 truncates it. Options: width, height (default 1024x768), apps (comma list from APPS, default "xterm,xedit"),
