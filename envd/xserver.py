@@ -11,11 +11,13 @@ the socket file itself (envd/desktop_apps.py), and envd's own X clients (the scr
 `/tmp/.X11-unix/X<n>`, a symbolic link to it, since libxcb takes a display number, not a socket path.
 
 Display numbers: threads of one daemon pick them one at a time; between processes the lock file `/tmp/.X<n>-lock`
-decides: envd creates it (O_EXCL, its own pid, the X servers' format) for the sandboxed Xvfb, whose own lock lies
-in its private /tmp, and removes it with the link when the session closes.
+decides: envd holds it for the sandboxed Xvfb (whose own lock lies in its private /tmp) with flock, writing its pid in
+the X servers' format, and removes it with the link when the session closes; a killed daemon's lock, whose flock
+died with it, is taken over when its number comes round again.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import secrets
@@ -32,7 +34,7 @@ from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid, running
 from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, release_uid
 
 FIRST_DISPLAY = 100        # leave the low numbers to real desktops
-_display_lock = threading.Lock()   # threads of one daemon pick numbers one at a time (other processes: Xvfb's lock)
+_display_lock = threading.Lock()   # threads of one daemon pick numbers one at a time (other processes: the lock files)
 _next_display = FIRST_DISPLAY + secrets.randbelow(400)
 
 
@@ -90,7 +92,7 @@ class XServer:
         if missing := missing_tools():
             raise RuntimeError(f"the desktop's X server sandbox needs {', '.join(missing)} on the host "
                                "(apt: bubblewrap, util-linux)")
-        self.display, self.proc, self._lock, self._link = "", None, "", ""
+        self.display, self.proc, self._lock, self._link, self._lock_fd = "", None, "", "", -1
         self.init_pid, self._init_fd = 0, -1
         self._server_pid, self._server_fd = 0, -1     # the Xvfb process itself, under the sandbox's init
         self.uid = allocate_uid()                      # None: the daemon's own (not root)
@@ -139,16 +141,30 @@ class XServer:
         raise RuntimeError(f"no free X display after {tries} tries: {last_err}")
 
     def _reserve(self, n: int) -> bool:
-        """Take display n for this session: its lock file (O_EXCL, this daemon's pid), and no socket or link left
-        at /tmp/.X11-unix/X<n> (one a killed Xvfb or session left is removed; one we may not remove skips n)."""
+        """Take display n for this session: its lock file, held with flock for the session's life (so a lock left by a
+        killed daemon, whose flock died with it, is taken over, race-free between daemons) and holding this daemon's
+        pid (so X servers that only read pids keep off it), and no socket or link left at /tmp/.X11-unix/X<n> (one a
+        killed session left is removed; one we may not remove skips n). A lock that another program holds or that
+        names a live process other than this daemon (an X server's own) skips n."""
         lock, link = f"/tmp/.X{n}-lock", f"/tmp/.X11-unix/X{n}"
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
-            return False                               # taken (or stale: another number is cheaper)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid():10d}\n")
-        self._lock = lock
+            return False                               # not ours to open (an X server's lock is mode 0444)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st, now = os.fstat(fd), os.lstat(lock)
+            if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+                raise OSError("the lock file was replaced")  # its holder unlinked it as we opened it
+            pid = int(os.pread(fd, 64, 0).strip() or 0)
+            if pid and pid != os.getpid() and alive(pid):
+                raise OSError(f"display {n} is locked by pid {pid}")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid():10d}\n".encode(), 0)
+        except (OSError, ValueError):
+            os.close(fd)
+            return False
+        self._lock, self._lock_fd = lock, fd
         try:
             if os.path.lexists(link):
                 os.unlink(link)
@@ -159,13 +175,16 @@ class XServer:
         return True
 
     def _unreserve(self) -> None:
-        for path in (self._link, self._lock):
+        for path in (self._link, self._lock):          # the lock's path first gone, then its flock released
             if path:
                 try:
                     os.unlink(path)
                 except OSError:
                     pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
         self._link = self._lock = ""
+        self._lock_fd = -1
 
     def _launch(self, n: int, workdir: str, width: int, height: int, etc: pathlib.Path, home: str,
                 timeout_s: float) -> str:

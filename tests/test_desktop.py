@@ -507,6 +507,57 @@ def test_the_x_server_runs_in_a_sandbox_of_its_own():
     assert not os.path.lexists(f"/tmp/.X{n}-lock") and not os.path.lexists(f"/tmp/.X11-unix/X{n}")
 
 
+def test_a_killed_daemons_display_lock_is_taken_over_and_a_held_or_foreign_one_is_not(monkeypatch):
+    """A daemon killed with a desktop open leaves the display's lock file and link (no close ran): before, every such
+    number was skipped for good. envd holds its locks with flock, so one whose holder died is taken over; one another
+    process holds, or one naming a live process other than this daemon (an X server's), is skipped."""
+    import fcntl
+    import subprocess
+
+    def free(k: int) -> int:                          # k numbers in a row without a lock file
+        return next(n for n in range(xserver.FIRST_DISPLAY, 990)
+                    if not any(os.path.lexists(f"/tmp/.X{n + i}-lock") for i in range(k)))
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    n = free(3)
+    paths = [f"/tmp/.X{n + i}-lock" for i in range(3)] + [f"/tmp/.X11-unix/X{n}"]
+    held = None
+    try:
+        with open(paths[0], "w") as f:               # the killed daemon's: a dead pid, no flock, a dangling link
+            f.write(f"{dead.pid:10d}\n")
+        os.makedirs("/tmp/.X11-unix", exist_ok=True)
+        os.symlink("/nonexistent/x11/X0", paths[3])
+        monkeypatch.setattr(xserver, "_next_display", n)
+        env = desktop.make("", {"width": "320", "height": "240", "apps": "xterm"})
+        try:
+            assert env.x.display == f":{n}" and os.readlink(paths[3]) == env.x.socket
+            with open(paths[0]) as f:
+                assert int(f.read()) == os.getpid()
+        finally:
+            env.close()
+        assert not os.path.lexists(paths[0]) and not os.path.lexists(paths[3])
+
+        held = os.open(paths[0], os.O_RDWR | os.O_CREAT, 0o644)   # held by a live process (another description)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with open(paths[1], "w") as f:               # an X server's: a live pid that is not this daemon's
+            f.write(f"{os.getppid():10d}\n")
+        monkeypatch.setattr(xserver, "_next_display", n)
+        env = desktop.make("", {"width": "320", "height": "240", "apps": "xterm"})
+        try:
+            assert env.x.display == f":{n + 2}"
+        finally:
+            env.close()
+        with open(paths[1]) as f:
+            assert int(f.read()) == os.getppid()      # left as it was
+    finally:
+        if held is not None:
+            os.close(held)
+        for p in paths:
+            if os.path.lexists(p):
+                os.unlink(p)
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="sandbox uids of their own are a root daemon's")
 def test_a_released_sandbox_uid_is_not_handed_out_again_at_once():
     """RLIMIT_NPROC counts zombies: a sandbox's init whose bwrap was SIGKILLed stays one until the host's init reaps
