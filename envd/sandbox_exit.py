@@ -63,9 +63,7 @@ def kill_and_wait(pidfd: int, timeout: float = 5.0) -> bool:
             return True
         except OSError:
             pass  # not ours to signal (it already changed hands): still wait for it
-        p = select.poll()
-        p.register(pidfd, select.POLLIN)
-        return bool(p.poll(int(timeout * 1000)))
+        return exited(pidfd, timeout)
     finally:
         os.close(pidfd)
 
@@ -179,13 +177,19 @@ def kill_strays(init_pid: int, shell_pid: int, jobs_too: bool = True, rounds: in
     return killed
 
 
-def running(pidfd: int) -> bool:
-    """Whether the process behind `pidfd` has not exited yet (so its pid still names it)."""
+def exited(pidfd: int, timeout: float = 0.0) -> bool:
+    """Whether the process behind `pidfd` has exited (a zombie counts), waiting up to `timeout` s for it; True
+    when there is no pidfd (-1)."""
     if pidfd < 0:
-        return False
+        return True
     p = select.poll()
     p.register(pidfd, select.POLLIN)
-    return not p.poll(0)
+    return bool(p.poll(int(timeout * 1000)))
+
+
+def running(pidfd: int) -> bool:
+    """Whether the process behind `pidfd` has not exited yet (so its pid still names it)."""
+    return not exited(pidfd)
 
 
 def reap(proc: subprocess.Popen | None) -> int:

@@ -30,7 +30,7 @@ import time
 
 from envd.bwrap import sandbox_argv, write_etc
 from envd.proctree import alive, descendants, kill_session
-from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid, running
+from envd.sandbox_exit import exited, kill_and_wait, open_pidfd, read_child_pid, running
 from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, release_uid
 
 FIRST_DISPLAY = 100        # leave the low numbers to real desktops
@@ -258,8 +258,7 @@ class XServer:
 
     def wait_exit(self, timeout_s: float) -> None:
         """Wait up to timeout_s for Xvfb to exit (a client saw its connection fail: it may be dying)."""
-        if self._server_fd >= 0:
-            select.select([self._server_fd], [], [], timeout_s)
+        exited(self._server_fd, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL the sandbox's init now (its whole namespace dies with it, and bwrap exits after reaping it); does
@@ -282,15 +281,16 @@ class XServer:
         self._server_fd = -1
         kill_and_wait(fd)
         if proc is None or proc.returncode is not None:  # reaped (by alive()/poll()): its pid may be another's now
-            if roots - ({proc.pid} if proc is not None else set()):
-                kill_session(0, set(roots) - ({proc.pid} if proc is not None else set()))
+            left = set(roots) - ({proc.pid} if proc is not None else set())
+            if left:
+                kill_session(0, left)
             return
         pidfd = open_pidfd(proc.pid)                   # our unreaped child: the pid is still its own
-        if pidfd >= 0:
-            try:
-                if not select.select([pidfd], [], [], 5.0)[0]:
-                    proc.kill()
-            finally:
+        try:
+            if not exited(pidfd, 5.0):                 # bwrap exits once it has reaped the init
+                proc.kill()
+        finally:
+            if pidfd >= 0:
                 os.close(pidfd)
         kill_session(proc.pid, {proc.pid, *roots})
         try:
