@@ -1,8 +1,9 @@
 """`miniwob/<task>`: the 128 MiniWoB++ tasks (PyPI `miniwob`, gymnasium ids `miniwob/<task>-v1`) on headless
 Debian Chromium, offline.
 
-One session = one chromedriver + one Chromium, in their own process group under a private directory (profile,
-crash-handler database, cache), all killed on close. Reward and episode end are MiniWoB's own: reward is
+One session = one chromedriver + one Chromium in a bubblewrap sandbox of their own (envd/miniwob_chromium.py: no
+network, chromedriver reached through a Unix socket) with a private home (profile, crash-handler database, cache),
+all killed on close. Reward and episode end are MiniWoB's own: reward is
 time-decayed (`info.raw_reward` holds the undecayed value, `info.success` = raw reward > 0), a task that runs out
 of time ends with reward -1. Actions (core.action.Action) are mapped onto MiniWoB's action space by
 envd.miniwob_actions; observations are the element list as text, the task-area screenshot as PNG (none, and not
@@ -33,7 +34,7 @@ import threading
 import weakref
 from typing import Any
 
-from envd import scratch
+from envd import miniwob_chromium, scratch
 from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult, refuse_unknown
 from envd.browser_input import _bool
 from envd.miniwob_actions import Translator, flatten_dom, render
@@ -86,25 +87,31 @@ def _hooked(env_cls: type) -> type:
     return type(f"Tars{env_cls.__name__}", (env_cls,), {"__init__": __init__, "_hard_reset_instance": _hard_reset_instance})
 
 
-_http_lock = threading.Lock()
-_http_base: str | None = None
+_pages_lock = threading.Lock()
+_pages_socket: str | None = None
 
 
-def _flight_base_url() -> str:
-    """FlightWoB pages need http://: one static file server per process, on loopback only."""
-    global _http_base
-    with _http_lock:
-        if _http_base is None:
-            from miniwob.selenium_instance import HTML_DIR
+def flight_socket() -> str:
+    """FlightWoB pages need http:// (the package refuses file:// for them): one static file server per process, on
+    a Unix socket in this process's scratch that the sessions' sandboxes relay 127.0.0.1:8000 to (no TCP port on the
+    host). It serves the package's public pages only; mode 0666, as a sandbox's uid must connect."""
+    global _pages_socket
+    with _pages_lock:
+        if _pages_socket is None:
+            import socketserver
 
             class Quiet(http.server.SimpleHTTPRequestHandler):
                 def log_message(self, *args):
                     pass
 
-            httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(HTML_DIR)))
-            threading.Thread(target=httpd.serve_forever, name="miniwob-http", daemon=True).start()
-            _http_base = f"http://127.0.0.1:{httpd.server_address[1]}/"
-        return _http_base
+            path = str(scratch.root() / "miniwob-pages.sock")
+            server = socketserver.ThreadingUnixStreamServer(
+                path, functools.partial(Quiet, directory=miniwob_chromium.pages_dir(None)))
+            server.daemon_threads = True
+            os.chmod(path, 0o666)
+            threading.Thread(target=server.serve_forever, name="miniwob-pages", daemon=True).start()
+            _pages_socket = path
+        return _pages_socket
 
 
 # ---- the env ------------------------------------------------------------------------------------------------
@@ -196,11 +203,11 @@ class MiniWoBEnv(Env):
 
         spec = gym.spec(env_id)
         kwargs = dict(spec.kwargs or {}, action_space_config=preset, data_mode=options.get("data_mode", "train"))
-        if task.startswith("flight."):
-            kwargs["base_url"] = _flight_base_url()
+        flight = task.startswith("flight.")
+        kwargs["base_url"] = miniwob_chromium.FLIGHT_URL if flight else miniwob_chromium.PAGES_URL
         self._dir = tempfile.mkdtemp(prefix="tars-miniwob-", dir=scratch.root())
         weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
-        self.browser = ChromiumProcess(self._dir, timeout)
+        self.browser = ChromiumProcess(self._dir, timeout, flight_socket() if flight else "")
         try:
             self.gym = _hooked(load_env_creator(spec.entry_point))(browser=self.browser, **kwargs)
         except BaseException:
@@ -313,7 +320,7 @@ class MiniWoBEnv(Env):
 
     @property
     def pids(self) -> set[int]:
-        """chromedriver's pid (its process group holds the browser), for tests and accounting."""
+        """The browser sandbox's init (chromedriver and Chromium run under it), for tests and accounting."""
         return {self.browser.pid} if getattr(self, "browser", None) and self.browser.pid else set()
 
     def close(self) -> None:
@@ -324,10 +331,12 @@ class MiniWoBEnv(Env):
                 gym.unwrapped.instance.close()
             except Exception:
                 pass
-        if getattr(self, "browser", None) is not None:
-            self.browser.stop()
-        if getattr(self, "_dir", None):
-            shutil.rmtree(self._dir, ignore_errors=True)
+        try:
+            if getattr(self, "browser", None) is not None:
+                self.browser.stop()
+        finally:
+            if getattr(self, "_dir", None):
+                shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def make(task: str, options: dict[str, str] | None = None) -> MiniWoBEnv:

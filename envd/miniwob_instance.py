@@ -1,5 +1,5 @@
 """The MiniWoB++ package's browser instance (miniwob.selenium_instance.SeleniumInstance) as envd runs it: launched
-through envd.miniwob_chromium.ChromiumProcess (flags, a process group, timeouts), and reading the page in fewer
+through envd.miniwob_chromium.ChromiumProcess (flags, a sandbox, timeouts), and reading the page in fewer
 WebDriver round trips.
 
 Each WebDriver command is an HTTP request to chromedriver, a DevTools call into Chromium and a task for the page's
@@ -46,7 +46,7 @@ def instance_class():
 
     class ChromiumInstance(SeleniumInstance):
         """SeleniumInstance whose driver is a ChromiumProcess (the package's own launch has no way to add flags,
-        a process group or timeouts), reading a reset's and a step's result in one script (the module docstring)."""
+        a sandbox or timeouts), reading a reset's and a step's result in one script (the module docstring)."""
 
         def __init__(self, *, browser: ChromiumProcess, **kwargs):
             self.browser = browser

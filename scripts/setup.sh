@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 need_apt=()      # required: set-up fails without them
 want_apt=()      # optional: the tests that need them skip with a reason when they are missing
 if [[ $DEV == 1 ]]; then
-  for pair in chromium:chromium chromedriver:chromium-driver bwrap:bubblewrap Xvfb:xvfb xdotool:xdotool xterm:xterm xclock:x11-apps xwininfo:x11-utils; do
+  for pair in chromium:chromium chromedriver:chromium-driver socat:socat bwrap:bubblewrap Xvfb:xvfb xdotool:xdotool xterm:xterm xclock:x11-apps xwininfo:x11-utils; do
     cmd=${pair%%:*}; pkg=${pair##*:}
     command -v "$cmd" >/dev/null 2>&1 || need_apt+=("$pkg")
   done

@@ -752,7 +752,7 @@ def test_cpu_image_builds_and_runs_tars():
     r = subprocess.run(["docker", "run", "--rm", "--entrypoint", "id", tag, "-u"], capture_output=True, text=True,
                        timeout=120)
     assert r.stdout.strip() == "10001"
-    for tool in ("chromium", "chromedriver", "bwrap", "Xvfb", "xdotool", "xwininfo", "setpriv", "prlimit"):
+    for tool in ("chromium", "chromedriver", "socat", "bwrap", "Xvfb", "xdotool", "xwininfo", "setpriv", "prlimit"):
         r = subprocess.run(["docker", "run", "--rm", "--entrypoint", "sh", tag, "-c", f"command -v {tool}"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, tool

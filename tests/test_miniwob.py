@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import re
 import shutil
 import signal
+import stat
+import subprocess
+import tempfile
 import time
 
 import grpc
@@ -20,8 +24,10 @@ from envd_compliance import EnvCompliance, dir_left_by_a_killed_daemon, envd_cli
 from core.v1 import common_pb2, env_pb2
 
 pytest.importorskip("miniwob", reason="the miniwob package is not installed")
-if not (shutil.which("chromium") and shutil.which("chromedriver")):
-    pytest.skip("Debian chromium and chromium-driver are needed (scripts/setup.sh --dev)", allow_module_level=True)
+from envd import miniwob_chromium  # noqa: E402
+
+if miniwob_chromium.missing():
+    pytest.skip(f"{', '.join(miniwob_chromium.missing())} needed (scripts/setup.sh --dev)", allow_module_level=True)
 
 from envd import miniwob_backend  # noqa: E402
 from envd.miniwob_actions import Element, Translator, miniwob_key, render, resolve_target  # noqa: E402
@@ -29,7 +35,7 @@ from envd.miniwob_actions import Element, Translator, miniwob_key, render, resol
 
 def _session_gone(env, deadline_s: float = 30.0) -> set[int]:  # Chromium exiting on a loaded host
     """Poll until nothing of `env`'s browser runs; returns what is left at the deadline."""
-    pid, workdir = env.browser.pid, env._dir
+    pid, workdir = env.browser.last_init_pid, env._dir
     deadline = time.monotonic() + deadline_s
     while True:
         left = proctree.session_processes(pid, {pid}, needle=workdir)
@@ -350,45 +356,70 @@ def test_killed_browser_is_infra_error_and_nothing_outlives_the_daemon():
     assert not _session_gone(live) and not os.path.exists(live._dir)
 
 
-def _fake_chromedriver(tmp_path, fail_first: int, message: str) -> tuple[str, str]:
-    """A chromedriver that, its first `fail_first` times, prints `message` and exits 1 (as the real one does when
-    another socket took the port it was given), and then runs the real one. -> (its path, its count file)."""
-    count = tmp_path / "starts"
-    script = tmp_path / "chromedriver"
-    script.write_text(f"""#!/bin/bash
-n=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $n > {count}
-if [ $n -le {fail_first} ]; then echo "{message}"; exit 1; fi
-exec {shutil.which("chromedriver")} "$@"
-""")
-    script.chmod(0o755)
-    return str(script), str(count)
-
-
-def test_a_chromedriver_start_that_lost_its_port_is_made_again(tmp_path, monkeypatch):
-    from envd.miniwob_chromium import ChromiumProcess
-
-    path, count = _fake_chromedriver(tmp_path, 2, "IPv4 port not available. Exiting...")
-    monkeypatch.setenv("MINIWOB_CHROMEDRIVER", path)
-    (work := tmp_path / "session").mkdir()
-    browser = ChromiumProcess(str(work), 30)
+def test_chromedriver_is_reachable_only_through_the_sessions_socket():
+    """chromedriver has no authentication: on the host's loopback any local user could open a WebDriver session on
+    it and start a program of their choice as envd's user. It listens in the sandbox's own network namespace, and the
+    one way in is the session's Unix socket, which only the session's uid (and root) may open."""
+    env = miniwob_backend.make("click-test")
     try:
-        driver = browser.start((160, 210))
-        driver.get("data:text/html,<title>up</title>")
-        assert driver.title == "up"
-        assert browser.port_retries == 2 and open(count).read().strip() == "3"
+        env.reset(1)
+        table = proctree.snapshot()
+        inside = proctree.descendants({env.browser.pid}, table)
+        drivers = [p for p in inside if open(f"/proc/{p}/comm").read().strip() == "chromedriver"]
+        assert len(drivers) == 1
+        assert os.readlink(f"/proc/{drivers[0]}/ns/net") != os.readlink("/proc/self/ns/net")
+        home, sock = env.browser.home, env.browser.socket_path
+        assert stat.S_IMODE(os.stat(home).st_mode) == 0o700 and stat.S_ISSOCK(os.stat(sock).st_mode)
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        if os.getuid() == 0:   # another local user (nobody) cannot connect to the socket
+            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "socat", "-u",
+                                "OPEN:/dev/null", f"UNIX-CONNECT:{sock}"], capture_output=True, text=True, timeout=30)
+            assert r.returncode != 0 and "Permission denied" in r.stderr, r
+        else:
+            assert os.stat(home).st_uid == os.getuid()
     finally:
-        browser.stop()
+        env.close()
+    assert not os.path.exists(env._dir)
 
 
-def test_a_chromedriver_that_cannot_start_says_why_once(tmp_path, monkeypatch):
+def test_a_chromedriver_that_cannot_start_says_why(monkeypatch):
+    """A chromedriver that exits at start ends its sandbox: the start fails at once with what it printed, not at
+    the deadline with Selenium's bare message."""
     from selenium.common.exceptions import WebDriverException
 
     from envd.miniwob_chromium import ChromiumProcess
 
-    path, count = _fake_chromedriver(tmp_path, 99, "error while loading shared libraries: libnss3.so")
-    monkeypatch.setenv("MINIWOB_CHROMEDRIVER", path)
-    (work := tmp_path / "session").mkdir()
-    browser = ChromiumProcess(str(work), 30)
-    with pytest.raises(WebDriverException, match="chromedriver said: error while loading shared libraries"):
-        browser.start((160, 210))
-    assert open(count).read().strip() == "1" and browser.port_retries == 0  # not a lost port: not tried again
+    d = tempfile.mkdtemp(prefix="tars-test-driver-", dir="/tmp")   # a directory a root daemon's sandbox uid reaches
+    try:
+        os.chmod(d, 0o755)
+        fake = os.path.join(d, "chromedriver")
+        with open(fake, "w") as f:
+            f.write("#!/bin/bash\necho 'error while loading shared libraries: libnss3.so'\nexit 1\n")
+        os.chmod(fake, 0o755)
+        monkeypatch.setenv("MINIWOB_CHROMEDRIVER", fake)
+        work = os.path.join(d, "session")
+        os.mkdir(work, 0o700)
+        browser = ChromiumProcess(work, 600)
+        with pytest.raises(WebDriverException, match="exited at start; chromedriver said: error while loading shared"):
+            browser.start((160, 210))
+        assert browser.pid == 0 and not proctree.session_processes(0, set(), needle=work)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_root_daemons_sandbox_reads_a_copy_of_pages_it_cannot_reach(monkeypatch):
+    """A root daemon's sandbox runs as a uid that may not pass the directories above the package (a venv under
+    /root): it then gets a world-readable copy of the pages in the daemon's scratch, made once."""
+    from miniwob.selenium_instance import HTML_DIR
+
+    assert miniwob_chromium.pages_dir(None) == str(HTML_DIR)
+    monkeypatch.setattr(miniwob_chromium, "unreachable", lambda path: "/root")
+    copy = miniwob_chromium.pages_dir(2_000_000_123)
+    assert copy != str(HTML_DIR) and pathlib.Path(copy).parent == scratch.root()
+    assert miniwob_chromium.pages_dir(2_000_000_123) == copy
+    want = sorted(str(p.relative_to(HTML_DIR)) for p in pathlib.Path(HTML_DIR).rglob("*"))
+    got = list(pathlib.Path(copy).rglob("*"))
+    assert sorted(str(p.relative_to(copy)) for p in got) == want
+    assert all(stat.S_IMODE(p.stat().st_mode) == (0o755 if p.is_dir() else 0o644) for p in got)
+    page = "miniwob/click-button.html"
+    assert (pathlib.Path(copy) / page).read_bytes() == (pathlib.Path(HTML_DIR) / page).read_bytes()

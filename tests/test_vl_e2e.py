@@ -163,12 +163,12 @@ def clean(trs) -> list:
 
 
 def _miniwob_here() -> bool:
-    import shutil
+    from envd import miniwob_chromium
 
-    return bool(shutil.which("chromium") and shutil.which("chromedriver"))
+    return not miniwob_chromium.missing()
 
 
-@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
+@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium, chromium-driver, socat and bubblewrap")
 def test_learner_logprobs_equal_the_engines_over_actor_episodes_with_segments(vl_run_dir, tmp_path):
     """Episodes of the real actor code against a real `tars envd` (MiniWoB: a screenshot every turn) and a real
     `tars serve`, image_history=2 so later turns start new segments; after the stream's encode/decode the learner's
@@ -206,7 +206,7 @@ def _loads_as_vl(d: pathlib.Path, model_type: str) -> None:
     assert transformers.AutoTokenizer.from_pretrained(str(d)).chat_template
 
 
-@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
+@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium, chromium-driver, socat and bubblewrap")
 def test_a_short_up_run_with_screenshots(vl_run_dir, tmp_path):
     """`tars up --set model.path=VLDIR` on MiniWoB (a screenshot every turn, two per segment): the learner trains on
     the actors' VL trajectories through the stream, versions are published, and final/ is a VL checkpoint."""
@@ -229,7 +229,7 @@ def test_a_short_up_run_with_screenshots(vl_run_dir, tmp_path):
     _loads_as_vl(out / "final", json.loads((vl_run_dir / "config.json").read_text())["model_type"])
 
 
-@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium and chromium-driver")
+@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium, chromium-driver, socat and bubblewrap")
 def test_sft_on_text_demos_and_eval_with_screenshots(vl_run_dir, tmp_path):
     """`tars sft --model VLDIR` (the scripted text demonstrations) keeps a VL checkpoint; `tars eval --model` on it
     runs MiniWoB episodes with screenshots, none of which ends as an infrastructure error."""

@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Callable
 
-from envd import proctree, registry
+from envd import miniwob_chromium, proctree, registry
 from core import rpc
 from core.v1 import common_pb2, env_pb2, env_pb2_grpc
 from tars.bench import report
@@ -85,6 +85,7 @@ class Daemon:
 
     def __init__(self, workers: int = 8):
         self.dir = tempfile.mkdtemp(prefix="tars-bench-envd-")
+        os.chmod(self.dir, 0o711)   # a root daemon's sandbox uids pass it to their sessions' directories
         env = {"TMPDIR": self.dir, "PYTHONPATH": pythonpath(REPO)}
         spec = daemon_spec("envd", ["--port", "0", "--set", f"envd.workers={workers}", "--set", "envd.host=127.0.0.1"],
                            pathlib.Path(self.dir), env)
@@ -330,6 +331,8 @@ def _backend_missing(env_id: str) -> str | None:
         registry.resolve(env_id)
     except KeyError:
         return f"no `{env_id.split('/')[0]}` backend is registered in envd/registry.py"
+    if env_id.startswith("miniwob/") and (lacking := miniwob_chromium.missing()):
+        return f"{', '.join(lacking)} not installed"
     if not os.path.exists("/usr/bin/chromium"):
         return "/usr/bin/chromium is not installed"
     return None
