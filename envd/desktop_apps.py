@@ -27,7 +27,7 @@ import time
 from envd.base import Resources
 from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, unreachable, write_etc
 from envd.proctree import descendants
-from envd.sandbox_exit import kill_and_wait, open_pidfd, read_child_pid, running
+from envd.sandbox_exit import end_sandbox, open_pidfd, read_child_pid, running
 from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, quota_breach, release_uid
 from envd.xserver import XServer, xvfb_limits
 
@@ -162,19 +162,13 @@ class AppSandbox:
         return {self.init_pid, *descendants({self.init_pid})} if running(self._init_fd) else set()
 
     def stop(self) -> None:
-        """Kill every app: bwrap, then the namespace's init, waiting until the namespace is empty."""
+        """Kill every app: the namespace's init, waited for until the namespace is empty, then bwrap reaped
+        (envd/sandbox_exit.py end_sandbox)."""
         self._guard_stop.set()               # the disk guard ends with the apps
         proc, self.proc = self.proc, None
         init_fd, self._init_fd, self.init_pid = self._init_fd, -1, 0
-        if proc is not None:
-            proc.kill()                      # not once reaped: its pid may name another process by then
-        if not kill_and_wait(init_fd):
+        if not end_sandbox(init_fd, proc):
             raise RuntimeError("the desktop's app sandbox still runs 5 s after it was killed")
-        if proc is not None:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
 
     def release(self) -> None:
         """Stop the apps for good and give the uid back (when it is this sandbox's own)."""

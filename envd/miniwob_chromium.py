@@ -34,7 +34,7 @@ import time
 
 from envd import scratch
 from envd.bwrap import SANDBOX_WORKSPACE, sandbox_argv, unreachable, write_etc
-from envd.sandbox_exit import exited, kill_and_wait, open_pidfd, read_child_pid
+from envd.sandbox_exit import end_sandbox, exited, open_pidfd, read_child_pid
 from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, release_uid
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -224,19 +224,18 @@ class ChromiumProcess:
             if self._init_fd < 0 or exited(self._init_fd):
                 raise WebDriverException("chromedriver's sandbox exited at start")
             if os.path.exists(self.socket_path):
+                c = http.client.HTTPConnection("localhost")
                 try:
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    s.settimeout(max(0.1, deadline - time.monotonic()))
-                    s.connect(self.socket_path)
-                    c = http.client.HTTPConnection("localhost")
-                    c.sock = s
+                    c.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    c.sock.settimeout(max(0.1, deadline - time.monotonic()))
+                    c.sock.connect(self.socket_path)
                     c.request("GET", "/status")
-                    status = c.getresponse().status
-                    c.close()
-                    if status == 200:
+                    if c.getresponse().status == 200:
                         return
                 except (OSError, http.client.HTTPException):
-                    pass
+                    pass                               # socat up, chromedriver not yet (or gone): ask again
+                finally:
+                    c.close()
             if time.monotonic() > deadline:
                 raise WebDriverException(f"chromedriver did not answer within {self.command_timeout_s:g} s")
             exited(self._init_fd, 0.02)               # a moment, or at once if the sandbox ends
@@ -255,10 +254,6 @@ class ChromiumProcess:
         """The sandbox's init (everything of the session's browser runs under it); 0 when none runs."""
         return self.init_pid
 
-    @property
-    def alive(self) -> bool:
-        return self._init_fd >= 0 and not exited(self._init_fd)
-
     def stop(self) -> None:
         """Kill the sandbox (its init first, waited for until its namespace is empty) and reap bwrap; no quit:
         nothing of the profile is kept."""
@@ -266,15 +261,9 @@ class ChromiumProcess:
         proc, fd = self.proc, self._init_fd
         self.proc, self._init_fd, self.init_pid = None, -1, 0
         try:
-            if not kill_and_wait(fd):
+            if not end_sandbox(fd, proc):
                 raise RuntimeError("the MiniWoB browser's sandbox still runs 5 s after it was killed")
         finally:
-            if proc is not None:
-                try:
-                    proc.wait(timeout=5)               # bwrap exits once it has reaped its init
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
             if driver is not None:
                 try:
                     driver.command_executor.close()   # the pool's sockets

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, write_etc
-from envd.sandbox_exit import (kill_and_wait, kill_bwrap, kill_strays, open_pidfd, read_child_pid, reap, running,
+from envd.sandbox_exit import (end_sandbox, kill_bwrap, kill_strays, open_pidfd, read_child_pid, reap, running,
                                shell_idle, signal_group, strays)
 from envd.sandbox_limits import (Limits, SandboxError, allocate_uid, chown_tree, missing_tools, quota_breach,
                                  release_uid, workspace_usage)
@@ -163,15 +163,10 @@ class ShellSandbox:
     def stop(self) -> None:
         """Kill the sandbox (the namespace's init dies, taking every process in it) and release the pty."""
         self._stop.set()
-        if self.proc is not None:
-            kill_bwrap(self.proc)            # never by its bare pid: once reaped, that pid may be another's
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass  # SIGKILL was sent; the reader thread or a later stop() reaps it
         with self._cond:                      # no stray sweep of the reader's may start from here on
             init_fd, self._init_fd, self._init_pid = self._init_fd, -1, 0
-        if not kill_and_wait(init_fd):        # every process of the sandbox gone (envd/sandbox_exit.py)
+        # The init first, then bwrap reaped (the reader thread may reap it too: Popen.wait is thread-safe).
+        if not end_sandbox(init_fd, self.proc):  # every process of the sandbox gone (envd/sandbox_exit.py)
             log.error("sandbox processes still running 5 s after they were killed")
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
@@ -235,6 +230,18 @@ class ShellSandbox:
         self._events.append(ev)
         if len(self._events) > _MAX_EVENTS:   # a client that never reads: keep the newest
             del self._events[:len(self._events) - _MAX_EVENTS]
+
+    def _kill_init(self) -> None:
+        """SIGKILL the namespace's init (caller holds the condition): every process of the sandbox dies, bwrap reaps
+        the init and exits, and the reader sees the terminal close. bwrap itself only when no init is known (killed
+        first, it would leave the init to whatever reaps for the daemon: envd/sandbox_exit.py end_sandbox)."""
+        if self._init_fd >= 0:
+            try:
+                signal.pidfd_send_signal(self._init_fd, signal.SIGKILL)
+            except OSError:
+                pass
+        else:
+            kill_bwrap(self.proc)
 
     def _foreground_pgrp(self) -> int:
         try:
@@ -380,7 +387,7 @@ class ShellSandbox:
             if pg > 0 and pg != self.shell_pgid:
                 signal_group(self._init_pid, pg, signal.SIGKILL)  # ignored SIGINT, or a later job of the line
             if now - self._expired_at > 3 * _GRACE_S:
-                kill_bwrap(self.proc)        # the shell itself will not come back: new sandbox
+                self._kill_init()            # the shell itself will not come back: new sandbox
         # A foreground job the timeout does not cover (typed ahead, or after a prompt look-alike) is timed here.
         if pg <= 0 or pg == self.shell_pgid or not self.shell_pgid:
             return 0, 0.0

@@ -187,6 +187,25 @@ def exited(pidfd: int, timeout: float = 0.0) -> bool:
     return bool(p.poll(int(timeout * 1000)))
 
 
+def end_sandbox(init_fd: int, proc: subprocess.Popen | None, timeout: float = 5.0) -> bool:
+    """Kill the sandbox's init through its pidfd (closed) and wait until its namespace is empty, then reap its bwrap,
+    which exits once it has reaped the init (SIGKILLed if it has not within `timeout`, as when no init was known).
+    True when the namespace emptied in time. In this order nothing is orphaned: killing bwrap first leaves its init
+    to whatever reaps for the daemon, and in a container whose pid 1 is the daemon itself (envd as a pod's command)
+    nothing ever does, so each stopped sandbox left a zombie holding a pid."""
+    gone = kill_and_wait(init_fd, timeout)
+    if proc is not None:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_bwrap(proc)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+    return gone
+
+
 def running(pidfd: int) -> bool:
     """Whether the process behind `pidfd` has not exited yet (so its pid still names it)."""
     return not exited(pidfd)
