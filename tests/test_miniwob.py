@@ -356,6 +356,14 @@ def test_killed_browser_is_infra_error_and_nothing_outlives_the_daemon():
     assert not _session_gone(live) and not os.path.exists(live._dir)
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""   # gone since it was listed
+
+
 def test_chromedriver_is_reachable_only_through_the_sessions_socket():
     """chromedriver has no authentication: on the host's loopback any local user could open a WebDriver session on
     it and start a program of their choice as envd's user. It listens in the sandbox's own network namespace, and the
@@ -365,7 +373,7 @@ def test_chromedriver_is_reachable_only_through_the_sessions_socket():
         env.reset(1)
         table = proctree.snapshot()
         inside = proctree.descendants({env.browser.pid}, table)
-        drivers = [p for p in inside if open(f"/proc/{p}/comm").read().strip() == "chromedriver"]
+        drivers = [p for p in inside if _comm(p) == "chromedriver"]
         assert len(drivers) == 1
         assert os.readlink(f"/proc/{drivers[0]}/ns/net") != os.readlink("/proc/self/ns/net")
         home, sock = env.browser.home, env.browser.socket_path
