@@ -103,3 +103,30 @@ def read_jsonl(path: pathlib.Path) -> list[dict]:
         except ValueError:
             pass  # a line torn by a kill or cut by a stop
     return out
+
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def run_as_init(main) -> int:
+    """`main()`, and when this process is pid 1 (a container's command: `docker run IMAGE`, a pod's `command:`),
+    a minimal init around it, as `docker run --init` gives: this process forks, the child runs `main` and exits with
+    its status (atexit handlers run), and pid 1 forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to it,
+    reaps every orphan the kernel hands it (a pid 1 that never waits leaves each a zombie holding a pid for the
+    container's life), and exits with the child's status (128 + the signal that killed it). TARS_NO_INIT=1: no
+    init. Call it before any thread starts: only the calling thread survives a fork."""
+    if os.getpid() != 1 or os.environ.get("TARS_NO_INIT"):
+        return main()
+    child = os.fork()
+    if child == 0:
+        raise SystemExit(main())
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, lambda s, _f: os.kill(child, s))
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:            # not reachable while the child lives
+            return 1
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+            return code if code >= 0 else 128 - code

@@ -10,6 +10,7 @@ import pathlib
 import sys
 
 from core.config import EXIT_USER, ConfigError, UserError
+from core.proc import run_as_init
 from tars.bench import BENCHES, run_bench  # the registry; each benchmark is imported when it runs
 
 
@@ -220,6 +221,12 @@ def _seconds(v: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `tars` command; as a container's pid 1, under a minimal init that reaps orphans (core/proc.py
+    run_as_init)."""
+    return run_as_init(lambda: _cli(argv))
+
+
+def _cli(argv: list[str] | None) -> int:
     """Every user error ends as one line on stderr and exit status 2, Ctrl-C as one line and 130, and a failure
     of an operator command as one line and 1 (the roles, run by `tars up` into logs/, keep their tracebacks)."""
     a = build_parser().parse_args(argv)
