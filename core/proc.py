@@ -119,6 +119,15 @@ def run_as_init(main) -> int:
         return main()
     child = os.fork()
     if child == 0:
+        # A process group of its own, the terminal's foreground one when there is a terminal: Ctrl-C reaches the
+        # command once (from the terminal), not twice (the terminal's, and pid 1's forward of its own copy).
+        os.setpgid(0, 0)
+        old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            os.tcsetpgrp(0, os.getpgrp())
+        except OSError:
+            pass                             # no terminal
+        signal.signal(signal.SIGTTOU, old)
         raise SystemExit(main())
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda s, _f: os.kill(child, s))

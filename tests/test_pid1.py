@@ -126,3 +126,47 @@ def test_the_tars_command_runs_under_it():
     p = subprocess.run([*UNSHARE, sys.executable, "-m", "tars.cli", "config", "--help"], cwd=REPO, capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 0 and "usage: tars config" in p.stdout, p.stderr
+
+
+def test_ctrl_c_at_a_terminal_reaches_the_command_once():
+    """`docker run -it`: the command's process group is the terminal's foreground one, so Ctrl-C reaches it once
+    (in pid 1's group it got the terminal's SIGINT and pid 1's forward of its own copy: two)."""
+    import pty
+    import select
+
+    code = r"""
+import os, signal, sys, time
+from core.proc import run_as_init
+
+def main():
+    got = []
+    signal.signal(signal.SIGINT, lambda *a: got.append(1))
+    print("ready", flush=True)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("sigints", len(got), flush=True)
+    return 0
+
+sys.exit(run_as_init(main))
+"""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(REPO)
+        os.environ["PYTHONPATH"] = str(REPO)
+        os.execvp(UNSHARE[0], [*UNSHARE, sys.executable, "-c", code])
+    out, deadline, sent = b"", time.monotonic() + 60, False
+    try:
+        while b"sigints" not in out and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    out += os.read(fd, 1024)
+                except OSError:
+                    break
+            if b"ready" in out and not sent:
+                os.write(fd, b"\x03")
+                sent = True
+    finally:
+        os.close(fd)
+        os.waitpid(pid, 0)
+    assert b"sigints 1" in out, out
