@@ -129,8 +129,14 @@ def run_as_init(main) -> int:
             pass                             # no terminal
         signal.signal(signal.SIGTTOU, old)
         raise SystemExit(main())
+    def forward(sig, _frame):
+        try:
+            os.kill(child, sig)
+        except ProcessLookupError:
+            pass                             # it has just exited: its status is on its way
+
     for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, lambda s, _f: os.kill(child, s))
+        signal.signal(sig, forward)
     while True:
         try:
             pid, status = os.waitpid(-1, 0)

@@ -63,7 +63,7 @@ print(json.dumps(counts))
 """
 
 
-def test_stopped_sandboxes_leave_no_zombie_for_a_daemon_that_reaps_orphans():
+def test_stopped_sandboxes_leave_no_zombie_under_a_daemon_that_collects_orphans():
     from envd import miniwob_chromium
 
     try:
