@@ -8,6 +8,8 @@ A backend may also register an option checker `(name, options) -> None`: pure pa
 raises ValueError naming a bad or unknown option and the known ones, the very parser its factory and reset use.
 `check_options` runs it, so `tars up` / `tars eval` refuse a typo in actor.env_options or a suite's options before
 any daemon or browser starts (every built-in backend has one and refuses option names it does not know).
+And the host programs it needs (`needs() -> the missing ones`): `missing_programs`, so `tars up`, which runs envd on
+its own host, says that chromium or bubblewrap is not installed before anything starts, not at the first session.
 
 Backends are imported lazily inside their factory: a daemon that never serves browsers must not need playwright,
 and a broken optional backend must not stop the others from loading.
@@ -26,16 +28,18 @@ Checker = Callable[[str, dict[str, str]], None]
 
 _lock = threading.Lock()  # factories run in worker threads; registration may happen at any time
 _factories: dict[str, tuple[Factory, Names | None, Checker | None]] = {}
+_needs: dict[str, Callable[[], list[str]]] = {}
 
 
 def register(prefix: str, factory: Factory, names: Iterable[str] | Names | None = None,
-             options: Checker | None = None) -> None:
+             options: Checker | None = None, needs: Callable[[], list[str]] | None = None) -> None:
     """Serve env ids under `prefix` with `factory(name, options)`.
 
     `names` lists the env names the backend offers (for ListEnvs): an iterable, a callable returning one (evaluated
     on every ListEnvs, so it may import lazily), or None when the set is open-ended. `options`: the backend's option
     checker `(name, options) -> None` (see the module docstring); None: its options are not checked ahead.
-    Registering a prefix again replaces the previous factory.
+    `needs`: `() -> [host programs the backend needs that are missing]` (None: none). Registering a prefix again
+    replaces the previous factory.
     """
     prefix = prefix.strip().strip("/")
     if not prefix:
@@ -45,6 +49,9 @@ def register(prefix: str, factory: Factory, names: Iterable[str] | Names | None 
         names = lambda: frozen  # noqa: E731
     with _lock:
         _factories[prefix] = (factory, names, options)
+        _needs.pop(prefix, None)
+        if needs is not None:
+            _needs[prefix] = needs
 
 
 def unregister(prefix: str) -> None:
@@ -63,6 +70,15 @@ def _lookup(env_id: str) -> tuple[str, str, tuple[Factory, Names | None, Checker
     if not best:
         raise KeyError(f"unknown env id {env_id!r}: no backend serves it (known prefixes: {sorted(table)})")
     return best, env_id[len(best) + 1:], table[best]
+
+
+def missing_programs(env_id: str) -> list[str]:
+    """The host programs the backend of `env_id` needs that are not installed here ([] when none); KeyError when
+    no prefix serves it."""
+    prefix = _lookup(env_id)[0]
+    with _lock:
+        needs = _needs.get(prefix)
+    return list(needs()) if needs is not None else []
 
 
 def resolve(env_id: str) -> tuple[str, str, Factory]:
@@ -179,7 +195,13 @@ def _miniwob_options(task: str, options: dict[str, str]) -> None:
     miniwob_backend.parse_options(options)
 
 
-register("miniwob", _miniwob_factory, _miniwob_names, _miniwob_options)
+def _miniwob_needs() -> list[str]:
+    from envd import miniwob_chromium
+
+    return miniwob_chromium.missing()
+
+
+register("miniwob", _miniwob_factory, _miniwob_names, _miniwob_options, _miniwob_needs)
 
 
 # ---- desktop: an Xvfb desktop with real apps per session (envd/desktop.py) -----------------------------------
@@ -196,7 +218,15 @@ def _desktop_options(name: str, options: dict[str, str]) -> None:
     desktop.parse_options(options)
 
 
-register("desktop", _desktop_factory, [""], _desktop_options)
+def _desktop_needs() -> list[str]:
+    import shutil
+
+    from envd.sandbox_limits import missing_tools
+
+    return missing_tools() + [t for t in ("Xvfb", "xdotool", "xwininfo") if shutil.which(t) is None]
+
+
+register("desktop", _desktop_factory, [""], _desktop_options, _desktop_needs)
 
 
 def _terminal_factory(task: str, options: dict[str, str]) -> Env:
@@ -217,7 +247,13 @@ def _terminal_options(task: str, options: dict[str, str]) -> None:
     terminal.check_options(task, options)
 
 
-register("terminal", _terminal_factory, _terminal_names, _terminal_options)
+def _terminal_needs() -> list[str]:
+    from envd.sandbox_limits import missing_tools
+
+    return missing_tools()
+
+
+register("terminal", _terminal_factory, _terminal_names, _terminal_options, _terminal_needs)
 
 
 def _gym_factory(name: str, options: dict[str, str]) -> Env:
@@ -259,7 +295,7 @@ def _hybrid_options(task: str, options: dict[str, str]) -> None:
     hybrid.check_options(task, options)
 
 
-register("hybrid", _hybrid_factory, _hybrid_names, _hybrid_options)
+register("hybrid", _hybrid_factory, _hybrid_names, _hybrid_options, _desktop_needs)  # the terminal's are in it
 
 
 # ---- browser and games (envd/browser.py, envd/games.py) ----------------------------------------------------------
@@ -294,5 +330,13 @@ def _games_options(name: str, options: dict[str, str]) -> None:
     games.parse_options(name, options)
 
 
-register("browser", _browser_factory, [""], _browser_options)
-register("games", _games_factory, _games_names, _games_options)
+def _browser_needs() -> list[str]:
+    import os
+
+    from envd.browser_host import CHROMIUM
+
+    return [] if os.path.exists(CHROMIUM) else [CHROMIUM]
+
+
+register("browser", _browser_factory, [""], _browser_options, _browser_needs)
+register("games", _games_factory, _games_names, _games_options, _browser_needs)

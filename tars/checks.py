@@ -139,6 +139,18 @@ def env_ids(ids, what: str = "actor.env_ids") -> None:
                           f"{', '.join(names[:12])}{more}; `tars config` lists the settings)")
 
 
+def env_hosts(ids, what: str = "actor.env_ids") -> None:
+    """The host programs the env ids' backends need (chromium, bubblewrap, socat, Xvfb, ...), for a command that runs
+    them on this host (`tars up`'s envd, `tars sft --demos`): a missing one is a UserError naming the env id and the
+    programs, before anything starts, not an infra error at the first session. Run it after env_ids."""
+    from envd import registry
+
+    for e in dict.fromkeys(str(x).strip() for x in ids):
+        if lacking := registry.missing_programs(e):
+            raise UserError(f"{what}: {e} needs {', '.join(lacking)} on this host, which is not installed "
+                            "(`bash scripts/setup.sh --dev` installs what the GUI backends need)")
+
+
 def env_options(ids, options, what: str = "actor.env_options") -> None:
     """The options a session of each env id would be created with, checked by its backend's own parser (nothing is
     started): an unknown name (a typo would leave the option unapplied for a whole run) or a bad value is a

@@ -281,6 +281,7 @@ def preflight(a, cfg) -> None:
         checks.env_ids(cfg.actor.env_ids)
         checks.env_options(cfg.actor.env_ids, cfg.actor.env_options)
         checks.screenshots(cfg.actor, cfg.model.path)
+        checks.env_hosts(cfg.actor.env_ids)         # tars up runs envd on this host
         if cfg.telemetry.enabled and cfg.telemetry.prometheus_port > 0:
             from tars.topology import Plan
 
@@ -304,6 +305,7 @@ def preflight(a, cfg) -> None:
             raise UserError(f"--steps {a.steps}: must be >= 1")
         if a.demos > 0:
             _demos_possible(cfg, "actor.env_ids (the tasks of --demos)")
+            checks.env_hosts(cfg.actor.env_ids, "actor.env_ids (the tasks of --demos, rolled here)")
             checks.env_options(cfg.actor.env_ids, cfg.actor.env_options)
     elif a.cmd == "eval" and not a.compare:
         if a.out:

@@ -147,8 +147,10 @@ def test_a_suite_option_typo_is_a_suite_error(tmp_path):
         S.check_env_ids(S.load_suite("builtin"), {"bogus": "1"})
 
 
-def test_up_preflight_refuses_a_typo_in_env_options(tmp_path):
+def test_up_preflight_refuses_a_typo_in_env_options(tmp_path, monkeypatch):
     from tars import cli
+
+    monkeypatch.setattr(registry, "missing_programs", lambda env_id: [])   # a host without chromium too
 
     def preflight(*sets):
         a = cli.build_parser().parse_args(["up", "--preset", "miniwob", "--out", str(tmp_path / "run"),
@@ -161,6 +163,30 @@ def test_up_preflight_refuses_a_typo_in_env_options(tmp_path):
         preflight("actor.env_options.boxess=0")
     with pytest.raises(ConfigError, match="boxes: not a boolean"):
         preflight("actor.env_options.boxes=sometimes")
+
+
+def test_up_and_sft_name_the_missing_host_programs_before_anything_starts(tmp_path, monkeypatch):
+    """`tars up` runs envd here, `tars sft --demos` rolls the envs here: a backend's missing program (chromium,
+    bubblewrap, socat, Xvfb) is one line naming the env id and the programs before any work, not an infra error at
+    the first session after the checkpoint was built."""
+    from core.config import UserError
+    from tars import cli
+
+    monkeypatch.setenv("PATH", str(tmp_path))               # nothing found on PATH
+    assert registry.missing_programs("builtin/click") == [] and registry.missing_programs("gym/CartPole-v1") == []
+    assert {"socat", "bwrap", "prlimit"} <= set(registry.missing_programs("miniwob/click-button"))
+    assert "bwrap" in registry.missing_programs("terminal/hello")
+    assert {"bwrap", "Xvfb", "xdotool"} <= set(registry.missing_programs("desktop"))
+    assert "Xvfb" in registry.missing_programs("hybrid/hello")
+
+    def preflight(*argv):
+        a = cli.build_parser().parse_args(list(argv))
+        cli.preflight(a, cli._load(a))
+
+    with pytest.raises(UserError, match=r"actor.env_ids: miniwob/click-button needs .*socat.* on this host"):
+        preflight("up", "--preset", "miniwob", "--out", str(tmp_path / "run"))
+    preflight("up", "--preset", "quickstart", "--out", str(tmp_path / "run"))   # builtin: needs nothing
+    assert not (tmp_path / "run").exists()
 
 
 def test_eval_refuses_a_typo_in_env_options_before_starting_anything(tmp_path):
