@@ -117,8 +117,15 @@ def run_as_init(main) -> int:
     init. Call it before any thread starts: only the calling thread survives a fork."""
     if os.getpid() != 1 or os.environ.get("TARS_NO_INIT"):
         return main()
+    # pid 1 takes its signals with sigtimedwait, not handlers: a handler's Python code runs only between bytecodes,
+    # so a signal caught just before a blocking waitpid would be forwarded only once some child exits. Blocked from
+    # before the fork: nothing that comes early is dropped (the kernel drops a signal that pid 1 neither handles nor
+    # blocks).
+    waited = {*FORWARDED_SIGNALS, signal.SIGCHLD}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     child = os.fork()
     if child == 0:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # A process group of its own, the terminal's foreground one when there is a terminal: Ctrl-C reaches the
         # command once (from the terminal), not twice (the terminal's, and pid 1's forward of its own copy).
         os.setpgid(0, 0)
@@ -129,19 +136,21 @@ def run_as_init(main) -> int:
             pass                             # no terminal
         signal.signal(signal.SIGTTOU, old)
         raise SystemExit(main())
-    def forward(sig, _frame):
-        try:
-            os.kill(child, sig)
-        except ProcessLookupError:
-            pass                             # it has just exited: its status is on its way
-
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, forward)
     while True:
-        try:
-            pid, status = os.waitpid(-1, 0)
-        except ChildProcessError:            # not reachable while the child lives
-            return 1
-        if pid == child:
-            code = os.waitstatus_to_exitcode(status)
-            return code if code >= 0 else 128 - code
+        info = signal.sigtimedwait(waited, 1.0)  # None each second: the reaping below runs anyway
+        if info is not None and info.si_signo != signal.SIGCHLD:
+            try:
+                os.kill(child, info.si_signo)
+            except ProcessLookupError:
+                pass                         # it has just exited: its SIGCHLD is on its way
+            continue
+        while True:                          # one SIGCHLD may stand for several exits
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:        # not reachable while the child lives
+                return 1
+            if pid == 0:
+                break
+            if pid == child:
+                code = os.waitstatus_to_exitcode(status)
+                return code if code >= 0 else 128 - code
