@@ -147,7 +147,7 @@ def env_hosts(ids, what: str = "actor.env_ids") -> None:
 
     for e in dict.fromkeys(str(x).strip() for x in ids):
         if lacking := registry.missing_programs(e):
-            raise UserError(f"{what}: {e} needs {', '.join(lacking)} on this host, which is not installed "
+            raise UserError(f"{what}: {e} needs {', '.join(lacking)}, not installed on this host "
                             "(`bash scripts/setup.sh --dev` installs what the GUI backends need)")
 
 
