@@ -134,6 +134,14 @@ def parse_options(options: dict[str, str]) -> dict[str, Any]:
 _WINDOW = re.compile(r'^\s+(0x[0-9a-f]+) "(.*)": \((?:"([^"]*)" "([^"]*)")?\)\s+(\d+)x(\d+)\+(-?\d+)\+(-?\d+)')
 
 
+X_TOOLS = ("Xvfb", "xdotool", "xwininfo")     # the X server and envd's own X clients
+
+
+def missing_x_tools(apps=()) -> list[str]:
+    """The X programs a desktop (with `apps`) needs that are not installed (the sandbox's: envd/xserver.py)."""
+    return [a for a in (*X_TOOLS, *apps) if shutil.which(a) is None]
+
+
 class DesktopEnv(Env):
     """One Xvfb desktop with real apps."""
 
@@ -146,7 +154,7 @@ class DesktopEnv(Env):
         self.width, self.height, self.apps = opts["width"], opts["height"], opts["apps"]
         # The app sandbox's limits, plus Xvfb's sandbox's for this screen size.
         self.claim = DESKTOP_LIMITS.host_claim() + xvfb_claim(self.width, self.height)
-        missing = [a for a in ["Xvfb", "xdotool", "xwininfo", *self.apps] if shutil.which(a) is None]
+        missing = missing_x_tools(self.apps)
         if missing:
             raise RuntimeError(f"desktop needs {missing} installed (scripts/setup.sh --dev)")
         self.max_steps, self.settle_s, self.timeout_s = opts["max_steps"], opts["settle_s"], opts["command_timeout_s"]

@@ -219,11 +219,10 @@ def _desktop_options(name: str, options: dict[str, str]) -> None:
 
 
 def _desktop_needs() -> list[str]:
-    import shutil
-
+    from envd import desktop
     from envd.sandbox_limits import missing_tools
 
-    return missing_tools() + [t for t in ("Xvfb", "xdotool", "xwininfo") if shutil.which(t) is None]
+    return missing_tools() + desktop.missing_x_tools()
 
 
 register("desktop", _desktop_factory, [""], _desktop_options, _desktop_needs)

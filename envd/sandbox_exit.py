@@ -190,9 +190,9 @@ def exited(pidfd: int, timeout: float = 0.0) -> bool:
 def end_sandbox(init_fd: int, proc: subprocess.Popen | None, timeout: float = 5.0) -> bool:
     """Kill the sandbox's init through its pidfd (closed) and wait until its namespace is empty, then reap its bwrap,
     which exits once it has reaped the init (SIGKILLed if it has not within `timeout`, and at once when no init is
-    known). True when the namespace emptied in time. In this order nothing is orphaned: killing bwrap first leaves its init
-    to whatever reaps for the daemon, and in a container whose pid 1 is the daemon itself (envd as a pod's command)
-    nothing ever does, so each stopped sandbox left a zombie holding a pid."""
+    known). True when the namespace emptied in time. In this order nothing is orphaned: killing bwrap first leaves
+    its init to whatever reaps for the daemon, and in a container whose pid 1 is the daemon itself (envd as a pod's
+    command) nothing ever does, so each stopped sandbox left a zombie holding a pid."""
     if init_fd < 0:
         kill_bwrap(proc)              # no init known (it never started, or this sandbox was stopped before)
     gone = kill_and_wait(init_fd, timeout)

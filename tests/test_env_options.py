@@ -183,7 +183,8 @@ def test_up_and_sft_name_the_missing_host_programs_before_anything_starts(tmp_pa
         a = cli.build_parser().parse_args(list(argv))
         cli.preflight(a, cli._load(a))
 
-    with pytest.raises(UserError, match=r"actor.env_ids: miniwob/click-button needs .*socat.*, not installed on this host"):
+    with pytest.raises(UserError,
+                       match=r"actor.env_ids: miniwob/click-button needs .*socat.*, not installed on this host"):
         preflight("up", "--preset", "miniwob", "--out", str(tmp_path / "run"))
     preflight("up", "--preset", "quickstart", "--out", str(tmp_path / "run"))   # builtin: needs nothing
     assert not (tmp_path / "run").exists()

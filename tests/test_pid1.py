@@ -14,7 +14,8 @@ import time
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-UNSHARE = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"] + ([] if os.getuid() == 0 else ["--user", "--map-root-user"])
+UNSHARE = (["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+           + ([] if os.getuid() == 0 else ["--user", "--map-root-user"]))
 
 
 def _pid1(code: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -59,7 +60,7 @@ def main():
         except OSError:                      # ENOENT, or ESRCH when reaped between open and read
             state = "gone"                   # reaped
             break
-        time.sleep(0.02)
+        time.sleep(0.02)                     # polled: no file descriptor tells that a process was reaped
     print("pid", os.getpid(), "orphan", state, flush=True)
     return 3
 
@@ -90,12 +91,9 @@ import os, signal, sys, time
 from core.proc import run_as_init
 
 def main():
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})   # taken by sigtimedwait: no handler's race
     print("ready", flush=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:     # short sleeps: a handler's Python code runs between them (a signal
-        time.sleep(0.05)                   # caught just before one long sleep would wait for its end)
-    return 0
+    return 7 if signal.sigtimedwait({signal.SIGTERM}, 60) else 0
 
 sys.exit(run_as_init(main))
 """
@@ -115,14 +113,11 @@ sys.exit(run_as_init(main))
 
 
 def _child_of(pid: int) -> int:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = f.read().split()
-        if kids:
-            return int(kids[0])
-        time.sleep(0.02)
-    raise AssertionError(f"no child of {pid}")
+    """unshare's child, once the command under it has said it is ready."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = f.read().split()
+    assert len(kids) == 1, kids
+    return int(kids[0])
 
 
 def test_the_tars_command_runs_under_it():
@@ -138,17 +133,20 @@ def test_ctrl_c_at_a_terminal_reaches_the_command_once():
     import select
 
     code = r"""
-import os, signal, sys, time
+import os, select, signal, sys, time
 from core.proc import run_as_init
 
 def main():
-    got = []
-    signal.signal(signal.SIGINT, lambda *a: got.append(1))
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.signal(signal.SIGINT, lambda *a: None)
+    signal.set_wakeup_fd(w)                  # a byte for each SIGINT caught
     print("ready", flush=True)
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-    print("sigints", len(got), flush=True)
+    got, deadline = 0, time.monotonic() + 1.5
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([r], [], [], left)[0]:
+            got += len(os.read(r, 64))
+    print("sigints", got, flush=True)
     return 0
 
 sys.exit(run_as_init(main))

@@ -24,6 +24,7 @@ import ctypes, json, os, sys, time
 assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0          # PR_SET_CHILD_SUBREAPER: orphans come to us
 from envd import registry
 from envd.base import Action
+from envd.sandbox_exit import exited
 
 def children():
     me, out = str(os.getpid()), []
@@ -33,14 +34,21 @@ def children():
         except OSError:
             continue
         if f and f[1] == me:
-            out.append(f[0])
+            out.append((int(d), f[0]))
     return out
 
-def zombies():    # our zombie children, once every child has exited (orphans take a moment to die and come to us)
+def zombies():    # our zombie children, once every child has exited (an orphan dies a moment after it comes to us)
     deadline = time.monotonic() + 10
-    while any(s != "Z" for s in children()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return children().count("Z")
+    while (live := [pid for pid, s in children() if s != "Z"]) and time.monotonic() < deadline:
+        try:
+            fd = os.pidfd_open(live[0])
+        except ProcessLookupError:
+            continue
+        try:
+            exited(fd, max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+    return [s for _, s in children()].count("Z")
 
 desk = {"apps": "xterm", "width": "640", "height": "480"}
 runs = [("desktop", desk), ("hybrid/hello", desk), ("terminal", {"timeout_s": "2", "wait_s": "5"})]
