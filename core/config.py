@@ -75,6 +75,9 @@ class EnvdConfig:
                                   "of their sandboxes' workspace quotas disk_mb plus fsize_mb (estimates for backends "
                                   "without a sandbox); past it RESOURCE_EXHAUSTED; 0 = 3/4 of the space free at start "
                                   "on the file system of the temp dir, which holds every session's files", lo=0)
+    memory_cgroups: str = f("auto", "a memory cgroup per sandbox, bounding all of its processes together (envd/cgroups.py): "
+                                    "auto (where this daemon may make cgroups: root, or a delegated cgroup) | required "
+                                    "(refuse to start without) | off", choices=("auto", "required", "off"))
     lease_ttl_s: float = f(60.0, "default session lease; renewed by every step and heartbeat", gt=0)
     gc_interval_s: float = f(1.0, "how often expired leases are collected", gt=0)
     workers: int = f(8, lo=1, help="threads for blocking backends")

@@ -22,6 +22,7 @@ import os
 import pathlib
 from typing import Iterable
 
+from envd.cgroups import MemoryCgroup
 from envd.sandbox_limits import INNER_ID, Limits, uid_task_count
 
 SANDBOX_WORKSPACE = "/workspace"
@@ -52,13 +53,14 @@ def unreachable(path: pathlib.Path) -> str:
 
 def sandbox_argv(workspace: str | os.PathLike, etc: pathlib.Path, limits: Limits, uid: int | None, info_fd: int,
                  *, ro_binds: Iterable[tuple[str, str]] = (), rw_binds: Iterable[tuple[str, str]] = (),
-                 cwd: str = SANDBOX_WORKSPACE, extra_nproc: int = 0) -> list[str]:
+                 cwd: str = SANDBOX_WORKSPACE, extra_nproc: int = 0,
+                 cgroup: MemoryCgroup | None = None) -> list[str]:
     """setpriv + prlimit + bwrap up to and including bwrap's "--": append the command to run in the sandbox.
 
     `etc`: a directory written by `write_etc`; `uid`: the host uid to run as (None: the daemon's own);
     `ro_binds`, `rw_binds`: (host path, sandbox path) pairs, read-only and read-write; `extra_nproc`: processes
     another sandbox of the same uid may use (a hybrid's terminal and desktop share one uid, so one process count: its
-    limit is the sum of both)."""
+    limit is the sum of both); `cgroup`: the sandbox's memory cgroup (envd/cgroups.py), joined before setpriv."""
     if uid is not None:
         # Root daemon: the sandbox runs as its own unprivileged uid. RLIMIT_NPROC is never enforced for uid 0
         # (not even inside a user namespace), and a uid of its own makes the count per sandbox.
@@ -67,7 +69,7 @@ def sandbox_argv(workspace: str | os.PathLike, etc: pathlib.Path, limits: Limits
     else:
         # Unprivileged daemon: the sandbox shares the daemon user's process count, so leave room for it.
         drop, nproc = [], limits.nproc + extra_nproc + uid_task_count(os.getuid())
-    argv = ["setpriv", *drop, "--pdeathsig", "KILL", "--",
+    argv = [*(cgroup.argv() if cgroup is not None else []), "setpriv", *drop, "--pdeathsig", "KILL", "--",
             "prlimit", f"--cpu={limits.cpu_s}", f"--as={limits.memory_mb << 20}", f"--nproc={nproc}",
             f"--fsize={limits.fsize_mb << 20}", f"--nofile={limits.nofile}", "--core=0", "--",
             # --cap-drop ALL: capabilities in the sandbox's user namespace would allow mounts (an unbounded

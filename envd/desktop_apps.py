@@ -25,6 +25,7 @@ import threading
 import time
 
 from envd.base import Resources
+from envd.cgroups import MemoryCgroup, memory_cgroup
 from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, unreachable, write_etc
 from envd.proctree import descendants
 from envd.sandbox_exit import end_sandbox, open_pidfd, read_child_pid, running
@@ -60,6 +61,7 @@ class AppSandbox:
         self.extra_nproc = 0                 # processes a terminal sharing the uid may use (envd/hybrid.py)
         self.chown_workspace = True          # hand the workspace to the uid at each start (not when shared)
         self.proc: subprocess.Popen | None = None
+        self.cgroup: MemoryCgroup | None = None   # the apps' memory together, at the host budget's claim
         self.init_pid, self._init_fd = 0, -1
         self.quota = limits                  # disk_mb / disk_files of the workspace (a hybrid's: its terminal's)
         self.breach = ""                     # why the disk guard killed the apps ("" when it did not)
@@ -105,10 +107,11 @@ class AppSandbox:
             chown_tree(self.workspace, self.uid)      # files the daemon (root) wrote become the apps' to change
         etc, binds = write_etc(self.dir / "etc"), self._binds()
         script = "".join(f"{shlex.join(a)} & " for a in argvs) + "wait"
+        self.cgroup = memory_cgroup(self.limits.host_claim().memory_mb)
         info_r, info_w = os.pipe()
         try:
             argv = sandbox_argv(self.workspace, etc, self.limits, self.uid, info_w, ro_binds=binds,
-                                extra_nproc=self.extra_nproc)
+                                extra_nproc=self.extra_nproc, cgroup=self.cgroup)
             with open(log_path, "ab") as log:
                 self.proc = subprocess.Popen([*argv, "/bin/sh", "-c", script], env=self.env(), close_fds=True,
                                              pass_fds=(info_w,), process_group=process_group,
@@ -167,7 +170,8 @@ class AppSandbox:
         self._guard_stop.set()               # the disk guard ends with the apps
         proc, self.proc = self.proc, None
         init_fd, self._init_fd, self.init_pid = self._init_fd, -1, 0
-        if not end_sandbox(init_fd, proc):
+        cgroup, self.cgroup = self.cgroup, None
+        if not end_sandbox(init_fd, proc, cgroup=cgroup):
             raise RuntimeError("the desktop's app sandbox still runs 5 s after it was killed")
 
     def release(self) -> None:

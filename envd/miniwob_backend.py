@@ -207,7 +207,8 @@ class MiniWoBEnv(Env):
         kwargs["base_url"] = miniwob_chromium.FLIGHT_URL if flight else miniwob_chromium.PAGES_URL
         self._dir = tempfile.mkdtemp(prefix="tars-miniwob-", dir=scratch.root())
         weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at interpreter exit if close() never ran
-        self.browser = ChromiumProcess(self._dir, timeout, flight_socket() if flight else "")
+        self.browser = ChromiumProcess(self._dir, timeout, flight_socket() if flight else "",
+                                       memory_mb=miniwob_chromium.MEMORY_BOUND_MB)
         try:
             self.gym = _hooked(load_env_creator(spec.entry_point))(browser=self.browser, **kwargs)
         except BaseException:

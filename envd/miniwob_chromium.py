@@ -14,9 +14,10 @@ MiniWoB++ pages read-only at /run/tars/miniwob (file:// URLs); the home read-wri
 the socket); no network. FlightWoB pages must come over http: for those a second socat in the sandbox serves
 127.0.0.1:8000 from envd's page server, which listens on a Unix socket bound in (`flight_socket`).
 
-Limits: the sandbox's uid, files and /tmp (Chromium's shared memory, --disable-dev-shm-usage); address space,
-processes and CPU time in effect unbounded (V8 reserves a terabyte of address space; threads count as processes),
-as before: the host budget's claim (MiniWoBEnv.claim) is what bounds a session.
+Limits: the sandbox's uid, files and /tmp (Chromium's shared memory, --disable-dev-shm-usage); the memory of all
+of its processes together, by a memory cgroup (`MEMORY_BOUND_MB`) where the daemon makes them (envd/cgroups.py);
+per process, address space, processes and CPU time in effect unbounded (V8 reserves a terabyte of address space,
+so RLIMIT_AS cannot bound it; threads count as processes).
 
 Lifetime: `stop` kills the sandbox's init (the kernel kills all of its pid namespace with it), waits on its pidfd,
 then reaps bwrap; a killed daemon takes the sandbox with it (setpriv --pdeathsig, bwrap --die-with-parent).
@@ -33,6 +34,7 @@ import subprocess
 import time
 
 from envd import scratch
+from envd.cgroups import MemoryCgroup, memory_cgroup
 from envd.bwrap import SANDBOX_WORKSPACE, sandbox_argv, unreachable, write_etc
 from envd.sandbox_exit import end_sandbox, exited, open_pidfd, read_child_pid
 from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, release_uid
@@ -49,6 +51,11 @@ PAGES_URL = f"file://{PAGES}/miniwob/"
 FLIGHT_URL = "http://127.0.0.1:8000/"  # FlightWoB's pages, in the sandbox (relayed to envd's page server)
 DRIVER_PORT, SOCKET, FLIGHT_SOCKET = 9515, "driver.sock", "/run/tars/pages.sock"
 BROWSER_LIMITS = Limits(cpu_s=30 * 86400, memory_mb=1 << 26, nproc=1 << 15, fsize_mb=1024, nofile=8192, tmp_mb=256)
+# The bound of a session's memory cgroup, above the host budget's claim (MiniWoBEnv.claim, an estimate of a warm
+# session's use: ~200 MiB charged measured, docs/envd-miniwob-desktop.md): the first session after the page cache is
+# dropped is charged Chromium's files as it reads them (~600 MiB measured), and at a bound of 384 MiB it spent
+# 36 s reclaiming and re-reading them in its first episodes instead of 1.5 s.
+MEMORY_BOUND_MB = 1024
 _ETC = ("/etc/fonts", "/etc/chromium", "/etc/chromium.d")
 LOG_TAIL_BYTES = 2048
 
@@ -124,8 +131,10 @@ def driver_connection(path: str):
 class ChromiumProcess:
     """chromedriver + Chromium for one session: own sandbox, private home, bounded commands."""
 
-    def __init__(self, workdir: str, command_timeout_s: float, flight_socket: str = ""):
+    def __init__(self, workdir: str, command_timeout_s: float, flight_socket: str = "", memory_mb: int = 0):
         self.workdir, self.command_timeout_s = workdir, command_timeout_s
+        self.memory_mb = memory_mb          # the sandbox's memory cgroup's bound (0: none)
+        self.cgroup: MemoryCgroup | None = None
         self.flight_socket = flight_socket  # envd's FlightWoB page server (a Unix socket), for flight.* tasks
         self.driver = None
         self.proc: subprocess.Popen | None = None   # bwrap
@@ -199,9 +208,10 @@ class ChromiumProcess:
         script += f"socat {relay} &\nwait -n\n"        # either ends: the sandbox ends
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_WORKSPACE, "LANG": "C.UTF-8",
                "XDG_CONFIG_HOME": f"{SANDBOX_WORKSPACE}/config", "XDG_CACHE_HOME": f"{SANDBOX_WORKSPACE}/cache"}
+        self.cgroup = memory_cgroup(self.memory_mb) if self.memory_mb else None
         info_r, info_w = os.pipe()
         try:
-            argv = sandbox_argv(self.home, etc, BROWSER_LIMITS, self.uid, info_w, ro_binds=binds)
+            argv = sandbox_argv(self.home, etc, BROWSER_LIMITS, self.uid, info_w, ro_binds=binds, cgroup=self.cgroup)
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen([*argv, "/bin/bash", "-c", script], env=env, close_fds=True,
                                              pass_fds=(info_w,), process_group=0, stdin=subprocess.DEVNULL,
@@ -260,8 +270,9 @@ class ChromiumProcess:
         driver, self.driver = self.driver, None
         proc, fd = self.proc, self._init_fd
         self.proc, self._init_fd, self.init_pid = None, -1, 0
+        cgroup, self.cgroup = self.cgroup, None
         try:
-            if not end_sandbox(fd, proc):
+            if not end_sandbox(fd, proc, cgroup=cgroup):
                 raise RuntimeError("the MiniWoB browser's sandbox still runs 5 s after it was killed")
         finally:
             if driver is not None:

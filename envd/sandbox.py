@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from envd.cgroups import MemoryCgroup, memory_cgroup
 from envd.bwrap import SANDBOX_PATH, SANDBOX_WORKSPACE, sandbox_argv, write_etc
 from envd.sandbox_exit import (end_sandbox, kill_bwrap, kill_strays, open_pidfd, read_child_pid, reap, running,
                                shell_idle, signal_group, strays)
@@ -80,6 +81,7 @@ class ShellSandbox:
         self.uid = allocate_uid()           # the host uid the shell runs as (None: the daemon's own)
         self.extra_nproc = 0                # processes a GUI sharing the uid may use (envd/hybrid.py)
         self.proc: subprocess.Popen | None = None
+        self.cgroup: MemoryCgroup | None = None   # bounds the whole sandbox at the host budget's memory claim
         self.master = -1
         self.shell_pgid = 0
         self._cond = threading.Condition()
@@ -89,6 +91,7 @@ class ShellSandbox:
         self._deadline = 0.0                # monotonic deadline of the submitted command line; 0 when none runs
         self._expired_at = 0.0              # when the deadline (or the quota, or the flood limit) fired
         self._note = ""                     # why the command line is being killed
+        self._ooms = 0                      # the cgroup's OOM kills when the command line was submitted
         self.at_prompt = False              # the shell waits for a new command line (PS1 or PS2 shown)
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
@@ -101,7 +104,8 @@ class ShellSandbox:
     def _argv(self, cwd: str) -> list[str]:
         etc = write_etc(self.private_dir / "etc", {"bashrc": _RC})
         return [*sandbox_argv(self.workspace, etc, self.limits, self.uid, self._info_fd, cwd=cwd,
-                              ro_binds=[(etc / "bashrc", "/etc/tars.bashrc")], extra_nproc=self.extra_nproc),
+                              ro_binds=[(etc / "bashrc", "/etc/tars.bashrc")], extra_nproc=self.extra_nproc,
+                              cgroup=self.cgroup),
                 "setsid", "-c", "bash", "--noprofile", "--rcfile", "/etc/tars.bashrc", "--noediting", "-i"]
 
     def start(self, cwd: str = SANDBOX_WORKSPACE, timeout: float = 10.0) -> str:
@@ -113,6 +117,7 @@ class ShellSandbox:
         if self.uid is not None:
             os.chmod(self.private_dir, 0o711)      # the sandbox uid must reach etc/ and the workspace in here
             chown_tree(self.workspace, self.uid)
+        self.cgroup = memory_cgroup(self.limits.host_claim().memory_mb)
         master, slave = os.openpty()
         info_r, self._info_fd = os.pipe()
         try:
@@ -166,7 +171,8 @@ class ShellSandbox:
         with self._cond:                      # no stray sweep of the reader's may start from here on
             init_fd, self._init_fd, self._init_pid = self._init_fd, -1, 0
         # The init first, then bwrap reaped (the reader thread may reap it too: Popen.wait is thread-safe).
-        if not end_sandbox(init_fd, self.proc):  # every process of the sandbox gone (envd/sandbox_exit.py)
+        cgroup, self.cgroup = self.cgroup, None
+        if not end_sandbox(init_fd, self.proc, cgroup=cgroup):  # every process of it gone (envd/sandbox_exit.py)
             log.error("sandbox processes still running 5 s after they were killed")
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
@@ -196,6 +202,7 @@ class ShellSandbox:
         data = line.encode() + b"\n"
         with self._cond:
             self.at_prompt, self._since_submit, self._expired_at, self._note = False, 0, 0.0, ""
+            self._ooms = self.cgroup.oom_kills() if self.cgroup is not None else 0
             self._deadline = time.monotonic() + self.limits.timeout_s
         return self.write(data) == len(data)
 
@@ -280,7 +287,7 @@ class ShellSandbox:
             with self._cond:
                 if chunk == b"":
                     self._push(Event("out", decoder.decode(buf + seg.close(self.limits.output_bytes), final=True)))
-                    self._push(Event("exit", status=reap(self.proc), note=self._note))
+                    self._push(Event("exit", status=reap(self.proc), note=self._note or self._oom_note()))
                     self.at_prompt = False
                     return
                 if chunk:
@@ -337,7 +344,8 @@ class ShellSandbox:
                     cwd.startswith(b"/") and shell_idle(self.shell_pgid, self._foreground_pgrp):  # not a look-alike
                 self._sweep(jobs_too=True)  # what escaped PROMPT_COMMAND's kill (a trap's job) ends here
                 self._push(Event("out", decoder.decode(seg.close(self.limits.output_bytes))))
-                self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"), note=self._note))
+                self._push(Event("prompt", status=int(status), cwd=cwd.decode(errors="replace"),
+                                 note=self._note or self._oom_note()))
                 self.at_prompt, self._prompts = True, self._prompts + 1
                 self._deadline = self._expired_at = 0.0
                 self._note, self._since_submit = "", 0
@@ -345,6 +353,13 @@ class ShellSandbox:
             else:  # a look-alike without the shape of ours: plain output
                 self._push(Event("out", decoder.decode(seg.add(kind + body + _END))))
         return buf
+
+    def _oom_note(self) -> str:
+        """Why the command line's processes died, when the kernel killed some for the sandbox's memory bound."""
+        cg = self.cgroup
+        if cg is None or cg.oom_kills() <= self._ooms:
+            return ""
+        return f"out of memory: the sandbox's {cg.limit_mb} MiB (memory_mb + tmpfs) were used up"
 
     def _expire(self, why: str) -> None:
         """Start killing the running command line: SIGINT now; the policing loop escalates (caller holds _cond)."""

@@ -19,6 +19,8 @@ import signal
 import subprocess
 import time
 
+from envd.cgroups import MemoryCgroup
+
 
 def read_child_pid(fd: int, timeout: float) -> int | None:
     """bwrap's {"child-pid": N} from the read end of its --info-fd pipe (closed here), or None (bwrap died first)."""
@@ -187,12 +189,14 @@ def exited(pidfd: int, timeout: float = 0.0) -> bool:
     return bool(p.poll(int(timeout * 1000)))
 
 
-def end_sandbox(init_fd: int, proc: subprocess.Popen | None, timeout: float = 5.0) -> bool:
+def end_sandbox(init_fd: int, proc: subprocess.Popen | None, timeout: float = 5.0,
+                cgroup: MemoryCgroup | None = None) -> bool:
     """Kill the sandbox's init through its pidfd (closed) and wait until its namespace is empty, then reap its bwrap,
     which exits once it has reaped the init (SIGKILLed if it has not within `timeout`, and at once when no init is
     known). True when the namespace emptied in time. In this order nothing is orphaned: killing bwrap first leaves
     its init to whatever reaps for the daemon, and in a container whose pid 1 is the daemon itself (envd as a pod's
-    command) nothing ever does, so each stopped sandbox left a zombie holding a pid."""
+    command) nothing ever does, so each stopped sandbox left a zombie holding a pid. Then `cgroup`, the sandbox's
+    memory cgroup, is removed (whatever still ran in it killed)."""
     if init_fd < 0:
         kill_bwrap(proc)              # no init known (it never started, or this sandbox was stopped before)
     gone = kill_and_wait(init_fd, timeout)
@@ -205,6 +209,8 @@ def end_sandbox(init_fd: int, proc: subprocess.Popen | None, timeout: float = 5.
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 pass
+    if cgroup is not None:
+        gone = cgroup.close(timeout) and gone
     return gone
 
 

@@ -18,7 +18,7 @@ import sys
 
 import grpc
 
-from envd import scratch
+from envd import cgroups, scratch
 from envd.servicer import ENV_SERVICE, EnvServicer
 from envd.sessions import list_page
 from core import auth, rpc
@@ -50,7 +50,7 @@ def metrics(sv: EnvServicer) -> dict:
         "step_ms_p50": round(sv.latency.percentile(50), 4), "step_ms_p99": round(sv.latency.percentile(99), 4),
         "step_ms_window": len(sv.latency), "workers": sv.cfg.workers,
         "backend_calls_running": sv.workers.running, "sessions_by_env": dict(by_env),
-        "budget": sv.admission.describe(),
+        "budget": sv.admission.describe(), "memory_cgroups": cgroups.describe(),
     }
 
 
@@ -83,6 +83,7 @@ class EnvServer:
 
     async def start(self) -> int:
         check_bind(self.cfg, self.control_token)
+        log.info("sandboxes' memory cgroups: %s", cgroups.configure(self.cfg.memory_cgroups))
         scratch.root()  # made now, which first removes the scratch roots a killed daemon left (envd/scratch.py)
         self.server = rpc.make_server(self.cfg.max_message_bytes, self.cfg.auth_token, self.control_token)
         env_pb2_grpc.add_EnvServiceServicer_to_server(self.servicer, self.server)
@@ -152,7 +153,7 @@ def main(cfg: EnvdConfig, ready_file: str | None = None, control_token: str | No
         logging.basicConfig(level=logging.INFO, format="%(asctime)s envd %(levelname)s %(message)s")
     try:
         server = asyncio.run(serve(cfg, ready_file, control_token=control_token))
-    except auth.InsecureBind as e:
+    except (auth.InsecureBind, cgroups.CgroupError) as e:
         print(f"tars envd: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -29,6 +29,7 @@ import threading
 import time
 
 from envd.bwrap import sandbox_argv, write_etc
+from envd.cgroups import MemoryCgroup, memory_cgroup
 from envd.proctree import alive, descendants, kill_session
 from envd.sandbox_exit import exited, kill_and_wait, open_pidfd, read_child_pid, running
 from envd.sandbox_limits import Limits, allocate_uid, chown_tree, missing_tools, release_uid
@@ -94,6 +95,7 @@ class XServer:
                                "(apt: bubblewrap, util-linux)")
         self.display, self.proc, self._lock, self._link, self._lock_fd = "", None, "", "", -1
         self.init_pid, self._init_fd = 0, -1
+        self.cgroup: MemoryCgroup | None = None       # Xvfb's memory, at the host budget's claim
         self._server_pid, self._server_fd = 0, -1     # the Xvfb process itself, under the sandbox's init
         self.uid = allocate_uid()                      # None: the daemon's own (not root)
         try:
@@ -192,8 +194,10 @@ class XServer:
         r, w = os.pipe()
         info_r, info_w = os.pipe()
         try:
-            argv = sandbox_argv(home, etc, xvfb_limits(width, height), self.uid, info_w,
-                                ro_binds=[(self.auth, INNER_AUTH)], rw_binds=[(self.sockets, "/tmp/.X11-unix")])
+            limits = xvfb_limits(width, height)
+            self.cgroup = memory_cgroup(limits.host_claim().memory_mb)
+            argv = sandbox_argv(home, etc, limits, self.uid, info_w, ro_binds=[(self.auth, INNER_AUTH)],
+                                rw_binds=[(self.sockets, "/tmp/.X11-unix")], cgroup=self.cgroup)
             argv += ["Xvfb", f":{n}", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-auth", INNER_AUTH,
                      "-noreset", "-displayfd", str(w)]
             with open(os.path.join(workdir, "xvfb.log"), "ab") as log:
@@ -270,6 +274,15 @@ class XServer:
                 self.proc.kill()
 
     def _stop(self, roots: frozenset[int] | set[int] = frozenset()) -> None:
+        """Stop the sandbox (`_end`), then remove its memory cgroup."""
+        cgroup, self.cgroup = self.cgroup, None
+        try:
+            self._end(roots)
+        finally:
+            if cgroup is not None:
+                cgroup.close()
+
+    def _end(self, roots: frozenset[int] | set[int] = frozenset()) -> None:
         """Kill the sandbox: its init first, waited for until the namespace is empty; bwrap, its parent, reaps it and
         exits (killing bwrap first would leave the init a zombie of the host's init, counted against the uid's
         RLIMIT_NPROC). Then, while bwrap's unreaped exit still holds its pid, its process group (the session's: the
