@@ -29,6 +29,8 @@ import logging
 import os
 import re
 import shutil
+import socket
+import struct
 import tempfile
 import threading
 import weakref
@@ -38,6 +40,7 @@ from envd import miniwob_chromium, scratch
 from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult, refuse_unknown
 from envd.browser_input import _bool
 from envd.miniwob_actions import Translator, flatten_dom, render
+from envd.sandbox_limits import uids_in_use
 from envd.miniwob_oracle import oracle_action
 from envd.png import encode_rgb
 from envd.miniwob_chromium import CHROMEDRIVER, CHROMIUM, CHROMIUM_FLAGS, ChromiumProcess  # noqa: F401
@@ -91,10 +94,18 @@ _pages_lock = threading.Lock()
 _pages_socket: str | None = None
 
 
+def peer_uid(conn: socket.socket) -> int:
+    """The uid (in this daemon's user namespace) of the process at the other end of Unix socket `conn`."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
 def flight_socket() -> str:
     """FlightWoB pages need http:// (the package refuses file:// for them): one static file server per process, on
     a Unix socket in this process's scratch that the sessions' sandboxes relay 127.0.0.1:8000 to (no TCP port on the
-    host). It serves the package's public pages only; mode 0666, as a sandbox's uid must connect."""
+    host). It serves the package's public pages only. Mode 0666, as a sandbox's uid must connect; the server then
+    answers only peers (SO_PEERCRED) of the daemon's own uid or a uid it gave a sandbox now (a root daemon's), and
+    closes any other user's connection unanswered."""
     global _pages_socket
     with _pages_lock:
         if _pages_socket is None:
@@ -104,8 +115,12 @@ def flight_socket() -> str:
                 def log_message(self, *args):
                     pass
 
+            class Server(socketserver.ThreadingUnixStreamServer):
+                def verify_request(self, request, client_address) -> bool:
+                    return peer_uid(request) in (os.getuid(), *uids_in_use())
+
             path = str(scratch.root() / "miniwob-pages.sock")
-            server = socketserver.ThreadingUnixStreamServer(
+            server = Server(
                 path, functools.partial(Quiet, directory=miniwob_chromium.pages_dir(None)))
             server.daemon_threads = True
             os.chmod(path, 0o666)

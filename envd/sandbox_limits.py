@@ -45,6 +45,12 @@ def allocate_uid() -> int | None:
     raise SandboxError("no free sandbox uid")
 
 
+def uids_in_use() -> frozenset[int]:
+    """The host uids given to sandboxes now (none unless the daemon is root)."""
+    with _uid_lock:
+        return frozenset(_uids_in_use)
+
+
 def release_uid(uid: int | None) -> None:
     with _uid_lock:
         _uids_in_use.discard(uid)

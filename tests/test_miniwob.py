@@ -10,6 +10,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import tempfile
@@ -19,7 +20,7 @@ import grpc
 import pytest
 
 from envd import proctree, registry, scratch
-from envd.base import Action, ActionError
+from envd.base import Action, ActionError, Outcome
 from envd_compliance import EnvCompliance, dir_left_by_a_killed_daemon, envd_client, expect_code, run
 from core.v1 import common_pb2, env_pb2
 
@@ -431,3 +432,26 @@ def test_a_root_daemons_sandbox_reads_a_copy_of_pages_it_cannot_reach(monkeypatc
     assert all(stat.S_IMODE(p.stat().st_mode) == (0o755 if p.is_dir() else 0o644) for p in got)
     page = "miniwob/click-button.html"
     assert (pathlib.Path(copy) / page).read_bytes() == (pathlib.Path(HTML_DIR) / page).read_bytes()
+
+
+def test_flight_pages_are_served_to_sandboxes_only():
+    """FlightWoB pages come from envd's page server on a Unix socket (mode 0666, as a root daemon's sandbox uids must
+    connect): a flight session's sandbox gets its page through it, and another local user's connection is closed
+    unanswered (SO_PEERCRED), where before it was served."""
+    env = miniwob_backend.make("flight.AA")
+    try:
+        r = env.reset(1)
+        assert r.outcome == Outcome.RUNNING and "[" in r.text and len(r.text) > 200, r.text[:500]
+        sock, request = miniwob_backend.flight_socket(), "GET /flight/AA/wrapper.html HTTP/1.0\r\n\r\n"
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(30)
+            s.connect(sock)
+            s.sendall(request.encode())
+            assert s.recv(64).startswith(b"HTTP/1.0 200")
+        if os.getuid() == 0:
+            out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "socat", "-t", "5",
+                                  "-", f"UNIX-CONNECT:{sock}"], input=request, capture_output=True, text=True,
+                                 timeout=30)
+            assert out.stdout == "", out.stdout[:200]
+    finally:
+        env.close()
