@@ -398,7 +398,7 @@ def main(a, cfg: RunConfig) -> int:
     try:
         only = [x for x in (a.tasks or "").split(",") if x]
         suite = S.load_suite(a.suite, a.episodes, only or None)
-        S.check_env_ids(suite, cfg.actor.env_options)
+        S.check_env_ids(suite, cfg.actor.env_options, local=not a.envd)
         policy = make_policy(a.model, cfg, a.tokenizer, a.envd)
     except (S.SuiteError, EvalError) as e:
         print(f"tars eval: {e}", file=sys.stderr)

@@ -162,18 +162,20 @@ def load_suite(name_or_path: str, episodes: int | None = None, only: list[str] |
                  description=str(d.get("description") or ""), held_out=held_out)
 
 
-def check_env_ids(suite: Suite, env_options: dict | None = None) -> None:
+def check_env_ids(suite: Suite, env_options: dict | None = None, local: bool = False) -> None:
     """Every task's env id must have a backend, which must take the task's session options: `env_options` (the
     config's actor.env_options) under the task's own, as the episodes will create them (checked before anything
-    starts)."""
+    starts); with `local` (envd will run on this host) the host programs its backend needs must be installed."""
     from core.config import UserError
-    from tars.checks import env_ids, env_options as check_options
+    from tars.checks import env_hosts, env_ids, env_options as check_options
 
     for t in suite.tasks:
         try:  # a backend for its prefix, and its task among the ones the backend lists (tars up checks the same)
             env_ids([t.env_id], f"{suite.path}: task {t.name!r}")
             check_options([t.env_id], {**(env_options or {}), **t.options},
                           f"{suite.path}: task {t.name!r}: actor.env_options with the suite's options")
+            if local:
+                env_hosts([t.env_id], f"{suite.path}: task {t.name!r} (envd runs on this host; --envd names another)")
         except UserError as e:
             raise SuiteError(str(e)) from None
 

@@ -165,7 +165,7 @@ def test_up_preflight_refuses_a_typo_in_env_options(tmp_path, monkeypatch):
         preflight("actor.env_options.boxes=sometimes")
 
 
-def test_up_and_sft_name_the_missing_host_programs_before_anything_starts(tmp_path, monkeypatch):
+def test_up_sft_and_eval_name_the_missing_host_programs_before_anything_starts(tmp_path, monkeypatch, capsys):
     """`tars up` runs envd here, `tars sft --demos` rolls the envs here: a backend's missing program (chromium,
     bubblewrap, socat, Xvfb) is one line naming the env id and the programs before any work, not an infra error at
     the first session after the checkpoint was built."""
@@ -188,6 +188,21 @@ def test_up_and_sft_name_the_missing_host_programs_before_anything_starts(tmp_pa
         preflight("up", "--preset", "miniwob", "--out", str(tmp_path / "run"))
     preflight("up", "--preset", "quickstart", "--out", str(tmp_path / "run"))   # builtin: needs nothing
     assert not (tmp_path / "run").exists()
+
+    # `tars eval` runs envd here too unless --envd names another: its suite's tasks are checked the same way.
+    from tars import eval as tars_eval
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: mine\nmax_turns: 3\ntasks: [builtin/click, miniwob/click-button]\n")
+    argv = ["eval", "--suite", str(suite), "--model", "random", "--out", str(tmp_path / "ev")]
+    a = cli.build_parser().parse_args(argv)
+    assert tars_eval.main(a, cli._load(a)) == 2
+    err = capsys.readouterr().err
+    assert "task 'miniwob/click-button' (envd runs on this host" in err and "socat" in err, err
+    assert not (tmp_path / "ev").exists()
+    from tars import evalsuite
+
+    evalsuite.check_env_ids(evalsuite.load_suite(str(suite), 1, None), {}, local=False)   # a remote envd: its hosts
 
 
 def test_eval_refuses_a_typo_in_env_options_before_starting_anything(tmp_path):
