@@ -201,7 +201,7 @@ async def _episode(ctx: EpisodeContext, env: EnvClient, tid: str, env_id: str, s
     note = ""
     env_s = gen_s = 0.0
     sid = run_id = ""
-    options = {k: str(v) for k, v in cfg.env_options.items()}
+    options = uitars.session_options(cfg, vis)   # screenshots off where nothing reads them
     clean = False                    # the episode ran to its end without an error: its session may be reused
     closed = True                    # the last output ended with the end-of-turn token
     obs = None

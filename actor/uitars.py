@@ -114,6 +114,18 @@ def images_shown(cfg, vl: bool) -> int:
     return k
 
 
+def session_options(cfg, vis: Vision) -> dict[str, str]:
+    """actor.env_options as the actor creates its sessions with: envd's `screenshots` option turned off when nothing
+    of the episode reads a screenshot (a policy shown none, resolved in `vis`, and no judge), unless the config sets
+    it. A screenshot cost the backend a capture, envd an encode and the stream its bytes on every step, and the
+    learner a place in its image store, for a text policy that never read it (a MiniWoB++ episode through envd: 0.30
+    CPU-s without, 0.39 with); `screenshots: "1"` keeps them (trajectories to look at, or to train a VL model on)."""
+    opts = {str(k): str(v) for k, v in (cfg.env_options or {}).items()}
+    if SCREENSHOTS not in opts and vis.image_history == 0 and cfg.judge_mode == "off":
+        opts[SCREENSHOTS] = "0"
+    return opts
+
+
 def system_text(style: str, instruction: str, point_form: str) -> Content:
     """The system prompt of a style: a UI-TARS prompt's parts (actor.prompts.system_parts), or actor.tiny.system_prompt
     for the non-UI-TARS ones."""

@@ -110,7 +110,8 @@ class ActorConfig:
 
     concurrency: int = f(64, lo=1, help="episodes run at once by one actor process")
     env_ids: list = f(["builtin/mixed"], "env ids to sample episodes from (uniformly)")
-    env_options: dict = f({}, "options passed to CreateSession")
+    env_options: dict = f({}, "options passed to CreateSession; `screenshots` is set to 0 unless given when nothing of "
+                              "an episode reads one (image_history 0 and judge_mode off: docs/actor.md)")
     chat_template_kwargs: dict = f({}, "extra variables for the checkpoint's chat template, in every prompt the actor, "
                                    "tars sft's demonstrations and tars eval build: e.g. {enable_thinking: false} for "
                                    "Qwen3 (its generation prompt then closes an empty think block)")

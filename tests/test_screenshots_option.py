@@ -249,3 +249,31 @@ def _demo_tokenizer():
     from test_episode import TOK
 
     return TOK
+
+
+def test_the_actor_turns_screenshots_off_where_nothing_of_the_episode_reads_them():
+    """A text policy (shown no screenshot) with no judge creates its sessions with screenshots=0 unless the config
+    says otherwise: its trajectories carried every screenshot to the learner before, for nothing."""
+    import asyncio
+
+    from actor.episode import run_episode
+    from inference_server.scripted import ScriptedEngine
+    from test_episode import TOK, answer, stack
+
+    text = uitars.Vision(None, 0, "screen")
+    assert uitars.session_options(ActorConfig(env_options={"boxes": "0"}), text) == {"boxes": "0", "screenshots": "0"}
+    for kept in ({"env_options": {"screenshots": "1"}}, {"judge_mode": "replace"}):
+        assert uitars.session_options(ActorConfig(**kept), text).get("screenshots") != "0"
+    assert "screenshots" not in uitars.session_options(ActorConfig(), uitars.Vision(None, 2, "screen"))
+
+    def episode(**kw):
+        async def main():
+            async with stack(ScriptedEngine(answer("type(content='1')"), TOK.vocab_size), max_turns=6, **kw) as (ctx, env):
+                return await run_episode(ctx, env, "text-0001", "gym/TarsEpisodeStripes-v0", 1, 0)
+        return asyncio.run(main())
+
+    tr = episode(env_options={"render": "1"}, image_history=0)
+    assert tr.outcome == "terminated" and len(tr.turns) == 4
+    assert tr.images == {} and all(t.obs_ref.startswith("text:") for t in tr.turns)
+    tr = episode(env_options={"render": "1", "screenshots": "1"}, image_history=0)
+    assert len(tr.images) == 4 and all(t.obs_ref.startswith("sha256:") for t in tr.turns)

@@ -153,7 +153,10 @@ async def _miniwob_trajectories(envd: str, task: str, groups: int, group_size: i
     infer = InferenceClient([srv.address], timeout_s=DEADLINE_S, retries=3)
     try:
         trs, _ = await _run_episodes(envd, "", groups * group_size, min(8, group_size * groups), f"miniwob/{task}",
-                                     {"max_turns": max_turns, "env_options": {"episode_time_s": "600"}},
+                                     # screenshots kept: their traffic is what this measures (a text policy's
+                                     # sessions are otherwise created without, actor/uitars.session_options)
+                                     {"max_turns": max_turns, "env_options": {"episode_time_s": "600",
+                                                                              "screenshots": "1"}},
                                      infer=infer, tok=tok, group_size=group_size)
     finally:
         await infer.close()
