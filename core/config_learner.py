@@ -160,6 +160,11 @@ class StreamConfig:
     queue_size: int = f(4096, "trajectories the learner holds in memory (queue + credit promised to actors)", lo=1)
     ack_interval_s: float = f(0.002, "longest a WAL batch waits to grow before its fdatasync (sooner once it holds "
                                      "what arrives during one fdatasync)", lo=0)
+    grant_ttl_s: float = f(1800.0, "an admitted episode (ADMIT's grant) that has not arrived this long after it was "
+                                   "granted is given back to the admission bound (grants_expired), so that an actor "
+                                   "that admits episodes and never sends them cannot hold the bound shut while it "
+                                   "pings; set it above the longest honest episode (one arriving later is still "
+                                   "trained on); 0 = never", lo=0)
     fsync: bool = f(True, "fdatasync the trajectory WAL before acking (off: faster, loses acked data on power loss)")
     wal_writer: str = f("process", "who checksums, writes and fdatasyncs the WAL: process (a writer process fed "
                                    "through shared memory; the learner process only copies each trajectory once) "

@@ -110,6 +110,7 @@ class Learner:
             max_frame_bytes=s.max_frame_bytes, consumed_ids=consumed, ack_interval_s=s.ack_interval_s,
             confirmed_ids=self._stream_ids.get("confirmed_ids", ()), id_owners=self._stream_ids.get("id_owners"),
             fsync=s.fsync, curve_secret_key=s.curve_secret_key.encode() or None, durability=s.durability,
+            grant_ttl_s=s.grant_ttl_s,
             wal_writer=s.wal_writer, curve_client_keys=auth.client_keys(s.curve_client_keys),
             keys_reload=functools.partial(auth.load_key_list, s.curve_client_keys_file,
                                           "learner.stream.curve_client_keys_file") if s.curve_client_keys_file else None,

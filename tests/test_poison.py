@@ -354,6 +354,71 @@ def test_a_lying_hello_cannot_hold_admissions_shut(tmp_path):
     assert st["running"] == 8 and st["capacity"] == 0   # the honest actor's 8, nothing of the liar's
 
 
+def test_an_actor_that_admits_and_never_sends_cannot_hold_admissions_shut(tmp_path):
+    """A live peer (it pings) that asks for every admission and never sends an episode held them for good: ADMIT's
+    grants not borne out within learner.stream.grant_ttl_s go back to the bound, and the honest actor is admitted."""
+    stal = StalenessManager(batch_size=4, eta=1)        # at most 8 episodes may start at version 0
+    rx = receiver(tmp_path, stal=stal, grant_ttl_s=1.0)
+    addr = rx.start()
+    hoarder, honest = raw_actor(addr, b"hoarder"), raw_actor(addr, b"honest")
+    stop = threading.Event()
+    try:
+        hoarder.send_multipart(P.Hello("hoarder", "x", 1).encode())
+        recv_until(hoarder, P.WELCOME)
+        hoarder.send_multipart(P.Admit(1, 10**6).encode())
+        assert recv_until(hoarder, P.GRANT)[-1][1]["granted"] == 8
+
+        def keep_pinging():                             # alive as far as the receiver can tell
+            while not stop.is_set():
+                hoarder.send_multipart(P.Ping().encode())
+                stop.wait(0.05)
+
+        pinger = threading.Thread(target=keep_pinging, daemon=True)
+        pinger.start()
+        honest.send_multipart(P.Hello("honest", "h", 1).encode())
+        recv_until(honest, P.WELCOME)
+
+        def admit(rid: int) -> int:
+            honest.send_multipart(P.Admit(rid, 4).encode())
+            return recv_until(honest, P.GRANT)[-1][1]["granted"]
+
+        t0 = time.monotonic()
+        assert admit(1) == 0                            # the hoarder holds the whole bound
+        rid, granted = 1, 0
+        while not granted and time.monotonic() < t0 + 10:
+            rid += 1
+            granted = admit(rid)
+            stop.wait(0.05) if not granted else None
+        waited = time.monotonic() - t0
+        stop.set()
+        pinger.join(2)
+        s, st = rx.stats(), stal.stats()
+    finally:
+        stop.set()
+        hoarder.close()
+        honest.close()
+        rx.stop()
+    assert granted == 4 and 0.9 < waited < 10, waited   # once the hoarder's grants were a second old
+    assert s["grants_expired"] == 8 and s["dead_actors"] == 0 and st["lost"] == 8 and st["running"] == 4
+
+
+def test_a_peers_ledger_bears_out_claims_first_then_its_oldest_grants():
+    from core.stream.peers import Peer
+
+    p = Peer("i", ledger=2, claimed=2, claim_deadline=50.0)   # two episodes claimed in HELLO
+    p.grant(10.0, 3)
+    p.grant(20.0, 2)
+    assert p.ledger == 7 and p.arrived(30.0, 60.0) and (p.claimed, p.ledger) == (1, 6)
+    assert p.arrived(31.0, 60.0) and p.arrived(32.0, 60.0)   # the last claim, then the oldest grant
+    assert (p.claimed, p.ledger, [list(g) for g in p.grants]) == (0, 4, [[10.0, 2], [20.0, 2]])
+    p.finish(1)                                               # lost: the oldest grant again
+    assert [list(g) for g in p.grants] == [[10.0, 1], [20.0, 2]]
+    assert p.expire(35.0, 20.0) == [("grants_expired", 1)] and p.ledger == 2    # only the grant older than 20 s
+    assert p.expire(35.0, 0.0) == [] and p.expire(100.0, 0.0) == []              # 0: grants never expire
+    q = Peer("j", ledger=3, claimed=3, claim_deadline=5.0)
+    assert q.expire(6.0, 1.0) == [("claims_expired", 3)] and q.ledger == 0
+
+
 def _weights(model: CausalLM, tmp_path, name: str) -> bytes:
     model.save_hf(tmp_path / name)
     return (tmp_path / name / "model.safetensors").read_bytes()

@@ -9,10 +9,17 @@ admissions for as long as its sender kept pinging):
   * never beyond what the admission bound lets start now (learner/staleness.py adopt_claim);
   * what no trajectory from that actor bears out within actor_timeout_s (of the HELLO, or of its last arrival) is
     given back (on_lost). An episode that arrives after all is adopted then, like any arrival no admission covers.
+
+Episodes granted by ADMIT are given back the same way once older than `grant_ttl_s` (learner.stream.grant_ttl_s):
+a peer that admits episodes and never sends them, while it keeps pinging, held its share of the admission bound
+for good, and a peer that asked for the whole capacity shut admissions for every other actor. The ttl is an
+honest episode's longest life; one that arrives later is adopted like any other late arrival. Arrivals and losses
+bear out claims first, then the oldest grants.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from dataclasses import dataclass, field
 
 # Credit an idle actor keeps when it is reclaimed, and how long without a trajectory makes it idle (see regrant).
 KEEP_CREDIT, IDLE_S = 8, 1.0
@@ -28,11 +35,29 @@ class Peer:
     claimed: int = 0        # part of the ledger taken on the actor's word (HELLO inflight), not yet borne out
     claim_deadline: float = 0.0
     last_traj: float = 0.0  # when its last trajectory arrived (or its HELLO): idle since then
+    grants: collections.deque = field(default_factory=collections.deque)  # [when, n] of its ADMIT grants, oldest 1st
+
+    def grant(self, now: float, n: int) -> None:
+        """ADMIT granted n episodes now."""
+        if n > 0:
+            self.ledger += n
+            self.grants.append([now, n])
+
+    def _trim(self) -> None:
+        """The grants left are what the ledger holds beyond its claims: the oldest go first."""
+        extra = sum(n for _, n in self.grants) - (self.ledger - self.claimed)
+        while extra > 0 and self.grants:
+            take = min(extra, self.grants[0][1])
+            self.grants[0][1] -= take
+            extra -= take
+            if not self.grants[0][1]:
+                self.grants.popleft()
 
     def finish(self, n: int) -> None:
         """n episodes of the ledger ended without arriving (lost, or NACKed for good)."""
         self.ledger -= n
         self.claimed = min(self.claimed, self.ledger)
+        self._trim()
 
     def arrived(self, now: float, ttl: float) -> bool:
         """One of its episodes arrived; False when the ledger does not cover it (the caller adopts it). Claimed
@@ -43,15 +68,24 @@ class Peer:
         if self.claimed:
             self.claimed -= 1
             self.claim_deadline = now + ttl
+        self._trim()
         return True
 
-    def expire_claims(self, now: float) -> int:
-        """Claims past their deadline, taken off the ledger: the caller gives them back (on_lost)."""
-        if not self.claimed or now <= self.claim_deadline:
-            return 0
-        k, self.claimed = self.claimed, 0
-        self.ledger -= k
-        return k
+    def expire(self, now: float, grant_ttl: float) -> list[tuple[str, int]]:
+        """Claims past their deadline and grants older than grant_ttl (0: never), taken off the ledger, as
+        (counter, n): the caller gives them back (on_lost)."""
+        out = []
+        if self.claimed and now > self.claim_deadline:
+            k, self.claimed = self.claimed, 0
+            self.ledger -= k
+            out.append(("claims_expired", k))
+        k = 0
+        while grant_ttl > 0 and self.grants and now - self.grants[0][0] > grant_ttl:
+            k += self.grants.popleft()[1]
+        if k:
+            self.ledger -= k
+            out.append(("grants_expired", k))
+        return out
 
 
 def regrant(peers: dict[bytes, Peer], credits: int, free: int, now: float) -> list[tuple[bytes, int]]:

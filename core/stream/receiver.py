@@ -50,20 +50,21 @@ class TrajectoryReceiver:
     def __init__(self, bind: str, wal_path: str, staleness, credits: int = 512, queue_size: int = 4096,
                  max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *, confirmed_ids=(), id_owners=None,
                  ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
-                 log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
+                 grant_ttl_s: float = 1800.0, log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
                  vocab_size: int | None = None, wal_writer: str = "process", curve_client_keys=(), keys_reload=None):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
         for every NACKed frame (keep it cheap). curve_secret_key, curve_client_keys (Z85 public keys of the clients
         allowed; empty: any), keys_reload (re-reads them: curve.Allowlist): see core/stream/curve.py. durability,
         wal_writer: see core/stream/durability.py. vocab_size: the learner's model's (other token ids are NACKed
-        "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too (peers.py).
+        "invalid"). actor_timeout_s: an actor silent that long is dropped; it bounds HELLO's claims too; grant_ttl_s:
+        ADMIT's grants not borne out by then are given back, 0 = never (peers.py).
         consumed_ids, confirmed_ids, id_owners: the checkpoint's (checkpoint_state())."""
         if credits < 1 or queue_size < 1 or (curve_client_keys and not curve_secret_key):
             raise ValueError("credits and queue_size must be >= 1; curve_client_keys needs curve_secret_key")
         self.bind, self.staleness, self.credits, self.queue_size = bind, staleness, credits, queue_size
         self.max_frame_bytes, self.on_reject, self.actor_timeout_s = max_frame_bytes, on_reject, actor_timeout_s
         self.log_every_s, self.curve_secret_key, self.curve_client_keys = log_every_s, curve_secret_key, curve_client_keys
-        self.keys_reload = keys_reload
+        self.keys_reload, self.grant_ttl_s = keys_reload, grant_ttl_s
         self._zap: Zap | None = None  # the ZAP handler (core/stream/curve.py), with an allowlist
         self.vocab_size, self._claims_until = vocab_size, 0.0  # HELLO inflight is adopted until then (set by start)
         self.run_id = uuid.uuid4().hex  # actors compare it to detect a learner restart
@@ -84,12 +85,11 @@ class TrajectoryReceiver:
         self._actors: dict[bytes, Peer] = {}
         self._replay: list[str] = []
         self._version_sent = -1
-        self._stats = dict.fromkeys(
-            ("received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked",
-             "busy", "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors",
-             "protocol_errors", "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images",
-             "committed", "invalid", "claimed", "claims_capped", "claims_expired", "credits_reclaimed",
-             "peers_refused"), 0)
+        self._stats = dict.fromkeys((
+            "received", "accepted", "duplicates", "malformed", "unknown_schema", "oversize", "acked", "nacked", "busy",
+            "replayed", "credits_granted", "hellos", "admits", "granted", "lost", "dead_actors", "protocol_errors",
+            "wal_syncs", "wal_errors", "queue_max", "images_stored", "missing_images", "committed", "invalid",
+            "claimed", "claims_capped", "claims_expired", "grants_expired", "credits_reclaimed", "peers_refused"), 0)
 
     # --- training-thread API --------------------------------------------------------------------------------------
     def start(self, timeout: float = 10.0) -> str:
@@ -258,7 +258,7 @@ class TrajectoryReceiver:
             self._hello(ident, m)
         elif isinstance(m, M.Admit):
             g = self.staleness.try_admit(m.n) if m.n > 0 else 0
-            st.ledger += g
+            st.grant(self._now, g)
             self._count("admits")
             self._count("granted", g)
             self._send(ident, M.Grant(m.rid, g, self.staleness.version))
@@ -437,9 +437,9 @@ class TrajectoryReceiver:
                 self._send(ident, M.Version(v))
             self._version_sent = v
         for ident, st in list(self._actors.items()):
-            if k := st.expire_claims(now):  # claimed in HELLO and never borne out: given back
+            for counter, k in st.expire(now, self.grant_ttl_s):  # claims never borne out, grants past their ttl
                 self.staleness.on_lost(k)
-                self._count("claims_expired", k)
+                self._count(counter, k)
             if now - st.last_seen > self.actor_timeout_s:
                 # Silent for too long (actors PING every heartbeat): free its credit and give back its admissions.
                 self._warn("dead", "actor %r silent for %.0fs: dropping it", ident, now - st.last_seen)
