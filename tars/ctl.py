@@ -230,7 +230,8 @@ def summary(role: str, m: dict) -> str:
                 f"infra_errors={m.get('infra_errors')} by_env={m.get('sessions_by_env')} "
                 f"budget pids={g(m, 'budget', 'pids')}/{g(m, 'budget', 'max_total_pids')} "
                 f"memory_mb={g(m, 'budget', 'memory_mb')}/{g(m, 'budget', 'max_total_memory_mb')} "
-                f"disk_mb={g(m, 'budget', 'disk_mb')}/{g(m, 'budget', 'max_total_disk_mb')}")
+                f"disk_mb={g(m, 'budget', 'disk_mb')}/{g(m, 'budget', 'max_total_disk_mb')} "
+                f"memory_cgroups={str(m.get('memory_cgroups') or '-').split(' ')[0].rstrip(':')}")
     if role == "inference":
         return (f"tokens/s={num(m.get('tokens_per_s'))} waiting={m.get('waiting')} running={m.get('running')} "
                 f"idle_share={num(m.get('idle_share'), '{:.2f}')} cache_hit={num(m.get('cache_hit_share'), '{:.2f}')} "

@@ -87,6 +87,28 @@ def test_envd_exits_2_when_required_cgroups_cannot_be_made(monkeypatch, capsys):
         cgroups.configure("auto")
 
 
+def test_envd_status_says_where_the_cgroups_go():
+    import asyncio
+
+    from core.config import EnvdConfig
+    from envd.server import EnvServer, metrics
+    from tars.ctl import summary
+
+    async def status():
+        srv = EnvServer(EnvdConfig(host="127.0.0.1", port=0, memory_cgroups="off"))
+        await srv.start()
+        try:
+            return metrics(srv.servicer)
+        finally:
+            await srv.stop(0)
+            cgroups.configure("auto")
+
+    m = asyncio.run(status())
+    assert m["memory_cgroups"] == "off" and summary("envd", m).endswith("memory_cgroups=off")
+    assert summary("envd", {"memory_cgroups": "v1 /sys/fs/cgroup/memory/tars-envd-7"}).endswith("memory_cgroups=v1")
+    assert summary("envd", {"memory_cgroups": "unavailable: no cgroup"}).endswith("memory_cgroups=unavailable")
+
+
 needs_cgroups = pytest.mark.skipif(
     bool(missing_tools()) or cgroups.describe().startswith(("off", "unavailable")),
     reason=f"no memory cgroups for sandboxes here ({cgroups.describe()}) or sandbox tools missing")
