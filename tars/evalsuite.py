@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from core.config import HELD_OUT_SEED_BASE, UserError, load_yaml
+from tars.evalstats import interval, paired, wilson
 
 SUITES = pathlib.Path(__file__).parent / "suites"
 INFRA = "infra_error"
@@ -237,6 +238,7 @@ def summarise(suite: Suite, records: list[dict], meta: dict | None = None) -> di
             "env_id": t.env_id, "planned": t.episodes, "episodes": len(rs), "scored": len(ok),
             "infra_errors": len(rs) - len(ok),
             "success_rate": _mean([float(bool(r["success"])) for r in ok]),
+            "success_ci95": wilson(sum(bool(r["success"]) for r in ok), len(ok)),   # tars/evalstats.py
             "mean_return": _mean([float(r["return"]) for r in ok]),
             "mean_steps": _mean([float(r["steps"]) for r in ok]),
         }
@@ -300,13 +302,16 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
 
 def markdown(res: dict) -> str:
     has_norm = any("normalised_score" in r for r in res["tasks"].values())
-    head = (["task", "episodes", "scored", "success", "mean return", "mean steps", "unscored (infra errors)"]
+    head = (["task", "episodes", "scored", "success", "95% interval", "mean return", "mean steps",
+             "unscored (infra errors)"]
             + (["normalised"] if has_norm else []))
     lines = [f"# {res['suite']}: {res.get('model', '')}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = [*res["tasks"].items(), ("**overall**", res["overall"])]
     for name, r in rows:
-        cells = [name, str(r["episodes"]), str(r["scored"]), _f(r["success_rate"]), _f(r["mean_return"]),
+        ci = r.get("success_ci95")
+        cells = [name, str(r["episodes"]), str(r["scored"]), _f(r["success_rate"]),
+                 f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", _f(r["mean_return"]),
                  _f(r["mean_steps"], ".2f"), str(r["infra_errors"])]
         if has_norm:
             cells.append(_f(r.get("normalised_score"), ".1f"))
@@ -364,6 +369,11 @@ def write_results(out: pathlib.Path, res: dict) -> None:
 
 # ---- comparison -------------------------------------------------------------------------------------------
 
+def paired_dirs(dir_a: str | pathlib.Path, dir_b: str | pathlib.Path) -> dict:
+    """evalstats.paired over two `tars eval` directories' episodes.jsonl: B - A episode by episode."""
+    return paired(*(latest(read_episodes(pathlib.Path(d) / "episodes.jsonl")) for d in (dir_a, dir_b)))
+
+
 def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
     """A side-by-side Markdown table of two results.json (B - A per task), also written to OUT/compare.md
     (default: DIR_B/compare.md)."""
@@ -381,9 +391,11 @@ def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
         res.append(r)
     a, b = res
     la, lb = a.get("model", dir_a), b.get("model", dir_b)
+    pairs = paired_dirs(dir_a, dir_b)   # the same episodes (evaldir.comparable): B - A paired episode by episode
+    ci = {**{n: v["ci95"] for n, v in pairs["tasks"].items()}, "*": pairs.get("ci95")}
     lines = [f"# compare: A = {la} ({dir_a}), B = {lb} ({dir_b})", "",
-             "| task | A success | B success | B - A | A return | B return | A infra | B infra |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| task | A success | B success | B - A | B - A 95% interval | A return | B return | A infra | B infra |",
+             "|---|---|---|---|---|---|---|---|---|"]
     names = list(a["tasks"]) + [n for n in b["tasks"] if n not in a["tasks"]]
     # B - A overall only over the tasks both scored: each side's own overall may average other tasks
     both = [n for n in names if all(r["tasks"].get(n, {}).get("success_rate") is not None for r in (a, b))]
@@ -397,12 +409,15 @@ def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
         sb = rb["success_rate"] if rb else None
         diff = None if sa is None or sb is None else sb - sa
         lines.append(f"| {n} | {_f(sa)} | {_f(sb)} | {'-' if diff is None else f'{diff:+.3f}'} | "
+                     f"{interval(ci.get('*' if n == label else n))} | "
                      f"{_f(ra['mean_return'] if ra else None)} | {_f(rb['mean_return'] if rb else None)} | "
                      f"{ra['infra_errors'] if ra else '-'} | {rb['infra_errors'] if rb else '-'} |")
     if not own:
         lines += ["", f"The overall success and return average the {len(both)} task(s) both directories scored "
                   f"({', '.join(both) or 'none'}), not each one's own overall (A {_f(a['overall']['success_rate'])}, "
                   f"B {_f(b['overall']['success_rate'])}); the infra columns are each directory's total."]
+    lines += ["", "The intervals are of B - A paired episode by episode (episodes both scored on the same seed; the "
+              "overall one over the tasks with pairs): one that holds 0 is within the episodes' luck (tars/evalstats.py)."]
     text = "\n".join(lines) + "\n"
     dest = pathlib.Path(out or dir_b)
     dest.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from envd.base import Action, ActionError, Env, Outcome, StepResult
 from core import config as C
 from tars import eval as E
 from tars import evalsuite as S
+from tars import evalstats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -365,8 +366,10 @@ def test_compare_overall_covers_only_the_tasks_both_scored(tmp_path):
     assert a["overall"]["success_rate"] != click["success_rate"]  # A's own overall covers other tasks too
     text = S.compare(str(tmp_path / "a"), str(tmp_path / "b"))
     row = next(x for x in text.splitlines() if x.startswith("| **overall**"))
+    ci = S.paired_dirs(tmp_path / "a", tmp_path / "b")["ci95"]   # the one task's 6 pairs
     assert row == (f"| **overall** (1 task(s) both scored) | {click['success_rate']:.3f} | 1.000 | "
-                   f"{1 - click['success_rate']:+.3f} | {click['mean_return']:.3f} | 1.000 | 0 | 0 |"), row
+                   f"{1 - click['success_rate']:+.3f} | {evalstats.interval(ci)} | {click['mean_return']:.3f} | "
+                   "1.000 | 0 | 0 |"), row
     assert f"average the 1 task(s) both directories scored (builtin/click), not each one's own overall (A " \
            f"{a['overall']['success_rate']:.3f}, B 1.000)" in text
 

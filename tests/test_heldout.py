@@ -23,7 +23,7 @@ def _res(rates: dict, infra: int = 0) -> dict:
 def test_summary_gives_both_policies_per_task_the_means_and_names_a_task_that_got_worse():
     h = heldout.summary(_res({"a": 0.2, "b": 0.5, "c": 0.9, "d": None}), _res({"a": 0.6, "b": 0.5, "c": 0.8, "d": 0.3}),
                         "SFT", 50)
-    assert h["tasks"]["a"] == {"start": 0.2, "final": 0.6, "delta": pytest.approx(0.4)}
+    assert h["tasks"]["a"] == {"start": 0.2, "final": 0.6, "delta": pytest.approx(0.4), "delta_ci95": None}
     assert h["tasks"]["d"]["delta"] is None                        # unscored on one side: out of the means
     assert h["mean_start"] == pytest.approx((0.2 + 0.5 + 0.9) / 3) and h["mean_final"] == pytest.approx((0.6 + 0.5 + 0.8) / 3)
     assert h["delta"] == pytest.approx(0.1) and h["worst_delta"] == pytest.approx(-0.1)
