@@ -318,8 +318,10 @@ class DesktopEnv(Env):
             content = typed_content(action, MAX_TYPE)
             if "\x00" in content:   # no argv can carry it: subprocess raised ValueError, taken for a broken desktop
                 raise ActionError("content may not hold a NUL character")
-            # One xdotool call per chunk, each well inside command_timeout_s (one call for a whole line timed out).
-            chunk = max(1, int(self.timeout_s * 1000 / TYPE_DELAY_MS / 4))
+            # One xdotool call per chunk, each well inside command_timeout_s (one call for a whole line timed out):
+            # an eighth of it at the nominal delay, as a loaded host types slower (a chunk of a quarter, 0.34 s idle
+            # at 2 s, took over 2 s with three test and training jobs on the 2-core host: an infra error).
+            chunk = max(1, int(self.timeout_s * 1000 / TYPE_DELAY_MS / 8))
             out: list[list[str]] = []
             for i, line in enumerate(content.split("\n")):
                 if i:
