@@ -129,6 +129,7 @@ class _State:
         self.probed = False
         self.made = False             # tars-envd-<pid> exists
         self.names = itertools.count(1)
+        self.released_at_exit: set[pathlib.Path] = set()   # parents removed at exit (registered once each)
 
 
 _state = _State()
@@ -192,7 +193,9 @@ def _parent() -> Hierarchy | None:
                 log.warning("sandboxes get no memory cgroup (%s)", _state.why)
                 return None
             _state.made = True
-            atexit.register(_release, where.parent)
+            if where.parent not in _state.released_at_exit:
+                _state.released_at_exit.add(where.parent)
+                atexit.register(_release, where.parent)
     return where
 
 
@@ -301,9 +304,12 @@ class MemoryCgroup:
 
 def memory_cgroup(limit_mb: int) -> MemoryCgroup | None:
     """A new memory cgroup bounded at `limit_mb` MiB for one sandbox, or None where this daemon makes none (the
-    sandbox then has its per-process limits only). CgroupError if making it fails where cgroups work."""
+    sandbox then has its per-process limits only). CgroupError if making it fails where cgroups work, or if none
+    can be made under `required` (a parent that could not be made after the daemon's probe)."""
     where = _parent()
     if where is None:
+        if _state.mode == "required":
+            raise CgroupError(f"envd.memory_cgroups=required, but no memory cgroup can be made: {_state.why}")
         return None
     path = where.parent / f"s{next(_state.names)}"
     try:

@@ -65,6 +65,9 @@ def test_modes(monkeypatch):
             cgroups.configure("required")
         assert cgroups.configure("auto").startswith("unavailable: no cgroup memory")
         assert cgroups.memory_cgroup(100) is None       # sandboxes start with their per-process limits only
+        cgroups._state.mode = "required"                # probed fine once, then unavailable: no sandbox without
+        with pytest.raises(cgroups.CgroupError, match="required"):
+            cgroups.memory_cgroup(100)
         with pytest.raises(ValueError, match="one of auto, required, off"):
             cgroups.configure("on")
         monkeypatch.undo()
