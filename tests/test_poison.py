@@ -414,6 +414,7 @@ def test_a_peers_ledger_bears_out_claims_first_then_its_oldest_grants():
     p.finish(1)                                               # lost: the oldest grant again
     assert [list(g) for g in p.grants] == [[10.0, 1], [20.0, 2]]
     assert p.expire(35.0, 20.0) == [("grants_expired", 1)] and p.ledger == 2    # only the grant older than 20 s
+    assert p.granted == sum(n for _, n in p.grants) == 2
     assert p.expire(35.0, 0.0) == [] and p.expire(100.0, 0.0) == []              # 0: grants never expire
     q = Peer("j", ledger=3, claimed=3, claim_deadline=5.0)
     assert q.expire(6.0, 1.0) == [("claims_expired", 3)] and q.ledger == 0

@@ -36,19 +36,22 @@ class Peer:
     claim_deadline: float = 0.0
     last_traj: float = 0.0  # when its last trajectory arrived (or its HELLO): idle since then
     grants: collections.deque = field(default_factory=collections.deque)  # [when, n] of its ADMIT grants, oldest 1st
+    granted: int = 0        # the n of `grants`, summed
 
     def grant(self, now: float, n: int) -> None:
         """ADMIT granted n episodes now."""
         if n > 0:
             self.ledger += n
             self.grants.append([now, n])
+            self.granted += n
 
     def _trim(self) -> None:
         """The grants left are what the ledger holds beyond its claims: the oldest go first."""
-        extra = sum(n for _, n in self.grants) - (self.ledger - self.claimed)
+        extra = self.granted - (self.ledger - self.claimed)
         while extra > 0 and self.grants:
             take = min(extra, self.grants[0][1])
             self.grants[0][1] -= take
+            self.granted -= take
             extra -= take
             if not self.grants[0][1]:
                 self.grants.popleft()
@@ -84,6 +87,7 @@ class Peer:
             k += self.grants.popleft()[1]
         if k:
             self.ledger -= k
+            self.granted -= k
             out.append(("grants_expired", k))
         return out
 
