@@ -158,8 +158,9 @@ def test_kernel_memory_and_the_sum_of_processes_are_bounded():
         out = sh(env, "python3 fill.py")
         assert "held" not in out and "out of memory: the sandbox's 288 MiB" in out, out[-800:]
         # Three processes of 200 MiB, each well under its 256 MiB address space, together past the bound.
-        out = sh(env, "for i in 1 2 3; do python3 -c 'import time; b = bytearray(200 << 20); time.sleep(3)' & "
-                      "done; wait; echo done")
+        # Each holds its 200 MiB for 3 s (a select on nothing), so that the three hold theirs at once.
+        out = sh(env, "for i in 1 2 3; do python3 -c 'import select; b = bytearray(200 << 20); "
+                      "select.select([], [], [], 3)' & done; wait; echo done")
         assert "done" in out and "out of memory" in out, out[-800:]
         assert env.sandbox.cgroup.oom_kills() >= 2
         assert "ok" in sh(env, "echo ok")                            # the session goes on
