@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from core.proc import pid_alive
 from envd.sandbox_limits import SandboxError
 
 log = logging.getLogger("envd.cgroups")
@@ -199,9 +200,10 @@ def _parent() -> Hierarchy | None:
     return where
 
 
-def _release(parent: pathlib.Path) -> None:
-    """At exit: this daemon's cgroups (sandboxes never closed are dying with it: pdeathsig), then their parent."""
-    deadline = time.monotonic() + 2.0
+def _release(parent: pathlib.Path, timeout: float = 2.0) -> None:
+    """A daemon's parent cgroup and its sandboxes' (whatever still runs in them killed): this daemon's at exit
+    (sandboxes never closed are dying with it: pdeathsig), or one a killed daemon left (`_sweep`)."""
+    deadline = time.monotonic() + timeout
     for child in _subdirs(parent):
         _remove(child, deadline)
     _remove(parent, deadline)
@@ -215,20 +217,8 @@ def _sweep(base: pathlib.Path) -> None:
         return
     for d in entries:
         pid = d.name[len(PREFIX):]
-        if not (d.name.startswith(PREFIX) and pid.isdigit()) or int(pid) == os.getpid() or _alive(int(pid)):
-            continue
-        for child in [c for c in _subdirs(d)] + [d]:
-            _remove(child, time.monotonic() + 1.0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        if d.name.startswith(PREFIX) and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            _release(d, 1.0)
 
 
 def _subdirs(d: pathlib.Path) -> list[pathlib.Path]:

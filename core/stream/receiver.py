@@ -49,8 +49,8 @@ _BIND = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)  # a bind that fails for these i
 class TrajectoryReceiver:
     def __init__(self, bind: str, wal_path: str, staleness, credits: int = 512, queue_size: int = 4096,
                  max_frame_bytes: int = 64 << 20, consumed_ids=(), on_reject=None, *, confirmed_ids=(), id_owners=None,
-                 ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0,
-                 grant_ttl_s: float = 1800.0, log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
+                 ack_interval_s: float = 0.002, fsync: bool = True, actor_timeout_s: float = 60.0, grant_ttl_s=1800.0,
+                 log_every_s: float = 10.0, curve_secret_key: bytes | None = None, durability: str = "wal",
                  vocab_size: int | None = None, wal_writer: str = "process", curve_client_keys=(), keys_reload=None):
         """bind: "tcp://host:port" (port 0 = a free port). on_reject(actor, id, reason) is called from the io thread
         for every NACKed frame (keep it cheap). curve_secret_key, curve_client_keys (Z85 public keys of the clients
