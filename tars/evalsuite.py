@@ -392,7 +392,6 @@ def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
     a, b = res
     la, lb = a.get("model", dir_a), b.get("model", dir_b)
     pairs = paired_dirs(dir_a, dir_b)   # the same episodes (evaldir.comparable): B - A paired episode by episode
-    ci = {**{n: v["ci95"] for n, v in pairs["tasks"].items()}, "*": pairs.get("ci95")}
     lines = [f"# compare: A = {la} ({dir_a}), B = {lb} ({dir_b})", "",
              "| task | A success | B success | B - A | B - A 95% interval | A return | B return | A infra | B infra |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -404,12 +403,12 @@ def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
     label = "**overall**" if own else f"**overall** ({len(both)} task(s) both scored)"
     ov = [{**r["overall"], "success_rate": over(r, "success_rate"), "mean_return": over(r, "mean_return")}
           for r in (a, b)]
-    for n, ra, rb in [*((n, a["tasks"].get(n), b["tasks"].get(n)) for n in names), (label, *ov)]:
+    for n, ra, rb, ci in [*((n, a["tasks"].get(n), b["tasks"].get(n), pairs["tasks"].get(n, {}).get("ci95"))
+                            for n in names), (label, *ov, pairs.get("ci95"))]:
         sa = ra["success_rate"] if ra else None
         sb = rb["success_rate"] if rb else None
         diff = None if sa is None or sb is None else sb - sa
-        lines.append(f"| {n} | {_f(sa)} | {_f(sb)} | {'-' if diff is None else f'{diff:+.3f}'} | "
-                     f"{interval(ci.get('*' if n == label else n))} | "
+        lines.append(f"| {n} | {_f(sa)} | {_f(sb)} | {'-' if diff is None else f'{diff:+.3f}'} | {interval(ci)} | "
                      f"{_f(ra['mean_return'] if ra else None)} | {_f(rb['mean_return'] if rb else None)} | "
                      f"{ra['infra_errors'] if ra else '-'} | {rb['infra_errors'] if rb else '-'} |")
     if not own:
@@ -417,7 +416,8 @@ def compare(dir_a: str, dir_b: str, out: str | None = None) -> str:
                   f"({', '.join(both) or 'none'}), not each one's own overall (A {_f(a['overall']['success_rate'])}, "
                   f"B {_f(b['overall']['success_rate'])}); the infra columns are each directory's total."]
     lines += ["", "The intervals are of B - A paired episode by episode (episodes both scored on the same seed; the "
-              "overall one over the tasks with pairs): one that holds 0 is within the episodes' luck (tars/evalstats.py)."]
+              "overall one over the tasks with pairs): one that holds 0 is within the episodes' luck "
+              "(tars/evalstats.py)."]
     text = "\n".join(lines) + "\n"
     dest = pathlib.Path(out or dir_b)
     dest.mkdir(parents=True, exist_ok=True)
