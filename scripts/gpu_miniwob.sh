@@ -15,7 +15,7 @@
 #    extra --set arguments follow the preset's (the budget's cuts). SIGTERM at SECONDS: `tars up` stops in order and
 #    writes its report.
 # OUTDIR gets summary.txt, up.log, the run's report.json, summary.md, held-out summary and learning curve, and run.tgz
-# (its episodes, learner steps, logs and held-out episodes).
+# (its episodes, learner steps, logs, held-out episodes and the GPU's load every 5 s).
 set -u
 out=${1:?usage: bash scripts/gpu_miniwob.sh OUTDIR SECONDS [--set KEY=VALUE ...]}
 budget=${2:?usage: bash scripts/gpu_miniwob.sh OUTDIR SECONDS [--set KEY=VALUE ...]}
@@ -43,6 +43,8 @@ t0=$(date +%s)
 "$py" scripts/make_vl_bench_model.py "$vl" --size small >"$work/make_vl.log" 2>&1 || { tail -n 20 "$work/make_vl.log"; exit 1; }
 say "checkpoint $(( $(date +%s) - t0 ))s: $(tail -n 1 "$work/make_vl.log")"
 
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 >"$work/gpu.csv" 2>/dev/null &
+smi=$!
 left=$(( budget - ($(date +%s) - start) - 15 ))
 say "tars up --preset miniwob with screenshots, SIGTERM after ${left}s: $*"
 t0=$(date +%s)
@@ -50,12 +52,14 @@ timeout -s TERM -k 30 "$left" "$py" -m tars.cli up --preset miniwob --out "$work
     --set actor.image_history=-1 --set actor.coordinates=auto --set actor.env_options.screenshots=1 "$@" \
     >"$out/up.log" 2>&1
 say "tars up rc=$? $(( $(date +%s) - t0 ))s"
+kill "$smi" 2>/dev/null
+cp "$work/gpu.csv" "$work/run/" 2>/dev/null
 for f in report.json summary.md heldout/summary.md; do
   [[ -f $work/run/$f ]] && cp "$work/run/$f" "$out/$(echo "$f" | tr / _)"
 done
 cp "$work"/run/*.png "$out/" 2>/dev/null
 # the episodes, the learner's steps, the roles' logs and the held-out episodes, in one file
-tar -C "$work/run" -czf "$out/run.tgz" --ignore-failed-read episodes.jsonl learner.jsonl trained.jsonl logs heldout \
+tar -C "$work/run" -czf "$out/run.tgz" --ignore-failed-read episodes.jsonl learner.jsonl trained.jsonl logs heldout gpu.csv \
     2>/dev/null
 tail -n 30 "$out/up.log"
 say "total $(( $(date +%s) - start ))s"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # MiniWoB++'s host programs for a Linux x86-64 host without network (an air-gapped GPU node, say): Debian's chromium
-# (its binary, resources and wrapper with /etc/chromium.d), chromium-driver, socat, bubblewrap, the DejaVu fonts with
-# /etc/fonts, and every shared library they load that is not glibc's, packed on a Debian host that has them
-# (scripts/setup.sh installs them) and installed on the other.
+# (its binary, resources and wrapper with /etc/chromium.d), chromium-driver, socat, bubblewrap, the DejaVu fonts
+# (regular and bold sans, serif and mono) with /etc/fonts, and every shared library they load that is not glibc's,
+# packed on a Debian host that has them (scripts/setup.sh installs them) and installed on the other.
 #
 #     bash scripts/offline_bundle.sh pack OUTDIR [PART_MB]   -> OUTDIR/bundle.tar.xz.part00, part01, ... (default 48 MB)
 #     bash scripts/offline_bundle.sh install DIR             (as root, on the target: DIR holds all the parts)
@@ -30,7 +30,9 @@ pack() {
   cp -a /usr/lib/chromium/locales/en-US.pak "$root/usr/lib/chromium/locales/"
   cp -a /usr/bin/chromium /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat "$root/usr/bin/"
   cp -a /etc/chromium /etc/chromium.d /etc/fonts "$root/etc/"
-  cp -a /usr/share/fonts/truetype "$root/usr/share/fonts/"
+  mkdir -p "$root/usr/share/fonts/truetype/dejavu"   # what fontconfig picks for sans-serif, serif and monospace
+  cp -a /usr/share/fonts/truetype/dejavu/DejaVu{Sans,Serif,SansMono}{,-Bold}.ttf \
+        "$root/usr/share/fonts/truetype/dejavu/"
   for f in /usr/lib/chromium/chromium /usr/lib/chromium/chrome_crashpad_handler /usr/lib/chromium/*.so \
            /usr/lib/chromium/*.so.* /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat; do
     [[ -e $f ]] && ldd "$f" 2>/dev/null
