@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
 
 import gymnasium
 import numpy as np
@@ -46,6 +48,46 @@ class StripesEnv(gymnasium.Env):
 
 
 gymnasium.register("TarsTestStripes-v0", entry_point=StripesEnv, max_episode_steps=20)
+
+
+def test_listing_imports_no_entry_point_here(tmp_path, monkeypatch):
+    """Which module entry points import is asked of a child process that sees no GPU: this process runs none of
+    their packages' __init__ (gymnasium's phys2d imports JAX there, which takes 75 % of a GPU at its first array).
+    A package that fails to import keeps its envs off the list; a callable entry point is listed as before."""
+    from envd import gym_backend
+
+    log = tmp_path / "imported.txt"
+    for pkg, body in (("tarsprobe_ok", f"import os\nopen({str(log)!r}, 'a').write("
+                                       "f'{os.getpid()} {os.environ.get(\"CUDA_VISIBLE_DEVICES\")!r}\\n')\n"),
+                      ("tarsprobe_broken", "raise ImportError('no such simulator here')\n")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text(body)
+        (tmp_path / pkg / "envs.py").write_text("class Env: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gymnasium.register("TarsProbeOk-v0", entry_point="tarsprobe_ok.envs:Env")
+    gymnasium.register("TarsProbeBroken-v0", entry_point="tarsprobe_broken.envs:Env")
+    gym_backend._importable.cache_clear()
+    try:
+        names = env_names()
+    finally:
+        del gymnasium.registry["TarsProbeOk-v0"], gymnasium.registry["TarsProbeBroken-v0"]
+        gym_backend._importable.cache_clear()
+    assert "TarsProbeOk-v0" in names and "TarsProbeBroken-v0" not in names and "TarsTestStripes-v0" in names
+    assert "tarsprobe_ok" not in sys.modules and "tarsprobe_broken" not in sys.modules
+    pid, cuda = log.read_text().split()          # imported once, by another process that saw no GPU
+    assert int(pid) != os.getpid() and cuda == "''"
+
+
+def test_listing_fails_loudly_when_the_probe_cannot_run(monkeypatch):
+    from envd import gym_backend
+
+    monkeypatch.setattr(gym_backend, "_PROBE", "import sys; sys.exit('probe broke')")
+    gym_backend._importable.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="probe exit 1: probe broke"):
+            env_names()
+    finally:
+        gym_backend._importable.cache_clear()
 
 
 def act(env: GymEnv, **a):
