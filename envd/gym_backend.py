@@ -51,7 +51,8 @@ STATE_ATTRS = {
 
 # Which entry-point modules import here, asked of a child Python: importing one runs its packages' __init__, and
 # gymnasium's phys2d and tabular families import JAX and flax there, whose first array takes 75 % of every GPU it
-# sees (seen on an H200: 108 GB held by `tars up` and by envd before any model loaded). The child sees no GPU.
+# sees (seen on an H200: 108 GB held by `tars up`, which lists them in its checks, before any model loaded). The
+# child sees no GPU.
 _PROBE = """
 import importlib.util, json, sys
 req = json.load(sys.stdin)
