@@ -33,13 +33,21 @@ pack() {
   mkdir -p "$root/usr/share/fonts/truetype/dejavu"   # what fontconfig picks for sans-serif, serif and monospace
   cp -a /usr/share/fonts/truetype/dejavu/DejaVu{Sans,Serif,SansMono}{,-Bold}.ttf \
         "$root/usr/share/fonts/truetype/dejavu/"
-  for f in /usr/lib/chromium/chromium /usr/lib/chromium/chrome_crashpad_handler /usr/lib/chromium/*.so \
-           /usr/lib/chromium/*.so.* /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat; do
-    [[ -e $f ]] && ldd "$f" 2>/dev/null
-  done | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
+  local bins=(/usr/lib/chromium/chromium /usr/lib/chromium/chrome_crashpad_handler /usr/lib/chromium/*.so
+              /usr/lib/chromium/libvulkan.so.1 /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat) libs=()
+  for f in "${bins[@]}"; do
+    [[ -e $f ]] || continue
+    ldd "$f" >/dev/null 2>&1 || { echo "ldd cannot read $f" >&2; exit 1; }
+    mapfile -t -O "${#libs[@]}" libs < <(ldd "$f" | awk '/=> \//{print $3}')
+  done
+  for lib in $(printf '%s\n' "${libs[@]}" | sort -u); do
     own=$(dpkg -S "$(readlink -f "$lib")" 2>/dev/null || dpkg -S "$lib" 2>/dev/null || true)
     [[ ${own%%:*} == libc6 ]] && continue          # glibc's own: the target's are used
     cp -L "$lib" "$root$LIBDIR/"
+  done
+  for lib in $(printf '%s\n' "${libs[@]##*/}" | sort -u); do   # every library is in the bundle or glibc's
+    [[ -e $root$LIBDIR/$lib ]] || dpkg -S "*/$lib" 2>/dev/null | grep -q '^libc6:' \
+      || { echo "pack: $lib is neither in the bundle nor glibc's" >&2; exit 1; }
   done
   n=$(ls "$root$LIBDIR" | wc -l)
   mkdir -p "$dir"
