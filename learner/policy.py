@@ -293,6 +293,8 @@ class TrainPolicy(nn.Module):
                 kw = dict(pixel_values=torch.cat([pv for pv, _ in pix]).to(dev, vis.dtype),
                           image_grid_thw=torch.cat([thw for _, thw in pix]).to(dev),
                           mm_token_type_ids=(ids == self.vl.image_token_id).int())
+                if not getattr(self, "hf_rope_index", False):  # True: transformers' own (a benchmark's baseline)
+                    kw["position_ids"] = self._segment_positions(ids, g).to(dev)
             h = trunk(input_ids=ids, attention_mask=att, use_cache=False, **kw).last_hidden_state
             if out is None:
                 out = h.new_zeros(B, T, h.shape[-1])
@@ -304,6 +306,20 @@ class TrainPolicy(nn.Module):
         if out is None:  # no tokens at all
             out = trunk(input_ids=input_ids, attention_mask=key_valid, use_cache=False).last_hidden_state
         return out
+
+    def _segment_positions(self, ids: torch.Tensor, group) -> torch.Tensor:
+        """M-RoPE positions [3, G, W] of a group of right-padded segments (ids [G, W], as _segment_hidden lays them
+        out), computed on the CPU by core.vlm.rope_positions, the engine's copy of transformers' get_rope_index.
+        Given to the model, they spare its get_rope_index, which walks every sequence and image in Python with
+        device syncs for each on a GPU. Padding keeps position 0."""
+        from core.vlm import rope_positions
+
+        host = ids.cpu()
+        pos = torch.zeros(3, *host.shape, dtype=torch.long)
+        for j, (_, s, e, px) in enumerate(group):
+            grids = px[1].tolist() if px is not None else []
+            pos[:, j, :e - s] = rope_positions(host[j, :e - s].tolist(), grids, self.vl)[0]
+        return pos
 
     def forward(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None = None, vl=None) -> torch.Tensor:
         """Logits [B, T, V] at every position."""

@@ -1,6 +1,7 @@
 """Where a vision-language learner step and a weight publish spend their time on a GPU, phase by phase.
 
-    python scripts/gpu_profile_learner.py MODEL_DIR OUT.json [IMAGES] [WxH] [--profile | --publish-only]
+    python scripts/gpu_profile_learner.py MODEL_DIR OUT.json [IMAGES] [WxH] [--batch=N]
+                                          [--profile | --publish-only | --rope-ab]
 
 MODEL_DIR: a checkpoint as `tars bench learner --model` takes it (scripts/make_vl_bench_model.py makes the 1.0 B one).
 The batch, trainer and server are the bench's (tars/bench/learner.py), on learner.device / learner.precision.
@@ -8,6 +9,8 @@ Reports: the step's wall time against its summed CUDA kernel time and the top op
 learner-side publish phases timed alone (state dict, device-to-host copy, the shared-memory segment, the disk copy)
 and the server's install of a segment timed alone (twice; its log's split of each install is in the JSON). Runs on a
 CPU too, without kernel figures; --publish-only skips the steps (the publish phases of a large model on a CPU).
+--batch=N: trajectories a step (default 8). --rope-ab: after the three steps, six more, alternating the M-RoPE
+positions from transformers' get_rope_index and the learner's own (TrainPolicy._segment_positions), then stop.
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
     from learner.policy import TrainPolicy
     from tars.bench.learner import _policy, _start_server
 
-    cfg = C.load("quickstart", None, ["learner.batch_size=8"])
+    batch_opt = [x.split("=", 1)[1] for x in sys.argv if x.startswith("--batch=")]
+    cfg = C.load("quickstart", None, [f"learner.batch_size={batch_opt[-1] if batch_opt else 8}"])
     device = resolve_device(cfg.learner.device)
     amp = resolve_precision(cfg.learner.precision, device)
     out: dict = {"device": describe(device, amp), "model": model_dir}
@@ -69,6 +73,20 @@ def main(model_dir: str, out_path: str, images: int = 2, size: tuple[int, int] =
                 step_s.append(round(time.perf_counter() - t, 3))
             out["step_s"] = step_s
             print(json.dumps({k: out[k] for k in ("device", "build_s", "step_s")}), flush=True)
+            if "--rope-ab" in sys.argv:  # M-RoPE positions from transformers' get_rope_index (A) or the learner's (B)
+                ab: dict = {"transformers_rope_index": [], "learner_positions": []}
+                for k in range(6):
+                    policy.hf_rope_index = k % 2 == 0
+                    t = time.perf_counter()
+                    trainer.step(batch, 3 + k)
+                    _sync(device)
+                    ab["transformers_rope_index" if k % 2 == 0 else "learner_positions"].append(
+                        round(time.perf_counter() - t, 3))
+                policy.hf_rope_index = False
+                out["rope_ab_step_s"] = ab
+                print(json.dumps({"rope_ab_step_s": ab}), flush=True)
+                pathlib.Path(out_path).write_text(json.dumps(out, indent=1))
+                return out
             # Attention calls in one step (transformers' Qwen2.5-VL vision tower without flash-attn ran one SDPA call
             # per window; core/vision_attention.py one per window length).
             import torch.nn.functional as F
