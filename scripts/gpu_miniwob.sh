@@ -40,7 +40,10 @@ if (( rc != 0 )); then tail -n 20 "$work/chromium.log"; exit 1; fi
 
 vl=$work/vl
 t0=$(date +%s)
-"$py" scripts/make_vl_bench_model.py "$vl" --size small >"$work/make_vl.log" 2>&1 || { tail -n 20 "$work/make_vl.log"; exit 1; }
+if ! "$py" scripts/make_vl_bench_model.py "$vl" --size small >"$work/make_vl.log" 2>&1; then
+  tail -n 20 "$work/make_vl.log"
+  exit 1
+fi
 say "checkpoint $(( $(date +%s) - t0 ))s: $(tail -n 1 "$work/make_vl.log")"
 
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 >"$work/gpu.csv" 2>/dev/null &
@@ -59,7 +62,7 @@ for f in report.json summary.md heldout/summary.md; do
 done
 cp "$work"/run/*.png "$out/" 2>/dev/null
 # the episodes, the learner's steps, the roles' logs and the held-out episodes, in one file
-tar -C "$work/run" -czf "$out/run.tgz" --ignore-failed-read episodes.jsonl learner.jsonl trained.jsonl logs heldout gpu.csv \
-    2>/dev/null
+tar -C "$work/run" -czf "$out/run.tgz" --ignore-failed-read episodes.jsonl learner.jsonl trained.jsonl logs heldout \
+    gpu.csv 2>/dev/null
 tail -n 30 "$out/up.log"
 say "total $(( $(date +%s) - start ))s"
