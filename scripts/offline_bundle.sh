@@ -53,8 +53,9 @@ pack() {
   mkdir -p "$dir"
   rm -f "$dir"/bundle.tar.xz.part*
   tar -C "$root" -cf - . | xz -T0 --x86 --lzma2=preset=9 | split -b "${part_mb}M" -d - "$dir/bundle.tar.xz.part"
-  echo "packed $(du -sh "$root" | cut -f1) ($n libraries) into $(du -ch "$dir"/bundle.tar.xz.part* | tail -n 1 | cut -f1)" \
-       "in $(ls "$dir"/bundle.tar.xz.part* | wc -l) parts under $dir"
+  echo "packed $(du -sh "$root" | cut -f1) ($n libraries) into" \
+       "$(du -ch "$dir"/bundle.tar.xz.part* | tail -n 1 | cut -f1) in $(ls "$dir"/bundle.tar.xz.part* | wc -l) parts" \
+       "under $dir"
 }
 
 install_bundle() {
