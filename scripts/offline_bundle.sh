@@ -6,6 +6,7 @@
 #
 #     bash scripts/offline_bundle.sh pack OUTDIR [PART_MB]   -> OUTDIR/bundle.tar.xz.part00, part01, ... (default 48 MB)
 #     bash scripts/offline_bundle.sh install DIR             (as root, on the target: DIR holds all the parts)
+#     bash scripts/offline_bundle.sh libs                    (the libraries pack would bundle, a path a line)
 #
 # install unpacks into / without replacing a directory's attributes, puts the libraries in /usr/lib/tars-offline,
 # and lists that directory last for the dynamic linker (/etc/ld.so.conf.d/zz-tars-offline.conf), so a library the
@@ -13,12 +14,29 @@
 # which envd's sandboxes bind read-only (envd/bwrap.py, envd/miniwob_chromium.py). The target's glibc must be at
 # least the packing host's (Debian 12: 2.36).
 set -eu
-verb=${1:?usage: offline_bundle.sh pack OUTDIR [PART_MB] | install DIR}
-dir=${2:?usage: offline_bundle.sh pack OUTDIR [PART_MB] | install DIR}
+usage="usage: offline_bundle.sh pack OUTDIR [PART_MB] | install DIR | libs"
+verb=${1:?$usage}
+[[ $verb == libs ]] || dir=${2:?$usage}
 LIBDIR=/usr/lib/tars-offline
 
+# The shared libraries the programs load that are not glibc's, one path a line; exit 1 naming a program that ldd
+# cannot read.
+bundle_libs() {
+  local bins=(/usr/lib/chromium/chromium /usr/lib/chromium/chrome_crashpad_handler /usr/lib/chromium/*.so
+              /usr/lib/chromium/libvulkan.so.1 /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat) libs=() f lib own
+  for f in "${bins[@]}"; do
+    [[ -e $f ]] || continue
+    ldd "$f" >/dev/null 2>&1 || { echo "ldd cannot read $f" >&2; exit 1; }
+    mapfile -t -O "${#libs[@]}" libs < <(ldd "$f" | awk '/=> \//{print $3}')
+  done
+  for lib in $(printf '%s\n' "${libs[@]}" | sort -u); do
+    own=$(dpkg -S "$(readlink -f "$lib")" 2>/dev/null || dpkg -S "$lib" 2>/dev/null || true)
+    [[ ${own%%:*} == libc6 ]] || echo "$lib"     # glibc's own are the target's
+  done
+}
+
 pack() {
-  local part_mb=${1:-48} lib own n=0
+  local part_mb=${1:-48} n=0
   root=$(mktemp -d)                                 # global: the EXIT trap reads it after pack returns
   trap 'rm -rf "$root"' EXIT
   mkdir -p "$root/usr/lib/chromium/locales" "$root/usr/bin" "$root/etc" "$root$LIBDIR" "$root/usr/share/fonts"
@@ -33,22 +51,9 @@ pack() {
   mkdir -p "$root/usr/share/fonts/truetype/dejavu"   # what fontconfig picks for sans-serif, serif and monospace
   cp -a /usr/share/fonts/truetype/dejavu/DejaVu{Sans,Serif,SansMono}{,-Bold}.ttf \
         "$root/usr/share/fonts/truetype/dejavu/"
-  local bins=(/usr/lib/chromium/chromium /usr/lib/chromium/chrome_crashpad_handler /usr/lib/chromium/*.so
-              /usr/lib/chromium/libvulkan.so.1 /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat) libs=()
-  for f in "${bins[@]}"; do
-    [[ -e $f ]] || continue
-    ldd "$f" >/dev/null 2>&1 || { echo "ldd cannot read $f" >&2; exit 1; }
-    mapfile -t -O "${#libs[@]}" libs < <(ldd "$f" | awk '/=> \//{print $3}')
-  done
-  for lib in $(printf '%s\n' "${libs[@]}" | sort -u); do
-    own=$(dpkg -S "$(readlink -f "$lib")" 2>/dev/null || dpkg -S "$lib" 2>/dev/null || true)
-    [[ ${own%%:*} == libc6 ]] && continue          # glibc's own: the target's are used
-    cp -L "$lib" "$root$LIBDIR/"
-  done
-  for lib in $(printf '%s\n' "${libs[@]##*/}" | sort -u); do   # every library is in the bundle or glibc's
-    [[ -e $root$LIBDIR/$lib ]] || dpkg -S "*/$lib" 2>/dev/null | grep -q '^libc6:' \
-      || { echo "pack: $lib is neither in the bundle nor glibc's" >&2; exit 1; }
-  done
+  local libs lib
+  libs=$(bundle_libs)                               # a failure here ends pack (set -e), unlike in a for list
+  for lib in $libs; do cp -L "$lib" "$root$LIBDIR/"; done
   n=$(ls "$root$LIBDIR" | wc -l)
   mkdir -p "$dir"
   rm -f "$dir"/bundle.tar.xz.part*
@@ -73,5 +78,6 @@ install_bundle() {
 case $verb in
   pack) pack "${3:-48}" ;;
   install) install_bundle ;;
-  *) echo "usage: offline_bundle.sh pack OUTDIR [PART_MB] | install DIR" >&2; exit 2 ;;
+  libs) bundle_libs ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
