@@ -262,9 +262,9 @@ def _gym_factory(name: str, options: dict[str, str]) -> Env:
 
 
 def _gym_names() -> list[str]:
-    from envd import gym_backend
+    from envd import gym_names
 
-    return gym_backend.env_names()
+    return gym_names.env_names()
 
 
 def _gym_options(name: str, options: dict[str, str]) -> None:

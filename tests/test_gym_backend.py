@@ -12,7 +12,8 @@ import pytest
 
 from envd import registry
 from envd.base import Action, ActionError, Outcome
-from envd.gym_backend import GymEnv, describe, env_names
+from envd.gym_backend import GymEnv, describe
+from envd.gym_names import env_names
 from envd.png import decode_png, encode_png
 from envd_compliance import EnvCompliance, envd_client, run
 from core.v1 import common_pb2, env_pb2
@@ -54,7 +55,7 @@ def test_listing_imports_no_entry_point_here(tmp_path, monkeypatch):
     """Which module entry points import is asked of a child process that sees no GPU: this process runs none of
     their packages' __init__ (gymnasium's phys2d imports JAX there, which takes 75 % of a GPU at its first array).
     A package that fails to import keeps its envs off the list; a callable entry point is listed as before."""
-    from envd import gym_backend
+    from envd import gym_names
 
     log = tmp_path / "imported.txt"
     for pkg, body in (("tarsprobe_ok", f"import os\nopen({str(log)!r}, 'a').write("
@@ -66,12 +67,12 @@ def test_listing_imports_no_entry_point_here(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     gymnasium.register("TarsProbeOk-v0", entry_point="tarsprobe_ok.envs:Env")
     gymnasium.register("TarsProbeBroken-v0", entry_point="tarsprobe_broken.envs:Env")
-    gym_backend._importable.cache_clear()
+    gym_names._importable.cache_clear()
     try:
         names = env_names()
     finally:
         del gymnasium.registry["TarsProbeOk-v0"], gymnasium.registry["TarsProbeBroken-v0"]
-        gym_backend._importable.cache_clear()
+        gym_names._importable.cache_clear()
     assert "TarsProbeOk-v0" in names and "TarsProbeBroken-v0" not in names and "TarsTestStripes-v0" in names
     assert "tarsprobe_ok" not in sys.modules and "tarsprobe_broken" not in sys.modules
     pid, cuda = log.read_text().split()          # imported once, by another process that saw no GPU
@@ -79,15 +80,15 @@ def test_listing_imports_no_entry_point_here(tmp_path, monkeypatch):
 
 
 def test_listing_fails_loudly_when_the_probe_cannot_run(monkeypatch):
-    from envd import gym_backend
+    from envd import gym_names
 
-    monkeypatch.setattr(gym_backend, "_PROBE", "import sys; sys.exit('probe broke')")
-    gym_backend._importable.cache_clear()
+    monkeypatch.setattr(gym_names, "_PROBE", "import sys; sys.exit('probe broke')")
+    gym_names._importable.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="probe exit 1: probe broke"):
             env_names()
     finally:
-        gym_backend._importable.cache_clear()
+        gym_names._importable.cache_clear()
 
 
 def act(env: GymEnv, **a):
