@@ -148,8 +148,12 @@ def test_real_local_engine_with_a_vision_model_judges_with_screenshots():
         assert tr.error.startswith("judge: unparseable") and "error" in tr.judge
     else:
         assert tr.judge["verdict"] in ("yes", "no") or tr.judge["verdict"].startswith("score=")
-    assert eng.stats["requests"] == 4                    # three policy turns + one judge call
-    assert eng.stats["images"] == 3 + 4                  # one per policy turn; the judge: 3 turns + the final screen
+    # The engine samples unseeded (an OS-seeded stream), so the random model may end the episode early (a sampled
+    # vision token is a parse error that stops it): count by the turns it took, up to max_turns=3.
+    n = len(tr.turns)
+    assert 1 <= n <= 3
+    assert eng.stats["requests"] == n + 1                # the policy's turns + one judge call
+    assert eng.stats["images"] == n + (n + 1)            # one per policy turn; the judge: every turn + the final screen
 
 
 # ---- a vision-language checkpoint (Qwen2.5-VL): the judge's runs are sized and framed as the actor's turns -------
