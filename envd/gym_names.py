@@ -54,7 +54,7 @@ def env_names() -> list[str]:
     import gymnasium
 
     specs = sorted(gymnasium.registry.items())
-    modules = {ep.split(":")[0] for _, spec in specs if isinstance(ep := spec.entry_point, str) and ":" in ep}
-    ok = _importable(frozenset(modules))
-    return [env_id for env_id, spec in specs if callable(spec.entry_point)
-            or (isinstance(spec.entry_point, str) and spec.entry_point.split(":")[0] in ok)]
+    module = {env_id: ep.split(":")[0] for env_id, spec in specs
+              if isinstance(ep := spec.entry_point, str) and ":" in ep}
+    ok = _importable(frozenset(module.values()))
+    return [env_id for env_id, spec in specs if callable(spec.entry_point) or module.get(env_id) in ok]
