@@ -18,14 +18,21 @@ usage="usage: offline_bundle.sh pack OUTDIR [PART_MB] | install DIR | libs"
 verb=${1:?$usage}
 [[ $verb == libs ]] || dir=${2:?$usage}
 LIBDIR=/usr/lib/tars-offline
+# The programs whose libraries travel (pack) and must all resolve on the target (install).
+programs() {
+  local f
+  for f in /usr/lib/chromium/chromium /usr/lib/chromium/chrome_crashpad_handler /usr/lib/chromium/*.so \
+           /usr/lib/chromium/libvulkan.so.1 /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat; do
+    [[ -e $f ]] && echo "$f"
+  done
+  return 0
+}
 
 # The shared libraries the programs load that are not glibc's, one path a line; exit 1 naming a program that ldd
 # cannot read.
 bundle_libs() {
-  local bins=(/usr/lib/chromium/chromium /usr/lib/chromium/chrome_crashpad_handler /usr/lib/chromium/*.so
-              /usr/lib/chromium/libvulkan.so.1 /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat) libs=() f lib own
-  for f in "${bins[@]}"; do
-    [[ -e $f ]] || continue
+  local libs=() f lib own
+  for f in $(programs); do
     ldd "$f" >/dev/null 2>&1 || { echo "ldd cannot read $f" >&2; exit 1; }
     mapfile -t -O "${#libs[@]}" libs < <(ldd "$f" | awk '/=> \//{print $3}')
   done
@@ -68,8 +75,7 @@ install_bundle() {
   echo "$LIBDIR" >/etc/ld.so.conf.d/zz-tars-offline.conf
   ldconfig
   local missing
-  missing=$(for f in /usr/lib/chromium/chromium /usr/bin/chromedriver /usr/bin/bwrap /usr/bin/socat; do
-              ldd "$f" | grep 'not found' || true; done)
+  missing=$(for f in $(programs); do ldd "$f" | grep 'not found' || true; done)
   [[ -z $missing ]] || { echo "libraries still missing: $missing" >&2; exit 1; }
   echo "installed: $(chromium --version 2>&1 | head -n 1), chromedriver $(chromedriver --version | cut -d' ' -f2)," \
        "$(bwrap --version), $(socat -V 2>/dev/null | grep -m1 'socat version' | cut -d' ' -f1-3)"
