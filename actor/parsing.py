@@ -375,15 +375,30 @@ def to_screen(point: Point, mode: str, screen_w: float, screen_h: float, image_w
     the Qwen2-VL default (UI-TARS 1.5 deployments often use 16384*28*28).
     """
     x, y = float(point[0]), float(point[1])
-    if mode == "relative":
-        rw = rh = 1000.0
-    elif mode == "absolute":
-        rh, rw = smart_resize(int(image_h or screen_h), int(image_w or screen_w), factor, min_pixels, max_pixels)
-    else:
-        raise ValueError(f"mode must be 'relative' or 'absolute', got {mode!r}")
+    rw, rh = _model_range(mode, screen_w, screen_h, image_w, image_h, factor, min_pixels, max_pixels)
     # A point on the far edge of the model's own range (x == 1000, or the resized width) lands on the screen's last
     # pixel, not one past it; beyond its range it stays off screen for the env to reject.
     return _edge(x / rw * screen_w, x <= rw, screen_w), _edge(y / rh * screen_h, y <= rh, screen_h)
+
+
+def from_screen(point: Point, mode: str, screen_w: float, screen_h: float, image_w: int | None = None,
+                image_h: int | None = None, *, factor: int = 28, min_pixels: int = 56 * 56,
+                max_pixels: int = 14 * 14 * 4 * 1280) -> Point:
+    """Screen pixels -> model coordinates, the inverse of `to_screen` (for a demonstrator writing what the model
+    should answer): to_screen(from_screen(p)) == p for a point on the screen."""
+    rw, rh = _model_range(mode, screen_w, screen_h, image_w, image_h, factor, min_pixels, max_pixels)
+    return float(point[0]) / screen_w * rw, float(point[1]) / screen_h * rh
+
+
+def _model_range(mode: str, screen_w: float, screen_h: float, image_w: int | None, image_h: int | None, factor: int,
+                 min_pixels: int, max_pixels: int) -> tuple[float, float]:
+    """The model's coordinate range (width, height) in a mode: 1000 x 1000, or the smart-resized image's size."""
+    if mode == "relative":
+        return 1000.0, 1000.0
+    if mode == "absolute":
+        rh, rw = smart_resize(int(image_h or screen_h), int(image_w or screen_w), factor, min_pixels, max_pixels)
+        return float(rw), float(rh)
+    raise ValueError(f"mode must be 'relative' or 'absolute', got {mode!r}")
 
 
 def _edge(v: float, inside: bool, size: float) -> float:

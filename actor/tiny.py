@@ -86,14 +86,16 @@ def first_prompt(tok: ChatTokenizer, style: str, prompt: Content, user: Content)
     return tok.first_prompt("".join(parts(prompt)), user)
 
 
-def format_action(a: Action) -> str:
-    """Action -> the text a policy writes (the inverse of the parser, for demonstrations)."""
+def format_action(a: Action, point_form: str = "box") -> str:
+    """Action -> the text a policy writes (the inverse of the parser, for demonstrations). A click names its target
+    where it has one, else its point: start_box='(x,y)' (point_form "box", UI-TARS-1.0) or point='<point>x y</point>'
+    ("point", UI-TARS-1.5)."""
     t = a.type
     if t in CLICKS and a.target:
         return f"{t}(target='{a.target}')"
     if t in CLICKS and a.point is not None:
-        x, y = a.point
-        return f"{t}(start_box='({int(x)},{int(y)})')"
+        x, y = (int(v) for v in a.point)
+        return f"{t}(point='<point>{x} {y}</point>')" if point_form == "point" else f"{t}(start_box='({x},{y})')"
     if t == "type":  # the target first: content is free text that runs to the last "')" (actor.parsing)
         where = f"target='{a.target}', " if a.target else ""
         return f"type({where}content='" + a.content.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "')"

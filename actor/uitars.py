@@ -20,10 +20,10 @@ Text checkpoints and the tiny `tars_vision` path keep their own rules (actor/tin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from actor.parsing import on_screen
-from actor.tiny import UITARS_PROMPTS
+from actor.parsing import from_screen, on_screen
+from actor.tiny import UITARS_PROMPTS, format_action
 from core.action import Action
 from core.chat import ChatTokenizer, Content
 from core.session_options import SCREENSHOTS, split_screenshots
@@ -70,17 +70,54 @@ class Vision:
         """The actions with their points mapped from model coordinates to screen pixels. `screen`: the observation's
         (width, height) (0s when the env did not say: the screenshot's own size); `shot`: the screenshot the model
         saw (its real size is what smart_resize resized). Unchanged in `screen` mode, or with no size to map to."""
-        if self.coordinates == "screen":
+        frame = self._frame(screen, shot)
+        if frame is None:
             return actions
+        sw, sh, iw, ih, lim = frame
+        return [on_screen(a, self.coordinates, sw, sh, iw, ih, **lim) for a in actions]
+
+    def to_model(self, actions: list[Action], screen: tuple[int, int], shot: bytes) -> list[Action]:
+        """to_screen's inverse: points in screen pixels -> the model's coordinates, rounded to whole units as a model
+        writes them (a demonstrator's answer)."""
+        frame = self._frame(screen, shot)
+        if frame is None:
+            return actions
+        sw, sh, iw, ih, lim = frame
+        back = lambda p: tuple(float(round(v)) for v in from_screen(p, self.coordinates, sw, sh, iw, ih, **lim))  # noqa: E731
+        return [a.map_points(back) for a in actions]
+
+    def _frame(self, screen: tuple[int, int], shot: bytes):
+        """(screen w, h, screenshot w, h, resize limits) the coordinate maps take, or None where points stay as they
+        are (screen mode, or no size to map to)."""
+        if self.coordinates == "screen":
+            return None
         img = png_size(shot) if shot else None
         sw, sh = screen if screen[0] > 0 and screen[1] > 0 else (img or (0, 0))
         if sw <= 0 or sh <= 0:
-            return actions
+            return None
         iw, ih = img or (sw, sh)
         spec = self.spec
         lim = ({"factor": spec.factor, "min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels} if spec else
                {"factor": IMAGE_FACTOR, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS})
-        return [on_screen(a, self.coordinates, sw, sh, iw, ih, **lim) for a in actions]
+        return sw, sh, iw, ih, lim
+
+    def demo_answer(self, style: str, action: Action, screen: tuple[int, int], shot: bytes) -> str:
+        """What a policy in `style` should write to take a demonstrator's `action` (screen pixels) on an observation
+        (screen size, screenshot). The text styles, which show the element list, name the element as the action
+        does (format_action). The UI-TARS styles show a screenshot shown alone: the action at its point in the
+        model's coordinates, in the checkpoint's point form, a type into a named field as a click on the field and
+        then the type. ValueError for an action that names an element it has no point for (the backend cannot
+        ground it: envd.hints.grounded)."""
+        if style not in UITARS_STYLES or not shot:
+            return format_action(action)
+        if action.target and action.point is None:
+            raise ValueError(f"the demonstrator's {action.type} names {action.target!r} but has no point on the "
+                             "screen: the backend cannot ground it, so a screenshot policy cannot be shown it")
+        if action.type == "type" and action.target:
+            acts = [Action("click", point=action.point), Action("type", content=action.content)]
+        else:
+            acts = [replace(action, target="")]
+        return "Action: " + "\n".join(format_action(a, self.point_form()) for a in self.to_model(acts, screen, shot))
 
 
 def resolve(cfg, tok: ChatTokenizer, spec: VLSpec | None = None) -> Vision:

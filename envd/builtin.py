@@ -284,6 +284,11 @@ class BuiltinEnv(Env):
             return Action("click", target=g["field"])
         return Action("click", target=g["answer"] if s.dialog else g["button"])
 
+    def ground(self, target: str) -> tuple[float, float] | None:
+        """The centre of the visible widget labelled `target` (screen pixels), or None."""
+        w = self._find(Action("click", target=target))
+        return None if w is None else ((w.box[0] + w.box[2]) / 2, (w.box[1] + w.box[3]) / 2)
+
     def random_action(self, rng: random.Random) -> Action:
         """A plausible but random action on the visible screen (a weak demonstrator)."""
         s = self._state()

@@ -39,7 +39,7 @@ from typing import Any
 from envd import miniwob_chromium, scratch
 from envd.base import Action, ActionError, Env, Outcome, Resources, Screenshot, StepResult, refuse_unknown
 from envd.browser_input import _bool
-from envd.miniwob_actions import Translator, flatten_dom, render
+from envd.miniwob_actions import Translator, flatten_dom, render, resolve_target
 from envd.sandbox_limits import uids_in_use
 from envd.miniwob_oracle import oracle_action
 from envd.png import encode_rgb
@@ -333,6 +333,13 @@ class MiniWoBEnv(Env):
         if self._done or self._last is None:
             raise ActionError("no running episode; reset first")
         return oracle_action(self.task, self._utterance, self._fields, self._elements)
+
+    def ground(self, target: str) -> tuple[float, float] | None:
+        """The centre of the element `target` names on the last observed page (screen pixels), or None."""
+        try:
+            return resolve_target(self._elements or [], target).center
+        except ActionError:
+            return None
 
     @property
     def pids(self) -> set[int]:

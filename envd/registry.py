@@ -98,8 +98,8 @@ def check_options(env_id: str, options: dict[str, str] | None = None, *, remote:
         from envd import hints
 
         opts, hint = hints.split_options(opts)
-        if hint and hint not in hints.POLICIES:
-            raise ValueError(f"{hints.OPTION}={hint!r}: expected one of {list(hints.POLICIES)}")
+        if hint:
+            hints.check(hint)
         _remote_rules(prefix, opts)
     if checker is not None:
         checker(name, opts)

@@ -163,8 +163,11 @@ class EnvServicer(SnapshotRPCs, env_pb2_grpc.EnvServiceServicer):
         self.admission.check(owner, client_id)
         options, hint = hints.split_options(options)
         make = functools.partial(registry.make, remote=True)
-        if hint and hint not in hints.POLICIES:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{hints.OPTION}={hint!r}: expected one of {hints.POLICIES}")
+        if hint:
+            try:
+                hints.check(hint)
+            except ValueError as e:
+                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         with self.admission.building(owner):
             try:
                 env = await self.workers.run(make, env_id, options, timeout=self.cfg.step_timeout_s,

@@ -214,11 +214,26 @@ def roll(env_ids: list[str], episodes: int, demonstrator: str, seed: int, max_tu
 
 def source(cfg, episodes: int, stream: str = ""):
     """A learner.sft.DemonstrationSource: `episodes` demonstrations of cfg.sft.demonstrator on cfg.actor.env_ids
-    (stream: see demonstrations)."""
+    (stream: see demonstrations). A policy the actor shows screenshots (actor.image_history, resolved for the
+    checkpoint: a vision-language one shows them by default) gets them played through the actor's own episodes, with
+    their screenshots (tars.demos_vl); a text policy the text turns above."""
     parse_demonstrator(cfg.sft.demonstrator)  # a bad spec is refused before any model is loaded
-    return lambda tok: demonstrations(tok, list(cfg.actor.env_ids), episodes, cfg.sft.demonstrator, cfg.seed,
-                                      cfg.actor.max_turns, cfg.actor.system_prompt, cfg.actor.max_obs_tokens,
-                                      cfg.actor.env_options, cfg.actor.max_new_tokens, stream)
+
+    def build(tok: ChatTokenizer):
+        from actor.uitars import resolve
+
+        if resolve(cfg.actor, tok).image_history > 0:   # ValueError for settings the actor would refuse too
+            from tars.demos_vl import examples
+
+            if parse_demonstrator(cfg.sft.demonstrator)[0] == "confused":
+                raise ValueError(f"sft.demonstrator={cfg.sft.demonstrator}: a policy shown screenshots learns from "
+                                 "oracle or noisy:P demonstrations (confused:P writes the builtin tasks' text turns)")
+
+            return examples(cfg, tok, episodes, cfg.sft.demonstrator, lambda e: episode_seeds(cfg.seed, e, stream))
+        return demonstrations(tok, list(cfg.actor.env_ids), episodes, cfg.sft.demonstrator, cfg.seed,
+                              cfg.actor.max_turns, cfg.actor.system_prompt, cfg.actor.max_obs_tokens,
+                              cfg.actor.env_options, cfg.actor.max_new_tokens, stream)
+    return build
 
 
 def val_source(cfg):

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from envd import registry
+from envd import hints, registry
 from envd.base import Action, ActionError, Env, Outcome, StepResult
 from envd.server import ENV_SERVICE, serve
 from envd_compliance import envd_client, expect_code, run, until
@@ -405,7 +405,7 @@ def test_main_exits_cleanly_on_sigterm(tmp_path):
 
 
 def test_hint_policy_option_gives_the_scripted_action_and_never_reaches_the_backend():
-    """hint_policy=oracle: every running result carries the oracle's next action; playing it wins; the option is
+    """hint_policy=oracle: every running result carries the oracle's next action, grounded; playing it wins; the option is
     the daemon's (backends never see it); an unknown policy is INVALID_ARGUMENT; a backend without an oracle says so."""
     async def body():
         async with envd_client() as c:
@@ -416,7 +416,9 @@ def test_hint_policy_option_gives_the_scripted_action_and_never_reaches_the_back
             env = c.server.servicer.sessions[sid].env
             for _ in range(2):
                 hint = json.loads(r.info_json)["hint_action"]
-                assert Action.from_dict(hint) == env.oracle_action()
+                # the oracle's action, with the point of the widget it names (envd.hints.grounded)
+                assert Action.from_dict(hint) == hints.grounded(env, env.oracle_action())
+                assert Action.from_dict(hint).point == env.ground(env.oracle_action().target) is not None
                 r = await c.Step(env_pb2.StepRequest(session_id=sid, action=Action.from_dict(hint).to_proto()))
             assert r.outcome == common_pb2.TERMINATED and r.reward == 1.0 and "hint_action" not in json.loads(r.info_json)
             await expect_code(grpc.StatusCode.INVALID_ARGUMENT, c.CreateSession(env_pb2.CreateSessionRequest(

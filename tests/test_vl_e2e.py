@@ -231,7 +231,8 @@ def test_a_short_up_run_with_screenshots(vl_run_dir, tmp_path):
 
 @pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium, chromium-driver, socat and bubblewrap")
 def test_sft_on_text_demos_and_eval_with_screenshots(vl_run_dir, tmp_path):
-    """`tars sft --model VLDIR` (the scripted text demonstrations) keeps a VL checkpoint; `tars eval --model` on it
+    """`tars sft --model VLDIR` (scripted demonstrations played through the actor's episodes, tars/demos_vl.py; the
+    builtin tasks of the default config show text, not screenshots) keeps a VL checkpoint; `tars eval --model` on it
     runs MiniWoB episodes with screenshots, none of which ends as an infrastructure error."""
     sft = tmp_path / "sft"
     _cli("sft", "--model", str(vl_run_dir), "--out", str(sft), "--demos", "16", "--steps", "2",

@@ -1,0 +1,158 @@
+"""Demonstrations with screenshots: a scripted demonstrator played through the actor's own episode loop.
+
+A policy shown screenshots (actor.image_history > 0: a vision-language checkpoint, by default) learns its warm start
+from what it will see in RL: each demonstration is an actor episode (actor.episode.run_episode, through a real
+envd on loopback in this process) in which the demonstrator writes the answers instead of the model, so the prompts,
+the image runs, the segments and the images of every example are the actor's own (one place builds them), and SFT
+trains on them with their screenshots (learner.sft: ExampleImages, bound per segment like the learner's RL batches).
+
+    oracle    envd's hint (envd/hints.py: sessions created with hint_policy=oracle) is the next action; an action
+              that names an element carries its point, so it is written at that point in the checkpoint's
+              coordinates and point form (actor.uitars.Vision.demo_answer). Only won episodes are kept.
+    noisy:P   envd's noisy:P hint: the oracle's action with probability P, else the backend's random one (a click
+              anywhere on the screen for a backend without an action model); every episode is kept.
+
+Seeds are the caller's (tars.demos.episode_seeds: training seeds, below core.config.HELD_OUT_SEED_BASE), episode i on
+env_ids[i % len], one env id's episodes in order on one session of its own. The demonstrator is never a policy:
+nothing here runs during RL or evaluation.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+
+from core.action import Action
+from core.inference_client import GenerateResult
+
+HINT = "hint_policy"
+
+
+class _GaveUp(Exception):
+    """The oracle has no action for this page (envd's hint_error): the episode is dropped, not a demonstration."""
+
+
+class _Demonstrator:
+    """One episode's stand-in for the model: an EnvClient wrapper that keeps the last observation (its hint), and an
+    inference client whose generate answers with the demonstrator's action as the policy should write it."""
+
+    def __init__(self, env, tok, vis, style: str):
+        self.env, self.tok, self.vis, self.style, self.obs, self.longest = env, tok, vis, style, None, (0, "")
+
+    async def open(self, *a):
+        sid, run_id, self.obs = await self.env.open(*a)
+        return sid, run_id, self.obs
+
+    async def step(self, *a, **kw):
+        self.obs = await self.env.step(*a, **kw)
+        return self.obs
+
+    async def release(self, *a, **kw):
+        await self.env.release(*a, **kw)
+
+    def keepalive(self, sid: str):
+        return self.env.keepalive(sid)
+
+    def action(self) -> Action:
+        info = json.loads(self.obs.info_json or "{}")
+        if not info.get("hint_action"):
+            raise _GaveUp(str(info.get("hint_error", "no action")))
+        return Action.from_dict(info["hint_action"])
+
+    async def generate(self, tid, input_ids, max_new_tokens, **_kw) -> GenerateResult:
+        o = self.obs
+        shot = bytes(o.images[-1].data) if o.images else b""
+        text = self.vis.demo_answer(self.style, self.action(), (o.width, o.height), shot)
+        ids = self.tok.answer(text)
+        if len(ids) > self.longest[0]:
+            self.longest = (len(ids), text)
+        ids = ids[:max_new_tokens] if max_new_tokens > 0 else ids
+        return GenerateResult(ids, [0.0] * len(ids), [0] * len(ids), "stop", len(input_ids), 0, 0, "demonstrator")
+
+
+async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, keep_all: bool, seeds_of):
+    from actor import uitars
+    from actor.envclient import EnvClient
+    from actor.episode import EpisodeContext, run_episode
+    from core.outcome import Outcome
+    from envd.server import EnvServer
+
+    a = cfg.actor
+    acfg = dataclasses.replace(a, env_options={**a.env_options, HINT: demonstrator}, judge_mode="off",
+                               max_new_tokens=a.max_new_tokens or 256)
+    vis = uitars.resolve(acfg, tok)
+    server = EnvServer(dataclasses.replace(cfg.envd, host="127.0.0.1", port=0))
+    await server.start()
+    env = EnvClient(server.address, cfg.envd.auth_token, a.rpc_timeout_s, a.retries, len(env_ids),
+                    cfg.envd.lease_ttl_s / 2, cfg.envd.lease_ttl_s)
+    longest: list[tuple[int, str]] = []
+
+    async def work(k: int) -> list[tuple[int, object]]:
+        env_id, out = env_ids[k], []
+        seeds = seeds_of(env_id)
+        for i in range(k, episodes, len(env_ids)):
+            d = _Demonstrator(env, tok, vis, vis.style(a.system_prompt, env_id))
+            ctx = EpisodeContext(acfg, tok, d, "demonstrator", max_context=cfg.inference.request_limit(), vision=vis)
+            try:
+                tr = await run_episode(ctx, d, f"demo-{env_id}-{i}", env_id, next(seeds), 0)
+            except _GaveUp:
+                continue
+            finally:
+                longest.append(d.longest)
+            if tr.outcome == Outcome.INFRA_ERROR:
+                raise RuntimeError(f"a demonstration on {env_id} failed in envd: {tr.error}")
+            if tr.turns and (keep_all or (tr.outcome == Outcome.TERMINATED and tr.success)):
+                out.append((i, tr))
+        return out
+
+    try:
+        parts = await asyncio.gather(*(work(k) for k in range(len(env_ids))))
+    finally:
+        await env.close()
+        await server.stop(grace=1.0)
+    n, text = max(longest, default=(0, ""))
+    if a.max_new_tokens > 0 and n > a.max_new_tokens:
+        raise ValueError(f"a demonstrated answer is longer than actor.max_new_tokens={a.max_new_tokens} tokens "
+                         f"({text!r} is {n} with this checkpoint's tokenizer, its end-of-turn token included): RL "
+                         f"would cut it short; set actor.max_new_tokens to at least {n}")
+    return [tr for _, tr in sorted((x for part in parts for x in part), key=lambda x: x[0])]
+
+
+def trajectories(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list:
+    """`episodes` demonstrations of `demonstrator` (oracle | noisy:P: envd's hint policy) on cfg.actor.env_ids as the
+    actor's Trajectory records (tokens, the answers' mask, segments, image_refs, images); seeds_of(env_id): that env
+    id's episode seeds, in order. The oracle's episodes are kept when won, noisy's all."""
+    from envd import hints
+
+    hints.check(demonstrator)   # ValueError naming what envd takes (confused:P is for tars.demos' text turns)
+    args = (cfg, tok, list(cfg.actor.env_ids), episodes, demonstrator, demonstrator != "oracle", seeds_of)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_roll(*args))
+    box: dict = {}   # called from a running loop: roll in a thread of its own
+
+    def run() -> None:
+        try:
+            box["v"] = asyncio.run(_roll(*args))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["e"] = e
+    t = threading.Thread(target=run, name="demos-vl")
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]
+
+
+def examples(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list[tuple]:
+    """The demonstrations (trajectories) as learner.sft examples: (tokens, loss mask, ExampleImages), the loss on
+    the answers."""
+    from learner.data import sft_examples
+
+    trs = trajectories(cfg, tok, episodes, demonstrator, seeds_of)
+    if episodes > 0 and not trs:
+        raise ValueError(f"no demonstrations: the {demonstrator} demonstrator won none of the {episodes} episodes it "
+                         f"played on {', '.join(cfg.actor.env_ids)} within actor.max_turns={cfg.actor.max_turns}")
+    return sft_examples(trs)

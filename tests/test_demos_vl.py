@@ -1,0 +1,203 @@
+"""Demonstrations with screenshots (tars/demos_vl.py): a scripted demonstrator played through the actor's own episode
+loop for a policy shown screenshots, written at points in the checkpoint's coordinates (actor.uitars.Vision.demo_answer,
+actor.parsing.from_screen), grounded by envd (envd.hints.grounded), and trained on with their images by tars sft."""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from actor.parsing import from_screen, parse_response, to_screen
+from actor.uitars import Vision
+from core.action import Action
+from envd import builtin, hints
+from envd.png import encode_rgb
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _png(w: int, h: int) -> bytes:
+    return encode_rgb(bytes(w * h * 3), w, h)
+
+
+@pytest.mark.parametrize("mode", ["absolute", "relative"])
+@pytest.mark.parametrize("size", [(160, 210), (640, 400), (1280, 720), (1920, 1080)])
+def test_from_screen_inverts_to_screen(mode, size):
+    rng = random.Random(0)
+    w, h = size
+    for _ in range(200):
+        p = (rng.uniform(0, w - 1), rng.uniform(0, h - 1))
+        back = to_screen(from_screen(p, mode, w, h), mode, w, h)
+        assert back == pytest.approx(p, abs=1e-6)
+    with pytest.raises(ValueError, match="mode"):
+        from_screen((1, 1), "screen", w, h)
+
+
+@pytest.mark.parametrize("coords, form", [("absolute", "<point>"), ("relative", "start_box='(")])
+def test_a_demonstrated_click_parses_back_to_its_point(coords, form):
+    """The demonstrator's click, written in model coordinates in the checkpoint's point form, goes back through the
+    actor's parser and coordinate map to within one model unit of the element's centre."""
+    vis = Vision(None, 2, coords)
+    w, h = 160, 210
+    shot = _png(w, h)
+    rng = random.Random(1)
+    for _ in range(50):
+        p = (rng.uniform(2, w - 3), rng.uniform(2, h - 3))
+        text = vis.demo_answer("computer", Action("click", target="[7]", point=p), (w, h), shot)
+        assert form in text and "target" not in text
+        thought, acts = parse_response(text)
+        (a,) = vis.to_screen(acts, (w, h), shot)
+        unit = w / 1000 if coords == "relative" else 1.0   # one model unit in screen pixels (absolute: the resize)
+        assert a.type == "click" and abs(a.point[0] - p[0]) <= unit and abs(a.point[1] - p[1]) <= unit * h / w + 1
+
+
+def test_a_demonstrated_type_into_a_field_clicks_it_first():
+    vis = Vision(None, 2, "absolute")
+    text = vis.demo_answer("computer", Action("type", target="[9]", content="it's\nok", point=(80.0, 60.0)),
+                           (160, 210), _png(160, 210))
+    _, acts = parse_response(text)
+    assert [a.type for a in acts] == ["click", "type"] and acts[1].content == "it's\nok" and not acts[1].target
+    # the text styles show the element list: the action names its element, as the text demonstrations do
+    assert vis.demo_answer("tiny", Action("type", target="[9]", content="x", point=(80.0, 60.0)), (160, 210),
+                           _png(160, 210)) == "type(target='[9]', content='x')"
+    # a screenshot policy cannot be shown an element the backend could not ground
+    with pytest.raises(ValueError, match="no point on the screen"):
+        vis.demo_answer("computer", Action("click", target="[3]"), (160, 210), _png(160, 210))
+
+
+def test_envd_grounds_a_hint_that_names_an_element():
+    """The oracle's hint carries the centre of the widget it names; a click at that point alone does what the
+    named click does (the click task is won), and the target stays for clients that step with it."""
+    rng = random.Random(0)
+    for seed in range(20):
+        env = builtin.make("click")
+        r = env.reset(seed)
+        a = hints.next_action(env, "oracle", r, rng)
+        assert a.target and a.point is not None
+        box = next(e["box"] for e in r.info["elements"] if e["label"] == a.target)
+        assert a.point == ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2)
+        r2 = env.step(Action("click", point=a.point))
+        assert r2.info["success"] and r2.reward == 1.0
+    # a target the page does not have stays ungrounded
+    env = builtin.make("click")
+    env.reset(0)
+    assert hints.grounded(env, Action("click", target="no such label")).point is None
+
+
+def _miniwob_here() -> bool:
+    from envd import miniwob_chromium
+
+    return not miniwob_chromium.missing()
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory) -> pathlib.Path:
+    from tests.hf_dirs import make_vl_checkpoint
+
+    d = tmp_path_factory.mktemp("vl") / "ckpt"
+    make_vl_checkpoint(d, arch="qwen2_5_vl", max_pixels=64 * 28 * 28, min_pixels=4 * 28 * 28)
+    return d
+
+
+SETS = ["actor.env_ids=[miniwob/click-button,miniwob/enter-text,miniwob/login-user]", "actor.image_history=2",
+        "actor.env_options.screenshots=1", "actor.max_new_tokens=64", "inference.max_context=8192"]
+
+
+def _answers(tokens, mask) -> list[list[int]]:
+    out, cur = [], []
+    for t, m in zip(tokens, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium, chromium-driver, socat and bubblewrap")
+def test_oracle_demonstrations_with_screenshots_through_the_actor(vl_dir):
+    """The oracle through the actor's episodes on MiniWoB with a Qwen2.5-VL checkpoint: every example carries its
+    screenshots (one image run per turn, a new segment at the third: image_history 2), its answers are clicks at
+    points (no element names: the policy sees no element list), and each kept episode was won by those answers as
+    the actor parsed them and mapped them to the screen. The examples bind to the model's images and score."""
+    import torch
+
+    from core import config as C
+    from core.chat import ChatTokenizer
+    from learner.data import ExampleImages
+    from learner.policy import TrainPolicy
+    from learner.sft import answer_scores, bind_images
+    from tars.demos import source
+
+    cfg = C.load("miniwob", overrides=SETS)
+    tok = ChatTokenizer.load(vl_dir)
+    ex = source(cfg, 6)(tok)
+    assert len(ex) == 6   # the oracle wins these tasks: a demonstration written at a wrong point would lose
+    for toks, mask, im in ex:
+        assert isinstance(im, ExampleImages)
+        answers = [tok.decode(a) for a in _answers(toks, mask)]
+        assert len(im.image_refs) == len(answers) and set(im.image_refs) <= set(im.images)
+        assert im.segments == ([] if len(answers) <= 2 else [im.segments[0]]) and all(s > 0 for s in im.segments)
+        for text in answers:
+            _, acts = parse_response(text)
+            assert acts[0].type == "click" and acts[0].point is not None and not acts[0].target
+    assert sum(len(_answers(t, m)) for t, m, _ in ex) > len(ex)   # enter-text and login-user take several turns
+    policy = TrainPolicy.load(vl_dir)
+    bound = bind_images(policy, ex)
+    s = answer_scores(policy, bound, tok.pad_id, torch.device("cpu"))
+    assert np.isfinite(s["nll"]) and s["nll"] > 0
+
+
+@pytest.mark.skipif(not _miniwob_here(), reason="MiniWoB needs Debian chromium, chromium-driver, socat and bubblewrap")
+def test_sft_cli_trains_a_vl_checkpoint_on_demonstrations_with_screenshots(vl_dir, tmp_path):
+    """`tars sft --model VLDIR --demos N` with screenshots shown: every demonstration is trained on with its images,
+    and the policy writes demonstrated answers on pages of their own (sft.val_episodes) better after it than before."""
+    out = tmp_path / "sft"
+    sets = [x for s in SETS + ["sft.batch_size=4", "sft.lr=0.003", "sft.val_episodes=3"] for x in ("--set", s)]
+    r = subprocess.run([sys.executable, "-m", "tars.cli", "sft", "--preset", "miniwob", "--model", str(vl_dir),
+                        "--out", str(out), "--demos", "6", "--steps", "20", *sets],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((out / "sft.json").read_text())
+    assert m["demonstrations"] == 6 and m["with_screenshots"] == 6, m
+    assert "6 examples, 6 with screenshots" in r.stdout + r.stderr
+    assert m["val"][-1]["nll"] < m["val"][0]["nll"], m["val"]
+
+
+def test_demonstrations_with_screenshots_refuse_the_confused_demonstrator(vl_dir):
+    from core import config as C
+    from tars.demos_vl import trajectories
+
+    from core.chat import ChatTokenizer
+    from tars.demos import source
+
+    with pytest.raises(ValueError, match="hint_policy='confused:0.5': expected one of"):
+        trajectories(C.load(None), None, 4, "confused:0.5", lambda e: iter(range(4)))
+    cfg = C.load(None, overrides=["sft.demonstrator=confused:0.5"])
+    with pytest.raises(ValueError, match="sft.demonstrator=confused:0.5: a policy shown screenshots"):
+        source(cfg, 4)(ChatTokenizer.load(vl_dir))
+
+
+def test_noisy_hint_policy_mixes_the_oracle_and_random_turn_by_turn():
+    """hint_policy=noisy:P (the demonstrator the SFT warm start uses): P=1 is the oracle, P=0 the backend's random
+    action, both grounded; anything but a number in [0, 1] is refused."""
+    env = builtin.make("menu")
+    for seed in range(5):
+        r = env.reset(seed)
+        assert hints.next_action(env, "noisy:1", r, random.Random(seed)) == hints.grounded(env, env.oracle_action())
+        g = random.Random(seed)
+        g.random()   # the draw that chose random
+        assert hints.next_action(env, "noisy:0", r, random.Random(seed)) == hints.grounded(env, env.random_action(g))
+    picks = [hints.next_action(env, "noisy:0.5", r, rng) == hints.grounded(env, env.oracle_action())
+             for rng in [random.Random(0)] for _ in range(400)]
+    assert 0.4 < np.mean(picks) < 0.85   # about half the oracle's (a random click may also pick its widget)
+    for ok in ("oracle", "random", "noisy:0", "noisy:0.25", "noisy:1"):
+        hints.check(ok)
+    for bad in ("noisy", "noisy:", "noisy:1.5", "noisy:-0.1", "noisy:x", "psychic", "Oracle"):
+        with pytest.raises(ValueError, match="hint_policy"):
+            hints.check(bad)
