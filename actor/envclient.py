@@ -206,3 +206,25 @@ class EnvClient:
         idle, self._idle = self._idle, []
         await asyncio.gather(*(self.close_session(e[1]) for e in idle))
         await self.channel.close()
+
+
+class RecordingEnv:
+    """An EnvClient for one episode (what actor.episode uses of it) that keeps the last observation it returned
+    (`obs`: its info, its screenshot): `tars eval` reads the final info, a demonstrator the hint in each one."""
+
+    def __init__(self, env: EnvClient):
+        self.env, self.obs = env, None
+
+    async def open(self, *a):
+        sid, run_id, self.obs = await self.env.open(*a)
+        return sid, run_id, self.obs
+
+    async def step(self, *a, **kw):
+        self.obs = await self.env.step(*a, **kw)
+        return self.obs
+
+    async def release(self, *a, **kw):
+        await self.env.release(*a, **kw)
+
+    def keepalive(self, sid: str):
+        return self.env.keepalive(sid)

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import threading
 
+from actor.envclient import RecordingEnv
 from core.action import Action
 from core.inference_client import GenerateResult
 
@@ -33,26 +34,13 @@ class _GaveUp(Exception):
     """The oracle has no action for this page (envd's hint_error): the episode is dropped, not a demonstration."""
 
 
-class _Demonstrator:
-    """One episode's stand-in for the model: an EnvClient wrapper that keeps the last observation (its hint), and an
-    inference client whose generate answers with the demonstrator's action as the policy should write it."""
+class _Demonstrator(RecordingEnv):
+    """One episode's stand-in for the model: the episode's env (a RecordingEnv: the last observation, with its hint),
+    and an inference client whose generate answers with the demonstrator's action as the policy should write it."""
 
     def __init__(self, env, tok, vis, style: str):
-        self.env, self.tok, self.vis, self.style, self.obs, self.longest = env, tok, vis, style, None, (0, "")
-
-    async def open(self, *a):
-        sid, run_id, self.obs = await self.env.open(*a)
-        return sid, run_id, self.obs
-
-    async def step(self, *a, **kw):
-        self.obs = await self.env.step(*a, **kw)
-        return self.obs
-
-    async def release(self, *a, **kw):
-        await self.env.release(*a, **kw)
-
-    def keepalive(self, sid: str):
-        return self.env.keepalive(sid)
+        super().__init__(env)
+        self.tok, self.vis, self.style, self.longest = tok, vis, style, (0, "")
 
     def action(self) -> Action:
         info = json.loads(self.obs.info_json or "{}")

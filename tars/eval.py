@@ -160,29 +160,6 @@ class ScriptedPolicy(Policy):
 
 # ---- model policies (envd + inference + actor.episode) ----------------------------------------------------
 
-class _RecordingEnv:
-    """Wraps the shared EnvClient for one episode and keeps the last step's info (score, human_score)."""
-
-    def __init__(self, env):
-        self.env, self.info_json = env, ""
-
-    async def open(self, *a):
-        sid, run_id, o = await self.env.open(*a)
-        self.info_json = o.info_json
-        return sid, run_id, o
-
-    async def step(self, *a, **kw):
-        o = await self.env.step(*a, **kw)
-        self.info_json = o.info_json
-        return o
-
-    async def release(self, *a, **kw):
-        await self.env.release(*a, **kw)
-
-    def keepalive(self, sid: str):
-        return self.env.keepalive(sid)
-
-
 class ModelPolicy(Policy):
     def __init__(self, model: str, cfg: RunConfig, tokenizer: str = "", envd: str = ""):
         self.cfg, self.model, self.envd_addr = cfg, model, envd
@@ -250,7 +227,9 @@ class ModelPolicy(Policy):
         # training config's, so a checkpoint is scored the way it was trained.
         acfg = dataclasses.replace(self.cfg.actor, max_turns=task.max_turns or self.cfg.actor.max_turns,
                                    env_options={**self.cfg.actor.env_options, **task.options})
-        env = _RecordingEnv(self.env)
+        from actor.envclient import RecordingEnv
+
+        env = RecordingEnv(self.env)
         t0 = time.monotonic()
         tid = f"eval-{episode:06d}-{uuid.uuid4().hex[:8]}"
         try:
@@ -261,7 +240,7 @@ class ModelPolicy(Policy):
             return _record(task, episode, seed, S.INFRA, False, 0.0, 0, f"{type(e).__name__}: {e}",
                            time.monotonic() - t0, {})
         return _record(task, episode, seed, tr.outcome, tr.success, tr.ret, len(tr.turns), tr.error,
-                       time.monotonic() - t0, _info(env.info_json))
+                       time.monotonic() - t0, _info(env.obs.info_json if env.obs else ""))
 
     async def close(self) -> None:
         for name in ("infer", "env"):
