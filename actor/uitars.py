@@ -104,20 +104,20 @@ class Vision:
     def demo_answer(self, style: str, action: Action, screen: tuple[int, int], shot: bytes) -> str:
         """What a policy in `style` should write to take a demonstrator's `action` (screen pixels) on an observation
         (screen size, screenshot). The text styles, which show the element list, name the element as the action
-        does (format_action). The UI-TARS styles show a screenshot shown alone: the action at its point in the
-        model's coordinates, in the checkpoint's point form, a type into a named field as a click on the field and
-        then the type. ValueError for an action that names an element it has no point for (the backend cannot
+        does (format_action). The UI-TARS styles show a screenshot alone: the action at its point, in the
+        checkpoint's point form, a type into a named field as a click on the field and then the type. Points are
+        written in the model's coordinates (to_model: the actor maps every answer's points back with to_screen).
+        ValueError for a UI-TARS answer to an action that names an element without a point (the backend could not
         ground it: envd.hints.grounded)."""
-        if style not in UITARS_STYLES or not shot:
-            return format_action(action)
-        if action.target and action.point is None:
-            raise ValueError(f"the demonstrator's {action.type} names {action.target!r} but has no point on the "
-                             "screen: the backend cannot ground it, so a screenshot policy cannot be shown it")
-        if action.type == "type" and action.target:
-            acts = [Action("click", point=action.point), Action("type", content=action.content)]
-        else:
-            acts = [replace(action, target="")]
-        return "Action: " + "\n".join(format_action(a, self.point_form()) for a in self.to_model(acts, screen, shot))
+        acts, form, label = [action], "box", ""
+        if style in UITARS_STYLES and shot:
+            if action.target and action.point is None:
+                raise ValueError(f"the demonstrator's {action.type} names {action.target!r} but has no point on the "
+                                 "screen: the backend cannot ground it, so a screenshot policy cannot be shown it")
+            acts = ([Action("click", point=action.point), Action("type", content=action.content)]
+                    if action.type == "type" and action.target else [replace(action, target="")])
+            form, label = self.point_form(), "Action: "
+        return label + "\n".join(format_action(a, form) for a in self.to_model(acts, screen, shot))
 
 
 def resolve(cfg, tok: ChatTokenizer, spec: VLSpec | None = None) -> Vision:

@@ -65,6 +65,12 @@ def test_a_demonstrated_type_into_a_field_clicks_it_first():
     # the text styles show the element list: the action names its element, as the text demonstrations do
     assert vis.demo_answer("tiny", Action("type", target="[9]", content="x", point=(80.0, 60.0)), (160, 210),
                            _png(160, 210)) == "type(target='[9]', content='x')"
+    # a click at a point (noisy's random click) is written in the model's coordinates in every style: the actor
+    # maps every answer's points back to the screen
+    for style in ("tiny", "computer"):
+        _, acts = parse_response(vis.demo_answer(style, Action("click", point=(100.0, 50.0)), (160, 210), _png(160, 210)))
+        (a,) = vis.to_screen(acts, (160, 210), _png(160, 210))
+        assert a.point == pytest.approx((100.0, 50.0), abs=1.0)
     # a screenshot policy cannot be shown an element the backend could not ground
     with pytest.raises(ValueError, match="no point on the screen"):
         vis.demo_answer("computer", Action("click", target="[3]"), (160, 210), _png(160, 210))
