@@ -2,7 +2,7 @@
 
 A policy shown screenshots (actor.image_history > 0: a vision-language checkpoint, by default) learns its warm start
 from what it will see in RL: each demonstration is an actor episode (actor.episode.run_episode, through a real
-envd on loopback in this process) in which the demonstrator writes the answers instead of the model, so the prompts,
+envd on loopback in this process, behind a token of its own) in which the demonstrator writes the answers instead of the model, so the prompts,
 the image runs, the segments and the images of every example are the actor's own (one place builds them), and SFT
 trains on them with their screenshots (learner.sft: ExampleImages, bound per segment like the learner's RL batches).
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import secrets
 import threading
 
 from actor.envclient import RecordingEnv
@@ -70,10 +71,12 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
     acfg = dataclasses.replace(a, env_options={**a.env_options, HINT: demonstrator}, judge_mode="off",
                                max_new_tokens=a.max_new_tokens or 256)
     vis = uitars.resolve(acfg, tok)
-    server = EnvServer(dataclasses.replace(cfg.envd, host="127.0.0.1", port=0))
+    # this process's own daemon, on loopback, with a token of its own: no other process can call it
+    token = secrets.token_hex(16)
+    server = EnvServer(dataclasses.replace(cfg.envd, host="127.0.0.1", port=0, auth_token=token), control_token=token)
     await server.start()
-    env = EnvClient(server.address, cfg.envd.auth_token, a.rpc_timeout_s, a.retries, len(env_ids),
-                    cfg.envd.lease_ttl_s / 2, cfg.envd.lease_ttl_s)
+    env = EnvClient(server.address, token, a.rpc_timeout_s, a.retries, len(env_ids), cfg.envd.lease_ttl_s / 2,
+                    cfg.envd.lease_ttl_s)
     longest: list[tuple[int, str]] = []
 
     async def work(k: int) -> list[tuple[int, object]]:

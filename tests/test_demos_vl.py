@@ -172,6 +172,7 @@ def test_sft_cli_trains_a_vl_checkpoint_on_demonstrations_with_screenshots(vl_di
     m = json.loads((out / "sft.json").read_text())
     assert m["demonstrations"] == 6 and m["with_screenshots"] == 6, m
     assert "6 examples, 6 with screenshots" in r.stdout + r.stderr
+    assert "without envd.auth_token" not in r.stderr   # the demonstrations' own envd takes a token of its own
     assert m["val"][-1]["nll"] < m["val"][0]["nll"], m["val"]
 
 
