@@ -83,7 +83,8 @@ class Vision:
         if frame is None:
             return actions
         sw, sh, iw, ih, lim = frame
-        back = lambda p: tuple(float(round(v)) for v in from_screen(p, self.coordinates, sw, sh, iw, ih, **lim))  # noqa: E731
+        def back(p):
+            return tuple(float(round(v)) for v in from_screen(p, self.coordinates, sw, sh, iw, ih, **lim))
         return [a.map_points(back) for a in actions]
 
     def _frame(self, screen: tuple[int, int], shot: bytes):

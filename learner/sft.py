@@ -241,8 +241,8 @@ def run(cfg, model_dir: str, out_dir: str, data: list[str], demos: Demonstration
     m = train_sft(policy, examples, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, pad_id, log=log,
                   device=device, amp_dtype=amp_dtype, val=val)
     policy.save_hf(out_dir, tokenizer_from=src)  # with the model directory's tokenizer files
-    m.update(trajectories=n_traj, infra_error_dropped=infra, demonstrations=len(examples) - n_traj, with_screenshots=shown,
-             out=str(out_dir), device=str(device),
+    m.update(trajectories=n_traj, infra_error_dropped=infra, demonstrations=len(examples) - n_traj,
+             with_screenshots=shown, out=str(out_dir), device=str(device),
              precision="bf16" if amp_dtype is not None else "fp32")
     pathlib.Path(out_dir, "sft.json").write_text(json.dumps(m, indent=2))
     return m

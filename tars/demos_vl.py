@@ -1,10 +1,12 @@
 """Demonstrations with screenshots: a scripted demonstrator played through the actor's own episode loop.
 
 A policy shown screenshots (actor.image_history > 0: a vision-language checkpoint, by default) learns its warm start
-from what it will see in RL: each demonstration is an actor episode (actor.episode.run_episode, through a real
-envd on loopback in this process, behind a token of its own) in which the demonstrator writes the answers instead of the model, so the prompts,
-the image runs, the segments and the images of every example are the actor's own (one place builds them), and SFT
-trains on them with their screenshots (learner.sft: ExampleImages, bound per segment like the learner's RL batches).
+from what it will see in RL: each demonstration is an actor episode (actor.episode.run_episode, through a real envd
+on loopback in this process, behind a token of its own) in which the demonstrator writes the answers instead of the
+model, so the prompts, the image runs, the segments and the images of every example are the actor's own (one place
+builds them), and SFT trains on them with their screenshots (learner.sft: ExampleImages, bound per segment like the
+learner's RL batches). An episode that ends as an infrastructure error (a browser that crashed) is left out, as a
+lost one is; when nothing is left, the error says why.
 
     oracle    envd's hint (envd/hints.py: sessions created with hint_policy=oracle) is the next action; an action
               that names an element carries its point, so it is written at that point in the checkpoint's
@@ -78,6 +80,7 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
     env = EnvClient(server.address, token, a.rpc_timeout_s, a.retries, len(env_ids), cfg.envd.lease_ttl_s / 2,
                     cfg.envd.lease_ttl_s)
     longest: list[tuple[int, str]] = []
+    failed: list[str] = []   # the infrastructure errors of episodes left out
 
     async def work(k: int) -> list[tuple[int, object]]:
         env_id, out = env_ids[k], []
@@ -92,14 +95,18 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
             finally:
                 longest.append(d.longest)
             if tr.outcome == Outcome.INFRA_ERROR:
-                raise RuntimeError(f"a demonstration on {env_id} failed in envd: {tr.error}")
-            if tr.turns and (keep_all or (tr.outcome == Outcome.TERMINATED and tr.success)):
+                failed.append(f"{env_id}: {tr.error}")
+            elif tr.turns and (keep_all or (tr.outcome == Outcome.TERMINATED and tr.success)):
                 out.append((i, tr))
         return out
 
+    tasks = [asyncio.create_task(work(k)) for k in range(len(env_ids))]
     try:
-        parts = await asyncio.gather(*(work(k) for k in range(len(env_ids))))
-    finally:
+        parts = await asyncio.gather(*tasks)
+    finally:   # one env id's error ends the others before their daemon stops
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await env.close()
         await server.stop(grace=1.0)
     n, text = max(longest, default=(0, ""))
@@ -107,13 +114,19 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
         raise ValueError(f"a demonstrated answer is longer than actor.max_new_tokens={a.max_new_tokens} tokens "
                          f"({text!r} is {n} with this checkpoint's tokenizer, its end-of-turn token included): RL "
                          f"would cut it short; set actor.max_new_tokens to at least {n}")
-    return [tr for _, tr in sorted((x for part in parts for x in part), key=lambda x: x[0])]
+    kept = [tr for _, tr in sorted((x for part in parts for x in part), key=lambda x: x[0])]
+    if episodes > 0 and not kept:
+        lost = (f"; {len(failed)} ended as infrastructure errors (the first: {failed[0][:300]})" if failed else "")
+        raise ValueError(f"no demonstrations: the {demonstrator} demonstrator won none of the {episodes} episodes it "
+                         f"played on {', '.join(env_ids)} within actor.max_turns={a.max_turns}{lost}")
+    return kept
 
 
 def trajectories(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list:
     """`episodes` demonstrations of `demonstrator` (oracle | noisy:P: envd's hint policy) on cfg.actor.env_ids as the
     actor's Trajectory records (tokens, the answers' mask, segments, image_refs, images); seeds_of(env_id): that env
-    id's episode seeds, in order. The oracle's episodes are kept when won, noisy's all."""
+    id's episode seeds, in order. The oracle's episodes are kept when won, noisy's all; ValueError when none is
+    kept."""
     from envd import hints
 
     hints.check(demonstrator)   # ValueError naming what envd takes (confused:P is for tars.demos' text turns)
@@ -142,8 +155,4 @@ def examples(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list[tuple
     the answers."""
     from learner.data import sft_examples
 
-    trs = trajectories(cfg, tok, episodes, demonstrator, seeds_of)
-    if episodes > 0 and not trs:
-        raise ValueError(f"no demonstrations: the {demonstrator} demonstrator won none of the {episodes} episodes it "
-                         f"played on {', '.join(cfg.actor.env_ids)} within actor.max_turns={cfg.actor.max_turns}")
-    return sft_examples(trs)
+    return sft_examples(trajectories(cfg, tok, episodes, demonstrator, seeds_of))

@@ -68,7 +68,8 @@ def test_a_demonstrated_type_into_a_field_clicks_it_first():
     # a click at a point (noisy's random click) is written in the model's coordinates in every style: the actor
     # maps every answer's points back to the screen
     for style in ("tiny", "computer"):
-        _, acts = parse_response(vis.demo_answer(style, Action("click", point=(100.0, 50.0)), (160, 210), _png(160, 210)))
+        text = vis.demo_answer(style, Action("click", point=(100.0, 50.0)), (160, 210), _png(160, 210))
+        _, acts = parse_response(text)
         (a,) = vis.to_screen(acts, (160, 210), _png(160, 210))
         assert a.point == pytest.approx((100.0, 50.0), abs=1.0)
     # a screenshot policy cannot be shown an element the backend could not ground
@@ -208,3 +209,38 @@ def test_noisy_hint_policy_mixes_the_oracle_and_random_turn_by_turn():
     for bad in ("noisy", "noisy:", "noisy:1.5", "noisy:-0.1", "noisy:x", "psychic", "Oracle"):
         with pytest.raises(ValueError, match="hint_policy"):
             hints.check(bad)
+
+
+class _Crashing(builtin.BuiltinEnv):
+    """builtin/click whose backend raises on its first Step: on odd seeds ("odd"), or always ("all")."""
+
+    def __init__(self, name: str, options=None):
+        super().__init__("click")
+        self.which = name
+
+    def reset(self, seed, options=None):
+        self.crash = self.which == "all" or seed % 2 == 1
+        return super().reset(seed, options)
+
+    def step(self, action):
+        if self.crash:
+            raise RuntimeError("the backend crashed")
+        return super().step(action)
+
+
+def test_a_demonstration_that_ends_in_an_infra_error_is_left_out(vl_dir):
+    """A backend that crashes mid-episode costs that demonstration, not the others; when every one crashes the error
+    says so, with the first crash."""
+    from core import config as C
+    from core.chat import ChatTokenizer
+    from envd import registry
+    from tars.demos_vl import trajectories
+
+    registry.register("test-democrash", _Crashing)
+    tok = ChatTokenizer.load(vl_dir)
+    cfg = C.load(None, overrides=["actor.env_ids=[test-democrash/odd]", "actor.max_new_tokens=64"])
+    trs = trajectories(cfg, tok, 6, "oracle", lambda e: iter(range(100)))
+    assert len(trs) == 3 and all(t.success for t in trs)   # seeds 0, 2, 4 won; 1, 3, 5 crashed
+    cfg = C.load(None, overrides=["actor.env_ids=[test-democrash/all]", "actor.max_new_tokens=64"])
+    with pytest.raises(ValueError, match="6 ended as infrastructure errors .the first: test-democrash/all: .*crashed"):
+        trajectories(cfg, tok, 6, "oracle", lambda e: iter(range(100)))
