@@ -13,6 +13,9 @@ max_steps, ...; step_delay, which only slows a step, left out), at most actor.ma
 rejects (envd.base.ActionError, e.g. a click on a label that is not on screen under strict_targets) changes nothing
 and puts actor.tiny.INVALID_NOTE before the next observation, as the actor's next prompt does.
 
+A policy the actor shows screenshots gets its demonstrations from tars.demos_vl instead (`source` picks): the same
+demonstrators played through the actor's own episodes, with their screenshots.
+
 The oracle is a demonstrator only: nothing here runs during RL or evaluation. Seeds are drawn below
 core.config.HELD_OUT_SEED_BASE, so a held-out evaluation never sees a demonstrated episode.
 
@@ -228,7 +231,6 @@ def source(cfg, episodes: int, stream: str = ""):
             if parse_demonstrator(cfg.sft.demonstrator)[0] == "confused":
                 raise ValueError(f"sft.demonstrator={cfg.sft.demonstrator}: a policy shown screenshots learns from "
                                  "oracle or noisy:P demonstrations (confused:P writes the builtin tasks' text turns)")
-
             return examples(cfg, tok, episodes, cfg.sft.demonstrator, lambda e: episode_seeds(cfg.seed, e, stream))
         return demonstrations(tok, list(cfg.actor.env_ids), episodes, cfg.sft.demonstrator, cfg.seed,
                               cfg.actor.max_turns, cfg.actor.system_prompt, cfg.actor.max_obs_tokens,
