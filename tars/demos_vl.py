@@ -81,6 +81,7 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
                     cfg.envd.lease_ttl_s)
     longest: list[tuple[int, str]] = []
     failed: list[str] = []   # the infrastructure errors of episodes left out
+    unanswered: list[str] = []   # why episodes ended before their first answer (a first prompt over the context)
 
     async def work(k: int) -> list[tuple[int, object]]:
         env_id, out = env_ids[k], []
@@ -96,6 +97,8 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
                 longest.append(d.longest)
             if tr.outcome == Outcome.INFRA_ERROR:
                 failed.append(f"{env_id}: {tr.error}")
+            elif not tr.turns:
+                unanswered.append(f"{env_id}: {tr.error or tr.truncated_by}")
             elif tr.turns and (keep_all or (tr.outcome == Outcome.TERMINATED and tr.success)):
                 out.append((i, tr))
         return out
@@ -117,8 +120,11 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
     kept = [tr for _, tr in sorted((x for part in parts for x in part), key=lambda x: x[0])]
     if episodes > 0 and not kept:
         lost = (f"; {len(failed)} ended as infrastructure errors (the first: {failed[0][:300]})" if failed else "")
-        raise ValueError(f"no demonstrations: the {demonstrator} demonstrator won none of the {episodes} episodes it "
-                         f"played on {', '.join(env_ids)} within actor.max_turns={a.max_turns}{lost}")
+        lost += (f"; {len(unanswered)} ended before their first answer (the first: {unanswered[0][:300]}; "
+                 "inference.max_context is the actor's limit too)" if unanswered else "")
+        raise ValueError(f"no demonstrations: of the {episodes} episodes the {demonstrator} demonstrator played on "
+                         f"{', '.join(env_ids)} within actor.max_turns={a.max_turns}, none "
+                         f"{'was won' if not keep_all else 'took a turn'}{lost}")
     return kept
 
 

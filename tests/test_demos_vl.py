@@ -244,3 +244,8 @@ def test_a_demonstration_that_ends_in_an_infra_error_is_left_out(vl_dir):
     cfg = C.load(None, overrides=["actor.env_ids=[test-democrash/all]", "actor.max_new_tokens=64"])
     with pytest.raises(ValueError, match="6 ended as infrastructure errors .the first: test-democrash/all: .*crashed"):
         trajectories(cfg, tok, 6, "oracle", lambda e: iter(range(100)))
+    # episodes whose first prompt does not fit the context (as the actor would cut them) give none either: said so
+    cfg = C.load(None, overrides=["actor.env_ids=[builtin/click]", "inference.max_context=128"])
+    with pytest.raises(ValueError, match="none took a turn; 4 ended before their first answer .the first: builtin/click: "
+                                         "context: prompt"):
+        trajectories(cfg, tok, 4, "noisy:0.5", lambda e: iter(range(100)))

@@ -236,7 +236,7 @@ def test_sft_on_text_demos_and_eval_with_screenshots(vl_run_dir, tmp_path):
     runs MiniWoB episodes with screenshots, none of which ends as an infrastructure error."""
     sft = tmp_path / "sft"
     _cli("sft", "--model", str(vl_run_dir), "--out", str(sft), "--demos", "16", "--steps", "2",
-         "--set", "sft.batch_size=4")
+         "--set", "sft.batch_size=4", "--set", "inference.max_context=4096")   # the context the eval below serves
     _loads_as_vl(sft, json.loads((vl_run_dir / "config.json").read_text())["model_type"])
     _cli("eval", "--suite", "miniwob", "--model", str(sft), "--out", str(tmp_path / "eval"), "--episodes", "2",
          "--tasks", "miniwob/click-button", "--concurrency", "2", "--set", "actor.max_new_tokens=8",
