@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import json
 import secrets
-import threading
 
 from actor.envclient import RecordingEnv
 from core.action import Action
@@ -137,23 +136,7 @@ def trajectories(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list:
 
     hints.check(demonstrator)   # ValueError naming what envd takes (confused:P is for tars.demos' text turns)
     args = (cfg, tok, list(cfg.actor.env_ids), episodes, demonstrator, demonstrator != "oracle", seeds_of)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(_roll(*args))
-    box: dict = {}   # called from a running loop: roll in a thread of its own
-
-    def run() -> None:
-        try:
-            box["v"] = asyncio.run(_roll(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            box["e"] = e
-    t = threading.Thread(target=run, name="demos-vl")
-    t.start()
-    t.join()
-    if "e" in box:
-        raise box["e"]
-    return box["v"]
+    return asyncio.run(_roll(*args))   # from synchronous code (tars sft, tars up's warm start), as those are
 
 
 def examples(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list[tuple]:
