@@ -220,7 +220,7 @@ def source(cfg, episodes: int, stream: str = ""):
     (stream: see demonstrations). A policy the actor shows screenshots (actor.image_history, resolved for the
     checkpoint: a vision-language one shows them by default) gets them played through the actor's own episodes, with
     their screenshots (tars.demos_vl); a text policy the text turns above."""
-    parse_demonstrator(cfg.sft.demonstrator)  # a bad spec is refused before any model is loaded
+    kind = parse_demonstrator(cfg.sft.demonstrator)[0]  # a bad spec is refused before any model is loaded
 
     def build(tok: ChatTokenizer):
         from actor.uitars import resolve
@@ -228,7 +228,7 @@ def source(cfg, episodes: int, stream: str = ""):
         if resolve(cfg.actor, tok).image_history > 0:   # ValueError for settings the actor would refuse too
             from tars.demos_vl import examples
 
-            if parse_demonstrator(cfg.sft.demonstrator)[0] == "confused":
+            if kind == "confused":
                 raise ValueError(f"sft.demonstrator={cfg.sft.demonstrator}: a policy shown screenshots learns from "
                                  "oracle or noisy:P demonstrations (confused:P writes the builtin tasks' text turns)")
             return examples(cfg, tok, episodes, cfg.sft.demonstrator, lambda e: episode_seeds(cfg.seed, e, stream))

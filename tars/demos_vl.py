@@ -28,8 +28,7 @@ import secrets
 from actor.envclient import RecordingEnv
 from core.action import Action
 from core.inference_client import GenerateResult
-
-HINT = "hint_policy"
+from envd import hints
 
 
 class _GaveUp(Exception):
@@ -69,7 +68,7 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
     from envd.server import EnvServer
 
     a = cfg.actor
-    acfg = dataclasses.replace(a, env_options={**a.env_options, HINT: demonstrator}, judge_mode="off",
+    acfg = dataclasses.replace(a, env_options={**a.env_options, hints.OPTION: demonstrator}, judge_mode="off",
                                max_new_tokens=a.max_new_tokens or 256)
     vis = uitars.resolve(acfg, tok)
     # this process's own daemon, on loopback, with a token of its own: no other process can call it
@@ -98,7 +97,7 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
                 failed.append(f"{env_id}: {tr.error}")
             elif not tr.turns:
                 unanswered.append(f"{env_id}: {tr.error or tr.truncated_by}")
-            elif tr.turns and (keep_all or (tr.outcome == Outcome.TERMINATED and tr.success)):
+            elif keep_all or (tr.outcome == Outcome.TERMINATED and tr.success):
                 out.append((i, tr))
         return out
 
@@ -132,11 +131,10 @@ def trajectories(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list:
     actor's Trajectory records (tokens, the answers' mask, segments, image_refs, images); seeds_of(env_id): that env
     id's episode seeds, in order. The oracle's episodes are kept when won, noisy's all; ValueError when none is
     kept."""
-    from envd import hints
-
     hints.check(demonstrator)   # ValueError naming what envd takes (confused:P is for tars.demos' text turns)
-    args = (cfg, tok, list(cfg.actor.env_ids), episodes, demonstrator, demonstrator != "oracle", seeds_of)
-    return asyncio.run(_roll(*args))   # from synchronous code (tars sft, tars up's warm start), as those are
+    # from synchronous code (tars sft, tars up's warm start), as those are
+    return asyncio.run(_roll(cfg, tok, list(cfg.actor.env_ids), episodes, demonstrator, demonstrator != "oracle",
+                             seeds_of))
 
 
 def examples(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list[tuple]:
