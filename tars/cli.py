@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a checkpoint, an inference server or a baseline on a suite")
     _config_args(p)
     p.add_argument("--suite", help="a shipped suite (builtin, miniwob, miniwob-oracle, games) or a suite YAML file")
-    p.add_argument("--model", help="checkpoint directory (HF layout), inference host:port, random or oracle")
+    p.add_argument("--model", help="checkpoint directory (HF layout), inference host:port, random, oracle or noisy:P")
     p.add_argument("--out", help="results directory (resumed if it holds episodes of the same suite and model)")
     p.add_argument("--episodes", type=int, help="episodes per task (overrides the suite)")
     p.add_argument("--tasks", help="only these tasks (names or env ids), comma-separated")

@@ -7,7 +7,8 @@ Policies (--model):
   a checkpoint directory (HF layout, its tokenizer inside)  -> `tars serve` (local engine) started as a child process
   host:port                                          -> an inference server already running (any engine);
                                                         --tokenizer names the model's tokenizer directory
-  random | oracle                                    -> scripted baselines
+  random | oracle | noisy:P                          -> scripted baselines (noisy:P: the oracle's action with
+                                                        probability P, else the random one)
 
 Model policies run exactly the training path: envd (started as a child `tars envd`, or --envd host:port) holds the
 sessions, actor.episode.run_episode builds the prompts, parses the output and steps the env, and the reward and
@@ -15,8 +16,8 @@ success are the env's own. So evaluation and training cannot disagree about prom
 
 Scripted baselines also play through a real envd (one started on loopback in this process, or --envd host:port):
 the oracle needs the backend's own state, which envd never sends over the wire, so their sessions are created with
-the daemon option `hint_policy=oracle|random` (envd/hints.py) and every result carries the baseline's next action,
-computed by the backend's `oracle_action()` / `random_action(rng)` (a backend without `random_action` gets uniform
+the daemon option `hint_policy=oracle|random|noisy:P` (envd/hints.py) and every result carries the baseline's next
+action, computed by the backend's `oracle_action()` / `random_action(rng)` (a backend without `random_action` gets uniform
 random clicks on its screen). The policy sends that action back as its Step, so a baseline's score exercises the
 same sessions, RPCs and outcome accounting as a model's. An oracle that does not know a task (or a page state) ends
 the episode as a failure with the reason in `error`.
@@ -86,12 +87,16 @@ class Policy(abc.ABC):
 # ---- scripted baselines (through envd, with the daemon's hints) -------------------------------------------
 
 class ScriptedPolicy(Policy):
-    """`random` / `oracle`, played through a real EnvService: sessions are created with `hint_policy` (envd.hints),
-    every result carries the baseline's next action, and the policy sends it back as its Step."""
+    """`random` / `oracle` / `noisy:P`, played through a real EnvService: sessions are created with `hint_policy`
+    (envd.hints), every result carries the baseline's next action, and the policy sends it back as its Step."""
 
     def __init__(self, kind: str, cfg: RunConfig, envd: str = ""):
-        if kind not in ("oracle", "random"):
-            raise EvalError(f"no scripted policy {kind!r}")
+        from envd.hints import check
+
+        try:
+            check(kind)
+        except ValueError as e:
+            raise EvalError(f"no scripted policy {kind!r}: {e}") from None
         self.name, self.cfg, self.envd_addr, self.server = kind, cfg, envd, None
 
     async def start(self, out: pathlib.Path, cancel=None) -> None:
@@ -175,7 +180,8 @@ class ModelPolicy(Policy):
                 raise EvalError("--model host:port needs --tokenizer (the directory of the policy's tokenizer files)")
             self.checkpoint, self.tokenizer, self.inference_addr = None, tokenizer, model
         else:
-            raise EvalError(f"--model {model!r}: not a checkpoint directory, a host:port address, 'random' or 'oracle'")
+            raise EvalError(f"--model {model!r}: not a checkpoint directory, a host:port address, 'random', 'oracle' "
+                            "or 'noisy:P'")
         from core.chat import open_tokenizer
 
         try:  # the tokenizer (and, for a directory, that it fits the model) before anything starts
@@ -254,7 +260,7 @@ class ModelPolicy(Policy):
 
 
 def make_policy(model: str, cfg: RunConfig, tokenizer: str = "", envd: str = "") -> Policy:
-    if model in ("random", "oracle"):
+    if model in ("random", "oracle") or model.startswith("noisy:"):
         return ScriptedPolicy(model, cfg, envd)
     return ModelPolicy(model, cfg, tokenizer, envd)
 

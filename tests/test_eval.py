@@ -100,6 +100,22 @@ def test_builtin_suite_oracle_solves_and_random_does_not(tmp_path):
         assert (tmp_path / d / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_noisy_baseline_lies_between_the_oracle_and_random_and_bad_specs_are_refused(tmp_path):
+    suite = S.load_suite("builtin", episodes=10)
+    cfg = _cfg()
+    runs = {p: _run(suite, E.make_policy(p, cfg), tmp_path / p.replace(":", "_"))
+            for p in ("noisy:1", "noisy:0", "noisy:0.5")}
+    assert runs["noisy:1"]["overall"]["success_rate"] == 1.0  # the oracle's every action
+    assert runs["noisy:1"]["tasks"]["builtin/menu"]["mean_steps"] == 2.0
+    assert runs["noisy:0"]["overall"]["success_rate"] < 0.4  # the random one's
+    assert runs["noisy:0"]["overall"]["success_rate"] < runs["noisy:0.5"]["overall"]["success_rate"] < 1.0
+    assert all(r["overall"]["infra_errors"] == 0 for r in runs.values())
+    assert json.loads((tmp_path / "noisy_0.5" / "results.json").read_text())["model"] == "noisy:0.5"
+    for bad in ("noisy:2", "noisy:x", "noisy:", "noisy:nan"):
+        with pytest.raises(E.EvalError, match="hint_policy"):
+            E.make_policy(bad, cfg)
+
+
 def test_random_policy_clicks_inside_the_screen_of_a_backend_without_random_action(tmp_path, fake_env):
     suite = S.load_suite(_suite(tmp_path, "episodes: 5\ntasks: [evaltest/ok]\n"))
     res = _run(suite, E.ScriptedPolicy("random", _cfg()), tmp_path / "out")
