@@ -130,6 +130,34 @@ class EnvClient:
         a = (replace(action, raw=raw) if raw else action).to_proto()
         return _obs(await self._call(self.stub.Step, env_pb2.StepRequest(session_id=sid, action=a, run_id=run_id), False))
 
+    # Snapshot, Restore and Fork: branch an episode's state (search over actions, replaying a prefix, several
+    # continuations of one page). Restore and Fork make a session, so each carries a request id that its retries
+    # repeat, as create's does: a retry after a lost answer gets the session the first attempt made.
+    async def snapshot(self, sid: str, run_id: str) -> bytes:
+        """The session's state, sealed by the daemon (envd/snapshots.py): restore takes it back on that daemon, or on
+        one sharing its envd.snapshot_key. A backend without snapshots (UNIMPLEMENTED) is an EnvInfraError."""
+        return (await self._call(self.stub.Snapshot, env_pb2.SessionRef(session_id=sid, run_id=run_id), True)).state
+
+    async def restore(self, env_id: str, state: bytes) -> tuple[str, str]:
+        """A new session of `env_id` in the state `snapshot` returned -> (session id, run id). A state that is not
+        the daemon's (forged, another env id) is an EnvActionError (INVALID_ARGUMENT)."""
+        req = env_pb2.RestoreRequest(env_id=env_id, state=state, request_id=uuid.uuid4().hex)
+        r = await self._call(self.stub.Restore, req, True)
+        self.created += 1
+        return r.session_id, r.run_id
+
+    async def fork(self, sid: str, run_id: str) -> tuple[str, str]:
+        """A new session in `sid`'s current state (snapshot and restore in one call on the daemon) -> (session id,
+        run id). Close it like any other (close_session, or release)."""
+        req = env_pb2.ForkRequest(session_id=sid, run_id=run_id, request_id=uuid.uuid4().hex)
+        r = await self._call(self.stub.Fork, req, True)
+        self.created += 1
+        return r.session_id, r.run_id
+
+    async def observe(self, sid: str, run_id: str) -> Obs:
+        """The session's current observation, without acting."""
+        return _obs(await self._call(self.stub.Observe, env_pb2.SessionRef(session_id=sid, run_id=run_id), True))
+
     async def open(self, env_id: str, seed: int, options: dict[str, str]) -> tuple[str, str, Obs]:
         """A session of `env_id` reset to `seed`: an idle one kept by `release` when there is one, else a new one."""
         key = (env_id, tuple(sorted(options.items())))

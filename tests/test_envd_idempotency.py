@@ -41,6 +41,25 @@ class SlowMakeEnv(Env):
 registry.register("test-slowmake", SlowMakeEnv)
 
 
+class SlowSnapEnv(SlowMakeEnv):
+    """SlowMakeEnv with snapshots whose restore takes the make_s of the session they were taken from (a restored
+    session has no options of its own, so it is not slow to make)."""
+
+    def __init__(self, name: str, options: dict[str, str]):
+        super().__init__(name, options)
+        self.make_s = options.get("make_s", "0")
+
+    def snapshot(self) -> bytes:
+        return self.make_s.encode()
+
+    def restore(self, state: bytes) -> StepResult:
+        time.sleep(float(state))
+        return StepResult(text="x")
+
+
+registry.register("test-slowsnap", SlowSnapEnv)
+
+
 async def _lossy_proxy(target: str, lose_after_s: float):
     """A TCP proxy whose first connection is reset instead of carrying the server's bytes sent more than
     `lose_after_s` after it opened: an answer lost after envd did the work (a NAT or proxy dropping the connection)."""
@@ -85,6 +104,31 @@ def test_a_create_whose_answer_was_lost_gets_the_same_session_on_retry():
                 sessions = c.server.servicer.sessions
                 assert list(sessions) == [sid]
                 assert len(SlowMakeEnv.made) == 1
+            finally:
+                await ec.close()
+                srv.close()
+    run(body())
+
+
+@pytest.mark.parametrize("call", ["fork", "restore"])
+def test_a_fork_or_restore_whose_answer_was_lost_gets_the_same_session_on_retry(call):
+    # As for a create: the EnvClient's retry repeats the request id, so envd answers with the session its first
+    # attempt made instead of making (and holding for a lease) a second one.
+    async def body():
+        SlowMakeEnv.made.clear()
+        async with envd_client(lease_ttl_s=60.0) as c:
+            src = await c.CreateSession(env_pb2.CreateSessionRequest(env_id="test-slowsnap/a",
+                                                                     options={"make_s": "0.6"}), timeout=10)
+            state = (await c.Snapshot(env_pb2.SessionRef(session_id=src.session_id), timeout=10)).state
+            srv, addr = await _lossy_proxy(c.server.address, 0.3)
+            ec = EnvClient(addr, timeout_s=10.0, retries=3)
+            try:
+                if call == "fork":
+                    sid, _ = await ec.fork(src.session_id, src.run_id)
+                else:
+                    sid, _ = await ec.restore("test-slowsnap/a", state)
+                assert set(c.server.servicer.sessions) == {src.session_id, sid}
+                assert len(SlowMakeEnv.made) == 2
             finally:
                 await ec.close()
                 srv.close()
