@@ -74,7 +74,7 @@ class EpisodeContext:
     tok: ChatTokenizer
     infer: InferenceClient
     actor_id: str
-    judge_infer: InferenceClient | None = None   # the judge's inference servers (default: the policy's)
+    judge: J.JudgeModel | None = None   # a judge with servers of its own (J.open_judge); None: the policy judges
     max_context: int = 0   # longest prompt + max_new_tokens the inference server takes (inference.max_context); 0 = unknown
     vision: uitars.Vision | None = None   # resolved from cfg and the tokenizer's checkpoint directory when None
 
@@ -430,8 +430,8 @@ async def _judge(ctx: EpisodeContext, tid: str, instruction: str, steps: list, o
     """Ask the judge; returns (outcome, return, error, verdict dict) with the verdict's reward applied."""
     cfg = ctx.cfg
     try:
-        v = await J.ask(ctx.judge_infer or ctx.infer, ctx.tok, cfg, tid, instruction, steps, obs.text, _screenshot(obs),
-                        ctx.vision, 0 if ctx.judge_infer else ctx.max_context)
+        judge = ctx.judge or J.JudgeModel(ctx.infer, ctx.tok, ctx.vision, ctx.max_context)
+        v = await J.ask(judge, cfg, tid, instruction, steps, obs.text, _screenshot(obs))
     except J.JudgeError as e:
         if cfg.judge_on_error == "infra_error":  # no verdict is not a verdict of 0
             return Outcome.INFRA_ERROR, ret, f"judge: {e}"[:500], {"error": str(e)[:200]}

@@ -7,8 +7,13 @@ logged in the trajectory (Trajectory.judge) and turned into a reward that replac
 failure, not a verdict: by default the episode becomes infra_error (kept out of the loss); actor.judge_on_error=env
 keeps the environment reward instead.
 
+By default the policy judges itself: the same inference servers and tokenizer, so the judge changes with every
+update and can learn to approve what the policy does. `actor.judge_model` gives it a frozen model of its own (its
+tokenizer writes the prompts; `tars up` serves it on a server the learner never updates) and `actor.judge_inference`
+the servers that serve it (`open_judge`).
+
 The judge prompt is one user message in the judge model's chat template (core.chat), screenshots as image runs
-inside it, so the same inference server and tokenizer can serve both policy and judge. A tars_vision checkpoint's
+inside it. A tars_vision checkpoint's
 runs are `actor.image_tokens` placeholders (core/vision.py). A vision-language checkpoint's (Qwen2-VL / Qwen2.5-VL,
 actor/uitars.py) are sized exactly as the actor's turns size them, `Vision.tokens` (the checkpoint's pad count for
 each screenshot's own size), and framed by core.chat: the request's images are exactly the prompt's runs, in order,
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +33,8 @@ from core.v1 import common_pb2
 
 if TYPE_CHECKING:
     from actor.uitars import Vision
+    from core.chat import ChatTokenizer
+    from core.inference_client import InferenceClient
 
 _VERDICT = re.compile(r"\b(YES|NO)\b", re.IGNORECASE)
 # the whole number: "Score: 10" is not a score of 1 (a number outside [0, 1] is no score; the YES/NO reading decides)
@@ -143,16 +151,48 @@ class Verdict:
         return {"verdict": self.verdict, "score": self.score, "text": self.text[:200], "ms": round(self.ms, 2)}
 
 
-async def ask(infer, tok, cfg, tid: str, instruction: str, steps: list[Step], final_screen: str,
-              final_image: bytes, vision: "Vision | None" = None, max_context: int = 0) -> Verdict:
-    """One judge call; raises JudgeError for an unparseable answer, an unreadable screenshot or a failed inference
-    call. vision: the actor's resolved Vision (actor.uitars.resolve of cfg and tok when None). max_context: what the
-    judge's server takes (0: unknown; its "exceeds max_context N" answer then sets it, and the prompt is fitted once
-    more), so an episode the actor windowed to its context is still judged."""
-    if vision is None:
-        from actor.uitars import resolve
+@dataclass
+class JudgeModel:
+    """Who judges: the inference servers asked, the tokenizer (chat template, image tokens) the prompt is written
+    in, its Vision (a vision-language judge sizes each screenshot's run for its own processor), and the longest
+    request its servers take (0: unknown; their "exceeds max_context N" answer then sets it)."""
 
-        vision = resolve(cfg, tok)
+    infer: "InferenceClient"
+    tok: "ChatTokenizer"
+    vision: "Vision"
+    max_context: int = 0
+
+
+def open_judge(cfg, tok: "ChatTokenizer", vision: "Vision", auth_token: str = "") -> JudgeModel | None:
+    """The judge of actor config `cfg` when it has servers of its own (actor.judge_inference), else None: the policy
+    judges. Its prompts are written by actor.judge_model's tokenizer, or by the policy's (`tok`, `vision`) when that
+    is empty (its servers serve a copy of the policy). ValueError for a judge_model without servers or with a
+    tokenizer that cannot write a chat prompt."""
+    from actor.uitars import resolve
+    from core.chat import open_tokenizer
+    from core.inference_client import InferenceClient
+
+    if cfg.judge_mode == "off" or not (cfg.judge_model or cfg.judge_inference):
+        return None
+    if not cfg.judge_inference:
+        raise ValueError(f"actor.judge_model={cfg.judge_model!r} needs the servers that serve it: "
+                         "actor.judge_inference=HOST:PORT (`tars up` starts one and fills it in)")
+    addrs = [a.strip() for a in cfg.judge_inference.split(",") if a.strip()]
+    if cfg.judge_model:
+        tok = open_tokenizer(cfg.judge_model, cfg.judge_model, cfg.chat_template_kwargs)
+        # its own checkpoint's Vision: how many screenshots the policy is shown does not matter to the judge
+        vision = resolve(dataclasses.replace(cfg, image_history=0), tok)
+    infer = InferenceClient(addrs, auth_token, cfg.rpc_timeout_s, cfg.retries,
+                            unavailable_retry_s=cfg.unavailable_retry_s)
+    return JudgeModel(infer, tok, vision)
+
+
+async def ask(judge: JudgeModel, cfg, tid: str, instruction: str, steps: list[Step], final_screen: str,
+              final_image: bytes) -> Verdict:
+    """One judge call; raises JudgeError for an unparseable answer, an unreadable screenshot or a failed inference
+    call. The prompt is fitted to judge.max_context when known; a server's "exceeds max_context N" answer sets it
+    and the prompt is fitted once more, so an episode the actor windowed to its context is still judged."""
+    infer, tok, vision, max_context = judge.infer, judge.tok, judge.vision, judge.max_context
     for attempt in range(2):
         budget = max(1, max_context - cfg.judge_max_new_tokens) if max_context else 0
         try:
@@ -171,7 +211,7 @@ async def ask(infer, tok, cfg, tid: str, instruction: str, steps: list[Step], fi
             limit = context_limit(e)
             if attempt or limit is None:
                 raise JudgeError(f"judge inference failed: {e.code().name}: {e.details()}") from None
-            max_context = limit
+            max_context = judge.max_context = limit  # kept: the next episode's prompt is fitted at once
     text = tok.decode(g.output_ids)
     verdict, score = parse_verdict(text)
     return Verdict(verdict, score, text, (time.perf_counter() - t0) * 1000)

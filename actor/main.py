@@ -18,6 +18,7 @@ import uuid
 
 from actor.envclient import EnvClient
 from actor.episode import EpisodeContext, run_episode
+from actor.judge import open_judge
 from core.inference_client import InferenceClient
 from core import auth, proc, rpc, telemetry
 from core.config import HELD_OUT_SEED_BASE, RunConfig
@@ -64,6 +65,8 @@ class Actor:
                                        **_curve_keys(cfg.learner.stream.curve_public_key, cfg.actor))
         # The inference server's context, from the run's config (the server's own answer lowers it: actor/episode.py).
         self.ctx = EpisodeContext(cfg.actor, tokenizer, self.infer, actor_id, max_context=cfg.inference.request_limit())
+        # a judge with servers of its own (actor.judge_inference; actor.judge_model its tokenizer), else the policy's
+        self.ctx.judge = open_judge(cfg.actor, tokenizer, self.ctx.vision, cfg.inference.auth_token)
         self.rng, self.life = episode_rng(cfg.seed, actor_id, spool_dir)
         self.paused = False
         self.version = 0
@@ -243,6 +246,8 @@ class Actor:
                      "is set)", held)
         await self.sender.close()
         await self.infer.close()
+        if self.ctx.judge is not None:
+            await self.ctx.judge.infer.close()
         for e in self.envs:
             await e.close()
 

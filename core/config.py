@@ -171,6 +171,12 @@ class ActorConfig:
     judge_max_new_tokens: int = f(8, "generation budget of the judge's answer", lo=1)
     judge_on_error: str = f("infra_error", "unparseable verdict or judge call failed: infra_error (episode kept out "
                                            "of the loss) | env (keep the env reward)", choices=("infra_error", "env"))
+    judge_model: str = f("", "the judge's own checkpoint directory (HF layout), frozen: its tokenizer and chat "
+                             "template write the judge's prompts, and `tars up` serves it on an inference server of "
+                             "its own that the learner never updates; empty: the policy judges itself (docs/actor.md)")
+    judge_inference: str = f("", "host:port[,host:port...] of inference servers already serving the judge "
+                                 "(actor.judge_model's tokenizer, else the policy's); empty: the policy's servers, or "
+                                 "the one `tars up` starts for actor.judge_model")
 
     # The group size is the learner's (learner.group.size): one number for the actors that launch the members and
     # the learner that waits for them.

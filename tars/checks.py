@@ -167,6 +167,17 @@ def env_options(ids, options, what: str = "actor.env_options") -> None:
             raise ConfigError(f"{what} for {e}: {msg}") from None
 
 
+def judge(actor_cfg, starts_server: bool) -> None:
+    """actor.judge_model: a checkpoint this code serves, with a tokenizer that writes chat prompts; without
+    actor.judge_inference, only where the judge's server is started here (`starts_server`: tars up)."""
+    if actor_cfg.judge_mode == "off" or not actor_cfg.judge_model:
+        return
+    if not (actor_cfg.judge_inference or starts_server):
+        raise ConfigError(f"actor.judge_model={actor_cfg.judge_model!r} needs the servers that serve it: "
+                          "actor.judge_inference=HOST:PORT (`tars up` starts one)")
+    model_dir(actor_cfg.judge_model, "actor.judge_model", template_kwargs=actor_cfg.chat_template_kwargs)
+
+
 def screenshots(actor_cfg, model_path: str = "") -> None:
     """actor.env_options turning envd's screenshots off for a policy that is shown screenshots (actor.image_history
     > 0, or -1 with a vision-language checkpoint at model_path): the actor would refuse to start."""

@@ -281,12 +281,15 @@ def preflight(a, cfg) -> None:
         checks.env_ids(cfg.actor.env_ids)
         checks.env_options(cfg.actor.env_ids, cfg.actor.env_options)
         checks.screenshots(cfg.actor, cfg.model.path)
+        checks.judge(cfg.actor, starts_server=True)
         checks.env_hosts(cfg.actor.env_ids)         # tars up runs envd on this host
         if cfg.telemetry.enabled and cfg.telemetry.prometheus_port > 0:
-            from tars.topology import Plan
+            from tars.topology import Plan, served_judge
 
+            judge = served_judge(cfg, cfg.actors)
             plan = Plan(pathlib.Path(a.out), pathlib.Path(a.out) / "config.yaml", None, n_actors=cfg.actors,
-                        metrics_port=cfg.telemetry.prometheus_port)  # what tars.up plans: one envd, every role
+                        metrics_port=cfg.telemetry.prometheus_port,  # what tars.up plans: one envd, every role
+                        judge=pathlib.Path(judge) if judge else None)
             checks.metrics_ports(cfg, plan.metrics_ports())
         if cfg.sft.steps > 0:
             _demos_possible(cfg, "actor.env_ids (the SFT warm start, sft.steps > 0)")
@@ -315,6 +318,8 @@ def preflight(a, cfg) -> None:
             checks.screenshots(cfg.actor, a.model)
         if a.tokenizer:
             checks.tokenizer_dir(a.tokenizer, template_kwargs=cfg.actor.chat_template_kwargs)
+        if cfg.actor.judge_inference:  # asked as the actors ask it (without servers, tars eval does not judge)
+            checks.judge(cfg.actor, starts_server=False)
     elif a.cmd == "learner":
         checks.device(cfg)
         checks.model_dir(a.model, need_tokenizer=False)
@@ -325,6 +330,7 @@ def preflight(a, cfg) -> None:
     elif a.cmd == "actor":
         # env ids and options are envd's to judge: a remote one may serve more
         checks.tokenizer_dir(a.tokenizer, template_kwargs=cfg.actor.chat_template_kwargs)
+        checks.judge(cfg.actor, starts_server=False)
 
 
 def _demos_possible(cfg, what: str) -> None:

@@ -224,7 +224,21 @@ class ModelPolicy(Policy):
                              self.cfg.envd.lease_ttl_s / 2, self.cfg.envd.lease_ttl_s)
         self.infer = InferenceClient([self.inference_addr], self.cfg.inference.auth_token, a.rpc_timeout_s, a.retries,
                                      coalesce=a.coalesce_generate)
-        self._ctx = lambda acfg: EpisodeContext(acfg, self.tok, self.infer, "eval", max_context=max_context)
+        # A judge with servers of its own is asked there, as the actors ask it; one whose server only `tars up` starts
+        # (actor.judge_model without actor.judge_inference) is not asked: scores and success are the env's anyway.
+        from actor.judge import open_judge
+        from actor.uitars import resolve
+
+        self.judge = open_judge(a, self.tok, resolve(a, self.tok), self.cfg.inference.auth_token) \
+            if a.judge_inference else None
+        unserved = a.judge_mode != "off" and a.judge_model and not a.judge_inference
+
+        def ctx(acfg):
+            c = EpisodeContext(dataclasses.replace(acfg, judge_mode="off") if unserved else acfg, self.tok,
+                               self.infer, "eval", max_context=max_context)
+            c.judge = self.judge
+            return c
+        self._ctx = ctx
 
     async def episode(self, task: S.TaskSpec, episode: int, seed: int) -> dict:
         from actor.episode import run_episode
@@ -253,6 +267,8 @@ class ModelPolicy(Policy):
             c = getattr(self, name, None)
             if c is not None:
                 await c.close()
+        if getattr(self, "judge", None) is not None:
+            await self.judge.infer.close()
         # Nothing talks to either daemon any more: stop them together (each has its own deadline, then SIGKILL).
         if self.topo is not None:
             await asyncio.to_thread(self.topo.stop, (("envd", "inference"),))

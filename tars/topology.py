@@ -3,6 +3,7 @@
 `tars up`, `tars eval` and the fault and soak benchmarks all place their processes here, so a run has one layout:
 
     envd (xN) + inference server   started together, then awaited in order (their addresses go to the others)
+      (+ the judge's server)       with actor.judge_model: a frozen model the learner never updates
     learner                        --inference ADDR; announces its trajectory stream
     actors (xN)                    --envd A,B --inference ADDR --stream tcp://...; one after the other
 
@@ -32,11 +33,12 @@ from collections.abc import Callable
 from core.proc import PARENT_ENV
 from tars import tokens
 
-ROLES = ("envd", "inference", "learner", "actor")
-COMMAND = {"envd": "envd", "inference": "serve", "learner": "learner", "actor": "actor"}  # `tars COMMAND`
-READY_S = {"envd": 60.0, "inference": 120.0, "learner": 120.0, "actor": 60.0}  # start -> ready file, at most
-STOP_S = {"envd": 15.0, "inference": 15.0, "learner": 60.0, "actor": 15.0}     # SIGTERM -> exit, at most
-STOP_TIERS: tuple[tuple[str, ...], ...] = (("actor",), ("learner",), ("inference",), ("envd",))
+ROLES = ("envd", "inference", "judge", "learner", "actor")
+# `tars COMMAND` of each role
+COMMAND = {"envd": "envd", "inference": "serve", "judge": "serve", "learner": "learner", "actor": "actor"}
+READY_S = {"envd": 60.0, "inference": 120.0, "judge": 120.0, "learner": 120.0, "actor": 60.0}  # start -> ready file
+STOP_S = {"envd": 15.0, "inference": 15.0, "judge": 15.0, "learner": 60.0, "actor": 15.0}     # SIGTERM -> exit
+STOP_TIERS: tuple[tuple[str, ...], ...] = (("actor",), ("learner",), ("inference", "judge"), ("envd",))
 RUN_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # a run's roles share the machine's cores
 KILL_WAIT_S = 10.0  # after SIGKILL, reaping is immediate; the bound only guards against a stuck kernel
 
@@ -218,21 +220,23 @@ class Plan:
     envd_addrs: tuple[str, ...] = ()    # daemons already running elsewhere (then n_envd = 0)
     inference_addr: str = ""            # an inference server already running (then inference = False)
     metrics_port: int = -1              # telemetry.prometheus_port > 0: the first of the roles' /metrics ports
+    judge: pathlib.Path | None = None   # actor.judge_model, served by a server of its own (role "judge")
 
     def count(self, role: str) -> int:
-        return {"envd": self.n_envd, "inference": int(self.inference), "learner": int(self.learner),
-                "actor": self.n_actors}[role]
+        return {"envd": self.n_envd, "inference": int(self.inference), "judge": int(self.judge is not None),
+                "learner": int(self.learner), "actor": self.n_actors}[role]
 
     def name(self, role: str, i: int) -> str:
         return role if role != "actor" and self.count(role) == 1 else f"{role}{i}"
 
     def metrics_ports(self) -> dict[tuple[str, int], int]:
         """With a fixed telemetry.prometheus_port N > 0, each role's own /metrics port: N, N+1, ... in the order envd
-        0.., inference, actor 0.., learner (last, so an accelerate launch's ranks n > 0 take the ports above it).
-        Empty for 0 (a free port per role, in its run file) or -1 (off)."""
+        0.., inference, judge, actor 0.., learner (last, so an accelerate launch's ranks n > 0 take the ports above
+        it). Empty for 0 (a free port per role, in its run file) or -1 (off)."""
         if self.metrics_port <= 0:
             return {}
         keys = [("envd", i) for i in range(self.n_envd)] + [("inference", 0)] * self.inference
+        keys += [("judge", 0)] * self.count("judge")
         keys += [("actor", i) for i in range(self.n_actors)] + [("learner", 0)] * self.learner
         return {k: self.metrics_port + n for n, k in enumerate(keys)}
 
@@ -250,19 +254,28 @@ def prepare(out: pathlib.Path) -> None:
         f.unlink()
 
 
+def served_judge(cfg, n_actors: int) -> str:
+    """actor.judge_model when the run must serve it (actors that judge with it, and no actor.judge_inference), else ""."""
+    a = cfg.actor
+    return a.judge_model if n_actors and a.judge_mode != "off" and a.judge_model and not a.judge_inference else ""
+
+
 def plan(cfg, out: str | os.PathLike, model: str | os.PathLike | None, *, n_envd: int = 1, inference: bool = True,
          learner: bool = True, n_actors: int | None = None, envd_addrs: tuple[str, ...] = (),
          inference_addr: str = "") -> Plan:
     """The topology of a run of `cfg` in `out` (whose config.yaml the caller has saved): by default the whole
-    training topology of `tars up` (one envd, the inference server, the learner, cfg.actors actors). Empty tokens
-    of the services it starts, and control.auth_token, get per-run values, saved to config.yaml (0600; tars.tokens)."""
+    training topology of `tars up` (one envd, the inference server, the learner, cfg.actors actors; with actors
+    judging by actor.judge_model and no actor.judge_inference, the judge's server). Empty tokens of the services it
+    starts, and control.auth_token, get per-run values, saved to config.yaml (0600; tars.tokens)."""
     out = pathlib.Path(out).resolve()
     tokens.issue(cfg, out / "config.yaml", envd=n_envd > 0 and not envd_addrs, inference=inference and not inference_addr,
                  learner=learner)
+    n_actors = cfg.actors if n_actors is None else n_actors
+    judge = served_judge(cfg, n_actors)
     return Plan(out, out / "config.yaml", pathlib.Path(model).resolve() if model else None,
-                0 if envd_addrs else n_envd, inference and not inference_addr, learner,
-                cfg.actors if n_actors is None else n_actors, tuple(envd_addrs), inference_addr,
-                cfg.telemetry.prometheus_port if cfg.telemetry.enabled else -1)
+                0 if envd_addrs else n_envd, inference and not inference_addr, learner, n_actors, tuple(envd_addrs),
+                inference_addr, cfg.telemetry.prometheus_port if cfg.telemetry.enabled else -1,
+                pathlib.Path(judge).resolve() if judge else None)
 
 
 class Topology:
@@ -289,6 +302,11 @@ class Topology:
         return self.ready[("inference", 0)]["address"] if ("inference", 0) in self.ready else self.plan.inference_addr
 
     @property
+    def judge(self) -> str:
+        """The judge's server (actor.judge_inference of the actors), "" without one."""
+        return self.ready[("judge", 0)]["address"] if ("judge", 0) in self.ready else ""
+
+    @property
     def stream(self) -> str:
         return self.ready[("learner", 0)]["stream"]
 
@@ -309,6 +327,9 @@ class Topology:
             opts += ["--model", str(model)] + (["--version", str(version)] if version is not None else [])
             port = self._port(role, i)
             opts += ["--port", port] if port else []
+        elif role == "judge":  # its own frozen model, at every start: the learner publishes to "inference" only
+            port = self._port(role, i)
+            opts += ["--model", str(p.judge)] + (["--port", port] if port else [])
         elif role == "learner":
             opts += ["--run-dir", str(p.out), "--model", str(p.model), "--inference", self.inference]
             port = self._port(role, i, "stream")
@@ -318,6 +339,7 @@ class Topology:
             opts += ["--envd", self.envd, "--inference", self.inference, "--stream", self.stream,
                      "--tokenizer", str(p.model), "--actor-id", f"actor{i}",
                      "--spool-dir", str(self.spool(i))]
+            opts += ["--set", f"actor.judge_inference={self.judge}"] if self.judge else []
         else:
             raise ValueError(f"no role {role!r}")
         mport = p.metrics_ports().get((role, i))
@@ -349,6 +371,7 @@ class Topology:
         after either."""
         p = self.plan
         first = [("envd", i) for i in range(p.n_envd)] + ([("inference", 0)] if p.inference else [])
+        first += [("judge", 0)] * p.count("judge")
         rest = [("learner", 0)] * p.learner + [("actor", i) for i in range(p.n_actors)]
         for key in first:  # the daemons start side by side: neither needs the other
             self.launch(*key)

@@ -93,8 +93,8 @@ def up(cfg: C.RunConfig, out: str, quiet: bool = False) -> int:
     live = report.Monitor(out_p).at_end()  # this run's records only: a rerun in the same --out appends to the logs
     try:
         topo.start(cancel=lambda: interrupted)  # Ctrl-C while starting: nothing more is started
-        say(f"running: envd {topo.envd}, inference {topo.inference}, learner {topo.stream}, {cfg.actors} actor(s); "
-            "Ctrl-C stops")
+        say(f"running: envd {topo.envd}, inference {topo.inference}, learner {topo.stream}, {cfg.actors} actor(s)"
+            + (f", judge {topo.judge} ({topo.plan.judge})" if topo.judge else "") + "; Ctrl-C stops")
         sup = Supervisor(topo, cfg.supervisor.max_restarts, cfg.supervisor.backoff_s, hang_s=cfg.supervisor.hang_s,
                          control_token=cfg.control.auth_token,
                          say=(lambda m: say(m) if not tty else print("\r\033[K[tars up] " + m, flush=True)))

@@ -129,6 +129,22 @@ def test_model_that_cannot_be_used_every_command(tmp_path, ckpts, cmd, which, ne
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("which,needle", [("missing", "no such directory"), ("notok", "no tokenizer.json"),
+                                          ("small", "not a pair")])
+def test_up_judge_model_that_cannot_be_used(tmp_path, ckpts, which, needle):
+    r = tars("up", "--set", "actor.judge_mode=add", "--set", f"actor.judge_model={ckpts[which]}",
+             "--out", tmp_path / "run", "--quiet")
+    one_line(r, "up", 2, "actor.judge_model", needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_actor_judge_model_without_its_servers(tmp_path, ckpts):
+    r = tars("actor", "--envd", "127.0.0.1:1", "--inference", "127.0.0.1:2", "--stream", "tcp://127.0.0.1:3",
+             "--tokenizer", ckpts["good"], "--set", "actor.judge_mode=replace",
+             "--set", f"actor.judge_model={ckpts['good']}")
+    one_line(r, "actor", 2, "actor.judge_model", "actor.judge_inference=HOST:PORT")
+
+
 @pytest.mark.parametrize("cmd", ["actor", "eval"])
 def test_missing_tokenizer_is_one_line(tmp_path, ckpts, cmd):
     args = (["--envd", "127.0.0.1:1", "--inference", "127.0.0.1:2", "--stream", "tcp://127.0.0.1:3"] if cmd == "actor"

@@ -92,3 +92,35 @@ def test_tars_up_stops_cleanly_on_ctrl_c(tmp_path):
     assert (out / "report.json").exists() and (out / "final" / "model.safetensors").exists()
     for d in _run_info(out):
         assert not _alive(d["pid"]), f"{d['role']} (pid {d['pid']}) still running"
+
+
+@pytest.mark.slow  # a whole multi-process run: > 20 s on 2 cores (CI runs the slow set after the default one)
+def test_tars_up_serves_a_judge_of_its_own(tmp_path):
+    """actor.judge_model: `tars up` starts a server for it beside the policy's; every episode is judged there (a
+    random judge's answer rarely parses: judge_on_error=env keeps the env reward then), and it never takes the
+    learner's weights, which the policy's server does."""
+    from tests.hf_dirs import make_checkpoint
+
+    judge = tmp_path / "judge"
+    make_checkpoint(judge, arch="llama", seed=5, vocab_size=400)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tars.cli", "up", "--preset", "quickstart", "--out", str(out), "--quiet", *SMALL,
+           "--set", "wall_budget_s=25", "--set", "max_versions=1000", "--set", "learner.archive=true",
+           "--set", "actor.judge_mode=add", "--set", f"actor.judge_model={judge}", "--set", "actor.judge_on_error=env"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["policy_version"] >= 2 and rep["episodes"] >= 32, rep
+    info = {p.stem: json.loads(p.read_text()) for p in (out / "run").glob("*.json")}
+    assert info["judge"]["role"] == "inference" and info["judge"]["address"] != info["inference"]["address"]
+    for name, d in info.items():
+        assert not _alive(d["pid"]), f"{name} (pid {d['pid']}) still running"
+        assert _port_free(d["address"]), f"{name} port {d['address']} still bound"
+    from learner.data import read_trajectories
+
+    judged = [t.judge for t in read_trajectories([out / "trajectories.twl"]) if t.outcome != "infra_error"]
+    assert len(judged) >= 32 and all(j for j in judged)
+    # the judge answered every one (a verdict, or an answer that did not parse): none failed to reach it
+    assert all("verdict" in j or "unparseable" in j.get("error", "") for j in judged), judged[:3]
+    assert "weights v" in (out / "logs" / "inference.log").read_text()      # the policy's server is updated
+    assert "weights v" not in (out / "logs" / "judge.log").read_text()      # the judge's never

@@ -113,11 +113,12 @@ def test_judge_server_down_is_infra_error():
     async def main():
         async with stack(ScriptedEngine(answer("wait()"), TOK.vocab_size), env_options={"max_steps": "2"},
                          max_turns=2, judge_mode="add", rpc_timeout_s=2.0) as (ctx, env):
-            ctx.judge_infer = InferenceClient(["127.0.0.1:1"], timeout_s=2.0, retries=1)  # nothing listens there
+            # nothing listens there
+            ctx.judge = J.JudgeModel(InferenceClient(["127.0.0.1:1"], timeout_s=2.0, retries=1), ctx.tok, ctx.vision)
             try:
                 return await run_episode(ctx, env, "judged-0002", "builtin/click", 5, 0)
             finally:
-                await ctx.judge_infer.close()
+                await ctx.judge.infer.close()
 
     tr = asyncio.run(main())
     assert tr.outcome == "infra_error" and "UNAVAILABLE" in tr.error and len(tr.turns) == 2
@@ -280,9 +281,10 @@ def test_vl_episode_judge_request_binds_the_last_five_screenshots(vl_tok):
 
 
 def test_vl_judge_request_is_accepted_by_the_real_local_engine(vl_dir, vl_tok):
-    """J.ask (resolving the actor's Vision from the tokenizer's checkpoint) through a real InferenceServer over
+    """J.ask (the Vision resolved from the tokenizer's checkpoint) through a real InferenceServer over
     LocalEngine(cfg, VL_DIR): the engine binds the 5 images to the prompt's 5 runs and answers; an untrained model's
     answer is noise, so it either parses or is an unparseable-verdict error, never a refused request."""
+    from actor.uitars import resolve
     from core.config import ActorConfig
     from inference_server.server import InferenceServer
 
@@ -295,7 +297,8 @@ def test_vl_judge_request_is_accepted_by_the_real_local_engine(vl_dir, vl_tok):
         await srv.start()
         infer = InferenceClient([srv.address], timeout_s=30.0, retries=1)
         try:
-            return await J.ask(infer, vl_tok, cfg, "vl-judge", "look", steps, "final", shots[5])
+            judge = J.JudgeModel(infer, vl_tok, resolve(cfg, vl_tok))
+            return await J.ask(judge, cfg, "vl-judge", "look", steps, "final", shots[5])
         except J.JudgeError as e:
             return e
         finally:
@@ -364,10 +367,79 @@ def test_the_judge_fits_its_prompt_to_the_limit_its_server_answers():
         await srv.start()
         c = InferenceClient([srv.address], timeout_s=10.0, retries=0)
         try:
-            return await J.ask(c, TOK, cfg, "t", "do it", steps, "final", b"")
+            judge = J.JudgeModel(c, TOK, None)
+            got = await J.ask(judge, cfg, "t", "do it", steps, "final", b"")
+            assert judge.max_context == eng.max_context  # learnt once: the next episode's prompt fits at once
+            return got
         finally:
             await c.close()
             await srv.stop(0.5)
             eng.close()
 
     assert asyncio.run(main()).verdict == "yes"
+
+
+# ---- a judge of its own (actor.judge_model / actor.judge_inference) ---------------------------------------------
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    from tests.hf_dirs import make_checkpoint
+
+    d = tmp_path_factory.mktemp("judge-llama")
+    make_checkpoint(d, arch="llama", seed=3, vocab_size=400)  # another family, template and vocabulary
+    return d
+
+
+def test_a_judge_of_its_own_is_asked_on_its_servers_in_its_own_tokens(judge_dir):
+    """The policy (which would answer NO) is never asked; the judge's server gets the judge prompt in the judge's
+    tokenizer and chat template, and its YES, decoded by that tokenizer, is the verdict."""
+    import dataclasses
+
+    from core.chat import ChatTokenizer
+    from inference_server.server import InferenceServer
+
+    jtok = ChatTokenizer.load(judge_dir)
+    asked = []
+
+    def respond(ids, imgs):
+        asked.append(list(ids))
+        return jtok.answer("YES")
+
+    policy = TwoVoices("wait()", "NO")
+
+    async def main():
+        async with stack(policy, env_options={"max_steps": "3"}, max_turns=3, judge_mode="replace") as (ctx, env):
+            srv = InferenceServer(InferenceConfig(host="127.0.0.1", port=0), ScriptedEngine(respond, jtok.vocab_size))
+            await srv.start()
+            acfg = dataclasses.replace(ctx.cfg, judge_model=str(judge_dir), judge_inference=srv.address)
+            ctx.judge = J.open_judge(acfg, ctx.tok, ctx.vision)
+            try:
+                return await run_episode(ctx, env, "judged-own", "builtin/click", 5, 0)
+            finally:
+                await ctx.judge.infer.close()
+                await srv.stop(0.5)
+
+    tr = asyncio.run(main())
+    assert policy.judged == 0 and len(asked) == 1
+    assert J.QUESTION in jtok.decode(asked[0]) and J.QUESTION not in TOK.decode(asked[0])
+    assert jtok.first_prompt("", ["x"])[:3] == asked[0][:3]  # the judge's chat template opens the prompt
+    assert tr.judge["verdict"] == "yes" and tr.ret == 1.0
+
+
+def test_open_judge_needs_servers_for_a_judge_model_and_falls_back_to_the_policy(judge_dir):
+    from core.config import ActorConfig
+
+    vis = object()
+
+    async def main():
+        assert J.open_judge(ActorConfig(judge_model=str(judge_dir)), TOK, vis) is None        # judge_mode off
+        assert J.open_judge(ActorConfig(judge_mode="add"), TOK, vis) is None                  # the policy judges
+        with pytest.raises(ValueError, match="actor.judge_inference"):
+            J.open_judge(ActorConfig(judge_mode="add", judge_model=str(judge_dir)), TOK, vis)
+        copy = J.open_judge(ActorConfig(judge_mode="add", judge_inference="127.0.0.1:1, 127.0.0.1:2"), TOK, vis)
+        assert copy.tok is TOK and copy.vision is vis   # servers of a copy of the policy: its tokenizer
+        own = J.open_judge(ActorConfig(judge_mode="add", judge_model=str(judge_dir), judge_inference="127.0.0.1:1"),
+                           TOK, vis)
+        assert own.tok.path and own.tok is not TOK and not own.vision.vl
+        await copy.infer.close()
+        await own.infer.close()
+    asyncio.run(main())
