@@ -1,6 +1,7 @@
 """Scripted-baseline hints: a session created with the option `hint_policy=oracle|random|noisy:P` gets, in the info of
 every reset and step result that leaves the episode running, the next action of that scripted policy (noisy:P: the
-oracle's with probability P, else the random one's, drawn turn by turn from the session's random stream).
+oracle's with probability P, else the random one's, drawn turn by turn from a random stream that each Reset seeds
+with the episode's seed, so an episode's hints do not depend on what its session played before).
 
 Why in the daemon: an oracle reads the backend's own state (builtin's goal, MiniWoB's DOM and fields), which envd
 never sends over the wire. With the hint, a scripted baseline still plays through the real EnvService, session for

@@ -280,6 +280,8 @@ class EnvServicer(SnapshotRPCs, env_pb2_grpc.EnvServiceServicer):
                 await self.admission.charge(need.most(s.charge), f"session {s.id}", s)
             # ValueError too: a reset fails on malformed options, which is the caller's fault, not an infra error.
             # Seed 0 means "the session's seed" (proto3 has no unset): CreateSession's seed, itself 0 by default.
+            if s.hint_policy:  # an episode's hints follow from its seed, on a fresh session or a reused one
+                s.hint_rng = random.Random(f"{s.hint_policy}:{s.env_id}:{request.seed or s.seed}")
             try:
                 out = await self._drive(s, "reset", (ValueError,), s.env.reset, request.seed or s.seed, options)
             except NotStarted:

@@ -15,14 +15,17 @@ lost one is; when nothing is left, the error says why.
               anywhere on the screen for a backend without an action model); every episode is kept.
 
 Seeds are the caller's (tars.demos.episode_seeds: training seeds, below core.config.HELD_OUT_SEED_BASE), episode i on
-env_ids[i % len], one env id's episodes in order on one session of its own. The demonstrator is never a policy:
-nothing here runs during RL or evaluation.
+env_ids[i % len] with that env id's next seed, drawn before any episode runs, so the demonstrations do not depend on
+how many run at once: `workers` sessions (by default one per env id, and at least one per core of the host, so one
+task's demonstrations are not rolled one after the other), worker k playing episodes k, k + workers, .... The
+demonstrator is never a policy: nothing here runs during RL or evaluation.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import os
 import secrets
 
 from actor.envclient import RecordingEnv
@@ -60,7 +63,8 @@ class _Demonstrator(RecordingEnv):
         return GenerateResult(ids, [0.0] * len(ids), [0] * len(ids), "stop", len(input_ids), 0, 0, "demonstrator")
 
 
-async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, keep_all: bool, seeds_of):
+async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, keep_all: bool, seeds_of,
+                workers: int):
     from actor import uitars
     from actor.envclient import EnvClient
     from actor.episode import EpisodeContext, run_episode
@@ -75,20 +79,22 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
     token = secrets.token_hex(16)
     server = EnvServer(dataclasses.replace(cfg.envd, host="127.0.0.1", port=0, auth_token=token), control_token=token)
     await server.start()
-    env = EnvClient(server.address, token, a.rpc_timeout_s, a.retries, len(env_ids), cfg.envd.lease_ttl_s / 2,
+    env = EnvClient(server.address, token, a.rpc_timeout_s, a.retries, workers, cfg.envd.lease_ttl_s / 2,
                     cfg.envd.lease_ttl_s)
+    draws = {e: seeds_of(e) for e in dict.fromkeys(env_ids)}
+    plan = [(env_ids[i % len(env_ids)], next(draws[env_ids[i % len(env_ids)]])) for i in range(episodes)]
     longest: list[tuple[int, str]] = []
     failed: list[str] = []   # the infrastructure errors of episodes left out
     unanswered: list[str] = []   # why episodes ended before their first answer (a first prompt over the context)
 
     async def work(k: int) -> list[tuple[int, object]]:
-        env_id, out = env_ids[k], []
-        seeds = seeds_of(env_id)
-        for i in range(k, episodes, len(env_ids)):
+        out = []
+        for i in range(k, episodes, workers):
+            env_id, seed = plan[i]
             d = _Demonstrator(env, tok, vis, vis.style(a.system_prompt, env_id))
             ctx = EpisodeContext(acfg, tok, d, "demonstrator", max_context=cfg.inference.request_limit(), vision=vis)
             try:
-                tr = await run_episode(ctx, d, f"demo-{env_id}-{i}", env_id, next(seeds), 0)
+                tr = await run_episode(ctx, d, f"demo-{env_id}-{i}", env_id, seed, 0)
             except _GaveUp:
                 continue
             finally:
@@ -101,7 +107,7 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
                 out.append((i, tr))
         return out
 
-    tasks = [asyncio.create_task(work(k)) for k in range(len(env_ids))]
+    tasks = [asyncio.create_task(work(k)) for k in range(workers)]
     try:
         parts = await asyncio.gather(*tasks)
     finally:   # one env id's error ends the others before their daemon stops
@@ -126,15 +132,16 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
     return kept
 
 
-def trajectories(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list:
+def trajectories(cfg, tok, episodes: int, demonstrator: str, seeds_of, workers: int = 0) -> list:
     """`episodes` demonstrations of `demonstrator` (oracle | noisy:P: envd's hint policy) on cfg.actor.env_ids as the
     actor's Trajectory records (tokens, the answers' mask, segments, image_refs, images); seeds_of(env_id): that env
-    id's episode seeds, in order. The oracle's episodes are kept when won, noisy's all; ValueError when none is
-    kept."""
+    id's episode seeds, in order. workers: episodes at once (0: one per env id, at least one per core; never more
+    than the episodes). The oracle's episodes are kept when won, noisy's all; ValueError when none is kept."""
     hints.check(demonstrator)   # ValueError naming what envd takes (confused:P is for tars.demos' text turns)
+    env_ids = list(cfg.actor.env_ids)
+    workers = max(1, min(episodes, workers or max(len(env_ids), os.cpu_count() or 1)))
     # from synchronous code (tars sft, tars up's warm start), as those are
-    return asyncio.run(_roll(cfg, tok, list(cfg.actor.env_ids), episodes, demonstrator, demonstrator != "oracle",
-                             seeds_of))
+    return asyncio.run(_roll(cfg, tok, env_ids, episodes, demonstrator, demonstrator != "oracle", seeds_of, workers))
 
 
 def examples(cfg, tok, episodes: int, demonstrator: str, seeds_of) -> list[tuple]:

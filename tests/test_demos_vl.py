@@ -211,6 +211,43 @@ def test_noisy_hint_policy_mixes_the_oracle_and_random_turn_by_turn():
             hints.check(bad)
 
 
+def test_a_reused_sessions_hints_follow_the_seed_of_its_reset():
+    """envd reseeds a session's hint stream at every Reset: the noisy demonstrator's episode on seed s is the same on
+    a fresh session and on one that played other episodes before (it followed the session's history)."""
+    import asyncio
+
+    from actor.envclient import EnvClient
+    from envd_compliance import envd_client
+
+    def hints_of(obs):
+        return json.loads(obs.info_json)["hint_action"]
+
+    async def episode(ec, sid, run_id, seed):
+        obs, out = await ec.reset(sid, run_id, seed), []
+        while obs.outcome == "running" and len(out) < 6:
+            out.append(hints_of(obs))
+            obs = await ec.step(sid, run_id, Action.from_dict(out[-1]))
+        return out
+
+    async def main():
+        async with envd_client() as c:
+            ec = EnvClient(c.server.address, timeout_s=10.0, retries=1)
+            try:
+                opts = {hints.OPTION: "noisy:0.5"}
+                sid, run_id = await ec.create("builtin/menu", 7, opts)
+                reused = [await episode(ec, sid, run_id, seed) for seed in (7, 8, 9)]
+                fresh = []
+                for seed in (7, 8, 9):
+                    sid, run_id = await ec.create("builtin/menu", seed, opts)
+                    fresh.append(await episode(ec, sid, run_id, seed))
+                return reused, fresh
+            finally:
+                await ec.close()
+
+    reused, fresh = asyncio.run(main())
+    assert reused == fresh and len({json.dumps(x) for x in fresh}) == 3
+
+
 class _Crashing(builtin.BuiltinEnv):
     """builtin/click whose backend raises on its first Step: on odd seeds ("odd"), or always ("all")."""
 
@@ -249,3 +286,40 @@ def test_a_demonstration_that_ends_in_an_infra_error_is_left_out(vl_dir):
     with pytest.raises(ValueError, match="none took a turn; 4 ended before their first answer .the first: builtin/click: "
                                          "context: prompt"):
         trajectories(cfg, tok, 4, "noisy:0.5", lambda e: iter(range(100)))
+
+
+class _Counted(builtin.BuiltinEnv):
+    """builtin/click that counts the sessions alive at once."""
+    live = peak = 0
+
+    def __init__(self, name: str, options=None):
+        super().__init__("click")
+        _Counted.live += 1
+        _Counted.peak = max(_Counted.peak, _Counted.live)
+
+    def close(self):
+        _Counted.live -= 1
+        super().close()
+
+
+def test_one_tasks_demonstrations_roll_on_several_sessions_and_do_not_depend_on_how_many(vl_dir):
+    """Episode i's seed is drawn before anything runs, so 1 or 3 sessions at once give the same demonstrations;
+    with 3, one task's episodes run on 3 sessions (they ran one after the other on one)."""
+    from core import config as C
+    from core.chat import ChatTokenizer
+    from envd import registry
+    from tars.demos_vl import trajectories
+
+    registry.register("test-democount", _Counted)
+    tok = ChatTokenizer.load(vl_dir)
+    cfg = C.load(None, overrides=["actor.env_ids=[test-democount/a]", "actor.max_new_tokens=64"])
+    runs = {}
+    for w in (1, 3):
+        _Counted.live = _Counted.peak = 0
+        runs[w] = trajectories(cfg, tok, 9, "noisy:0.5", lambda e: iter(range(1000, 2000, 7)), workers=w)
+        assert _Counted.peak == w and _Counted.live == 0
+    assert len(runs[1]) == len(runs[3]) == 9
+    # the same episodes (the id holds the index; the screens, so the prompts' tokens, depend on the seed)
+    same = [(t.id, t.success, t.tokens.tolist(), [x.output for x in t.turns]) for t in runs[1]]
+    assert same == [(t.id, t.success, t.tokens.tolist(), [x.output for x in t.turns]) for t in runs[3]]
+    assert len({tuple(x[2]) for x in same}) == 9
