@@ -93,3 +93,25 @@ def test_multi_gpu_learner_recipe_ports_clear_of_the_other_roles():
     ranks = set(range(int(port), int(port) + n))
     others = {9464, 9465, *range(9470, 9480)}  # envd, inference, actors 0-9 (deploy/systemd/env/*.env)
     assert not ranks & others, sorted(ranks & others)
+
+
+def test_ctl_status_names_the_judge_server_apart_from_the_policys(tmp_path, capsys):
+    """A run with a judge of its own has two inference servers (run/inference.json, run/judge.json): status says
+    which is which (here both down: their pids are gone)."""
+    import json
+    import subprocess
+    import sys
+
+    from tars import cli
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "config.yaml").write_text("{}\n")
+    for name, port in (("inference", 7102), ("judge", 7103)):
+        (tmp_path / "run" / f"{name}.json").write_text(json.dumps({"role": "inference", "address": f"127.0.0.1:{port}",
+                                                                   "pid": int(dead)}))
+    cli.main(["ctl", "status", "--run", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(x.startswith("inference ") and "127.0.0.1:7102" in x and "DOWN" in x for x in lines), lines
+    assert any(x.startswith("inference (judge)") and "127.0.0.1:7103" in x for x in lines), lines
