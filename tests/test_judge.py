@@ -443,3 +443,21 @@ def test_open_judge_needs_servers_for_a_judge_model_and_falls_back_to_the_policy
         await copy.infer.close()
         await own.infer.close()
     asyncio.run(main())
+
+
+def test_a_vision_language_judge_of_a_text_policy_sizes_each_run_for_its_own_processor(vl_dir):
+    """A text policy (TOK: no image runs of its own) judged by a Qwen2.5-VL checkpoint: the judge's Vision is its own
+    checkpoint's, so its prompt carries the last five screenshots, each run sized by its processor."""
+    from core.config import ActorConfig
+
+    async def main():
+        own = J.open_judge(ActorConfig(judge_mode="add", judge_model=str(vl_dir), judge_inference="127.0.0.1:1"),
+                           TOK, None)
+        await own.infer.close()
+        return own
+
+    own = asyncio.run(main())
+    assert own.vision.vl and own.tok.vision_start_id >= 0
+    steps, shots = _vl_steps()
+    ids, imgs = J.judge_prompt(own.tok, "look", steps, "final", shots[5], 5, 16, own.vision)
+    _check_vl_request(own.tok, own.vision.spec, ids, imgs, shots[1:])
