@@ -329,8 +329,8 @@ class Topology:
             port = self._port(role, i)
             opts += ["--port", port] if port else []
         elif role == "judge":  # its own frozen model, at every start: the learner publishes to "inference" only
-            port = self._port(role, i)
-            opts += ["--model", str(p.judge)] + (["--port", port] if port else [])
+            port = self._port(role, i)  # on the embedded engine (engine=sglang's servers are the policy's)
+            opts += ["--model", str(p.judge), "--set", "inference.engine=local"] + (["--port", port] if port else [])
         elif role == "learner":
             opts += ["--run-dir", str(p.out), "--model", str(p.model), "--inference", self.inference]
             port = self._port(role, i, "stream")

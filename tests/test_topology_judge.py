@@ -37,6 +37,7 @@ def test_a_judge_model_gets_a_server_of_its_own_that_the_learner_never_updates(t
     _announce(topo)
     j = topo.spec("judge").argv
     assert j[3] == "serve" and _opt(j, "--model") == str(judge.resolve()) and "--version" not in j
+    assert "inference.engine=local" in j  # never the policy's SGLang servers (attached or launched)
     assert _opt(topo.spec("learner").argv, "--inference") == "127.0.0.1:7002"  # publishes to the policy's only
     for i in range(2):
         a = topo.spec("actor", i).argv
