@@ -13,17 +13,16 @@ tokenizer writes the prompts; `tars up` serves it on a server the learner never 
 the servers that serve it (`open_judge`).
 
 The judge prompt is one user message in the judge model's chat template (core.chat), screenshots as image runs
-inside it. A tars_vision checkpoint's
-runs are `actor.image_tokens` placeholders (core/vision.py). A vision-language checkpoint's (Qwen2-VL / Qwen2.5-VL,
-actor/uitars.py) are sized exactly as the actor's turns size them, `Vision.tokens` (the checkpoint's pad count for
-each screenshot's own size), and framed by core.chat: the request's images are exactly the prompt's runs, in order,
-as the engine's binding rule (core.vlm.bind_runs) wants.
+inside it. A tars_vision checkpoint's runs are `actor.image_tokens` placeholders (core/vision.py). A vision-language
+checkpoint's (Qwen2-VL / Qwen2.5-VL, actor/uitars.py) are sized exactly as the actor's turns size them,
+`Vision.tokens` (the checkpoint's pad count for each screenshot's own size), and framed by core.chat: the request's
+images are exactly the prompt's runs, in order, as the engine's binding rule (core.vlm.bind_runs) wants.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 

@@ -17,8 +17,8 @@ success are the env's own. So evaluation and training cannot disagree about prom
 Scripted baselines also play through a real envd (one started on loopback in this process, or --envd host:port):
 the oracle needs the backend's own state, which envd never sends over the wire, so their sessions are created with
 the daemon option `hint_policy=oracle|random|noisy:P` (envd/hints.py) and every result carries the baseline's next
-action, computed by the backend's `oracle_action()` / `random_action(rng)` (a backend without `random_action` gets uniform
-random clicks on its screen). The policy sends that action back as its Step, so a baseline's score exercises the
+action, computed by the backend's `oracle_action()` / `random_action(rng)` (a backend without `random_action` gets
+uniform random clicks on its screen). The policy sends that action back as its Step, so a baseline's score exercises the
 same sessions, RPCs and outcome accounting as a model's. An oracle that does not know a task (or a page state) ends
 the episode as a failure with the reason in `error`.
 

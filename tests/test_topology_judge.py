@@ -33,7 +33,8 @@ def _opt(argv: list[str], flag: str) -> str:
 def test_a_judge_model_gets_a_server_of_its_own_that_the_learner_never_updates(tmp_path, monkeypatch):
     judge = tmp_path / "judge"
     topo = _topology(tmp_path, **{"actor.judge_mode": "add", "actor.judge_model": str(judge), "actors": 2})
-    assert topo.plan.judge == judge.resolve() and topo.plan.count("judge") == 1 and topo.plan.name("judge", 0) == "judge"
+    assert topo.plan.judge == judge.resolve() and topo.plan.count("judge") == 1
+    assert topo.plan.name("judge", 0) == "judge"
     _announce(topo)
     j = topo.spec("judge").argv
     assert j[3] == "serve" and _opt(j, "--model") == str(judge.resolve()) and "--version" not in j
