@@ -556,6 +556,7 @@ def test_tars_up_says_wrote_only_for_what_was_written(tmp_path, model, monkeypat
 
     class Started:  # the processes already ran (or failed) above; up() goes on to the report
         envd = inference = stream = "-"
+        judge = ""  # no judge server
 
         def __init__(self, plan):
             self.procs = {}  # nothing for the supervisor to watch
@@ -615,6 +616,7 @@ def test_a_rerun_of_tars_up_in_the_same_out_starts_without_the_earlier_runs_stat
 
     class Started:
         envd = inference = stream = "-"
+        judge = ""  # no judge server
 
         def __init__(self, plan):
             self.procs = {}
