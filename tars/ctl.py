@@ -163,8 +163,9 @@ def _call(t: dict, what: str, args: dict, token: str, timeout: float) -> dict | 
     """One target: Status (always: it says the role), then the command if the target has that role."""
     addr = t["address"]
     r = {"target": addr, "role": t.get("role", "?")}
-    if "file" in t:  # the run's name for it: "inference" and "judge" are both inference servers
-        r["name"] = t["file"].removesuffix(".json")
+    name = t.get("file", "").removesuffix(".json")
+    if name and not name.startswith(r["role"]):  # the run's name for it: "judge" is an inference server too
+        r["name"] = name
     if not _pid_alive(t.get("pid")):
         return {**r, "error": f"DOWN: process {t['pid']} ({t.get('file', addr)}) is not running; has the run ended?"}
     ch = rpc.sync_channel(addr, token)
@@ -299,8 +300,8 @@ def main(a) -> int:
         print(json.dumps(results, indent=2, default=str))
         return rc
     for r in results:
-        name = r.get("name", "")
-        head = f"{r['role'] + (f' ({name})' if name and not name.startswith(r['role']) else ''):10s} {r['target']:22s}"
+        role = f"{r['role']} ({r['name']})" if "name" in r else r["role"]
+        head = f"{role:10s} {r['target']:22s}"
         if "error" in r:
             print(f"{head} ERROR {r['error']}")
         elif "metrics" in r:
