@@ -16,8 +16,8 @@ lost one is; when nothing is left, the error says why.
 
 Seeds are the caller's (tars.demos.episode_seeds: training seeds, below core.config.HELD_OUT_SEED_BASE), episode i on
 env_ids[i % len] with that env id's next seed, drawn before any episode runs, so the demonstrations do not depend on
-how many run at once: `workers` sessions (by default one per env id, and at least one per core of the host, so one
-task's demonstrations are not rolled one after the other), worker k playing episodes k, k + workers, .... The
+how many run at once: `workers` sessions (by default one per env id, and at least one per core of the host up to 8,
+so one task's demonstrations are not rolled one after the other), worker k playing episodes k, k + workers, .... The
 demonstrator is never a policy: nothing here runs during RL or evaluation.
 """
 from __future__ import annotations
@@ -32,6 +32,9 @@ from actor.envclient import RecordingEnv
 from core.action import Action
 from core.inference_client import GenerateResult
 from envd import hints
+
+
+MAX_PER_CORE_SESSIONS = 8
 
 
 class _GaveUp(Exception):
@@ -135,11 +138,12 @@ async def _roll(cfg, tok, env_ids: list[str], episodes: int, demonstrator: str, 
 def trajectories(cfg, tok, episodes: int, demonstrator: str, seeds_of, workers: int = 0) -> list:
     """`episodes` demonstrations of `demonstrator` (oracle | noisy:P: envd's hint policy) on cfg.actor.env_ids as the
     actor's Trajectory records (tokens, the answers' mask, segments, image_refs, images); seeds_of(env_id): that env
-    id's episode seeds, in order. workers: episodes at once (0: one per env id, at least one per core; never more
-    than the episodes). The oracle's episodes are kept when won, noisy's all; ValueError when none is kept."""
+    id's episode seeds, in order. workers: episodes at once (0: one per env id, and at least one per core up to
+    MAX_PER_CORE_SESSIONS; never more than the episodes). The oracle's episodes are kept when won, noisy's all; ValueError when none is kept."""
     hints.check(demonstrator)   # ValueError naming what envd takes (confused:P is for tars.demos' text turns)
     env_ids = list(cfg.actor.env_ids)
-    workers = max(1, min(episodes, workers or max(len(env_ids), os.cpu_count() or 1)))
+    # (at most MAX_PER_CORE_SESSIONS for the cores: each is a browser, and envd refuses sessions past its host budget)
+    workers = max(1, min(episodes, workers or max(len(env_ids), min(os.cpu_count() or 1, MAX_PER_CORE_SESSIONS))))
     # from synchronous code (tars sft, tars up's warm start), as those are
     return asyncio.run(_roll(cfg, tok, env_ids, episodes, demonstrator, demonstrator != "oracle", seeds_of, workers))
 

@@ -323,3 +323,24 @@ def test_one_tasks_demonstrations_roll_on_several_sessions_and_do_not_depend_on_
     same = [(t.id, t.success, t.tokens.tolist(), [x.output for x in t.turns]) for t in runs[1]]
     assert same == [(t.id, t.success, t.tokens.tolist(), [x.output for x in t.turns]) for t in runs[3]]
     assert len({tuple(x[2]) for x in same}) == 9
+
+
+def test_default_sessions_one_per_env_id_and_per_core_up_to_a_bound(monkeypatch):
+    """Each session is a browser, and envd refuses sessions past its host budget: the per-core share is bounded."""
+    import tars.demos_vl as D
+    from core import config as C
+
+    seen = []
+
+    async def fake_roll(cfg, tok, env_ids, episodes, demonstrator, keep_all, seeds_of, workers):
+        seen.append(workers)
+        return []
+
+    monkeypatch.setattr(D, "_roll", fake_roll)
+    one = C.load(None, overrides=["actor.env_ids=[builtin/click]"])
+    many = C.load(None, overrides=["actor.env_ids=[" + ",".join([f"builtin/{t}" for t in builtin.TASKS] * 3) + "]"])
+    for cores, cfg, episodes, want in ((2, one, 100, 2), (64, one, 100, D.MAX_PER_CORE_SESSIONS), (64, one, 3, 3),
+                                       (None, one, 100, 1), (2, many, 100, 3 * len(builtin.TASKS))):
+        monkeypatch.setattr(D.os, "cpu_count", lambda c=cores: c)
+        D.trajectories(cfg, None, episodes, "oracle", lambda e: iter(range(10)))
+        assert seen[-1] == want, (cores, episodes)
