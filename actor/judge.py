@@ -158,11 +158,11 @@ class JudgeModel:
 
     infer: "InferenceClient"
     tok: "ChatTokenizer"
-    vision: "Vision"
+    vision: "Vision | None"   # None: a text judge
     max_context: int = 0
 
 
-def open_judge(cfg, tok: "ChatTokenizer", vision: "Vision", auth_token: str = "") -> JudgeModel | None:
+def open_judge(cfg, tok: "ChatTokenizer", vision: "Vision | None", auth_token: str = "") -> JudgeModel | None:
     """The judge of actor config `cfg` when it has servers of its own (actor.judge_inference), else None: the policy
     judges. Its prompts are written by actor.judge_model's tokenizer, or by the policy's (`tok`, `vision`) when that
     is empty (its servers serve a copy of the policy). ValueError for a judge_model without servers or with a
@@ -171,11 +171,11 @@ def open_judge(cfg, tok: "ChatTokenizer", vision: "Vision", auth_token: str = ""
     from core.chat import open_tokenizer
     from core.inference_client import InferenceClient
 
-    if cfg.judge_mode == "off" or not (cfg.judge_model or cfg.judge_inference):
-        return None
-    if not cfg.judge_inference:
+    if cfg.unserved_judge:
         raise ValueError(f"actor.judge_model={cfg.judge_model!r} needs the servers that serve it: "
                          "actor.judge_inference=HOST:PORT (`tars up` starts one and fills it in)")
+    if cfg.judge_mode == "off" or not cfg.judge_inference:
+        return None
     addrs = [a.strip() for a in cfg.judge_inference.split(",") if a.strip()]
     if cfg.judge_model:
         tok = open_tokenizer(cfg.judge_model, cfg.judge_model, cfg.chat_template_kwargs)

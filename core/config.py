@@ -182,6 +182,12 @@ class ActorConfig:
     # the learner that waits for them.
     MOVED: ClassVar[dict[str, str]] = {"group_size": "learner.group.size"}
 
+    @property
+    def unserved_judge(self) -> bool:
+        """A judge of its own (judge_model) with no servers given (judge_inference), while the judge is on: `tars up`
+        serves it; anything else that would ask it refuses, or (tars eval) does not judge."""
+        return self.judge_mode != "off" and bool(self.judge_model) and not self.judge_inference
+
 
 @dataclass
 class SFTConfig:

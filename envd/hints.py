@@ -38,6 +38,12 @@ def check(policy: str) -> None:
         raise ValueError(f"{OPTION}={policy!r}: expected one of {list(POLICIES)}")
 
 
+def stream(policy: str, env_id: str, seed: int) -> random.Random:
+    """The hint policy's random stream for an episode of `env_id` on `seed` (made at CreateSession, again at every
+    Reset): an episode's hints follow from its seed alone."""
+    return random.Random(f"{policy}:{env_id}:{seed}")
+
+
 def split_options(options: dict[str, str]) -> tuple[dict[str, str], str]:
     """(the backend's options, the hint policy or "")."""
     if OPTION not in options:

@@ -19,7 +19,6 @@ import collections
 import functools
 import json
 import logging
-import random
 import secrets
 import time
 
@@ -189,7 +188,7 @@ class EnvServicer(SnapshotRPCs, env_pb2_grpc.EnvServiceServicer):
                 raise
         s = Session(id=secrets.token_hex(12), env_id=env_id, env=env, options=options, ttl_s=ttl_s,
                     client_id=client_id, owner=owner, charge=need, seed=seed, hint_policy=hint,
-                    hint_rng=random.Random(f"{hint}:{env_id}:{seed}") if hint else None)
+                    hint_rng=hints.stream(hint, env_id, seed) if hint else None)
         s.renew()
         self.sessions[s.id] = s
         self.counters["sessions_created"] += 1
@@ -281,7 +280,7 @@ class EnvServicer(SnapshotRPCs, env_pb2_grpc.EnvServiceServicer):
             # ValueError too: a reset fails on malformed options, which is the caller's fault, not an infra error.
             # Seed 0 means "the session's seed" (proto3 has no unset): CreateSession's seed, itself 0 by default.
             if s.hint_policy:  # an episode's hints follow from its seed, on a fresh session or a reused one
-                s.hint_rng = random.Random(f"{s.hint_policy}:{s.env_id}:{request.seed or s.seed}")
+                s.hint_rng = hints.stream(s.hint_policy, s.env_id, request.seed or s.seed)
             try:
                 out = await self._drive(s, "reset", (ValueError,), s.env.reset, request.seed or s.seed, options)
             except NotStarted:

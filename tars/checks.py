@@ -172,7 +172,7 @@ def judge(actor_cfg, starts_server: bool) -> None:
     actor.judge_inference, only where the judge's server is started here (`starts_server`: tars up)."""
     if actor_cfg.judge_mode == "off" or not actor_cfg.judge_model:
         return
-    if not (actor_cfg.judge_inference or starts_server):
+    if actor_cfg.unserved_judge and not starts_server:
         raise ConfigError(f"actor.judge_model={actor_cfg.judge_model!r} needs the servers that serve it: "
                           "actor.judge_inference=HOST:PORT (`tars up` starts one)")
     model_dir(actor_cfg.judge_model, "actor.judge_model", template_kwargs=actor_cfg.chat_template_kwargs)

@@ -231,7 +231,7 @@ class ModelPolicy(Policy):
 
         self.judge = open_judge(a, self.tok, resolve(a, self.tok), self.cfg.inference.auth_token) \
             if a.judge_inference else None
-        unserved = a.judge_mode != "off" and a.judge_model and not a.judge_inference
+        unserved = a.unserved_judge
 
         def ctx(acfg):
             c = EpisodeContext(dataclasses.replace(acfg, judge_mode="off") if unserved else acfg, self.tok,

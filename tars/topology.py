@@ -257,8 +257,7 @@ def prepare(out: pathlib.Path) -> None:
 def served_judge(cfg, n_actors: int) -> str:
     """actor.judge_model when the run must serve it (actors that judge with it and no actor.judge_inference), else
     "" (no judge server)."""
-    a = cfg.actor
-    return a.judge_model if n_actors and a.judge_mode != "off" and a.judge_model and not a.judge_inference else ""
+    return cfg.actor.judge_model if n_actors and cfg.actor.unserved_judge else ""
 
 
 def plan(cfg, out: str | os.PathLike, model: str | os.PathLike | None, *, n_envd: int = 1, inference: bool = True,

@@ -30,7 +30,7 @@ def _opt(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def test_a_judge_model_gets_a_server_of_its_own_that_the_learner_never_updates(tmp_path, monkeypatch):
+def test_a_judge_model_gets_a_server_of_its_own_that_the_learner_never_updates(tmp_path):
     judge = tmp_path / "judge"
     topo = _topology(tmp_path, **{"actor.judge_mode": "add", "actor.judge_model": str(judge), "actors": 2})
     assert topo.plan.judge == judge.resolve() and topo.plan.count("judge") == 1
@@ -45,10 +45,7 @@ def test_a_judge_model_gets_a_server_of_its_own_that_the_learner_never_updates(t
         assert "actor.judge_inference=127.0.0.1:7003" in a and _opt(a, "--inference") == "127.0.0.1:7002"
     # a restarted inference server comes back with the newest published weights; the judge with its own model
     # (on its old port), whatever the learner has published
-    import core.model_files
-
-    monkeypatch.setattr(core.model_files, "newest_published", lambda d: (tmp_path / "weights" / "v9", 9))
-    topo._weights = core.model_files.newest_published(None)  # what relaunch("inference") sets before it launches
+    topo._weights = (tmp_path / "weights" / "v9", 9)  # what relaunch("inference") sets from the newest published
     assert _opt(topo.spec("inference").argv, "--version") == "9"
     j = topo.spec("judge").argv
     assert _opt(j, "--model") == str(judge.resolve()) and "--version" not in j and _opt(j, "--port") == "7003"
